@@ -1,0 +1,62 @@
+"""Sampling parameters: the knobs that define the target distribution p.
+
+Temperature, top-k, top-p and min-p warp the target's logits into p. Temperature 0 means
+greedy: p is one-hot at the argmax, and the same verifier code handles it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from draftsmith.errors import DraftsmithError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling parameters (names follow vLLM / the OpenAI API).
+
+    max_tokens:      maximum number of new tokens (exact: never exceeded).
+    temperature:     0 = greedy; > 0 scales logits by 1/temperature.
+    top_p:           nucleus mass in (0, 1]; 1 disables.
+    top_k:           keep the k most likely tokens; 0 disables.
+    min_p:           drop tokens with prob < min_p * max prob; 0 disables.
+    seed:            per-request generator seed; None = nondeterministic.
+    stop:            stop strings; the output ends right before the first occurrence.
+    stop_token_ids:  extra token ids that end the output (EOS is always one unless ignore_eos).
+    ignore_eos:      keep generating past EOS (benchmarks).
+    """
+
+    max_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
+            raise DraftsmithError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not (self.temperature >= 0.0):  # also rejects NaN
+            raise DraftsmithError(
+                f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}"
+            )
+        if not (0.0 < self.top_p <= 1.0):
+            raise DraftsmithError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise DraftsmithError(f"top_k must be an integer >= 0 (0 disables), got {self.top_k!r}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise DraftsmithError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if any(not s for s in self.stop):
+            raise DraftsmithError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

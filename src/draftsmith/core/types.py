@@ -1,0 +1,65 @@
+"""Data passed between drafters, the verifier and the engine.
+
+Notation (Leviathan et al. 2023): **p is the target distribution, q is the draft's**.
+γ (gamma) is the number of draft tokens proposed for a row in one round. τ (tau) is the
+number of tokens committed per verification round, the bonus / correction token included.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Proposal:
+    """Draft tokens for a batch of rows; rows may propose different lengths (0 included).
+
+    tokens:      [B, K] int64 draft ids, right-padded (padding value is ignored).
+    lengths:     [B]    int64 number of valid draft tokens per row, 0 <= lengths <= K.
+    q:           [B, K, V] float draft distributions the tokens were sampled from, or None
+                 when the drafter is deterministic (n-gram, greedy drafts): then q is one-hot
+                 at `tokens` and the verifier never materialises it.
+    confidences: [B, K] float, per-position survival confidences c_k (DSpark), or None.
+    """
+
+    tokens: torch.Tensor
+    lengths: torch.Tensor
+    q: torch.Tensor | None = None
+    confidences: torch.Tensor | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def max_len(self) -> int:
+        return int(self.tokens.shape[1])
+
+    @staticmethod
+    def empty(batch_size: int, device: torch.device | str = "cpu") -> "Proposal":
+        return Proposal(
+            tokens=torch.zeros(batch_size, 0, dtype=torch.long, device=device),
+            lengths=torch.zeros(batch_size, dtype=torch.long, device=device),
+        )
+
+
+@dataclass
+class VerifyResult:
+    """Outcome of one verification round.
+
+    tokens:       [B, K+1] int64; row b commits tokens[b, :num_accepted[b] + 1]: the accepted
+                  drafts followed by one token sampled from the target (the residual sample at
+                  the first rejection, or the bonus token when every draft was accepted).
+                  Entries past that are padding (-1).
+    num_accepted: [B] int64 accepted draft tokens per row (0..lengths[b]).
+    """
+
+    tokens: torch.Tensor
+    num_accepted: torch.Tensor
+
+    @property
+    def num_committed(self) -> torch.Tensor:
+        """[B] tokens committed per row this round (τ for that row): accepted + 1."""
+        return self.num_accepted + 1
