@@ -1,0 +1,189 @@
+"""The Python front door: `LLM(target, drafter=...).generate(prompts, SamplingParams(...))`.
+
+Mirrors vLLM's offline API: a list of prompts in, a list of `RequestOutput` out (text,
+token ids, finish reason) plus the speculative stats Draftsmith is about.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence as Seq
+
+from draftsmith.core.sampling import SamplingParams
+from draftsmith.drafters.base import Drafter
+from draftsmith.drafters.catalogue import build_drafter
+from draftsmith.engine.engine import Engine, EngineConfig
+from draftsmith.errors import DraftsmithError
+from draftsmith.models.target import eos_token_ids, load_target
+from draftsmith.policy.base import DraftLengthPolicy
+from draftsmith.policy.fixed import FixedK
+from draftsmith.policy.heuristic import HeuristicK
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stats: dict = field(default_factory=dict)
+
+
+@dataclass
+class GenerateStats:
+    """Totals over one generate() call."""
+
+    wall_time_s: float
+    output_tokens: int
+    target_forwards: int
+    rounds: int
+    draft_proposed: int
+    draft_accepted: int
+    prefix_survival: list[float]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_time_s if self.wall_time_s else 0.0
+
+    @property
+    def tau(self) -> float:
+        return self.output_tokens / self.rounds if self.rounds else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.draft_accepted / self.draft_proposed if self.draft_proposed else 0.0
+
+    @property
+    def forwards_per_token(self) -> float:
+        return self.target_forwards / self.output_tokens if self.output_tokens else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "wall_time_s": self.wall_time_s, "output_tokens": self.output_tokens,
+            "tokens_per_s": self.tokens_per_s, "target_forwards": self.target_forwards,
+            "forwards_per_token": self.forwards_per_token, "rounds": self.rounds,
+            "draft_proposed": self.draft_proposed, "draft_accepted": self.draft_accepted,
+            "acceptance_rate": self.acceptance_rate, "tau": self.tau,
+            "prefix_survival": self.prefix_survival,
+        }
+
+
+def make_policy(name: str, k: int) -> DraftLengthPolicy:
+    if name == "fixed":
+        return FixedK(k)
+    if name == "heuristic":
+        return HeuristicK(initial=min(k, 16), max_k=max(16, k))
+    raise DraftsmithError(f"unknown draft-length policy {name!r}; choose fixed or heuristic")
+
+
+class LLM:
+    """A target (+ optional drafter) ready to generate.
+
+    target:   built-in alias (e.g. "smollm2-135m") or a local HF-format directory.
+    drafter:  "none", "ngram", "draft-model:PATH", or a Drafter instance.
+    num_speculative_tokens / policy: draft length per round ("fixed" K or "heuristic").
+    """
+
+    def __init__(
+        self,
+        target: str = "smollm2-135m",
+        drafter: str | Drafter = "none",
+        num_speculative_tokens: int = 5,
+        policy: str | DraftLengthPolicy = "fixed",
+        max_batch: int = 8,
+        max_len: int = 2048,
+        device: str | None = None,
+        dtype: str | None = None,
+    ) -> None:
+        self.target = load_target(target, device=device, dtype=dtype)
+        self.tokenizer = self.target.tokenizer
+        cfg = EngineConfig(max_batch=max_batch, max_len=max_len)
+        max_len = min(max_len, self.target.model.config.max_position_embeddings)
+        self.drafter = drafter if not isinstance(drafter, str) else build_drafter(drafter, self.target, max_batch, max_len)
+        self.policy = policy if not isinstance(policy, str) else make_policy(policy, num_speculative_tokens)
+        self.engine = Engine(
+            self.target.model, self.tokenizer, self.drafter, self.policy, cfg,
+            eos_token_ids=eos_token_ids(self.target),
+        )
+        self.last_stats: GenerateStats | None = None
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise DraftsmithError(f"target {self.target.target_id!r} has no chat template; send plain prompts")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    def encode(self, prompt: str) -> list[int]:
+        return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+
+    def generate(
+        self,
+        prompts: str | Seq[str] | Seq[list[int]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_chat_template: bool = False,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            return []
+        params = sampling_params or SamplingParams()
+        plist = list(params) if not isinstance(params, SamplingParams) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise DraftsmithError(f"{len(plist)} sampling params for {len(prompts)} prompts")
+        seqs = []
+        texts: list[str | None] = []
+        for p, sp in zip(prompts, plist):
+            if isinstance(p, str):
+                ids = self.apply_chat_template([{"role": "user", "content": p}]) if use_chat_template else self.encode(p)
+                texts.append(p)
+            else:
+                ids = [int(t) for t in p]
+                texts.append(None)
+            seqs.append(self.engine.add_request(ids, sp))
+        return self._run(seqs, texts)
+
+    def chat(
+        self,
+        conversations: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | None = None,
+    ) -> list[RequestOutput]:
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # type: ignore[list-item]
+        ids = [self.apply_chat_template(list(c)) for c in conversations]  # type: ignore[arg-type]
+        return self.generate(ids, sampling_params)
+
+    def _run(self, seqs, texts) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        while any(not s.finished for s in seqs):
+            self.engine.step()
+        wall = time.perf_counter() - t0
+        outs = [
+            RequestOutput(
+                request_id=s.request_id, prompt=t, prompt_token_ids=s.prompt_ids, text=s.text,
+                token_ids=list(s.output_ids), finish_reason=s.finish_reason or "", stats=s.stats.to_dict(),
+            )
+            for s, t in zip(seqs, texts)
+        ]
+        surv_p: list[int] = []
+        surv_a: list[int] = []
+        for s in seqs:
+            for k, (p, a) in enumerate(zip(s.stats.proposed_at, s.stats.accepted_at)):
+                if k >= len(surv_p):
+                    surv_p.append(0)
+                    surv_a.append(0)
+                surv_p[k] += p
+                surv_a[k] += a
+        self.last_stats = GenerateStats(
+            wall_time_s=wall,
+            output_tokens=sum(len(s.output_ids) for s in seqs),
+            target_forwards=sum(s.stats.target_forwards for s in seqs),
+            rounds=sum(s.stats.rounds for s in seqs),
+            draft_proposed=sum(s.stats.proposed for s in seqs),
+            draft_accepted=sum(s.stats.accepted for s in seqs),
+            prefix_survival=[a / p if p else 0.0 for a, p in zip(surv_a, surv_p)],
+        )
+        return outs

@@ -1,0 +1,154 @@
+"""One entry point: `draftsmith <job> ...`.
+
+User errors (DraftsmithError, bad flags) print one line and exit 2; no tracebacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from draftsmith.errors import DraftsmithError
+
+
+def _positive_int(v: str) -> int:
+    try:
+        n = int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {v!r}") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {n}")
+    return n
+
+
+def _add_target_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="smollm2-135m", help="built-in alias or HF-format model dir")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="draftsmith", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="job", required=True, metavar="JOB")
+
+    g = sub.add_parser("generate", help="generate text, optionally with speculative decoding")
+    _add_target_args(g)
+    g.add_argument("--drafter", default="none", help="none | ngram | draft-model:PATH")
+    g.add_argument("--num-speculative-tokens", "-k", type=int, default=5, help="draft length K")
+    g.add_argument("--policy", default="fixed", choices=["fixed", "heuristic"], help="draft-length policy")
+    g.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
+    g.add_argument("--prompt-file", type=Path, help="one prompt per line (.txt) or JSONL with prompt/messages")
+    g.add_argument("--chat", action="store_true", help="apply the target's chat template")
+    g.add_argument("--max-batch", type=_positive_int, default=8)
+    _add_sampling_args(g)
+    g.add_argument("--json", action="store_true", help="print results and stats as JSON")
+    g.set_defaults(func=cmd_generate)
+    return ap
+
+
+def _read_prompts(args) -> list:
+    prompts: list = list(args.prompt)
+    f: Path | None = args.prompt_file
+    if f is not None:
+        if not f.is_file():
+            raise DraftsmithError(f"prompt file {f} does not exist")
+        if f.suffix == ".jsonl":
+            for n, line in enumerate(f.read_text().splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DraftsmithError(f"{f}:{n}: not valid JSON ({e.msg})") from None
+                if isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
+                    prompts.append(rec["prompt"])
+                elif isinstance(rec, dict) and isinstance(rec.get("messages"), list):
+                    prompts.append(rec["messages"])
+                else:
+                    raise DraftsmithError(f"{f}:{n}: expected an object with a 'prompt' string or 'messages' list")
+        else:
+            prompts.extend(line for line in f.read_text().splitlines() if line.strip())
+    if not prompts:
+        raise DraftsmithError("no prompt given: use --prompt TEXT or --prompt-file FILE")
+    return prompts
+
+
+def cmd_generate(args) -> int:
+    from draftsmith.api import LLM
+    from draftsmith.core.sampling import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=tuple(args.stop),
+    )
+    if args.num_speculative_tokens < 0:
+        raise DraftsmithError("--num-speculative-tokens must be >= 0")
+    prompts = _read_prompts(args)
+    llm = LLM(
+        args.target, drafter=args.drafter, num_speculative_tokens=args.num_speculative_tokens,
+        policy=args.policy, max_batch=args.max_batch, device=args.device, dtype=args.dtype,
+    )
+    ids = []
+    for p in prompts:
+        if isinstance(p, list):
+            ids.append(llm.apply_chat_template(p))
+        elif args.chat:
+            ids.append(llm.apply_chat_template([{"role": "user", "content": p}]))
+        else:
+            ids.append(llm.encode(p))
+    outs = llm.generate(ids, params)
+    stats = llm.last_stats
+    if args.json:
+        print(json.dumps({
+            "target": llm.target.target_id, "drafter": args.drafter,
+            "results": [
+                {"prompt": p if isinstance(p, str) else None, "text": o.text, "token_ids": o.token_ids,
+                 "finish_reason": o.finish_reason, "stats": o.stats}
+                for p, o in zip(prompts, outs)
+            ],
+            "stats": stats.to_dict() if stats else {},
+        }))
+        return 0
+    for o in outs:
+        print(o.text)
+        if len(outs) > 1:
+            print("-" * 40)
+    if stats:
+        print(
+            f"[{args.drafter}] {stats.output_tokens} tokens in {stats.wall_time_s:.2f}s "
+            f"({stats.tokens_per_s:.1f} tok/s) | target forwards/token {stats.forwards_per_token:.3f} | "
+            f"τ {stats.tau:.2f} | acceptance {stats.acceptance_rate:.2f} "
+            f"({stats.draft_accepted}/{stats.draft_proposed}) | prefix survival "
+            + " ".join(f"{x:.2f}" for x in stats.prefix_survival[:8]),
+            file=sys.stderr,
+        )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except DraftsmithError as e:
+        print(f"draftsmith: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("draftsmith: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

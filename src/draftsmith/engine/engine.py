@@ -1,0 +1,253 @@
+"""The engine: continuous batching of speculative rounds over a row-batched KV cache.
+
+    step() = admit + prefill waiting requests → propose → one target forward over
+             [pending token, drafts] for every running row → verify → commit / stop.
+
+Plain decoding is the same loop with a drafter that proposes nothing, so speculative and
+plain outputs come from one code path. The engine never branches on drafter kind.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from draftsmith.core.sampling import SamplingParams
+from draftsmith.core.verify import verify
+from draftsmith.core.warp import target_probs
+from draftsmith.drafters.base import Drafter, NoDrafter, TargetFeatures
+from draftsmith.engine.sequence import Sequence, Status
+from draftsmith.errors import DraftsmithError
+from draftsmith.models.decoder import Decoder
+from draftsmith.policy.base import DraftLengthPolicy
+from draftsmith.policy.fixed import FixedK
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batch: int = 8  # KV cache rows = requests running at once
+    max_len: int = 2048  # context limit per row (prompt + output)
+
+
+class Engine:
+    def __init__(
+        self,
+        model: Decoder,
+        tokenizer,
+        drafter: Drafter | None = None,
+        policy: DraftLengthPolicy | None = None,
+        config: EngineConfig | None = None,
+        eos_token_ids: tuple[int, ...] = (),
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.drafter: Drafter = drafter or NoDrafter()
+        self.policy: DraftLengthPolicy = policy or FixedK(0)
+        self.config = config or EngineConfig()
+        max_len = min(self.config.max_len, model.config.max_position_embeddings)
+        self.max_len = max_len
+        self.cache = model.new_cache(self.config.max_batch, max_len)
+        self.free_rows: list[int] = list(range(self.config.max_batch))
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self._ids = itertools.count()
+        needs = self.drafter.needs
+        self._layer_ids = tuple(needs.layer_ids)
+        for i in self._layer_ids:
+            if not 0 <= i < model.config.num_layers:
+                raise DraftsmithError(
+                    f"drafter {self.drafter.name!r} needs target layer {i}, but the target has "
+                    f"{model.config.num_layers} layers"
+                )
+
+    # ---- requests -------------------------------------------------------------------
+
+    def add_request(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> Sequence:
+        if not prompt_ids:
+            raise DraftsmithError("prompt is empty: give at least one token")
+        if len(prompt_ids) >= self.max_len:
+            raise DraftsmithError(
+                f"prompt has {len(prompt_ids)} tokens; the context limit is {self.max_len}, "
+                "which leaves no room to generate. Shorten the prompt"
+            )
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator(device=self.model.device)
+            gen.manual_seed(params.seed)
+        seq = Sequence(
+            request_id=request_id or f"req-{next(self._ids)}",
+            prompt_ids=list(prompt_ids),
+            params=params,
+            generator=gen,
+        )
+        self.waiting.append(seq)
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request; its cache row is freed at once."""
+        for s in list(self.waiting):
+            if s.request_id == request_id:
+                self.waiting.remove(s)
+                self._finish(s, "abort")
+                return True
+        for s in self.running:
+            if s.request_id == request_id:
+                self._finish(s, "abort")
+                self.running.remove(s)
+                return True
+        return False
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- the loop ---------------------------------------------------------------------
+
+    def step(self) -> list[Sequence]:
+        """One round for every running request. Returns the sequences that finished."""
+        self._admit()
+        if not self.running:
+            return []
+        seqs = list(self.running)
+        finished = self._round(seqs)
+        self.running = [s for s in self.running if not s.finished]
+        return finished
+
+    def _admit(self) -> None:
+        new: list[Sequence] = []
+        while self.waiting and self.free_rows:
+            s = self.waiting.popleft()
+            s.row = self.free_rows.pop(0)
+            s.status = Status.RUNNING
+            self.cache.reset(s.row)
+            new.append(s)
+        if not new:
+            return
+        # Prefill everything but the last prompt token (it is the first round's input).
+        feeds = [s.prompt_ids[:-1] for s in new]
+        features = None
+        if any(feeds):
+            S = max(len(f) for f in feeds)
+            ids = torch.zeros(len(new), S, dtype=torch.long)
+            for b, f in enumerate(feeds):
+                ids[b, : len(f)] = torch.tensor(f, dtype=torch.long)
+            rows = torch.tensor([s.row for s in new])
+            out = self.model(ids, self.cache, rows=rows, layer_ids=self._layer_ids, compute_logits=False)
+            features = self._features(out)
+            for s in new:
+                s.stats.target_forwards += 1
+        for b, s in enumerate(new):
+            self.cache.lengths[s.row] = len(feeds[b])
+            self.drafter.start(s, _slice_features(features, b, len(feeds[b])))
+            self.running.append(s)
+
+    def _features(self, out) -> TargetFeatures | None:
+        needs = self.drafter.needs
+        if not needs.layer_ids and not needs.final_hidden:
+            return None
+        return TargetFeatures(
+            hidden=out.hidden, final_hidden=out.final_hidden if needs.final_hidden else None
+        )
+
+    def _round(self, seqs: list[Sequence]) -> list[Sequence]:
+        # Cap each row's draft so that (a) max_tokens is never exceeded even if every draft
+        # and the bonus are accepted, (b) the cache has room for pending + drafts.
+        wanted = self.policy.choose(seqs)
+        caps = [
+            max(0, min(k, s.remaining - 1, self.max_len - s.num_tokens)) for k, s in zip(wanted, seqs)
+        ]
+        proposal = self.drafter.propose(seqs, caps)
+        lengths = proposal.lengths.tolist() if proposal.max_len else [0] * len(seqs)
+        for b, (n, cap) in enumerate(zip(lengths, caps)):
+            if n > cap:
+                raise RuntimeError(f"drafter {self.drafter.name} proposed {n} > cap {cap} tokens")
+        K = proposal.max_len
+        ids = torch.zeros(len(seqs), 1 + K, dtype=torch.long)
+        for b, s in enumerate(seqs):
+            ids[b, 0] = s.all_ids[-1]
+        if K:
+            ids[:, 1:] = proposal.tokens
+        rows = torch.tensor([s.row for s in seqs])
+        out = self.model(ids, self.cache, rows=rows, layer_ids=self._layer_ids)
+        p = target_probs(out.logits, [s.params for s in seqs])  # [B, 1+K, V]
+        result = verify(proposal, p, [s.generator for s in seqs])
+        finished: list[Sequence] = []
+        committed_tokens = result.tokens.tolist()
+        for b, s in enumerate(seqs):
+            m = int(result.num_accepted[b])
+            # KV of the pending token and the m accepted drafts is now committed;
+            # entries past it (rejected drafts) are stale and get overwritten.
+            self.cache.lengths[s.row] += 1 + m
+            s.stats.target_forwards += 1
+            appended = self._append(s, committed_tokens[b][: m + 1])
+            s.stats.record_round(proposed=lengths[b], accepted=m, committed=appended)
+        self.drafter.on_verified(seqs, proposal, result, self._features(out))
+        self.policy.update(seqs, proposal, result)
+        for s in seqs:
+            if s.finish_reason is not None and not s.finished:
+                self._finish(s, s.finish_reason)
+                finished.append(s)
+        return finished
+
+    def _append(self, s: Sequence, tokens: list[int]) -> int:
+        """Commit tokens one by one, applying stop rules; returns how many were kept."""
+        p = s.params
+        kept = 0
+        for t in tokens:
+            s.output_ids.append(t)
+            kept += 1
+            if s.stats.t_first_token is None:
+                s.stats.t_first_token = time.perf_counter()
+            if (not p.ignore_eos and t in self.eos_token_ids) or t in p.stop_token_ids:
+                s.finish_reason = "stop"
+                break
+            if p.stop:
+                text = self.decode(s.output_ids)
+                if _find_stop(text, p.stop) is not None:
+                    s.finish_reason = "stop"
+                    break
+            if len(s.output_ids) >= p.max_tokens or s.num_tokens >= self.max_len:
+                s.finish_reason = "length"
+                break
+        return kept
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def visible_text(self, s: Sequence) -> str:
+        """Decoded output with everything from the first stop string on removed."""
+        text = self.decode(s.output_ids)
+        cut = _find_stop(text, s.params.stop) if s.params.stop else None
+        return text if cut is None else text[:cut]
+
+    def _finish(self, s: Sequence, reason: str) -> None:
+        s.finish_reason = reason
+        s.text = self.visible_text(s)
+        s.status = Status.FINISHED
+        s.stats.t_finish = time.perf_counter()
+        if s.row >= 0:
+            self.drafter.release(s)
+            self.cache.reset(s.row)
+            self.free_rows.append(s.row)
+            self.free_rows.sort()
+            s.row = -1
+
+
+def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:
+    hits = [i for i in (text.find(x) for x in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def _slice_features(f: TargetFeatures | None, b: int, n: int) -> TargetFeatures | None:
+    if f is None:
+        return None
+    return TargetFeatures(
+        hidden={k: v[b : b + 1, :n] for k, v in f.hidden.items()},
+        final_hidden=None if f.final_hidden is None else f.final_hidden[b : b + 1, :n],
+    )

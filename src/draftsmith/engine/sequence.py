@@ -1,0 +1,109 @@
+"""One request's state inside the engine, and the counters its stats come from."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from draftsmith.core.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class SequenceStats:
+    """Counters for one request. τ and acceptance are derived, never stored."""
+
+    target_forwards: int = 0  # target forward passes this request took part in (prefill incl.)
+    rounds: int = 0  # verification rounds (decode steps)
+    committed: int = 0  # tokens committed by rounds (bonus/correction included)
+    proposed: int = 0  # draft tokens proposed
+    accepted: int = 0  # draft tokens accepted
+    proposed_at: list[int] = field(default_factory=list)  # [k] rounds that proposed >= k+1
+    accepted_at: list[int] = field(default_factory=list)  # [k] rounds that accepted >= k+1
+    t_arrival: float = field(default_factory=time.perf_counter)
+    t_first_token: float | None = None
+    t_finish: float | None = None
+
+    def record_round(self, proposed: int, accepted: int, committed: int) -> None:
+        self.rounds += 1
+        self.committed += committed
+        self.proposed += proposed
+        self.accepted += accepted
+        grow = max(proposed - len(self.proposed_at), 0)
+        self.proposed_at.extend([0] * grow)
+        self.accepted_at.extend([0] * grow)
+        for k in range(proposed):
+            self.proposed_at[k] += 1
+        for k in range(accepted):
+            self.accepted_at[k] += 1
+
+    @property
+    def tau(self) -> float:
+        """Tokens committed per verification round, bonus included."""
+        return self.committed / self.rounds if self.rounds else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def prefix_survival(self) -> list[float]:
+        """Per position k: rounds with >= k accepted drafts / rounds that proposed >= k."""
+        return [a / p if p else 0.0 for a, p in zip(self.accepted_at, self.proposed_at)]
+
+    def to_dict(self) -> dict:
+        return {
+            "target_forwards": self.target_forwards,
+            "rounds": self.rounds,
+            "committed": self.committed,
+            "draft_proposed": self.proposed,
+            "draft_accepted": self.accepted,
+            "acceptance_rate": self.acceptance_rate,
+            "tau": self.tau,
+            "prefix_survival": self.prefix_survival,
+        }
+
+
+@dataclass
+class Sequence:
+    """A request: prompt, what has been committed, its sampling state and its cache row.
+
+    Invariant while running: the target KV cache row holds every token of `all_ids` except
+    the last one (the "pending" token, whose KV is written by the next forward).
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    row: int = -1  # KV cache row while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    text: str = ""  # decoded output, stop string removed
+    stats: SequenceStats = field(default_factory=SequenceStats)
+    drafter_state: dict = field(default_factory=dict)  # owned by the drafter / policy
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def remaining(self) -> int:
+        return self.params.max_tokens - len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

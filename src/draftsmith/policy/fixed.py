@@ -1,0 +1,24 @@
+"""Fixed K: every row proposes K draft tokens every round."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from draftsmith.engine.sequence import Sequence
+from draftsmith.errors import DraftsmithError
+
+
+@dataclass(frozen=True)
+class FixedK:
+    k: int = 5
+    name: str = "fixed"
+
+    def __post_init__(self) -> None:
+        if self.k < 0:
+            raise DraftsmithError(f"draft length K must be >= 0, got {self.k}")
+
+    def choose(self, seqs: list[Sequence]) -> list[int]:
+        return [self.k] * len(seqs)
+
+    def update(self, seqs, proposal, result) -> None:
+        pass
