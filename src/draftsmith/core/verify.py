@@ -1,0 +1,179 @@
+"""Chain verification: the only place draft tokens are accepted.
+
+Notation (Leviathan et al. 2023; Chen et al. 2023): **p is the target distribution, q is the
+draft distribution** the draft tokens were sampled from. For one row with drafts x_1..x_γ:
+
+- left to right, accept x_k with probability min(1, p_k(x_k) / q_k(x_k));
+- at the first rejection, sample a replacement from norm(max(p_k - q_k, 0)) and stop;
+- if all γ are accepted, sample a bonus token from p_{γ+1}.
+
+The committed tokens are then distributed exactly as if sampled from p one at a time.
+
+Special cases that are the same code, not branches:
+- greedy: p is one-hot (temperature 0), so the ratio is exactly 1 (accept) or 0 (reject)
+  and the residual is the one-hot itself — the argmax replaces the first mismatch;
+- deterministic drafters (n-gram, argmax drafts) pass q = None, meaning one-hot at the
+  drafted tokens: the acceptance probability is p_k(x_k) and the residual is p_k with x_k
+  zeroed. The one-hot is never materialised.
+
+Randomness: row b draws only from generators[b] (None = the global RNG), and always the same
+number of uniforms, lengths[b] + 1, in one call: uniform k decides draft k, the last one
+samples the final token (by inverse CDF, exactly like `sample_from`). The draw count does
+not depend on the outcome, so the whole round is vectorised over the batch, and a seeded
+row gives the same result whatever else is in the batch. A row with no drafts draws one
+uniform and matches `sample_from(p[b, 0], generators[b])`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from draftsmith.core.types import Proposal, VerifyResult
+from draftsmith.core.warp import draw_uniforms, inverse_cdf
+from draftsmith.errors import DraftsmithError
+
+# Residual mass below this is float noise from p ≈ q (a rejection there has probability of
+# the same order); sampling from p instead changes the output by at most that much.
+_RESIDUAL_EPS = 1e-6
+
+
+def verify(
+    proposal: Proposal, p: torch.Tensor, generators: Sequence[torch.Generator | None]
+) -> VerifyResult:
+    """Accept or reject a batch of draft chains against the target distributions.
+
+    proposal:   tokens [B, K], lengths [B], q [B, K, V] or None (one-hot at tokens).
+    p:          [B, K+1, V] target probabilities; p[b, k] is the distribution at the
+                position of draft k (k < lengths[b]), p[b, lengths[b]] the bonus position.
+                Rows need not be exactly normalised (inverse CDF scales by the total).
+    generators: one per row; None = global RNG.
+    Returns VerifyResult with tokens [B, K+1] padded by -1.
+
+    Raises DraftsmithError for bad shapes, lengths outside [0, K] or draft ids outside
+    [0, V) (what a mismatched drafter/target pair produces), and ValueError when a drafted
+    token has q = 0 — the drafter did not pass the distribution it sampled from (a bug).
+    """
+    tokens, lengths, q = _validated(proposal, p, generators)
+    if p.dtype in (torch.float16, torch.bfloat16):  # cumulative sums need more precision
+        p = p.float()
+    B, K1, V = p.shape
+    K = K1 - 1
+    dev = p.device
+    rows = torch.arange(B, device=dev)  # [B]
+    positions = torch.arange(K, device=dev)  # [K]
+
+    valid = positions.unsqueeze(0) < lengths.unsqueeze(1)  # [B, K] real drafts, not padding
+    safe_tokens = tokens.masked_fill(~valid, 0)  # [B, K] padding -> any in-range id
+    p_draft = p[:, :K].gather(-1, safe_tokens.unsqueeze(-1)).squeeze(-1)  # [B, K] p_k(x_k)
+    if q is None:
+        ratio = p_draft  # q_k(x_k) = 1
+    else:
+        q_draft = q.gather(-1, safe_tokens.unsqueeze(-1)).squeeze(-1).to(p.dtype)  # [B, K]
+        if bool(((q_draft <= 0) & valid).any()):
+            b, k = ((q_draft <= 0) & valid).nonzero()[0].tolist()
+            raise ValueError(
+                f"verify: draft token {int(tokens[b, k])} at row {b}, position {k} has q = 0; "
+                "the drafter must pass the distribution it sampled from"
+            )
+        ratio = p_draft / q_draft.masked_fill(~valid, 1.0)
+
+    u = _uniforms(lengths, generators, K, dev)  # [B, K+1]
+    accept = (u[:, :K] < ratio) & valid  # [B, K]; u < 1 so ratio >= 1 always accepts
+    num_accepted = accept.long().cumprod(dim=-1).sum(dim=-1)  # [B] length of accepted prefix
+    rejected = num_accepted < lengths  # [B]
+
+    # The final token comes from p at position num_accepted: the bonus position when all
+    # drafts were accepted, else the rejected draft's position, minus q there (residual).
+    final = p[rows, num_accepted]  # [B, V] (advanced indexing copies)
+    if bool(rejected.any()):
+        final = _residual(final, q, tokens, num_accepted, rejected)
+    u_final = u[rows, lengths]  # [B]
+    final_token = inverse_cdf(final, u_final)  # [B]
+
+    out = torch.full((B, K + 1), -1, dtype=torch.long, device=dev)  # [B, K+1]
+    keep = positions.unsqueeze(0) < num_accepted.unsqueeze(1)  # [B, K]
+    out[:, :K] = torch.where(keep, tokens, out[:, :K])
+    out[rows, num_accepted] = final_token
+    return VerifyResult(tokens=out, num_accepted=num_accepted)
+
+
+def _residual(
+    final: torch.Tensor,
+    q: torch.Tensor | None,
+    tokens: torch.Tensor,
+    num_accepted: torch.Tensor,
+    rejected: torch.Tensor,
+) -> torch.Tensor:
+    """norm(max(p - q, 0)) for rejected rows of final [B, V] (normalisation is left to the
+    sampler); rows whose residual has no mass (p == q up to float error) keep p."""
+    B, K = tokens.shape
+    rows = torch.arange(B, device=final.device)
+    at = num_accepted.clamp(max=max(K - 1, 0))  # [B] rejected position (clamp: unused rows)
+    if q is None:
+        residual = final.clone()
+        residual[rows, tokens[rows, at].clamp(0, final.shape[-1] - 1)] = 0.0
+    else:
+        residual = (final - q[rows, at].to(final.dtype)).clamp_min(0.0)  # [B, V]
+    has_mass = residual.sum(dim=-1) > _RESIDUAL_EPS * final.sum(dim=-1)  # [B]
+    use = (rejected & has_mass).unsqueeze(-1)  # [B, 1]
+    return torch.where(use, residual, final)
+
+
+def _uniforms(
+    lengths: torch.Tensor, generators: Sequence[torch.Generator | None], K: int, dev: torch.device
+) -> torch.Tensor:
+    """[B, K+1] uniforms; row b's first lengths[b] + 1 entries come from generators[b].
+
+    Rows without a generator share one draw from the global RNG (fast for large batches);
+    their unused entries are simply ignored.
+    """
+    B = len(generators)
+    u = torch.empty(B, K + 1, device=dev)
+    seeded = [b for b, g in enumerate(generators) if g is not None]
+    if len(seeded) < B:
+        u[:] = torch.rand(B, K + 1, device=dev)
+    if seeded:
+        lens = lengths.tolist()
+        for b in seeded:
+            u[b, : lens[b] + 1] = draw_uniforms(lens[b] + 1, generators[b], dev)
+    return u
+
+
+def _validated(
+    proposal: Proposal, p: torch.Tensor, generators: Sequence[torch.Generator | None]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Check shapes, lengths and draft ids; return (tokens, lengths, q) on p's device."""
+    if p.dim() != 3 or not p.is_floating_point():
+        raise DraftsmithError(f"verify: p must be a float tensor [B, K+1, V], got {tuple(p.shape)} {p.dtype}")
+    tokens, lengths, q = proposal.tokens, proposal.lengths, proposal.q
+    B, K1, V = p.shape
+    if tokens.dim() != 2 or tuple(tokens.shape) != (B, K1 - 1):
+        raise DraftsmithError(
+            f"verify: draft tokens have shape {tuple(tokens.shape)}, expected [B, K] = {(B, K1 - 1)} "
+            f"to match p of shape {tuple(p.shape)} = [B, K+1, V]"
+        )
+    if tuple(lengths.shape) != (B,):
+        raise DraftsmithError(f"verify: lengths have shape {tuple(lengths.shape)}, expected ({B},)")
+    if q is not None and tuple(q.shape) != (B, K1 - 1, V):
+        raise DraftsmithError(f"verify: q has shape {tuple(q.shape)}, expected {(B, K1 - 1, V)}")
+    if len(generators) != B:
+        raise DraftsmithError(f"verify: got {len(generators)} generators for a batch of {B} rows")
+    tokens = tokens.to(p.device, torch.long)
+    lengths = lengths.to(p.device, torch.long)
+    if B and (bool((lengths < 0).any()) or bool((lengths > K1 - 1).any())):
+        raise DraftsmithError(
+            f"verify: lengths must be in [0, K={K1 - 1}], got {lengths.tolist()}"
+        )
+    valid = torch.arange(K1 - 1, device=p.device).unsqueeze(0) < lengths.unsqueeze(1)  # [B, K]
+    bad = valid & ((tokens < 0) | (tokens >= V))  # [B, K]
+    if bool(bad.any()):
+        b, k = bad.nonzero()[0].tolist()
+        raise DraftsmithError(
+            f"verify: draft token id {int(tokens[b, k])} (row {b}, position {k}) is outside "
+            f"the vocabulary [0, V={V}); the drafter and target vocabularies disagree"
+        )
+    if q is not None:
+        q = q.to(p.device)
+    return tokens, lengths, q

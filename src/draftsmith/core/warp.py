@@ -1,0 +1,158 @@
+"""Target logits -> target distribution p, and inverse-CDF sampling from it.
+
+The warps, applied in this order (the order of HF transformers' logits warpers):
+
+1. temperature: logits / T. T = 0 is greedy: p is one-hot at the argmax (ties -> lowest
+   index, like `torch.argmax`), so the verifier needs no greedy branch.
+2. top-k: keep tokens whose logit is >= the k-th largest logit (ties at the boundary are
+   all kept, as in HF and vLLM). k = 0 disables.
+3. top-p (nucleus): keep the smallest set of most-likely tokens whose mass (after top-k,
+   renormalised) is >= top_p; the top token is always kept. Tokens tied with the last kept
+   token are kept too, so the result never depends on how a sort orders ties. 1 disables.
+4. min-p: drop tokens whose probability is < min_p * (max probability), then renormalise.
+   The ratio prob / max prob does not change under renormalisation, so this is the same
+   set whether it is measured before or after top-k / top-p. 0 disables.
+
+vLLM v1 applies min-p before top-k / top-p. The two orders give the same p except when
+top_p < 1 and min_p > 0 are combined: measured after min-p, the nucleus is taken from a
+renormalised (larger) mass and can keep fewer tokens. We follow HF's order.
+
+Everything is batched: per-row parameters become [N, 1] tensors, so one pass serves a batch
+of mixed settings as well as a uniform one, and the sort (the only expensive step) runs only
+when some row uses top-p (top-k alone needs just `torch.topk`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from draftsmith.core.sampling import SamplingParams
+from draftsmith.errors import DraftsmithError
+
+
+def target_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Warp target logits [B, S, V] into float32 probabilities [B, S, V].
+
+    Row b uses params[b] at all of its S positions (a row is one request; S covers the
+    draft positions plus the bonus position of one verification round).
+    """
+    if logits.dim() != 3:
+        raise DraftsmithError(f"target_probs expects logits of shape [B, S, V], got {tuple(logits.shape)}")
+    B, S, V = logits.shape
+    if len(params) != B:
+        raise DraftsmithError(f"target_probs got {len(params)} SamplingParams for a batch of {B} rows")
+    x = logits.reshape(B * S, V).float()  # [N, V], N = B * S
+    if B * S == 0 or V == 0:
+        return x.reshape(B, S, V).clone()
+
+    greedy = [sp.greedy for sp in params]
+    if all(greedy):
+        return _one_hot_argmax(x).reshape(B, S, V)
+
+    probs = _warp_sampled(x, params, S)  # [N, V]
+    if any(greedy):
+        greedy_rows = _per_row(greedy, S, x.device, torch.bool)  # [N, 1]
+        probs = torch.where(greedy_rows, _one_hot_argmax(x), probs)
+    return probs.reshape(B, S, V)
+
+
+def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """Draw one token from probs [V] (need not be normalised) by inverse CDF.
+
+    Consumes exactly one uniform from `generator` (None = the global RNG of probs' device),
+    so the draw depends only on this generator's state: the same seed gives the same token
+    whatever else runs. `verify` samples its final token in the same way, so a row that
+    proposes no drafts gets the same token as calling this on its p.
+    """
+    if probs.dim() != 1:
+        raise ValueError(f"sample_from expects probs of shape [V], got {tuple(probs.shape)}")
+    u = draw_uniforms(1, generator, probs.device)  # [1]
+    return int(inverse_cdf(probs.unsqueeze(0), u)[0])
+
+
+def draw_uniforms(n: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """n uniforms in [0, 1) from `generator` (None = global RNG of `device`), on `device`.
+
+    Drawn on the generator's own device so a CPU generator also works for CUDA tensors.
+    """
+    if generator is None:
+        return torch.rand(n, device=device)
+    return torch.rand(n, generator=generator, device=generator.device).to(device)
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Batched inverse-CDF sampling: probs [N, V] (non-negative, any positive total), u [N]
+    in [0, 1) -> token ids [N] (int64).
+
+    Picks the first index whose cumulative mass exceeds u * total. A zero-probability token
+    can never be picked: its cumulative mass equals its predecessor's, so it is never the
+    first to exceed anything. If rounding pushes u * total up to the total, the last token
+    with positive mass is returned.
+    """
+    cdf = probs.cumsum(dim=-1)  # [N, V]
+    total = cdf[:, -1:].contiguous()  # [N, 1]
+    if not bool(torch.all(total > 0)) or not bool(torch.all(torch.isfinite(total))):
+        raise ValueError("inverse_cdf: every row needs a finite, positive probability mass")
+    target = u.to(cdf.dtype).unsqueeze(-1) * total  # [N, 1]
+    idx = torch.searchsorted(cdf, target, right=True)  # [N, 1]
+    last_positive = torch.searchsorted(cdf, total, right=False)  # [N, 1]
+    return torch.minimum(idx, last_positive).squeeze(-1)
+
+
+def _one_hot_argmax(x: torch.Tensor) -> torch.Tensor:
+    """[N, V] -> float32 one-hot at the argmax of each row (lowest index on ties)."""
+    out = torch.zeros_like(x, dtype=torch.float32)
+    return out.scatter_(-1, x.argmax(dim=-1, keepdim=True), 1.0)
+
+
+def _per_row(values: list, S: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """One value per request -> [B * S, 1], each repeated over the request's S positions."""
+    t = torch.tensor(values, dtype=dtype, device=device)  # [B]
+    return t.repeat_interleave(S).unsqueeze(-1)
+
+
+def _warp_sampled(x: torch.Tensor, params: Sequence[SamplingParams], S: int) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p on logits x [N, V] -> probabilities [N, V].
+
+    Greedy rows are computed at temperature 1 here (their result is replaced by a one-hot).
+    """
+    N, V = x.shape
+    dev = x.device
+    temps = [sp.temperature if not sp.greedy else 1.0 for sp in params]
+    if any(t != 1.0 for t in temps):
+        x = x / _per_row(temps, S, dev, torch.float32)  # [N, V]
+
+    use_top_k = any(0 < sp.top_k < V for sp in params)
+    use_top_p = any(sp.top_p < 1.0 for sp in params)
+    use_min_p = any(sp.min_p > 0.0 for sp in params)
+
+    sorted_x = torch.sort(x, dim=-1, descending=True).values if use_top_p else None  # [N, V]
+    if use_top_k:
+        k = _per_row([sp.top_k if 0 < sp.top_k < V else V for sp in params], S, dev, torch.long)
+        if sorted_x is None:
+            ranked = torch.topk(x, int(k.max()), dim=-1).values  # [N, kmax], descending
+        else:
+            ranked = sorted_x
+        kth = ranked.gather(-1, k - 1)  # [N, 1]
+        x = x.masked_fill(x < kth, float("-inf"))
+        if sorted_x is not None:
+            sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))  # still descending
+    if use_top_p:
+        top_p = _per_row([sp.top_p for sp in params], S, dev, torch.float32)  # [N, 1]
+        sorted_p = torch.softmax(sorted_x, dim=-1)  # [N, V]
+        mass_before = sorted_p.cumsum(dim=-1) - sorted_p  # [N, V] mass of strictly better tokens
+        # top_p == 1 rows keep everything: cumsum rounding can reach 1 before the tail ends.
+        keep = (mass_before < top_p) | (top_p >= 1.0)  # [N, V], a prefix, never empty
+        n_keep = keep.sum(dim=-1, keepdim=True)  # [N, 1]
+        cutoff = sorted_x.gather(-1, n_keep - 1)  # [N, 1] logit of the last kept token
+        x = x.masked_fill(x < cutoff, float("-inf"))
+
+    probs = torch.softmax(x, dim=-1)  # [N, V]
+    if use_min_p:
+        min_p = _per_row([sp.min_p for sp in params], S, dev, torch.float32)  # [N, 1]
+        threshold = min_p * probs.amax(dim=-1, keepdim=True)  # [N, 1]
+        probs = probs.masked_fill(probs < threshold, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
