@@ -1,0 +1,279 @@
+"""Regeneration backends: the built-in engine (batched) and any OpenAI-compatible endpoint.
+
+Both replay a conversation turn by turn through `ChatTokens` and report each finished
+conversation (or its failure) to the sink; they differ only in who samples the answers.
+
+- `EngineBackend`: several conversations' current turns run in one engine (continuous
+  batching: when a turn finishes, that conversation's next turn joins the running batch).
+  Each answer has its own seeded generator, so batching does not change what is sampled.
+- `EndpointBackend`: `POST {url}/v1/chat/completions` with httpx, `concurrency`
+  conversations in flight; 5xx / 408 / 429 / timeouts / connection errors are retried with
+  exponential backoff, then the conversation goes to the errors file. The server returns
+  text, so answer ids are the local tokenizer's encoding of it (see ChatTokens).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from draftsmith.data.regen import ChatTokens, RegenConfig, answer_slots, make_record, resolve_sampling, turn_seed
+from draftsmith.errors import DraftsmithError
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+@dataclass
+class _ConvState:
+    conv: Any
+    ct: ChatTokens
+    blocks: list
+    k: int = 0
+    dropped: int = 0
+    request_ids: list[str] = field(default_factory=list)
+
+
+def _too_long(n: int, max_len: int, k: int) -> str:
+    return (f"prompt of turn {k + 1} has {n} tokens; the context limit (--max-len) is {max_len}, "
+            "which leaves no room to answer")
+
+
+class EngineBackend:
+    """Batched regeneration with Draftsmith's own engine (plain decoding, no drafter)."""
+
+    def __init__(self, cfg: RegenConfig, target=None) -> None:
+        from draftsmith.engine.engine import Engine, EngineConfig
+        from draftsmith.models.target import eos_token_ids, load_target
+
+        self.cfg = cfg
+        self.target = target or load_target(cfg.target, device=cfg.device, dtype=cfg.dtype)
+        self.tokenizer = self.target.tokenizer
+        self.eos = eos_token_ids(self.target)
+        self.sampling = resolve_sampling(self.target.path, cfg.temperature, cfg.top_p, cfg.top_k,
+                                         cfg.max_new_tokens, cfg.seed)
+        self.engine = Engine(self.target.model, self.tokenizer,
+                             config=EngineConfig(max_batch=cfg.batch_size, max_len=cfg.max_len),
+                             eos_token_ids=self.eos)
+        self.max_len = self.engine.max_len
+        self.target_info = {"id": self.target.target_id, "weights_hash": self.target.weights_hash}
+        self.prompt_log: list[tuple[str, int, list[int]]] | None = None  # tests: (id, turn, prompt ids)
+
+    def _params(self, conv_id: str, k: int):
+        from draftsmith.core.sampling import SamplingParams
+
+        s = self.sampling
+        return SamplingParams(max_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
+                              top_k=s.top_k, seed=turn_seed(s.seed, conv_id, k))
+
+    def run(self, todo: Sequence, sink) -> None:
+        queue = deque(todo)
+        by_request: dict[str, _ConvState] = {}
+
+        def advance(st: _ConvState) -> None:
+            """Submit st's next turn, or finish it (record / error)."""
+            try:
+                while st.k < len(st.blocks):
+                    prompt = st.ct.open_turn(st.blocks[st.k])
+                    if len(prompt) >= self.max_len:
+                        st.ct.cancel_turn()
+                        if st.k == 0:
+                            sink.error(st.conv, _too_long(len(prompt), self.max_len, st.k))
+                            return
+                        st.dropped = sum(1 for b in st.blocks[st.k:] for m in b if m["role"] == "user")
+                        break
+                    if self.prompt_log is not None:
+                        self.prompt_log.append((st.conv.id, st.k, list(prompt)))
+                    rid = f"{st.conv.id}#{st.k}"
+                    self.engine.add_request(prompt, self._params(st.conv.id, st.k), request_id=rid)
+                    by_request[rid] = st
+                    return
+                sink.record(make_record(st.conv, st.ct, self.target_info, self.sampling, st.dropped))
+            except DraftsmithError as e:
+                sink.error(st.conv, _one_line(e))
+            except Exception as e:  # a template / tokenizer failure on this conversation only
+                sink.error(st.conv, f"{type(e).__name__}: {_one_line(e)}")
+
+        while queue or by_request:
+            while queue and len(by_request) < self.cfg.batch_size:
+                conv = queue.popleft()
+                try:
+                    st = _ConvState(conv, ChatTokens(self.tokenizer, self.eos), answer_slots(conv.messages))
+                except DraftsmithError as e:
+                    sink.error(conv, _one_line(e))
+                    continue
+                if not st.blocks:
+                    sink.error(conv, "conversation has no user turn to answer")
+                    continue
+                advance(st)
+            if not by_request:
+                continue
+            for seq in self.engine.step():
+                st = by_request.pop(seq.request_id)
+                try:
+                    st.ct.close_turn(seq.output_ids, seq.finish_reason or "")
+                except DraftsmithError as e:
+                    sink.error(st.conv, _one_line(e))
+                    continue
+                st.k += 1
+                advance(st)
+
+
+# ---- OpenAI-compatible endpoint -------------------------------------------------------
+
+
+def chat_completions_url(endpoint: str) -> str:
+    u = endpoint.rstrip("/")
+    if u.endswith("/chat/completions"):
+        return u
+    if u.endswith("/v1"):
+        return u + "/chat/completions"
+    return u + "/v1/chat/completions"
+
+
+class _Failed(Exception):
+    """The conversation cannot be completed (reason goes to the errors file)."""
+
+
+class EndpointBackend:
+    """Regeneration against any OpenAI-compatible server (vLLM, SGLang, Draftsmith's own)."""
+
+    def __init__(self, cfg: RegenConfig) -> None:
+        from draftsmith.models.loading import load_tokenizer, read_config, weights_fingerprint
+        from draftsmith.models.registry import resolve_target
+
+        if not cfg.endpoint:
+            raise DraftsmithError("EndpointBackend needs --endpoint URL")
+        if cfg.concurrency <= 0:
+            raise DraftsmithError(f"--concurrency must be positive, got {cfg.concurrency}")
+        self.cfg = cfg
+        target_id, path = resolve_target(cfg.target)
+        self.tokenizer = load_tokenizer(path)
+        eos = set(read_config(path).eos_token_ids)
+        gen = Path(path) / "generation_config.json"
+        if gen.is_file():
+            e = json.loads(gen.read_text()).get("eos_token_id")
+            eos.update(e if isinstance(e, list) else ([] if e is None else [e]))
+        if getattr(self.tokenizer, "eos_token_id", None) is not None:
+            eos.add(int(self.tokenizer.eos_token_id))
+        self.eos = tuple(sorted(eos))
+        self.sampling = resolve_sampling(path, cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_new_tokens, cfg.seed)
+        self.url = chat_completions_url(cfg.endpoint)
+        self.model_name = cfg.endpoint_model or self._served_model() or target_id
+        self.target_info = {"id": target_id, "weights_hash": weights_fingerprint(path),
+                            "endpoint": cfg.endpoint, "served_model": self.model_name}
+        self.max_len = cfg.max_len
+
+    def _served_model(self) -> str | None:
+        import httpx
+
+        models_url = self.url[: -len("/chat/completions")] + "/models"
+        try:
+            r = httpx.get(models_url, timeout=min(10.0, self.cfg.request_timeout))
+            if r.status_code == 200:
+                data = r.json().get("data") or []
+                if data and isinstance(data[0], dict) and data[0].get("id"):
+                    return str(data[0]["id"])
+        except Exception:  # /v1/models is optional; fall back to the target id
+            return None
+        return None
+
+    def run(self, todo: Sequence, sink) -> None:
+        asyncio.run(self._run_all(list(todo), sink))
+
+    async def _run_all(self, todo: list, sink) -> None:
+        import httpx
+
+        it = iter(todo)
+        limits = httpx.Limits(max_connections=self.cfg.concurrency, max_keepalive_connections=self.cfg.concurrency)
+        async with httpx.AsyncClient(timeout=self.cfg.request_timeout, limits=limits) as client:
+
+            async def worker() -> None:
+                for conv in it:  # shared iterator: each conversation is taken by one worker
+                    try:
+                        rec = await self._conversation(client, conv)
+                    except _Failed as e:
+                        sink.error(conv, str(e))
+                    except DraftsmithError as e:
+                        sink.error(conv, _one_line(e))
+                    except Exception as e:  # one bad conversation never stops the run
+                        sink.error(conv, f"{type(e).__name__}: {_one_line(e)}")
+                    else:
+                        sink.record(rec)
+
+            await asyncio.gather(*(worker() for _ in range(min(self.cfg.concurrency, max(1, len(todo))))))
+
+    async def _conversation(self, client, conv) -> dict:
+        ct = ChatTokens(self.tokenizer, self.eos)
+        blocks = answer_slots(conv.messages)
+        if not blocks:
+            raise _Failed("conversation has no user turn to answer")
+        dropped = 0
+        for k, block in enumerate(blocks):
+            prompt = ct.open_turn(block)
+            if self.max_len and len(prompt) >= self.max_len:
+                ct.cancel_turn()
+                if k == 0:
+                    raise _Failed(_too_long(len(prompt), self.max_len, k))
+                dropped = sum(1 for b in blocks[k:] for m in b if m["role"] == "user")
+                break
+            content, finish = await self._complete(client, ct.messages + list(block), conv.id, k)
+            ids = list(self.tokenizer(content, add_special_tokens=False)["input_ids"]) if content else []
+            ct.close_turn(ids, finish, content=content)
+        return make_record(conv, ct, self.target_info, self.sampling, dropped)
+
+    async def _complete(self, client, messages: list[dict], conv_id: str, k: int) -> tuple[str, str]:
+        import httpx
+
+        s = self.sampling
+        body: dict[str, Any] = {
+            "model": self.model_name, "messages": messages, "max_tokens": s.max_new_tokens,
+            "temperature": s.temperature, "top_p": s.top_p, "seed": turn_seed(s.seed, conv_id, k),
+        }
+        if s.top_k:
+            body["top_k"] = s.top_k  # vLLM / SGLang extension
+        reason = ""
+        attempts = self.cfg.retries + 1
+        for attempt in range(attempts):
+            retry_after = 0.0
+            try:
+                r = await client.post(self.url, json=body)
+            except httpx.TimeoutException as e:
+                reason = f"timeout after {self.cfg.request_timeout:g}s ({type(e).__name__})"
+            except httpx.TransportError as e:
+                reason = f"connection error: {type(e).__name__}: {_one_line(e)}"
+            else:
+                if r.status_code == 200:
+                    return self._parse(r)
+                text = " ".join(r.text.split())[:300]
+                reason = f"HTTP {r.status_code}: {text}"
+                if not (r.status_code >= 500 or r.status_code in (408, 409, 429)):
+                    raise _Failed(f"turn {k + 1}: {reason}")  # a client error will not go away
+                try:
+                    retry_after = min(float(r.headers.get("retry-after", 0)), 60.0)
+                except ValueError:
+                    retry_after = 0.0
+            if attempt + 1 < attempts:
+                delay = self.cfg.retry_backoff * (2 ** attempt) * (1.0 + 0.25 * random.random())
+                await asyncio.sleep(max(delay, retry_after))
+        raise _Failed(f"turn {k + 1}: gave up after {attempts} attempts; last error: {reason}")
+
+    @staticmethod
+    def _parse(r) -> tuple[str, str]:
+        try:
+            data = r.json()
+            choice = data["choices"][0]
+            content = choice["message"]["content"]
+            finish = choice.get("finish_reason") or "stop"
+        except (ValueError, KeyError, IndexError, TypeError) as e:
+            raise _Failed(f"malformed chat-completions response ({type(e).__name__}: {_one_line(e)})") from None
+        if not isinstance(content, str):
+            raise _Failed("chat-completions response has no text content")
+        return content, str(finish)
