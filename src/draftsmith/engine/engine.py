@@ -168,6 +168,16 @@ class Engine:
             if n > cap:
                 raise RuntimeError(f"drafter {self.drafter.name} proposed {n} > cap {cap} tokens")
         K = proposal.max_len
+        if K:
+            V = self.model.config.vocab_size
+            valid = torch.arange(K)[None, :] < proposal.lengths[:, None]  # [B, K]
+            bad = proposal.tokens[valid]
+            bad = bad[(bad < 0) | (bad >= V)]
+            if bad.numel():
+                raise DraftsmithError(
+                    f"drafter {self.drafter.name!r} proposed token id {int(bad[0])}, outside the "
+                    f"target vocabulary [0, {V}); the drafter does not match this target"
+                )
         ids = torch.zeros(len(seqs), 1 + K, dtype=torch.long)
         for b, s in enumerate(seqs):
             ids[b, 0] = s.all_ids[-1]

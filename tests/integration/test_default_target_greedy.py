@@ -1,0 +1,56 @@
+"""Greedy equality on the real default target (SmolLM2-135M-Instruct).
+
+Speculative token ids must equal plain greedy token ids of the same engine for every
+drafter, on 32 mixed code/chat prompts × 64 new tokens; and the engine's plain greedy must
+equal HF transformers' greedy.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from draftsmith import LLM, SamplingParams
+from draftsmith.data.sources import HumanEvalSource, MTBenchSource
+
+pytestmark = pytest.mark.slow
+
+N_NEW = 64
+
+
+@pytest.fixture(scope="module")
+def prompts(default_target_dir) -> list[list[int]]:
+    plain = LLM(str(default_target_dir), drafter="none")
+    code = [c.messages[0]["content"] for c in itertools.islice(HumanEvalSource().conversations(), 16)]
+    chat = [c.messages[0]["content"] for c in itertools.islice(MTBenchSource().conversations(), 16)]
+    out = [plain.apply_chat_template([{"role": "user", "content": p}]) for p in code + chat]
+    # Keep prompts short enough that the suite stays fast; both kinds stay represented.
+    return [ids[:160] for ids in out]
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(default_target_dir, prompts):
+    llm = LLM(str(default_target_dir), drafter="none", max_batch=8)
+    return [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=N_NEW, temperature=0))]
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft-model:smollm2-135m"])
+def test_speculative_equals_plain_greedy(default_target_dir, prompts, plain_outputs, drafter):
+    llm = LLM(str(default_target_dir), drafter=drafter, num_speculative_tokens=4, max_batch=8)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=N_NEW, temperature=0))
+    assert len(prompts) >= 32 and all(len(p) > 0 for p in plain_outputs)
+    mismatches = [i for i, (o, ref) in enumerate(zip(outs, plain_outputs)) if o.token_ids != ref]
+    assert not mismatches, f"{drafter}: prompts {mismatches} differ from plain greedy"
+    assert llm.last_stats.draft_accepted > 0
+
+
+def test_plain_greedy_equals_hf_transformers(default_target_dir, prompts, plain_outputs):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(default_target_dir), dtype=torch.float32).eval()
+    for i in (0, 20):
+        ids = torch.tensor([prompts[i]])
+        ref = hf.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1]:].tolist()
+        assert plain_outputs[i][: len(ref)] == ref

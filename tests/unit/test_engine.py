@@ -1,0 +1,159 @@
+"""Engine behaviour on tiny random models: greedy equality, stops, limits, bad drafts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from draftsmith import LLM, DraftsmithError, SamplingParams
+from draftsmith.core.types import Proposal
+from draftsmith.drafters.base import FeatureSpec, pad_proposal
+
+PROMPTS = ["hello world, hello world, hello", "def f(x):\n    return x + 1\n", "abcabcabcabc", "z"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    return tiny_model_dir("llama", seed=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_draft(tiny_model_dir):
+    return tiny_model_dir("llama", seed=1)
+
+
+def greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, **kw)
+
+
+def test_plain_greedy_matches_hf_generate(tiny):
+    llm = LLM(str(tiny), drafter="none", max_batch=4, max_len=256)
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny), dtype=torch.float32).eval()
+    outs = llm.generate(PROMPTS, greedy(40))
+    for prompt, out in zip(PROMPTS, outs):
+        ids = torch.tensor([out.prompt_token_ids])
+        ref = hf.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=llm.tokenizer.eos_token_id,
+                          pad_token_id=llm.tokenizer.pad_token_id)
+        assert out.token_ids == ref[0, ids.shape[1]:].tolist(), prompt
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft-model:SELF", "draft-model:OTHER"])
+@pytest.mark.parametrize("policy", ["fixed", "heuristic"])
+def test_speculative_greedy_equals_plain(tiny, tiny_draft, drafter, policy):
+    drafter = drafter.replace("SELF", str(tiny)).replace("OTHER", str(tiny_draft))
+    plain = LLM(str(tiny), drafter="none", max_batch=4, max_len=256).generate(PROMPTS, greedy(48))
+    spec_llm = LLM(str(tiny), drafter=drafter, policy=policy, num_speculative_tokens=4, max_batch=4, max_len=256)
+    spec = spec_llm.generate(PROMPTS, greedy(48))
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert spec_llm.last_stats.draft_proposed > 0
+    if "SELF" in drafter or drafter.endswith(str(tiny)):
+        # The target drafting for itself at T=0 is accepted almost everywhere.
+        assert spec_llm.last_stats.acceptance_rate > 0.9
+
+
+def test_max_tokens_never_exceeded_even_when_block_overshoots(tiny):
+    # Self-draft: every block is fully accepted, so a block would overshoot without capping.
+    llm = LLM(str(tiny), drafter=f"draft-model:{tiny}", num_speculative_tokens=7, max_len=256)
+    plain = LLM(str(tiny), drafter="none", max_len=256)
+    for n in (1, 2, 3, 7, 8, 9, 13):
+        out = llm.generate([PROMPTS[0]], greedy(n, ignore_eos=True))[0]
+        ref = plain.generate([PROMPTS[0]], greedy(n, ignore_eos=True))[0]
+        assert len(out.token_ids) == n and out.finish_reason == "length"
+        assert out.token_ids == ref.token_ids
+        assert out.stats["committed"] == n
+
+
+def test_stop_token_inside_accepted_block(tiny):
+    plain = LLM(str(tiny), drafter="none", max_len=256)
+    ref = plain.generate([PROMPTS[1]], greedy(40, ignore_eos=True))[0].token_ids
+    j = 17
+    stop_id = ref[j]
+    first = ref.index(stop_id)  # the stop fires at its first occurrence
+    llm = LLM(str(tiny), drafter=f"draft-model:{tiny}", num_speculative_tokens=6, max_len=256)
+    out = llm.generate([PROMPTS[1]], greedy(40, ignore_eos=True, stop_token_ids=(stop_id,)))[0]
+    assert out.token_ids == ref[: first + 1]
+    assert out.finish_reason == "stop"
+    assert out.stats["committed"] == first + 1  # nothing after the stop is counted
+
+
+def test_stop_string_inside_accepted_block(tiny):
+    plain = LLM(str(tiny), drafter="none", max_len=256)
+    ref = plain.generate([PROMPTS[2]], greedy(40, ignore_eos=True))[0]
+    text = ref.text
+    stop = text[12:15]
+    cut = text.find(stop)
+    assert cut >= 0
+    llm = LLM(str(tiny), drafter=f"draft-model:{tiny}", num_speculative_tokens=6, max_len=256)
+    out = llm.generate([PROMPTS[2]], greedy(40, ignore_eos=True, stop=(stop,)))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == text[:cut]
+    # Token ids end with the token that completed the stop string, none after it.
+    assert out.token_ids == ref.token_ids[: len(out.token_ids)]
+    assert stop in llm.engine.decode(out.token_ids)
+    assert stop not in llm.engine.decode(out.token_ids[:-1])
+
+
+def test_prompt_near_context_limit(tiny):
+    llm = LLM(str(tiny), drafter=f"draft-model:{tiny}", num_speculative_tokens=7, max_len=64)
+    prompt = list(range(3, 63))  # 60 tokens, room for 4 more
+    out = llm.generate([prompt], greedy(100, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4 and out.finish_reason == "length"
+    with pytest.raises(DraftsmithError, match="context limit"):
+        llm.generate([list(range(3, 67))], greedy(4))
+
+
+class _BadDrafter:
+    name = "bad"
+    needs = FeatureSpec()
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def start(self, seq, features):
+        pass
+
+    def propose(self, seqs, max_lengths) -> Proposal:
+        return pad_proposal([[self.token] if k else [] for k in max_lengths])
+
+    def on_verified(self, *a):
+        pass
+
+    def release(self, seq):
+        pass
+
+
+def test_draft_id_outside_vocab_is_a_clear_error(tiny):
+    llm = LLM(str(tiny), drafter=_BadDrafter(10_000), num_speculative_tokens=1, max_len=256)
+    with pytest.raises(DraftsmithError, match="10000"):
+        llm.generate(["abc"], greedy(4))
+
+
+def test_empty_proposals_are_plain_decoding(tiny):
+    # "z" never repeats early, so the n-gram drafter often proposes nothing.
+    plain = LLM(str(tiny), drafter="none", max_len=256).generate(["z"], greedy(8))[0]
+    out = LLM(str(tiny), drafter="ngram", max_len=256).generate(["z"], greedy(8))[0]
+    assert out.token_ids == plain.token_ids
+
+
+@pytest.mark.parametrize("drafter", ["none", "ngram"])
+def test_seeded_request_is_batch_invariant(tiny, drafter):
+    llm = LLM(str(tiny), drafter=drafter, max_batch=4, max_len=256)
+    p = SamplingParams(max_tokens=24, temperature=1.0, seed=1234)
+    alone = llm.generate([PROMPTS[0]], p)[0].token_ids
+    others = [SamplingParams(max_tokens=30, temperature=0.8, seed=s) for s in (1, 2, 3)]
+    batch = llm.generate(PROMPTS, [p] + others)
+    assert batch[0].token_ids == alone
+    again = llm.generate([PROMPTS[0]], p)[0].token_ids
+    assert again == alone
+
+
+def test_bad_sampling_params_are_clear_errors():
+    with pytest.raises(DraftsmithError, match="temperature"):
+        SamplingParams(temperature=-0.5)
+    with pytest.raises(DraftsmithError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(DraftsmithError, match="top_p"):
+        SamplingParams(top_p=1.01)
+    with pytest.raises(DraftsmithError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
