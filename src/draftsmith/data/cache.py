@@ -511,7 +511,7 @@ def _prepare_out(out: Path, cfg: CacheConfig, target_id: str, weights_hash: str,
     if out.exists() and any(out.iterdir()):
         if cfg.resume and mpath.is_file():
             m = read_manifest(out)
-            want = {"target_id": target_id, "weights_hash": weights_hash, "layer_ids": layer_ids,
+            want = {"target_id": target_id, "weights_hash": weights_hash, "layer_ids": None,
                     "hidden_size": mcfg.hidden_size}
             check_compatible(f"the cache being resumed at {out}", _manifest_view(m), **want)
             if tuple(m["layer_ids"]) != layer_ids or m["dtype"] != dtype_name:

@@ -2,7 +2,8 @@
 
 Each conversation is replayed turn by turn: the target answers the first user turn, its
 answer becomes the assistant turn, then the next user turn is answered after it, and so on
-(original assistant turns are dropped). Output is JSONL, one conversation per line:
+(every user turn gets an answer; original assistant turns are dropped). Output is JSONL,
+one conversation per line:
 
     id, source, split       from the prompt source
     messages                system/user turns + the regenerated assistant turns
@@ -107,22 +108,22 @@ def turn_seed(seed: int, conversation_id: str, turn: int) -> int:
 
 
 def answer_slots(messages: Sequence[Mapping[str, str]]) -> list[list[dict[str, str]]]:
-    """Group the non-assistant messages into the blocks each regenerated answer follows.
+    """Split a conversation into the blocks that each regenerated answer follows.
 
-    Original assistant turns are dropped; each maximal run of system/user messages that
-    holds a user turn is answered once (a run with no user turn joins the next one).
+    Every user turn is answered (in order, after the previously regenerated answers);
+    original assistant turns are dropped. A system message is kept in place: it joins the
+    block of the next user turn (trailing system messages with no user turn after them are
+    dropped).
     """
     blocks: list[list[dict[str, str]]] = []
     cur: list[dict[str, str]] = []
     for m in messages:
         if m["role"] == "assistant":
-            if any(x["role"] == "user" for x in cur):
-                blocks.append(cur)
-                cur = []
             continue
         cur.append({"role": m["role"], "content": m["content"]})
-    if any(x["role"] == "user" for x in cur):
-        blocks.append(cur)
+        if m["role"] == "user":
+            blocks.append(cur)
+            cur = []
     return blocks
 
 

@@ -1,0 +1,212 @@
+"""Feature cache: round trip vs the target, online == offline, validation, corruption,
+estimate, bounded writer memory, resume. Uses a tiny random checkpoint and synthetic regen
+records (cache does not care who wrote the answers)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from draftsmith.data.cache import (
+    MANIFEST,
+    CacheConfig,
+    FeatureCache,
+    directory_bytes,
+    plan_shards,
+    run_cache,
+)
+from draftsmith.data.features import FeatureExtractor, OnlineFeatures, default_layer_ids, parse_layer_ids
+from draftsmith.errors import DraftsmithError
+
+TOL = {"fp32": 1e-5, "fp16": 2e-3, "bf16": 1.6e-2}  # relative to the value (plus the same absolute)
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir) -> Path:
+    return tiny_model_dir("qwen3", seed=5)  # 3 layers, H=96
+
+
+@pytest.fixture(scope="module")
+def target(tiny):
+    from draftsmith.models.target import load_target
+
+    return load_target(str(tiny), device="cpu")
+
+
+def _records(target, n: int, seed: int = 0, lengths=(9, 40)) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    recs = []
+    for i in range(n):
+        T = int(torch.randint(lengths[0], lengths[1], (1,), generator=g))
+        ids = torch.randint(0, 256, (T,), generator=g).tolist()
+        mask = [0] * (T // 2) + [1] * (T - T // 2)
+        recs.append({"id": f"r/{seed}/{i}", "source": "test", "split": "train" if i % 4 else "heldout",
+                     "input_ids": ids, "loss_mask": mask,
+                     "target": {"id": target.target_id, "weights_hash": target.weights_hash}, "format_version": 1})
+    return recs
+
+
+def _write(path: Path, recs) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return path
+
+
+def _direct(target, ids: list[int], layers) -> tuple[dict, torch.Tensor]:
+    """Hidden states straight from the decoder: one full forward on a fresh cache."""
+    m = target.model
+    out = m(torch.tensor([ids]), m.new_cache(1, len(ids)), layer_ids=tuple(layers), compute_logits=False)
+    return {i: out.hidden[i][0] for i in layers}, out.final_hidden[0]
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, dtype: str) -> bool:
+    a, b = a.float(), b.float()
+    return bool(((a - b).abs() <= TOL[dtype] * (1 + b.abs())).all())
+
+
+def test_default_layers():
+    assert default_layer_ids(30) == (1, 14, 27)  # the default target
+    assert default_layer_ids(32) == (1, 15, 29)
+    assert default_layer_ids(3) == (0, 1, 2)
+    assert default_layer_ids(30, 5) == (1, 8, 14, 21, 27)
+    assert parse_layer_ids("default", 30) == (1, 14, 27) and parse_layer_ids("27,1", 30) == (1, 27)
+    for bad in ("1,30", "1,1", "a"):
+        with pytest.raises(DraftsmithError):
+            parse_layer_ids(bad, 30)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
+def test_round_trip_equals_target_hidden_states(tiny, target, tmp_path, dtype):
+    recs = _records(target, 7, seed=1)
+    data = _write(tmp_path / "regen.jsonl", recs)
+    out = tmp_path / "cache"
+    s = run_cache(CacheConfig(target=str(tiny), data=data, out=out, layers="0,2", dtype=dtype, shard_tokens=40))
+    assert s["num_samples"] == 7 and s["shards"] == len(plan_shards([len(r["input_ids"]) for r in recs], 40)) > 2
+    fc = FeatureCache(out).validate(target.target_id, target.weights_hash, (0, 2), 96)
+    got = {x.id: x for x in fc}
+    assert list(got) == [r["id"] for r in recs]  # order kept, every sample once
+    for r in recs:
+        x = got[r["id"]]
+        assert x.input_ids.tolist() == r["input_ids"] and x.loss_mask.tolist() == [bool(v) for v in r["loss_mask"]]
+        assert x.split == r["split"] and x.final_hidden.dtype == {"fp32": torch.float32, "fp16": torch.float16,
+                                                                   "bf16": torch.bfloat16}[dtype]
+        hid, fin = _direct(target, r["input_ids"], (0, 2))
+        assert _close(x.final_hidden, fin, dtype)
+        assert all(_close(x.hidden[i], hid[i], dtype) for i in (0, 2))
+    m = json.loads((out / MANIFEST).read_text())
+    assert m["splits"] == {"train": 5, "heldout": 2} and m["split"] == "mixed" and m["complete"]
+    assert m["num_tokens"] == sum(len(r["input_ids"]) for r in recs)
+    assert m["num_loss_tokens"] == sum(sum(r["loss_mask"]) for r in recs)
+
+
+def test_layer_convention_matches_hf_hidden_states(tiny, target):
+    """Layer i is HF's hidden_states[i + 1]; final_hidden is HF's (normed) hidden_states[-1]."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny), dtype=torch.float32).eval()
+    ids = list(range(5, 40))
+    (hid, fin), = FeatureExtractor(target.model, (0, 1), chunk_tokens=16)([ids])  # chunked prefill
+    with torch.no_grad():
+        hs = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    assert torch.allclose(hid[0], hs[1][0], atol=1e-4) and torch.allclose(hid[1], hs[2][0], atol=1e-4)
+    assert torch.allclose(fin, hs[-1][0], atol=1e-4)
+
+
+def test_online_equals_offline_and_batching(tiny, target, tmp_path):
+    recs = _records(target, 5, seed=2)
+    out = tmp_path / "c"
+    run_cache(CacheConfig(target=str(tiny), data=_write(tmp_path / "d.jsonl", recs), out=out, dtype="fp32",
+                          layers="1"))
+    fc = FeatureCache(out)
+    on = OnlineFeatures(target, layer_ids=fc.layer_ids).validate(fc.target_id, fc.weights_hash, fc.layer_ids,
+                                                                 fc.hidden_size)
+    batched = {x.id: x for x in on.iter_samples(recs, batch_size=3)}  # right-padded batches
+    for r in recs:
+        off = fc.features(r)
+        for o in (on.features(r), batched[r["id"]]):
+            assert torch.equal(o.input_ids, off.input_ids) and torch.equal(o.loss_mask, off.loss_mask)
+            assert torch.allclose(o.final_hidden, off.final_hidden, atol=1e-5)
+            assert torch.allclose(o.hidden[1], off.hidden[1], atol=1e-5)
+    with pytest.raises(DraftsmithError, match="not in the feature cache"):
+        fc.features("nope")
+
+
+def test_manifest_mismatch_and_corrupt_shard_are_clear_errors(tiny, target, tmp_path):
+    out = tmp_path / "c"
+    run_cache(CacheConfig(target=str(tiny), data=_write(tmp_path / "d.jsonl", _records(target, 6, seed=3)),
+                          out=out, dtype="fp16", layers="0,1", shard_tokens=50))
+    fc = FeatureCache(out)
+    with pytest.raises(DraftsmithError, match=r"target is 'tiny.*', expected 'other'"):
+        fc.validate(target_id="other")
+    with pytest.raises(DraftsmithError, match="weights hash"):
+        fc.validate(weights_hash="0123456789abcdef")
+    with pytest.raises(DraftsmithError, match=r"lack the requested \[2\]"):
+        fc.validate(layer_ids=(1, 2))
+    with pytest.raises(DraftsmithError, match="hidden size is 96, expected 64"):
+        fc.validate(hidden_size=64)
+    fc.validate(target.target_id, target.weights_hash, (1,), 96)  # a subset of layers is fine
+    assert set(next(iter(fc)).hidden) == {1}
+
+    shard = out / "shard-00001.safetensors"
+    raw = bytearray(shard.read_bytes())
+    raw[-10] ^= 0xFF  # flip bits in the data
+    shard.write_bytes(bytes(raw))
+    fc = FeatureCache(out)
+    with pytest.raises(DraftsmithError, match=r"shard shard-00001\.safetensors is corrupt"):
+        list(fc)
+    shard.unlink()
+    with pytest.raises(DraftsmithError, match=r"shard-00001\.safetensors is missing"):
+        FeatureCache(out).verify_all()
+    (out / MANIFEST).unlink()
+    with pytest.raises(DraftsmithError, match="manifest.json is missing"):
+        FeatureCache(out)
+
+
+def test_estimate_within_5_percent_and_bounded_writer(tiny, target, tmp_path, capsys):
+    recs = _records(target, 12, seed=4)
+    data = _write(tmp_path / "d.jsonl", recs)
+    out = tmp_path / "c"
+    est = run_cache(CacheConfig(target=str(tiny), data=data, out=out, dtype="bf16", shard_tokens=64, estimate=True))
+    assert "bytes" in capsys.readouterr().out and not out.exists()  # nothing written
+    s = run_cache(CacheConfig(target=str(tiny), data=data, out=out, dtype="bf16", shard_tokens=64))
+    written = directory_bytes(out)
+    assert abs(est["estimate"]["total_bytes"] - written) / written < 0.05
+    assert est["estimate"]["feature_bytes"] == s["num_tokens"] * 4 * 96 * 2  # 3 layers + final, H=96, bf16
+    # Memory: the writer never held more than one shard of tokens.
+    assert s["peak_buffered_tokens"] <= 64 and s["shards"] > 4
+
+
+def test_resume_continues_after_last_complete_shard(tiny, target, tmp_path):
+    recs = _records(target, 10, seed=6)
+    data = tmp_path / "d.jsonl"
+    out = tmp_path / "c"
+    cfg = dict(target=str(tiny), data=data, out=out, dtype="fp16", layers="2", shard_tokens=70)
+    _write(data, recs[:4])
+    run_cache(CacheConfig(**cfg))
+    n_shards = len(json.loads((out / MANIFEST).read_text())["shards"])
+    # leftovers of a killed run: a temp shard and a renamed shard never listed in the manifest
+    (out / ".shard-00099.safetensors.tmp").write_bytes(b"partial")
+    (out / f"shard-{n_shards:05d}.safetensors").write_bytes(b"unlisted")
+    with pytest.raises(DraftsmithError, match="--resume"):
+        run_cache(CacheConfig(**cfg))
+    _write(data, recs)
+    s = run_cache(CacheConfig(**cfg, resume=True))
+    assert s["new_tokens"] == sum(len(r["input_ids"]) for r in recs[4:])
+    assert not (out / ".shard-00099.safetensors.tmp").exists()
+    with pytest.raises(DraftsmithError, match="cannot resume"):
+        run_cache(CacheConfig(**{**cfg, "layers": "1"}, resume=True))
+    fresh = tmp_path / "fresh"
+    run_cache(CacheConfig(**{**cfg, "out": fresh}))
+    a, b = list(FeatureCache(out)), list(FeatureCache(fresh))
+    assert [x.id for x in a] == [r["id"] for r in recs] == [x.id for x in b]
+    assert all(torch.equal(x.hidden[2], y.hidden[2]) for x, y in zip(a, b))
