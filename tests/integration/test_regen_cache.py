@@ -1,0 +1,129 @@
+"""Mint stages 1-2 through the CLI: `draftsmith regen` killed and resumed, then `cache`.
+
+- A regen subprocess is SIGKILLed mid-run; `--resume` then finishes it: every id exactly once,
+  lines written before the kill unchanged, a half-written last line dropped and redone, the
+  result identical to an uninterrupted run, and the unprocessable prompt in the errors file.
+- On the default target: regen -> cache --estimate -> cache -> features equal the target's
+  hidden states recomputed directly, and online features equal the cached ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from draftsmith.data.cache import FeatureCache, directory_bytes
+from draftsmith.data.regen import errors_path, load_records
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "draftsmith", *args]
+
+
+def _lines(path: Path) -> list[bytes]:
+    return path.read_bytes().splitlines(keepends=True) if path.exists() else []
+
+
+def test_regen_sigkill_then_resume(tiny_model_dir, tmp_path):
+    from draftsmith.data.sources import load_mix
+
+    tiny = tiny_model_dir("llama", seed=11)
+    prompts = tmp_path / "prompts.jsonl"
+    rows = [{"id": f"p{i:03d}", "messages": [
+        {"role": "user", "content": f"Tell me about item {i}."},
+        {"role": "assistant", "content": "an original answer that regen replaces"},
+        {"role": "user", "content": "Shorter, please."}]} for i in range(30)]
+    rows.append({"id": "huge", "prompt": "z" * 300})  # longer than --max-len: goes to the errors file
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "regen.jsonl"
+    args = ["regen", "--target", str(tiny), "--mix", str(prompts), "--max-samples", "31", "--split", "train",
+            "--max-new-tokens", "16", "--max-len", "200", "--batch-size", "2", "--seed", "7", "--out", str(out)]
+    expected = {c.id for c in load_mix(str(prompts), split="train", max_samples=31, seed=7)}
+    huge_id = next(i for i in expected if i.endswith("/huge"))
+
+    proc = subprocess.Popen(_cli(*args), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while len(_lines(out)) < 4 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == -signal.SIGKILL, f"regen ended before it could be killed: {err.decode()[-2000:]}"
+    before = [ln for ln in _lines(out) if ln.endswith(b"\n")]
+    assert 4 <= len(before) < len(expected) - 1
+    with open(out, "ab") as f:  # a kill in the middle of a write leaves half a record
+        f.write(before[-1][: len(before[-1]) // 2])
+
+    done = subprocess.run(_cli(*args, "--resume"), env=ENV, capture_output=True, timeout=300)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    after = _lines(out)
+    recs = [json.loads(ln) for ln in after]  # every line is complete JSON (the half line is gone)
+    ids = [r["id"] for r in recs]
+    assert len(ids) == len(set(ids)) and set(ids) == expected - {huge_id}
+    assert after[: len(before)] == before  # finished ids' outputs unchanged
+    errs = [json.loads(x) for x in errors_path(out).read_text().splitlines()]
+    assert [e["id"] for e in errs] == [huge_id] and "context limit" in errs[0]["reason"]
+
+    # A resumed run reproduces an uninterrupted one (per-answer seeds from seed, id, turn).
+    clean = tmp_path / "clean.jsonl"
+    from draftsmith.cli import main
+
+    assert main([*args[:-1], str(clean), "--batch-size", "5"]) == 0
+    assert {r["id"]: r for r in load_records(clean)} == {r["id"]: r for r in recs}
+
+
+@pytest.mark.slow
+def test_regen_then_cache_on_default_target(default_target_dir, tmp_path, capsys):
+    """The real chain on the default target, with a tiny budget."""
+    from draftsmith.cli import main
+    from draftsmith.data.features import OnlineFeatures
+    from draftsmith.models.target import load_target
+
+    data = tmp_path / "regen.jsonl"
+    assert main(["regen", "--mix", "code:0.4,chat:0.6", "--max-samples", "2", "--max-new-tokens", "6",
+                 "--max-len", "1024", "--batch-size", "2", "--out", str(data)]) == 0
+    recs = load_records(data)
+    assert len(recs) == 2 and all(r["target"]["id"] == "smollm2-135m" for r in recs)
+    for r in recs:
+        assert sum(r["loss_mask"]) == sum(t["generated_tokens"] for t in r["turns"])
+    out = tmp_path / "cache"
+    assert main(["cache", "--data", str(data), "--out", str(out), "--estimate"]) == 0
+    est = int(capsys.readouterr().out.split(": ")[-1].split(" bytes")[0])
+    assert not out.exists()
+    assert main(["cache", "--data", str(data), "--out", str(out), "--dtype", "fp32", "--layers", "1,14,27",
+                 "--shard-tokens", "256"]) == 0  # fp32: compared with the target below
+    fp16 = tmp_path / "cache16"  # defaults (layers 1,14,27, fp16): what --estimate sized
+    assert main(["cache", "--data", str(data), "--out", str(fp16)]) == 0
+    assert abs(est - directory_bytes(fp16)) / directory_bytes(fp16) < 0.05
+
+    target = load_target("smollm2-135m", device="cpu")
+    fc = FeatureCache(out).validate("smollm2-135m", target.weights_hash, (1, 14, 27), 576)
+    assert FeatureCache(fp16).validate(layer_ids=(1, 14, 27)).manifest["dtype"] == "fp16"
+    on = OnlineFeatures(target, layer_ids=(1, 14, 27))
+    m = target.model
+    for r in recs:
+        x = fc.features(r)
+        o = m(torch.tensor([r["input_ids"]]), m.new_cache(1, len(r["input_ids"])), layer_ids=(1, 14, 27),
+              compute_logits=False)
+        assert torch.allclose(x.final_hidden, o.final_hidden[0], rtol=1e-4, atol=1e-4)
+        for i in (1, 14, 27):
+            assert torch.allclose(x.hidden[i], o.hidden[i][0], rtol=1e-4, atol=1e-4)
+        y = on.features(r)
+        assert torch.allclose(y.hidden[27], x.hidden[27], rtol=1e-5, atol=1e-5)
