@@ -55,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(g)
     g.add_argument("--json", action="store_true", help="print results and stats as JSON")
     g.set_defaults(func=cmd_generate)
+    _add_serve_parser(sub)
     _add_data_parsers(sub)  # regen, cache
     return ap
 
@@ -136,6 +137,49 @@ def cmd_generate(args) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+# ---- serve (OpenAI-compatible HTTP server) -------------------------------------------
+
+
+def _add_serve_parser(sub) -> None:
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, /metrics)")
+    _add_target_args(s)
+    s.add_argument("--drafter", default="none", help="none | ngram | draft-model:PATH")
+    s.add_argument("--num-speculative-tokens", "-k", type=int, default=5, help="draft length K")
+    s.add_argument("--policy", default="fixed", choices=["fixed", "heuristic"], help="draft-length policy")
+    s.add_argument("--max-batch", type=_positive_int, default=8, help="KV rows = requests running at once")
+    s.add_argument("--max-len", type=_positive_int, default=2048, help="context limit per request (prompt + output)")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", default=None, help="model id clients send (default: the target id)")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args) -> int:
+    from draftsmith.api import LLM
+
+    if args.num_speculative_tokens < 0:
+        raise DraftsmithError("--num-speculative-tokens must be >= 0")
+    if not 0 <= args.port <= 65535:
+        raise DraftsmithError(f"--port must be in 0..65535, got {args.port}")
+    llm = LLM(
+        args.target, drafter=args.drafter, num_speculative_tokens=args.num_speculative_tokens,
+        policy=args.policy, max_batch=args.max_batch, max_len=args.max_len, device=args.device, dtype=args.dtype,
+    )
+    from draftsmith.server.app import serve
+
+    print(
+        f"draftsmith: serving {args.served_model_name or llm.target.target_id} (drafter {args.drafter}, "
+        f"max batch {args.max_batch}, context {llm.engine.max_len}) on http://{args.host}:{args.port}/v1",
+        file=sys.stderr, flush=True,
+    )
+    serve(llm, host=args.host, port=args.port, log_level=args.log_level, model_name=args.served_model_name)
+    return 0
+
+
+# ---- end serve ----------------------------------------------------------------------
 
 
 # ---- data: regen, cache (Mint stages 1-2) ---------------------------------------------

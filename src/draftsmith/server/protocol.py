@@ -1,0 +1,143 @@
+"""OpenAI-compatible request models and error bodies.
+
+Types are strict where a wrong type is a client bug (a string for `max_tokens`, a bool for
+`temperature`); unknown fields are ignored, as OpenAI-compatible servers usually do.
+Options Draftsmith cannot honour (logprobs, echo, penalties, logit_bias, tools, ...) are
+rejected with a 400 rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+
+
+class APIError(Exception):
+    """An error answered as `{"error": {"message", "type", "param", "code"}}`."""
+
+    def __init__(
+        self, status: int, message: str, type: str = "invalid_request_error",
+        param: str | None = None, code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def validation_error(e: ValidationError) -> APIError:
+    errs = e.errors()
+    first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
+    loc = [str(x) for x in first.get("loc", ())]
+    param = loc[0] if loc else None
+    where = ".".join(loc)
+    msg = f"{where}: {first.get('msg')}" if where else str(first.get("msg"))
+    if len(errs) > 1:
+        msg += f" (and {len(errs) - 1} more error(s))"
+    return APIError(400, msg, param=param, code="invalid_value" if loc else None)
+
+
+class _Req(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Req):
+    include_usage: StrictBool = False
+
+
+class _Sampling(_Req):
+    model: StrictStr | None = None
+    temperature: StrictFloat | None = None  # OpenAI default 1.0
+    top_p: StrictFloat | None = None
+    n: StrictInt = Field(default=1, ge=1, le=64)
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    seed: StrictInt | None = None
+    presence_penalty: StrictFloat | None = None
+    frequency_penalty: StrictFloat | None = None
+    logit_bias: dict[str, Any] | None = None
+    user: StrictStr | None = None
+    # vLLM-style extensions
+    top_k: StrictInt | None = None
+    min_p: StrictFloat | None = None
+    ignore_eos: StrictBool = False
+    stop_token_ids: list[StrictInt] | None = None
+
+    def unsupported(self) -> list[str]:
+        bad = []
+        if self.presence_penalty:
+            bad.append("presence_penalty")
+        if self.frequency_penalty:
+            bad.append("frequency_penalty")
+        if self.logit_bias:
+            bad.append("logit_bias")
+        return bad
+
+
+Prompt = Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
+
+
+class CompletionRequest(_Sampling):
+    prompt: Prompt
+    max_tokens: StrictInt | None = 16  # OpenAI's default for completions
+    logprobs: StrictInt | None = None
+    echo: StrictBool = False
+    best_of: StrictInt | None = None
+    suffix: StrictStr | None = None
+
+    def unsupported(self) -> list[str]:
+        bad = super().unsupported()
+        if self.logprobs is not None:
+            bad.append("logprobs")
+        if self.echo:
+            bad.append("echo")
+        if self.best_of not in (None, self.n):
+            bad.append("best_of")
+        if self.suffix:
+            bad.append("suffix")
+        return bad
+
+
+class TextPart(_Req):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(_Req):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[TextPart] | None = None
+    name: StrictStr | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: StrictInt | None = None  # default: the rest of the context
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def unsupported(self) -> list[str]:
+        bad = super().unsupported()
+        if self.logprobs or self.top_logprobs:
+            bad.append("logprobs")
+        if self.tools:
+            bad.append("tools")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            bad.append("response_format")
+        return bad
