@@ -1,0 +1,57 @@
+"""Preallocated KV cache: a batch of rows with independent lengths.
+
+Layout per layer: k, v = [rows, kv_heads, max_len, head_dim]. A row's committed length is
+`lengths[row]`; entries past it are stale and simply overwritten by the next write.
+Rollback therefore never copies: it truncates a row's length (gpt-fast's static cache idea,
+extended to rows that advance at different speeds).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftsmith.errors import DraftsmithError
+
+
+class KVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        max_rows: int,
+        num_kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        shape = (max_rows, num_kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.lengths = torch.zeros(max_rows, dtype=torch.long)  # [rows], kept on CPU
+        self.max_rows = max_rows
+        self.max_len = max_len
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def truncate(self, row: int, length: int) -> None:
+        """Roll a row back (or forward over already-written entries) to `length` tokens."""
+        if not 0 <= length <= self.max_len:
+            raise ValueError(f"length {length} outside [0, {self.max_len}]")
+        self.lengths[row] = length
+
+    def reset(self, row: int) -> None:
+        self.lengths[row] = 0
+
+    def check_room(self, rows: torch.Tensor, num_new: int) -> None:
+        need = int(self.lengths[rows].max()) + num_new
+        if need > self.max_len:
+            raise DraftsmithError(
+                f"sequence would reach {need} tokens, over the context limit of {self.max_len}; "
+                "shorten the prompt or lower max_tokens"
+            )

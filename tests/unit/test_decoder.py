@@ -1,0 +1,244 @@
+"""Decoder specification: parity with HF transformers, batched rows, rollback, limits.
+
+The reference is HF's own model run over the whole sequence without a cache (the ground
+truth a cached implementation must reproduce). Our side is run the way the engine runs it:
+a prefill, then single-token decode steps, then a multi-token verify block.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.models.loading import load_decoder
+
+TOL = 1e-4
+
+VARIANTS = {
+    "llama-untied": ("llama", {}),
+    "llama-tied": ("llama", dict(tie_word_embeddings=True)),
+    "qwen2-bias-tied": ("qwen2", {}),
+    "qwen2-bias-untied": ("qwen2", dict(tie_word_embeddings=False)),
+    "qwen3-qknorm-headdim": ("qwen3", {}),
+    "rope-linear": ("llama", dict(rope_parameters=dict(rope_type="linear", factor=2.0, rope_theta=10000.0))),
+    "rope-llama3": ("llama", dict(rope_parameters=dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=16, rope_theta=10000.0))),
+    "rope-yarn": ("qwen3", dict(max_position_embeddings=128, rope_parameters=dict(
+        rope_type="yarn", factor=4.0, original_max_position_embeddings=32, rope_theta=10000.0))),
+}
+ROPE_VARIANTS = ("rope-linear", "rope-llama3", "rope-yarn")
+
+
+def _hf(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def _hf_reference(hf, ids: torch.Tensor):
+    """Logits, hidden_states and the raw output of the last layer (HF's hidden_states[-1] is normed)."""
+    seen = {}
+    hook = hf.model.layers[-1].register_forward_hook(
+        lambda m, a, out: seen.__setitem__("last", out[0] if isinstance(out, tuple) else out)
+    )
+    try:
+        out = hf(ids, output_hidden_states=True)
+    finally:
+        hook.remove()
+    return out.logits, out.hidden_states, seen["last"]
+
+
+def _ids(n: int, vocab: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (1, n), generator=g)
+
+
+def _maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_parity_with_hf_prefill_decode_verify(tiny_model_dir, variant):
+    mt, overrides = VARIANTS[variant]
+    path = tiny_model_dir(mt, **overrides)
+    hf, dec = _hf(path), load_decoder(path)
+    L = dec.config.num_layers
+    ids = _ids(17, dec.config.vocab_size, seed=1)
+    ref_logits, ref_hidden, ref_last = _hf_reference(hf, ids)
+
+    cache = dec.new_cache(1, 64)
+    layers = tuple(range(L))
+    # Prefill 9, then 5 single-token decode steps, then a 3-token verify block.
+    chunks = [(0, 9)] + [(i, i + 1) for i in range(9, 14)] + [(14, 17)]
+    for a, b in chunks:
+        out = dec(ids[:, a:b], cache, layer_ids=layers)
+        assert cache.lengths[0].item() == a, "forward must not advance cache lengths"
+        cache.lengths[0] = b
+        where = f"{variant} tokens {a}:{b}"
+        assert _maxdiff(out.logits, ref_logits[:, a:b]) <= TOL, where
+        assert _maxdiff(out.final_hidden, ref_hidden[-1][:, a:b]) <= TOL, where
+        for i in range(L - 1):  # HF's hidden_states[i + 1] is layer i's output ...
+            assert _maxdiff(out.hidden[i], ref_hidden[i + 1][:, a:b]) <= TOL, (where, i)
+        # ... except the last entry, which HF replaces by the normed state (= final_hidden).
+        assert _maxdiff(out.hidden[L - 1], ref_last[:, a:b]) <= TOL, where
+
+
+@pytest.mark.parametrize("variant", ROPE_VARIANTS)
+def test_rope_scaling_parity_is_not_vacuous(tiny_model_dir, tmp_path, variant):
+    """Negative control: the same weights with plain RoPE must visibly differ."""
+    mt, overrides = VARIANTS[variant]
+    path = tiny_model_dir(mt, **overrides)
+    plain = tmp_path / "plain"
+    shutil.copytree(path, plain)
+    cfg = json.loads((plain / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg["rope_parameters"]["rope_theta"]}
+    (plain / "config.json").write_text(json.dumps(cfg))
+    ids = _ids(17, cfg["vocab_size"], seed=2)
+    a, b = load_decoder(path), load_decoder(plain)
+    la = a(ids, a.new_cache(1, 32)).logits
+    lb = b(ids, b.new_cache(1, 32)).logits
+    assert _maxdiff(la, lb) > 100 * TOL
+
+
+@pytest.fixture(scope="module")
+def qwen3(tiny_model_dir):
+    return load_decoder(tiny_model_dir("qwen3", seed=3))
+
+
+def _solo(dec, prefix: list[int], new: list[int]) -> torch.Tensor:
+    """Logits of `new` after `prefix`, run alone in row 0 of a fresh cache."""
+    cache = dec.new_cache(1, 64)
+    if prefix:
+        dec(torch.tensor([prefix]), cache, compute_logits=False)
+        cache.lengths[0] = len(prefix)
+    return dec(torch.tensor([new]), cache).logits[0]
+
+
+def test_batched_rows_with_independent_lengths_match_solo_runs(qwen3):
+    dec = qwen3
+    V = dec.config.vocab_size
+    g = torch.Generator().manual_seed(4)
+    rows = [1, 2, 3]
+    prefix_len = {1: 5, 2: 11, 3: 0}  # different cache lengths (row 3 starts empty)
+    valid = {1: 4, 2: 2, 3: 1}  # different numbers of valid new tokens; the rest is padding
+    S = max(valid.values())
+    prefixes = {r: torch.randint(0, V, (n,), generator=g).tolist() for r, n in prefix_len.items()}
+    new = {r: torch.randint(0, V, (S,), generator=g).tolist() for r in rows}
+
+    cache = dec.new_cache(4, 64)
+    for r in rows:
+        if prefixes[r]:
+            dec(torch.tensor([prefixes[r]]), cache, rows=torch.tensor([r]), compute_logits=False)
+            cache.lengths[r] = len(prefixes[r])
+    out = dec(torch.tensor([new[r] for r in rows]), cache, rows=torch.tensor(rows))
+    assert [cache.lengths[r].item() for r in rows] == [prefix_len[r] for r in rows]
+    for b, r in enumerate(rows):
+        n = valid[r]
+        solo = _solo(dec, prefixes[r], new[r][:n])
+        assert _maxdiff(out.logits[b, :n], solo) <= TOL, f"row {r}"
+
+    # Commit the valid tokens only; the padding written past them must not leak into the next step.
+    for r in rows:
+        cache.lengths[r] = prefix_len[r] + valid[r]
+    nxt = torch.randint(0, V, (len(rows), 1), generator=g)
+    out2 = dec(nxt, cache, rows=torch.tensor(rows))
+    for b, r in enumerate(rows):
+        solo = _solo(dec, prefixes[r] + new[r][: valid[r]], nxt[b].tolist())
+        assert _maxdiff(out2.logits[b], solo) <= TOL, f"row {r} after commit"
+
+
+def test_ragged_batched_prefill_matches_solo(qwen3):
+    dec = qwen3
+    g = torch.Generator().manual_seed(5)
+    lens = [7, 3, 12]
+    S = max(lens)
+    ids = torch.randint(0, dec.config.vocab_size, (len(lens), S), generator=g)
+    out = dec(ids, dec.new_cache(3, 32))
+    for b, n in enumerate(lens):
+        assert _maxdiff(out.logits[b, :n], _solo(dec, [], ids[b, :n].tolist())) <= TOL
+
+
+def test_noncontiguous_rows_equal_contiguous(qwen3):
+    dec = qwen3
+    g = torch.Generator().manual_seed(6)
+    V = dec.config.vocab_size
+    pa, pb = torch.randint(0, V, (6,), generator=g), torch.randint(0, V, (9,), generator=g)
+    step = torch.randint(0, V, (2, 3), generator=g)
+
+    def run(row_a: int, row_b: int):
+        cache = dec.new_cache(4, 32)
+        for r, p in ((row_a, pa), (row_b, pb)):
+            dec(p[None], cache, rows=torch.tensor([r]), compute_logits=False)
+            cache.lengths[r] = len(p)
+        out = dec(step, cache, rows=torch.tensor([row_a, row_b]), layer_ids=(0, 1))
+        single = dec(step[:1, :1], cache, rows=torch.tensor([row_a]))  # one row, one token
+        return out, single
+
+    out_nc, single_nc = run(3, 1)
+    out_c, single_c = run(0, 1)
+    assert _maxdiff(out_nc.logits, out_c.logits) <= TOL
+    assert _maxdiff(out_nc.final_hidden, out_c.final_hidden) <= TOL
+    assert all(_maxdiff(out_nc.hidden[i], out_c.hidden[i]) <= TOL for i in (0, 1))
+    assert _maxdiff(single_nc.logits, single_c.logits) <= TOL
+    assert _maxdiff(single_nc.logits[0, 0], out_c.logits[0, 0]) <= TOL
+
+
+def test_rollback_by_truncating_lengths_equals_fresh_run(qwen3):
+    dec = qwen3
+    g = torch.Generator().manual_seed(7)
+    V = dec.config.vocab_size
+    prompt = torch.randint(0, V, (1, 8), generator=g)
+    draft = torch.randint(0, V, (1, 5), generator=g)
+    cache = dec.new_cache(2, 32)
+    row = torch.tensor([1])
+    dec(prompt, cache, rows=row, compute_logits=False)
+    cache.lengths[1] = 8
+    dec(draft, cache, rows=row)  # verify a 5-token draft ...
+    cache.truncate(1, 8 + 2)  # ... accept 2, roll the rest back
+    correction = torch.randint(0, V, (1, 3), generator=g)
+    after = dec(correction, cache, rows=row).logits[0]
+    fresh = _solo(dec, prompt[0].tolist() + draft[0, :2].tolist(), correction[0].tolist())
+    assert _maxdiff(after, fresh) <= TOL
+
+
+def test_logit_index_and_compute_logits(qwen3):
+    dec = qwen3
+    ids = _ids(6, dec.config.vocab_size, seed=8).repeat(2, 1)
+    full = dec(ids, dec.new_cache(2, 16))
+    idx = torch.tensor([[5], [2]])
+    picked = dec(ids, dec.new_cache(2, 16), logit_index=idx)
+    assert picked.logits.shape == (2, 1, dec.config.vocab_size)
+    assert _maxdiff(picked.logits[0, 0], full.logits[0, 5]) <= TOL
+    assert _maxdiff(picked.logits[1, 0], full.logits[1, 2]) <= TOL
+    none = dec(ids, dec.new_cache(2, 16), compute_logits=False, layer_ids=(1,))
+    assert none.logits is None and set(none.hidden) == {1}
+    assert none.final_hidden.shape == (2, 6, dec.config.hidden_size)
+
+
+def test_context_limit_raises_clear_error(qwen3):
+    dec = qwen3
+    cache = dec.new_cache(1, 8)
+    dec(_ids(6, 100, seed=9), cache, compute_logits=False)
+    cache.lengths[0] = 6
+    dec(_ids(2, 100, seed=9), cache)  # exactly fills the context: fine
+    with pytest.raises(DraftsmithError, match="context limit of 8") as e:
+        dec(_ids(3, 100, seed=9), cache)
+    assert "\n" not in str(e.value)
+    cache.lengths[0] = 8
+    with pytest.raises(DraftsmithError, match="context limit"):
+        dec(_ids(1, 100, seed=9), cache)
+
+
+@pytest.mark.parametrize("bad", [272, 10_000, -1])
+def test_token_id_outside_vocab_raises(qwen3, bad):
+    dec = qwen3
+    assert dec.config.vocab_size == 272
+    ids = torch.tensor([[1, 2, bad]])
+    with pytest.raises(DraftsmithError, match="vocabulary"):
+        dec(ids, dec.new_cache(1, 8))
