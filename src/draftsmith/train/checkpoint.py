@@ -1,0 +1,319 @@
+"""Drafter checkpoints: written atomically, resumed exactly.
+
+A run directory (`out:` in the recipe) looks like
+
+    out/
+      checkpoint-00000200/         one complete checkpoint (protocol.py layout)
+        config.json                {"kind", "target_id", "target_weights_hash", "format_version", ...config}
+        model.safetensors          trainable parameters only
+        train_state/state.pt       optimizer, scheduler, step, data position, RNG states per rank
+        train_state/meta.json      the same step / position / run config, readable
+      checkpoint-00000400/
+      config.json                  the newest checkpoint's inference files, so `KIND:out` loads
+      model.safetensors            (a hard link to the checkpoint's file: no copy)
+      train_info.json              which checkpoint that is (step, loss, time)
+      metrics.jsonl                the training log
+
+A checkpoint is built in a hidden temporary directory, every file and the directory are
+fsynced, and only then is it renamed to `checkpoint-<step>`: a rename is atomic, so a killed
+run leaves either the whole checkpoint or none (stray temporaries are removed on the next
+save). The top-level inference files are each replaced atomically, model before config.
+
+State files hold only tensors and plain Python values, so they load with
+`torch.load(weights_only=True)` (no pickled code).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from draftsmith.errors import DraftsmithError
+
+CHECKPOINT_FORMAT_VERSION = 1
+_CKPT_RE = re.compile(r"^checkpoint-(\d{8})$")
+
+
+def checkpoint_name(step: int) -> str:
+    return f"checkpoint-{step:08d}"
+
+
+# ---- fsync helpers ----------------------------------------------------------------------
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(data, indent=1, sort_keys=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+# ---- what goes in a checkpoint ------------------------------------------------------------
+
+
+def checkpoint_config(kind: str, drafter_config: Any, target_id: str, weights_hash: str) -> dict[str, Any]:
+    """config.json of protocol.py: identity of the target + the kind's config fields."""
+    import dataclasses
+
+    fields = dataclasses.asdict(drafter_config) if dataclasses.is_dataclass(drafter_config) else dict(drafter_config)
+    fields.pop("kind", None)
+    return {"kind": kind, "target_id": target_id, "target_weights_hash": weights_hash,
+            "format_version": CHECKPOINT_FORMAT_VERSION, **_jsonable(fields)}
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, Path):
+        return str(x)
+    return x
+
+
+def trainable_state(model: torch.nn.Module, frozen: torch.nn.Module | None = None) -> dict[str, torch.Tensor]:
+    """Parameters that train: requires_grad and not shared with the (frozen) target.
+
+    The drafter shares the target's embedding / lm_head; those are neither trained nor saved.
+    """
+    shared = {p.data_ptr() for p in frozen.parameters()} if frozen is not None else set()
+    out = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad and p.data_ptr() not in shared:
+            out[name] = p.detach().to("cpu").contiguous()
+    if not out:
+        raise DraftsmithError("the drafter has no trainable parameters (all frozen or shared with the target)")
+    return out
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states (torch CPU/CUDA, python, numpy) as weights_only-safe values."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": {"kind": kind, "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "gauss": float(gauss)},
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ---- save ---------------------------------------------------------------------------------
+
+
+def save_checkpoint(run_dir: Path, step: int, config_json: Mapping[str, Any], model_state: Mapping[str, torch.Tensor],
+                    train_state: Mapping[str, Any], meta: Mapping[str, Any], keep: int = 2) -> Path:
+    """Write `run_dir/checkpoint-<step>` atomically, export it to the top level, prune old ones."""
+    from safetensors.torch import save_file
+
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(run_dir)
+    final = run_dir / checkpoint_name(step)
+    tmp = run_dir / f".{checkpoint_name(step)}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    (tmp / "train_state").mkdir(parents=True)
+    try:
+        files = []
+        (tmp / "config.json").write_text(json.dumps(dict(config_json), indent=1) + "\n")
+        files.append(tmp / "config.json")
+        save_file({k: v.contiguous() for k, v in model_state.items()}, str(tmp / "model.safetensors"),
+                  metadata={"format": "pt", "step": str(step)})
+        files.append(tmp / "model.safetensors")
+        torch.save(dict(train_state), tmp / "train_state" / "state.pt")
+        files.append(tmp / "train_state" / "state.pt")
+        (tmp / "train_state" / "meta.json").write_text(json.dumps(_jsonable(dict(meta)), indent=1) + "\n")
+        files.append(tmp / "train_state" / "meta.json")
+        for f in files:
+            _fsync_file(f)
+        _fsync_dir(tmp / "train_state")
+        _fsync_dir(tmp)
+        if final.exists():  # the same step saved again (e.g. a resumed run's last step): replace it
+            trash = run_dir / f".{final.name}.old-{os.getpid()}"
+            os.rename(final, trash)
+            shutil.rmtree(trash, ignore_errors=True)
+        os.rename(tmp, final)
+        _fsync_dir(run_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _export(run_dir, final, step, meta)
+    prune_checkpoints(run_dir, keep)
+    return final
+
+
+def _export(run_dir: Path, ckpt: Path, step: int, meta: Mapping[str, Any]) -> None:
+    """Top-level inference files = the newest checkpoint's (model first, config last)."""
+    link_tmp = run_dir / f".model.safetensors.tmp-{os.getpid()}"
+    if link_tmp.exists():
+        link_tmp.unlink()
+    try:
+        os.link(ckpt / "model.safetensors", link_tmp)
+    except OSError:  # a file system without hard links: copy
+        shutil.copyfile(ckpt / "model.safetensors", link_tmp)
+        _fsync_file(link_tmp)
+    os.replace(link_tmp, run_dir / "model.safetensors")
+    write_json_atomic(run_dir / "train_info.json", {
+        "checkpoint": ckpt.name, "step": step, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        **{k: meta[k] for k in ("total_steps", "epoch", "loss", "elapsed_s") if k in meta}})
+    cfg = json.loads((ckpt / "config.json").read_text())
+    calib = run_dir / "calibration.json"
+    if calib.exists():  # fitted for older weights: no longer valid
+        calib.unlink()
+    write_json_atomic(run_dir / "config.json", cfg)
+
+
+def remove_stale_temporaries(run_dir: Path) -> None:
+    for d in Path(run_dir).glob(".checkpoint-*"):
+        shutil.rmtree(d, ignore_errors=True)
+    for f in Path(run_dir).glob(".*.tmp-*"):
+        if f.is_file():
+            f.unlink(missing_ok=True)
+
+
+def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints of a run directory, oldest first."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    out = []
+    for d in run_dir.iterdir():
+        m = _CKPT_RE.match(d.name)
+        if m and (d / "train_state" / "state.pt").is_file() and (d / "model.safetensors").is_file():
+            out.append((int(m.group(1)), d))
+    return sorted(out)
+
+
+def prune_checkpoints(run_dir: Path, keep: int) -> None:
+    for _, d in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+# ---- load ----------------------------------------------------------------------------------
+
+
+def find_resume_checkpoint(path: Path) -> Path:
+    """A checkpoint directory, or a run directory (-> its newest complete checkpoint)."""
+    path = Path(path)
+    if (path / "train_state" / "state.pt").is_file():
+        return path
+    ckpts = list_checkpoints(path)
+    if not ckpts:
+        raise DraftsmithError(f"nothing to resume in {path}: no complete checkpoint-* directory "
+                              "(a run killed before its first save starts from scratch without --resume)")
+    return ckpts[-1][1]
+
+
+def read_checkpoint_config(ckpt: Path) -> dict[str, Any]:
+    f = Path(ckpt) / "config.json"
+    if not f.is_file():
+        raise DraftsmithError(f"{ckpt} is not a drafter checkpoint: config.json is missing")
+    try:
+        cfg = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise DraftsmithError(f"{f} is not valid JSON ({e.msg}); the checkpoint is damaged") from None
+    for k in ("kind", "target_id", "target_weights_hash"):
+        if k not in cfg:
+            raise DraftsmithError(f"{f} lacks {k!r}; not a Draftsmith drafter checkpoint")
+    if cfg.get("format_version", CHECKPOINT_FORMAT_VERSION) != CHECKPOINT_FORMAT_VERSION:
+        raise DraftsmithError(f"{f} has checkpoint format {cfg.get('format_version')}; this Draftsmith reads "
+                              f"format {CHECKPOINT_FORMAT_VERSION}")
+    return cfg
+
+
+def check_checkpoint_target(ckpt: Path, target_id: str, weights_hash: str, kind: str | None = None) -> dict[str, Any]:
+    """Refuse a checkpoint trained for another target (or of another kind). Returns its config."""
+    cfg = read_checkpoint_config(ckpt)
+    problems = []
+    if kind is not None and cfg["kind"] != kind:
+        problems.append(f"it is a {cfg['kind']!r} drafter, not {kind!r}")
+    if cfg["target_id"] != target_id or cfg["target_weights_hash"] != weights_hash:
+        problems.append(f"it was trained for target {cfg['target_id']!r} (weights {cfg['target_weights_hash']}), "
+                        f"not {target_id!r} (weights {weights_hash})")
+    if problems:
+        raise DraftsmithError(f"checkpoint {ckpt} does not fit: " + "; ".join(problems)
+                              + ". Use a checkpoint trained for this target, or train one")
+    return cfg
+
+
+def load_model_state(ckpt: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    f = Path(ckpt) / "model.safetensors"
+    if not f.is_file():
+        raise DraftsmithError(f"checkpoint {ckpt} lacks model.safetensors")
+    try:
+        return load_file(str(f))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise DraftsmithError(f"cannot read {f} ({' '.join(str(e).split())}); the checkpoint is damaged") from None
+
+
+def load_train_state(ckpt: Path) -> dict[str, Any]:
+    f = Path(ckpt) / "train_state" / "state.pt"
+    if not f.is_file():
+        raise DraftsmithError(f"checkpoint {ckpt} has no train_state/ to resume from")
+    try:
+        return torch.load(f, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises several types for a damaged file
+        raise DraftsmithError(f"cannot read {f} ({type(e).__name__}); the checkpoint is damaged") from None
+
+
+def restore_trainable(model: torch.nn.Module, state: Mapping[str, torch.Tensor], ckpt: Path) -> None:
+    """Copy saved trainable parameters into `model` (every saved and every trainable name must match)."""
+    params = dict(model.named_parameters())
+    missing = [k for k in state if k not in params]
+    if missing:
+        raise DraftsmithError(f"checkpoint {ckpt} holds parameters this drafter lacks (first: {missing[0]}); "
+                              "the drafter config differs from the one it was trained with")
+    with torch.no_grad():
+        for k, v in state.items():
+            p = params[k]
+            if p.shape != v.shape:
+                raise DraftsmithError(f"checkpoint {ckpt}: {k} has shape {tuple(v.shape)}, the drafter "
+                                      f"expects {tuple(p.shape)}; the drafter config differs")
+            p.copy_(v.to(p.device, p.dtype))

@@ -1,0 +1,223 @@
+"""Training batches from the target feature cache (offline) or the target itself (online).
+
+Items are windows of at most `data.max_len` tokens cut from training conversations (the
+features were computed over the whole conversation, so a window loses nothing of the
+target's context); windows without any loss token are dropped. Held-out conversations are
+never used: a sample is skipped when its stored split is not "train" or when its id hashes
+to the held-out split (data/sources `split_of`), whichever says so.
+
+Order: epoch e is a permutation seeded by (seed, e) - of shards, then of windows within a
+shard (offline: one shard in memory at a time), or of all windows (online). Step s reads
+global batch s mod steps_per_epoch of epoch s div steps_per_epoch, so the data position is
+a function of the step and resuming at step s replays exactly what an unbroken run reads.
+Each global batch of `batch_size` windows is split into equal contiguous parts, one per
+rank (the distributed sampler); the last incomplete batch of an epoch is dropped so every
+rank takes the same number of steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from draftsmith.data.features import FeatureSample
+from draftsmith.data.sources.conversation import split_of
+from draftsmith.errors import DraftsmithError
+from draftsmith.train.config import DataConfig
+from draftsmith.train.protocol import TrainBatch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Window:
+    """Tokens [start, end) of sample `sample` (offline: of shard `shard`)."""
+
+    sample: int  # index in the source's sample list
+    shard: int  # offline: shard index; online: 0
+    start: int
+    end: int
+
+
+def windows_of(loss_mask: torch.Tensor, max_len: int) -> list[tuple[int, int]]:
+    """Cut [0, T) into windows of max_len (the last one shifted back to be full); keep those with loss tokens."""
+    T = int(loss_mask.shape[0])
+    if T <= max_len:
+        spans = [(0, T)]
+    else:
+        spans = [(s, s + max_len) for s in range(0, T - max_len + 1, max_len)]
+        if spans[-1][1] < T:
+            spans.append((T - max_len, T))
+    return [(a, b) for a, b in spans if bool(loss_mask[a:b].any())]
+
+
+def is_training_sample(sample_id: str, stored_split: str | None) -> bool:
+    return (stored_split or "train") == "train" and split_of(sample_id) == "train"
+
+
+def collate(parts: Sequence[tuple[FeatureSample, int, int]], layer_ids: Sequence[int],
+            device: torch.device | str = "cpu") -> TrainBatch:
+    """Right-pad windows into a TrainBatch (fresh float32 tensors: safe for autograd)."""
+    B = len(parts)
+    T = max(b - a for _, a, b in parts)
+    H = int(parts[0][0].final_hidden.shape[-1])
+    ids = torch.zeros(B, T, dtype=torch.long)
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    lengths = torch.zeros(B, dtype=torch.long)
+    hidden = {i: torch.zeros(B, T, H, dtype=torch.float32) for i in layer_ids}
+    final = torch.zeros(B, T, H, dtype=torch.float32)
+    for r, (s, a, b) in enumerate(parts):
+        n = b - a
+        ids[r, :n] = s.input_ids[a:b]
+        mask[r, :n] = s.loss_mask[a:b]
+        lengths[r] = n
+        for i in layer_ids:
+            hidden[i][r, :n] = s.hidden[i][a:b]
+        final[r, :n] = s.final_hidden[a:b]
+    dev = torch.device(device)
+    return TrainBatch(input_ids=ids.to(dev), loss_mask=mask.to(dev), lengths=lengths.to(dev),
+                      hidden={i: h.to(dev) for i, h in hidden.items()}, final_hidden=final.to(dev))
+
+
+class TrainData:
+    """The training windows of a run and the deterministic, rank-split batch order."""
+
+    def __init__(self, cfg: DataConfig, target, layer_ids: Sequence[int], seed: int, batch_size: int,
+                 rank: int = 0, world_size: int = 1, device: torch.device | str = "cpu") -> None:
+        if batch_size % world_size:
+            raise DraftsmithError(f"train.batch_size={batch_size} must be a multiple of the number of "
+                                  f"processes ({world_size}); it is the global batch, split evenly")
+        self.cfg = cfg
+        self.layer_ids = tuple(int(i) for i in layer_ids)
+        self.seed = int(seed)
+        self.batch_size = int(batch_size)
+        self.rank, self.world_size = int(rank), int(world_size)
+        self.per_rank = self.batch_size // self.world_size
+        self.device = torch.device(device)
+        self.excluded_heldout = 0
+        self._epoch_cache: tuple[int, list[Window]] | None = None
+        if cfg.online:
+            self._init_online(target)
+        else:
+            self._init_offline(target)
+        if not self.windows:
+            raise DraftsmithError(f"no training data: {self.source} has no train-split samples with loss tokens "
+                                  f"({self.excluded_heldout} held-out samples excluded)")
+        self.steps_per_epoch = len(self.windows) // self.batch_size
+        if self.steps_per_epoch == 0:
+            raise DraftsmithError(f"{self.source} gives {len(self.windows)} training windows, fewer than one "
+                                  f"batch of train.batch_size={self.batch_size}; lower the batch size or add data")
+
+    # ---- sources ------------------------------------------------------------------------
+
+    def _init_offline(self, target) -> None:
+        from safetensors import safe_open
+
+        from draftsmith.data.cache import FeatureCache
+
+        path = Path(self.cfg.cache)
+        self.source = f"feature cache {path}"
+        cache = FeatureCache(path)
+        cache.validate(target_id=target.target_id, weights_hash=target.weights_hash, layer_ids=self.layer_ids,
+                       hidden_size=target.model.config.hidden_size)
+        self.cache = cache
+        self.samples: list[str] = []  # sample ids
+        self.windows: list[Window] = []
+        for si, entry in enumerate(cache.manifest["shards"]):
+            with safe_open(str(path / entry["file"]), "pt") as f:  # only ids/masks: cheap
+                offsets = f.get_tensor("offsets")
+                loss_mask = f.get_tensor("loss_mask").bool()
+            for k, sid in enumerate(entry["sample_ids"]):
+                if self.cfg.max_samples is not None and len(self.samples) >= self.cfg.max_samples:
+                    break
+                if not is_training_sample(sid, entry["splits"][k]):
+                    self.excluded_heldout += 1
+                    continue
+                a, b = int(offsets[k]), int(offsets[k + 1])
+                self.samples.append(sid)
+                for s, e in windows_of(loss_mask[a:b], self.cfg.max_len):
+                    self.windows.append(Window(len(self.samples) - 1, si, s, e))
+        self.shard_count = len(cache.manifest["shards"])
+
+    def _init_online(self, target) -> None:
+        from draftsmith.data.cache import iter_records
+        from draftsmith.data.features import OnlineFeatures, record_tensors
+
+        path = Path(self.cfg.regen)
+        self.source = f"regen data {path}"
+        self.records: list[Mapping[str, Any]] = []
+        self.windows = []
+        for rec in iter_records(path):
+            if self.cfg.max_samples is not None and len(self.records) >= self.cfg.max_samples:
+                break
+            if not is_training_sample(str(rec["id"]), rec.get("split")):
+                self.excluded_heldout += 1
+                continue
+            _, mask = record_tensors(rec)
+            if mask.shape[0] > target.model.config.max_position_embeddings:
+                log.warning("skipping %s: %d tokens exceed the target context", rec["id"], mask.shape[0])
+                continue
+            self.records.append(rec)
+            for s, e in windows_of(mask, self.cfg.max_len):
+                self.windows.append(Window(len(self.records) - 1, 0, s, e))
+        self.online = OnlineFeatures(target, layer_ids=self.layer_ids)
+        self.shard_count = 1
+
+    # ---- order --------------------------------------------------------------------------
+
+    def epoch_order(self, epoch: int) -> list[Window]:
+        if self._epoch_cache is not None and self._epoch_cache[0] == epoch:
+            return self._epoch_cache[1]
+        rng = random.Random(self.seed * 1_000_003 + epoch)
+        by_shard: dict[int, list[Window]] = {}
+        for w in self.windows:
+            by_shard.setdefault(w.shard, []).append(w)
+        shards = sorted(by_shard)
+        rng.shuffle(shards)
+        order: list[Window] = []
+        for s in shards:
+            ws = list(by_shard[s])
+            rng.shuffle(ws)
+            order.extend(ws)
+        self._epoch_cache = (epoch, order)
+        return order
+
+    def position(self, step: int) -> dict[str, int]:
+        """Where global step `step` reads: epoch, batch within the epoch, windows consumed before it."""
+        return {"epoch": step // self.steps_per_epoch, "batch": step % self.steps_per_epoch,
+                "windows_seen": step * self.batch_size}
+
+    def rank_windows(self, step: int) -> list[Window]:
+        pos = self.position(step)
+        order = self.epoch_order(pos["epoch"])
+        g = order[pos["batch"] * self.batch_size: (pos["batch"] + 1) * self.batch_size]
+        return g[self.rank * self.per_rank: (self.rank + 1) * self.per_rank]
+
+    # ---- batches ------------------------------------------------------------------------
+
+    def batch(self, step: int) -> TrainBatch:
+        """This rank's part of global batch `step`."""
+        ws = self.rank_windows(step)
+        if self.cfg.online:
+            need = sorted({w.sample for w in ws})
+            feats: dict[int, FeatureSample] = {}
+            for i in range(0, len(need), self.cfg.online_batch):
+                chunk = need[i: i + self.cfg.online_batch]
+                for idx, fs in zip(chunk, self.online.batch([self.records[j] for j in chunk])):
+                    feats[idx] = fs
+            parts = [(feats[w.sample], w.start, w.end) for w in ws]
+        else:
+            parts = [(self.cache.features(self.samples[w.sample]), w.start, w.end) for w in ws]
+        return collate(parts, self.layer_ids, self.device)
+
+    def describe(self) -> dict[str, Any]:
+        n_tok = sum(w.end - w.start for w in self.windows)
+        return {"source": self.source, "samples": len(self.samples if not self.cfg.online else self.records),
+                "windows": len(self.windows), "window_tokens": n_tok, "excluded_heldout": self.excluded_heldout,
+                "steps_per_epoch": self.steps_per_epoch, "batch_size": self.batch_size, "world_size": self.world_size}

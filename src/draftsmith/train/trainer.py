@@ -1,0 +1,431 @@
+"""The training loop shared by every trainable drafter kind (`draftsmith train`).
+
+    build(target, config) -> model            (the kind's code, protocol.py)
+    for step: batch = data.batch(step)        (train/data.py: deterministic, rank-split)
+              loss = model.training_loss(batch, generator(seed, rank, step))
+              backward, clip grad norm, AdamW, warmup + cosine
+              log (rank 0), checkpoint every N steps and at the end (train/checkpoint.py)
+
+Exact resume: weights, AdamW moments, the scheduler, every rank's RNG states and the step
+are saved; the data position and the per-step generator are functions of the step, so a
+resumed run continues with bit-identical numbers. `--budget M` sizes the run to M minutes
+from a short timing probe (whose effects are undone) and stops at the deadline regardless.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.train import checkpoint as ckpt_io
+from draftsmith.train.config import Catalogue, TrainConfig, trained_catalogue
+from draftsmith.train.distributed import DistInfo, init_from_env, shutdown
+from draftsmith.train import distributed as dist_util
+
+log = logging.getLogger(__name__)
+
+StepHook = Callable[[int, "Trainer"], None]
+PROBE_STEPS = 3  # timing probe for --budget (the first is a warm-up)
+# Train-section fields that may change on resume without breaking exactness.
+_RESUME_FREE = {"log_every", "save_every", "keep_checkpoints", "budget_minutes", "max_steps", "epochs",
+                "tensorboard", "progress"}
+
+
+def lr_factor(step: int, total: int, warmup_ratio: float, min_ratio: float) -> float:
+    """Linear warmup over the first `warmup_ratio` of steps, then cosine down to `min_ratio`."""
+    warm = int(math.ceil(warmup_ratio * total))
+    if warm and step < warm:
+        return (step + 1) / warm
+    span = max(1, total - warm)
+    progress = min(1.0, (step - warm) / span)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def step_seed(seed: int, rank: int, step: int) -> int:
+    """Seed of the generator handed to `training_loss` (anchor sampling) at one step."""
+    return ((seed * 1_000_003 + rank) * 1_000_033 + step) % (2**63 - 1)
+
+
+def param_groups(model: nn.Module, params: dict[str, nn.Parameter], weight_decay: float) -> list[dict]:
+    """AdamW groups: decay matrices, not biases / norms / 1-d parameters."""
+    decay = [p for n, p in params.items() if p.ndim >= 2]
+    no_decay = [p for n, p in params.items() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+@dataclass
+class TrainResult:
+    step: int
+    total_steps: int
+    checkpoint: Path | None
+    final_loss: float | None
+    history: list[dict] = field(default_factory=list)  # logged rows (rank 0)
+    stopped_at_deadline: bool = False
+
+
+class Trainer:
+    """One training run. `fit()` returns a TrainResult; rank 0 writes everything."""
+
+    def __init__(self, cfg: TrainConfig, catalogue: Catalogue | None = None, resume: bool | str | Path = False,
+                 overwrite: bool = False, hooks: Sequence[StepHook] = (), info: DistInfo | None = None) -> None:
+        self.cfg = cfg
+        self.catalogue = catalogue if catalogue is not None else trained_catalogue()
+        self.resume = resume
+        self.overwrite = overwrite
+        self.hooks = tuple(hooks)
+        self.info = info
+        self.out = Path(cfg.out)
+        self.step = 0
+        self.total_steps = 0
+        self.history: list[dict] = []
+
+    # ---- setup ---------------------------------------------------------------------------
+
+    def _setup(self) -> None:
+        from draftsmith.models.target import load_target
+        from draftsmith.train.data import TrainData
+
+        t = self.cfg.train
+        self.t_start = time.perf_counter()
+        self.info = self.info or init_from_env(t.device)
+        info = self.info
+        self._prepare_out_dir()
+        torch.manual_seed(t.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
+        self.target = load_target(self.cfg.target, device=str(info.device), dtype="float32")
+        for p in self.target.model.parameters():
+            p.requires_grad_(False)
+        self.resume_from: Path | None = None
+        if self.resume:  # refuse a foreign checkpoint before anything else is loaded
+            self.resume_from = ckpt_io.find_resume_checkpoint(self.out if self.resume is True else Path(self.resume))
+            ckpt_io.check_checkpoint_target(self.resume_from, self.target.target_id, self.target.weights_hash,
+                                            kind=self.cfg.kind)
+        entry = self.catalogue[self.cfg.kind]
+        self.model = entry.build(self.target.model, self.cfg.drafter).to(info.device)
+        self.model.train()
+        spec = self.model.feature_spec
+        L = self.target.model.config.num_layers
+        bad = [i for i in spec.layer_ids if not 0 <= i < L]
+        if bad:
+            raise DraftsmithError(f"the {self.cfg.kind} drafter reads target layers {bad}, but the target has {L} layers")
+        self.layer_ids = tuple(spec.layer_ids)
+        shared = {p.data_ptr() for p in self.target.model.parameters()}
+        self.params = {n: p for n, p in self.model.named_parameters() if p.requires_grad and p.data_ptr() not in shared}
+        if not self.params:
+            raise DraftsmithError(f"the {self.cfg.kind} drafter has no trainable parameters")
+        self.data = TrainData(self.cfg.data, self.target, self.layer_ids, t.seed, t.batch_size,
+                              info.rank, info.world_size, info.device)
+        self.wrapped = dist_util.wrap(self.model, info, t.ddp_find_unused)
+        self.ckpt_config = ckpt_io.checkpoint_config(self.cfg.kind, self.cfg.drafter, self.target.target_id,
+                                                     self.target.weights_hash)
+
+    def _prepare_out_dir(self) -> None:
+        if not self.info.is_main:
+            return
+        existing = ckpt_io.list_checkpoints(self.out)
+        if existing and not self.resume and not self.overwrite:
+            raise DraftsmithError(f"{self.out} already holds checkpoints (newest step {existing[-1][0]}); pass "
+                                  "--resume to continue that run or --overwrite to start again")
+        if self.overwrite and not self.resume and self.out.is_dir():
+            for _, d in existing:
+                shutil.rmtree(d)
+            for name in ("config.json", "model.safetensors", "train_info.json", "metrics.jsonl",
+                         "calibration.json", "train_config.json"):
+                (self.out / name).unlink(missing_ok=True)
+        self.out.mkdir(parents=True, exist_ok=True)
+
+    def _make_optimizer(self) -> None:
+        t = self.cfg.train
+        self.optimizer = torch.optim.AdamW(param_groups(self.model, self.params, t.weight_decay), lr=t.lr,
+                                           betas=tuple(t.betas), eps=1e-8)
+        total, warm, floor = self.total_steps, t.warmup_ratio, t.min_lr_ratio
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_factor(s, total, warm, floor))
+
+    def _planned_steps(self) -> int:
+        t = self.cfg.train
+        if t.max_steps is not None:
+            return t.max_steps
+        return max(1, int(math.ceil(t.epochs * self.data.steps_per_epoch)))
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def _forward_backward(self, step: int) -> tuple[float, dict[str, float], int]:
+        info, t = self.info, self.cfg.train
+        batch = self.data.batch(step)
+        gen = torch.Generator(device=info.device)
+        gen.manual_seed(step_seed(t.seed, info.rank, step))
+        with torch.autocast(device_type=info.device.type, dtype=torch.bfloat16, enabled=t.dtype == "bf16"):
+            total, parts = self.wrapped(batch, gen)
+        if not torch.isfinite(total):
+            raise DraftsmithError(f"loss is {float(total)} at step {step}; lower train.lr or check the data "
+                                  "(train.dtype=fp32 if bf16 overflows)")
+        total.backward()
+        return float(total.detach()), parts, int(batch.loss_mask.sum())
+
+    def _optimizer_step(self) -> tuple[float, float]:
+        """Clip, step, advance the schedule. Returns (grad norm before clipping, lr used)."""
+        norm = torch.nn.utils.clip_grad_norm_(list(self.params.values()), self.cfg.train.grad_clip)
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm), lr
+
+    def _probe_seconds_per_step(self) -> float:
+        """Time a few real steps, then undo them (weights, RNG); the optimizer is rebuilt after."""
+        saved = {n: p.detach().clone() for n, p in self.params.items()}
+        rng = ckpt_io.rng_state()
+        probe_opt = torch.optim.AdamW(list(self.params.values()), lr=0.0)
+        times = []
+        for s in range(PROBE_STEPS):
+            t0 = time.perf_counter()
+            self._forward_backward(s % self.data.steps_per_epoch)
+            probe_opt.step()
+            probe_opt.zero_grad(set_to_none=True)
+            times.append(time.perf_counter() - t0)
+        with torch.no_grad():
+            for n, p in self.params.items():
+                p.copy_(saved[n])
+        ckpt_io.set_rng_state(rng)
+        per_step = sorted(times[1:])[len(times[1:]) // 2] if len(times) > 1 else times[0]
+        return float(dist_util.broadcast_object(per_step, self.info))
+
+    # ---- checkpoints -----------------------------------------------------------------------
+
+    def _save(self, last_loss: float | None) -> Path | None:
+        rngs = dist_util.gather_objects(ckpt_io.rng_state(), self.info)
+        path = None
+        if self.info.is_main:
+            pos = self.data.position(self.step)
+            state = {"step": self.step, "total_steps": self.total_steps, "optimizer": self.optimizer.state_dict(),
+                     "scheduler": self.scheduler.state_dict(), "rng": rngs, "world_size": self.info.world_size,
+                     "data_position": pos}
+            meta = {"step": self.step, "total_steps": self.total_steps, "epoch": pos["epoch"],
+                    "data_position": pos, "loss": last_loss, "world_size": self.info.world_size,
+                    "elapsed_s": round(time.perf_counter() - self.t_start, 3), "run_config": self.cfg.to_dict()}
+            model_state = {n: p.detach().to("cpu").contiguous() for n, p in self.params.items()}
+            path = ckpt_io.save_checkpoint(self.out, self.step, self.ckpt_config, model_state, state, meta,
+                                           keep=self.cfg.train.keep_checkpoints)
+        dist_util.barrier(self.info)
+        return path
+
+    def _restore(self) -> None:
+        ckpt = self.resume_from
+        saved_cfg = ckpt_io.read_checkpoint_config(ckpt)
+        mine = {k: v for k, v in self.ckpt_config.items() if k != "format_version"}
+        theirs = {k: v for k, v in saved_cfg.items() if k != "format_version"}
+        diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+        if diff:
+            raise DraftsmithError(f"cannot resume from {ckpt}: the drafter config differs in {diff} "
+                                  f"(checkpoint: {[theirs.get(k) for k in diff]}, recipe: {[mine.get(k) for k in diff]})")
+        state = ckpt_io.load_train_state(ckpt)
+        model_state = ckpt_io.load_model_state(ckpt)
+        missing = sorted(set(self.params) - set(model_state))
+        if missing:
+            raise DraftsmithError(f"checkpoint {ckpt} lacks trainable parameters (first: {missing[0]})")
+        ckpt_io.restore_trainable(self.model, model_state, ckpt)
+        if state.get("world_size", 1) != self.info.world_size:
+            raise DraftsmithError(f"checkpoint {ckpt} was written by {state.get('world_size')} processes; resume "
+                                  f"with the same number (now {self.info.world_size}) for an exact continuation")
+        self.step = int(state["step"])
+        if self.cfg.train.budget_minutes is not None:
+            self.total_steps = int(state["total_steps"])
+        self._make_optimizer()
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        ckpt_io.set_rng_state(state["rng"][self.info.rank])
+        self._warn_config_changes(ckpt)
+        self._truncate_metrics(self.step)
+        if self.info.is_main:
+            print(f"[draftsmith] resuming from {ckpt} at step {self.step}/{self.total_steps}", file=sys.stderr)
+
+    def _warn_config_changes(self, ckpt: Path) -> None:
+        meta_f = ckpt / "train_state" / "meta.json"
+        if not meta_f.is_file() or not self.info.is_main:
+            return
+        old = json.loads(meta_f.read_text()).get("run_config", {})
+        new = self.cfg.to_dict()
+        changed = [f"data.{k}" for k in new["data"] if old.get("data", {}).get(k) != new["data"][k]]
+        changed += [f"train.{k}" for k in new["train"]
+                    if k not in _RESUME_FREE and old.get("train", {}).get(k) != new["train"][k]]
+        if changed:
+            print(f"[draftsmith] warning: {', '.join(changed)} changed since {ckpt.name}; the resumed run will "
+                  "not match an unbroken one exactly", file=sys.stderr)
+
+    # ---- logging --------------------------------------------------------------------------------
+
+    def _metrics_path(self) -> Path:
+        return self.out / "metrics.jsonl"
+
+    def _truncate_metrics(self, step: int) -> None:
+        """Drop rows a killed run logged after the checkpoint being resumed."""
+        f = self._metrics_path()
+        if not self.info.is_main or not f.is_file():
+            return
+        keep = []
+        for line in f.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a torn last line
+            if int(row.get("step", 0)) <= step:
+                keep.append(line)
+        tmp = f.with_name(f".{f.name}.tmp")
+        tmp.write_text("".join(x + "\n" for x in keep))
+        tmp.replace(f)
+
+    def _open_loggers(self) -> None:
+        self.metrics_file = None
+        self.tb = None
+        self.bar = None
+        if not self.info.is_main:
+            return
+        self.metrics_file = open(self._metrics_path(), "a")
+        t = self.cfg.train
+        if t.tensorboard != "off":
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(self.out / "tensorboard"))
+            except ImportError:
+                if t.tensorboard == "on":
+                    raise DraftsmithError("train.tensorboard=on needs the tensorboard package "
+                                          "(pip install tensorboard), or use tensorboard=auto") from None
+        from tqdm import tqdm
+
+        show = sys.stderr.isatty() if t.progress == "auto" else t.progress == "on"
+        self.bar = tqdm(total=self.total_steps, initial=self.step, desc=f"train {self.cfg.kind}", unit="step",
+                        file=sys.stderr, dynamic_ncols=True, disable=not show)
+
+    def _log(self, row: dict) -> None:
+        self.history.append(row)
+        if self.metrics_file is not None:
+            self.metrics_file.write(json.dumps(row) + "\n")
+            self.metrics_file.flush()
+        if self.tb is not None:
+            for k, v in row.items():
+                if isinstance(v, (int, float)) and k != "step":
+                    self.tb.add_scalar(k, v, row["step"])
+
+    def _close_loggers(self) -> None:
+        if self.metrics_file is not None:
+            self.metrics_file.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.bar is not None:
+            self.bar.close()
+
+    # ---- the loop -------------------------------------------------------------------------------
+
+    def fit(self) -> TrainResult:
+        try:
+            return self._fit()
+        finally:
+            if self.info is not None:
+                shutdown(self.info)
+
+    def _fit(self) -> TrainResult:
+        self._setup()
+        t = self.cfg.train
+        info = self.info
+        deadline = None
+        self.total_steps = self._planned_steps()
+        if t.budget_minutes is not None:
+            deadline = self.t_start + t.budget_minutes * 60.0
+            if not self.resume:
+                per_step = self._probe_seconds_per_step()
+                left = deadline - time.perf_counter()
+                self.total_steps = max(1, int(0.95 * left / per_step))
+                if info.is_main:
+                    print(f"[draftsmith] budget {t.budget_minutes:g} min: ~{per_step:.2f} s/step -> "
+                          f"{self.total_steps} steps", file=sys.stderr)
+        if self.resume:
+            self._restore()
+        else:
+            self._make_optimizer()
+            torch.manual_seed(step_seed(t.seed, info.rank, -1))  # per-rank stream (dropout)
+        if info.is_main:
+            (self.out / "train_config.json").write_text(json.dumps(self.cfg.to_dict(), indent=1) + "\n")
+            d = self.data.describe()
+            print(f"[draftsmith] {self.cfg.kind} on {self.target.target_id}: {len(self.params)} trainable tensors "
+                  f"({sum(p.numel() for p in self.params.values()) / 1e6:.2f} M params), {d['windows']} windows "
+                  f"from {d['source']} ({d['excluded_heldout']} held-out excluded), {self.total_steps} steps, "
+                  f"{info.world_size} process(es)", file=sys.stderr)
+        self._open_loggers()
+        acc: dict[str, float] = {}
+        n_acc = 0
+        last_loss: float | None = None
+        stopped = False
+        saved_at = -1
+        path: Path | None = None
+        t_log = time.perf_counter()
+        try:
+            while self.step < self.total_steps:
+                loss, parts, tokens = self._forward_backward(self.step)
+                grad_norm, lr = self._optimizer_step()
+                self.step += 1
+                for k, v in {"loss": loss, **parts, "grad_norm": grad_norm}.items():
+                    acc[k] = acc.get(k, 0.0) + float(v)
+                acc["loss_tokens"] = acc.get("loss_tokens", 0.0) + tokens
+                n_acc += 1
+                last = self.step == self.total_steps
+                if self.step % t.log_every == 0 or last:
+                    means = dist_util.mean_over_ranks({k: v / n_acc for k, v in acc.items()}, info)
+                    now = time.perf_counter()
+                    row = {"step": self.step, "epoch": round(self.step / self.data.steps_per_epoch, 4),
+                           "lr": lr, **means,
+                           "loss_tokens": means["loss_tokens"] * n_acc * info.world_size,
+                           "steps_per_s": n_acc / max(now - t_log, 1e-9),
+                           "elapsed_s": round(now - self.t_start, 3)}
+                    last_loss = means["loss"]
+                    self._log(row)
+                    acc, n_acc, t_log = {}, 0, now
+                if self.bar is not None:
+                    self.bar.update(1)
+                    if last_loss is not None:
+                        self.bar.set_postfix(loss=f"{last_loss:.4f}", refresh=False)
+                if deadline is not None and not last:  # rank 0 decides, so every rank stops together
+                    stopped = bool(dist_util.broadcast_object(time.perf_counter() > deadline, info))
+                if self.step % t.save_every == 0 or last or stopped:
+                    path = self._save(last_loss)
+                    saved_at = self.step
+                for hook in self.hooks:
+                    hook(self.step, self)
+                if stopped:
+                    if info.is_main:
+                        print(f"[draftsmith] budget reached at step {self.step}/{self.total_steps}; saved",
+                              file=sys.stderr)
+                    break
+            if saved_at != self.step and self.step > 0:
+                path = self._save(last_loss)
+        finally:
+            self._close_loggers()
+        if info.is_main and path is not None:
+            print(f"[draftsmith] checkpoint: {path} (inference files also in {self.out})", file=sys.stderr)
+        return TrainResult(step=self.step, total_steps=self.total_steps, checkpoint=path, final_loss=last_loss,
+                           history=self.history, stopped_at_deadline=stopped)
+
+
+def train(cfg: TrainConfig, catalogue: Catalogue | None = None, resume: bool | str | Path = False,
+          overwrite: bool = False, hooks: Sequence[StepHook] = ()) -> TrainResult:
+    return Trainer(cfg, catalogue, resume=resume, overwrite=overwrite, hooks=hooks).fit()
+
+
+def trained_params(trainer: Trainer) -> dict[str, Any]:
+    """Current trainable parameters (CPU copies), e.g. for tests comparing runs."""
+    return {n: p.detach().to("cpu").clone() for n, p in trainer.params.items()}

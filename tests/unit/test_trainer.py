@@ -1,0 +1,228 @@
+"""The training loop, checkpoints and exact resume, with a tiny stand-in drafter (standin_drafter.py).
+
+Every run here takes well under a second of compute: a 3-layer hidden-64 target and a
+linear head, a few dozen short synthetic conversations.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.train import checkpoint as ckpt_io
+from draftsmith.train.config import parse_config
+from draftsmith.train.trainer import Trainer, lr_factor, trained_params
+
+import standin_drafter
+from standin_drafter import CATALOGUE, sequence_records
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def target_dir(tiny_model_dir):
+    return tiny_model_dir("llama", seed=0)
+
+
+@pytest.fixture(scope="module")
+def regen_file(tmp_path_factory):
+    return sequence_records(tmp_path_factory.mktemp("regen") / "regen.jsonl", n=24)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory, target_dir, regen_file):
+    from draftsmith.data.cache import CacheConfig, run_cache
+
+    out = tmp_path_factory.mktemp("cache")
+    run_cache(CacheConfig(target=str(target_dir), data=regen_file, out=out, layers="0,1", dtype="fp32",
+                          shard_tokens=300, progress=False))
+    return out
+
+
+def make_cfg(target_dir, cache_dir, out, **train):
+    raw = {"target": str(target_dir), "out": str(out), "drafter": {"kind": "head", "layer_ids": [0]},
+           "data": {"cache": str(cache_dir), "max_len": 32},
+           "train": {"batch_size": 4, "max_steps": 6, "save_every": 3, "log_every": 1, "lr": 3e-3,
+                     "progress": "off", "tensorboard": "off", **train}}
+    return parse_config(raw, CATALOGUE, num_layers=3)
+
+
+def test_lr_schedule_warmup_then_cosine():
+    total = 100
+    f = [lr_factor(s, total, 0.04, 0.0) for s in range(total)]
+    assert f[:4] == [0.25, 0.5, 0.75, 1.0]  # 4 warmup steps
+    assert f[4] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(f[4:], f[5:]))  # cosine decreases
+    assert f[-1] == pytest.approx(0.5 * (1 + math.cos(math.pi * 95 / 96)))
+    assert lr_factor(50, 100, 0.0, 0.1) == pytest.approx(0.1 + 0.9 * 0.5)
+
+
+def test_train_writes_checkpoints_and_log(target_dir, cache_dir, tmp_path):
+    out = tmp_path / "run"
+    res = Trainer(make_cfg(target_dir, cache_dir, out, max_steps=12, lr=1e-2), CATALOGUE).fit()
+    assert res.step == 12 and res.total_steps == 12
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    assert rows[-1]["loss"] < rows[0]["loss"] * 0.8  # it learns the deterministic chain
+    assert {"lr", "grad_norm", "ce", "acc@1", "epoch", "elapsed_s"} <= set(rows[0])
+    # warmup: ceil(0.04 * 12) = 1 step, then cosine
+    assert rows[0]["lr"] == pytest.approx(1e-2) and rows[-1]["lr"] < 1e-3
+    # keep_checkpoints=2: steps 9 and 12 remain; the top level is the newest one's export
+    assert [s for s, _ in ckpt_io.list_checkpoints(out)] == [9, 12]
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["kind"] == "head" and cfg["target_id"] == target_dir.name and cfg["format_version"] == 1
+    assert cfg["layer_ids"] == [0] and "target_weights_hash" in cfg
+    weights = load_file(str(out / "model.safetensors"))
+    assert set(weights) == {"proj.weight", "proj.bias", "norm.weight", "norm.bias"}  # no frozen lm_head
+    assert os.path.samefile(out / "model.safetensors", out / "checkpoint-00000012" / "model.safetensors")
+    assert json.loads((out / "train_info.json").read_text())["step"] == 12
+    meta = json.loads((out / "checkpoint-00000012" / "train_state" / "meta.json").read_text())
+    assert meta["data_position"]["epoch"] >= 1 and meta["run_config"]["drafter"]["kind"] == "head"
+    # an existing run is not silently overwritten
+    with pytest.raises(DraftsmithError, match="--resume"):
+        Trainer(make_cfg(target_dir, cache_dir, out), CATALOGUE).fit()
+
+
+def test_heldout_never_read(target_dir, cache_dir, tmp_path):
+    from draftsmith.data.sources.conversation import split_of
+    from draftsmith.models.target import load_target
+    from draftsmith.train.data import TrainData
+
+    cfg = make_cfg(target_dir, cache_dir, tmp_path / "x")
+    data = TrainData(cfg.data, load_target(str(target_dir)), (0,), seed=0, batch_size=4)
+    ids = set(data.samples)
+    assert ids and not any("heldout" in i for i in ids)
+    assert all(split_of(i) == "train" for i in ids)
+    assert data.excluded_heldout >= 2
+    assert all(w.end - w.start <= 32 for w in data.windows)
+    # order: a permutation per epoch, reproducible, different between epochs
+    assert data.epoch_order(0) == data.epoch_order(0) and data.epoch_order(0) != data.epoch_order(1)
+    assert sorted(map(id, data.epoch_order(1))) == sorted(map(id, data.windows))
+    # two ranks split each global batch into disjoint halves
+    tgt = load_target(str(target_dir))
+    r0 = TrainData(cfg.data, tgt, (0,), 0, 4, rank=0, world_size=2)
+    r1 = TrainData(cfg.data, tgt, (0,), 0, 4, rank=1, world_size=2)
+    assert r0.rank_windows(3) + r1.rank_windows(3) == data.rank_windows(3)
+
+
+def _run_until_exception(cfg, at_step):
+    class Killed(Exception):
+        pass
+
+    def hook(step, trainer):
+        if step == at_step:
+            raise Killed
+
+    with pytest.raises(Killed):
+        Trainer(cfg, CATALOGUE, hooks=[hook]).fit()
+
+
+def test_resume_after_exception_equals_straight_run(target_dir, cache_dir, tmp_path):
+    straight = Trainer(make_cfg(target_dir, cache_dir, tmp_path / "a"), CATALOGUE)
+    straight.fit()
+    _run_until_exception(make_cfg(target_dir, cache_dir, tmp_path / "b"), at_step=3)
+    assert [s for s, _ in ckpt_io.list_checkpoints(tmp_path / "b")] == [3]
+    resumed = Trainer(make_cfg(target_dir, cache_dir, tmp_path / "b"), CATALOGUE, resume=True)
+    resumed.fit()
+    a, b = trained_params(straight), trained_params(resumed)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    la = [json.loads(x)["loss"] for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    lb = [json.loads(x)["loss"] for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert la == lb  # the log was continued, not duplicated
+
+
+def test_resume_after_sigkill_equals_straight_run(target_dir, cache_dir, tmp_path):
+    """A real SIGKILL (no cleanup runs) right after the step-4 checkpoint, mid-way through a save of 6 is
+    simulated by a stray temporary directory; the resume picks checkpoint 4 and ends identical."""
+    straight = Trainer(make_cfg(target_dir, cache_dir, tmp_path / "a", max_steps=8, save_every=2), CATALOGUE)
+    straight.fit()
+    out = tmp_path / "b"
+    script = f"""
+import json, os, signal, sys
+sys.path.insert(0, {str(HERE)!r})
+from standin_drafter import CATALOGUE
+from draftsmith.train.config import parse_config
+from draftsmith.train.trainer import Trainer
+raw = json.loads({json.dumps(json.dumps(make_cfg(target_dir, cache_dir, out, max_steps=8, save_every=2).to_dict()))})
+def hook(step, trainer):
+    if step == 4:
+        os.kill(os.getpid(), signal.SIGKILL)
+Trainer(parse_config(raw, CATALOGUE, num_layers=3), CATALOGUE, hooks=[hook]).fit()
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    (out / ".checkpoint-00000006.tmp-99999" / "train_state").mkdir(parents=True)  # a torn save
+    assert [s for s, _ in ckpt_io.list_checkpoints(out)] == [2, 4]
+    resumed = Trainer(make_cfg(target_dir, cache_dir, out, max_steps=8, save_every=2), CATALOGUE, resume=True)
+    resumed.fit()
+    assert not list(out.glob(".checkpoint-*"))  # stray temporaries cleaned
+    a, b = trained_params(straight), trained_params(resumed)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_resume_refuses_checkpoint_of_another_target(target_dir, cache_dir, tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    Trainer(make_cfg(target_dir, cache_dir, out, max_steps=3), CATALOGUE).fit()
+    other = tiny_model_dir("llama", seed=5)  # same shapes, other weights
+    cfg = make_cfg(other, cache_dir, out, max_steps=6)
+    with pytest.raises(DraftsmithError, match="trained for target"):
+        Trainer(cfg, CATALOGUE, resume=True).fit()
+    with pytest.raises(DraftsmithError, match="trained for target"):
+        ckpt_io.check_checkpoint_target(out, "other-model", "0" * 16)
+    # a changed drafter config is refused too (the weights would not fit)
+    raw = make_cfg(target_dir, cache_dir, out, max_steps=6).to_dict()
+    raw["drafter"]["layer_ids"] = [1]
+    with pytest.raises(DraftsmithError, match="drafter config differs"):
+        Trainer(parse_config(raw, CATALOGUE, num_layers=3), CATALOGUE, resume=True).fit()
+
+
+def test_online_features_equal_the_cache(target_dir, cache_dir, regen_file, tmp_path):
+    from draftsmith.models.target import load_target
+    from draftsmith.train.data import TrainData
+
+    tgt = load_target(str(target_dir))
+    off = make_cfg(target_dir, cache_dir, tmp_path / "x")
+    raw = off.to_dict()
+    raw["data"] = {"online": True, "regen": str(regen_file), "max_len": 32}
+    on = parse_config(raw, CATALOGUE, num_layers=3)
+    d_off = TrainData(off.data, tgt, (0,), 0, 4)
+    d_on = TrainData(on.data, tgt, (0,), 0, 4)
+    assert sorted((d_off.samples[w.sample], w.start, w.end) for w in d_off.windows) == \
+        sorted((str(d_on.records[w.sample]["id"]), w.start, w.end) for w in d_on.windows)
+    b = d_on.batch(0)
+    for r, w in enumerate(d_on.rank_windows(0)):
+        ref = d_off.cache.features(str(d_on.records[w.sample]["id"]))
+        n = w.end - w.start
+        torch.testing.assert_close(b.final_hidden[r, :n], ref.final_hidden[w.start:w.end], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(b.hidden[0][r, :n], ref.hidden[0][w.start:w.end], atol=1e-5, rtol=1e-5)
+    raw["out"], raw["train"]["max_steps"] = str(tmp_path / "online"), 2
+    res = Trainer(parse_config(raw, CATALOGUE, num_layers=3), CATALOGUE).fit()
+    assert res.step == 2 and res.final_loss is not None
+
+
+def test_budget_sizes_the_run(target_dir, cache_dir, tmp_path):
+    cfg = make_cfg(target_dir, cache_dir, tmp_path / "run", max_steps=None, budget_minutes=0.02, save_every=10**6)
+    res = Trainer(cfg, CATALOGUE).fit()
+    assert res.total_steps >= 1 and res.step >= 1 and res.checkpoint is not None
+    assert ckpt_io.list_checkpoints(tmp_path / "run")[-1][0] == res.step
+
+
+def test_checkpoint_files_load_without_pickle(target_dir, cache_dir, tmp_path):
+    out = tmp_path / "run"
+    Trainer(make_cfg(target_dir, cache_dir, out, max_steps=3), CATALOGUE).fit()
+    state = ckpt_io.load_train_state(out / "checkpoint-00000003")  # weights_only=True inside
+    assert state["step"] == 3 and len(state["rng"]) == 1
+    assert {"torch", "python", "numpy"} <= set(state["rng"][0])
+    assert state["optimizer"]["state"]  # AdamW moments are there
