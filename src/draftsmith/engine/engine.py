@@ -28,6 +28,15 @@ from draftsmith.policy.fixed import FixedK
 
 
 @dataclass(frozen=True)
+class StepInfo:
+    """Shape of the last target forward: rows × (1 + longest draft), and useful tokens."""
+
+    rows: int = 0
+    block_len: int = 0  # 1 + max draft length in the batch (padded verify width)
+    useful_tokens: int = 0  # sum over rows of 1 + that row's draft length
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     max_batch: int = 8  # KV cache rows = requests running at once
     max_len: int = 2048  # context limit per row (prompt + output)
@@ -56,6 +65,7 @@ class Engine:
         self.running: list[Sequence] = []
         self.eos_token_ids = frozenset(eos_token_ids)
         self._ids = itertools.count()
+        self.last_step = StepInfo()
         needs = self.drafter.needs
         self._layer_ids = tuple(needs.layer_ids)
         for i in self._layer_ids:
@@ -72,6 +82,10 @@ class Engine:
     ) -> Sequence:
         if not prompt_ids:
             raise DraftsmithError("prompt is empty: give at least one token")
+        V = self.model.config.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= int(t) < V]
+        if bad:
+            raise DraftsmithError(f"prompt token id {bad[0]} is outside the target vocabulary [0, {V})")
         if len(prompt_ids) >= self.max_len:
             raise DraftsmithError(
                 f"prompt has {len(prompt_ids)} tokens; the context limit is {self.max_len}, "
@@ -104,8 +118,29 @@ class Engine:
                 return True
         return False
 
+    def abort_all(self) -> list[Sequence]:
+        """Cancel everything (e.g. after a failed step); all cache rows are freed."""
+        victims = list(self.waiting) + list(self.running)
+        self.waiting.clear()
+        for s in victims:
+            self._finish(s, "abort")
+        self.running = []
+        return victims
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def rows_in_use(self) -> int:
+        return self.config.max_batch - len(self.free_rows)
 
     # ---- the loop ---------------------------------------------------------------------
 
@@ -184,6 +219,7 @@ class Engine:
         if K:
             ids[:, 1:] = proposal.tokens
         rows = torch.tensor([s.row for s in seqs])
+        self.last_step = StepInfo(rows=len(seqs), block_len=1 + K, useful_tokens=len(seqs) + sum(lengths))
         out = self.model(ids, self.cache, rows=rows, layer_ids=self._layer_ids)
         p = target_probs(out.logits, [s.params for s in seqs])  # [B, 1+K, V]
         result = verify(proposal, p, [s.generator for s in seqs])
@@ -218,7 +254,9 @@ class Engine:
                 s.finish_reason = "stop"
                 break
             if p.stop:
-                text = self.decode(s.output_ids)
+                # Only the tail can complete a new stop string: decode a window, not everything.
+                window = max(len(x) for x in p.stop) + 8
+                text = self.decode(s.output_ids[-window:])
                 if _find_stop(text, p.stop) is not None:
                     s.finish_reason = "stop"
                     break
