@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -202,6 +202,12 @@ class Engine:
         for b, (n, cap) in enumerate(zip(lengths, caps)):
             if n > cap:
                 raise RuntimeError(f"drafter {self.drafter.name} proposed {n} > cap {cap} tokens")
+        keep = self.policy.trim(seqs, proposal)
+        if keep != lengths:
+            if any(not 0 <= k <= n for k, n in zip(keep, lengths)):
+                raise RuntimeError(f"policy {self.policy.name} kept {keep} of {lengths} drafts")
+            proposal = replace(proposal, lengths=torch.tensor(keep, dtype=torch.long))
+            lengths = keep
         K = proposal.max_len
         if K:
             V = self.model.config.vocab_size

@@ -13,11 +13,25 @@ from draftsmith.core.types import Proposal, VerifyResult
 from draftsmith.engine.sequence import Sequence
 
 
+def keep_all(proposal: Proposal) -> list[int]:
+    return proposal.lengths.tolist() if proposal.max_len else [0] * proposal.batch_size
+
+
 class DraftLengthPolicy(Protocol):
     name: str
 
     def choose(self, seqs: list[Sequence]) -> list[int]:
         """Draft length per row for this round (>= 0)."""
+        ...
+
+    def trim(self, seqs: list[Sequence], proposal: Proposal) -> list[int]:
+        """After drafting: how many of each row's drafts to verify (<= proposal.lengths).
+
+        Confidence-driven schedulers (static threshold, DSpark's prefix scheduler) decide
+        here, from the drafter's per-position confidences. Must stay non-anticipating:
+        whether draft k is kept may not depend on draft k itself except through
+        confidences the algorithm is proven safe with (see policy/prefix_scheduler.py).
+        """
         ...
 
     def update(self, seqs: list[Sequence], proposal: Proposal, result: VerifyResult) -> None:

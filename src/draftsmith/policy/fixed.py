@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from draftsmith.core.types import Proposal
 from draftsmith.engine.sequence import Sequence
+from draftsmith.policy.base import keep_all
 from draftsmith.errors import DraftsmithError
 
 
@@ -19,6 +21,9 @@ class FixedK:
 
     def choose(self, seqs: list[Sequence]) -> list[int]:
         return [self.k] * len(seqs)
+
+    def trim(self, seqs: list[Sequence], proposal: Proposal) -> list[int]:
+        return keep_all(proposal)
 
     def update(self, seqs, proposal, result) -> None:
         pass

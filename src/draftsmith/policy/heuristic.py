@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from draftsmith.core.types import Proposal
 from draftsmith.engine.sequence import Sequence
+from draftsmith.policy.base import keep_all
 from draftsmith.errors import DraftsmithError
 
 _KEY = "heuristic_k"
@@ -30,6 +32,9 @@ class HeuristicK:
 
     def choose(self, seqs: list[Sequence]) -> list[int]:
         return [s.drafter_state.get(_KEY, self.initial) for s in seqs]
+
+    def trim(self, seqs: list[Sequence], proposal: Proposal) -> list[int]:
+        return keep_all(proposal)
 
     def update(self, seqs, proposal, result) -> None:
         for b, s in enumerate(seqs):
