@@ -224,6 +224,18 @@ def test_prompt_too_long_goes_to_errors_file(tiny, tmp_path):
     assert recs["t/late"]["dropped_user_turns"] == 1 and len(recs["t/late"]["turns"]) == 1
 
 
+def test_resume_guards(tiny, tmp_path):
+    convs = [_conv(0, turns=1), _conv(1, turns=1)]
+    cfg = _cfg(tiny, tmp_path / "r.jsonl")
+    run_regen(cfg, conversations=convs[:1])
+    with pytest.raises(DraftsmithError, match="--resume"):
+        run_regen(_cfg(tiny, cfg.out, overwrite=False), conversations=convs)
+    with pytest.raises(DraftsmithError, match="cannot resume.*sampl"):
+        run_regen(_cfg(tiny, cfg.out, overwrite=False, resume=True, temperature=0.2), conversations=convs)
+    s = run_regen(_cfg(tiny, cfg.out, overwrite=False, resume=True), conversations=convs)
+    assert (s.skipped_done, s.written) == (1, 1) and [r["id"] for r in load_records(cfg.out)] == ["t/0", "t/1"]
+
+
 # ---- OpenAI-compatible endpoint backend -----------------------------------------------
 
 

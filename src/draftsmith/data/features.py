@@ -170,9 +170,10 @@ class FeatureExtractor:
         return c
 
     @torch.inference_mode()
-    def __call__(self, batch: Sequence[Sequence[int]], out_dtype: torch.dtype | None = None
-                 ) -> list[tuple[dict[int, torch.Tensor], torch.Tensor]]:
-        """Per sequence: ({layer id: [T, H]}, final [T, H]) on CPU, in `out_dtype` (default: model's)."""
+    def __call__(self, batch: Sequence[Sequence[int]], out_dtype: torch.dtype | None = None,
+                 out_device: torch.device | str | None = "cpu") -> list[tuple[dict[int, torch.Tensor], torch.Tensor]]:
+        """Per sequence: ({layer id: [T, H]}, final [T, H]) in `out_dtype` (default: the model's) on
+        `out_device` (None: the model's device)."""
         if not batch:
             return []
         lens = [len(x) for x in batch]
@@ -190,13 +191,14 @@ class FeatureExtractor:
         hid: dict[int, list[torch.Tensor]] = {i: [] for i in self.layer_ids}
         fin: list[torch.Tensor] = []
         dt = out_dtype or self.model.dtype
+        dev = self.model.device if out_device is None else out_device
         for s0 in range(0, S, self.chunk_tokens):
             chunk = ids[:, s0 : s0 + self.chunk_tokens]
             out = self.model(chunk, cache, rows=rows, layer_ids=self.layer_ids, compute_logits=False)
             cache.lengths[:B] += chunk.shape[1]
             for i in self.layer_ids:
-                hid[i].append(out.hidden[i].to("cpu", dt))
-            fin.append(out.final_hidden.to("cpu", dt))
+                hid[i].append(out.hidden[i].to(dev, dt))
+            fin.append(out.final_hidden.to(dev, dt))
         hidden = {i: torch.cat(v, dim=1) if len(v) > 1 else v[0] for i, v in hid.items()}
         final = torch.cat(fin, dim=1) if len(fin) > 1 else fin[0]
         return [({i: h[b, : lens[b]] for i, h in hidden.items()}, final[b, : lens[b]]) for b in range(B)]
@@ -219,11 +221,13 @@ class OnlineFeatures:
     """The feature interface computed on the fly from the target (no disk cache).
 
     `target` is a LoadedTarget or a target name/path. `dtype` ("fp16" / "bf16" / "fp32")
-    casts features like the cache would store them; None keeps the model's dtype.
+    casts features like the cache would store them; None keeps the model's dtype. Features
+    stay on the target's device (a GPU trainer gets GPU tensors); `out_device="cpu"` moves them.
     """
 
     def __init__(self, target, layer_ids: Sequence[int] | str | None = None, dtype: str | None = None,
-                 device: str | None = None, chunk_tokens: int = 1024) -> None:
+                 device: str | None = None, chunk_tokens: int = 1024,
+                 out_device: torch.device | str | None = None) -> None:
         if isinstance(target, str):
             from draftsmith.models.target import load_target
 
@@ -236,6 +240,7 @@ class OnlineFeatures:
         self.layer_ids = parse_layer_ids(layer_ids, cfg.num_layers)
         self.out_dtype = store_dtype(dtype) if dtype else None
         self.extractor = FeatureExtractor(target.model, self.layer_ids, chunk_tokens)
+        self.out_device = out_device
 
     def validate(self, target_id: str | None = None, weights_hash: str | None = None,
                  layer_ids: Sequence[int] | None = None, hidden_size: int | None = None) -> "OnlineFeatures":
@@ -255,7 +260,9 @@ class OnlineFeatures:
     def batch(self, records: Sequence[Mapping[str, Any]]) -> list[FeatureSample]:
         """Features of several records in one (right-padded) target forward."""
         tensors = [record_tensors(r) for r in records]
-        outs = self.extractor([ids.tolist() for ids, _ in tensors], self.out_dtype)
+        outs = self.extractor([ids.tolist() for ids, _ in tensors], self.out_dtype, self.out_device)
+        dev = outs[0][1].device if outs else None
+        tensors = [(ids.to(dev), mask.to(dev)) for ids, mask in tensors]
         return [
             FeatureSample(id=str(r.get("id", "")), split=str(r.get("split", "")), input_ids=ids,
                           loss_mask=mask, hidden=h, final_hidden=f)

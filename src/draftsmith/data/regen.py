@@ -312,7 +312,8 @@ class RegenConfig:
     top_p: float | None = None
     top_k: int | None = None
     max_new_tokens: int = 256
-    max_len: int = 2048  # context limit: prompt + answer per turn
+    max_len: int | None = None  # context limit per turn (prompt + answer); engine default 2048,
+    # endpoint default: no local check (the server answers 400 and the sample goes to errors)
     batch_size: int = 8  # built-in engine: conversations in flight
     endpoint: str | None = None
     endpoint_model: str | None = None
@@ -387,8 +388,8 @@ def make_record(conv, ct: ChatTokens, target_info: Mapping[str, Any], sampling: 
     }
 
 
-def _prepare_output(cfg: RegenConfig, target_info: Mapping[str, Any], summary: RegenSummary,
-                    run_ids: set[str]) -> set[str]:
+def _prepare_output(cfg: RegenConfig, target_info: Mapping[str, Any], sampling: RegenSampling | None,
+                    summary: RegenSummary, run_ids: set[str]) -> set[str]:
     out = Path(cfg.out)
     errs = errors_path(out)
     if out.exists() and out.stat().st_size > 0 and not (cfg.resume or cfg.overwrite):
@@ -408,6 +409,11 @@ def _prepare_output(cfg: RegenConfig, target_info: Mapping[str, Any], summary: R
         if h and h != target_info.get("weights_hash"):
             raise DraftsmithError(f"cannot resume {out}: it was written by target weights {h}, this run uses "
                                   f"{target_info.get('weights_hash')}; use the same target or a new --out")
+        old = {k: v for k, v in (rec.get("sampling") or {}).items() if k != "origin"}
+        new = {k: v for k, v in sampling.to_dict().items() if k != "origin"} if sampling else old
+        if old and old != new:
+            raise DraftsmithError(f"cannot resume {out}: it was sampled with {old}, this run asks for {new}; "
+                                  "use the same sampling flags or a new --out")
         break
     if errs.exists():  # ids of this run that failed before are retried: drop their old error lines
         keep = []
@@ -438,7 +444,8 @@ def run_regen(cfg: RegenConfig, conversations: Sequence | None = None, backend=N
     if backend is None:
         backend = EndpointBackend(cfg) if cfg.endpoint else EngineBackend(cfg)
     summary = RegenSummary()
-    done = _prepare_output(cfg, backend.target_info, summary, {c.id for c in conversations})
+    done = _prepare_output(cfg, backend.target_info, getattr(backend, "sampling", None), summary,
+                           {c.id for c in conversations})
     todo = [c for c in conversations if c.id not in done]
     summary.skipped_done = len(conversations) - len(todo)
     bar = tqdm(total=len(todo), unit="sample", desc="regen", file=sys.stderr, dynamic_ncols=True,

@@ -60,7 +60,7 @@ class EngineBackend:
         self.sampling = resolve_sampling(self.target.path, cfg.temperature, cfg.top_p, cfg.top_k,
                                          cfg.max_new_tokens, cfg.seed)
         self.engine = Engine(self.target.model, self.tokenizer,
-                             config=EngineConfig(max_batch=cfg.batch_size, max_len=cfg.max_len),
+                             config=EngineConfig(max_batch=cfg.batch_size, max_len=cfg.max_len or 2048),
                              eos_token_ids=self.eos)
         self.max_len = self.engine.max_len
         self.target_info = {"id": self.target.target_id, "weights_hash": self.target.weights_hash}
