@@ -199,7 +199,9 @@ def _add_data_parsers(sub) -> None:
     p.add_argument("--top-p", type=float, default=None, help="default: target's recommended, else 0.8")
     p.add_argument("--top-k", type=int, default=None, help="default: target's recommended, else 0 (off)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=256, help="per assistant turn")
-    p.add_argument("--max-len", type=_positive_int, default=2048, help="context limit (prompt + answer)")
+    p.add_argument("--max-len", type=_positive_int, default=None,
+                   help="context limit per turn, prompt + answer (engine default 2048; with --endpoint "
+                        "no local check unless given)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (per answer: derived from seed, id, turn)")
     p.add_argument("--mix-seed", type=int, default=None, help="sample-selection seed (default: --seed)")
     p.add_argument("--batch-size", type=_positive_int, default=8, help="built-in engine: conversations in flight")
