@@ -1,0 +1,103 @@
+"""DFlash: a block-parallel drafter (block diffusion style), one forward per block.
+
+Block = the anchor (last committed token) followed by γ mask tokens at positions
+a .. a+γ; the hidden states at block positions 1..γ give the γ draft logits through the
+target's frozen lm_head, and every position is sampled independently (q_k = the request's
+warp of those logits). Backbone, context injection and inference state: drafters/block.py.
+Loss: position-weighted CE (optionally + TV), train/losses.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from draftsmith.core.sampling import SamplingParams
+from draftsmith.core.warp import inverse_cdf, target_probs
+from draftsmith.drafters.base import FeatureSpec
+from draftsmith.drafters.block import (
+    BlockBackbone, BlockDrafter, packed_forward, resolve_block_config, target_logits_at, validate_block_config,
+)
+from draftsmith.models.decoder import Decoder
+from draftsmith.train.anchors import sample_anchors
+from draftsmith.train.losses import BlockLossWeights, block_loss
+from draftsmith.train.protocol import LossOutput, TrainBatch
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    """DFlash drafter (defaults: ALGORITHMS.md / the DFlash paper)."""
+
+    kind: Literal["dflash"] = "dflash"
+    block_size: int = 7  # γ: drafts per forward; the block is the anchor + γ mask tokens
+    num_layers: int = 5  # draft layers, each with the context K/V injected
+    layer_ids: tuple[int, ...] = ()  # target feature layers; () = num_layers spread over [1, L−3]
+    mask_token_id: int | None = None  # None = resolved at build (block.choose_mask_token_id)
+    intermediate_size: int | None = None  # draft MLP width; None = the target's
+    max_anchors: int = 512  # training blocks sampled per sequence
+    ce_weight: float = 1.0  # DFlash trains with CE only ...
+    tv_weight: float = 0.0  # ... an L1/TV term is available for ablations
+    position_decay: float | None = None  # w_k = exp(−(k−1)/d); None = block_size
+
+    def __post_init__(self) -> None:
+        validate_block_config(self)
+
+
+class DFlashModel(nn.Module):
+    def __init__(self, target: Decoder, config: DFlashConfig) -> None:
+        super().__init__()
+        self.config = resolve_block_config(config, target)
+        c = self.config
+        self.backbone = BlockBackbone(target, c.layer_ids, c.num_layers, c.mask_token_id, c.intermediate_size)
+
+    @property
+    def feature_spec(self) -> FeatureSpec:
+        return FeatureSpec(layer_ids=self.backbone.layer_ids)
+
+    def training_loss(self, batch: TrainBatch, generator: torch.Generator | None = None) -> LossOutput:
+        c = self.config
+        anchors, valid = sample_anchors(batch.loss_mask, batch.lengths, c.max_anchors, generator)
+        pf = packed_forward(self.backbone, batch, c.block_size, False, anchors, valid)
+        sel = pf.pack.target_mask  # [B, A, γ]
+        logits = self.backbone.head.logits(pf.hidden[sel])  # [N, V]
+        position = torch.arange(c.block_size, device=sel.device).expand_as(sel)[sel]
+        tl = target_logits_at(self.backbone, batch, pf.pack) if c.tv_weight else None
+        terms = block_loss(
+            logits, pf.targets[sel], position, c.block_size,
+            BlockLossWeights(ce=c.ce_weight, tv=c.tv_weight, conf=0.0), tl, None, c.position_decay,
+        )
+        parts = dict(terms.parts)
+        parts.update(accuracy_parts(logits.detach(), pf.targets[sel], position))
+        parts["blocks"] = float(pf.pack.num_blocks)
+        return LossOutput(total=terms.total, parts=parts)
+
+    def draft(self, hidden, anchors, params: Sequence[SamplingParams], uniforms):
+        """Independent positions: q_k = warp(lm_head(h_k)); x_k by inverse CDF (argmax when greedy)."""
+        logits = self.backbone.head.logits(hidden)  # [B, n, V]
+        q = target_probs(logits, list(params))  # [B, n, V]; one-hot rows for greedy requests
+        B, n, V = q.shape
+        tokens = inverse_cdf(q.reshape(B * n, V), uniforms.reshape(-1)).view(B, n)
+        return tokens, q, None
+
+    def make_drafter(self, target: Decoder, max_rows: int, max_len: int, temperatures=None) -> BlockDrafter:
+        return BlockDrafter("dflash", self.backbone, self, self.config.block_size, False, max_rows, max_len)
+
+
+def build(target: Decoder, config: DFlashConfig) -> DFlashModel:
+    return DFlashModel(target, config).to(target.device)
+
+
+def accuracy_parts(logits: torch.Tensor, targets: torch.Tensor, position: torch.Tensor) -> dict[str, float]:
+    """Top-1 agreement with the data token, at block position 1 and over all positions."""
+    if targets.numel() == 0:
+        return {}
+    hit = (logits.argmax(-1) == targets).float()
+    first = position == 0
+    out = {"acc": float(hit.mean())}
+    if bool(first.any()):
+        out["acc@1"] = float(hit[first].mean())
+    return out

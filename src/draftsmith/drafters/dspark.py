@@ -1,0 +1,199 @@
+"""DSpark: the DFlash backbone, a sequential stage, and a confidence head (DSpark paper).
+
+Backbone change: the anchor itself is the first prediction position, so γ inputs (anchor +
+γ−1 masks) give draft logits U_1..U_γ and hidden states h_1..h_γ in one forward.
+
+Sequential stage, sampled left to right (x_0 = the anchor):
+
+    p_k(v | x_0, x_<k) ∝ exp(U_k(v) + B_k(x_0, x_<k, v)),   e_{k−1} = W1[x_{k−1}] ∈ R^r
+
+    markov (default): B_k = e_{k−1} W2                       W1 ∈ R^{V×r}, W2 ∈ R^{r×V}
+    gated:            B_k = (σ(W_g [h_k ; e_{k−1}]) ⊙ e_{k−1}) W2
+                      (our reading of the paper's "gated Markov" variant: the backbone's
+                      state decides, per rank component, how much of the Markov bias applies)
+    rnn:              z_k = [s_{k−1} ; e_{k−1} ; h_k],  (g, c, o) = split3(W z_k),
+                      s_k = σ(g) ⊙ s_{k−1} + (1 − σ(g)) ⊙ tanh(c),  B_k = tanh(o) W2,  s_0 = 0
+
+Confidence: c_k = σ(wᵀ [h_k ; e_{k−1}] + b), trained against c*_k = 1 − ½‖p_d,k − p_t,k‖₁.
+
+W2 starts at zero, so an untrained DSpark drafts exactly like its backbone. In training the
+stage is teacher-forced on the data tokens; at inference x_{k−1} is the token just sampled,
+and the proposal's q_k is the request's warp of U_k + B_k — the distribution x_k was
+actually drawn from, conditioned on the drafted prefix — so verification stays exact.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from draftsmith.core.sampling import SamplingParams
+from draftsmith.core.warp import inverse_cdf, target_probs
+from draftsmith.drafters.base import FeatureSpec
+from draftsmith.drafters.block import (
+    BlockBackbone, BlockDrafter, packed_forward, resolve_block_config, target_logits_at, validate_block_config,
+)
+from draftsmith.drafters.dflash import accuracy_parts
+from draftsmith.errors import DraftsmithError
+from draftsmith.models.decoder import Decoder
+from draftsmith.train.anchors import sample_anchors
+from draftsmith.train.losses import BlockLossWeights, block_loss
+from draftsmith.train.protocol import LossOutput, TrainBatch
+
+HEADS = ("markov", "gated", "rnn")
+
+
+@dataclass(frozen=True)
+class DSparkConfig:
+    """DSpark drafter (defaults: ALGORITHMS.md / the DSpark paper)."""
+
+    kind: Literal["dspark"] = "dspark"
+    block_size: int = 7  # γ: block inputs = drafts (the anchor predicts the first draft)
+    num_layers: int = 5  # draft layers, each with the context K/V injected
+    layer_ids: tuple[int, ...] = ()  # target feature layers; () = num_layers spread over [1, L−3]
+    mask_token_id: int | None = None  # None = resolved at build (block.choose_mask_token_id)
+    intermediate_size: int | None = None  # draft MLP width; None = the target's
+    head: Literal["markov", "gated", "rnn"] = "markov"  # sequential stage
+    rank: int = 256  # r of W1 ∈ R^{V×r}, W2 ∈ R^{r×V} (and the RNN state width)
+    max_anchors: int = 512  # training blocks sampled per sequence
+    ce_weight: float = 0.1  # L = 0.1 L_ce + 0.9 L_tv + 1.0 L_conf
+    tv_weight: float = 0.9
+    conf_weight: float = 1.0
+    position_decay: float | None = None  # w_k = exp(−(k−1)/d); None = block_size
+
+    def __post_init__(self) -> None:
+        validate_block_config(self)
+        problems = []
+        if self.head not in HEADS:
+            problems.append(f"head must be one of {', '.join(HEADS)}, got {self.head!r}")
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
+            problems.append(f"rank must be an integer >= 1, got {self.rank!r}")
+        if problems:
+            raise DraftsmithError("dspark config: " + "; ".join(problems))
+
+
+class SequentialHead(nn.Module):
+    """B_k and the confidence logit from (h_k, x_{k−1}[, s_{k−1}])."""
+
+    def __init__(self, kind: str, vocab_size: int, hidden_size: int, rank: int) -> None:
+        super().__init__()
+        self.kind, self.rank = kind, rank
+        self.w1 = nn.Embedding(vocab_size, rank)  # W1 [V, r]
+        self.w2 = nn.Linear(rank, vocab_size, bias=False)  # W2 (stored as [V, r])
+        if kind == "gated":
+            self.gate = nn.Linear(hidden_size + rank, rank)
+        elif kind == "rnn":
+            self.cell = nn.Linear(2 * rank + hidden_size, 3 * rank)  # W_g, W_c, W_o in one
+        self.conf = nn.Linear(hidden_size + rank, 1)  # w, b
+        nn.init.normal_(self.w1.weight, std=1.0 / math.sqrt(rank))
+        nn.init.zeros_(self.w2.weight)
+        for m in (getattr(self, "gate", None), getattr(self, "cell", None)):
+            if m is not None:
+                nn.init.normal_(m.weight, std=0.02)
+                nn.init.zeros_(m.bias)
+        nn.init.zeros_(self.conf.weight)
+        nn.init.zeros_(self.conf.bias)
+
+    def init_state(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor | None:
+        return like.new_zeros(*shape, self.rank) if self.kind == "rnn" else None
+
+    def step(
+        self, h: torch.Tensor, e: torch.Tensor, state: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """h [..., H], e = W1[x_{k−1}] [..., r], s_{k−1} → (rank vector o_k [..., r], s_k);
+        B_k = W2(o_k)."""
+        if self.kind == "markov":
+            return e, None
+        if self.kind == "gated":
+            return torch.sigmoid(self.gate(torch.cat([h, e], -1))) * e, None
+        g, c, o = self.cell(torch.cat([state, e, h], -1)).chunk(3, dim=-1)
+        gate = torch.sigmoid(g)
+        return torch.tanh(o), gate * state + (1 - gate) * torch.tanh(c)
+
+    def confidence_logit(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        """wᵀ[h_k ; e_{k−1}] + b: [..., H], [..., r] → [...]."""
+        return self.conf(torch.cat([h, e], -1)).squeeze(-1)
+
+    def teacher_forced(self, h: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """All block positions at once from the data prefix: h [B, A, γ, H], prev [B, A, γ]
+        → (rank vectors o [B, A, γ, r], confidence logits [B, A, γ])."""
+        e = self.w1(prev)  # [B, A, γ, r]
+        if self.kind != "rnn":
+            o, _ = self.step(h, e, None)
+        else:
+            state = self.init_state(h.shape[:2], h)
+            outs = []
+            for k in range(h.shape[2]):
+                ok, state = self.step(h[:, :, k], e[:, :, k], state)
+                outs.append(ok)
+            o = torch.stack(outs, dim=2)
+        return o, self.confidence_logit(h, e)
+
+
+class DSparkModel(nn.Module):
+    def __init__(self, target: Decoder, config: DSparkConfig) -> None:
+        super().__init__()
+        self.config = resolve_block_config(config, target)
+        c = self.config
+        self.backbone = BlockBackbone(target, c.layer_ids, c.num_layers, c.mask_token_id, c.intermediate_size)
+        self.seq_head = SequentialHead(c.head, target.config.vocab_size, target.config.hidden_size, c.rank)
+
+    @property
+    def feature_spec(self) -> FeatureSpec:
+        return FeatureSpec(layer_ids=self.backbone.layer_ids)
+
+    def training_loss(self, batch: TrainBatch, generator: torch.Generator | None = None) -> LossOutput:
+        c = self.config
+        anchors, valid = sample_anchors(batch.loss_mask, batch.lengths, c.max_anchors, generator)
+        pf = packed_forward(self.backbone, batch, c.block_size, True, anchors, valid)
+        sel = pf.pack.target_mask  # [B, A, γ]
+        o, conf = self.seq_head.teacher_forced(pf.hidden, pf.prev)
+        logits = self.backbone.head.logits(pf.hidden[sel]) + self.seq_head.w2(o[sel]).float()  # [N, V]
+        position = torch.arange(c.block_size, device=sel.device).expand_as(sel)[sel]
+        need_pt = c.tv_weight > 0 or c.conf_weight > 0
+        tl = target_logits_at(self.backbone, batch, pf.pack) if need_pt else None
+        terms = block_loss(
+            logits, pf.targets[sel], position, c.block_size,
+            BlockLossWeights(ce=c.ce_weight, tv=c.tv_weight, conf=c.conf_weight), tl, conf[sel],
+            c.position_decay,
+        )
+        parts = dict(terms.parts)
+        parts.update(accuracy_parts(logits.detach(), pf.targets[sel], position))
+        parts["blocks"] = float(pf.pack.num_blocks)
+        return LossOutput(total=terms.total, parts=parts)
+
+    def sequential_logits(self, U_k: torch.Tensor, h_k: torch.Tensor, prev: torch.Tensor, state):
+        """One step of the sequential stage: (U_k + B_k [B, V], confidence logit [B], s_k)."""
+        e = self.seq_head.w1(prev)
+        o, state = self.seq_head.step(h_k, e, state)
+        return U_k + self.seq_head.w2(o).float(), self.seq_head.confidence_logit(h_k, e), state
+
+    def draft(self, hidden, anchors, params: Sequence[SamplingParams], uniforms):
+        """Left to right: q_k = warp(U_k + B_k(x_0, x_<k)), x_k ~ q_k (argmax when greedy)."""
+        U = self.backbone.head.logits(hidden)  # [B, n, V]
+        B, n, V = U.shape
+        plist = list(params)
+        prev = anchors
+        state = self.seq_head.init_state((B,), hidden)
+        toks, qs, confs = [], [], []
+        for k in range(n):
+            logits, z, state = self.sequential_logits(U[:, k], hidden[:, k], prev, state)
+            q = target_probs(logits[:, None], plist)[:, 0]  # [B, V]; one-hot on greedy rows
+            prev = inverse_cdf(q, uniforms[:, k])
+            toks.append(prev)
+            qs.append(q)
+            confs.append(z)
+        return torch.stack(toks, 1), torch.stack(qs, 1), torch.stack(confs, 1)
+
+    def make_drafter(self, target: Decoder, max_rows: int, max_len: int, temperatures=None) -> BlockDrafter:
+        return BlockDrafter("dspark", self.backbone, self, self.config.block_size, True, max_rows, max_len,
+                            temperatures=temperatures)
+
+
+def build(target: Decoder, config: DSparkConfig) -> DSparkModel:
+    return DSparkModel(target, config).to(target.device)

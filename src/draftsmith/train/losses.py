@@ -1,0 +1,166 @@
+"""Drafter training losses (ALGORITHMS.md: DSpark, DFlash, EAGLE-3).
+
+Notation: p_t is the target's distribution (softmax of lm_head(final_hidden) at T = 1),
+p_d the drafter's; k = 1..γ is a position inside a draft block.
+
+Block drafters (DFlash, DSpark), each term position-weighted by w_k = exp(−(k−1)/γ):
+
+    L_ce   = −Σ w_k log p_d,k(x*_k)
+    L_tv   =  Σ w_k ‖p_d,k − p_t,k‖₁                    (the L1 norm, i.e. 2 × TV, as written)
+    L_conf = −Σ w_k [c*_k log c_k + (1 − c*_k) log(1 − c_k)],  c*_k = 1 − ½‖p_d,k − p_t,k‖₁
+    L      = 0.1 L_ce + 0.9 L_tv + 1.0 L_conf             (DSpark; DFlash: L_ce only)
+
+The soft label c*_k is the probability that draft k is accepted when drafted from p_d,k
+(1 − TV); it is a label, so no gradient flows into it. Every sum is normalised as a
+weighted mean, Σ_i w_{k_i} ℓ_i / Σ_i w_{k_i} over the valid (block, position) pairs, so the
+scale does not depend on how many blocks or masked positions a batch has.
+
+EAGLE-3: forward KL(p_t ‖ p_d) at every training-time-test step i = 0..S−1 (the gradient of
+the soft cross-entropy −Σ p_t log p_d, minus the constant target entropy so 0 is the
+optimum), a plain mean over the step's valid positions, summed with weights 0.8^i.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+def position_weights(gamma: int, decay: float | None = None, device: torch.device | str | None = None) -> torch.Tensor:
+    """w_k = exp(−(k−1)/decay) for k = 1..γ → [γ] float32; decay defaults to γ."""
+    d = float(gamma if decay is None else decay)
+    return torch.exp(-torch.arange(gamma, dtype=torch.float32, device=device) / d)
+
+
+def ttt_step_weights(steps: int, decay: float = 0.8, device: torch.device | str | None = None) -> torch.Tensor:
+    """EAGLE-3 training-time-test step weights decay^i for i = 0..steps−1 → [steps]."""
+    return decay ** torch.arange(steps, dtype=torch.float32, device=device)
+
+
+def weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Σ w v / Σ w over matching shapes; 0 (keeping the graph) when there is nothing to average."""
+    total = weights.sum()
+    if float(total) <= 0:
+        return (values * 0).sum()
+    return (values * weights).sum() / total
+
+
+# ---------------------------------------------------------------------------- per-item terms
+
+
+def token_cross_entropy(draft_logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """−log p_d(x*): draft_logits [N, V], targets [N] → [N]."""
+    return F.cross_entropy(draft_logits.float(), targets, reduction="none")
+
+
+def l1_distance(p_draft: torch.Tensor, p_target: torch.Tensor) -> torch.Tensor:
+    """‖p_d − p_t‖₁ over the last dim: [N, V], [N, V] → [N] (in [0, 2])."""
+    return (p_draft.float() - p_target.float()).abs().sum(-1)
+
+
+def forward_kl(draft_logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
+    """KL(p_t ‖ p_d) = Σ p_t (log p_t − log p_d): [N, V] logits, [N, V] probs → [N]."""
+    log_pd = F.log_softmax(draft_logits.float(), dim=-1)
+    pt = target_probs.float()
+    return (torch.xlogy(pt, pt) - pt * log_pd).sum(-1)
+
+
+def confidence_bce(conf_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """−[c* log σ(z) + (1 − c*) log(1 − σ(z))] with soft labels c* ∈ [0, 1]: [N], [N] → [N]."""
+    return F.binary_cross_entropy_with_logits(conf_logits.float(), labels.float(), reduction="none")
+
+
+# ---------------------------------------------------------------------------- combined losses
+
+
+@dataclass(frozen=True)
+class BlockLossWeights:
+    """Coefficients of L = ce·L_ce + tv·L_tv + conf·L_conf (DSpark paper: 0.1 / 0.9 / 1.0)."""
+
+    ce: float = 0.1
+    tv: float = 0.9
+    conf: float = 1.0
+
+
+@dataclass
+class LossTerms:
+    total: torch.Tensor
+    parts: dict[str, float] = field(default_factory=dict)
+
+
+def block_loss(
+    draft_logits: torch.Tensor,  # [N, V] sequential draft logits (U_k + B_k) at valid positions
+    targets: torch.Tensor,  # [N] x*_k
+    position: torch.Tensor,  # [N] 0-based k − 1 of each item inside its block
+    gamma: int,
+    coef: BlockLossWeights,
+    target_logits: torch.Tensor | None = None,  # [N, V] lm_head(final_hidden) of the target
+    conf_logits: torch.Tensor | None = None,  # [N] confidence-head logits
+    decay: float | None = None,
+) -> LossTerms:
+    """The DFlash / DSpark objective over N valid (block, position) items."""
+    w = position_weights(gamma, decay, draft_logits.device)[position]  # [N]
+    parts: dict[str, float] = {}
+    total = draft_logits.new_zeros(())
+    if coef.ce:
+        ce = weighted_mean(token_cross_entropy(draft_logits, targets), w)
+        total = total + coef.ce * ce
+        parts["ce"] = float(ce.detach())
+    need_pt = coef.tv or (coef.conf and conf_logits is not None)
+    if need_pt:
+        if target_logits is None:
+            raise ValueError("the TV and confidence terms need the target's logits")
+        pd = torch.softmax(draft_logits.float(), -1)
+        pt = torch.softmax(target_logits.float(), -1)
+        l1 = l1_distance(pd, pt)  # [N]
+        if coef.tv:
+            tv = weighted_mean(l1, w)
+            total = total + coef.tv * tv
+            parts["tv"] = float(tv.detach())
+        if coef.conf and conf_logits is not None:
+            label = (1.0 - 0.5 * l1).detach().clamp(0.0, 1.0)  # c*_k: acceptance prob of draft k
+            conf = weighted_mean(confidence_bce(conf_logits, label), w)
+            total = total + coef.conf * conf
+            parts["conf"] = float(conf.detach())
+        parts["accept"] = float(weighted_mean(1.0 - 0.5 * l1.detach(), torch.ones_like(w)))
+    return LossTerms(total=total, parts=parts)
+
+
+def ttt_loss(
+    step_draft_logits: Sequence[torch.Tensor],  # per step i: [N_i, V'] draft logits
+    step_target_probs: Sequence[torch.Tensor],  # per step i: [N_i, V'] target probs (same vocab)
+    decay: float = 0.8,
+) -> LossTerms:
+    """EAGLE-3: Σ_i decay^i · mean_n KL(p_t ‖ p_d) over each step's valid positions."""
+    total: torch.Tensor | None = None
+    parts: dict[str, float] = {}
+    for i, (dl, tp) in enumerate(zip(step_draft_logits, step_target_probs)):
+        kl = forward_kl(dl, tp)
+        step = kl.mean() if kl.numel() else dl.sum() * 0
+        term = (decay**i) * step
+        total = term if total is None else total + term
+        parts[f"kl@{i}"] = float(step.detach())
+    if total is None:
+        raise ValueError("ttt_loss needs at least one step")
+    return LossTerms(total=total, parts=parts)
+
+
+def logit(p: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """log(p / (1 − p)) with p clamped into (eps, 1 − eps)."""
+    p = p.clamp(eps, 1 - eps)
+    return torch.log(p) - torch.log1p(-p)
+
+
+def temperature_scale(conf: torch.Tensor, temperatures: Sequence[float]) -> torch.Tensor:
+    """STS at inference: c'_k = σ(logit(c_k) / T_k) over the last dim (positions beyond the
+    temperatures given keep T = 1). conf [..., K] → [..., K]."""
+    K = conf.shape[-1]
+    t = [float(x) for x in temperatures[:K]] + [1.0] * max(0, K - len(temperatures))
+    if any(not (x > 0 and math.isfinite(x)) for x in t):
+        raise ValueError(f"STS temperatures must be positive and finite, got {list(temperatures)}")
+    T = torch.tensor(t, dtype=torch.float32, device=conf.device)
+    return torch.sigmoid(logit(conf.float()) / T)
