@@ -5,7 +5,7 @@ A run directory (`out:` in the recipe) looks like
     out/
       checkpoint-00000200/         one complete checkpoint (protocol.py layout)
         config.json                {"kind", "target_id", "target_weights_hash", "format_version", ...config}
-        model.safetensors          trainable parameters only
+        model.safetensors          the drafter's state dict (trainable parameters + persistent buffers)
         train_state/state.pt       optimizer, scheduler, step, data position, RNG states per rank
         train_state/meta.json      the same step / position / run config, readable
       checkpoint-00000400/
@@ -100,21 +100,6 @@ def _jsonable(x: Any) -> Any:
     if isinstance(x, Path):
         return str(x)
     return x
-
-
-def trainable_state(model: torch.nn.Module, frozen: torch.nn.Module | None = None) -> dict[str, torch.Tensor]:
-    """Parameters that train: requires_grad and not shared with the (frozen) target.
-
-    The drafter shares the target's embedding / lm_head; those are neither trained nor saved.
-    """
-    shared = {p.data_ptr() for p in frozen.parameters()} if frozen is not None else set()
-    out = {}
-    for name, p in model.named_parameters():
-        if p.requires_grad and p.data_ptr() not in shared:
-            out[name] = p.detach().to("cpu").contiguous()
-    if not out:
-        raise DraftsmithError("the drafter has no trainable parameters (all frozen or shared with the target)")
-    return out
 
 
 def rng_state() -> dict[str, Any]:
@@ -303,17 +288,16 @@ def load_train_state(ckpt: Path) -> dict[str, Any]:
         raise DraftsmithError(f"cannot read {f} ({type(e).__name__}); the checkpoint is damaged") from None
 
 
-def restore_trainable(model: torch.nn.Module, state: Mapping[str, torch.Tensor], ckpt: Path) -> None:
-    """Copy saved trainable parameters into `model` (every saved and every trainable name must match)."""
-    params = dict(model.named_parameters())
-    missing = [k for k in state if k not in params]
-    if missing:
-        raise DraftsmithError(f"checkpoint {ckpt} holds parameters this drafter lacks (first: {missing[0]}); "
-                              "the drafter config differs from the one it was trained with")
-    with torch.no_grad():
-        for k, v in state.items():
-            p = params[k]
-            if p.shape != v.shape:
-                raise DraftsmithError(f"checkpoint {ckpt}: {k} has shape {tuple(v.shape)}, the drafter "
-                                      f"expects {tuple(p.shape)}; the drafter config differs")
-            p.copy_(v.to(p.device, p.dtype))
+def restore_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor], ckpt: Path) -> None:
+    """Load a saved state dict into `model`: every name and shape must match."""
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    shapes = [k for k in own if k in state and tuple(own[k].shape) != tuple(state[k].shape)]
+    if missing or unexpected or shapes:
+        first = (missing or unexpected or shapes)[0]
+        raise DraftsmithError(
+            f"checkpoint {ckpt} does not fit this drafter ({len(missing)} missing, {len(unexpected)} unexpected, "
+            f"{len(shapes)} mis-shaped tensors; first: {first}); the drafter config differs from the one it was "
+            "trained with")
+    model.load_state_dict({k: v.to(own[k].device, own[k].dtype) for k, v in state.items()})

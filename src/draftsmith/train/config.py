@@ -244,6 +244,11 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
             parsed = yaml.safe_load(value) if value.strip() else None
         except yaml.YAMLError:
             parsed = value
+        if isinstance(parsed, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+            try:
+                parsed = float(parsed) if parsed.strip().lower() not in ("nan", "inf", "-inf", "infinity") else parsed
+            except ValueError:
+                pass
         node = out
         parts = key.split(".")
         for p in parts[:-1]:

@@ -216,6 +216,28 @@ class TrainData:
             parts = [(self.cache.features(self.samples[w.sample]), w.start, w.end) for w in ws]
         return collate(parts, self.layer_ids, self.device)
 
+    def token_counts(self, vocab_size: int) -> torch.Tensor:
+        """[V] int64 counts of the tokens the drafter learns to predict (loss-masked positions)."""
+        counts = torch.zeros(vocab_size, dtype=torch.long)
+        if self.cfg.online:
+            from draftsmith.data.features import record_tensors
+
+            for rec in self.records:
+                ids, mask = record_tensors(rec)
+                counts += torch.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
+            return counts
+        from safetensors import safe_open
+
+        wanted = set(self.samples)
+        for entry in self.cache.manifest["shards"]:
+            with safe_open(str(Path(self.cfg.cache) / entry["file"]), "pt") as f:
+                offsets, ids, mask = f.get_tensor("offsets"), f.get_tensor("input_ids").long(), f.get_tensor("loss_mask").bool()
+            for k, sid in enumerate(entry["sample_ids"]):
+                if sid in wanted:
+                    a, b = int(offsets[k]), int(offsets[k + 1])
+                    counts += torch.bincount(ids[a:b][mask[a:b]], minlength=vocab_size)[:vocab_size]
+        return counts
+
     def describe(self) -> dict[str, Any]:
         n_tok = sum(w.end - w.start for w in self.windows)
         return {"source": self.source, "samples": len(self.samples if not self.cfg.online else self.records),

@@ -14,6 +14,7 @@ from a short timing probe (whose effects are undone) and stops at the deadline r
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -30,11 +31,20 @@ from torch import nn
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.train import checkpoint as ckpt_io
+from draftsmith.train import distributed as dist_util
 from draftsmith.train.config import Catalogue, TrainConfig, trained_catalogue
 from draftsmith.train.distributed import DistInfo, init_from_env, shutdown
-from draftsmith.train import distributed as dist_util
 
 log = logging.getLogger(__name__)
+
+
+def resolve_for_target(config, target):
+    """Fill target-dependent defaults (e.g. the block drafters' mask token) before `build`."""
+    try:
+        from draftsmith.drafters.trained import resolve_for_target as resolve
+    except ImportError:
+        return config
+    return resolve(config, target)
 
 StepHook = Callable[[int, "Trainer"], None]
 PROBE_STEPS = 3  # timing probe for --budget (the first is a warm-up)
@@ -115,7 +125,7 @@ class Trainer:
             ckpt_io.check_checkpoint_target(self.resume_from, self.target.target_id, self.target.weights_hash,
                                             kind=self.cfg.kind)
         entry = self.catalogue[self.cfg.kind]
-        self.model = entry.build(self.target.model, self.cfg.drafter).to(info.device)
+        self.model = entry.build(self.target.model, resolve_for_target(self.cfg.drafter, self.target)).to(info.device)
         self.model.train()
         spec = self.model.feature_spec
         L = self.target.model.config.num_layers
@@ -129,8 +139,15 @@ class Trainer:
             raise DraftsmithError(f"the {self.cfg.kind} drafter has no trainable parameters")
         self.data = TrainData(self.cfg.data, self.target, self.layer_ids, t.seed, t.batch_size,
                               info.rank, info.world_size, info.device)
+        if not self.resume and hasattr(self.model, "init_draft_vocab") and getattr(
+                getattr(self.model, "config", None), "draft_vocab_size", None):
+            # EAGLE-3's reduced vocabulary: the most frequent drafted tokens of the training data
+            self.model.init_draft_vocab(self.data.token_counts(self.target.model.config.vocab_size))
         self.wrapped = dist_util.wrap(self.model, info, t.ddp_find_unused)
-        self.ckpt_config = ckpt_io.checkpoint_config(self.cfg.kind, self.cfg.drafter, self.target.target_id,
+        # config.json stores the model's resolved config (feature layers, mask token filled in)
+        resolved = getattr(self.model, "config", None)
+        resolved = resolved if dataclasses.is_dataclass(resolved) else self.cfg.drafter
+        self.ckpt_config = ckpt_io.checkpoint_config(self.cfg.kind, resolved, self.target.target_id,
                                                      self.target.weights_hash)
 
     def _prepare_out_dir(self) -> None:
@@ -218,7 +235,9 @@ class Trainer:
             meta = {"step": self.step, "total_steps": self.total_steps, "epoch": pos["epoch"],
                     "data_position": pos, "loss": last_loss, "world_size": self.info.world_size,
                     "elapsed_s": round(time.perf_counter() - self.t_start, 3), "run_config": self.cfg.to_dict()}
-            model_state = {n: p.detach().to("cpu").contiguous() for n, p in self.params.items()}
+            # the model's whole state dict: trainable parameters and persistent buffers (e.g. EAGLE-3's
+            # vocabulary maps); the target's embedding / lm_head are shared by reference, not in it
+            model_state = {n: v.detach().to("cpu").contiguous() for n, v in self.model.state_dict().items()}
             path = ckpt_io.save_checkpoint(self.out, self.step, self.ckpt_config, model_state, state, meta,
                                            keep=self.cfg.train.keep_checkpoints)
         dist_util.barrier(self.info)
@@ -235,10 +254,7 @@ class Trainer:
                                   f"(checkpoint: {[theirs.get(k) for k in diff]}, recipe: {[mine.get(k) for k in diff]})")
         state = ckpt_io.load_train_state(ckpt)
         model_state = ckpt_io.load_model_state(ckpt)
-        missing = sorted(set(self.params) - set(model_state))
-        if missing:
-            raise DraftsmithError(f"checkpoint {ckpt} lacks trainable parameters (first: {missing[0]})")
-        ckpt_io.restore_trainable(self.model, model_state, ckpt)
+        ckpt_io.restore_state(self.model, model_state, ckpt)
         if state.get("world_size", 1) != self.info.world_size:
             raise DraftsmithError(f"checkpoint {ckpt} was written by {state.get('world_size')} processes; resume "
                                   f"with the same number (now {self.info.world_size}) for an exact continuation")
