@@ -224,17 +224,20 @@ class EndpointBackend:
                     raise _Failed(_too_long(len(prompt), self.max_len, k))
                 dropped = sum(1 for b in blocks[k:] for m in b if m["role"] == "user")
                 break
-            content, finish = await self._complete(client, ct.messages + list(block), conv.id, k)
+            room = self.max_len - len(prompt) if self.max_len else None  # servers 400 on prompt + max_tokens > ctx
+            content, finish = await self._complete(client, ct.messages + list(block), conv.id, k, room)
             ids = list(self.tokenizer(content, add_special_tokens=False)["input_ids"]) if content else []
             ct.close_turn(ids, finish, content=content)
         return make_record(conv, ct, self.target_info, self.sampling, dropped)
 
-    async def _complete(self, client, messages: list[dict], conv_id: str, k: int) -> tuple[str, str]:
+    async def _complete(self, client, messages: list[dict], conv_id: str, k: int,
+                        room: int | None = None) -> tuple[str, str]:
         import httpx
 
         s = self.sampling
         body: dict[str, Any] = {
-            "model": self.model_name, "messages": messages, "max_tokens": s.max_new_tokens,
+            "model": self.model_name, "messages": messages,
+            "max_tokens": s.max_new_tokens if room is None else max(1, min(s.max_new_tokens, room)),
             "temperature": s.temperature, "top_p": s.top_p, "seed": turn_seed(s.seed, conv_id, k),
         }
         if s.top_k:
