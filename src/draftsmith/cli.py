@@ -57,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
     _add_serve_parser(sub)
     _add_data_parsers(sub)  # regen, cache
+    _add_mint_verify_parsers(sub)  # train, calibrate, eval
     return ap
 
 
@@ -272,6 +273,134 @@ def cmd_cache(args) -> int:
 
 
 # ---- end data ---------------------------------------------------------------------------
+
+
+# ---- mint + verify: train, calibrate, eval (Mint stage 3, Verify) ---------------------------
+
+
+def _add_mint_verify_parsers(sub) -> None:
+    t = sub.add_parser("train", help="train a drafter from a recipe (torchrun-ready: DDP over gloo / nccl)")
+    t.add_argument("--config", type=Path, required=True, help="recipe YAML, e.g. recipes/smollm2-135m-dspark.yaml")
+    t.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="dotted overrides parsed as YAML, e.g. train.lr=3e-4 data.cache=cache/ drafter.num_layers=2")
+    t.add_argument("--budget", type=float, default=None, metavar="MINUTES",
+                   help="wall-clock budget: size the run from a timing probe and stop at the deadline")
+    t.add_argument("--resume", nargs="?", const=True, default=False, metavar="CHECKPOINT",
+                   help="continue exactly from the newest checkpoint of the run dir (or the one given)")
+    t.add_argument("--overwrite", action="store_true", help="discard the run dir's checkpoints and start again")
+    t.add_argument("--json", action="store_true", help="print the result as JSON (rank 0)")
+    t.set_defaults(func=cmd_train)
+
+    c = sub.add_parser("calibrate", help="fit Sequential Temperature Scaling on held-out data; store calibration.json")
+    c.add_argument("--target", default="smollm2-135m", help="built-in alias or HF-format model dir")
+    c.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    c.add_argument("--drafter", required=True, help="KIND:CHECKPOINT, e.g. dspark:runs/smollm2-135m-dspark")
+    src = c.add_mutually_exclusive_group(required=True)
+    src.add_argument("--data", type=Path, help="held-out regen JSONL (draftsmith regen --split heldout)")
+    src.add_argument("--tasks", help="held-out prompts of these sources, e.g. humaneval,mtbench")
+    _add_eval_run_args(c, max_prompts=16, seed=1)
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=cmd_calibrate)
+
+    e = sub.add_parser("eval", help="τ, per-position acceptance and calibration of drafters on held-out prompts")
+    e.add_argument("--target", default="smollm2-135m", help="built-in alias or HF-format model dir")
+    e.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    e.add_argument("--drafter", action="append", required=True,
+                   help="KIND:CHECKPOINT (dspark, dflash, eagle3) or ngram / draft-model:PATH; repeat to compare")
+    e.add_argument("--tasks", default="humaneval,mtbench", help="comma-separated sources (held-out split only)")
+    e.add_argument("--confidence-threshold", type=float, default=None,
+                   help="verify only the prefix whose cumulative confidence stays >= this")
+    e.add_argument("--out", type=Path, default=Path("eval-out"), help="report.json, report.md, PNG plots")
+    _add_eval_run_args(e, max_prompts=8, seed=0)
+    e.add_argument("--json", action="store_true", help="print report.json to stdout")
+    e.set_defaults(func=cmd_eval)
+
+
+def _add_eval_run_args(p: argparse.ArgumentParser, max_prompts: int, seed: int) -> None:
+    p.add_argument("--temperature", type=float, default=1.0, help="target sampling temperature (0 = greedy)")
+    p.add_argument("--block-size", type=_positive_int, default=None,
+                   help="draft tokens per round γ (default: the checkpoint's block size)")
+    p.add_argument("--max-prompts", type=_positive_int, default=max_prompts, help="per task")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=128, help="per turn")
+    p.add_argument("--max-turns", type=_positive_int, default=2, help="user turns replayed per conversation")
+    p.add_argument("--max-batch", type=_positive_int, default=4, help="requests decoded together")
+    p.add_argument("--seed", type=int, default=seed)
+    p.add_argument("--bins", type=_positive_int, default=10, help="calibration bins")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
+
+
+def _tasks(spec: str) -> tuple[str, ...]:
+    tasks = tuple(t.strip() for t in spec.split(",") if t.strip())
+    if not tasks:
+        raise DraftsmithError("--tasks is empty; e.g. --tasks humaneval,mtbench")
+    return tasks
+
+
+def cmd_train(args) -> int:
+    from draftsmith.train.config import load_train_config
+    from draftsmith.train.trainer import Trainer
+
+    overrides = list(args.overrides)
+    if isinstance(args.resume, str) and "=" in args.resume and not Path(args.resume).exists():
+        overrides.insert(0, args.resume)  # `--resume key=value`: argparse took an override as the path
+        args.resume = True
+    if args.resume and args.overwrite:
+        raise DraftsmithError("--resume and --overwrite exclude each other")
+    if args.budget is not None and args.budget <= 0:
+        raise DraftsmithError(f"--budget must be a positive number of minutes, got {args.budget}")
+    cfg = load_train_config(args.config, overrides, budget_minutes=args.budget)
+    trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite)
+    res = trainer.fit()
+    if trainer.info is not None and trainer.info.is_main:
+        summary = {"out": str(cfg.out), "checkpoint": str(res.checkpoint) if res.checkpoint else None,
+                   "step": res.step, "total_steps": res.total_steps, "final_loss": res.final_loss,
+                   "stopped_at_deadline": res.stopped_at_deadline}
+        if args.json:
+            print(json.dumps(summary))
+        else:
+            print(f"train: {cfg.kind} {res.step}/{res.total_steps} steps, final loss "
+                  f"{res.final_loss if res.final_loss is None else round(res.final_loss, 4)} -> {cfg.out}",
+                  file=sys.stderr)
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    from draftsmith.eval.jobs import CalibrateOptions, run_calibrate
+
+    res = run_calibrate(CalibrateOptions(
+        target=args.target, drafter=args.drafter, data=args.data, tasks=_tasks(args.tasks) if args.tasks else (),
+        temperature=args.temperature, block_size=args.block_size, max_prompts=args.max_prompts,
+        max_new_tokens=args.max_new_tokens, max_batch=args.max_batch, max_turns=args.max_turns, seed=args.seed,
+        n_bins=args.bins, device=None if args.device == "auto" else args.device, progress=args.progress))
+    if args.json:
+        print(json.dumps(res))
+    else:
+        fmt = lambda xs: " ".join("–" if x is None else f"{x:.3f}" for x in xs)  # noqa: E731
+        print(f"calibrate: {res['rounds']} held-out rounds ({res['requests']} requests); temperatures "
+              f"{fmt(res['temperatures'])}; cumulative ECE per position {fmt(res['ece_before'])} -> "
+              f"{fmt(res['ece_after'])} (in-sample) -> {res['calibration']}", file=sys.stderr)
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from draftsmith.eval.jobs import EvalOptions, print_summary, run_eval
+
+    if args.temperature < 0:
+        raise DraftsmithError(f"--temperature must be >= 0, got {args.temperature}")
+    report = run_eval(EvalOptions(
+        target=args.target, drafters=tuple(args.drafter), tasks=_tasks(args.tasks), temperature=args.temperature,
+        block_size=args.block_size, confidence_threshold=args.confidence_threshold, max_prompts=args.max_prompts,
+        max_new_tokens=args.max_new_tokens, max_batch=args.max_batch, max_turns=args.max_turns, seed=args.seed,
+        n_bins=args.bins, out=args.out, device=None if args.device == "auto" else args.device,
+        progress=args.progress))
+    if args.json:
+        print(json.dumps(report))
+    print_summary(report)
+    print(f"eval: report -> {args.out / 'report.json'}, {args.out / 'report.md'}", file=sys.stderr)
+    return 0
+
+
+# ---- end mint + verify ------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> int:

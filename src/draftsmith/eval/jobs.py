@@ -1,0 +1,262 @@
+"""The `draftsmith eval` and `draftsmith calibrate` jobs: run, measure, write reports.
+
+eval writes into --out:
+    report.json        every number (per drafter: per task and overall acceptance, calibration
+                       before / after STS, threshold sweep)
+    report.md          the same as tables
+    rounds-<label>.jsonl   every recorded round (re-analysable without re-running)
+    conditional_acceptance.png, reliability-<label>.png, threshold-<label>.png
+
+"After STS" uses the checkpoint's calibration.json when it has one (fitted on other held-out
+data by `draftsmith calibrate`); otherwise temperatures are cross-fitted on the eval rounds
+(two folds by request, each calibrated with the other's fit), and the report says which.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.eval import metrics as M
+from draftsmith.eval import sts
+from draftsmith.eval.runner import (
+    DEFAULT_TASKS,
+    LoadedDrafter,
+    default_block_size,
+    group_by_task,
+    heldout_conversations,
+    heldout_from_regen,
+    load_drafter,
+    run_rounds,
+)
+
+
+@dataclass(frozen=True)
+class EvalOptions:
+    target: str
+    drafters: tuple[str, ...]
+    tasks: tuple[str, ...] = DEFAULT_TASKS
+    temperature: float = 1.0
+    block_size: int | None = None
+    confidence_threshold: float | None = None
+    max_prompts: int | None = 8
+    max_new_tokens: int = 128
+    max_batch: int = 4
+    max_len: int = 2048
+    max_turns: int = 2
+    seed: int = 0
+    n_bins: int = M.DEFAULT_BINS
+    out: Path | None = Path("eval-out")
+    device: str | None = None
+    progress: bool | None = None
+    thresholds: tuple[float, ...] = field(default_factory=lambda: tuple(M.default_thresholds(0.05)))
+
+
+def _safe(label: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", label).strip("_") or "drafter"
+
+
+def evaluate_drafter(target, loaded: LoadedDrafter, convs, opt: EvalOptions) -> tuple[dict, list[M.RoundRecord]]:
+    gamma = opt.block_size or default_block_size(loaded)
+    run = run_rounds(target, loaded, convs, gamma, temperature=opt.temperature, max_new_tokens=opt.max_new_tokens,
+                     max_batch=opt.max_batch, max_len=opt.max_len, threshold=opt.confidence_threshold,
+                     seed=opt.seed, max_turns=opt.max_turns, progress=opt.progress)
+    recs = run.records
+    res: dict[str, Any] = {
+        "label": loaded.label, "spec": loaded.spec, "kind": loaded.kind,
+        "checkpoint": str(loaded.checkpoint) if loaded.checkpoint else None, "block_size": gamma,
+        "confidence_threshold": opt.confidence_threshold, "requests": run.requests,
+        "output_tokens": run.output_tokens, "wall_s": round(run.wall_s, 3), "skipped": run.skipped,
+        "overall": M.acceptance_summary(recs, gamma),
+        "tasks": {t: M.acceptance_summary(rs, gamma) for t, rs in group_by_task(recs).items()},
+        "calibration": None, "threshold_sweep": None,
+    }
+    if any(r.confidences is not None for r in recs):
+        if loaded.temperatures:
+            after, source, temps = sts.calibrated(recs, loaded.temperatures), "calibration.json", list(loaded.temperatures)
+        else:
+            after, folds = sts.cross_fitted(recs, gamma, opt.n_bins)
+            source, temps = "cross-fitted on the eval rounds (2 folds by request)", folds
+        res["calibration"] = {"source": source, "temperatures": temps,
+                              "before": M.calibration_report(recs, gamma, n_bins=opt.n_bins),
+                              "after": M.calibration_report(after, gamma, n_bins=opt.n_bins)}
+        res["threshold_sweep"] = {"confidences": "after STS",
+                                  "points": [asdict(p) for p in M.threshold_sweep(after, opt.thresholds)]}
+    return res, recs
+
+
+def run_eval(opt: EvalOptions) -> dict:
+    from draftsmith.models.target import load_target
+    from draftsmith.eval import plots
+
+    if opt.confidence_threshold is not None and not 0.0 <= opt.confidence_threshold <= 1.0:
+        raise DraftsmithError(f"--confidence-threshold must be in [0, 1], got {opt.confidence_threshold}")
+    if opt.block_size is not None and opt.block_size < 1:
+        raise DraftsmithError(f"--block-size must be >= 1, got {opt.block_size}")
+    target = load_target(opt.target, device=opt.device)
+    convs = heldout_conversations(opt.tasks, opt.max_prompts)
+    report: dict[str, Any] = {
+        "target": target.target_id, "target_weights_hash": target.weights_hash, "split": "heldout",
+        "tasks": list(opt.tasks), "prompts": {t: sum(c.task == t for c in convs) for t in opt.tasks},
+        "temperature": opt.temperature, "max_new_tokens": opt.max_new_tokens, "max_turns": opt.max_turns,
+        "seed": opt.seed, "drafters": [], "plots": {},
+        "definitions": {"tau": "committed tokens per verification round, bonus included",
+                        "prefix_survival": "rounds with >= k accepted / rounds that verified >= k",
+                        "conditional_acceptance": "P(draft k accepted | drafts 1..k-1 accepted, k verified)",
+                        "verify_rate": "drafts verified / drafts produced (< 1 only under a threshold)",
+                        "calibration": "per position: conditional (c_k vs draft k accepted | 1..k-1 accepted) "
+                                       "and cumulative (prod c_i vs drafts 1..k all accepted)"},
+    }
+    out = Path(opt.out) if opt.out is not None else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+    all_recs: dict[str, list[M.RoundRecord]] = {}
+    for spec in opt.drafters:
+        loaded = load_drafter(spec, target, opt.max_batch, min(opt.max_len, target.model.config.max_position_embeddings))
+        res, recs = evaluate_drafter(target, loaded, convs, opt)
+        report["drafters"].append(res)
+        all_recs[res["label"]] = recs
+        del loaded
+    if out is not None:
+        for res in report["drafters"]:
+            name = _safe(res["label"])
+            with open(out / f"rounds-{name}.jsonl", "w") as f:
+                for r in all_recs[res["label"]]:
+                    f.write(json.dumps(r.to_dict()) + "\n")
+            if res["calibration"]:
+                before = [p["cumulative"]["bins"] for p in res["calibration"]["before"]["positions"]]
+                after = [p["cumulative"]["bins"] for p in res["calibration"]["after"]["positions"]]
+                report["plots"][f"reliability:{res['label']}"] = str(plots.reliability(
+                    before, after, out / f"reliability-{name}.png", title=f"{res['label']}: reliability (cumulative)"))
+                report["plots"][f"threshold:{res['label']}"] = str(plots.threshold_sweep(
+                    res["threshold_sweep"]["points"], out / f"threshold-{name}.png",
+                    title=f"{res['label']}: static threshold"))
+        curves = {r["label"]: r["overall"]["conditional_acceptance"] for r in report["drafters"]}
+        report["plots"]["conditional_acceptance"] = str(plots.conditional_acceptance(
+            curves, out / "conditional_acceptance.png",
+            title=f"Conditional acceptance, {target.target_id}, T={opt.temperature:g}"))
+        (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+        (out / "report.md").write_text(render_markdown(report))
+    return report
+
+
+# ---- calibrate --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CalibrateOptions:
+    target: str
+    drafter: str
+    data: Path | None = None
+    tasks: tuple[str, ...] = ()
+    temperature: float = 1.0
+    block_size: int | None = None
+    max_prompts: int | None = 16
+    max_new_tokens: int = 128
+    max_batch: int = 4
+    max_len: int = 2048
+    max_turns: int = 2
+    seed: int = 1
+    n_bins: int = M.DEFAULT_BINS
+    device: str | None = None
+    progress: bool | None = None
+
+
+def run_calibrate(opt: CalibrateOptions) -> dict:
+    """Fit STS on held-out rounds of a checkpoint's drafter and store calibration.json in it."""
+    from draftsmith.models.target import load_target
+
+    if (opt.data is None) == (not opt.tasks):
+        raise DraftsmithError("give exactly one of --data HELDOUT.jsonl or --tasks T1,T2")
+    target = load_target(opt.target, device=opt.device)
+    loaded = load_drafter(opt.drafter, target, opt.max_batch, min(opt.max_len, target.model.config.max_position_embeddings))
+    if loaded.checkpoint is None:
+        raise DraftsmithError(f"calibrate needs a trained drafter checkpoint (KIND:PATH), got {opt.drafter!r}")
+    convs = heldout_from_regen(opt.data, opt.max_prompts) if opt.data is not None else \
+        heldout_conversations(opt.tasks, opt.max_prompts)
+    gamma = opt.block_size or default_block_size(loaded)
+    run = run_rounds(target, loaded, convs, gamma, temperature=opt.temperature, max_new_tokens=opt.max_new_tokens,
+                     max_batch=opt.max_batch, max_len=opt.max_len, seed=opt.seed, max_turns=opt.max_turns,
+                     progress=opt.progress)
+    recs = [r for r in run.records if r.confidences is not None]
+    if not recs:
+        raise DraftsmithError(f"drafter {loaded.kind!r} reports no confidences (no confidence head); "
+                              "STS applies to drafters with one (dspark)")
+    temps = sts.fit_sts(recs, gamma, opt.n_bins)
+    before = sts.cumulative_ece(recs, gamma, opt.n_bins)
+    after = sts.cumulative_ece(sts.calibrated(recs, temps), gamma, opt.n_bins)
+    fitted_on = {"source": str(opt.data) if opt.data is not None else ",".join(opt.tasks), "split": "heldout",
+                 "rounds": len(recs), "requests": run.requests, "temperature": opt.temperature, "block_size": gamma,
+                 "previous_temperatures": list(loaded.temperatures) if loaded.temperatures else None}
+    path = sts.write_calibration(loaded.checkpoint, temps, before, after, fitted_on, opt.n_bins)
+    return {"calibration": str(path), "temperatures": temps, "ece_before": before, "ece_after": after,
+            "rounds": len(recs), "requests": run.requests}
+
+
+# ---- markdown -----------------------------------------------------------------------------------
+
+
+def _f(x: Any, nd: int = 3) -> str:
+    return "–" if x is None else (f"{x:.{nd}f}" if isinstance(x, float) else str(x))
+
+
+def _series(xs: Sequence[float | None]) -> str:
+    return " ".join(_f(x, 2) for x in xs)
+
+
+def render_markdown(report: dict) -> str:
+    lines = [f"# Drafter evaluation: {report['target']}", "",
+             f"Held-out prompts ({', '.join(f'{t}: {n}' for t, n in report['prompts'].items())}), "
+             f"temperature {report['temperature']:g}, up to {report['max_new_tokens']} new tokens per turn, "
+             f"{report['max_turns']} turn(s). τ counts the bonus token.", "",
+             "| drafter | task | rounds | τ | acceptance | verify rate | prefix survival k=1.. | conditional acceptance k=1.. |",
+             "|---|---|---|---|---|---|---|---|"]
+    for d in report["drafters"]:
+        for task, s in [*d["tasks"].items(), ("all", d["overall"])]:
+            lines.append(f"| {d['label']} | {task} | {s['rounds']} | {_f(s['tau'], 2)} | {_f(s['acceptance_rate'])} | "
+                         f"{_f(s['verify_rate'], 2)} | {_series(s['prefix_survival'])} | "
+                         f"{_series(s['conditional_acceptance'])} |")
+    cal = [d for d in report["drafters"] if d["calibration"]]
+    if cal:
+        lines += ["", "## Calibration (per position; cumulative Π c_i vs prefix survival)", "",
+                  "| drafter | k | n | ECE raw | ECE STS | AUROC | Brier raw | Brier STS | cond. ECE raw | cond. ECE STS |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for d in cal:
+            b, a = d["calibration"]["before"]["positions"], d["calibration"]["after"]["positions"]
+            for pb, pa in zip(b, a):
+                lines.append(f"| {d['label']} | {pb['position']} | {pb['cumulative']['n']} | "
+                             f"{_f(pb['cumulative']['ece'])} | {_f(pa['cumulative']['ece'])} | "
+                             f"{_f(pb['cumulative']['auroc'])} | {_f(pb['cumulative']['brier'])} | "
+                             f"{_f(pa['cumulative']['brier'])} | {_f(pb['conditional']['ece'])} | "
+                             f"{_f(pa['conditional']['ece'])} |")
+            lines.append("")
+            lines.append(f"{d['label']}: STS source: {d['calibration']['source']}.")
+        lines += ["", "## Static threshold sweep (on STS confidences)", "",
+                  "| drafter | threshold | tokens per step | acceptance | verify tokens / round | verify rate |",
+                  "|---|---|---|---|---|---|"]
+        for d in cal:
+            for p in d["threshold_sweep"]["points"]:
+                if round(p["threshold"] * 20) % 2 == 0:  # every 0.1
+                    lines.append(f"| {d['label']} | {p['threshold']:.2f} | {_f(p['tokens_per_step'], 2)} | "
+                                 f"{_f(p['acceptance_rate'])} | {_f(p['verify_tokens_per_round'], 2)} | "
+                                 f"{_f(p['verify_rate'], 2)} |")
+    if report.get("plots"):
+        lines += ["", "## Plots", ""] + [f"- {k}: `{Path(v).name}`" for k, v in report["plots"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def print_summary(report: dict, file=sys.stderr) -> None:
+    for d in report["drafters"]:
+        o = d["overall"]
+        msg = (f"[{d['label']}] τ {_f(o['tau'], 2)} | acceptance {_f(o['acceptance_rate'])} | "
+               f"prefix survival {_series(o['prefix_survival'])} | conditional {_series(o['conditional_acceptance'])}")
+        if d["calibration"]:
+            msg += (f" | mean ECE (cumulative) {_f(d['calibration']['before']['mean_ece_cumulative'])} -> "
+                    f"{_f(d['calibration']['after']['mean_ece_cumulative'])}")
+        print(msg, file=file)
