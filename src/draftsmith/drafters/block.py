@@ -366,6 +366,37 @@ def committed_feature_counts(seqs: Sequence[Seq], num_accepted: torch.Tensor, ct
     return out
 
 
+PREFILL_KEY = "drafter_prefill"
+
+
+def stash_prefill(seq: Seq, features: TargetFeatures | None) -> None:
+    """Keep a new request's prompt features until the next propose / on_verified, so the
+    rows admitted in one engine step are projected in one batch (the engine starts them
+    one by one)."""
+    seq.drafter_state.pop(PREFILL_KEY, None)
+    if features is not None and features.hidden:
+        n = int(next(iter(features.hidden.values())).shape[1])
+        if n:
+            seq.drafter_state[PREFILL_KEY] = features.hidden
+
+
+def take_prefills(seqs: Sequence[Seq]) -> tuple[list[int], dict[int, torch.Tensor], list[int]] | None:
+    """Pop the stashed prompt features of `seqs`: (rows, layer id -> right-padded
+    [B, S, H], counts), or None when no row has any."""
+    pend = [(s.row, s.drafter_state.pop(PREFILL_KEY)) for s in seqs if s.drafter_state.get(PREFILL_KEY) is not None]
+    if not pend:
+        return None
+    counts = [int(next(iter(h.values())).shape[1]) for _, h in pend]
+    S = max(counts)
+    hidden: dict[int, torch.Tensor] = {}
+    for i, ref in pend[0][1].items():
+        out = ref.new_zeros(len(pend), S, ref.shape[-1])
+        for b, (_, h) in enumerate(pend):
+            out[b, : counts[b]] = h[i][0]
+        hidden[i] = out
+    return [r for r, _ in pend], hidden, counts
+
+
 class BlockDrafter:
     """Inference drafter for a block model (DFlash / DSpark): one backbone forward per round.
 
@@ -425,17 +456,24 @@ class BlockDrafter:
     def start(self, seq: Seq, features: TargetFeatures | None) -> None:
         self.cache.reset(seq.row)
         seq.drafter_state["drafter_gen"] = request_generator(seq, self.device)
-        if features is not None and features.hidden:
-            feats = self.backbone.features(features.hidden)  # [1, n, mH]
-            self._append([seq.row], feats, [int(feats.shape[1])])
+        stash_prefill(seq, features)
+
+    def _flush(self, seqs: Sequence[Seq]) -> None:
+        """Project the prompt features of newly started rows, all in one batch."""
+        pend = take_prefills(seqs)
+        if pend:
+            rows, hidden, counts = pend
+            self._append(rows, self.backbone.features(hidden), counts)
 
     def release(self, seq: Seq) -> None:
+        seq.drafter_state.pop(PREFILL_KEY, None)
         if seq.row >= 0:
             self.cache.reset(seq.row)
 
     def on_verified(self, seqs, proposal, result, features) -> None:
         if features is None or not features.hidden:
             raise DraftsmithError(f"drafter {self.name!r} needs target features after every round")
+        self._flush(seqs)
         rows = [s.row for s in seqs]
         ctx = self.cache.lengths[rows].tolist()
         counts = committed_feature_counts(seqs, result.num_accepted, ctx)
@@ -448,6 +486,7 @@ class BlockDrafter:
 
     @torch.inference_mode()
     def propose(self, seqs: list[Seq], max_lengths: list[int]) -> Proposal:
+        self._flush(seqs)
         active = [i for i, k in enumerate(max_lengths) if k > 0]
         if not active:
             return Proposal.empty(len(seqs))

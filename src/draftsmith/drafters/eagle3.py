@@ -40,8 +40,8 @@ from draftsmith.core.types import Proposal
 from draftsmith.core.warp import inverse_cdf, target_probs
 from draftsmith.drafters.base import FeatureSpec, TargetFeatures
 from draftsmith.drafters.block import (
-    InjectedAttention, TargetHead, committed_feature_counts, init_linear_, merge_heads, request_generator,
-    resolve_feature_layers, rope_cos_sin, row_uniforms,
+    PREFILL_KEY, InjectedAttention, TargetHead, committed_feature_counts, init_linear_, merge_heads,
+    request_generator, resolve_feature_layers, rope_cos_sin, row_uniforms, stash_prefill, take_prefills,
 )
 from draftsmith.engine.sequence import Sequence as Seq
 from draftsmith.errors import DraftsmithError
@@ -328,18 +328,26 @@ class EagleDrafter:
     def start(self, seq: Seq, features: TargetFeatures | None) -> None:
         self.cache.reset(seq.row)
         seq.drafter_state["drafter_gen"] = request_generator(seq, self.device)
-        if features is not None and features.hidden:
-            n = int(next(iter(features.hidden.values())).shape[1])
-            if n:
-                self._extend([seq.row], features.hidden, [seq.all_ids[1 : n + 1]])
+        stash_prefill(seq, features)
+
+    def _flush(self, seqs: list[Seq]) -> None:
+        """Context positions for the prompts of newly started rows, in one batch
+        (position j of the prompt pairs feature j with token j+1)."""
+        pend = take_prefills(seqs)
+        if pend:
+            rows, hidden, counts = pend
+            by_row = {s.row: s for s in seqs}
+            self._extend(rows, hidden, [by_row[r].prompt_ids[1 : n + 1] for r, n in zip(rows, counts)])
 
     def release(self, seq: Seq) -> None:
+        seq.drafter_state.pop(PREFILL_KEY, None)
         if seq.row >= 0:
             self.cache.reset(seq.row)
 
     def on_verified(self, seqs, proposal, result, features) -> None:
         if features is None or not features.hidden:
             raise DraftsmithError("eagle3 drafter needs target features after every round")
+        self._flush(seqs)
         rows = [s.row for s in seqs]
         ctx = self.cache.lengths[rows].tolist()
         counts = committed_feature_counts(seqs, result.num_accepted, ctx)
@@ -352,6 +360,7 @@ class EagleDrafter:
     @torch.inference_mode()
     def propose(self, seqs: list[Seq], max_lengths: list[int]) -> Proposal:
         m = self.model
+        self._flush(seqs)
         rows_all = [s.row for s in seqs]
         ctx = self.cache.lengths[rows_all].tolist()
         # A row without context (a one-token prompt, first round) has nothing to draft from.

@@ -1,0 +1,197 @@
+"""Drafter losses and anchor sampling against straightforward loop-based references."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from draftsmith.train.anchors import eligible_anchors, pack_blocks, sample_anchors
+from draftsmith.train.losses import (
+    BlockLossWeights, block_loss, confidence_bce, forward_kl, l1_distance, position_weights, temperature_scale,
+    ttt_loss, ttt_step_weights,
+)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+def _softmax(xs: list[float]) -> list[float]:
+    m = max(xs)
+    e = [math.exp(x - m) for x in xs]
+    return [x / sum(e) for x in e]
+
+
+def test_weights_follow_the_paper():
+    w = position_weights(7)
+    assert w.tolist() == pytest.approx([math.exp(-(k - 1) / 7) for k in range(1, 8)])
+    assert position_weights(4, decay=2.0).tolist() == pytest.approx([math.exp(-k / 2) for k in range(4)])
+    assert ttt_step_weights(7).tolist() == pytest.approx([0.8**i for i in range(7)])
+
+
+def test_per_item_terms_match_definitions():
+    g = torch.Generator().manual_seed(0)
+    dl, tl = torch.randn(5, 9, generator=g) * 2, torch.randn(5, 9, generator=g) * 2
+    tp = torch.softmax(tl, -1)
+    tp[0] = 0.0
+    tp[0, 3] = 1.0  # a one-hot target: KL must handle p_t = 0 entries
+    for n in range(5):
+        pd = _softmax(dl[n].tolist())
+        pt = tp[n].tolist()
+        kl = sum(a * (math.log(a) - math.log(b)) for a, b in zip(pt, pd) if a > 0)
+        assert float(forward_kl(dl, tp)[n]) == pytest.approx(kl, rel=1e-4, abs=1e-5)
+        l1 = sum(abs(a - b) for a, b in zip(pd, pt))
+        assert float(l1_distance(torch.softmax(dl, -1), tp)[n]) == pytest.approx(l1, rel=1e-5)
+    z, c = torch.randn(6, generator=g), torch.rand(6, generator=g)
+    ref = [-(ci * math.log(1 / (1 + math.exp(-zi))) + (1 - ci) * math.log(1 - 1 / (1 + math.exp(-zi))))
+           for zi, ci in zip(z.tolist(), c.tolist())]
+    assert confidence_bce(z, c).tolist() == pytest.approx(ref, rel=1e-5)
+    assert forward_kl(tl, torch.softmax(tl, -1)).abs().max() < 1e-5  # zero at the optimum
+
+
+def _block_loss_reference(dl, tl, x, mask, z, gamma, coef):
+    """Loop over (block, position): weighted means with w_k = exp(-(k-1)/γ)."""
+    num = {"ce": 0.0, "tv": 0.0, "conf": 0.0}
+    den = 0.0
+    B, A, K, _ = dl.shape
+    for b in range(B):
+        for a in range(A):
+            for k in range(K):
+                if not mask[b, a, k]:
+                    continue
+                w = math.exp(-k / gamma)
+                pd = _softmax(dl[b, a, k].tolist())
+                pt = _softmax(tl[b, a, k].tolist())
+                l1 = sum(abs(p - q) for p, q in zip(pd, pt))
+                c_star = 1 - 0.5 * l1
+                c = 1 / (1 + math.exp(-float(z[b, a, k])))
+                num["ce"] += w * -math.log(pd[int(x[b, a, k])])
+                num["tv"] += w * l1
+                num["conf"] += w * -(c_star * math.log(c) + (1 - c_star) * math.log(1 - c))
+                den += w
+    parts = {k: v / den for k, v in num.items()}
+    total = coef.ce * parts["ce"] + coef.tv * parts["tv"] + coef.conf * parts["conf"]
+    return total, parts
+
+
+@pytest.mark.parametrize("coef", [BlockLossWeights(), BlockLossWeights(ce=1.0, tv=0.0, conf=0.0)])
+def test_block_loss_equals_loop_reference(coef):
+    g = torch.Generator().manual_seed(1)
+    B, A, K, V = 2, 3, 4, 11
+    dl = torch.randn(B, A, K, V, generator=g) * 2
+    tl = torch.randn(B, A, K, V, generator=g) * 2
+    x = torch.randint(0, V, (B, A, K), generator=g)
+    z = torch.randn(B, A, K, generator=g)
+    mask = torch.rand(B, A, K, generator=g) < 0.7
+    mask[0, 0, 0] = True
+    position = torch.arange(K).expand(B, A, K)[mask]
+    out = block_loss(dl[mask], x[mask], position, K, coef, tl[mask], z[mask])
+    ref_total, ref_parts = _block_loss_reference(dl, tl, x, mask, z, K, coef)
+    assert float(out.total) == pytest.approx(ref_total, rel=1e-5)
+    for name, value in out.parts.items():
+        if name in ref_parts:
+            assert value == pytest.approx(ref_parts[name], rel=1e-5), name
+    if coef.tv == 0:
+        assert set(out.parts) == {"ce"}  # DFlash: CE only, no target logits needed
+
+
+def test_confidence_label_carries_no_gradient():
+    g = torch.Generator().manual_seed(2)
+    dl = torch.randn(6, 8, generator=g, requires_grad=True)
+    z = torch.randn(6, generator=g, requires_grad=True)
+    out = block_loss(dl, torch.zeros(6, dtype=torch.long), torch.arange(6) % 3, 3,
+                     BlockLossWeights(ce=0.0, tv=0.0, conf=1.0), torch.randn(6, 8, generator=g), z)
+    out.total.backward()
+    assert dl.grad is None or float(dl.grad.abs().max()) == 0.0  # c* is a label
+    assert float(z.grad.abs().max()) > 0
+
+
+def test_ttt_loss_equals_loop_reference():
+    g = torch.Generator().manual_seed(3)
+    steps = [(torch.randn(n, 7, generator=g), torch.softmax(torch.randn(n, 7, generator=g), -1)) for n in (5, 4, 2)]
+    ref = 0.0
+    for i, (dl, tp) in enumerate(steps):
+        kl = 0.0
+        for row_l, row_p in zip(dl.tolist(), tp.tolist()):
+            pd = _softmax(row_l)
+            kl += sum(a * (math.log(a) - math.log(b)) for a, b in zip(row_p, pd))
+        ref += 0.8**i * kl / dl.shape[0]
+    out = ttt_loss([s[0] for s in steps], [s[1] for s in steps])
+    assert float(out.total) == pytest.approx(ref, rel=1e-5)
+    assert set(out.parts) == {"kl@0", "kl@1", "kl@2"}
+
+
+def test_sts_temperature_scaling():
+    c = torch.tensor([[0.9, 0.6, 0.3]])
+    out = temperature_scale(c, [2.0, 0.5])  # the third position keeps T = 1
+    ref = [1 / (1 + math.exp(-math.log(p / (1 - p)) / t)) for p, t in zip([0.9, 0.6, 0.3], [2.0, 0.5, 1.0])]
+    assert out[0].tolist() == pytest.approx(ref, rel=1e-5)
+
+
+# ---------------------------------------------------------------------------- anchors
+
+
+def _batch_masks(seed: int = 4):
+    g = torch.Generator().manual_seed(seed)
+    B, T = 3, 30
+    lengths = torch.tensor([30, 21, 9])
+    loss_mask = torch.rand(B, T, generator=g) < 0.6
+    loss_mask[:, :5] = False  # a prompt
+    for b in range(B):
+        loss_mask[b, int(lengths[b]):] = False
+    return loss_mask, lengths
+
+
+def test_anchors_only_where_the_first_draft_is_loss_masked():
+    loss_mask, lengths = _batch_masks()
+    anchors, valid = sample_anchors(loss_mask, lengths, max_anchors=4, generator=torch.Generator().manual_seed(0))
+    ok = eligible_anchors(loss_mask, lengths)
+    for b in range(3):
+        mine = anchors[b][valid[b]].tolist()
+        want = [a for a in range(30) if a + 1 < int(lengths[b]) and bool(loss_mask[b, a + 1])]
+        assert len(mine) == min(4, len(want))
+        assert mine == sorted(set(mine))  # distinct, sorted
+        assert set(mine) <= set(want)
+        assert ok[b].nonzero().squeeze(-1).tolist() == want
+    # Fewer eligible anchors than the cap: every one of them is used.
+    anchors, valid = sample_anchors(loss_mask, lengths, max_anchors=100)
+    for b in range(3):
+        assert anchors[b][valid[b]].tolist() == ok[b].nonzero().squeeze(-1).tolist()
+
+
+def test_anchor_sampling_is_reproducible_and_uniform_enough():
+    loss_mask, lengths = _batch_masks()
+    a1, _ = sample_anchors(loss_mask, lengths, 3, torch.Generator().manual_seed(7))
+    a2, _ = sample_anchors(loss_mask, lengths, 3, torch.Generator().manual_seed(7))
+    assert torch.equal(a1, a2)
+    g = torch.Generator().manual_seed(8)
+    seen = torch.zeros(30)
+    for _ in range(300):
+        a, v = sample_anchors(loss_mask[:1], lengths[:1], 3, g)
+        seen[a[0][v[0]]] += 1
+    eligible = eligible_anchors(loss_mask[:1], lengths[:1])[0]
+    assert bool((seen[eligible] > 0).all()) and float(seen[~eligible].sum()) == 0
+
+
+def test_pack_blocks_masks_match_a_loop():
+    loss_mask, lengths = _batch_masks()
+    anchors, valid = sample_anchors(loss_mask, lengths, 5, torch.Generator().manual_seed(0))
+    gamma = 4
+    pack = pack_blocks(loss_mask, lengths, anchors, valid, gamma)
+    B, A = anchors.shape
+    for b in range(B):
+        for j in range(A):
+            a = int(anchors[b, j])
+            for t in range(30):
+                assert bool(pack.context_mask[b, j, t]) == (bool(valid[b, j]) and t < a)
+            for k in range(1, gamma + 1):
+                want = bool(valid[b, j]) and a + k < int(lengths[b]) and bool(loss_mask[b, min(a + k, 29)])
+                assert bool(pack.target_mask[b, j, k - 1]) == want
+                if want:
+                    assert int(pack.target_index[b, j, k - 1]) == a + k

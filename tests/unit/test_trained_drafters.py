@@ -1,0 +1,504 @@
+"""EAGLE-3, DFlash and DSpark drafters on a tiny random target, through the real engine.
+
+Set-up: the tiny llama of conftest with its lm_head scaled ×3. The stock tiny target is
+nearly uniform over its 272 tokens, which gives a distribution check little power; the
+sharper one puts ~70% of the (first, second) token mass in ~50 cells. Each drafter kind is
+trained for 30 AdamW steps (seconds) on 32 sequences sampled from that target, enough for
+~50–75% first-draft acceptance — so proposals are accepted often and a wrong q would show.
+
+Checks: greedy output equals plain greedy; at T = 1 the first two committed tokens after a
+fixed prompt follow the target's exact law (chi-square on the first token, the second token
+and the pair; p-value ≥ ALPHA = 1e-4 with fixed seeds, as in test_losslessness.py), with a
+negative control: DSpark drafters that report a q without the sequential bias, or with the
+bias conditioned on the wrong prefix, fail the same check. Training and inference compute
+the same distributions (parity), packed training blocks cannot see each other, checkpoints
+round-trip, and a checkpoint for another target is refused.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from draftsmith import LLM, DraftsmithError, SamplingParams
+from draftsmith.core.warp import target_probs
+from draftsmith.data.features import FeatureExtractor
+from draftsmith.drafters import dflash, dspark, eagle3
+from draftsmith.drafters.base import TargetFeatures
+from draftsmith.drafters.block import choose_mask_token_id, packed_forward
+from draftsmith.drafters.trained import (
+    CATALOGUE, config_from_dict, load_trained_drafter, load_trained_model, save_trained_drafter,
+)
+from draftsmith.engine.sequence import Sequence
+from draftsmith.models.target import load_target
+from draftsmith.train.protocol import TrainBatch
+
+ALPHA = 1e-4
+N_SAMPLES = 2000
+PROMPT = [72, 101, 108, 108, 111, 32]  # "Hello "
+TEXT_PROMPTS = ["hello world, hello world, hello", "def f(x):\n    return x + 1\n", "abcabcabcabc", "z"]
+
+CONFIGS = {
+    "eagle3": eagle3.Eagle3Config(ttt_steps=3),
+    "eagle3-small-vocab": eagle3.Eagle3Config(ttt_steps=3, draft_vocab_size=160),
+    "dflash": dflash.DFlashConfig(block_size=4, num_layers=1, max_anchors=16),
+    "dspark": dspark.DSparkConfig(block_size=4, num_layers=1, rank=32, max_anchors=16),
+    "dspark-gated": dspark.DSparkConfig(block_size=4, num_layers=1, rank=32, max_anchors=16, head="gated"),
+    "dspark-rnn": dspark.DSparkConfig(block_size=4, num_layers=1, rank=32, max_anchors=16, head="rnn"),
+}
+BUILD = {"eagle3": eagle3.build, "dflash": dflash.build, "dspark": dspark.build}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors: on a shared 2-core box extra intra-op threads only spin."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+# ---------------------------------------------------------------------------- fixtures
+
+
+def _sharpen(path: Path, factor: float = 3.0) -> Path:
+    state = load_file(str(path / "model.safetensors"))
+    state["lm_head.weight"] = state["lm_head.weight"] * factor
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture(scope="module")
+def target_dir(tiny_model_dir) -> Path:
+    return _sharpen(tiny_model_dir("llama", seed=0))
+
+
+@pytest.fixture(scope="module")
+def target(target_dir):
+    return load_target(str(target_dir))
+
+
+@pytest.fixture(scope="module")
+def train_batch(target_dir, target) -> TrainBatch:
+    """32 sequences sampled from the target (16 after PROMPT), features of every layer."""
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    prompts = [PROMPT] * 16 + [torch.randint(0, 256, (6,), generator=g).tolist() for _ in range(16)]
+    llm = LLM(str(target_dir), max_batch=32, max_len=64)
+    outs = llm.generate(prompts, [SamplingParams(max_tokens=40, temperature=1.0, seed=i, ignore_eos=True)
+                                  for i in range(len(prompts))])
+    seqs = [o.prompt_token_ids + o.token_ids for o in outs]
+    return _batch(target, seqs, prompt_len=6)
+
+
+def _batch(target, seqs: list[list[int]], prompt_len: int) -> TrainBatch:
+    m = target.model
+    layers = tuple(range(m.config.num_layers))
+    feats = FeatureExtractor(m, layers)(seqs)
+    B, T, H = len(seqs), max(map(len, seqs)), m.config.hidden_size
+    ids = torch.zeros(B, T, dtype=torch.long)
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    hidden = {i: torch.zeros(B, T, H) for i in layers}
+    final = torch.zeros(B, T, H)
+    for b, (s, (h, f)) in enumerate(zip(seqs, feats)):
+        n = len(s)
+        ids[b, :n] = torch.tensor(s)
+        mask[b, prompt_len:n] = True
+        for i in layers:
+            hidden[i][b, :n] = h[i]
+        final[b, :n] = f
+    return TrainBatch(ids, mask, torch.tensor([len(s) for s in seqs]), hidden, final)
+
+
+def _build(target, name: str, seed: int = 0):
+    cfg = CONFIGS[name]
+    torch.manual_seed(seed)
+    return BUILD[cfg.kind](target.model, cfg)
+
+
+@pytest.fixture(scope="module")
+def trained(target, train_batch):
+    """name -> (model trained 30 steps, [loss per step]); each kind is trained once."""
+    cache: dict[str, tuple] = {}
+
+    def get(name: str):
+        if name not in cache:
+            torch.set_num_threads(1)
+            model = _build(target, name)
+            if getattr(model.config, "draft_vocab_size", None):
+                model.init_draft_vocab(torch.bincount(train_batch.input_ids.flatten(), minlength=272))
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            gen = torch.Generator().manual_seed(0)
+            losses = []
+            for _ in range(30):
+                out = model.training_loss(train_batch, gen)
+                opt.zero_grad()
+                out.total.backward()
+                opt.step()
+                losses.append(float(out.total.detach()))
+            cache[name] = (model.eval(), losses)
+        return cache[name]
+
+    return get
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+class Recorder:
+    """Wraps a drafter and keeps every proposal (the engine sees the same object)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.name, self.needs = inner, inner.name, inner.needs
+        self.proposals: list = []
+
+    def start(self, seq, features):
+        self.inner.start(seq, features)
+
+    def propose(self, seqs, max_lengths):
+        p = self.inner.propose(seqs, max_lengths)
+        self.proposals.append(([s.params for s in seqs], p))
+        return p
+
+    def on_verified(self, seqs, proposal, result, features):
+        self.inner.on_verified(seqs, proposal, result, features)
+
+    def release(self, seq):
+        self.inner.release(seq)
+
+
+def _exact_laws(model, prompt: list[int]):
+    """Target law of the first token [V], the second token [V] and the pair [V, V] (float64)."""
+    V, L = model.config.vocab_size, len(prompt)
+    with torch.no_grad():
+        ids = torch.cat([torch.tensor([prompt]).expand(V, L), torch.arange(V)[:, None]], 1)
+        logits = model(ids, model.new_cache(V, L + 1), rows=torch.arange(V)).logits.double()
+    p1 = torch.softmax(logits[0, L - 1], -1)
+    pair = p1[:, None] * torch.softmax(logits[:, L], -1)
+    return p1, pair.sum(0), pair
+
+
+def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square p-value; cells with expected count < 5 pooled; a token seen where
+    the target has zero mass fails outright."""
+    counts, probs = counts.double().flatten(), probs.double().flatten()
+    if bool((counts[probs <= 0] > 0).any()):
+        return 0.0
+    expected = counts.sum() * probs
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum().view(1)])
+    exp = torch.cat([expected[big], expected[~big].sum().view(1)])
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    stat = ((obs - exp) ** 2 / exp).sum()
+    df = obs.numel() - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64), stat / 2))
+
+
+def _first_two_pvalues(target_dir, target, drafter) -> tuple[dict[str, float], float]:
+    llm = LLM(str(target_dir), drafter=drafter, num_speculative_tokens=4, max_batch=64, max_len=64)
+    params = [SamplingParams(max_tokens=3, temperature=1.0, seed=i, ignore_eos=True) for i in range(N_SAMPLES)]
+    outs = llm.generate([PROMPT] * N_SAMPLES, params)
+    first = torch.tensor([o.token_ids[0] for o in outs])
+    second = torch.tensor([o.token_ids[1] for o in outs])
+    V = target.model.config.vocab_size
+    p1, p2, pair = _exact_laws(target.model, PROMPT)
+    pv = {
+        "first": _chi2_pvalue(torch.bincount(first, minlength=V), p1),
+        "second": _chi2_pvalue(torch.bincount(second, minlength=V), p2),
+        "pair": _chi2_pvalue(torch.bincount(first * V + second, minlength=V * V), pair),
+    }
+    return pv, llm.last_stats.prefix_survival[0]
+
+
+# ---------------------------------------------------------------------------- training
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_training_learns_and_leaves_the_target_alone(name, target, trained):
+    before = {k: v.clone() for k, v in target.model.state_dict().items()}
+    model, losses = trained(name)
+    assert losses[-1] < 0.8 * losses[0], losses
+    after = target.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # the target is frozen
+    assert all(p.grad is None for p in target.model.parameters())
+    keys = set(model.state_dict())
+    assert not any("embed" in k for k in keys)  # the target's embedding is shared, never saved
+    if model.config.kind != "eagle3":  # EAGLE-3 trains its own (draft-vocabulary) lm_head
+        assert not any("lm_head" in k for k in keys)
+
+
+# ---------------------------------------------------------------------------- losslessness
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_greedy_equals_plain_greedy(name, target_dir, target, trained):
+    model, _ = trained(name)
+    plain = LLM(str(target_dir), max_batch=4, max_len=128).generate(TEXT_PROMPTS, SamplingParams(max_tokens=32, temperature=0))
+    llm = LLM(str(target_dir), drafter=model.make_drafter(target.model, 4, 128), num_speculative_tokens=5,
+              max_batch=4, max_len=128)
+    spec = llm.generate(TEXT_PROMPTS, SamplingParams(max_tokens=32, temperature=0))
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert llm.last_stats.draft_proposed > 0 and llm.last_stats.draft_accepted > 0
+
+
+@pytest.mark.parametrize("name", ["eagle3-small-vocab", "dflash", "dspark", "dspark-gated", "dspark-rnn"])
+def test_first_tokens_follow_the_target_at_temperature_one(name, target_dir, target, trained):
+    model, _ = trained(name)
+    pv, first_acceptance = _first_two_pvalues(target_dir, target, model.make_drafter(target.model, 64, 64))
+    assert min(pv.values()) >= ALPHA, pv
+    assert first_acceptance > 0.3  # drafts are often accepted: a wrong q could not hide
+
+
+class _QWithoutSequentialBias(dspark.DSparkModel):
+    """Test-only bug: samples with U_k + B_k but reports q = warp(U_k)."""
+
+    def draft(self, hidden, anchors, params, uniforms):
+        tokens, q, z = super().draft(hidden, anchors, params, uniforms)
+        return tokens, target_probs(self.backbone.head.logits(hidden), list(params)), z
+
+
+class _QConditionedOnTheAnchor(dspark.DSparkModel):
+    """Test-only bug: q_k for k ≥ 2 uses the bias of x_0 instead of the sampled x_{k−1}."""
+
+    def draft(self, hidden, anchors, params, uniforms):
+        tokens, q, z = super().draft(hidden, anchors, params, uniforms)
+        bias = self.seq_head.w2(self.seq_head.w1(anchors))[:, None].float()
+        wrong = target_probs(self.backbone.head.logits(hidden) + bias, list(params))
+        return tokens, torch.cat([q[:, :1], wrong[:, 1:]], 1), z
+
+
+@pytest.mark.parametrize("bug", [_QWithoutSequentialBias, _QConditionedOnTheAnchor])
+def test_negative_control_wrong_q_fails_the_check(bug, target_dir, target, trained):
+    good, _ = trained("dspark")
+    model = bug(target.model, good.config)
+    model.load_state_dict(good.state_dict())
+    pv, _ = _first_two_pvalues(target_dir, target, model.make_drafter(target.model, 64, 64))
+    assert min(pv.values()) < ALPHA, pv
+
+
+# ---------------------------------------------------------------------------- train / inference parity
+
+
+def _sequence(prompt: list[int], params: SamplingParams) -> Sequence:
+    s = Sequence(request_id="parity", prompt_ids=list(prompt), params=params, generator=None)
+    s.row = 0
+    return s
+
+
+def _row(batch: TrainBatch, b: int) -> TrainBatch:
+    return TrainBatch(batch.input_ids[b : b + 1], batch.loss_mask[b : b + 1], batch.lengths[b : b + 1],
+                      {i: h[b : b + 1] for i, h in batch.hidden.items()}, batch.final_hidden[b : b + 1])
+
+
+@pytest.mark.parametrize("name", ["dflash", "dspark", "dspark-gated", "dspark-rnn"])
+def test_block_drafter_proposes_what_training_scores(name, target, train_batch, trained):
+    """The inference round at anchor n computes the distributions the packed training
+    forward computes for a block anchored at n (with the drafted prefix as x_<k)."""
+    model, _ = trained(name)
+    row, n, gamma = _row(train_batch, 3), 12, model.config.block_size
+    seq = _sequence(row.input_ids[0, : n + 1].tolist(), SamplingParams(temperature=1.0, seed=11))
+    drafter = model.make_drafter(target.model, 1, 64)
+    drafter.start(seq, TargetFeatures(hidden={i: h[:, :n] for i, h in row.hidden.items()}))
+    prop = drafter.propose([seq], [gamma])
+    first = model.config.kind == "dspark"
+    with torch.no_grad():
+        pf = packed_forward(model.backbone, row, gamma, first, torch.tensor([[n]]), torch.tensor([[True]]))
+        logits = model.backbone.head.logits(pf.hidden[0, 0])  # [γ, V]
+        if first:
+            prev = torch.cat([row.input_ids[0, n : n + 1], prop.tokens[0, :-1]])[None, None]  # x_0, d_1..
+            o, z = model.seq_head.teacher_forced(pf.hidden, prev)
+            logits = logits + model.seq_head.w2(o[0, 0]).float()
+            torch.testing.assert_close(prop.confidences[0], torch.sigmoid(z[0, 0]), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(prop.q[0], torch.softmax(logits, -1), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["eagle3", "eagle3-small-vocab"])
+def test_eagle_drafts_what_training_time_test_scores(name, target, train_batch, trained):
+    """Draft i+1 at inference = TTT step i at the context's last column, when the data
+    tokens are the drafted ones; with a reduced vocabulary q is scattered into target ids."""
+    model, _ = trained(name)
+    row, n, K = _row(train_batch, 3), 12, 3
+    prompt = row.input_ids[0, : n + 1].tolist()
+    seq = _sequence(prompt, SamplingParams(temperature=1.0, seed=11))
+    drafter = model.make_drafter(target.model, 1, 64)
+    drafter.start(seq, TargetFeatures(hidden={i: h[:, :n] for i, h in row.hidden.items()}))
+    prop = drafter.propose([seq], [K])
+    assert int(prop.lengths[0]) == K
+    rerun = _batch(target, [prompt + prop.tokens[0].tolist()], prompt_len=0)
+    with torch.no_grad():
+        steps = model.ttt_forward(rerun, steps=K)
+    V = target.model.config.vocab_size
+    for i in range(K):
+        q_draft = torch.softmax(model.draft_logits(steps[i][0, n - 1]), -1)
+        q = torch.zeros(V).index_copy_(0, model.draft_ids, q_draft)
+        torch.testing.assert_close(prop.q[0, i], q, atol=1e-5, rtol=1e-4)
+    if model.reduced_vocab:
+        assert float(prop.q[0][:, ~model.t2d].abs().max()) == 0.0
+
+
+def test_packed_blocks_never_see_each_other(target, train_batch):
+    model = _build(target, "dspark")
+    row = _row(train_batch, 0)
+    anchors, valid = torch.tensor([[8, 14, 20]]), torch.ones(1, 3, dtype=torch.bool)
+
+    def hidden(batch):
+        with torch.no_grad():
+            return packed_forward(model.backbone, batch, 4, True, anchors, valid).hidden[0]  # [A, γ, H]
+
+    base = hidden(row)
+    ids = row.input_ids.clone()
+    ids[0, 14] = (ids[0, 14] + 1) % 256  # the anchor token of block 2 only
+    other = hidden(TrainBatch(ids, row.loss_mask, row.lengths, row.hidden, row.final_hidden))
+    assert torch.equal(other[0], base[0]) and torch.equal(other[2], base[2])
+    assert not torch.allclose(other[1], base[1])
+    feats = {i: h.clone() for i, h in row.hidden.items()}
+    for h in feats.values():
+        h[0, 15] += 1.0  # a context position only block 3 (anchor 20) may see
+    other = hidden(TrainBatch(row.input_ids, row.loss_mask, row.lengths, feats, row.final_hidden))
+    assert torch.equal(other[0], base[0]) and torch.equal(other[1], base[1])
+    assert not torch.allclose(other[2], base[2])
+
+
+# ---------------------------------------------------------------------------- proposals
+
+
+def test_mixed_batch_confidences_and_one_hot_greedy_rows(target_dir, target, trained):
+    model, _ = trained("dspark")
+    rec = Recorder(model.make_drafter(target.model, 4, 64))
+    llm = LLM(str(target_dir), drafter=rec, num_speculative_tokens=4, max_batch=4, max_len=64)
+    llm.generate(TEXT_PROMPTS[:2], [SamplingParams(max_tokens=12, temperature=0.0),
+                                    SamplingParams(max_tokens=12, temperature=1.0, seed=1)])
+    mixed = [(params, p) for params, p in rec.proposals if len(params) == 2 and p.max_len]
+    assert mixed
+    for params, p in mixed:
+        K = p.max_len
+        valid = torch.arange(K)[None, :] < p.lengths[:, None]
+        assert p.q is not None and p.confidences is not None and p.confidences.shape == (2, K)
+        assert bool(((p.confidences > 0) & (p.confidences < 1))[valid].all())
+        assert float(p.confidences[~valid].abs().sum()) == 0.0
+        for b in range(2):
+            n = int(p.lengths[b])
+            if params[b].greedy and n:
+                one_hot = torch.zeros(n, p.q.shape[-1]).scatter_(1, p.tokens[b, :n, None], 1.0)
+                assert torch.equal(p.q[b, :n], one_hot)
+            torch.testing.assert_close(p.q[b, :n].sum(-1), torch.ones(n))
+
+
+# ---------------------------------------------------------------------------- checkpoints
+
+
+@pytest.mark.parametrize("name", ["eagle3-small-vocab", "dflash", "dspark-rnn"])
+def test_checkpoint_round_trip(name, tmp_path, target_dir, target, trained):
+    model, _ = trained(name)
+    save_trained_drafter(model, tmp_path, target.target_id, target.weights_hash)
+    loaded = load_trained_model(tmp_path, target)
+    assert loaded.config == model.config
+    for k, v in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k
+    params = [SamplingParams(max_tokens=16, temperature=1.0, seed=i) for i in range(4)]
+    outs = []
+    for d in (model.make_drafter(target.model, 4, 64), load_trained_drafter(tmp_path, target, 4, 64)):
+        llm = LLM(str(target_dir), drafter=d, num_speculative_tokens=4, max_batch=4, max_len=64)
+        outs.append(([o.token_ids for o in llm.generate(TEXT_PROMPTS, params)], llm.last_stats.draft_accepted))
+    assert outs[0] == outs[1]
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["kind"] == model.config.kind and saved["target_id"] == target.target_id
+    assert saved["target_weights_hash"] == target.weights_hash and saved["format_version"] == 1
+
+
+def test_calibration_temperatures_rescale_confidences(tmp_path, target_dir, target, trained):
+    model, _ = trained("dspark")
+    save_trained_drafter(model, tmp_path, target.target_id, target.weights_hash)
+    temps = [2.0, 0.5, 1.5, 3.0]
+    (tmp_path / "calibration.json").write_text(json.dumps({"temperatures": temps}))
+    runs = []
+    for d in (model.make_drafter(target.model, 4, 64), load_trained_drafter(tmp_path, target, 4, 64)):
+        rec = Recorder(d)
+        LLM(str(target_dir), drafter=rec, num_speculative_tokens=4, max_batch=4, max_len=64).generate(
+            TEXT_PROMPTS, SamplingParams(max_tokens=12, temperature=0.0))
+        runs.append([p for _, p in rec.proposals if p.max_len])
+    assert runs[0] and len(runs[0]) == len(runs[1])
+    for raw, cal in zip(*runs):
+        assert torch.equal(raw.tokens, cal.tokens)
+        K = raw.max_len
+        valid = torch.arange(K)[None, :] < raw.lengths[:, None]
+        z = torch.logit(raw.confidences.double()) / torch.tensor(temps[:K], dtype=torch.float64)
+        torch.testing.assert_close(cal.confidences[valid].double(), torch.sigmoid(z)[valid], atol=1e-5, rtol=1e-4)
+    (tmp_path / "calibration.json").write_text(json.dumps({"temperatures": [1.0, -2.0]}))
+    with pytest.raises(DraftsmithError, match="positive"):
+        load_trained_drafter(tmp_path, target, 4, 64)
+
+
+def test_checkpoint_for_another_target_is_refused(tmp_path, tiny_model_dir, target, trained):
+    model, _ = trained("dflash")
+    save_trained_drafter(model, tmp_path, target.target_id, target.weights_hash)
+    other = load_target(str(tiny_model_dir("llama", seed=1)))
+    with pytest.raises(DraftsmithError) as e:
+        load_trained_drafter(tmp_path, other, 4, 64)
+    assert target.target_id in str(e.value) and other.target_id in str(e.value)
+    with pytest.raises(DraftsmithError, match="no config.json"):
+        load_trained_drafter(tmp_path / "missing", target, 4, 64)
+
+
+# ---------------------------------------------------------------------------- configs
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"kind": "dspark", "block_sise": 7}, "unknown field"),
+        ({"kind": "dspark", "block_size": "7"}, "must be an integer"),
+        ({"kind": "dspark", "block_size": 0}, "block_size must be an integer >= 1"),
+        ({"kind": "dspark", "head": "lstm"}, "must be one of"),
+        ({"kind": "eagle3", "ttt_steps": 0}, "ttt_steps"),
+        ({"kind": "dflash", "layer_ids": [0, 0]}, "repeat"),
+        ({"kind": "medusa"}, "unknown drafter kind"),
+    ],
+)
+def test_config_errors_are_clear(data, message):
+    with pytest.raises(DraftsmithError, match=message):
+        config_from_dict(data)
+
+
+def test_config_defaults_and_target_resolution(target):
+    assert set(CATALOGUE) == {"eagle3", "dflash", "dspark"}
+    d = config_from_dict({"kind": "dspark"})
+    assert (d.block_size, d.num_layers, d.rank, d.head) == (7, 5, 256, "markov")
+    assert (d.ce_weight, d.tv_weight, d.conf_weight) == (0.1, 0.9, 1.0)
+    e = config_from_dict({"kind": "eagle3", "layer_ids": [0, 2]})
+    assert e.layer_ids == (0, 2) and e.ttt_steps == 7 and e.ttt_decay == 0.8
+    with pytest.raises(DraftsmithError, match="out of range"):
+        dflash.build(target.model, dflash.DFlashConfig(layer_ids=(0, 9)))
+    m = dflash.build(target.model, dflash.DFlashConfig(num_layers=1))
+    assert m.config.layer_ids == (1,) and m.config.mask_token_id == 271
+
+
+def test_mask_token_choice(target):
+    # The tiny tokenizer has 259 entries in a 272-row embedding: the first unused row.
+    assert choose_mask_token_id(272, target.tokenizer) == 259
+
+    class SmolLike:  # SmolLM2: no padding rows; 17 added tokens, 0-2 used by chat
+        all_special_ids = [1, 2, 0]
+        added_tokens_decoder = {i: None for i in range(17)}
+
+        def __len__(self):
+            return 49152
+
+    assert choose_mask_token_id(49152, SmolLike()) == 16  # <empty_output>
+    assert choose_mask_token_id(100) == 99
+
+
+def test_build_vocab_map():
+    counts = torch.tensor([5, 0, 9, 9, 1, 7])
+    d2t, t2d = eagle3.build_vocab_map(counts, 3)
+    assert (torch.arange(3) + d2t).tolist() == [2, 3, 5]  # the 3 most frequent, ascending
+    assert t2d.tolist() == [False, False, True, True, False, True]
+    d2t, _ = eagle3.build_vocab_map(torch.tensor([1, 1, 1, 1]), 2)
+    assert (torch.arange(2) + d2t).tolist() == [0, 1]  # ties -> lower ids
+    with pytest.raises(DraftsmithError):
+        eagle3.build_vocab_map(counts, 7)
