@@ -18,7 +18,13 @@ from draftsmith.data.cache import (
     plan_shards,
     run_cache,
 )
-from draftsmith.data.features import FeatureExtractor, OnlineFeatures, default_layer_ids, parse_layer_ids
+from draftsmith.data.features import (
+    FeatureExtractor,
+    FeatureProvider,
+    OnlineFeatures,
+    default_layer_ids,
+    parse_layer_ids,
+)
 from draftsmith.errors import DraftsmithError
 
 TOL = {"fp32": 1e-5, "fp16": 2e-3, "bf16": 1.6e-2}  # relative to the value (plus the same absolute)
@@ -128,8 +134,11 @@ def test_online_equals_offline_and_batching(tiny, target, tmp_path):
     run_cache(CacheConfig(target=str(tiny), data=_write(tmp_path / "d.jsonl", recs), out=out, dtype="fp32",
                           layers="1"))
     fc = FeatureCache(out)
+    with pytest.raises(DraftsmithError, match=r"lack the requested \[0\]"):
+        FeatureCache(out, layer_ids=(0, 1))
     on = OnlineFeatures(target, layer_ids=fc.layer_ids).validate(fc.target_id, fc.weights_hash, fc.layer_ids,
                                                                  fc.hidden_size)
+    assert isinstance(fc, FeatureProvider) and isinstance(on, FeatureProvider)  # one interface
     batched = {x.id: x for x in on.iter_samples(recs, batch_size=3)}  # right-padded batches
     for r in recs:
         off = fc.features(r)

@@ -583,12 +583,14 @@ class FeatureCache:
         self.weights_hash: str = m["target"]["weights_hash"]
         self.hidden_size: int = int(m["hidden_size"])
         self.stored_layer_ids: tuple[int, ...] = tuple(m["layer_ids"])
-        self.layer_ids: tuple[int, ...] = tuple(layer_ids) if layer_ids is not None else self.stored_layer_ids
+        self.layer_ids: tuple[int, ...] = self.stored_layer_ids
         self.dtype: torch.dtype = store_dtype(m["dtype"])
         self.verify = verify
         self._verified: set[str] = set()
         self._index: dict[str, tuple[int, int]] | None = None
         self._loaded: tuple[int, dict[str, torch.Tensor]] | None = None
+        if layer_ids is not None:
+            self.validate(layer_ids=layer_ids)
         if not m.get("complete", False):
             log.warning("feature cache %s is incomplete (a run was interrupted); resume it to add the rest", path)
 
