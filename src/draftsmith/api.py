@@ -71,12 +71,44 @@ class GenerateStats:
         }
 
 
-def make_policy(name: str, k: int) -> DraftLengthPolicy:
+def make_policy(name: str, k: int, *, target=None, max_batch: int = 8) -> DraftLengthPolicy:
+    """A draft-length policy by name, K = k drafts per round at most.
+
+    prefix-scheduler profiles SPS(B) for `target` (a LoadedTarget) on first use per machine
+    (cached under $DRAFTSMITH_HOME/profiles/), for up to `max_batch` rows of k + 1 tokens.
+    """
     if name == "fixed":
         return FixedK(k)
     if name == "heuristic":
         return HeuristicK(initial=min(k, 16), max_k=max(16, k))
-    raise DraftsmithError(f"unknown draft-length policy {name!r}; choose fixed or heuristic")
+    if name == "threshold":
+        from draftsmith.policy.threshold import ConfidenceThreshold
+
+        return ConfidenceThreshold(max_k=k)
+    if name == "batch-schedule":
+        from draftsmith.policy.batch_schedule import BatchSizeSchedule, default_schedule
+
+        return BatchSizeSchedule(default_schedule(k))
+    if name == "prefix-scheduler":
+        import sys
+
+        from draftsmith.policy.prefix_scheduler import PrefixScheduler
+        from draftsmith.policy.profile import ProfileConfig, load_or_profile
+
+        if target is None:
+            raise DraftsmithError(
+                "the prefix-scheduler policy needs the target to profile SPS(B): call "
+                "make_policy(name, k, target=loaded_target, max_batch=...) or pass "
+                "PrefixScheduler(load_or_profile(model, ...)) as the policy"
+            )
+        sps = load_or_profile(
+            target.model, weights_hash=target.weights_hash, name=target.target_id,
+            config=ProfileConfig(max_batch=max_batch, max_k=k),
+            log=lambda m: print(f"draftsmith: {m}", file=sys.stderr, flush=True),
+        )
+        return PrefixScheduler(sps, max_k=k)
+    known = ("fixed", "heuristic", "threshold", "batch-schedule", "prefix-scheduler")
+    raise DraftsmithError(f"unknown draft-length policy {name!r}; choose one of {', '.join(known)}")
 
 
 class LLM:

@@ -1,0 +1,152 @@
+"""DSpark's hardware-aware prefix scheduler (paper Algorithm 1), with its early stop.
+
+Per round, after drafting: request r has drafts with confidences c_{r,1..n_r} and survival
+estimates a_{r,j} = prod_{i<=j} c_{r,i} (expected: draft j is accepted). Verifying more
+drafts commits more tokens per step but makes the step slower; SPS(B) (policy/profile.py)
+says how much slower on this machine. Algorithm 1:
+
+    l_r = 0, tau* = R, B = R, Theta_best = R * SPS(R)
+    for (r, j) in all candidates sorted by a_{r,j} descending:
+        B' = tokens of the forward if row r verified j drafts;  Theta = (tau* + a_{r,j}) * SPS(B')
+        if Theta > Theta_best: l_r = j, tau* += a_{r,j}, B = B', Theta_best = Theta
+        else: stop
+
+The early stop is what keeps it lossless. Candidates of one row come in order j = 1, 2, ...
+(a is non-increasing in j; ties go to the smaller j), so whether draft j of row r is
+verified depends only on candidates ranked above it, whose confidences come from drafts
+before j. A search that skipped over a bad candidate to a later good one would let c_{r,j+1}
+(a function of draft j) decide whether draft j is verified: biased output (paper appendix A;
+tests/unit/test_scheduler_losslessness.py shows it).
+
+B: the paper counts tokens (B = R + sum l_r, a ragged-batch engine: `batch_tokens="packed"`).
+Draftsmith's engine pads every row to the longest verify block, so its forward processes
+R * (1 + max_r l_r) tokens (`"padded"`, the default): admitting a draft inside the current
+width costs nothing, widening the block costs a whole column. Any cost that depends only on
+the already-admitted set keeps the argument above intact.
+
+Drafters without confidences (n-gram): c_{r,j} is the request's running conditional
+acceptance (policy/acceptance.py), computed from finished rounds only. Such confidences do
+not depend on this round's drafts at all, so there the break is not needed for losslessness,
+and by default the scheduler takes the best prefix of the same sorted order
+(`running_search="best-prefix"`): on a CPU the first extra verify token is the expensive one
+and later ones are nearly free, which the early stop cannot see past.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from draftsmith.core.types import Proposal
+from draftsmith.engine.sequence import Sequence
+from draftsmith.errors import DraftsmithError
+from draftsmith.policy.acceptance import AcceptancePrior, cumulative, record_round, running_confidences
+from draftsmith.policy.profile import SPSTable
+
+BatchTokens = Literal["padded", "packed"]
+
+
+def _ranked(conf: list[list[float]]) -> list[tuple[float, int, int]]:
+    """All candidates (a_{r,j}, j, r), a descending; ties: smaller j first, then smaller r."""
+    cands = [(a, j, r) for r, c in enumerate(conf) for j, a in enumerate(cumulative(c), 1)]
+    cands.sort(key=lambda t: (-t[0], t[1], t[2]))
+    return cands
+
+
+def _tokens(R: int, width: int, admitted: int, batch_tokens: BatchTokens) -> int:
+    """Forward size: R rows padded to `width` columns, or R + admitted drafts (ragged)."""
+    return R * width if batch_tokens == "padded" else R + admitted
+
+
+def admit(conf: list[list[float]], sps: Callable[[float], float],
+          batch_tokens: BatchTokens = "padded") -> list[int]:
+    """Algorithm 1 with the early stop. conf[r] = c_{r,1..n_r}; returns l_r per row."""
+    R = len(conf)
+    ell = [0] * R
+    if R == 0:
+        return ell
+    tau, width, admitted = float(R), 1, 0
+    best = R * sps(_tokens(R, 1, 0, batch_tokens))
+    for a, j, r in _ranked(conf):
+        w = max(width, 1 + j)
+        theta = (tau + a) * sps(_tokens(R, w, admitted + 1, batch_tokens))
+        if not theta > best:
+            break  # the early stop: nothing ranked below this is admitted
+        ell[r], tau, width, admitted, best = j, tau + a, w, admitted + 1, theta
+    return ell
+
+
+def admit_best_prefix(conf: list[list[float]], sps: Callable[[float], float],
+                      batch_tokens: BatchTokens = "padded") -> list[int]:
+    """The best prefix of Algorithm 1's order (no early stop).
+
+    ONLY for confidences fixed before this round's drafts were sampled (running acceptance):
+    with a drafter's confidences this is exactly the biased variant of DSpark appendix A.
+    """
+    R = len(conf)
+    if R == 0:
+        return []
+    ranked = _ranked(conf)
+    tau, width = float(R), 1
+    best, best_n = R * sps(_tokens(R, 1, 0, batch_tokens)), 0
+    for n, (a, j, _) in enumerate(ranked, 1):
+        tau, width = tau + a, max(width, 1 + j)
+        theta = tau * sps(_tokens(R, width, n, batch_tokens))
+        if theta > best:
+            best, best_n = theta, n
+    ell = [0] * R
+    for _, j, r in ranked[:best_n]:
+        ell[r] = j
+    return ell
+
+
+def can_gain(R: int, max_k: int, sps: Callable[[float], float], batch_tokens: BatchTokens = "padded") -> bool:
+    """Could any verify length beat plain decoding for R rows, even if every draft were
+    certain to be accepted (a = 1)? If not, drafting is pure waste this round."""
+    if R == 0 or max_k == 0:
+        return False
+    base = R * sps(R)
+    for n in range(1, R * max_k + 1):  # n admitted drafts, spread column by column
+        width = 1 + -(-n // R)
+        if (R + n) * sps(_tokens(R, width, n, batch_tokens)) > base:
+            return True
+    return False
+
+
+@dataclass(frozen=True)
+class PrefixScheduler:
+    sps: SPSTable  # profiled target steps/s per tokens-per-step (policy/profile.py)
+    max_k: int = 5  # drafts requested per row; the scheduler verifies a prefix of them
+    batch_tokens: BatchTokens = "padded"  # how a forward's size is counted (see module doc)
+    running_search: Literal["best-prefix", "early-stop"] = "best-prefix"  # confidence-free drafters
+    prior: AcceptancePrior = field(default_factory=AcceptancePrior)  # running acceptance prior
+    name: str = "prefix-scheduler"
+
+    def __post_init__(self) -> None:
+        if self.max_k < 0:
+            raise DraftsmithError(f"max_k must be >= 0, got {self.max_k}")
+        if self.batch_tokens not in ("padded", "packed"):
+            raise DraftsmithError(f"batch_tokens must be 'padded' or 'packed', got {self.batch_tokens!r}")
+        if self.running_search not in ("best-prefix", "early-stop"):
+            raise DraftsmithError(f"running_search must be 'best-prefix' or 'early-stop', got {self.running_search!r}")
+
+    def choose(self, seqs: list[Sequence]) -> list[int]:
+        # Depends on the batch size only (known before drafting): skip drafting when no
+        # verify length could pay off at this load.
+        k = self.max_k if can_gain(len(seqs), self.max_k, self.sps, self.batch_tokens) else 0
+        return [k] * len(seqs)
+
+    def trim(self, seqs: list[Sequence], proposal: Proposal) -> list[int]:
+        if not proposal.max_len:
+            return [0] * len(seqs)
+        lengths = proposal.lengths.tolist()
+        if proposal.confidences is not None:
+            raw = proposal.confidences.detach().float().cpu().tolist()
+            return admit([raw[b][:n] for b, n in enumerate(lengths)], self.sps, self.batch_tokens)
+        conf = [running_confidences(s, n, self.prior) for s, n in zip(seqs, lengths)]
+        search = admit_best_prefix if self.running_search == "best-prefix" else admit
+        return search(conf, self.sps, self.batch_tokens)
+
+    def update(self, seqs, proposal, result) -> None:
+        record_round(seqs, proposal, result)

@@ -1,0 +1,281 @@
+"""Verification-length policies: Algorithm 1 on hand-worked tables, the threshold and
+batch-size policies, SPS(B) interpolation, the profile cache, and the engine running them."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from draftsmith import LLM, DraftsmithError, SamplingParams
+from draftsmith.api import make_policy
+from draftsmith.core.types import Proposal, VerifyResult
+from draftsmith.drafters.ngram import NgramDrafter
+from draftsmith.engine.sequence import Sequence
+from draftsmith.models.loading import load_decoder
+from draftsmith.policy import profile as profile_mod
+from draftsmith.policy.acceptance import AcceptancePrior, record_round, running_confidences
+from draftsmith.policy.batch_schedule import BatchSizeSchedule, default_schedule
+from draftsmith.policy.prefix_scheduler import PrefixScheduler, admit, admit_best_prefix, can_gain
+from draftsmith.policy.profile import ProfileConfig, SPSTable, load_or_profile
+from draftsmith.policy.threshold import ConfidenceThreshold
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors: on a shared 2-core box extra intra-op threads only spin."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+def sps_from_times(tokens, times) -> SPSTable:
+    return SPSTable.from_step_times(tuple(tokens), tuple(times))
+
+
+def seqs(n: int) -> list[Sequence]:
+    return [Sequence(f"r{i}", [1, 2, 3], SamplingParams(), None) for i in range(n)]
+
+
+def proposal(lengths, K, confidences=None) -> Proposal:
+    conf = None if confidences is None else torch.tensor(confidences, dtype=torch.float32)
+    return Proposal(tokens=torch.zeros(len(lengths), K, dtype=torch.long),
+                    lengths=torch.tensor(lengths, dtype=torch.long), confidences=conf)
+
+
+# ----------------------------------------------------------------------------- Algorithm 1
+
+
+def test_algorithm1_packed_hand_worked():
+    # a: row 0 -> 0.9, 0.72; row 1 -> 0.5. Order: (0,1) (0,2) (1,1).
+    # SPS(2..5) = 1/1.0, 1/1.1, 1/1.2, 1/1.5. Theta_0 = 2.
+    # (0,1): 2.9 / 1.1 = 2.636 > 2      admit, l_0 = 1
+    # (0,2): 3.62 / 1.2 = 3.017 > 2.636 admit, l_0 = 2
+    # (1,1): 4.12 / 1.5 = 2.747 < 3.017 break
+    sps = sps_from_times((2, 3, 4, 5), (1.0, 1.1, 1.2, 1.5))
+    assert admit([[0.9, 0.8], [0.5]], sps, "packed") == [2, 0]
+    # A cheaper 5th token: (1,1) gives 4.12 / 1.25 = 3.296 > 3.017 -> admitted too.
+    sps = sps_from_times((2, 3, 4, 5), (1.0, 1.1, 1.2, 1.25))
+    assert admit([[0.9, 0.8], [0.5]], sps, "packed") == [2, 1]
+
+
+def test_algorithm1_padded_hand_worked():
+    # Padded: B = R * (1 + max l). a: row 0 -> 0.9, 0.72; row 1 -> 0.6, 0.3.
+    # Order: (0,1) 0.9, (0,2) 0.72, (1,1) 0.6, (1,2) 0.3. Theta_0 = 2 * SPS(2) = 2.
+    conf = [[0.9, 0.8], [0.6, 0.5]]
+    # Step times 1, 1.3, 1.4 at B = 2, 4, 6:
+    # (0,1): width 2, B 4: 2.9 / 1.3 = 2.231 admit; (0,2): width 3, B 6: 3.62 / 1.4 = 2.586 admit;
+    # (1,1), (1,2) fit in width 3 (free): 4.22 / 1.4, 4.52 / 1.4 admit.
+    assert admit(conf, sps_from_times((2, 4, 6), (1.0, 1.3, 1.4)), "padded") == [2, 2]
+    # Step time 2.0 at B = 6: (0,2) gives 3.62 / 2.0 = 1.81 < 2.231: break. (1,1) would have
+    # been free inside width 2 (3.5 / 1.3 = 2.69), but it ranks below the break: not admitted.
+    assert admit(conf, sps_from_times((2, 4, 6), (1.0, 1.3, 2.0)), "padded") == [1, 0]
+
+
+def test_algorithm1_break_vs_best_prefix_appendix_a():
+    # One request, a_1 = 0.8, SPS(1..3) = 1.0, 0.5, 0.45: Theta = 1.0, 0.9, then
+    # 0.45 * (1.8 + 0.8 c_2). The early stop never reaches draft 2; the best prefix does
+    # when c_2 > 0.528, i.e. depending on draft 1 (the biased variant, only safe for
+    # confidences from past rounds).
+    sps = SPSTable((1, 2, 3), (1.0, 0.5, 0.45))
+    for c2 in (0.95, 0.3):
+        assert admit([[0.8, c2]], sps, "packed") == [0]
+    assert admit_best_prefix([[0.8, 0.95]], sps, "packed") == [2]
+    assert admit_best_prefix([[0.8, 0.3]], sps, "packed") == [0]
+
+
+def test_algorithm1_edges():
+    flat = SPSTable((1,), (1.0,))
+    assert admit([], flat) == []
+    assert admit([[], []], flat) == [0, 0]  # no drafts: nothing to admit
+    # Flat cost: every candidate with a > 0 improves Theta; a = 0 does not (stop there).
+    assert admit([[1.0, 1.0, 0.0, 1.0], [0.5]], flat, "packed") == [2, 1]
+    # Ties in a keep each row's prefix order (j ascending): c = 1 repeats a.
+    assert admit([[1.0, 1.0, 1.0]], flat, "padded") == [3]
+
+
+def test_can_gain_and_choose_skip_drafting_when_nothing_can_pay():
+    linear = sps_from_times((1, 200), (1.0, 200.0))  # time proportional to tokens: never pays
+    flat = SPSTable((1,), (1.0,))
+    for bt in ("padded", "packed"):
+        assert not can_gain(4, 5, linear, bt)
+        assert can_gain(4, 5, flat, bt)
+    assert not can_gain(0, 5, flat) and not can_gain(3, 0, flat)
+    assert PrefixScheduler(linear, max_k=5).choose(seqs(3)) == [0, 0, 0]
+    assert PrefixScheduler(flat, max_k=5).choose(seqs(3)) == [5, 5, 5]
+
+
+def test_prefix_scheduler_trim_uses_drafter_confidences_then_running_acceptance():
+    sps = sps_from_times((2, 3, 4, 5), (1.0, 1.1, 1.2, 1.5))
+    pol = PrefixScheduler(sps, max_k=2, batch_tokens="packed")
+    ss = seqs(2)
+    # The drafter's confidences decide (same table as the packed hand-worked case);
+    # lengths cap the candidates: row 1 proposed 1 draft.
+    assert pol.trim(ss, proposal([2, 1], 2, [[0.9, 0.8], [0.5, 0.99]])) == [2, 0]
+    # No confidences: running acceptance with the prior (0.6 per position at the start).
+    prior = AcceptancePrior(mean=0.6, strength=2.0)
+    assert running_confidences(ss[0], 2, prior) == pytest.approx([0.6, 0.6])
+    # Row 0 verified 2 drafts and accepted both; row 1 verified 2 and rejected the first.
+    prop = proposal([2, 2], 2)
+    res = VerifyResult(tokens=torch.zeros(2, 3, dtype=torch.long), num_accepted=torch.tensor([2, 0]))
+    pol.update(ss, prop, res)
+    assert running_confidences(ss[0], 2, prior) == pytest.approx([(1 + 1.2) / 3, (1 + 1.2) / 3])
+    # Row 1 never reached draft 2: position 2 keeps the prior.
+    assert running_confidences(ss[1], 3, prior) == pytest.approx([1.2 / 3, 0.6, 0.6])
+    assert pol.trim(ss, prop) == admit_best_prefix(
+        [running_confidences(s, 2, prior) for s in ss], sps, "packed")
+    early = replace(pol, running_search="early-stop")
+    assert early.trim(ss, prop) == admit([running_confidences(s, 2, prior) for s in ss], sps, "packed")
+
+
+def test_record_round_counts_conditional_acceptance():
+    (s,) = seqs(1)
+    for n, m in [(3, 1), (3, 3), (2, 0), (0, 0)]:
+        record_round([s], proposal([n], 3), VerifyResult(torch.zeros(1, 4, dtype=torch.long), torch.tensor([m])))
+    reached, acc = s.drafter_state["policy.running_acceptance"]
+    # position 1 reached in 3 rounds (accepted 2); 2 reached in 2 (accepted 1); 3 in 1 (accepted 1).
+    assert reached == [3, 2, 1] and acc == [2, 1, 1]
+
+
+# ----------------------------------------------------------------------------- threshold
+
+
+def test_threshold_keeps_prefix_while_cumulative_confidence_clears():
+    pol = ConfidenceThreshold(threshold=0.5, max_k=4)
+    assert pol.choose(seqs(2)) == [4, 4]
+    # Row 0: a = 0.9, 0.72, 0.36 -> 2. Row 1: a = 0.3 -> 0. Row 2: proposed 1 only -> 1.
+    conf = [[0.9, 0.8, 0.5, 1.0], [0.3, 1.0, 1.0, 1.0], [0.99, 0.99, 0.99, 0.99]]
+    assert pol.trim(seqs(3), proposal([4, 4, 1], 4, conf)) == [2, 0, 1]
+    assert ConfidenceThreshold(threshold=0.0, max_k=4).trim(seqs(3), proposal([4, 4, 1], 4, conf)) == [4, 4, 1]
+    # Without confidences: the prior 0.6 -> a = 0.6, 0.36: threshold 0.5 keeps 1.
+    assert pol.trim(seqs(1), proposal([3], 3)) == [1]
+    with pytest.raises(DraftsmithError):
+        ConfidenceThreshold(threshold=1.5)
+
+
+# ----------------------------------------------------------------------------- batch schedule
+
+
+def test_batch_schedule():
+    pol = BatchSizeSchedule(((2, 6), (4, 3), (8, 1)))
+    assert [pol.k_for(n) for n in (1, 2, 3, 4, 5, 8, 9, 32)] == [6, 6, 3, 3, 1, 1, 0, 0]
+    assert pol.choose(seqs(3)) == [3, 3, 3]
+    assert pol.trim(seqs(2), proposal([2, 0], 2)) == [2, 0]
+    assert default_schedule(5) == ((2, 5), (4, 3)) and BatchSizeSchedule(default_schedule(0)).k_for(1) == 0
+    for bad in ((), ((4, 2), (2, 1)), ((0, 1),), ((2, -1),)):
+        with pytest.raises(DraftsmithError):
+            BatchSizeSchedule(bad)
+
+
+# ----------------------------------------------------------------------------- SPS table
+
+
+def test_sps_interpolates_linearly_in_step_time():
+    t = sps_from_times((1, 3, 7), (1.0, 2.0, 4.0))
+    assert t(1) == pytest.approx(1.0) and t(3) == pytest.approx(0.5) and t(7) == pytest.approx(0.25)
+    assert t.step_time(2) == pytest.approx(1.5) and t(2) == pytest.approx(1 / 1.5)
+    assert t.step_time(5) == pytest.approx(3.0)
+    assert t.step_time(0.5) == pytest.approx(1.0)  # below the grid: clamp
+    assert t.step_time(9) == pytest.approx(5.0)  # above: continue the last segment (slope 0.5)
+    falling = sps_from_times((1, 2), (1.0, 0.9))
+    assert falling.step_time(10) == pytest.approx(0.9)  # never extrapolate a negative slope
+    assert SPSTable.from_dict(json.loads(json.dumps(t.to_dict()))) == t
+    for bad in (((), ()), ((1, 1), (1.0, 1.0)), ((0,), (1.0,)), ((1,), (0.0,)), ((1, 2), (1.0,))):
+        with pytest.raises(DraftsmithError):
+            SPSTable(*bad)
+
+
+def test_profile_grid_shapes():
+    grid = ProfileConfig(max_batch=8, max_k=5, max_points=16).grid()
+    bs = [b for b, _, _ in grid]
+    assert bs[:4] == [1, 2, 3, 4] and bs[-1] == 48 and len(bs) <= 16 and bs == sorted(set(bs))
+    for b, rows, width in grid:
+        assert rows * width == b and rows <= 8 and width <= 6
+    assert dict((b, (r, w)) for b, r, w in grid)[4] == (4, 1)  # decode shape preferred
+
+
+# ----------------------------------------------------------------------------- profile cache
+
+SMALL = ProfileConfig(max_batch=2, max_k=1, context_len=8, warmup=0, repeats=1)
+
+
+@pytest.fixture(scope="module")
+def tiny_decoder(tiny_model_dir):
+    return load_decoder(tiny_model_dir("llama", seed=0))
+
+
+def test_profile_cache_reused_per_machine_and_model(tiny_decoder, tmp_path, monkeypatch):
+    calls = []
+    real = profile_mod.profile_sps
+
+    def counting(model, config, *a, **kw):
+        calls.append(config)
+        return real(model, config, *a, **kw)
+
+    monkeypatch.setattr(profile_mod, "profile_sps", counting)
+    t1 = load_or_profile(tiny_decoder, weights_hash="aaa", name="tiny", config=SMALL, home=tmp_path)
+    assert len(calls) == 1
+    assert all(x >= y for x, y in zip(t1.steps_per_s, t1.steps_per_s[1:]))  # made monotone
+    t2 = load_or_profile(tiny_decoder, weights_hash="aaa", name="tiny", config=SMALL, home=tmp_path)
+    assert len(calls) == 1 and t2 == t1  # second load: from the cache
+    files = list((tmp_path / "profiles").glob("tiny-*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["key"]["weights_hash"] == "aaa"
+    load_or_profile(tiny_decoder, weights_hash="bbb", name="tiny", config=SMALL, home=tmp_path)
+    assert len(calls) == 2  # another model: profiled again, in its own file
+    assert len(list((tmp_path / "profiles").glob("tiny-*.json"))) == 2
+    load_or_profile(tiny_decoder, weights_hash="aaa", name="tiny", config=replace(SMALL, context_len=16), home=tmp_path)
+    assert len(calls) == 3  # another grid / context: another key
+    files[0].write_text("{not json")
+    load_or_profile(tiny_decoder, weights_hash="aaa", name="tiny", config=SMALL, home=tmp_path)
+    assert len(calls) == 4  # unreadable cache: measured again
+    load_or_profile(tiny_decoder, weights_hash="aaa", name="tiny", config=SMALL, home=tmp_path, refresh=True)
+    assert len(calls) == 5
+
+
+def test_make_policy_registers_the_new_policies(tiny_model_dir, tmp_path, monkeypatch):
+    assert isinstance(make_policy("threshold", 4), ConfidenceThreshold) and make_policy("threshold", 4).max_k == 4
+    assert make_policy("batch-schedule", 6).schedule == default_schedule(6)
+    with pytest.raises(DraftsmithError, match="needs the target"):
+        make_policy("prefix-scheduler", 4)
+    with pytest.raises(DraftsmithError, match="unknown draft-length policy"):
+        make_policy("nope", 4)
+    from draftsmith.models.target import load_target
+
+    monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path))
+    target = load_target(str(tiny_model_dir("llama", seed=0)))
+    pol = make_policy("prefix-scheduler", 2, target=target, max_batch=2)
+    assert isinstance(pol, PrefixScheduler) and pol.max_k == 2 and pol.sps.max_tokens == 6
+    assert len(list((tmp_path / "profiles").glob("*.json"))) == 1
+
+
+# ----------------------------------------------------------------------------- in the engine
+
+
+class _ConfidentNgram(NgramDrafter):
+    """n-gram drafts plus made-up confidences (c_k = 0.9, 0.5 alternating) to drive trim()."""
+
+    def propose(self, seqs, max_lengths):
+        p = super().propose(seqs, max_lengths)
+        conf = torch.where(torch.arange(p.max_len) % 2 == 0, 0.9, 0.5).expand(p.batch_size, -1)
+        return replace(p, confidences=conf.contiguous())
+
+
+PROMPTS = ["hello world, hello world, hello", "abcabcabcabc", "def f(x):\n    return x + 1\n"]
+
+
+def test_engine_greedy_output_unchanged_by_policies(tiny_model_dir):
+    tiny = str(tiny_model_dir("llama", seed=0))
+    greedy = SamplingParams(max_tokens=20, temperature=0.0)
+    plain = [o.token_ids for o in LLM(tiny, drafter="none", max_batch=4, max_len=128).generate(PROMPTS, greedy)]
+    cheap = sps_from_times((1, 4, 24), (1.0, 1.05, 1.3))  # verifying is nearly free: speculate
+    runs = [(NgramDrafter(), PrefixScheduler(cheap, max_k=4)),  # running-acceptance path
+            (NgramDrafter(), BatchSizeSchedule(((2, 4), (3, 2)))),
+            (_ConfidentNgram(), PrefixScheduler(cheap, max_k=4)),  # drafter-confidence path
+            (_ConfidentNgram(), ConfidenceThreshold(threshold=0.3, max_k=4))]
+    for drafter, pol in runs:
+        llm = LLM(tiny, drafter=drafter, policy=pol, max_batch=4, max_len=128)
+        assert [o.token_ids for o in llm.generate(PROMPTS, greedy)] == plain, pol.name
+        assert llm.last_stats.draft_proposed > 0, pol.name
