@@ -47,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_target_args(g)
     g.add_argument("--drafter", default="none", help="none | ngram | draft-model:PATH")
     g.add_argument("--num-speculative-tokens", "-k", type=int, default=5, help="draft length K")
-    g.add_argument("--policy", default="fixed", choices=["fixed", "heuristic"], help="draft-length policy")
+    g.add_argument("--policy", default="fixed", choices=["fixed", "heuristic", "threshold", "batch-schedule", "prefix-scheduler"],
+                   help="draft-length policy (prefix-scheduler profiles SPS(B) once per machine + model)")
     g.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
     g.add_argument("--prompt-file", type=Path, help="one prompt per line (.txt) or JSONL with prompt/messages")
     g.add_argument("--chat", action="store_true", help="apply the target's chat template")
@@ -148,7 +149,8 @@ def _add_serve_parser(sub) -> None:
     _add_target_args(s)
     s.add_argument("--drafter", default="none", help="none | ngram | draft-model:PATH")
     s.add_argument("--num-speculative-tokens", "-k", type=int, default=5, help="draft length K")
-    s.add_argument("--policy", default="fixed", choices=["fixed", "heuristic"], help="draft-length policy")
+    s.add_argument("--policy", default="fixed", choices=["fixed", "heuristic", "threshold", "batch-schedule", "prefix-scheduler"],
+                   help="draft-length policy (prefix-scheduler profiles SPS(B) once per machine + model)")
     s.add_argument("--max-batch", type=_positive_int, default=8, help="KV rows = requests running at once")
     s.add_argument("--max-len", type=_positive_int, default=2048, help="context limit per request (prompt + output)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
