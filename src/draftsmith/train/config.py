@@ -106,6 +106,7 @@ class OptimConfig:
     tensorboard: Literal["auto", "on", "off"]
     progress: Literal["auto", "on", "off"]
     ddp_find_unused: bool
+    threads: int | None
 
 
 @dataclass(frozen=True)
@@ -170,6 +171,7 @@ class _TrainSection(_Strict):
     tensorboard: Literal["auto", "on", "off"] = "auto"
     progress: Literal["auto", "on", "off"] = "auto"
     ddp_find_unused: bool = False
+    threads: int | None = Field(None, ge=1, description="CPU threads per process (None: torch's default)")
 
 
 class _Root(_Strict):

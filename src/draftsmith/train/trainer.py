@@ -50,7 +50,7 @@ StepHook = Callable[[int, "Trainer"], None]
 PROBE_STEPS = 3  # timing probe for --budget (the first is a warm-up)
 # Train-section fields that may change on resume without breaking exactness.
 _RESUME_FREE = {"log_every", "save_every", "keep_checkpoints", "budget_minutes", "max_steps", "epochs",
-                "tensorboard", "progress"}
+                "tensorboard", "progress", "threads", "device"}
 
 
 def lr_factor(step: int, total: int, warmup_ratio: float, min_ratio: float) -> float:
@@ -112,6 +112,8 @@ class Trainer:
 
         t = self.cfg.train
         self.t_start = time.perf_counter()
+        if t.threads is not None:
+            torch.set_num_threads(t.threads)
         self.info = self.info or init_from_env(t.device)
         info = self.info
         self._prepare_out_dir()
@@ -387,7 +389,7 @@ class Trainer:
         n_acc = 0
         last_loss: float | None = None
         stopped = False
-        saved_at = -1
+        saved_at = self.step if self.resume else -1  # a resumed run's start is saved already
         path: Path | None = None
         t_log = time.perf_counter()
         try:
