@@ -23,7 +23,6 @@ from draftsmith.train import checkpoint as ckpt_io
 from draftsmith.train.config import parse_config
 from draftsmith.train.trainer import Trainer, lr_factor, trained_params
 
-import standin_drafter
 from standin_drafter import CATALOGUE, sequence_records
 
 HERE = Path(__file__).parent

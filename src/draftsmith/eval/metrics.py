@@ -20,9 +20,8 @@ Calibration (per position k, two views):
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 DEFAULT_BINS = 10
 
@@ -253,7 +252,6 @@ class SweepPoint:
     verify_tokens_per_round: float | None  # 1 + drafts verified
     verify_rate: float | None  # drafts verified / drafts proposed without the threshold
     rounds: int = 0
-    notes: dict = field(default_factory=dict)
 
 
 def truncate_round(r: RoundRecord, conf: Sequence[float], threshold: float) -> tuple[int, int, int]:
@@ -294,7 +292,3 @@ def threshold_sweep(rounds: Sequence[RoundRecord], thresholds: Sequence[float], 
 def default_thresholds(step: float = 0.05) -> list[float]:
     n = int(round(1 / step))
     return [round(i * step, 6) for i in range(n)]
-
-
-def finite(x: float | None) -> bool:
-    return x is not None and math.isfinite(x)

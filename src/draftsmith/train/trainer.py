@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import math
 import shutil
 import sys
@@ -35,7 +34,11 @@ from draftsmith.train import distributed as dist_util
 from draftsmith.train.config import Catalogue, TrainConfig, trained_catalogue
 from draftsmith.train.distributed import DistInfo, init_from_env, shutdown
 
-log = logging.getLogger(__name__)
+StepHook = Callable[[int, "Trainer"], None]
+PROBE_STEPS = 3  # timing probe for --budget (the first is a warm-up)
+# Train-section fields that may change on resume without breaking exactness.
+_RESUME_FREE = {"log_every", "save_every", "keep_checkpoints", "budget_minutes", "max_steps", "epochs",
+                "tensorboard", "progress", "threads", "device"}
 
 
 def resolve_for_target(config, target):
@@ -45,12 +48,6 @@ def resolve_for_target(config, target):
     except ImportError:
         return config
     return resolve(config, target)
-
-StepHook = Callable[[int, "Trainer"], None]
-PROBE_STEPS = 3  # timing probe for --budget (the first is a warm-up)
-# Train-section fields that may change on resume without breaking exactness.
-_RESUME_FREE = {"log_every", "save_every", "keep_checkpoints", "budget_minutes", "max_steps", "epochs",
-                "tensorboard", "progress", "threads", "device"}
 
 
 def lr_factor(step: int, total: int, warmup_ratio: float, min_ratio: float) -> float:
