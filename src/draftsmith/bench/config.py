@@ -1,0 +1,187 @@
+"""Typed configuration of one `draftsmith bench` run, and the parsers for its CLI spellings.
+
+    BenchConfig(target="smollm2-135m", drafters=("ngram",), workload="humaneval",
+                concurrency=(1, 4, 16), requests=16, max_tokens=64, arrival=parse_arrival("closed"))
+
+The baseline (`none`: plain decoding through the same engine) is always measured in-process,
+first in every tier; `drafters` lists only the speculative configurations. With `endpoints`
+the same load generator drives OpenAI-compatible servers instead, one configuration per
+endpoint (the server's own drafter is whatever it was started with).
+
+`fingerprint()` is what must not change between an interrupted run and its `--resume`: the
+measured work (target, drafters, prompts, sampling, arrival, warm-up, repeats, policy). The
+tier list may change (resume adds tiers); cost and bandwidth inputs only affect the report.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from draftsmith.errors import DraftsmithError
+
+BASELINE = "none"
+PEER_KINDS = ("hf",)
+SPLITS = ("heldout", "train", "all")
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """closed: a fixed number of users, each sends its next request when the last one ends.
+    poisson: requests arrive at `rate` per second (exponential gaps, seeded); at most
+    `concurrency` run at once, the rest queue (their queueing time counts in TTFT)."""
+
+    mode: Literal["closed", "poisson"] = "closed"
+    rate: float | None = None
+
+    @property
+    def label(self) -> str:
+        return "closed" if self.mode == "closed" else f"poisson:{self.rate:g}"
+
+
+@dataclass(frozen=True)
+class EndpointSpec:
+    label: str
+    url: str  # base URL including /v1, e.g. http://127.0.0.1:8000/v1
+
+
+def parse_arrival(spec: str) -> Arrival:
+    s = spec.strip().lower()
+    if s == "closed":
+        return Arrival("closed")
+    if s.startswith("poisson:"):
+        try:
+            rate = float(s.split(":", 1)[1])
+        except ValueError:
+            rate = float("nan")
+        if not (rate > 0 and math.isfinite(rate)):
+            raise DraftsmithError(f"--arrival poisson:RATE needs a positive number of requests per second, got {spec!r}")
+        return Arrival("poisson", rate)
+    raise DraftsmithError(f"--arrival must be 'closed' or 'poisson:RATE' (requests/s), got {spec!r}")
+
+
+def parse_concurrency(spec: str) -> tuple[int, ...]:
+    try:
+        tiers = tuple(int(x) for x in spec.replace(" ", "").split(",") if x)
+    except ValueError:
+        raise DraftsmithError(f"--concurrency must be comma-separated positive integers, e.g. 1,4,16; got {spec!r}") from None
+    if not tiers or any(t <= 0 for t in tiers):
+        raise DraftsmithError(f"--concurrency must be comma-separated positive integers, e.g. 1,4,16; got {spec!r}")
+    return tuple(sorted(set(tiers)))
+
+
+def parse_endpoint(spec: str, index: int = 0) -> EndpointSpec:
+    """`URL` or `LABEL=URL`. A label `none` marks the no-speculation baseline server."""
+    label, sep, url = spec.partition("=")
+    if not sep or "://" in label:
+        label, url = ("endpoint" if index == 0 else f"endpoint-{index + 1}"), spec
+    url = url.strip().rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise DraftsmithError(f"--endpoint must be an http(s) URL (optionally LABEL=URL), got {spec!r}")
+    if not url.endswith("/v1"):
+        url += "/v1"
+    return EndpointSpec(label.strip(), url)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    target: str = "smollm2-135m"
+    drafters: tuple[str, ...] = ("ngram",)  # speculative configs; the `none` baseline is always added
+    workload: str = "humaneval"  # built-in source / alias, or a .jsonl / .parquet prompt file
+    split: str | None = None  # heldout | train | all; default heldout for built-ins, all for files
+    concurrency: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    requests: int = 16  # measured requests per tier (per config, per repeat)
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_tokens: int = 64
+    arrival: Arrival = field(default_factory=Arrival)
+    warmup: int = 2  # unmeasured requests per config at the start of each tier
+    repeats: int = 1  # interleaved repetitions of each tier (ratio spread across them)
+    seed: int = 0
+    num_speculative_tokens: int | None = None  # K; default: checkpoint block size, else 5
+    policy: str = "fixed"
+    endpoints: tuple[EndpointSpec, ...] = ()
+    endpoint_model: str | None = None
+    request_timeout: float = 600.0
+    peers: tuple[str, ...] = ()  # ("hf",)
+    peer_assistant: str | None = None  # HF assistant_model directory / alias
+    peer_lookup_tokens: int = 10  # HF prompt_lookup_num_tokens
+    dollars_per_hour: float | None = None
+    mem_bandwidth_gbs: float | None = None  # default 15 on CPU (MEASURING.md #8), unknown on CUDA
+    max_prompt_tokens: int | None = None  # longer prompts are skipped (default: what fits the context)
+    out: Path = Path("bench-out")
+    resume: bool = False
+    overwrite: bool = False
+    device: str | None = None
+    dtype: str | None = None
+    progress: bool | None = None  # None = only on a terminal
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "drafters", tuple(self.drafters))
+        object.__setattr__(self, "concurrency", tuple(sorted(set(int(c) for c in self.concurrency))))
+        object.__setattr__(self, "endpoints", tuple(self.endpoints))
+        object.__setattr__(self, "peers", tuple(self.peers))
+        object.__setattr__(self, "out", Path(self.out))
+        if not self.concurrency or any(c <= 0 for c in self.concurrency):
+            raise DraftsmithError("concurrency tiers must be positive integers")
+        for name in ("requests", "max_tokens", "repeats"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise DraftsmithError(f"{name} must be a positive integer, got {v!r}")
+        if not isinstance(self.warmup, int) or self.warmup < 0:
+            raise DraftsmithError(f"warmup must be an integer >= 0, got {self.warmup!r}")
+        if not self.temperature >= 0:
+            raise DraftsmithError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        if self.split is not None and self.split not in SPLITS:
+            raise DraftsmithError(f"split must be one of {', '.join(SPLITS)}, got {self.split!r}")
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens < 1:
+            raise DraftsmithError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if BASELINE in self.drafters:
+            object.__setattr__(self, "drafters", tuple(d for d in self.drafters if d != BASELINE))
+        if len(set(self.drafters)) != len(self.drafters):
+            raise DraftsmithError(f"a drafter is given twice: {', '.join(self.drafters)}")
+        bad = [p for p in self.peers if p not in PEER_KINDS]
+        if bad:
+            raise DraftsmithError(f"unknown peer {bad[0]!r}; known: {', '.join(PEER_KINDS)}")
+        if self.peer_assistant and "hf" not in self.peers:
+            raise DraftsmithError("--peer-assistant needs --peers hf")
+        if self.endpoints:
+            if self.peers:
+                raise DraftsmithError("--peers runs HF transformers in this process; it cannot be combined with --endpoint")
+            labels = [e.label for e in self.endpoints]
+            if len(set(labels)) != len(labels):
+                raise DraftsmithError(f"--endpoint labels must be unique (LABEL=URL), got {', '.join(labels)}")
+        if self.dollars_per_hour is not None and not self.dollars_per_hour >= 0:
+            raise DraftsmithError(f"dollars per hour must be >= 0, got {self.dollars_per_hour}")
+        if self.mem_bandwidth_gbs is not None and not self.mem_bandwidth_gbs > 0:
+            raise DraftsmithError(f"memory bandwidth must be > 0 GB/s, got {self.mem_bandwidth_gbs}")
+        if self.resume and self.overwrite:
+            raise DraftsmithError("--resume and --overwrite exclude each other")
+        if self.peer_lookup_tokens < 1:
+            raise DraftsmithError("peer_lookup_tokens must be >= 1")
+
+    @property
+    def endpoint_mode(self) -> bool:
+        return bool(self.endpoints)
+
+    @property
+    def config_labels(self) -> tuple[str, ...]:
+        """Measured configurations in interleaving order (baseline first)."""
+        if self.endpoint_mode:
+            return tuple(e.label for e in self.endpoints)
+        return (BASELINE, *self.drafters)
+
+    def fingerprint(self, prompt_ids: list[str], target_hash: str | None) -> dict:
+        return {
+            "target": self.target if not self.endpoint_mode else None, "target_weights_hash": target_hash,
+            "drafters": list(self.drafters) if not self.endpoint_mode else [],
+            "endpoints": [[e.label, e.url] for e in self.endpoints],
+            "workload": self.workload, "split": self.split, "prompt_ids": list(prompt_ids),
+            "requests": self.requests, "temperature": self.temperature, "top_p": self.top_p,
+            "max_tokens": self.max_tokens, "arrival": self.arrival.label, "warmup": self.warmup,
+            "repeats": self.repeats, "seed": self.seed, "num_speculative_tokens": self.num_speculative_tokens,
+            "policy": self.policy, "peers": list(self.peers), "peer_assistant": self.peer_assistant,
+            "peer_lookup_tokens": self.peer_lookup_tokens, "device": self.device, "dtype": self.dtype,
+        }

@@ -1,0 +1,313 @@
+"""The load generator: closed-loop users or Poisson arrivals, against the in-process engine
+or any OpenAI-compatible streaming server.
+
+    run_engine(engine, requests, concurrency, offsets=None)              -> RunResult
+    run_endpoint(url, model, requests, concurrency, offsets=None, ...)   -> RunResult
+
+`offsets` None = closed loop: `concurrency` users, each sends its next request the moment the
+previous one finishes. Otherwise offsets[i] is request i's arrival time (s after start); at
+most `concurrency` run at once and the rest queue (queueing counts in TTFT and end-to-end).
+
+In-process, the engine is stepped on this thread; a token is "delivered" when the step that
+committed it returns (that is when a server could send it). Over HTTP, a token is delivered
+when its streamed chunk arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from draftsmith.bench.metrics import RequestRecord, RunResult, sha_of_ids, sha_of_text
+from draftsmith.core.sampling import SamplingParams
+from draftsmith.errors import DraftsmithError
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    index: int
+    prompt_id: str
+    messages: tuple[dict, ...]
+    token_ids: tuple[int, ...] | None
+    params: SamplingParams
+
+
+def poisson_offsets(n: int, rate: float, seed: int) -> list[float]:
+    """Arrival times of n requests at `rate` per second; the first arrives at 0."""
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for i in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+def _noop(_: RequestRecord) -> None:
+    pass
+
+
+# ---- in-process ---------------------------------------------------------------------------
+
+
+def run_engine(engine, requests: Sequence[BenchRequest], concurrency: int, offsets: Sequence[float] | None = None,
+               on_done: Callable[[RequestRecord], None] = _noop) -> RunResult:
+    """Drive `engine` (built with max_batch >= concurrency) until every request finished."""
+    from draftsmith.engine.sequence import Status
+
+    if engine.has_unfinished():
+        raise DraftsmithError("the engine has unfinished requests; a bench run needs it idle")
+    pending = deque(range(len(requests)))
+    live: dict[int, tuple] = {}  # id(seq) -> (seq, request, t_arrival, state)
+    records: list[RequestRecord | None] = [None] * len(requests)
+    steps = forwards = 0
+    t0 = time.perf_counter()
+    t_last = t0
+
+    def submit(i: int, t_arr: float) -> None:
+        req = requests[i]
+        seq = engine.add_request(list(req.token_ids), req.params, request_id=f"bench-{req.index}")
+        live[id(seq)] = (seq, i, t_arr, {"seen": 0, "last": None, "first": None, "deliveries": []})
+
+    while pending or live:
+        now = time.perf_counter()
+        if offsets is None:
+            while pending and len(live) < concurrency:
+                submit(pending.popleft(), now)
+        else:
+            while pending and offsets[pending[0]] <= now - t0:
+                i = pending.popleft()
+                submit(i, t0 + offsets[i])
+            if not live:
+                time.sleep(max(0.0, t0 + offsets[pending[0]] - time.perf_counter()))
+                continue
+        waiting = [v[0] for v in live.values() if v[0].status is Status.WAITING]
+        engine.step()
+        t = time.perf_counter()
+        steps += 1
+        forwards += 1 + any(s.status is not Status.WAITING and len(s.prompt_ids) > 1 for s in waiting)
+        for key, (seq, i, t_arr, st) in list(live.items()):
+            n = len(seq.output_ids) - st["seen"]
+            if n > 0:
+                if st["first"] is None:
+                    st["first"] = t  # tokens delivered with the first one have no gap to split
+                else:
+                    st["deliveries"].append([t - st["last"], n])
+                st["last"] = t
+                st["seen"] = len(seq.output_ids)
+            if seq.finished:
+                del live[key]
+                rec = _engine_record(requests[i], seq, t0, t_arr, st, t)
+                records[i] = rec
+                t_last = t
+                on_done(rec)
+    return RunResult([r for r in records if r is not None], wall_s=t_last - t0, engine_steps=steps,
+                     batched_forwards=forwards)
+
+
+def _engine_record(req: BenchRequest, seq, t0: float, t_arr: float, st: dict, t_end: float) -> RequestRecord:
+    s = seq.stats
+    first = st["first"]
+    return RequestRecord(
+        index=req.index, prompt_id=req.prompt_id, t_arrival=t_arr - t0,
+        ttft=None if first is None else first - t_arr, e2e=t_end - t_arr,
+        deliveries=st["deliveries"], output_tokens=len(seq.output_ids),
+        output_sha=sha_of_ids(seq.output_ids), finish_reason=seq.finish_reason,
+        error="aborted" if seq.finish_reason == "abort" else None,
+        proposed=s.proposed, accepted=s.accepted, rounds=s.rounds, committed=s.committed,
+        target_forwards=s.target_forwards, proposed_at=list(s.proposed_at), accepted_at=list(s.accepted_at),
+    )
+
+
+# ---- over HTTP ------------------------------------------------------------------------------
+
+
+def base_url(url: str) -> str:
+    """The server root of an OpenAI base URL (where /metrics and /health live)."""
+    u = url.rstrip("/")
+    return u[: -len("/v1")] if u.endswith("/v1") else u
+
+
+def endpoint_model(url: str, timeout: float = 30.0) -> str:
+    """The first model a server lists."""
+    import httpx
+
+    try:
+        r = httpx.get(f"{url}/models", timeout=timeout)
+        r.raise_for_status()
+        data = r.json().get("data") or []
+    except (httpx.HTTPError, ValueError) as e:
+        raise DraftsmithError(f"cannot list models at {url}/models: {e}") from None
+    if not data:
+        raise DraftsmithError(f"{url}/models lists no model; pass --endpoint-model")
+    return str(data[0]["id"])
+
+
+def run_endpoint(url: str, model: str, requests: Sequence[BenchRequest], concurrency: int,
+                 offsets: Sequence[float] | None = None, timeout: float = 600.0,
+                 on_done: Callable[[RequestRecord], None] = _noop) -> RunResult:
+    """Stream every request through POST {url}/chat/completions; same arrival rules as in-process."""
+    return asyncio.run(_run_endpoint(url, model, requests, concurrency, offsets, timeout, on_done))
+
+
+async def _run_endpoint(url, model, requests, concurrency, offsets, timeout, on_done) -> RunResult:
+    import httpx
+
+    records: list[RequestRecord | None] = [None] * len(requests)
+    limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30.0), limits=limits) as client:
+        t0 = time.perf_counter()
+        ends: list[float] = []
+
+        async def one(i: int, t_arr: float) -> None:
+            rec = await _stream_one(client, url, model, requests[i], t0, t_arr)
+            records[i] = rec
+            ends.append(time.perf_counter())
+            on_done(rec)
+
+        if offsets is None:
+            queue: deque[int] = deque(range(len(requests)))
+
+            async def user() -> None:
+                while queue:
+                    i = queue.popleft()
+                    await one(i, time.perf_counter())
+
+            await asyncio.gather(*(user() for _ in range(min(concurrency, len(requests)))))
+        else:
+            sem = asyncio.Semaphore(concurrency)
+
+            async def gated(i: int, t_arr: float) -> None:
+                async with sem:
+                    await one(i, t_arr)
+
+            tasks = []
+            for i, off in enumerate(offsets):
+                delay = t0 + off - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(gated(i, t0 + off)))
+            await asyncio.gather(*tasks)
+        wall = (max(ends) if ends else time.perf_counter()) - t0
+    return RunResult([r for r in records if r is not None], wall_s=wall)
+
+
+async def _stream_one(client, url: str, model: str, req: BenchRequest, t0: float, t_arr: float) -> RequestRecord:
+    p = req.params
+    body = {"model": model, "messages": [dict(m) for m in req.messages], "max_tokens": p.max_tokens,
+            "temperature": p.temperature, "top_p": p.top_p, "stream": True,
+            "stream_options": {"include_usage": True}}
+    if p.seed is not None:
+        body["seed"] = p.seed
+    rec = RequestRecord(index=req.index, prompt_id=req.prompt_id, t_arrival=t_arr - t0)
+    parts: list[str] = []
+    chunks = 0
+    usage = None
+    last = None
+    try:
+        async with client.stream("POST", f"{url}/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                detail = (await r.aread())[:300].decode("utf-8", "replace")
+                rec.error = f"HTTP {r.status_code}: {detail}"
+                return rec
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    rec.error = f"stream error: {json.dumps(obj['error'])[:300]}"
+                    return rec
+                if obj.get("usage"):
+                    usage = obj["usage"]
+                for ch in obj.get("choices") or []:
+                    text = (ch.get("delta") or {}).get("content") or ch.get("text")
+                    if text:
+                        t = time.perf_counter()
+                        if last is None:
+                            rec.ttft = t - t_arr
+                        else:
+                            rec.deliveries.append([t - last, 1])
+                        last = t
+                        chunks += 1
+                        parts.append(text)
+                    if ch.get("finish_reason"):
+                        rec.finish_reason = ch["finish_reason"]
+    except Exception as e:  # noqa: BLE001 - a failed request is a result, counted in the report
+        rec.error = f"{type(e).__name__}: {e}"[:300]
+        return rec
+    rec.e2e = time.perf_counter() - t_arr
+    if rec.ttft is None:
+        rec.ttft = rec.e2e
+    rec.output_tokens = int(usage["completion_tokens"]) if usage and "completion_tokens" in usage else chunks
+    rec.output_sha = sha_of_text("".join(parts))
+    return rec
+
+
+def scrape_counters(url: str, timeout: float = 30.0) -> dict | None:
+    """draftsmith_* counters from {server}/metrics, or None if it exposes none."""
+    import httpx
+
+    from draftsmith.server.metrics import parse_metrics
+
+    try:
+        r = httpx.get(f"{base_url(url)}/metrics", timeout=timeout)
+        if r.status_code != 200:
+            return None
+        m = parse_metrics(r.text)
+    except (httpx.HTTPError, ValueError):
+        return None
+    if "draftsmith_draft_tokens_proposed_total" not in m:
+        return None
+
+    def positions(name: str) -> dict[int, float]:
+        out = {}
+        for k, v in m.items():
+            if k.startswith(name + "{"):
+                out[int(k.split('position="', 1)[1].split('"', 1)[0])] = v
+        return out
+
+    rounds = m.get("draftsmith_verification_rounds_total", 0.0)
+    return {
+        "proposed": m["draftsmith_draft_tokens_proposed_total"],
+        "accepted": m.get("draftsmith_draft_tokens_accepted_total", 0.0),
+        "rounds": rounds,
+        # the server exports τ (a gauge over all rounds) and the round count: committed = τ × rounds
+        "committed": m.get("draftsmith_mean_accepted_length", 0.0) * rounds,
+        "generation_tokens": m.get("draftsmith_generation_tokens_total", 0.0),
+        "finished": sum(v for k, v in m.items() if k.startswith("draftsmith_requests_finished_total")),
+        "engine_steps": m.get("draftsmith_engine_steps_total"),
+        "position_proposed": positions("draftsmith_draft_position_proposed_total"),
+        "position_accepted": positions("draftsmith_draft_position_accepted_total"),
+        "rss_bytes": m.get("process_resident_memory_bytes"),
+    }
+
+
+def diff_counters(before: dict | None, after: dict | None) -> dict:
+    """Counts for one measured run from two scrapes; {"unavailable": why} when there are none."""
+    if before is None or after is None:
+        return {"unavailable": "the server exposes no draftsmith_* counters on /metrics"}
+
+    def d(k: str) -> int | None:
+        if before.get(k) is None or after.get(k) is None:
+            return None
+        return int(round(after[k] - before[k]))
+
+    width = max(list(after["position_proposed"]) + [0])
+    pos_p = [int(after["position_proposed"].get(k, 0) - before["position_proposed"].get(k, 0)) for k in range(1, width + 1)]
+    pos_a = [int(after["position_accepted"].get(k, 0) - before["position_accepted"].get(k, 0)) for k in range(1, width + 1)]
+    rounds, finished = d("rounds"), d("finished")
+    return {
+        "source": "server /metrics (difference around the measured run)",
+        "proposed": d("proposed"), "accepted": d("accepted"), "rounds": rounds, "committed": d("committed"),
+        "generation_tokens": d("generation_tokens"), "engine_steps": d("engine_steps"),
+        # a request takes part in one prefill forward and one forward per round
+        "target_forwards": None if rounds is None or finished is None else rounds + finished,
+        "position_proposed": pos_p, "position_accepted": pos_a, "server_rss_bytes": after.get("rss_bytes"),
+    }
