@@ -108,8 +108,3 @@ def pack_blocks(
         target_mask=valid[:, :, None] & inside & lm,
     )
 
-
-def gather_tokens(input_ids: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """input_ids [B, T], index [B, ...] → input_ids[b, index[b, ...]] with index's shape."""
-    B = input_ids.shape[0]
-    return input_ids.gather(1, index.reshape(B, -1)).view_as(index)
