@@ -254,15 +254,20 @@ def scrape_counters(url: str, timeout: float = 30.0) -> dict | None:
     """draftsmith_* counters from {server}/metrics, or None if it exposes none."""
     import httpx
 
-    from draftsmith.server.metrics import parse_metrics
-
     try:
         r = httpx.get(f"{base_url(url)}/metrics", timeout=timeout)
         if r.status_code != 200:
             return None
-        m = parse_metrics(r.text)
+        return counters_from_text(r.text)
     except (httpx.HTTPError, ValueError):
         return None
+
+
+def counters_from_text(text: str) -> dict | None:
+    """The draftsmith_* counters of a Prometheus exposition text, or None if there are none."""
+    from draftsmith.server.metrics import parse_metrics
+
+    m = parse_metrics(text)
     if "draftsmith_draft_tokens_proposed_total" not in m:
         return None
 

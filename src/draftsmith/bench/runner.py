@@ -576,6 +576,7 @@ def run_bench(config: BenchConfig, log: Callable[[str], None] | None = None) -> 
             raise DraftsmithError(f"--resume: {out} was measured with a different setup (differs in: "
                                   f"{', '.join(diff)}); use another --out or --overwrite")
         invocation["resumed"] = True
+        setup["config"] = _config_json(cfg)  # the tier list (and report-only inputs) may differ
     else:
         setup = {
             "format_version": FORMAT_VERSION, "created": t_start, "fingerprint": fp, "fingerprint_sha": fp_sha,

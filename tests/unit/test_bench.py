@@ -1,0 +1,259 @@
+"""bench building blocks: percentiles, aggregation from counts, verdicts, parsers, the results
+file, /metrics differences, phase planning, and the in-process load generator on a tiny model
+(closed loop and Poisson arrivals). No wall-clock assertions (MEASURING.md #7)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from draftsmith.bench.config import Arrival, BenchConfig, parse_arrival, parse_concurrency, parse_endpoint
+from draftsmith.bench.loadgen import BenchRequest, counters_from_text, diff_counters, poisson_offsets, run_engine
+from draftsmith.bench.metrics import RequestRecord, RunResult, distribution, percentile, spread, summarize
+from draftsmith.bench.runner import plan_phases, read_results
+from draftsmith.bench.verdict import verdict
+from draftsmith.core.sampling import SamplingParams
+from draftsmith.errors import DraftsmithError
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# ---- metrics ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("xs", [[1.0], [3.0, 1.0], [5, 1, 4, 2, 3], list(np.random.default_rng(0).exponential(size=37))])
+def test_percentile_matches_numpy_linear(xs):
+    for q in (0, 5, 50, 95, 99, 100):
+        assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
+    d = distribution(xs)
+    assert d["p50"] <= d["p95"] <= d["p99"] <= d["max"]
+    assert percentile([], 50) is None and distribution([])["p50"] is None
+
+
+def test_spread_ignores_missing():
+    assert spread([None, 2.0, 1.0, 3.0, float("nan")]) == {"n": 3, "median": 2.0, "min": 1.0, "max": 3.0}
+    assert spread([])["median"] is None
+
+
+def _rec(i, tokens, e2e, ttft, *, proposed=0, accepted=0, rounds=None, deliveries=None, pp=(), pa=(), err=None):
+    rounds = tokens if rounds is None else rounds
+    return RequestRecord(index=i, prompt_id=f"p{i}", t_arrival=0.0, ttft=ttft, e2e=None if err else e2e,
+                         deliveries=deliveries or [], output_tokens=tokens, output_sha="x", proposed=proposed,
+                         accepted=accepted, rounds=rounds, committed=tokens, target_forwards=rounds + 1,
+                         proposed_at=list(pp), accepted_at=list(pa), error=err)
+
+
+def test_summarize_from_counts():
+    a = _rec(0, 10, 1.0, 0.1, proposed=12, accepted=6, rounds=4, deliveries=[[0.3, 3], [0.6, 4]], pp=[4, 4, 4], pa=[3, 2, 1])
+    b = _rec(1, 6, 0.5, 0.2, proposed=6, accepted=3, rounds=3, deliveries=[[0.3, 3]], pp=[3, 3], pa=[2, 1])
+    failed = _rec(2, 0, 0.0, None, err="HTTP 500")
+    s = summarize([RunResult([a, failed], wall_s=1.0, engine_steps=5, batched_forwards=6),
+                   RunResult([b], wall_s=0.6, engine_steps=3, batched_forwards=4)])
+    assert s["requests"] == 3 and s["errors"] == 1 and s["output_tokens"] == 16
+    assert s["system_tokens_per_s"] * s["wall_s"] == pytest.approx(16)
+    assert s["system_tokens_per_s_per_unit"] == [pytest.approx(10.0), pytest.approx(10.0)]
+    assert s["tau"] == pytest.approx(16 / 7) and s["rounds"] == 7 and s["committed"] == 16
+    assert s["acceptance_rate"] == pytest.approx(9 / 18)
+    assert s["target_forwards_per_token"] == pytest.approx((5 + 4) / 16)
+    assert s["engine_steps_per_token"] == pytest.approx(10 / 16)
+    assert s["per_position_acceptance"] == pytest.approx([5 / 7, 3 / 7, 1 / 4])
+    # inter-token samples: each delivery's gap split evenly over its tokens
+    assert s["itl_s"]["n"] == 10 and s["itl_s"]["max"] == pytest.approx(0.15)
+    assert s["tpot_s"]["p50"] == pytest.approx(statistics_median([(1.0 - 0.1) / 9, (0.5 - 0.2) / 5]))
+    assert s["per_user_tokens_per_s"]["min"] == pytest.approx(10.0)
+    for k in ("ttft_s", "itl_s", "e2e_s", "tpot_s"):
+        d = s[k]
+        assert d["p50"] <= d["p95"] <= d["p99"]
+
+
+def statistics_median(xs):
+    import statistics
+
+    return statistics.median(xs)
+
+
+def test_summarize_baseline_has_no_acceptance():
+    s = summarize([RunResult([_rec(0, 5, 1.0, 0.1)], wall_s=1.0)])
+    assert s["acceptance_rate"] is None and s["tau"] == 1.0 and s["per_position_acceptance"] == []
+
+
+# ---- verdicts --------------------------------------------------------------------------------
+
+
+def test_verdicts():
+    base = {"system_tokens_per_s": 100.0}
+    assert verdict({}, None, is_baseline=True)["decision"] == "baseline"
+    assert verdict({"void": True, "void_reason": "2 of 8 differ"}, base) == {"decision": "void", "reason": "2 of 8 differ"}
+    v = verdict({"acceptance_rate": 0.4, "draft_proposed": 10, "speedup": 1.3}, base)
+    assert v["decision"] == "no-go" and "acceptance 0.40 < 0.5" in v["reason"]
+    v = verdict({"acceptance_rate": 0.8, "draft_proposed": 10, "speedup": 0.9}, base)
+    assert v["decision"] == "no-go" and "slower than the baseline: 0.90×" in v["reason"]
+    v = verdict({"acceptance_rate": 0.3, "draft_proposed": 10, "speedup": 0.9}, base)
+    assert "acceptance" in v["reason"] and "slower" in v["reason"]
+    assert verdict({"acceptance_rate": None, "draft_proposed": 0, "speedup": 1.2}, base)["decision"] == "no-go"
+    v = verdict({"acceptance_rate": 0.7, "draft_proposed": 10, "speedup": 1.25}, base)
+    assert v["decision"] == "go" and v["reason"].startswith("1.25×")
+    assert verdict({"acceptance_rate": 0.7, "speedup": None}, None)["decision"] == "n/a"
+    # an endpoint without counters: speed alone decides
+    assert verdict({"acceptance_rate": None, "draft_proposed": None, "speedup": 1.1}, base)["decision"] == "go"
+
+
+# ---- parsing and config ------------------------------------------------------------------------
+
+
+def test_parsers():
+    assert parse_arrival("closed") == Arrival("closed")
+    assert parse_arrival("Poisson:2.5") == Arrival("poisson", 2.5) and parse_arrival("poisson:2.5").label == "poisson:2.5"
+    for bad in ("poisson", "poisson:0", "poisson:x", "burst"):
+        with pytest.raises(DraftsmithError):
+            parse_arrival(bad)
+    assert parse_concurrency("16,1,4,4") == (1, 4, 16)
+    for bad in ("", "1,0", "a"):
+        with pytest.raises(DraftsmithError):
+            parse_concurrency(bad)
+    e = parse_endpoint("http://h:8000")
+    assert (e.label, e.url) == ("endpoint", "http://h:8000/v1")
+    e = parse_endpoint("none=http://h:8000/v1/", 1)
+    assert (e.label, e.url) == ("none", "http://h:8000/v1")
+    assert parse_endpoint("http://a=b/v1", 2).label == "endpoint-3"  # '=' in the URL is not a label
+    with pytest.raises(DraftsmithError):
+        parse_endpoint("ftp://x")
+
+
+def test_config_validation():
+    cfg = BenchConfig(drafters=("none", "ngram"), concurrency=(4, 1))
+    assert cfg.drafters == ("ngram",) and cfg.concurrency == (1, 4) and cfg.config_labels == ("none", "ngram")
+    for kw in ({"drafters": ("ngram", "ngram")}, {"requests": 0}, {"warmup": -1}, {"temperature": -1.0},
+               {"split": "test"}, {"peers": ("vllm",)}, {"peer_assistant": "x"}, {"resume": True, "overwrite": True},
+               {"endpoints": (parse_endpoint("http://a"),), "peers": ("hf",)}, {"dollars_per_hour": -1.0}):
+        with pytest.raises(DraftsmithError):
+            BenchConfig(**kw)
+    a = BenchConfig(concurrency=(1, 2)).fingerprint(["p"], "h")
+    assert a == BenchConfig(concurrency=(4,), dollars_per_hour=3.0).fingerprint(["p"], "h")  # tiers / cost may change
+    assert a != BenchConfig(max_tokens=8).fingerprint(["p"], "h")
+
+
+def test_plan_phases_places_peers_in_the_closed_loop_tier_1():
+    keys = [(p.key, p.with_peers, p.tier) for p in plan_phases(BenchConfig(concurrency=(1, 4), peers=("hf",)))]
+    assert keys == [("c1", True, True), ("c4", False, True)]
+    ph = plan_phases(BenchConfig(concurrency=(4,), peers=("hf",)))
+    assert [(p.key, p.concurrency, p.with_peers, p.tier) for p in ph] == [("peers", 1, True, False), ("c4", 4, False, True)]
+    ph = plan_phases(BenchConfig(concurrency=(1,), peers=("hf",), arrival=Arrival("poisson", 1.0)))
+    assert ph[0].key == "peers" and ph[0].arrival.mode == "closed"
+
+
+def test_poisson_offsets_are_seeded():
+    a = poisson_offsets(2000, 4.0, seed=3)
+    assert a == poisson_offsets(2000, 4.0, seed=3) and a != poisson_offsets(2000, 4.0, seed=4)
+    assert a[0] == 0.0 and all(x < y for x, y in zip(a, a[1:]))
+    assert a[-1] / (len(a) - 1) == pytest.approx(0.25, rel=0.1)
+
+
+def test_read_results_drops_a_torn_line(tmp_path):
+    p = tmp_path / "results.jsonl"
+    p.write_text(json.dumps({"phase": "c1"}) + "\n" + json.dumps({"phase": "c2"}) + "\n" + '{"phase": "c4", "x"')
+    lines, good = read_results(p)
+    assert [x["phase"] for x in lines] == ["c1", "c2"] and good == len(p.read_bytes().rsplit(b"\n", 1)[0]) + 1
+    assert read_results(tmp_path / "missing.jsonl") == ([], 0)
+
+
+def test_bench_refuses_existing_results_without_resume(tmp_path, capsys):
+    from draftsmith.cli import main
+
+    (tmp_path / "results.jsonl").write_text('{"phase": "c1"}\n')
+    assert main(["bench", "--target", "nowhere", "--out", str(tmp_path)]) == 2
+    assert "--resume" in capsys.readouterr().err
+
+
+# ---- /metrics differences ------------------------------------------------------------------------
+
+
+def test_counters_from_server_metrics():
+    from draftsmith.server.metrics import ServerMetrics
+
+    m = ServerMetrics("t", 4)
+    before = counters_from_text(m.render())
+    m.record_round_deltas(proposed=8, accepted=5, rounds=4, committed=9, pos_proposed=[4, 4], pos_accepted=[3, 2])
+    m.record_tokens(0.1, None, 9)
+    m.record_finished("length", 1.0)
+    after = counters_from_text(m.render())
+    d = diff_counters(before, after)
+    assert (d["proposed"], d["accepted"], d["rounds"], d["committed"]) == (8, 5, 4, 9)
+    assert d["position_proposed"] == [4, 4] and d["position_accepted"] == [3, 2]
+    assert d["generation_tokens"] == 9 and d["target_forwards"] == 5
+    s = summarize([RunResult([_rec(0, 9, 1.0, 0.1)], wall_s=1.0, counters=d)], counts_from_endpoint=d)
+    assert s["tau"] == pytest.approx(9 / 4) and s["acceptance_rate"] == pytest.approx(5 / 8)
+    assert s["counts_source"].startswith("server /metrics")
+    assert counters_from_text("# nothing\nother_metric 1\n") is None
+    assert "unavailable" in diff_counters(None, after)
+
+
+# ---- the in-process load generator on a tiny model ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_engine_factory(tiny_model_dir):
+    from draftsmith.drafters.catalogue import build_drafter
+    from draftsmith.engine.engine import Engine, EngineConfig
+    from draftsmith.models.target import eos_token_ids, load_target
+    from draftsmith.policy.fixed import FixedK
+
+    target = load_target(str(tiny_model_dir("llama", seed=5)))
+
+    def make(drafter: str, max_batch: int):
+        d = build_drafter(drafter, target, max_batch, 128)
+        return Engine(target.model, target.tokenizer, d, FixedK(4 if drafter != "none" else 0),
+                      EngineConfig(max_batch=max_batch, max_len=128), eos_token_ids=eos_token_ids(target))
+
+    return target, make
+
+
+def _requests(target, n, max_tokens=12):
+    out = []
+    for i in range(n):
+        ids = target.tokenizer(f"abc abc abc {i} abc", add_special_tokens=False)["input_ids"]
+        out.append(BenchRequest(i, f"p{i}", ({"role": "user", "content": "x"},), tuple(ids),
+                                SamplingParams(max_tokens=max_tokens, temperature=0.0, seed=i)))
+    return out
+
+
+def test_run_engine_closed_loop_records(tiny_engine_factory):
+    target, make = tiny_engine_factory
+    reqs = _requests(target, 5)
+    done = []
+    base = run_engine(make("none", 2), reqs, 2, None, done.append)
+    spec = run_engine(make("ngram", 2), reqs, 2, None)
+    assert len(done) == 5 and [r.index for r in base.records] == list(range(5))
+    for res in (base, spec):
+        for r in res.records:
+            assert r.ok and 0 < r.ttft <= r.e2e and r.output_tokens == r.committed
+            first = r.output_tokens - sum(n for _, n in r.deliveries)  # tokens that came with the first delivery
+            assert first >= 1 and all(g >= 0 for g, _ in r.deliveries)
+            assert r.target_forwards == r.rounds + 1  # prefill + one forward per round
+        assert res.engine_steps <= res.batched_forwards <= 2 * res.engine_steps
+    assert [r.output_sha for r in base.records] == [r.output_sha for r in spec.records]  # greedy: lossless
+    assert all(r.proposed == 0 and r.rounds == r.output_tokens for r in base.records)
+    s = summarize([spec])
+    assert s["tau"] == pytest.approx(s["committed"] / s["rounds"]) and s["draft_proposed"] > 0
+
+
+def test_run_engine_poisson_arrivals(tiny_engine_factory):
+    target, make = tiny_engine_factory
+    reqs = _requests(target, 4, max_tokens=6)
+    offsets = [0.0, 0.02, 0.04, 0.3]
+    res = run_engine(make("none", 1), reqs, 1, offsets)
+    for r, off in zip(res.records, offsets):
+        assert r.t_arrival == pytest.approx(off) and r.ttft <= r.e2e
+    assert res.wall_s >= 0.3  # the last request cannot arrive before its offset
+    # with one row, a request arriving while another runs queues: its TTFT includes the wait
+    assert all(math.isfinite(r.e2e) for r in res.records)
