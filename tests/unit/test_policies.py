@@ -16,7 +16,9 @@ from draftsmith.drafters.ngram import NgramDrafter
 from draftsmith.engine.sequence import Sequence
 from draftsmith.models.loading import load_decoder
 from draftsmith.policy import profile as profile_mod
-from draftsmith.policy.acceptance import AcceptancePrior, record_round, running_confidences
+from draftsmith.policy.acceptance import (
+    AcceptancePrior, _Counts, record_round, remember_drafts, running_confidences,
+)
 from draftsmith.policy.batch_schedule import BatchSizeSchedule, default_schedule
 from draftsmith.policy.prefix_scheduler import PrefixScheduler, admit, admit_best_prefix, can_gain
 from draftsmith.policy.profile import ProfileConfig, SPSTable, load_or_profile
@@ -115,29 +117,54 @@ def test_prefix_scheduler_trim_uses_drafter_confidences_then_running_acceptance(
     # The drafter's confidences decide (same table as the packed hand-worked case);
     # lengths cap the candidates: row 1 proposed 1 draft.
     assert pol.trim(ss, proposal([2, 1], 2, [[0.9, 0.8], [0.5, 0.99]])) == [2, 0]
-    # No confidences: running acceptance with the prior (0.6 per position at the start).
-    prior = AcceptancePrior(mean=0.6, strength=2.0)
-    assert running_confidences(ss[0], 2, prior) == pytest.approx([0.6, 0.6])
-    # Row 0 verified 2 drafts and accepted both; row 1 verified 2 and rejected the first.
-    prop = proposal([2, 2], 2)
-    res = VerifyResult(tokens=torch.zeros(2, 3, dtype=torch.long), num_accepted=torch.tensor([2, 0]))
-    pol.update(ss, prop, res)
-    assert running_confidences(ss[0], 2, prior) == pytest.approx([(1 + 1.2) / 3, (1 + 1.2) / 3])
-    # Row 1 never reached draft 2: position 2 keeps the prior.
-    assert running_confidences(ss[1], 3, prior) == pytest.approx([1.2 / 3, 0.6, 0.6])
-    assert pol.trim(ss, prop) == admit_best_prefix(
-        [running_confidences(s, 2, prior) for s in ss], sps, "packed")
-    early = replace(pol, running_search="early-stop")
-    assert early.trim(ss, prop) == admit([running_confidences(s, 2, prior) for s in ss], sps, "packed")
+    # No confidences: the request's running acceptance, starting at the prior.
+    ss = seqs(2)
+    prior = pol.prior
+    assert running_confidences(ss[0], 2, prior) == pytest.approx([prior.mean] * 2)
+    ss[0].drafter_state["policy.running_acceptance"] = _Counts([3.0, 2.0], [3.0, 1.0], [])
+    ss[1].drafter_state["policy.running_acceptance"] = _Counts([3.0], [0.0], [])
+    n0, a0 = prior.strength, prior.strength * prior.mean
+    conf = [[(3 + a0) / (3 + n0), (1 + a0) / (2 + n0)], [a0 / (3 + n0), prior.mean]]
+    assert running_confidences(ss[0], 2, prior) == pytest.approx(conf[0])
+    assert running_confidences(ss[1], 2, prior) == pytest.approx(conf[1])
+    # The running schedule is made before drafting (choose() caps the drafts); trim() keeps
+    # what was drafted.
+    assert pol.choose(ss) == admit_best_prefix(conf, sps, "packed")
+    assert replace(pol, running_search="early-stop").choose(ss) == admit(conf, sps, "packed")
+    assert pol.trim(ss, proposal([2, 1], 2)) == [2, 1]
+    # Once the drafter has shown confidences, choose() drafts max_k and trim() decides.
+    pol.trim(ss, proposal([2, 1], 2, [[0.9, 0.8], [0.5, 0.99]]))
+    assert pol.choose(ss) == [2, 2]
 
 
-def test_record_round_counts_conditional_acceptance():
+def test_running_acceptance_scores_deterministic_drafts_against_committed_output():
+    prior = AcceptancePrior(mean=0.5, strength=2.0, decay=0.5)
     (s,) = seqs(1)
-    for n, m in [(3, 1), (3, 3), (2, 0), (0, 0)]:
-        record_round([s], proposal([n], 3), VerifyResult(torch.zeros(1, 4, dtype=torch.long), torch.tensor([m])))
-    reached, acc = s.drafter_state["policy.running_acceptance"]
-    # position 1 reached in 3 rounds (accepted 2); 2 reached in 2 (accepted 1); 3 in 1 (accepted 1).
-    assert reached == [3, 2, 1] and acc == [2, 1, 1]
+    no_result = VerifyResult(torch.zeros(1, 1, dtype=torch.long), torch.tensor([0]))
+
+    def drafted(tokens):
+        return Proposal(tokens=torch.tensor([tokens]), lengths=torch.tensor([len(tokens)]))
+
+    remember_drafts([s], drafted([5, 6, 7]))  # drafts for output positions 0, 1, 2
+    s.output_ids += [5]
+    record_round([s], drafted([5, 6, 7]), no_result, prior)
+    assert running_confidences(s, 1, prior) == pytest.approx([0.5])  # not resolved yet: 5 matched
+    s.output_ids += [9]  # 6 mismatched: drafts 1, 2 reached; 1 accepted
+    record_round([s], drafted([5, 6, 7]), no_result, prior)
+    assert running_confidences(s, 3, prior) == pytest.approx([(1 + 1) / 3, 1 / 3, 0.5])
+    remember_drafts([s], drafted([1, 2]))  # not verified at all, still scored
+    s.output_ids += [1, 2]
+    record_round([s], drafted([1, 2]), no_result, prior)
+    # Older evidence halves (decay 0.5): reached [0.5 + 1, 0.5 + 1], accepted [0.5 + 1, 0 + 1].
+    assert running_confidences(s, 2, prior) == pytest.approx([(1.5 + 1) / 3.5, (1 + 1) / 3.5])
+
+    # Sampled drafts (q given): only verified rounds count.
+    (t,) = seqs(1)
+    sampled = Proposal(tokens=torch.zeros(1, 3, dtype=torch.long), lengths=torch.tensor([3]),
+                       q=torch.full((1, 3, 4), 0.25))
+    remember_drafts([t], sampled)
+    record_round([t], sampled, VerifyResult(torch.zeros(1, 4, dtype=torch.long), torch.tensor([1])), prior)
+    assert running_confidences(t, 3, prior) == pytest.approx([2 / 3, 1 / 3, 0.5])
 
 
 # ----------------------------------------------------------------------------- threshold
@@ -145,13 +172,19 @@ def test_record_round_counts_conditional_acceptance():
 
 def test_threshold_keeps_prefix_while_cumulative_confidence_clears():
     pol = ConfidenceThreshold(threshold=0.5, max_k=4)
-    assert pol.choose(seqs(2)) == [4, 4]
     # Row 0: a = 0.9, 0.72, 0.36 -> 2. Row 1: a = 0.3 -> 0. Row 2: proposed 1 only -> 1.
     conf = [[0.9, 0.8, 0.5, 1.0], [0.3, 1.0, 1.0, 1.0], [0.99, 0.99, 0.99, 0.99]]
     assert pol.trim(seqs(3), proposal([4, 4, 1], 4, conf)) == [2, 0, 1]
     assert ConfidenceThreshold(threshold=0.0, max_k=4).trim(seqs(3), proposal([4, 4, 1], 4, conf)) == [4, 4, 1]
-    # Without confidences: the prior 0.6 -> a = 0.6, 0.36: threshold 0.5 keeps 1.
-    assert pol.trim(seqs(1), proposal([3], 3)) == [1]
+    # Once a request's drafter has shown confidences, choose() drafts max_k.
+    assert pol.choose(seqs(3)[:1]) != [4]
+    ss = seqs(1)
+    pol.trim(ss, proposal([1], 4, [[0.9, 0.9, 0.9, 0.9]]))
+    assert pol.choose(ss) == [4]
+    # Without confidences: the cap comes from the running acceptance before drafting
+    # (prior 0.5 -> a = 0.5, 0.25: threshold 0.5 caps at 1); trim() keeps what was drafted.
+    assert pol.choose(seqs(1)) == [1]
+    assert pol.trim(seqs(1), proposal([1], 1)) == [1]
     with pytest.raises(DraftsmithError):
         ConfidenceThreshold(threshold=1.5)
 

@@ -1,15 +1,25 @@
 """Per-position confidences for drafters that have none, from a request's past rounds.
 
-A drafter without a confidence head (n-gram, a plain draft model) still has a track
-record: at position k, among this request's rounds that verified a draft k after accepting
-drafts 1..k-1, the fraction that accepted draft k. That is the conditional acceptance the
-DSpark confidence head predicts (c_k = P(draft k survives | 1..k-1 survived)), estimated
-with a Beta prior so a fresh request starts at `prior.mean`.
+A drafter without a confidence head (n-gram, a plain draft model) still has a track record:
+the conditional acceptance at position k, P(draft k accepted | drafts 1..k-1 accepted), which
+is what DSpark's confidence head predicts. It is estimated per request, recency-weighted
+(`decay` per scored chain: n-gram acceptance changes within a request, high while the model
+copies its prompt and low after), with a Beta prior so a fresh request starts at `mean`.
 
-seq.stats only keeps prefix survival (accepted >= k / proposed >= k), which mixes in rounds
-that stopped proposing before k; the conditional counts are kept here instead, in
-seq.drafter_state under one key. They use finished rounds only, so confidences derived from
-them are non-anticipating: any verify-length rule built on them is lossless.
+Evidence, kept in seq.drafter_state under one key:
+- Deterministic drafts (Proposal.q is None: n-gram, greedy draft models): every drafted chain
+  is remembered in trim() and scored once the request's own output has resolved it: draft k
+  "survives" if drafts 1..k all equal the committed tokens. With a one-hot q this has exactly
+  the law of the verifier's accept events (the committed token after a matching prefix is
+  distributed as p, and a one-hot draft is accepted with probability p(x)). So drafts the
+  scheduler chose NOT to verify still count, and a request whose estimate fell does not stay
+  shut off for lack of evidence.
+- Sampled drafts (q given): only verified rounds count (acceptance min(1, p/q) is not a match
+  probability).
+
+Everything is scored from committed output of finished rounds, so confidences derived from
+it are non-anticipating: any verify-length rule built on them is lossless. (seq.stats keeps
+prefix survival only, which mixes in rounds that proposed fewer drafts, hence these counts.)
 """
 
 from __future__ import annotations
@@ -20,51 +30,104 @@ from draftsmith.core.types import Proposal, VerifyResult
 from draftsmith.engine.sequence import Sequence
 from draftsmith.errors import DraftsmithError
 
-_KEY = "policy.running_acceptance"  # -> ([reached_k], [accepted_k]) per position k = 1..
+_KEY = "policy.running_acceptance"
+_HAS_CONF = "policy.drafter_confidences"  # did this request's last proposal carry confidences?
+_MAX_PENDING = 16  # unresolved chains kept per request (each resolves within K rounds)
 
 
 @dataclass(frozen=True)
 class AcceptancePrior:
-    mean: float = 0.6  # prior conditional acceptance at every position
-    strength: float = 2.0  # pseudo-rounds behind the prior
+    mean: float = 0.5  # prior conditional acceptance at every position
+    strength: float = 2.0  # pseudo-chains behind the prior
+    decay: float = 0.85  # weight of older evidence per newly scored chain (1 = plain average)
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.mean < 1.0 or self.strength <= 0:
-            raise DraftsmithError(f"acceptance prior needs 0 < mean < 1 and strength > 0, got {self}")
+        if not 0.0 < self.mean < 1.0 or self.strength <= 0 or not 0.0 < self.decay <= 1.0:
+            raise DraftsmithError(
+                f"acceptance prior needs 0 < mean < 1, strength > 0 and 0 < decay <= 1, got {self}"
+            )
 
 
-def record_round(seqs: list[Sequence], proposal: Proposal, result: VerifyResult) -> None:
-    """Count, per position, rounds that reached a verified draft there and accepted it."""
+@dataclass
+class _Counts:
+    reached: list[float]  # [k] weighted chains that reached draft k+1 (drafts 1..k accepted)
+    accepted: list[float]  # [k] ... and accepted it
+    pending: list[tuple[int, list[int]]]  # (output index of draft 1, drafts) not yet resolved
+
+    def add(self, reached: int, accepted: int, decay: float) -> None:
+        """One scored chain: drafts 1..reached were reached, 1..accepted accepted."""
+        self.reached = [x * decay for x in self.reached]
+        self.accepted = [x * decay for x in self.accepted]
+        if len(self.reached) < reached:
+            self.reached += [0.0] * (reached - len(self.reached))
+            self.accepted += [0.0] * (reached - len(self.accepted))
+        for k in range(reached):
+            self.reached[k] += 1.0
+            if k < accepted:
+                self.accepted[k] += 1.0
+
+
+def _counts(seq: Sequence) -> _Counts:
+    c = seq.drafter_state.get(_KEY)
+    if c is None:
+        c = seq.drafter_state[_KEY] = _Counts([], [], [])
+    return c
+
+
+def drafter_has_confidences(seq: Sequence) -> bool:
+    """True once this request's drafter has proposed with confidences (False: not yet/never)."""
+    return bool(seq.drafter_state.get(_HAS_CONF, False))
+
+
+def remember_drafts(seqs: list[Sequence], proposal: Proposal) -> None:
+    """Call in trim(), before any draft is dropped: keep deterministic chains for scoring,
+    and note whether the drafter gives confidences."""
     if not proposal.max_len:
         return
-    lengths = proposal.lengths.tolist()
-    accepted = result.num_accepted.tolist()
-    for s, n, m in zip(seqs, lengths, accepted):
-        if n == 0:
-            continue
-        reached, acc = s.drafter_state.setdefault(_KEY, ([], []))
-        # Draft k (1-based) was reached iff drafts 1..k-1 were accepted: k <= m + 1.
-        top = min(n, m + 1)
-        if len(reached) < top:
-            grow = top - len(reached)
-            reached.extend([0] * grow)
-            acc.extend([0] * grow)
-        for k in range(top):
-            reached[k] += 1
-            if k < m:
-                acc[k] += 1
+    for s in seqs:
+        s.drafter_state[_HAS_CONF] = proposal.confidences is not None
+    if proposal.q is not None:
+        return
+    tokens = proposal.tokens.tolist()
+    for s, row, n in zip(seqs, tokens, proposal.lengths.tolist()):
+        if n:
+            c = _counts(s)
+            c.pending = (c.pending + [(len(s.output_ids), row[:n])])[-_MAX_PENDING:]
+
+
+def record_round(seqs: list[Sequence], proposal: Proposal, result: VerifyResult,
+                 prior: AcceptancePrior = AcceptancePrior()) -> None:
+    """Call in update(): score what this round resolved."""
+    if proposal.q is None:
+        for s in seqs:
+            c = s.drafter_state.get(_KEY)
+            if c is None or not c.pending:
+                continue
+            out, keep = s.output_ids, []
+            for start, drafts in c.pending:
+                m = 0
+                while m < len(drafts) and start + m < len(out) and out[start + m] == drafts[m]:
+                    m += 1
+                if m == len(drafts) or start + m < len(out):  # all matched, or a mismatch seen
+                    c.add(reached=min(m + 1, len(drafts)), accepted=m, decay=prior.decay)
+                else:
+                    keep.append((start, drafts))  # the output has not got that far yet
+            c.pending = keep
+        return
+    if not proposal.max_len:
+        return
+    for s, n, m in zip(seqs, proposal.lengths.tolist(), result.num_accepted.tolist()):
+        if n:  # draft k (1-based) was reached iff drafts 1..k-1 were accepted
+            _counts(s).add(reached=min(n, m + 1), accepted=m, decay=prior.decay)
 
 
 def running_confidences(seq: Sequence, k: int, prior: AcceptancePrior) -> list[float]:
     """c_1..c_k for this request: posterior-mean conditional acceptance per position."""
-    reached, acc = seq.drafter_state.get(_KEY, ([], []))
+    c = seq.drafter_state.get(_KEY)
+    reached, acc = (c.reached, c.accepted) if c is not None else ([], [])
     a0, n0 = prior.mean * prior.strength, prior.strength
-    out = []
-    for j in range(k):
-        r = reached[j] if j < len(reached) else 0
-        a = acc[j] if j < len(acc) else 0
-        out.append((a + a0) / (r + n0))
-    return out
+    return [((acc[j] if j < len(acc) else 0.0) + a0) / ((reached[j] if j < len(reached) else 0.0) + n0)
+            for j in range(k)]
 
 
 def cumulative(conf: list[float]) -> list[float]:

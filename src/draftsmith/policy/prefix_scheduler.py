@@ -25,11 +25,17 @@ width costs nothing, widening the block costs a whole column. Any cost that depe
 the already-admitted set keeps the argument above intact.
 
 Drafters without confidences (n-gram): c_{r,j} is the request's running conditional
-acceptance (policy/acceptance.py), computed from finished rounds only. Such confidences do
-not depend on this round's drafts at all, so there the break is not needed for losslessness,
-and by default the scheduler takes the best prefix of the same sorted order
-(`running_search="best-prefix"`): on a CPU the first extra verify token is the expensive one
-and later ones are nearly free, which the early stop cannot see past.
+acceptance (policy/acceptance.py; deterministic drafts are scored against the committed
+output even when not verified), computed from finished rounds only. It is known before
+drafting, so the schedule runs in choose() and caps the drafts (nothing is drafted or
+carried through the forward that would not be verified); trim() keeps what was drafted.
+Such confidences do not depend on this round's drafts at all, so the break is not needed
+for losslessness there, and by default the scheduler takes the best prefix of the same
+sorted order (`running_search="best-prefix"`): on a CPU the first extra verify token is the
+expensive one and later ones are nearly free, which the early stop cannot see past.
+
+Drafters with confidences (DSpark) draft max_k tokens per row (unless no verify length can
+pay at this batch size: then nothing) and Algorithm 1 with the early stop trims them.
 """
 
 from __future__ import annotations
@@ -41,7 +47,11 @@ from typing import Literal
 from draftsmith.core.types import Proposal
 from draftsmith.engine.sequence import Sequence
 from draftsmith.errors import DraftsmithError
-from draftsmith.policy.acceptance import AcceptancePrior, cumulative, record_round, running_confidences
+from draftsmith.policy.acceptance import (
+    AcceptancePrior, cumulative, drafter_has_confidences, record_round, remember_drafts,
+    running_confidences,
+)
+from draftsmith.policy.base import keep_all
 from draftsmith.policy.profile import SPSTable
 
 BatchTokens = Literal["padded", "packed"]
@@ -132,21 +142,28 @@ class PrefixScheduler:
             raise DraftsmithError(f"running_search must be 'best-prefix' or 'early-stop', got {self.running_search!r}")
 
     def choose(self, seqs: list[Sequence]) -> list[int]:
-        # Depends on the batch size only (known before drafting): skip drafting when no
-        # verify length could pay off at this load.
-        k = self.max_k if can_gain(len(seqs), self.max_k, self.sps, self.batch_tokens) else 0
-        return [k] * len(seqs)
+        R = len(seqs)
+        # Batch size only: skip drafting when no verify length could pay off at this load.
+        if not can_gain(R, self.max_k, self.sps, self.batch_tokens):
+            return [0] * R
+        if all(drafter_has_confidences(s) for s in seqs):
+            return [self.max_k] * R  # draft fully; trim() schedules on the drafter's confidences
+        # Running confidences are known before drafting: schedule now, so that drafts that
+        # would not be verified are neither drafted nor carried through the forward.
+        conf = [running_confidences(s, self.max_k, self.prior) for s in seqs]
+        search = admit_best_prefix if self.running_search == "best-prefix" else admit
+        caps = search(conf, self.sps, self.batch_tokens)
+        return [self.max_k if drafter_has_confidences(s) else c for s, c in zip(seqs, caps)]
 
     def trim(self, seqs: list[Sequence], proposal: Proposal) -> list[int]:
         if not proposal.max_len:
             return [0] * len(seqs)
+        remember_drafts(seqs, proposal)
+        if proposal.confidences is None:
+            return keep_all(proposal)  # already scheduled in choose(), on running acceptance
         lengths = proposal.lengths.tolist()
-        if proposal.confidences is not None:
-            raw = proposal.confidences.detach().float().cpu().tolist()
-            return admit([raw[b][:n] for b, n in enumerate(lengths)], self.sps, self.batch_tokens)
-        conf = [running_confidences(s, n, self.prior) for s, n in zip(seqs, lengths)]
-        search = admit_best_prefix if self.running_search == "best-prefix" else admit
-        return search(conf, self.sps, self.batch_tokens)
+        raw = proposal.confidences.detach().float().cpu().tolist()
+        return admit([raw[b][:n] for b, n in enumerate(lengths)], self.sps, self.batch_tokens)
 
     def update(self, seqs, proposal, result) -> None:
-        record_round(seqs, proposal, result)
+        record_round(seqs, proposal, result, self.prior)

@@ -1,9 +1,9 @@
 """Static confidence threshold: verify draft k while a_k = prod_{i<=k} c_i >= threshold.
 
-a_k is the estimated probability that drafts 1..k all survive. Every row drafts up to max_k
-tokens; after drafting, row b keeps the longest prefix whose a_k clears the threshold. The
-c_k come from the drafter (Proposal.confidences, DSpark's confidence head) or, for drafters
-without them, from the request's running acceptance (policy/acceptance.py).
+a_k is the estimated probability that drafts 1..k all survive. With a drafter that gives
+confidences (Proposal.confidences, DSpark's head), every row drafts max_k tokens and keeps the
+longest prefix whose a_k clears the threshold. Without them, c_k is the request's running
+acceptance (policy/acceptance.py), known before drafting, so the cap is set in choose().
 
 Lossless: c_k depends on drafts before k only (the head reads x_{k-1}), so whether draft k
 is verified never depends on draft k itself; a_k is non-increasing, so "keep while" is a
@@ -17,16 +17,11 @@ from dataclasses import dataclass, field
 from draftsmith.core.types import Proposal
 from draftsmith.engine.sequence import Sequence
 from draftsmith.errors import DraftsmithError
-from draftsmith.policy.acceptance import AcceptancePrior, cumulative, record_round, running_confidences
-
-
-def row_confidences(seqs: list[Sequence], proposal: Proposal, prior: AcceptancePrior) -> list[list[float]]:
-    """Per row, c_1..c_{lengths[b]}: the drafter's when it gives them, else running acceptance."""
-    lengths = proposal.lengths.tolist() if proposal.max_len else [0] * len(seqs)
-    if proposal.confidences is not None and proposal.max_len:
-        conf = proposal.confidences.detach().float().cpu().tolist()
-        return [conf[b][:n] for b, n in enumerate(lengths)]
-    return [running_confidences(s, n, prior) for s, n in zip(seqs, lengths)]
+from draftsmith.policy.acceptance import (
+    AcceptancePrior, cumulative, drafter_has_confidences, record_round, remember_drafts,
+    running_confidences,
+)
+from draftsmith.policy.base import keep_all
 
 
 @dataclass(frozen=True)
@@ -43,18 +38,25 @@ class ConfidenceThreshold:
             raise DraftsmithError(f"max_k must be >= 0, got {self.max_k}")
 
     def choose(self, seqs: list[Sequence]) -> list[int]:
-        return [self.max_k] * len(seqs)
+        # Without drafter confidences the running ones are known now: draft only what passes.
+        return [self.max_k if drafter_has_confidences(s) else self._keep(running_confidences(s, self.max_k, self.prior))
+                for s in seqs]
 
     def trim(self, seqs: list[Sequence], proposal: Proposal) -> list[int]:
-        keep = []
-        for conf in row_confidences(seqs, proposal, self.prior):
-            n = 0
-            for a in cumulative(conf):
-                if a < self.threshold:
-                    break
-                n += 1
-            keep.append(n)
-        return keep
+        remember_drafts(seqs, proposal)
+        if proposal.confidences is None or not proposal.max_len:
+            return keep_all(proposal)  # capped in choose()
+        lengths = proposal.lengths.tolist()
+        conf = proposal.confidences.detach().float().cpu().tolist()
+        return [self._keep(c[:n]) for c, n in zip(conf, lengths)]
+
+    def _keep(self, conf: list[float]) -> int:
+        n = 0
+        for a in cumulative(conf):
+            if a < self.threshold:
+                break
+            n += 1
+        return n
 
     def update(self, seqs, proposal, result) -> None:
-        record_round(seqs, proposal, result)
+        record_round(seqs, proposal, result, self.prior)
