@@ -132,6 +132,9 @@ def test_prefix_scheduler_trim_uses_drafter_confidences_then_running_acceptance(
     assert pol.choose(ss) == admit_best_prefix(conf, sps, "packed")
     assert replace(pol, running_search="early-stop").choose(ss) == admit(conf, sps, "packed")
     assert pol.trim(ss, proposal([2, 1], 2)) == [2, 1]
+    late = replace(pol, running_at="trim")  # draft max_k, schedule after drafting
+    assert late.choose(ss) == [2, 2]
+    assert late.trim(ss, proposal([2, 2], 2)) == admit_best_prefix(conf, sps, "packed")
     # Once the drafter has shown confidences, choose() drafts max_k and trim() decides.
     pol.trim(ss, proposal([2, 1], 2, [[0.9, 0.8], [0.5, 0.99]]))
     assert pol.choose(ss) == [2, 2]

@@ -3,8 +3,10 @@
 A drafter without a confidence head (n-gram, a plain draft model) still has a track record:
 the conditional acceptance at position k, P(draft k accepted | drafts 1..k-1 accepted), which
 is what DSpark's confidence head predicts. It is estimated per request, recency-weighted
-(`decay` per scored chain: n-gram acceptance changes within a request, high while the model
-copies its prompt and low after), with a Beta prior so a fresh request starts at `mean`.
+(evidence fades by `decay` per round: n-gram acceptance changes within a request, high while
+the model copies its prompt and low after), with a Beta prior so a fresh request starts at
+`mean`. Fading also means a request that stopped drafting drifts back to the prior and
+probes again (rarely: a few rounds in a hundred at the default decay).
 
 Evidence, kept in seq.drafter_state under one key:
 - Deterministic drafts (Proposal.q is None: n-gram, greedy draft models): every drafted chain
@@ -39,7 +41,7 @@ _MAX_PENDING = 16  # unresolved chains kept per request (each resolves within K 
 class AcceptancePrior:
     mean: float = 0.5  # prior conditional acceptance at every position
     strength: float = 2.0  # pseudo-chains behind the prior
-    decay: float = 0.85  # weight of older evidence per newly scored chain (1 = plain average)
+    decay: float = 0.9  # weight of older evidence per round (1 = plain average)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.mean < 1.0 or self.strength <= 0 or not 0.0 < self.decay <= 1.0:
@@ -54,10 +56,12 @@ class _Counts:
     accepted: list[float]  # [k] ... and accepted it
     pending: list[tuple[int, list[int]]]  # (output index of draft 1, drafts) not yet resolved
 
-    def add(self, reached: int, accepted: int, decay: float) -> None:
-        """One scored chain: drafts 1..reached were reached, 1..accepted accepted."""
+    def fade(self, decay: float) -> None:
         self.reached = [x * decay for x in self.reached]
         self.accepted = [x * decay for x in self.accepted]
+
+    def add(self, reached: int, accepted: int) -> None:
+        """One scored chain: drafts 1..reached were reached, 1..accepted accepted."""
         if len(self.reached) < reached:
             self.reached += [0.0] * (reached - len(self.reached))
             self.accepted += [0.0] * (reached - len(self.accepted))
@@ -97,7 +101,11 @@ def remember_drafts(seqs: list[Sequence], proposal: Proposal) -> None:
 
 def record_round(seqs: list[Sequence], proposal: Proposal, result: VerifyResult,
                  prior: AcceptancePrior = AcceptancePrior()) -> None:
-    """Call in update(): score what this round resolved."""
+    """Call in update(): fade older evidence one round, then score what this round resolved."""
+    for s in seqs:
+        c = s.drafter_state.get(_KEY)
+        if c is not None:
+            c.fade(prior.decay)
     if proposal.q is None:
         for s in seqs:
             c = s.drafter_state.get(_KEY)
@@ -109,7 +117,7 @@ def record_round(seqs: list[Sequence], proposal: Proposal, result: VerifyResult,
                 while m < len(drafts) and start + m < len(out) and out[start + m] == drafts[m]:
                     m += 1
                 if m == len(drafts) or start + m < len(out):  # all matched, or a mismatch seen
-                    c.add(reached=min(m + 1, len(drafts)), accepted=m, decay=prior.decay)
+                    c.add(reached=min(m + 1, len(drafts)), accepted=m)
                 else:
                     keep.append((start, drafts))  # the output has not got that far yet
             c.pending = keep
@@ -118,7 +126,7 @@ def record_round(seqs: list[Sequence], proposal: Proposal, result: VerifyResult,
         return
     for s, n, m in zip(seqs, proposal.lengths.tolist(), result.num_accepted.tolist()):
         if n:  # draft k (1-based) was reached iff drafts 1..k-1 were accepted
-            _counts(s).add(reached=min(n, m + 1), accepted=m, decay=prior.decay)
+            _counts(s).add(reached=min(n, m + 1), accepted=m)
 
 
 def running_confidences(seq: Sequence, k: int, prior: AcceptancePrior) -> list[float]:

@@ -130,6 +130,10 @@ class PrefixScheduler:
     max_k: int = 5  # drafts requested per row; the scheduler verifies a prefix of them
     batch_tokens: BatchTokens = "padded"  # how a forward's size is counted (see module doc)
     running_search: Literal["best-prefix", "early-stop"] = "best-prefix"  # confidence-free drafters
+    # Confidence-free drafters: schedule before drafting ("choose": only verified drafts are
+    # drafted) or draft max_k and schedule after ("trim": every draft is scored, which pays
+    # only with an engine that drops trimmed drafts from the forward).
+    running_at: Literal["choose", "trim"] = "choose"
     prior: AcceptancePrior = field(default_factory=AcceptancePrior)  # running acceptance prior
     name: str = "prefix-scheduler"
 
@@ -138,6 +142,8 @@ class PrefixScheduler:
             raise DraftsmithError(f"max_k must be >= 0, got {self.max_k}")
         if self.batch_tokens not in ("padded", "packed"):
             raise DraftsmithError(f"batch_tokens must be 'padded' or 'packed', got {self.batch_tokens!r}")
+        if self.running_at not in ("choose", "trim"):
+            raise DraftsmithError(f"running_at must be 'choose' or 'trim', got {self.running_at!r}")
         if self.running_search not in ("best-prefix", "early-stop"):
             raise DraftsmithError(f"running_search must be 'best-prefix' or 'early-stop', got {self.running_search!r}")
 
@@ -146,24 +152,28 @@ class PrefixScheduler:
         # Batch size only: skip drafting when no verify length could pay off at this load.
         if not can_gain(R, self.max_k, self.sps, self.batch_tokens):
             return [0] * R
-        if all(drafter_has_confidences(s) for s in seqs):
-            return [self.max_k] * R  # draft fully; trim() schedules on the drafter's confidences
+        if self.running_at == "trim" or all(drafter_has_confidences(s) for s in seqs):
+            return [self.max_k] * R  # draft fully; trim() schedules
         # Running confidences are known before drafting: schedule now, so that drafts that
         # would not be verified are neither drafted nor carried through the forward.
-        conf = [running_confidences(s, self.max_k, self.prior) for s in seqs]
-        search = admit_best_prefix if self.running_search == "best-prefix" else admit
-        caps = search(conf, self.sps, self.batch_tokens)
+        caps = self._running([running_confidences(s, self.max_k, self.prior) for s in seqs])
         return [self.max_k if drafter_has_confidences(s) else c for s, c in zip(seqs, caps)]
 
     def trim(self, seqs: list[Sequence], proposal: Proposal) -> list[int]:
         if not proposal.max_len:
             return [0] * len(seqs)
         remember_drafts(seqs, proposal)
-        if proposal.confidences is None:
-            return keep_all(proposal)  # already scheduled in choose(), on running acceptance
         lengths = proposal.lengths.tolist()
+        if proposal.confidences is None:
+            if self.running_at == "choose":
+                return keep_all(proposal)  # already scheduled in choose()
+            return self._running([running_confidences(s, n, self.prior) for s, n in zip(seqs, lengths)])
         raw = proposal.confidences.detach().float().cpu().tolist()
         return admit([raw[b][:n] for b, n in enumerate(lengths)], self.sps, self.batch_tokens)
+
+    def _running(self, conf: list[list[float]]) -> list[int]:
+        search = admit_best_prefix if self.running_search == "best-prefix" else admit
+        return search(conf, self.sps, self.batch_tokens)
 
     def update(self, seqs, proposal, result) -> None:
         record_round(seqs, proposal, result, self.prior)
