@@ -206,7 +206,15 @@ class Engine:
         if keep != lengths:
             if any(not 0 <= k <= n for k, n in zip(keep, lengths)):
                 raise RuntimeError(f"policy {self.policy.name} kept {keep} of {lengths} drafts")
-            proposal = replace(proposal, lengths=torch.tensor(keep, dtype=torch.long))
+            # Only kept drafts go through the target: cut the padded width to the longest kept.
+            width = max(keep, default=0)
+            proposal = replace(
+                proposal,
+                tokens=proposal.tokens[:, :width],
+                lengths=torch.tensor(keep, dtype=torch.long),
+                q=None if proposal.q is None else proposal.q[:, :width],
+                confidences=None if proposal.confidences is None else proposal.confidences[:, :width],
+            )
             lengths = keep
         K = proposal.max_len
         if K:
