@@ -52,7 +52,7 @@ class HeadModel(nn.Module):
         logits = F.linear(h, self.lm_head)[:, :-1]  # [B, T-1, V]
         targets = batch.input_ids[:, 1:]
         mask = batch.loss_mask[:, 1:].clone()
-        keep = torch.rand(mask.shape, generator=generator, device=mask.device) < self.cfg.keep
+        keep = (torch.rand(mask.shape, generator=generator) < self.cfg.keep).to(mask.device)  # CPU generator
         mask &= keep
         ce = F.cross_entropy(logits[mask].float(), targets[mask])
         acc = (logits[mask].argmax(-1) == targets[mask]).float().mean()

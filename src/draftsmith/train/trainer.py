@@ -35,7 +35,7 @@ from draftsmith.train.config import Catalogue, TrainConfig, trained_catalogue
 from draftsmith.train.distributed import DistInfo, init_from_env, shutdown
 
 StepHook = Callable[[int, "Trainer"], None]
-PROBE_STEPS = 3  # timing probe for --budget (the first is a warm-up)
+PROBE_STEPS = 5  # timing probe for --budget: the first two warm up, the median of the rest counts
 # Train-section fields that may change on resume without breaking exactness.
 _RESUME_FREE = {"log_every", "save_every", "keep_checkpoints", "budget_minutes", "max_steps", "epochs",
                 "tensorboard", "progress", "threads", "device"}
@@ -183,7 +183,7 @@ class Trainer:
     def _forward_backward(self, step: int) -> tuple[float, dict[str, float], int]:
         info, t = self.info, self.cfg.train
         batch = self.data.batch(step)
-        gen = torch.Generator(device=info.device)
+        gen = torch.Generator()  # on the CPU: anchor sampling draws there (train/anchors.py)
         gen.manual_seed(step_seed(t.seed, info.rank, step))
         with torch.autocast(device_type=info.device.type, dtype=torch.bfloat16, enabled=t.dtype == "bf16"):
             total, parts = self.wrapped(batch, gen)
@@ -218,7 +218,8 @@ class Trainer:
             for n, p in self.params.items():
                 p.copy_(saved[n])
         ckpt_io.set_rng_state(rng)
-        per_step = sorted(times[1:])[len(times[1:]) // 2] if len(times) > 1 else times[0]
+        timed = sorted(times[2:] or times)
+        per_step = timed[len(timed) // 2]
         return float(dist_util.broadcast_object(per_step, self.info))
 
     # ---- checkpoints -----------------------------------------------------------------------
