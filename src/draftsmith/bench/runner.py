@@ -26,7 +26,6 @@ import json
 import os
 import platform
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -238,9 +237,9 @@ class InProcessBackend:
                * self.model.dtype.itemsize)
         m["kv_bytes_per_token"] = bpt
         if engine is not None:
-            m["kv_cache_bytes"] = engine.cache.bytes
-            m["kv_cache_rows"] = engine.cache.max_rows
-            m["kv_cache_max_len"] = engine.cache.max_len
+            m["kv_cache_bytes"] = getattr(engine.cache, "bytes", None)
+            m["kv_cache_rows"] = getattr(engine.cache, "max_rows", None)
+            m["kv_cache_max_len"] = getattr(engine.cache, "max_len", None)
         if self.model.device.type == "cuda":
             dev = self.model.device
             free, total = torch.cuda.mem_get_info(dev)
@@ -275,7 +274,8 @@ class InProcessBackend:
 
     def setup(self) -> dict:
         return {"mode": "in-process", "target": self.target_info, "drafters": [
-            {"label": BASELINE, "spec": BASELINE, "kind": "none", "num_speculative_tokens": 0, "checkpoint": None},
+            {"label": BASELINE, "spec": BASELINE, "kind": "none", "num_speculative_tokens": 0, "policy": None,
+             "checkpoint": None},
             *self.drafters.values()]}
 
 
@@ -567,7 +567,8 @@ def run_bench(config: BenchConfig, log: Callable[[str], None] | None = None) -> 
         longest = max(len(p.token_ids) for p in wl.prompts)
         max_len = min(backend.model.config.max_position_embeddings, longest + cfg.max_tokens + backend.max_k + 2)
 
-    invocation = {"started": t_start, "loadavg_start": load_start, "resumed": False, "phases_run": []}
+    invocation = {"started": t_start, "loadavg_start": load_start, "resumed": False, "phases_run": [],
+                  "argv": list(sys.argv), "pid": os.getpid()}
     if setup_path.exists():
         setup = json.loads(setup_path.read_text())
         old = setup.get("fingerprint", {})
