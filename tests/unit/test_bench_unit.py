@@ -257,3 +257,47 @@ def test_run_engine_poisson_arrivals(tiny_engine_factory):
     assert res.wall_s >= 0.3  # the last request cannot arrive before its offset
     # with one row, a request arriving while another runs queues: its TTFT includes the wait
     assert all(math.isfinite(r.e2e) for r in res.records)
+
+
+# ---- tier lines: an endpoint without counters; Poisson arrivals through run_bench ------------------
+
+
+def test_endpoint_without_counters_reports_unavailable():
+    from types import SimpleNamespace
+
+    from draftsmith.bench.runner import Phase, _phase_lines
+
+    def run(tps_scale: float, sha: str, counters):
+        recs = [RequestRecord(index=i, prompt_id=f"p{i}", t_arrival=0.0, ttft=0.1, e2e=1.0 / tps_scale,
+                              deliveries=[[0.1, 4]], output_tokens=5, output_sha=sha) for i in range(2)]
+        return RunResult(recs, wall_s=2.0 / tps_scale, counters=counters)
+
+    none = SimpleNamespace(label="none", kind="endpoint", info={})
+    other = SimpleNamespace(label="vllm", kind="endpoint", info={})
+    missing = {"unavailable": "the server exposes no draftsmith_* counters on /metrics"}
+    runs = {"none": [run(1.0, "a", missing)], "vllm": [run(1.5, "a", missing)]}
+    lines = _phase_lines(BenchConfig(endpoints=(parse_endpoint("none=http://a"), parse_endpoint("vllm=http://b", 1))),
+                         Phase("c2", 2, Arrival(), False, True), [none, other], runs, {"none": {}, "vllm": {}},
+                         "t0", [0.0, 0.0, 0.0], "fp", False, lambda m: None)
+    v = {ln["label"]: ln for ln in lines}["vllm"]
+    assert v["summary"]["acceptance_rate"] is None and v["summary"]["tau"] is None
+    assert v["summary"]["counts_source"].startswith("unavailable: the server exposes no draftsmith_")
+    assert v["speedup"] == pytest.approx(1.5) and v["equality"]["mismatches"] == 0
+    assert v["verdict"]["decision"] == "go"  # speed alone decides when acceptance is unknown
+
+
+def test_run_bench_poisson_tier(tiny_model_dir, tmp_path):
+    from draftsmith.bench import run_bench
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"x{i}", "prompt": f"x = {i}; x = {i}; x ="}) + "\n" for i in range(3)))
+    cfg = BenchConfig(target=str(tiny_model_dir("llama", seed=7)), drafters=("ngram",), workload=str(prompts),
+                      concurrency=(2,), requests=3, max_tokens=8, warmup=0, arrival=parse_arrival("poisson:50"),
+                      out=tmp_path / "out", progress=False)
+    rep = json.loads(run_bench(cfg, log=lambda m: None).read_text())
+    (tier,) = rep["tiers"]
+    assert tier["arrival"] == "poisson:50" and rep["setup"]["arrival"] == "poisson:50"
+    expected = poisson_offsets(3, 50.0, seed=0 * 7919 + 2)
+    for r in tier["results"]:
+        assert [x["t_arrival"] for x in r["per_request"]] == pytest.approx(expected, abs=1e-6)
+        assert r["interleaving"]["unit"] == "request list"
