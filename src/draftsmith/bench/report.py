@@ -465,6 +465,9 @@ def plot_acceptance(curves: dict[str, list[float | None]], path: Path) -> Path:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=lab)
     if not curves:
         ax.text(0.5, 0.5, "no draft tokens were proposed", ha="center", va="center", transform=ax.transAxes)
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("draft position k")
     ax.set_ylabel("rounds accepting ≥ k / rounds proposing ≥ k")
     ax.set_ylim(0, 1.02)
