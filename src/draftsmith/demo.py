@@ -1,65 +1,93 @@
-"""`make demo`: the default target on built-in code and chat prompts, plain vs n-gram.
+"""`make demo`: the whole recipe on the default target, small enough for a 2-core CPU.
 
-Runs A/B interleaved per prompt (MEASURING.md rule 1), checks that speculative greedy output
-equals plain output (rule 2: otherwise the speed number is void) and prints a side-by-side
-table with counts (target forwards per token, τ) next to times.
+    regen (small code+chat mix) → cache (target features) → train DSpark (small budget)
+    → calibrate (STS on held-out) → eval (held-out τ, acceptance, calibration)
+    → bench (concurrency 1, 4, 16: none vs n-gram vs DSpark, with HF peers at 1)
+
+Every stage is a plain `draftsmith` CLI call, so the demo is also the recipe to copy.
+Finished stages are reused on re-runs (each writes a `.done` marker after it succeeded;
+regen / cache / train / bench also resume a half-finished run). Output: runs/demo/.
+Set DRAFTSMITH_DEMO_SCALE=2 (or more) for a longer, better-trained run.
 """
 
 from __future__ import annotations
 
-import statistics
+import os
+import subprocess
 import sys
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
-from draftsmith import LLM, SamplingParams
-
-DEMO_PROMPTS: tuple[tuple[str, str], ...] = (
-    ("code", "Write a Python function `is_palindrome(s)` that ignores case and punctuation, with a docstring and two doctest examples."),
-    ("code", "Complete this function:\n\ndef merge_sorted(a: list[int], b: list[int]) -> list[int]:\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n"),
-    ("code", "Refactor this code to use a dict comprehension:\n\nresult = {}\nfor name in names:\n    result[name] = len(name)\n"),
-    ("chat", "Summarise the plot of Romeo and Juliet in five sentences."),
-    ("chat", "Give me three tips for writing clear emails at work, each with a short example."),
-    ("chat", "Explain what a hash table is to a beginner programmer."),
-)
+ROOT = Path(os.environ.get("DRAFTSMITH_DEMO_DIR", "runs/demo"))
+SCALE = max(1, int(os.environ.get("DRAFTSMITH_DEMO_SCALE", "1")))
 
 
-def main(max_new_tokens: int = 96, k: int = 5) -> int:
-    print("draftsmith demo: smollm2-135m, greedy, batch 1, plain vs n-gram prompt lookup\n", flush=True)
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    argv: tuple[str, ...]
+    resume_flag: str | None = None  # passed when the stage was started but not finished
+
+
+def stages() -> list[Stage]:
+    d = ROOT
+    ckpt = d / "dspark"
+    return [
+        Stage("regen-train", ("regen", "--mix", "code:0.5,chat:0.5", "--split", "train",
+              "--max-samples", str(32 * SCALE), "--max-new-tokens", "96", "--max-len", "640",
+              "--batch-size", "8", "--out", str(d / "regen.jsonl")), "--resume"),
+        Stage("regen-heldout", ("regen", "--mix", "code:0.5,chat:0.5", "--split", "heldout",
+              "--max-samples", "8", "--max-new-tokens", "96", "--max-len", "640",
+              "--batch-size", "8", "--out", str(d / "heldout.jsonl")), "--resume"),
+        Stage("cache", ("cache", "--data", str(d / "regen.jsonl"), "--layers", "1,14,27",
+              "--dtype", "fp16", "--out", str(d / "cache")), "--resume"),
+        Stage("train", ("train", "--config", "recipes/smollm2-135m-dspark.yaml", "--budget", str(4 * SCALE),
+              f"out={ckpt}", f"data.cache={d / 'cache'}"), "--resume"),
+        Stage("calibrate", ("calibrate", "--drafter", f"dspark:{ckpt}", "--data", str(d / "heldout.jsonl"),
+              "--max-new-tokens", "48", "--temperature", "1")),
+        Stage("eval", ("eval", "--drafter", f"dspark:{ckpt}", "--drafter", "ngram", "--tasks", "humaneval,mtbench",
+              "--max-prompts", "4", "--max-new-tokens", "48", "--temperature", "1", "--out", str(d / "eval"))),
+        Stage("bench", ("bench", "--drafter", "ngram", "--drafter", f"dspark:{ckpt}", "--workload", "humaneval",
+              "--concurrency", "1,4,16", "--requests", "8", "--max-tokens", "48", "--warmup", "1",
+              "--peers", "hf", "--dollars-per-hour", "0.10", "--out", str(d / "bench")), "--resume"),
+    ]
+
+
+def run_stage(stage: Stage) -> None:
+    done = ROOT / f".{stage.name}.done"
+    started = ROOT / f".{stage.name}.started"
+    if done.exists():
+        print(f"== {stage.name}: done earlier, reused ({done})", flush=True)
+        return
+    argv = [sys.executable, "-m", "draftsmith", *stage.argv]
+    if started.exists() and stage.resume_flag:
+        argv.append(stage.resume_flag)
+    print(f"\n== {stage.name}: draftsmith {' '.join(argv[3:])}", flush=True)
+    started.touch()
     t0 = time.perf_counter()
-    plain = LLM("smollm2-135m", drafter="none")
-    ngram = LLM("smollm2-135m", drafter="ngram", num_speculative_tokens=k)
-    print(f"loaded target in {time.perf_counter() - t0:.1f}s\n", flush=True)
-    params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
-    warm = plain.apply_chat_template([{"role": "user", "content": "Hi"}])
-    plain.generate([warm], SamplingParams(max_tokens=4, temperature=0.0))
-    ngram.generate([warm], SamplingParams(max_tokens=4, temperature=0.0))
+    rc = subprocess.call(argv)
+    if rc != 0:
+        raise SystemExit(f"demo: stage {stage.name!r} failed (exit {rc}); fix the error above and re-run "
+                         "`make demo` — finished stages are reused")
+    done.touch()
+    print(f"== {stage.name}: finished in {time.perf_counter() - t0:.0f}s", flush=True)
 
-    header = f"{'kind':<5} {'prompt':<34} {'plain tok/s':>11} {'ngram tok/s':>11} {'speedup':>8} {'fwd/tok':>8} {'τ':>5} {'acc':>5} {'same':>5}"
-    print(header)
-    print("-" * len(header))
-    ratios: list[float] = []
-    all_same = True
-    for kind, prompt in DEMO_PROMPTS:
-        ids = plain.apply_chat_template([{"role": "user", "content": prompt}])
-        a = plain.generate([ids], params)[0]
-        sa = plain.last_stats
-        b = ngram.generate([ids], params)[0]
-        sb = ngram.last_stats
-        same = a.token_ids == b.token_ids
-        all_same &= same
-        ratio = sb.tokens_per_s / sa.tokens_per_s
-        ratios.append(ratio)
-        short = prompt.replace("\n", " ")[:32] + ".."
-        print(
-            f"{kind:<5} {short:<34} {sa.tokens_per_s:>11.1f} {sb.tokens_per_s:>11.1f} {ratio:>7.2f}x "
-            f"{sb.forwards_per_token:>8.2f} {sb.tau:>5.2f} {sb.acceptance_rate:>5.2f} {'yes' if same else 'NO':>5}",
-            flush=True,
-        )
-    print("-" * len(header))
-    print(f"median speedup {statistics.median(ratios):.2f}x (min {min(ratios):.2f}x, max {max(ratios):.2f}x); "
-          f"greedy outputs identical: {'yes' if all_same else 'NO — speed numbers void'}")
-    print("\nSample (n-gram, last prompt):\n" + b.text.strip()[:400])
-    return 0 if all_same else 1
+
+def main() -> int:
+    ROOT.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    print(f"draftsmith demo: mint → verify → decide on smollm2-135m (outputs in {ROOT}/)", flush=True)
+    for stage in stages():
+        run_stage(stage)
+    from draftsmith.bench import headline_table
+
+    report = ROOT / "bench" / "report.json"
+    print(f"\n== done in {(time.perf_counter() - t0) / 60:.1f} min")
+    print(f"eval report:  {ROOT / 'eval' / 'report.md'}")
+    print(f"bench report: {ROOT / 'bench' / 'report.md'} (+ report.json, PNG plots)\n")
+    print(headline_table(report))
+    return 0
 
 
 if __name__ == "__main__":
