@@ -25,8 +25,8 @@ def prompts(default_target_dir) -> list[list[int]]:
     plain = LLM(str(default_target_dir), drafter="none")
     # Short prompts keep prefill cheap on 2 CPU cores; both kinds stay represented. The
     # code prompts keep their (repetitive) signature + docstring head, which n-gram feeds on.
-    code = [c.messages[0]["content"][-300:] for c in itertools.islice(HumanEvalSource().conversations(), 16)]
-    chat = [c.messages[0]["content"][:200] for c in itertools.islice(MTBenchSource().conversations(), 16)]
+    code = [c.messages[0]["content"][-160:] for c in itertools.islice(HumanEvalSource().conversations(), 16)]
+    chat = [c.messages[0]["content"][:120] for c in itertools.islice(MTBenchSource().conversations(), 16)]
     return [plain.apply_chat_template([{"role": "user", "content": p}]) for p in code + chat]
 
 
