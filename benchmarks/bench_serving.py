@@ -1,7 +1,7 @@
 """Serving throughput and latency vs concurrency: plain vs fixed K vs the prefix scheduler.
 
     .venv/bin/python benchmarks/bench_serving.py [--tiers 1,2,4,8,16,32] [--max-tokens 48]
-        [--k 5] [--reps 2] [--threads 1] [--budget-s 840] [--out benchmarks/results/bench_serving.json]
+        [--k 5] [--scale 1] [--threads 1] [--budget-s 840] [--out benchmarks/results/bench_serving.json]
 
 In-process engine on the default target (smollm2-135m, fp32), greedy, chat-templated first
 user turns of HumanEval and MT-Bench (alternating). Three configurations share one loaded
@@ -13,17 +13,17 @@ target (one Engine each, same KV budget):
                       machine's profiled SPS(B); the n-gram drafter has no confidences, so
                       each request's running per-position acceptance stands in for them
 
-Closed loop per tier C: C requests in flight, a finished one is replaced at once, until
-max(C, 4) requests are done (same prompts, same order for every configuration). The three
-configurations run side by side, interleaved step by step (A B C A B C ...): each engine's
-time is the sum of its own steps, so all three see the same background load moment by moment
-(this machine is shared). Throughput = output tokens / engine time (ramp-up and drain
-included, identically for all). Latency = per-request end-to-end time on the same clock
-(add_request -> last token). Counts next to times: target forwards per output token (decode
-+ prefill forwards of the engine / tokens: a system figure, 1/C of the per-request one
-without speculation) and tau (tokens committed per verification round, bonus included).
-Greedy outputs of the three must be identical (MEASURING.md rule 2); the script checks.
-A second pass over all tiers adds a repetition while the time budget lasts.
+Closed loop per tier C: C requests always in flight; a finished one is replaced at once by
+the next prompt (the same prompt sequence for every configuration). The three configurations
+run side by side, stepped alternately (A B C A B C ...): each engine's time is the sum of its
+own steps, so all three see the same background load moment by moment (this machine is
+shared). The measured window is (20 + 1.5 C) s of each engine's own time (x --scale) after
+its initial batched prefill; replacement prefills are inside it, as in serving.
+Throughput = output tokens committed in the window / engine time. Latency = end-to-end time
+(engine clock) of requests that completed inside the window. Counts next to times: target
+forwards per output token (decode + prefill forwards / tokens: a system figure) and tau
+(tokens committed per verification round, bonus included). Greedy outputs must be identical
+across configurations for requests all three completed (MEASURING.md rule 2); checked.
 
 Writes the JSON (every number) and a section between markers in BENCHMARKS.md.
 """
@@ -66,111 +66,144 @@ def load_prompts(tokenizer_llm, n: int, max_prompt: int) -> list[tuple[str, list
 
 
 class ClosedLoop:
-    """One configuration's clients: C requests in flight until every prompt is done.
+    """One configuration's clients: always C requests in flight (a finished one is replaced
+    at once by the next prompt, cycling through the list).
 
     Time is the engine's own: `clock` adds up the wall time of this engine's steps only, so
-    configurations stepped alternately share the machine's load moment by moment while
-    each is timed as if it ran alone. Request latency is measured on the same clock.
+    configurations stepped alternately share the machine's load moment by moment while each
+    is timed as if it ran alone. The measured window starts after the first step (the
+    initial batched prefill of C prompts); replacement prefills are inside it, as in serving.
     """
 
     def __init__(self, engine, prompts: list[list[int]], C: int, params) -> None:
-        self.engine, self.C, self.params = engine, C, params
-        self.queue = list(enumerate(prompts))
+        self.engine, self.prompts, self.C, self.params = engine, prompts, C, params
+        self.next_i = 0
         self.in_flight: dict[int, object] = {}
         self.arrival: dict[int, float] = {}
         self.latency: dict[int, float] = {}
-        self.done: dict[int, object] = {}
-        self.n = len(prompts)
-        self.clock = 0.0
+        self.outputs: dict[int, list[int]] = {}
+        self.seqs: list = []
+        self.clock = 0.0  # engine time inside the window
+        self.history: list[tuple[float, int]] = []  # (step seconds, tokens committed), window only
+        self.first = True
         self.steps = self.prefills = self.padded = self.useful = 0
 
-    @property
-    def finished(self) -> bool:
-        return len(self.done) == self.n
-
     def step(self) -> None:
-        while self.queue and len(self.in_flight) < self.C:
-            i, ids = self.queue.pop(0)
-            self.in_flight[i] = self.engine.add_request(ids, self.params, request_id=f"p{i}")
-            self.arrival[i] = self.clock
+        while len(self.in_flight) < self.C:
+            i = self.next_i
+            self.next_i += 1
+            s = self.engine.add_request(self.prompts[i % len(self.prompts)], self.params, request_id=f"p{i}")
+            self.in_flight[i], self.arrival[i] = s, self.clock
+            self.seqs.append(s)
+        before = sum(len(s.output_ids) for s in self.in_flight.values())
         waiting = self.engine.num_waiting
         t0 = time.perf_counter()
         finished = self.engine.step()
-        self.clock += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        tokens = sum(len(s.output_ids) for s in self.in_flight.values()) - before
+        for s in finished:
+            i = int(s.request_id[1:])
+            del self.in_flight[i]
+            self.outputs[i] = list(s.output_ids)
+            if not self.first:
+                self.latency[i] = self.clock + dt - self.arrival[i]
+        if self.first:  # the initial prefill of C prompts: outside the window
+            self.first = False
+            self.arrival = {i: 0.0 for i in self.arrival}
+            return
+        self.clock += dt
+        self.history.append((dt, tokens))
         self.steps += 1
         self.prefills += self.engine.num_waiting < waiting
         ls = self.engine.last_step
         self.padded += ls.rows * ls.block_len
         self.useful += ls.useful_tokens
-        for s in finished:
-            i = int(s.request_id[1:])
-            self.done[i] = self.in_flight.pop(i)
-            self.latency[i] = self.clock - self.arrival[i]
+
+    def close(self) -> None:
+        self.engine.abort_all()  # free every row for the next tier
 
     def result(self) -> dict:
-        seqs = [self.done[i] for i in range(self.n)]
-        tokens = sum(len(s.output_ids) for s in seqs)
-        rounds = sum(s.stats.rounds for s in seqs)
+        tokens = sum(t for _, t in self.history)
+        rounds = sum(s.stats.rounds for s in self.seqs)
         return {
             "engine_time_s": self.clock,
             "output_tokens": tokens,
             "tokens_per_s": tokens / self.clock,
-            "latency_s": [self.latency[i] for i in range(self.n)],
+            "history": self.history,
+            "latency_s": list(self.latency.values()),
+            "completed": len(self.latency),
             "decode_steps": self.steps,
             "prefill_forwards": self.prefills,
-            "forwards_per_token": (self.steps + self.prefills) / tokens,
-            "tau": sum(s.stats.committed for s in seqs) / rounds,
-            "draft_proposed": sum(s.stats.proposed for s in seqs),
-            "draft_accepted": sum(s.stats.accepted for s in seqs),
-            "mean_step_tokens_padded": self.padded / self.steps,
-            "mean_step_tokens_useful": self.useful / self.steps,
-            "outputs": [list(s.output_ids) for s in seqs],
+            "forwards_per_token": (self.steps + self.prefills) / max(tokens, 1),
+            "tau": sum(s.stats.committed for s in self.seqs) / max(rounds, 1),
+            "draft_proposed": sum(s.stats.proposed for s in self.seqs),
+            "draft_accepted": sum(s.stats.accepted for s in self.seqs),
+            "mean_step_tokens_padded": self.padded / max(self.steps, 1),
+            "mean_step_tokens_useful": self.useful / max(self.steps, 1),
         }
 
 
-def run_tier(engines: dict, prompts: list[list[int]], C: int, params) -> dict[str, dict]:
-    """Step the configurations' closed loops alternately (A B C A B C ..., the first of each
-    cycle rotating) until all are done."""
+def run_tier(engines: dict, prompts: list[list[int]], C: int, params, seconds: float) -> dict[str, dict]:
+    """Step the configurations alternately (A B C A B C ..., the first of each cycle
+    rotating) until each has run `seconds` of its own engine time in the window."""
     loops = {name: ClosedLoop(eng, prompts, C, params) for name, eng in engines.items()}
     names = list(loops)
     cycle = 0
-    while not all(lp.finished for lp in loops.values()):
+    while any(lp.first or lp.clock < seconds for lp in loops.values()):
         for name in names[cycle % len(names):] + names[: cycle % len(names)]:
-            if not loops[name].finished:
+            if loops[name].first or loops[name].clock < seconds:
                 loops[name].step()
         cycle += 1
-    return {name: lp.result() for name, lp in loops.items()}
+    out = {}
+    for name, lp in loops.items():
+        lp.close()
+        out[name] = lp.result()
+        out[name]["outputs"] = lp.outputs
+    return out
 
 
-def requests_for(C: int) -> int:
-    """Requests per tier and pass: C in flight; at least 4 so low tiers see several prompts."""
-    return max(C, 4)
+def tier_seconds(C: int, scale: float) -> float:
+    """Engine seconds per configuration: longer for big C (a step takes longer there)."""
+    return scale * (20.0 + 1.5 * C)
 
 
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
+    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))] if xs else float("nan")
 
 
-def summarize(tier_runs: dict[str, list[dict]]) -> dict[str, dict]:
+def quarter_rates(history: list[tuple[float, int]]) -> list[float]:
+    """tokens/s in each quarter of the window (by engine time)."""
+    total = sum(dt for dt, _ in history)
+    bins = [[0.0, 0] for _ in range(4)]
+    t = 0.0
+    for dt, n in history:
+        q = min(3, int(4 * (t + dt / 2) / total))
+        bins[q][0] += dt
+        bins[q][1] += n
+        t += dt
+    return [n / dt if dt else float("nan") for dt, n in bins]
+
+
+def summarize(runs: dict[str, dict], C: int) -> dict[str, dict]:
     out = {}
-    base = tier_runs["plain"]
-    for name, runs in tier_runs.items():
-        lat = [x for r in runs for x in r["latency_s"]]
-        ratios = [r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(runs, base)]
+    base = runs["plain"]
+    base_q = quarter_rates(base["history"])
+    for name, r in runs.items():
+        ratios = [a / b for a, b in zip(quarter_rates(r["history"]), base_q)]
         out[name] = {
-            "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in runs),
-            "ratio_vs_plain_median": statistics.median(ratios),
-            "ratio_vs_plain_min": min(ratios),
-            "ratio_vs_plain_max": max(ratios),
-            "latency_p50_s": statistics.median(lat),
-            "latency_p95_s": pct(lat, 0.95),
-            "forwards_per_token": statistics.median(r["forwards_per_token"] for r in runs),
-            "tau": statistics.median(r["tau"] for r in runs),
-            "acceptance": sum(r["draft_accepted"] for r in runs) / max(1, sum(r["draft_proposed"] for r in runs)),
-            "drafts_verified_per_request_round": sum(r["draft_proposed"] for r in runs)
-            / max(1, sum(r["output_tokens"] / r["tau"] for r in runs)),
-            "mean_step_tokens_padded": statistics.median(r["mean_step_tokens_padded"] for r in runs),
+            "tokens_per_s": r["tokens_per_s"],
+            "ratio_vs_plain": r["tokens_per_s"] / base["tokens_per_s"],
+            "ratio_quarters_min": min(ratios),
+            "ratio_quarters_max": max(ratios),
+            "completed": r["completed"],
+            "latency_p50_s": statistics.median(r["latency_s"]) if r["latency_s"] else float("nan"),
+            "latency_p95_s": pct(r["latency_s"], 0.95),
+            "s_per_token_per_request": C / r["tokens_per_s"],  # C requests share the throughput
+            "forwards_per_token": r["forwards_per_token"],
+            "tau": r["tau"],
+            "acceptance": r["draft_accepted"] / max(1, r["draft_proposed"]),
+            "mean_step_tokens_padded": r["mean_step_tokens_padded"],
         }
     return out
 
@@ -198,10 +231,11 @@ def main() -> int:
     ap.add_argument("--tiers", default="1,2,4,8,16,32")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--k", type=int, default=5)
-    ap.add_argument("--reps", type=int, default=2, help="passes over the tiers (while the budget lasts)")
+    ap.add_argument("--scale", type=float, default=1.0,
+                    help="engine seconds per configuration and tier = scale * (20 + 1.5 C)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     ap.add_argument("--max-len", type=int, default=512)
-    ap.add_argument("--budget-s", type=float, default=840.0, help="skip remaining tiers past this wall time")
+    ap.add_argument("--budget-s", type=float, default=840.0, help="skip tiers that would pass this wall time")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "bench_serving.json")
     ap.add_argument("--no-md", action="store_true", help="do not touch BENCHMARKS.md")
     ap.add_argument("--reuse-profile", action="store_true",
@@ -227,57 +261,39 @@ def main() -> int:
     log(f"SPS(B) ready in {profile_s:.0f}s: " + ", ".join(f"{b}:{s:.1f}" for b, s in zip(sps.tokens, sps.steps_per_s)))
     engines = build_engines(llm, args.k, max_batch, args.max_len, sps)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    prompts = load_prompts(llm, requests_for(max_batch), args.max_len - args.max_tokens - args.k - 2)
+    prompts = [ids for _, ids in load_prompts(llm, 64, args.max_len - args.max_tokens - args.k - 2)]
 
     # Warm-up: allocator, kernels, first-call paths.
-    run_tier(engines, [ids for _, ids in prompts[:2]], 2, SamplingParams(max_tokens=8, temperature=0.0))
+    run_tier(engines, prompts[:2], 2, SamplingParams(max_tokens=8, temperature=0.0), 1.0)
 
-    # Pass r runs every tier once (configurations interleaved, order rotated per pass); a
-    # second pass adds a repetition to each tier while the time budget lasts.
-    runs: dict[int, dict[str, list[dict]]] = {C: {n: [] for n in CONFIGS} for C in tiers}
-    loads: dict[int, list[float]] = {C: [] for C in tiers}
-    tier_s: dict[int, float] = {}  # wall time of each tier's first pass
-    out_of_time = False
-    for rep in range(args.reps):
-        for C in tiers:
-            elapsed = time.perf_counter() - t_start
-            if elapsed + (tier_s.get(C, 0.0) if rep else 0.0) > args.budget_s:
-                out_of_time = True
-                continue  # a smaller tier may still fit
-            batch = [ids for _, ids in prompts[: requests_for(C)]]
-            loads[C].append(os.getloadavg()[0])
-            t_tier = time.perf_counter()
-            for name, r in run_tier(engines, batch, C, params).items():
-                runs[C][name].append(r)
-            tier_s.setdefault(C, time.perf_counter() - t_tier)
-            last = {n: runs[C][n][-1] for n in CONFIGS}
-            log(f"pass {rep + 1} C={C}: " + " | ".join(
-                f"{n} {r['tokens_per_s']:.1f} tok/s x{r['tokens_per_s'] / last['plain']['tokens_per_s']:.2f} "
-                f"tau {r['tau']:.2f}" for n, r in last.items()) + f" | {time.perf_counter() - t_start:.0f}s")
-        if out_of_time:
-            log(f"time budget ({args.budget_s:.0f}s): pass {rep + 1} skipped some tiers")
-            break
-
-    results = {"tiers": {}, "skipped_tiers": [C for C in tiers if not runs[C]["plain"]]}
+    # One pass over the tiers; inside a tier the three configurations are stepped alternately.
+    results: dict = {"tiers": {}, "skipped_tiers": []}
     for C in tiers:
-        if not runs[C]["plain"]:
+        seconds = tier_seconds(C, args.scale)
+        if time.perf_counter() - t_start + 3.3 * seconds > args.budget_s:
+            results["skipped_tiers"].append(C)
+            log(f"C={C}: skipped (would pass the {args.budget_s:.0f}s budget)")
             continue
-        mismatched = sum(
-            a != b for name in CONFIGS[1:] for r, p in zip(runs[C][name], runs[C]["plain"])
-            for a, b in zip(r["outputs"], p["outputs"])
-        )
-        summ = summarize(runs[C])
-        for r in (r for rs in runs[C].values() for r in rs):
-            r.pop("outputs")
+        load_before = os.getloadavg()[0]
+        runs = run_tier(engines, prompts, C, params, seconds)
+        outs = {name: r.pop("outputs") for name, r in runs.items()}
+        common = set.intersection(*(set(o) for o in outs.values()))
+        mismatched = sum(outs[n][i] != outs["plain"][i] for n in CONFIGS[1:] for i in common)
+        summ = summarize(runs, C)
         results["tiers"][str(C)] = {
-            "concurrency": C, "requests": requests_for(C), "reps": len(runs[C]["plain"]), "summary": summ,
-            "runs": runs[C], "greedy_mismatches": mismatched, "loadavg_1m": loads[C],
+            "concurrency": C, "engine_seconds": seconds, "summary": summ, "runs": runs,
+            "greedy_compared": len(common), "greedy_mismatches": mismatched,
+            "loadavg_1m_before": load_before, "loadavg_1m_after": os.getloadavg()[0],
         }
+        log(f"C={C}: " + " | ".join(
+            f"{n} {v['tokens_per_s']:.1f} tok/s x{v['ratio_vs_plain']:.2f} tau {v['tau']:.2f}"
+            for n, v in summ.items()) + f" | compared {len(common)}, mismatches {mismatched}"
+            f" | {time.perf_counter() - t_start:.0f}s")
 
     results["setup"] = {
         "target": llm.target.target_id, "weights_hash": llm.target.weights_hash, "dtype": "float32",
         "drafter": "ngram (max_ngram 3, min_ngram 1)", "k": args.k, "max_tokens": args.max_tokens,
-        "temperature": 0.0, "reps": args.reps, "torch_threads": args.threads, "max_batch": max_batch,
+        "temperature": 0.0, "scale": args.scale, "torch_threads": args.threads, "max_batch": max_batch,
         "max_len": args.max_len, "prompts": "chat-templated first user turns, HumanEval and MT-Bench alternating",
         "machine": f"{platform.machine()} {os.cpu_count()} CPUs ({_cpu()})", "torch": torch.__version__,
         "loadavg_start": load0, "loadavg_end": os.getloadavg(), "profile_s": profile_s,
@@ -302,10 +318,10 @@ def verdict(results: dict) -> str:
     tiers = results["tiers"]
     parts = []
     for name in CONFIGS[1:]:
-        ratios = {C: t["summary"][name]["ratio_vs_plain_median"] for C, t in tiers.items()}
+        ratios = {C: t["summary"][name]["ratio_vs_plain"] for C, t in tiers.items()}
         below = [C for C, r in ratios.items() if r < 0.97]
         parts.append(
-            f"{name}: median ratio {', '.join(f'C={C} {r:.2f}' for C, r in ratios.items())}; "
+            f"{name}: {', '.join(f'C={C} {r:.2f}x' for C, r in ratios.items())}; "
             + (f"below 0.97x at C = {', '.join(below)}" if below else "at or above 0.97x at every measured tier")
         )
     return "Goal check (>= 0.97x plain at every tier, keep the low-concurrency speedup): " + "; ".join(parts) + "."
@@ -320,30 +336,40 @@ def write_markdown(results: dict, json_path: Path) -> None:
         f"`benchmarks/bench_serving.py` (JSON: `{json_path.relative_to(ROOT)}`), one run, {s['wall_s']:.0f} s. "
         f"Machine: {s['machine']}, torch {s['torch']}, {s['torch_threads']} torch thread. **Shared and noisy**: "
         f"load average {s['loadavg_start'][0]:.1f} at the start, {s['loadavg_end'][0]:.1f} at the end (2 cores; "
-        "other engineers' jobs were running), so absolute tokens/s are low and vary; the ratios (same tier, "
-        "configurations interleaved step by step, each timed on its own steps) and the counts are the point.",
+        "other engineers' jobs were running), so absolute tokens/s are low and drift; the ratios (same tier, "
+        "configurations stepped alternately, each timed on its own steps) and the counts are the point.",
         "",
         f"Setup: target `{s['target']}` fp32, greedy, max_tokens {s['max_tokens']}, {s['prompts']}; "
         f"n-gram drafter (no confidences: the scheduler uses each request's running per-position acceptance), "
-        f"K = {s['k']}; closed loop, C requests in flight, max(C, 4) requests per tier and pass; the three "
-        "configurations stepped alternately (A B C A B C ...), tokens/s and latency on each engine's own step "
-        f"time; up to {s['reps']} passes over the tiers while the time budget lasts; "
-        f"engine max_batch {s['max_batch']}. SPS(B) profiled on this machine in {s['profile_s']:.0f} s "
-        "(steps/s at B tokens): " + ", ".join(f"{b}: {v:.1f}" for b, v in zip(s["sps"]["tokens"], s["sps"]["steps_per_s"])) + ".",
+        f"K = {s['k']}; engine max_batch {s['max_batch']}. Closed loop: C requests always in flight (a finished "
+        "request is replaced at once); the three configurations are stepped alternately (A B C A B C ...) and "
+        "each is timed on its own steps, so all see the same background load; measured window = "
+        f"{s['scale']:g} x (20 + 1.5 C) s of each engine's time after the initial prefill (replacement prefills "
+        "included). SPS(B) profiled on this machine at start-up in "
+        f"{s['profile_s']:.0f} s (steps/s at B tokens): "
+        + ", ".join(f"{b}: {v:.1f}" for b, v in zip(s["sps"]["tokens"], s["sps"]["steps_per_s"])) + ".",
         "",
-        "| C | reps | config | out tok/s | × plain (median [min, max]) | latency p50 / p95 s (engine time) | fwd/token | τ | drafts verified / round | acceptance |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| C | config | out tok/s | × plain [quarters min, max] | s/token/request | done | latency p50 / p95 s | fwd/token | τ | acceptance | step tokens (padded) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for C, t in results["tiers"].items():
         for name, v in t["summary"].items():
             lines.append(
-                f"| {C} | {t['reps']} | {name} | {v['tokens_per_s_median']:.1f} | {v['ratio_vs_plain_median']:.2f} "
-                f"[{v['ratio_vs_plain_min']:.2f}, {v['ratio_vs_plain_max']:.2f}] | "
-                f"{v['latency_p50_s']:.1f} / {v['latency_p95_s']:.1f} | {v['forwards_per_token']:.2f} | "
-                f"{v['tau']:.2f} | {v['drafts_verified_per_request_round']:.2f} | {v['acceptance']:.2f} |"
+                f"| {C} | {name} | {v['tokens_per_s']:.1f} | {v['ratio_vs_plain']:.2f} "
+                f"[{v['ratio_quarters_min']:.2f}, {v['ratio_quarters_max']:.2f}] | {v['s_per_token_per_request']:.2f} | "
+                f"{v['completed']} | {v['latency_p50_s']:.1f} / {v['latency_p95_s']:.1f} | {v['forwards_per_token']:.3f} | "
+                f"{v['tau']:.2f} | {v['acceptance']:.2f} | {v['mean_step_tokens_padded']:.1f} |"
             )
-    mism = {C: t["greedy_mismatches"] for C, t in results["tiers"].items()}
-    lines += ["", f"Greedy outputs identical across configurations: mismatched requests per tier {mism}."]
+    cmp = {C: f"{t['greedy_mismatches']}/{t['greedy_compared']}" for C, t in results["tiers"].items()}
+    lines += [
+        "",
+        "Columns: s/token/request = C / tokens/s; done = requests completed inside the window (latency is "
+        "theirs, engine time, end to end); fwd/token = engine forwards (decode + prefill) per output token, a "
+        "system figure; τ = tokens committed per verification round, bonus included; acceptance = accepted / "
+        "verified drafts; step tokens = rows × verify width of the forward, averaged over steps.",
+        "",
+        f"Greedy outputs identical across configurations (mismatched / compared requests per tier): {cmp}.",
+    ]
     if results["skipped_tiers"]:
         lines.append(f"Skipped tiers (time budget): {results['skipped_tiers']}.")
     lines += ["", verdict(results), END]
