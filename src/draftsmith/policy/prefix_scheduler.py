@@ -25,10 +25,12 @@ width costs nothing, widening the block costs a whole column. Any cost that depe
 the already-admitted set keeps the argument above intact.
 
 Drafters without confidences (n-gram): c_{r,j} is the request's running conditional
-acceptance (policy/acceptance.py; deterministic drafts are scored against the committed
-output even when not verified), computed from finished rounds only. It is known before
-drafting, so the schedule runs in choose() and caps the drafts (nothing is drafted or
-carried through the forward that would not be verified); trim() keeps what was drafted.
+acceptance (policy/acceptance.py), computed from finished rounds only. It is known before
+drafting, so by default (`running_at="choose"`) the schedule runs in choose() and caps the
+drafts: the engine forwards every drafted token, so nothing is drafted that would not be
+verified, and trim() keeps what was drafted. (`running_at="trim"` drafts max_k and schedules
+after drafting; then unverified deterministic drafts are scored against the committed output
+as well, which is worth it once the engine drops trimmed drafts from the forward.)
 Such confidences do not depend on this round's drafts at all, so the break is not needed
 for losslessness there, and by default the scheduler takes the best prefix of the same
 sorted order (`running_search="best-prefix"`): on a CPU the first extra verify token is the
