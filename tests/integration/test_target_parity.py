@@ -83,7 +83,10 @@ def test_default_target_prefill_decode_verify_match_hf(models):
     ref_logits, ref_hidden = _hf_chunked(hf, seq, chunks)
     assert (ours - ref_logits).abs().max().item() <= TOL
     for i in layers:
-        assert (torch.cat(hidden[i]) - ref_hidden[i + 1]).abs().max().item() <= TOL, i
+        # SmolLM2's residual stream has outlier features of ~2e4 (where one float32 ulp is
+        # 2e-3), so hidden states are compared relative to their scale, logits absolutely.
+        ref = ref_hidden[i + 1]
+        assert (torch.cat(hidden[i]) - ref).abs().max().item() <= max(TOL, 1e-6 * ref.abs().max().item()), i
 
     # 2. HF over the whole sequence at once. Its own cached and uncached paths differ by
     # ~7e-5 in the logits here (different GEMM shapes, fp32), so this bound is looser.

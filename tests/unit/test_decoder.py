@@ -242,3 +242,70 @@ def test_token_id_outside_vocab_raises(qwen3, bad):
     ids = torch.tensor([[1, 2, bad]])
     with pytest.raises(DraftsmithError, match="vocabulary"):
         dec(ids, dec.new_cache(1, 8))
+
+
+@pytest.mark.parametrize("S", [1, 3])
+def test_batched_rows_with_equal_lengths_match_solo(qwen3, S):
+    """Rows at the same length take the mask-free (S=1) / shared-mask path."""
+    dec = qwen3
+    g = torch.Generator().manual_seed(10)
+    V = dec.config.vocab_size
+    prefixes = torch.randint(0, V, (2, 7), generator=g)
+    new = torch.randint(0, V, (2, S), generator=g)
+    cache = dec.new_cache(3, 32)
+    rows = torch.tensor([2, 0])
+    dec(prefixes, cache, rows=rows, compute_logits=False)
+    cache.lengths[rows] = 7
+    out = dec(new, cache, rows=rows)
+    for b in range(2):
+        assert _maxdiff(out.logits[b], _solo(dec, prefixes[b].tolist(), new[b].tolist())) <= TOL
+
+
+def test_positions_past_the_first_rope_table(tiny_model_dir):
+    """The cos/sin table starts small and grows; positions past its first size stay exact."""
+    path = tiny_model_dir("llama", seed=12, max_position_embeddings=1024)
+    hf, dec = _hf(path), load_decoder(path)
+    ids = _ids(300, dec.config.vocab_size, seed=12)
+    ref_logits, _, _ = _hf_reference(hf, ids)
+    cache = dec.new_cache(1, 400)
+    dec(ids[:, :200], cache, compute_logits=False)
+    cache.lengths[0] = 200
+    out = dec(ids[:, 200:297], cache)
+    assert _maxdiff(out.logits, ref_logits[:, 200:297]) <= TOL
+    cache.lengths[0] = 297
+    for t in range(297, 300):
+        assert _maxdiff(dec(ids[:, t : t + 1], cache).logits, ref_logits[:, t : t + 1]) <= TOL
+        cache.lengths[0] = t + 1
+
+
+def test_fused_layout_keeps_checkpoint_names_and_numbers(tiny_model_dir):
+    """load_decoder fuses q/k/v and gate/up; the state dict still has the checkpoint's names
+    and shapes, a plain (unfused) Decoder gives the same logits, and writes through the
+    original parameters reach the fused weights (they are views, not copies)."""
+    from safetensors.torch import load_file
+
+    from draftsmith.models.decoder import Decoder
+
+    path = tiny_model_dir("qwen2", seed=13, tie_word_embeddings=False)
+    fused = load_decoder(path)
+    ckpt = load_file(str(path / "model.safetensors"))
+    sd = fused.state_dict()
+    assert set(sd) == set(ckpt)
+    assert all(torch.equal(sd[k], ckpt[k]) for k in ckpt)
+
+    plain = Decoder(fused.config)
+    plain.load_state_dict(ckpt, strict=True)
+    plain.eval()
+    assert plain.model.layers[0].self_attn.qkv_weight_t is None
+    ids = _ids(9, fused.config.vocab_size, seed=13)
+    a = fused(ids, fused.new_cache(1, 16)).logits
+    b = plain(ids, plain.new_cache(1, 16)).logits
+    assert _maxdiff(a, b) <= TOL
+
+    zeroed = {k: torch.zeros_like(v) if ".mlp.up_proj." in k or ".k_proj." in k else v for k, v in ckpt.items()}
+    fused.load_state_dict(zeroed)
+    plain.load_state_dict(zeroed)
+    assert fused.model.layers[1].mlp.gate_up_weight_t[:, -1].abs().sum() == 0
+    a = fused(ids, fused.new_cache(1, 16)).logits
+    b = plain(ids, plain.new_cache(1, 16)).logits
+    assert _maxdiff(a, b) <= TOL

@@ -49,7 +49,10 @@ class KVCache:
         self.lengths[row] = 0
 
     def check_room(self, rows: torch.Tensor, num_new: int) -> None:
-        need = int(self.lengths[rows].max()) + num_new
+        self.check_need(int(self.lengths[rows].max()) + num_new)
+
+    def check_need(self, need: int) -> None:
+        """Raise the user-facing context-limit error if a row would reach `need` tokens."""
         if need > self.max_len:
             raise DraftsmithError(
                 f"sequence would reach {need} tokens, over the context limit of {self.max_len}; "

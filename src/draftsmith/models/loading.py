@@ -16,7 +16,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.models.decoder import Decoder, DecoderConfig
+from draftsmith.models.decoder import Decoder, DecoderConfig, rope_inv_freq
 
 
 @dataclass
@@ -92,12 +92,13 @@ def load_decoder(
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    # Buffers are not in the checkpoint: rebuild them on the real device.
-    from draftsmith.models.decoder import rope_inv_freq
-
+    # Buffers are not in the checkpoint: rebuild them on the real device. The RoPE
+    # frequencies stay float32 whatever the weight dtype (as in HF transformers).
     inv, _ = rope_inv_freq(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
     model.inv_freq = inv
-    return model.to(device=device, dtype=dtype).eval()
+    model = model.to(device=device, dtype=dtype).eval()
+    model.inv_freq = inv.to(model.device)
+    return model.fuse_projections_()
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
