@@ -35,21 +35,21 @@ def stages() -> list[Stage]:
     ckpt = d / "dspark"
     return [
         Stage("regen-train", ("regen", "--mix", "code:0.5,chat:0.5", "--split", "train",
-              "--max-samples", str(32 * SCALE), "--max-new-tokens", "96", "--max-len", "640",
+              "--max-samples", str(16 * SCALE), "--max-new-tokens", "64", "--max-len", "640",
               "--batch-size", "8", "--out", str(d / "regen.jsonl")), "--resume"),
         Stage("regen-heldout", ("regen", "--mix", "code:0.5,chat:0.5", "--split", "heldout",
-              "--max-samples", "8", "--max-new-tokens", "96", "--max-len", "640",
+              "--max-samples", "4", "--max-new-tokens", "64", "--max-len", "640",
               "--batch-size", "8", "--out", str(d / "heldout.jsonl")), "--resume"),
         Stage("cache", ("cache", "--data", str(d / "regen.jsonl"), "--layers", "1,14,27",
               "--dtype", "fp16", "--out", str(d / "cache")), "--resume"),
-        Stage("train", ("train", "--config", "recipes/smollm2-135m-dspark.yaml", "--budget", str(4 * SCALE),
+        Stage("train", ("train", "--config", "recipes/smollm2-135m-dspark.yaml", "--budget", str(3 * SCALE),
               f"out={ckpt}", f"data.cache={d / 'cache'}"), "--resume"),
         Stage("calibrate", ("calibrate", "--drafter", f"dspark:{ckpt}", "--data", str(d / "heldout.jsonl"),
-              "--max-new-tokens", "48", "--temperature", "1")),
+              "--max-new-tokens", "32", "--temperature", "1")),
         Stage("eval", ("eval", "--drafter", f"dspark:{ckpt}", "--drafter", "ngram", "--tasks", "humaneval,mtbench",
-              "--max-prompts", "4", "--max-new-tokens", "48", "--temperature", "1", "--out", str(d / "eval"))),
+              "--max-prompts", "2", "--max-new-tokens", "32", "--temperature", "1", "--out", str(d / "eval"))),
         Stage("bench", ("bench", "--drafter", "ngram", "--drafter", f"dspark:{ckpt}", "--workload", "humaneval",
-              "--concurrency", "1,4,16", "--requests", "8", "--max-tokens", "48", "--warmup", "1",
+              "--concurrency", "1,4,16", "--requests", "4", "--max-tokens", "32", "--warmup", "1",
               "--peers", "hf", "--dollars-per-hour", "0.10", "--out", str(d / "bench")), "--resume"),
     ]
 
