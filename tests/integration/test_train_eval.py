@@ -32,11 +32,12 @@ def trained(tiny_model_dir, tmp_path_factory):
     run_cache(CacheConfig(target=str(target), data=regen, out=root / "cache", layers="0,1,2", dtype="fp16",
                           progress=False))
     runs = {}
-    for kind, opts in {"dspark": {"num_layers": 1, "block_size": 4, "max_anchors": 6, "rank": 32},
-                       "eagle3": {"ttt_steps": 3, "draft_vocab_size": 128}}.items():
+    for kind, opts, dtype in [("dspark", {"num_layers": 1, "block_size": 4, "max_anchors": 6, "rank": 32}, "fp32"),
+                              ("eagle3", {"ttt_steps": 3, "draft_vocab_size": 128}, "bf16")]:  # bf16 autocast too
         raw = {"target": str(target), "out": str(root / kind), "drafter": {"kind": kind, **opts},
                "data": {"cache": str(root / "cache"), "max_len": 32},
-               "train": {"batch_size": 4, "max_steps": 4, "save_every": 4, "lr": 3e-3, "progress": "off"}}
+               "train": {"batch_size": 4, "max_steps": 4, "save_every": 4, "lr": 3e-3, "progress": "off",
+                         "dtype": dtype}}
         res = Trainer(parse_config(raw, num_layers=3)).fit()
         assert res.step == 4
         runs[kind] = root / kind

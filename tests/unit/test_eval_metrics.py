@@ -127,8 +127,9 @@ def test_sts_is_fitted_in_order_and_keeps_identity_when_calibrated():
         with_one = temps[: k - 1] + [1.0]
         assert sts.cumulative_ece(sts.calibrated(fit, temps), k)[-1] <= \
             sts.cumulative_ece(sts.calibrated(fit, with_one), k)[-1] + 1e-12
-    # positions nobody reached keep T = 1
-    assert sts.fit_sts([rec(1, 1, 1, 2, (0.9,))], gamma=3)[1:] == [1.0, 1.0]
+    # positions nobody reached, or where every round failed (too little data to fit), keep T = 1
+    assert sts.fit_sts([rec(1, 1, 1, 2, (0.9,))] * 10, gamma=3) == [1.0, 1.0, 1.0]
+    assert sts.fit_sts([rec(2, 2, 0, 1, (0.4, 0.3))] * 10 + [rec(2, 2, 1, 2, (0.7, 0.4))] * 10, gamma=2)[1] == 1.0
 
 
 def test_scale_unscale_and_calibration_file(tmp_path):

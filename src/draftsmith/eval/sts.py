@@ -5,6 +5,7 @@ prefix scheduler consumes the cumulative a_k = Π_{i≤k} c_i, the chance that d
 survive. STS fits one temperature per position, c'_k = σ(logit(c_k) / T_k), in order
 k = 1..γ: T_k minimises the ECE of a'_k = Π_{i<k} c'_i · c'_k (earlier T_i fixed) against
 the observed prefix survival (accepted ≥ k) over held-out rounds that verified ≥ k drafts.
+Positions where too few rounds survived (or failed) keep T = 1 (`fit_sts(min_each=5)`).
 
 A positive temperature is a monotone map per position, so STS never changes which of two
 confidences at the same position is larger (order-preserving; AUROC per position is
@@ -79,18 +80,21 @@ def _ece_batch(a: torch.Tensor, y: torch.Tensor, n_bins: int) -> torch.Tensor:
 
 
 def fit_sts(rounds: Sequence[RoundRecord], gamma: int, n_bins: int = DEFAULT_BINS,
-            grid: Sequence[float] | None = None, min_rounds: int = 1) -> list[float]:
+            grid: Sequence[float] | None = None, min_each: int = 5) -> list[float]:
     """Temperatures T_1..T_γ fitted in order on rounds with raw confidences.
 
-    A position with fewer than `min_rounds` usable rounds keeps T = 1. Among temperatures
-    with the same (minimal) ECE the one closest to 1 (in log scale) wins.
+    A position keeps T = 1 unless at least `min_each` rounds survived to it and `min_each`
+    did not: with one outcome only, ECE is minimised by pushing every confidence to 0 (or 1),
+    an artefact of too little data rather than calibration. Among temperatures with the same
+    (minimal) ECE the one closest to 1 (in log scale) wins.
     """
     grid_t = torch.tensor(list(grid or default_grid()), dtype=torch.float64)  # [G]
     closeness = grid_t.log().abs()
     temps: list[float] = []
     for k in range(1, gamma + 1):
         usable = [r for r in rounds if r.confidences is not None and r.proposed >= k and len(r.confidences) >= k]
-        if len(usable) < min_rounds:
+        survived = sum(r.accepted >= k for r in usable)
+        if min(survived, len(usable) - survived) < max(1, min_each):
             temps.append(1.0)
             continue
         conf = torch.tensor([list(r.confidences[:k]) for r in usable], dtype=torch.float64)  # [n, k]
