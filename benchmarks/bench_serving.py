@@ -19,7 +19,11 @@ run side by side, stepped alternately (A B C A B C ...): each engine's time is t
 own steps, so all three see the same background load moment by moment (this machine is
 shared). The measured window is (20 + 1.5 C) s of each engine's own time (x --scale) after
 its initial batched prefill; replacement prefills are inside it, as in serving.
-Throughput = output tokens committed in the window / engine time. Latency = end-to-end time
+Requests get max_tokens spread over [M/2, 3M/2] (mean M = --max-tokens) by request index, the
+same for every configuration, so they do not finish in lockstep (a lockstep batch is replaced
+by one huge padded prefill that lands in some windows and not others). Decode throughput =
+output tokens / engine time over the window's steps without a prefill (the primary ratio:
+every request costs one prefill in every configuration); end-to-end throughput includes them. Latency = end-to-end time
 (engine clock) of requests that completed inside the window. Counts next to times: target
 forwards per output token (decode + prefill forwards / tokens: a system figure) and tau
 (tokens committed per verification round, bonus included). Greedy outputs must be identical
@@ -40,6 +44,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from draftsmith.core.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- bench_serving:begin -->", "<!-- bench_serving:end -->"
@@ -75,8 +81,8 @@ class ClosedLoop:
     initial batched prefill of C prompts); replacement prefills are inside it, as in serving.
     """
 
-    def __init__(self, engine, prompts: list[list[int]], C: int, params) -> None:
-        self.engine, self.prompts, self.C, self.params = engine, prompts, C, params
+    def __init__(self, engine, prompts: list[list[int]], C: int, max_tokens: int) -> None:
+        self.engine, self.prompts, self.C, self.max_tokens = engine, prompts, C, max_tokens
         self.next_i = 0
         self.in_flight: dict[int, object] = {}
         self.arrival: dict[int, float] = {}
@@ -84,7 +90,7 @@ class ClosedLoop:
         self.outputs: dict[int, list[int]] = {}
         self.seqs: list = []
         self.clock = 0.0  # engine time inside the window
-        self.history: list[tuple[float, int]] = []  # (step seconds, tokens committed), window only
+        self.history: list[tuple[float, int, bool]] = []  # (step s, tokens, had a prefill), window
         self.first = True
         self.steps = self.prefills = self.padded = self.useful = 0
 
@@ -92,7 +98,8 @@ class ClosedLoop:
         while len(self.in_flight) < self.C:
             i = self.next_i
             self.next_i += 1
-            s = self.engine.add_request(self.prompts[i % len(self.prompts)], self.params, request_id=f"p{i}")
+            params = SamplingParams(max_tokens=staggered(i, self.max_tokens), temperature=0.0)
+            s = self.engine.add_request(self.prompts[i % len(self.prompts)], params, request_id=f"p{i}")
             self.in_flight[i], self.arrival[i] = s, self.clock
             self.seqs.append(s)
         before = sum(len(s.output_ids) for s in self.in_flight.values())
@@ -111,10 +118,11 @@ class ClosedLoop:
             self.first = False
             self.arrival = {i: 0.0 for i in self.arrival}
             return
+        prefill = self.engine.num_waiting < waiting
         self.clock += dt
-        self.history.append((dt, tokens))
+        self.history.append((dt, tokens, prefill))
         self.steps += 1
-        self.prefills += self.engine.num_waiting < waiting
+        self.prefills += prefill
         ls = self.engine.last_step
         self.padded += ls.rows * ls.block_len
         self.useful += ls.useful_tokens
@@ -123,12 +131,16 @@ class ClosedLoop:
         self.engine.abort_all()  # free every row for the next tier
 
     def result(self) -> dict:
-        tokens = sum(t for _, t in self.history)
+        tokens = sum(t for _, t, _ in self.history)
         rounds = sum(s.stats.rounds for s in self.seqs)
+        dec_t = sum(dt for dt, _, p in self.history if not p)
+        dec_n = sum(n for _, n, p in self.history if not p)
         return {
             "engine_time_s": self.clock,
             "output_tokens": tokens,
             "tokens_per_s": tokens / self.clock,
+            "decode_tokens_per_s": dec_n / dec_t if dec_t else float("nan"),
+            "decode_time_s": dec_t,
             "history": self.history,
             "latency_s": list(self.latency.values()),
             "completed": len(self.latency),
@@ -143,10 +155,17 @@ class ClosedLoop:
         }
 
 
-def run_tier(engines: dict, prompts: list[list[int]], C: int, params, seconds: float) -> dict[str, dict]:
+def staggered(i: int, max_tokens: int) -> int:
+    """max_tokens of request i: spread over [max_tokens / 2, 3 max_tokens / 2] (mean
+    max_tokens), the same for every configuration, so requests do not finish in lockstep
+    and get replaced by one huge batched prefill."""
+    return max_tokens // 2 + (i * 17) % (max_tokens + 1)
+
+
+def run_tier(engines: dict, prompts: list[list[int]], C: int, max_tokens: int, seconds: float) -> dict[str, dict]:
     """Step the configurations alternately (A B C A B C ..., the first of each cycle
     rotating) until each has run `seconds` of its own engine time in the window."""
-    loops = {name: ClosedLoop(eng, prompts, C, params) for name, eng in engines.items()}
+    loops = {name: ClosedLoop(eng, prompts, C, max_tokens) for name, eng in engines.items()}
     names = list(loops)
     cycle = 0
     while any(lp.first or lp.clock < seconds for lp in loops.values()):
@@ -172,8 +191,9 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))] if xs else float("nan")
 
 
-def quarter_rates(history: list[tuple[float, int]]) -> list[float]:
-    """tokens/s in each quarter of the window (by engine time)."""
+def quarter_rates(history: list[tuple[float, int, bool]]) -> list[float]:
+    """Decode tokens/s in each quarter of the window (by engine time; prefill steps left out)."""
+    history = [(dt, n) for dt, n, p in history if not p]
     total = sum(dt for dt, _ in history)
     bins = [[0.0, 0] for _ in range(4)]
     t = 0.0
@@ -192,14 +212,16 @@ def summarize(runs: dict[str, dict], C: int) -> dict[str, dict]:
     for name, r in runs.items():
         ratios = [a / b for a, b in zip(quarter_rates(r["history"]), base_q)]
         out[name] = {
+            "decode_tokens_per_s": r["decode_tokens_per_s"],
+            "ratio_vs_plain": r["decode_tokens_per_s"] / base["decode_tokens_per_s"],
             "tokens_per_s": r["tokens_per_s"],
-            "ratio_vs_plain": r["tokens_per_s"] / base["tokens_per_s"],
+            "e2e_ratio_vs_plain": r["tokens_per_s"] / base["tokens_per_s"],
             "ratio_quarters_min": min(ratios),
             "ratio_quarters_max": max(ratios),
             "completed": r["completed"],
             "latency_p50_s": statistics.median(r["latency_s"]) if r["latency_s"] else float("nan"),
             "latency_p95_s": pct(r["latency_s"], 0.95),
-            "s_per_token_per_request": C / r["tokens_per_s"],  # C requests share the throughput
+            "s_per_token_per_request": C / r["decode_tokens_per_s"],  # C requests share the throughput
             "forwards_per_token": r["forwards_per_token"],
             "tau": r["tau"],
             "acceptance": r["draft_accepted"] / max(1, r["draft_proposed"]),
@@ -243,7 +265,7 @@ def main() -> int:
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
-    from draftsmith import LLM, SamplingParams
+    from draftsmith import LLM
     from draftsmith.policy.profile import ProfileConfig, load_or_profile
 
     t_start = time.perf_counter()
@@ -260,11 +282,10 @@ def main() -> int:
     profile_s = time.perf_counter() - t0
     log(f"SPS(B) ready in {profile_s:.0f}s: " + ", ".join(f"{b}:{s:.1f}" for b, s in zip(sps.tokens, sps.steps_per_s)))
     engines = build_engines(llm, args.k, max_batch, args.max_len, sps)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     prompts = [ids for _, ids in load_prompts(llm, 64, args.max_len - args.max_tokens - args.k - 2)]
 
     # Warm-up: allocator, kernels, first-call paths.
-    run_tier(engines, prompts[:2], 2, SamplingParams(max_tokens=8, temperature=0.0), 1.0)
+    run_tier(engines, prompts[:2], 2, 8, 1.0)
 
     # One pass over the tiers; inside a tier the three configurations are stepped alternately.
     results: dict = {"tiers": {}, "skipped_tiers": []}
@@ -275,7 +296,7 @@ def main() -> int:
             log(f"C={C}: skipped (would pass the {args.budget_s:.0f}s budget)")
             continue
         load_before = os.getloadavg()[0]
-        runs = run_tier(engines, prompts, C, params, seconds)
+        runs = run_tier(engines, prompts, C, args.max_tokens, seconds)
         outs = {name: r.pop("outputs") for name, r in runs.items()}
         common = set.intersection(*(set(o) for o in outs.values()))
         mismatched = sum(outs[n][i] != outs["plain"][i] for n in CONFIGS[1:] for i in common)
@@ -286,7 +307,8 @@ def main() -> int:
             "loadavg_1m_before": load_before, "loadavg_1m_after": os.getloadavg()[0],
         }
         log(f"C={C}: " + " | ".join(
-            f"{n} {v['tokens_per_s']:.1f} tok/s x{v['ratio_vs_plain']:.2f} tau {v['tau']:.2f}"
+            f"{n} {v['decode_tokens_per_s']:.1f} tok/s x{v['ratio_vs_plain']:.2f} (e2e x{v['e2e_ratio_vs_plain']:.2f}) "
+            f"tau {v['tau']:.2f}"
             for n, v in summ.items()) + f" | compared {len(common)}, mismatches {mismatched}"
             f" | {time.perf_counter() - t_start:.0f}s")
 
@@ -339,7 +361,9 @@ def write_markdown(results: dict, json_path: Path) -> None:
         "other engineers' jobs were running), so absolute tokens/s are low and drift; the ratios (same tier, "
         "configurations stepped alternately, each timed on its own steps) and the counts are the point.",
         "",
-        f"Setup: target `{s['target']}` fp32, greedy, max_tokens {s['max_tokens']}, {s['prompts']}; "
+        f"Setup: target `{s['target']}` fp32, greedy, max_tokens staggered over {s['max_tokens'] // 2}.."
+        f"{s['max_tokens'] // 2 + s['max_tokens']} by request index (mean {s['max_tokens']}, same for every "
+        f"configuration, so requests do not finish in lockstep), {s['prompts']}; "
         f"n-gram drafter (no confidences: the scheduler uses each request's running per-position acceptance), "
         f"K = {s['k']}; engine max_batch {s['max_batch']}. Closed loop: C requests always in flight (a finished "
         "request is replaced at once); the three configurations are stepped alternately (A B C A B C ...) and "
@@ -349,21 +373,26 @@ def write_markdown(results: dict, json_path: Path) -> None:
         f"{s['profile_s']:.0f} s (steps/s at B tokens): "
         + ", ".join(f"{b}: {v:.1f}" for b, v in zip(s["sps"]["tokens"], s["sps"]["steps_per_s"])) + ".",
         "",
-        "| C | config | out tok/s | × plain [quarters min, max] | s/token/request | done | latency p50 / p95 s | fwd/token | τ | acceptance | step tokens (padded) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| C | config | decode tok/s | × plain [quarters min, max] | e2e tok/s (× plain) | s/token/request | done | latency p50 / p95 s | fwd/token | τ | acceptance | step tokens (padded) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for C, t in results["tiers"].items():
         for name, v in t["summary"].items():
             lines.append(
-                f"| {C} | {name} | {v['tokens_per_s']:.1f} | {v['ratio_vs_plain']:.2f} "
-                f"[{v['ratio_quarters_min']:.2f}, {v['ratio_quarters_max']:.2f}] | {v['s_per_token_per_request']:.2f} | "
+                f"| {C} | {name} | {v['decode_tokens_per_s']:.1f} | {v['ratio_vs_plain']:.2f} "
+                f"[{v['ratio_quarters_min']:.2f}, {v['ratio_quarters_max']:.2f}] | {v['tokens_per_s']:.1f} "
+                f"({v['e2e_ratio_vs_plain']:.2f}) | {v['s_per_token_per_request']:.2f} | "
                 f"{v['completed']} | {v['latency_p50_s']:.1f} / {v['latency_p95_s']:.1f} | {v['forwards_per_token']:.3f} | "
                 f"{v['tau']:.2f} | {v['acceptance']:.2f} | {v['mean_step_tokens_padded']:.1f} |"
             )
     cmp = {C: f"{t['greedy_mismatches']}/{t['greedy_compared']}" for C, t in results["tiers"].items()}
     lines += [
         "",
-        "Columns: s/token/request = C / tokens/s; done = requests completed inside the window (latency is "
+        "Columns: decode tok/s = output tokens / engine time over steps without a prefill (speculation "
+        "changes decode; every request costs one prefill in every configuration, but finite windows catch "
+        "different numbers of prefills, so end-to-end tok/s is noisier); quarters = the decode ratio in each "
+        "quarter of the window; e2e tok/s = all tokens / all engine time in the window, prefills included; "
+        "s/token/request = C / decode tok/s; done = requests completed inside the window (latency is "
         "theirs, engine time, end to end); fwd/token = engine forwards (decode + prefill) per output token, a "
         "system figure; τ = tokens committed per verification round, bonus included; acceptance = accepted / "
         "verified drafts; step tokens = rows × verify width of the forward, averaged over steps.",
