@@ -52,7 +52,8 @@ def make_cfg(target_dir, cache_dir, out, **train):
     raw = {"target": str(target_dir), "out": str(out), "drafter": {"kind": "head", "layer_ids": [0]},
            "data": {"cache": str(cache_dir), "max_len": 32},
            "train": {"batch_size": 4, "max_steps": 6, "save_every": 3, "log_every": 1, "lr": 3e-3,
-                     "progress": "off", "tensorboard": "off", **train}}
+                     "progress": "off", "tensorboard": "off", "threads": 1, **train}}  # 1 thread: same float
+    # reduction order in this process and in the killed subprocess, whatever other tests set
     return parse_config(raw, CATALOGUE, num_layers=3)
 
 

@@ -349,9 +349,11 @@ class Trainer:
     # ---- the loop -------------------------------------------------------------------------------
 
     def fit(self) -> TrainResult:
+        threads = torch.get_num_threads()
         try:
             return self._fit()
         finally:
+            torch.set_num_threads(threads)  # train.threads applies to this run only
             if self.info is not None:
                 shutdown(self.info)
 
