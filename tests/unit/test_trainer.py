@@ -212,6 +212,16 @@ def test_online_features_equal_the_cache(target_dir, cache_dir, regen_file, tmp_
     assert res.step == 2 and res.final_loss is not None
 
 
+def test_resume_without_a_checkpoint(target_dir, cache_dir, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n')  # killed before its first save
+    res = Trainer(make_cfg(target_dir, cache_dir, out, max_steps=2), CATALOGUE, resume=True).fit()
+    assert res.step == 2 and len((out / "metrics.jsonl").read_text().splitlines()) == 2
+    with pytest.raises(DraftsmithError, match="nothing to resume"):  # an explicit checkpoint path must exist
+        Trainer(make_cfg(target_dir, cache_dir, tmp_path / "other"), CATALOGUE, resume=tmp_path / "nope").fit()
+
+
 def test_budget_sizes_the_run(target_dir, cache_dir, tmp_path):
     cfg = make_cfg(target_dir, cache_dir, tmp_path / "run", max_steps=None, budget_minutes=0.02, save_every=10**6)
     res = Trainer(cfg, CATALOGUE).fit()

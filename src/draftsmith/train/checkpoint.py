@@ -228,8 +228,7 @@ def find_resume_checkpoint(path: Path) -> Path:
         return path
     ckpts = list_checkpoints(path)
     if not ckpts:
-        raise DraftsmithError(f"nothing to resume in {path}: no complete checkpoint-* directory "
-                              "(a run killed before its first save starts from scratch without --resume)")
+        raise DraftsmithError(f"nothing to resume in {path}: no complete checkpoint-* directory")
     return ckpts[-1][1]
 
 

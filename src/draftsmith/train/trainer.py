@@ -113,6 +113,13 @@ class Trainer:
             torch.set_num_threads(t.threads)
         self.info = self.info or init_from_env(t.device)
         info = self.info
+        if self.resume is True and not ckpt_io.list_checkpoints(self.out):
+            # a run killed before its first checkpoint: nothing to resume, start it again
+            if info.is_main:
+                print(f"[draftsmith] --resume: {self.out} has no checkpoint yet; starting from step 0",
+                      file=sys.stderr)
+                (self.out / "metrics.jsonl").unlink(missing_ok=True)
+            self.resume = False
         self._prepare_out_dir()
         torch.manual_seed(t.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
         self.target = load_target(self.cfg.target, device=str(info.device), dtype="float32")
