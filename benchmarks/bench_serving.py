@@ -231,7 +231,6 @@ def summarize(runs: dict[str, dict], C: int) -> dict[str, dict]:
 
 
 def build_engines(llm, k: int, max_batch: int, max_len: int, sps):
-    from draftsmith.drafters.base import NoDrafter
     from draftsmith.drafters.ngram import NgramDrafter
     from draftsmith.engine.engine import Engine, EngineConfig
     from draftsmith.models.target import eos_token_ids
