@@ -135,7 +135,9 @@ class LLM:
         cfg = EngineConfig(max_batch=max_batch, max_len=max_len)
         max_len = min(max_len, self.target.model.config.max_position_embeddings)
         self.drafter = drafter if not isinstance(drafter, str) else build_drafter(drafter, self.target, max_batch, max_len)
-        self.policy = policy if not isinstance(policy, str) else make_policy(policy, num_speculative_tokens)
+        self.policy = policy if not isinstance(policy, str) else make_policy(
+            policy, num_speculative_tokens, target=self.target, max_batch=max_batch
+        )
         self.engine = Engine(
             self.target.model, self.tokenizer, self.drafter, self.policy, cfg,
             eos_token_ids=eos_token_ids(self.target),
