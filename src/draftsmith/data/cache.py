@@ -53,6 +53,7 @@ from draftsmith.data.features import (
     store_dtype,
 )
 from draftsmith.errors import DraftsmithError
+from draftsmith.fileio import fsync_dir as _fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -67,19 +68,6 @@ _ST_DTYPE = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32",
 
 def shard_name(index: int) -> str:
     return f"shard-{index:05d}.safetensors"
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def dump_manifest(m: Mapping[str, Any]) -> str:

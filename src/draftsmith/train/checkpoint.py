@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.fileio import fsync_dir as _fsync_dir
 
 CHECKPOINT_FORMAT_VERSION = 1
 _CKPT_RE = re.compile(r"^checkpoint-(\d{8})$")
@@ -54,19 +55,6 @@ def checkpoint_name(step: int) -> str:
 def _fsync_file(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
