@@ -1,22 +1,26 @@
 """Serving throughput and latency vs concurrency: plain vs fixed K vs the prefix scheduler.
 
-    .venv/bin/python benchmarks/bench_serving.py [--tiers 1,2,4,8,16,32] [--max-tokens 48]
-        [--k 5] [--scale 1] [--threads 1] [--budget-s 840] [--out benchmarks/results/bench_serving.json]
+    .venv/bin/python benchmarks/bench_serving.py [--drafter ngram | dspark:CKPT ...]
+        [--tiers 1,2,4,8,16,32] [--max-tokens 48] [--k 5] [--scale 1] [--threads 1]
+        [--budget-s 1100] [--out benchmarks/results/bench_serving.json]
 
 In-process engine on the default target (smollm2-135m, fp32), greedy, chat-templated first
-user turns of HumanEval and MT-Bench (alternating). Three configurations share one loaded
-target (one Engine each, same KV budget):
+user turns of HumanEval and MT-Bench (alternating). Four configurations share one loaded
+target (one Engine and drafter instance each, same KV budget):
 
     plain             no drafter (FixedK(0)): the baseline
-    fixed-k           n-gram drafter, every row verifies up to K drafts
-    prefix-scheduler  n-gram drafter, verify lengths from DSpark Algorithm 1 on the
-                      machine's profiled SPS(B); the n-gram drafter has no confidences, so
-                      each request's running per-position acceptance stands in for them
+    fixed-k           the drafter (default n-gram), every row verifies up to K drafts
+    prefix-static     verify lengths from DSpark Algorithm 1 on the SPS(B) profiled at
+                      start-up only (adapt=False); a drafter without confidences (n-gram)
+                      gets each request's running per-position acceptance instead
+    prefix-scheduler  the same with the online cost model (policy/cost.py): SPS(B) corrected
+                      from measured rounds, the drafter's time per round learned, and no
+                      drafting unless the predicted gain is >= 3%
 
 Closed loop per tier C: C requests always in flight; a finished one is replaced at once by
-the next prompt (the same prompt sequence for every configuration). The three configurations
-run side by side, stepped alternately (A B C A B C ...): each engine's time is the sum of its
-own steps, so all three see the same background load moment by moment (this machine is
+the next prompt (the same prompt sequence for every configuration). The configurations
+run side by side, stepped alternately (A B C D A B C D ...): each engine's time is the sum of its
+own steps, so all of them see the same background load moment by moment (this machine is
 shared). The measured window is (20 + 1.5 C) s of each engine's own time (x --scale) after
 its initial batched prefill; replacement prefills are inside it, as in serving.
 Requests get max_tokens spread over [M/2, 3M/2] (mean M = --max-tokens) by request index, the
@@ -27,7 +31,7 @@ every request costs one prefill in every configuration); end-to-end throughput i
 (engine clock) of requests that completed inside the window. Counts next to times: target
 forwards per output token (decode + prefill forwards / tokens: a system figure) and tau
 (tokens committed per verification round, bonus included). Greedy outputs must be identical
-across configurations for requests all three completed (MEASURING.md rule 2); checked.
+across configurations for requests all of them completed (MEASURING.md rule 2); checked.
 
 Writes the JSON (every number) and a section between markers in BENCHMARKS.md.
 """
@@ -48,8 +52,14 @@ import torch
 from draftsmith.core.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
-BEGIN, END = "<!-- bench_serving:begin -->", "<!-- bench_serving:end -->"
-CONFIGS = ("plain", "fixed-k", "prefix-scheduler")
+
+
+def markers(drafter: str) -> tuple[str, str]:
+    """BENCHMARKS.md section markers: one section per drafter kind."""
+    kind = drafter.partition(":")[0]
+    tag = "" if kind == "ngram" else f":{kind}"
+    return f"<!-- bench_serving{tag}:begin -->", f"<!-- bench_serving{tag}:end -->"
+CONFIGS = ("plain", "fixed-k", "prefix-static", "prefix-scheduler")
 
 
 def load_prompts(tokenizer_llm, n: int, max_prompt: int) -> list[tuple[str, list[int]]]:
@@ -230,8 +240,8 @@ def summarize(runs: dict[str, dict], C: int) -> dict[str, dict]:
     return out
 
 
-def build_engines(llm, k: int, max_batch: int, max_len: int, sps):
-    from draftsmith.drafters.ngram import NgramDrafter
+def build_engines(llm, k: int, max_batch: int, max_len: int, sps, drafter: str = "ngram"):
+    from draftsmith.drafters.catalogue import build_drafter
     from draftsmith.engine.engine import Engine, EngineConfig
     from draftsmith.models.target import eos_token_ids
     from draftsmith.policy.fixed import FixedK
@@ -240,15 +250,18 @@ def build_engines(llm, k: int, max_batch: int, max_len: int, sps):
     cfg = EngineConfig(max_batch=max_batch, max_len=max_len)
     eos = eos_token_ids(llm.target)
     model, tok = llm.target.model, llm.tokenizer
-    return {
-        "plain": llm.engine,
-        "fixed-k": Engine(model, tok, NgramDrafter(), FixedK(k), cfg, eos_token_ids=eos),
-        "prefix-scheduler": Engine(model, tok, NgramDrafter(), PrefixScheduler(sps, max_k=k), cfg, eos_token_ids=eos),
-    }
+    policies = {"fixed-k": FixedK(k), "prefix-static": PrefixScheduler(sps, max_k=k, adapt=False),
+                "prefix-scheduler": PrefixScheduler(sps, max_k=k)}
+    engines = {"plain": llm.engine}
+    for name, pol in policies.items():  # one drafter instance per engine: drafters keep per-row state
+        d = build_drafter(drafter, llm.target, max_rows=max_batch, max_len=max_len)
+        engines[name] = Engine(model, tok, d, pol, cfg, eos_token_ids=eos)
+    return engines
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--drafter", default="ngram", help="ngram, or KIND:CHECKPOINT of a trained drafter")
     ap.add_argument("--tiers", default="1,2,4,8,16,32")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--k", type=int, default=5)
@@ -256,7 +269,7 @@ def main() -> int:
                     help="engine seconds per configuration and tier = scale * (20 + 1.5 C)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     ap.add_argument("--max-len", type=int, default=512)
-    ap.add_argument("--budget-s", type=float, default=840.0, help="skip tiers that would pass this wall time")
+    ap.add_argument("--budget-s", type=float, default=1100.0, help="skip tiers that would pass this wall time")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "bench_serving.json")
     ap.add_argument("--no-md", action="store_true", help="do not touch BENCHMARKS.md")
     ap.add_argument("--reuse-profile", action="store_true",
@@ -280,17 +293,17 @@ def main() -> int:
                           refresh=not args.reuse_profile)
     profile_s = time.perf_counter() - t0
     log(f"SPS(B) ready in {profile_s:.0f}s: " + ", ".join(f"{b}:{s:.1f}" for b, s in zip(sps.tokens, sps.steps_per_s)))
-    engines = build_engines(llm, args.k, max_batch, args.max_len, sps)
+    engines = build_engines(llm, args.k, max_batch, args.max_len, sps, args.drafter)
     prompts = [ids for _, ids in load_prompts(llm, 64, args.max_len - args.max_tokens - args.k - 2)]
 
     # Warm-up: allocator, kernels, first-call paths.
     run_tier(engines, prompts[:2], 2, 8, 1.0)
 
-    # One pass over the tiers; inside a tier the three configurations are stepped alternately.
+    # One pass over the tiers; inside a tier the configurations are stepped alternately.
     results: dict = {"tiers": {}, "skipped_tiers": []}
     for C in tiers:
         seconds = tier_seconds(C, args.scale)
-        if time.perf_counter() - t_start + 3.3 * seconds > args.budget_s:
+        if time.perf_counter() - t_start + 4.4 * seconds > args.budget_s:
             results["skipped_tiers"].append(C)
             log(f"C={C}: skipped (would pass the {args.budget_s:.0f}s budget)")
             continue
@@ -313,7 +326,7 @@ def main() -> int:
 
     results["setup"] = {
         "target": llm.target.target_id, "weights_hash": llm.target.weights_hash, "dtype": "float32",
-        "drafter": "ngram (max_ngram 3, min_ngram 1)", "k": args.k, "max_tokens": args.max_tokens,
+        "drafter": args.drafter, "k": args.k, "max_tokens": args.max_tokens,
         "temperature": 0.0, "scale": args.scale, "torch_threads": args.threads, "max_batch": max_batch,
         "max_len": args.max_len, "prompts": "chat-templated first user turns, HumanEval and MT-Bench alternating",
         "machine": f"{platform.machine()} {os.cpu_count()} CPUs ({_cpu()})", "torch": torch.__version__,
@@ -350,22 +363,28 @@ def verdict(results: dict) -> str:
 
 def write_markdown(results: dict, json_path: Path) -> None:
     s = results["setup"]
+    begin, end = markers(s["drafter"])
+    kind = s["drafter"].partition(":")[0]
+    quiet = max(s["loadavg_start"][0], s["loadavg_end"][0]) < 1.5
+    drafter_note = ("n-gram drafter (no confidences: the schedulers use each request's running per-position "
+                    "acceptance)" if kind == "ngram" else
+                    f"`{s['drafter']}` drafter (its confidence head drives Algorithm 1 in the schedulers)")
     lines = [
-        BEGIN,
-        "## Serving: plain vs fixed K vs the prefix scheduler (issue 5)",
+        begin,
+        f"## Serving: plain vs fixed K vs the prefix scheduler, {kind} drafter (issue 5)",
         "",
-        f"`benchmarks/bench_serving.py` (JSON: `{json_path.relative_to(ROOT)}`), one run, {s['wall_s']:.0f} s. "
-        f"Machine: {s['machine']}, torch {s['torch']}, {s['torch_threads']} torch thread. **Shared and noisy**: "
-        f"load average {s['loadavg_start'][0]:.1f} at the start, {s['loadavg_end'][0]:.1f} at the end (2 cores; "
-        "other engineers' jobs were running), so absolute tokens/s are low and drift; the ratios (same tier, "
-        "configurations stepped alternately, each timed on its own steps) and the counts are the point.",
+        f"`benchmarks/bench_serving.py --drafter {s['drafter']}` (JSON: `{json_path.relative_to(ROOT)}`), one run, "
+        f"{s['wall_s']:.0f} s. Machine: {s['machine']}, torch {s['torch']}, {s['torch_threads']} torch thread; "
+        f"load average {s['loadavg_start'][0]:.1f} at the start, {s['loadavg_end'][0]:.1f} at the end (2 cores"
+        + ("; nothing else running)." if quiet else "; **shared and noisy**: other jobs were running, so absolute "
+           "tokens/s are low and drift; the ratios (same tier, configurations stepped alternately, each timed on "
+           "its own steps) and the counts are the point)."),
         "",
         f"Setup: target `{s['target']}` fp32, greedy, max_tokens staggered over {s['max_tokens'] // 2}.."
         f"{s['max_tokens'] // 2 + s['max_tokens']} by request index (mean {s['max_tokens']}, same for every "
         f"configuration, so requests do not finish in lockstep), {s['prompts']}; "
-        f"n-gram drafter (no confidences: the scheduler uses each request's running per-position acceptance), "
-        f"K = {s['k']}; engine max_batch {s['max_batch']}. Closed loop: C requests always in flight (a finished "
-        "request is replaced at once); the three configurations are stepped alternately (A B C A B C ...) and "
+        f"{drafter_note}, K = {s['k']}; engine max_batch {s['max_batch']}. Closed loop: C requests always in flight (a finished "
+        "request is replaced at once); the configurations are stepped alternately (A B C D A B C D ...) and "
         "each is timed on its own steps, so all see the same background load; measured window = "
         f"{s['scale']:g} x (20 + 1.5 C) s of each engine's time after the initial prefill (replacement prefills "
         "included). SPS(B) profiled on this machine at start-up in "
@@ -400,12 +419,14 @@ def write_markdown(results: dict, json_path: Path) -> None:
     ]
     if results["skipped_tiers"]:
         lines.append(f"Skipped tiers (time budget): {results['skipped_tiers']}.")
-    lines += ["", verdict(results), END]
+    lines += ["", "Configurations: prefix-static = Algorithm 1 on the start-up SPS(B) profile only; prefix-scheduler "
+              "= the same plus the online cost model (SPS(B) corrected from measured rounds, the drafter's time per "
+              "round, no drafting below a 3% predicted gain).", "", verdict(results), end]
     md = ROOT / "BENCHMARKS.md"
     text = md.read_text() if md.is_file() else "# Benchmarks\n"
     block = "\n".join(lines)
-    if BEGIN in text and END in text:
-        text = text[: text.index(BEGIN)] + block + text[text.index(END) + len(END):]
+    if begin in text and end in text:
+        text = text[: text.index(begin)] + block + text[text.index(end) + len(end):]
     else:
         text = text.rstrip("\n") + "\n\n" + block + "\n"
     md.write_text(text)

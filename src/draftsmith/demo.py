@@ -2,7 +2,8 @@
 
     regen (small code+chat mix) → cache (target features) → train DSpark (small budget)
     → calibrate (STS on held-out) → eval (held-out τ, acceptance, calibration)
-    → bench (concurrency 1, 4, 16: none vs n-gram vs DSpark, with HF peers at 1)
+    → bench (concurrency 1, 4, 16: none vs n-gram vs DSpark, with HF peers at 1), once on
+      code (HumanEval) and once on chat (MT-Bench) prompts
 
 Every stage is a plain `draftsmith` CLI call, so the demo is also the recipe to copy.
 Finished stages are reused on re-runs (each writes a `.done` marker after it succeeded;
@@ -48,10 +49,15 @@ def stages() -> list[Stage]:
               "--max-new-tokens", "32", "--temperature", "1")),
         Stage("eval", ("eval", "--drafter", f"dspark:{ckpt}", "--drafter", "ngram", "--tasks", "humaneval,mtbench",
               "--max-prompts", "2", "--max-new-tokens", "32", "--temperature", "1", "--out", str(d / "eval"))),
-        Stage("bench", ("bench", "--drafter", "ngram", "--drafter", f"dspark:{ckpt}", "--workload", "humaneval",
-              "--concurrency", "1,4,16", "--requests", "4", "--max-tokens", "32", "--warmup", "1",
-              "--peers", "hf", "--dollars-per-hour", "0.10", "--out", str(d / "bench")), "--resume"),
+        *(Stage(name, ("bench", "--drafter", "ngram", "--drafter", f"dspark:{ckpt}", "--workload", workload,
+                       "--concurrency", "1,4,16", "--requests", "4", "--max-tokens", "32", "--warmup", "1",
+                       "--peers", "hf", "--dollars-per-hour", "0.10", "--out", str(d / out)), "--resume")
+          for name, workload, out in BENCHES),
     ]
+
+
+# (stage, workload, output dir): code and chat prompts, each against plain and HF peers.
+BENCHES = (("bench", "humaneval", "bench"), ("bench-chat", "mtbench", "bench-chat"))
 
 
 def run_stage(stage: Stage) -> None:
@@ -82,11 +88,11 @@ def main() -> int:
         run_stage(stage)
     from draftsmith.bench import headline_table
 
-    report = ROOT / "bench" / "report.json"
     print(f"\n== done in {(time.perf_counter() - t0) / 60:.1f} min")
     print(f"eval report:  {ROOT / 'eval' / 'report.md'}")
-    print(f"bench report: {ROOT / 'bench' / 'report.md'} (+ report.json, PNG plots)\n")
-    print(headline_table(report))
+    for _, workload, out in BENCHES:
+        print(f"\n-- bench on {workload} prompts: {ROOT / out / 'report.md'} (+ report.json, PNG plots)\n")
+        print(headline_table(ROOT / out / "report.json"))
     return 0
 
 

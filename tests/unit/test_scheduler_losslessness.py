@@ -215,7 +215,7 @@ def _appendix_schedule(inner):
 
 def test_appendix_a_with_early_stop_is_lossless() -> None:
     P, Q = _models(2, seed=11)
-    policy = PrefixScheduler(APPENDIX_SPS, max_k=2, batch_tokens="packed")
+    policy = PrefixScheduler(APPENDIX_SPS, max_k=2, batch_tokens="packed", adapt=False)
     seq, seen = _generate(P, Q, APPENDIX_C, 2, 1, _appendix_schedule(_policy_lengths(policy)), seed=12)
     assert seen[1:].sum() == 0  # Theta drops at the first candidate: nothing is verified
     for name, pv in _pvalues(P, seq).items():
@@ -249,7 +249,7 @@ def test_prefix_scheduler_with_early_stop_is_lossless(case: str) -> None:
     """Varied lengths that depend on the drafts through c_k: still the target law."""
     R, K, batch_tokens, sps = CASES[case]
     P, Q = _models(K, seed=20 + R)
-    policy = PrefixScheduler(sps, max_k=K, batch_tokens=batch_tokens)
+    policy = PrefixScheduler(sps, max_k=K, batch_tokens=batch_tokens, adapt=False)
     seq, seen = _generate(P, Q, HEAD_C, K, R, _policy_lengths(policy), seed=30 + R)
     assert seen[0] > 0 and seen[1:].sum() > 0 and (seen > 0).sum() >= 3, seen.tolist()
     for name, pv in _pvalues(P, seq).items():

@@ -29,11 +29,14 @@ from draftsmith.policy.fixed import FixedK
 
 @dataclass(frozen=True)
 class StepInfo:
-    """Shape of the last target forward: rows × (1 + longest draft), and useful tokens."""
+    """The last round: forward shape rows × (1 + longest draft), useful tokens, timings."""
 
     rows: int = 0
     block_len: int = 0  # 1 + max draft length in the batch (padded verify width)
     useful_tokens: int = 0  # sum over rows of 1 + that row's draft length
+    drafted: bool = False  # did the drafter run with a draft length > 0
+    draft_s: float = 0.0  # wall seconds of choose + propose + trim
+    forward_s: float = 0.0  # wall seconds of the target forward + warp + verify
 
 
 @dataclass(frozen=True)
@@ -193,6 +196,7 @@ class Engine:
     def _round(self, seqs: list[Sequence]) -> list[Sequence]:
         # Cap each row's draft so that (a) max_tokens is never exceeded even if every draft
         # and the bonus are accepted, (b) the cache has room for pending + drafts.
+        t0 = time.perf_counter()
         wanted = self.policy.choose(seqs)
         caps = [
             max(0, min(k, s.remaining - 1, self.max_len - s.num_tokens)) for k, s in zip(wanted, seqs)
@@ -217,6 +221,8 @@ class Engine:
             )
             lengths = keep
         K = proposal.max_len
+        drafted = any(c > 0 for c in caps)
+        t1 = time.perf_counter()
         if K:
             V = self.model.config.vocab_size
             valid = torch.arange(K)[None, :] < proposal.lengths[:, None]  # [B, K]
@@ -233,12 +239,13 @@ class Engine:
         if K:
             ids[:, 1:] = proposal.tokens
         rows = torch.tensor([s.row for s in seqs])
-        self.last_step = StepInfo(rows=len(seqs), block_len=1 + K, useful_tokens=len(seqs) + sum(lengths))
         out = self.model(ids, self.cache, rows=rows, layer_ids=self._layer_ids)
         p = target_probs(out.logits, [s.params for s in seqs])  # [B, 1+K, V]
         result = verify(proposal, p, [s.generator for s in seqs])
         finished: list[Sequence] = []
-        committed_tokens = result.tokens.tolist()
+        committed_tokens = result.tokens.tolist()  # waits for the device: timings end here
+        self.last_step = StepInfo(rows=len(seqs), block_len=1 + K, useful_tokens=len(seqs) + sum(lengths),
+                                  drafted=drafted, draft_s=t1 - t0, forward_s=time.perf_counter() - t1)
         for b, s in enumerate(seqs):
             m = int(result.num_accepted[b])
             # KV of the pending token and the m accepted drafts is now committed;
@@ -249,6 +256,9 @@ class Engine:
             s.stats.record_round(proposed=lengths[b], accepted=m, committed=appended)
         self.drafter.on_verified(seqs, proposal, result, self._features(out))
         self.policy.update(seqs, proposal, result)
+        observe = getattr(self.policy, "observe", None)  # optional: policies that learn step cost
+        if observe is not None:
+            observe(self.last_step)
         for s in seqs:
             if s.finish_reason is not None and not s.finished:
                 self._finish(s, s.finish_reason)

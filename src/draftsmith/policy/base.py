@@ -37,3 +37,6 @@ class DraftLengthPolicy(Protocol):
     def update(self, seqs: list[Sequence], proposal: Proposal, result: VerifyResult) -> None:
         """Learn from the round that just finished."""
         ...
+
+    # Optional: `observe(info: engine.StepInfo) -> None`, called after update() with the
+    # round's forward shape and timings (the prefix scheduler's online cost model uses it).

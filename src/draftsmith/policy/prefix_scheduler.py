@@ -36,8 +36,15 @@ for losslessness there, and by default the scheduler takes the best prefix of th
 sorted order (`running_search="best-prefix"`): on a CPU the first extra verify token is the
 expensive one and later ones are nearly free, which the early stop cannot see past.
 
-Drafters with confidences (DSpark) draft max_k tokens per row (unless no verify length can
-pay at this batch size: then nothing) and Algorithm 1 with the early stop trims them.
+Drafters with confidences (DSpark) draft max_k tokens per row and Algorithm 1 with the
+early stop trims them (drafting is paid by then: only the forward's cost is weighed).
+
+Whether to draft at all is decided in choose(), from what is known before the round: each
+request's running acceptance and the cost model of policy/cost.py, which corrects the
+profiled SPS(B) online from measured rounds and learns the drafter's time per round (a
+trained drafter costs a real share of a CPU round). A round drafts only if the best plan
+beats plain decoding by `min_gain`; otherwise every row decodes plainly and no draft work
+is done. This uses past rounds and timings only, so it is lossless whatever it decides.
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ from draftsmith.policy.acceptance import (
     running_confidences,
 )
 from draftsmith.policy.base import keep_all
+from draftsmith.policy.cost import StepCost
 from draftsmith.policy.profile import SPSTable
 
 BatchTokens = Literal["padded", "packed"]
@@ -96,21 +104,30 @@ def admit_best_prefix(conf: list[list[float]], sps: Callable[[float], float],
     ONLY for confidences fixed before this round's drafts were sampled (running acceptance):
     with a drafter's confidences this is exactly the biased variant of DSpark appendix A.
     """
+    return plan_best_prefix(conf, lambda b: 1.0 / sps(b), batch_tokens)[0]
+
+
+def plan_best_prefix(conf: list[list[float]], step_time: Callable[[float], float],
+                     batch_tokens: BatchTokens = "padded", draft_time: float = 0.0) -> tuple[list[int], float]:
+    """Best prefix of Algorithm 1's order when a round that verifies any draft also pays
+    `draft_time` seconds of drafting. Returns (l_r per row, predicted tokens/s of that plan
+    over plain decoding's). Same caveat as admit_best_prefix: running confidences only."""
     R = len(conf)
     if R == 0:
-        return []
+        return [], 1.0
     ranked = _ranked(conf)
+    base = R / step_time(_tokens(R, 1, 0, batch_tokens))
     tau, width = float(R), 1
-    best, best_n = R * sps(_tokens(R, 1, 0, batch_tokens)), 0
+    best, best_n = base, 0
     for n, (a, j, _) in enumerate(ranked, 1):
         tau, width = tau + a, max(width, 1 + j)
-        theta = tau * sps(_tokens(R, width, n, batch_tokens))
+        theta = tau / (step_time(_tokens(R, width, n, batch_tokens)) + draft_time)
         if theta > best:
             best, best_n = theta, n
     ell = [0] * R
     for _, j, r in ranked[:best_n]:
         ell[r] = j
-    return ell
+    return ell, best / base
 
 
 def can_gain(R: int, max_k: int, sps: Callable[[float], float], batch_tokens: BatchTokens = "padded") -> bool:
@@ -137,6 +154,12 @@ class PrefixScheduler:
     # only with an engine that drops trimmed drafts from the forward).
     running_at: Literal["choose", "trim"] = "choose"
     prior: AcceptancePrior = field(default_factory=AcceptancePrior)  # running acceptance prior
+    # Draft at all only when the predicted gain (running acceptance, measured drafting time)
+    # beats plain decoding by this fraction: a margin for the model's error, so that a busy
+    # server does not pay for speculation that the cost model only barely favours.
+    min_gain: float = 0.03
+    adapt: bool = True  # correct SPS(B) online from measured rounds and learn the drafting time
+    cost: StepCost | None = None  # the online cost model (made from `sps` when None)
     name: str = "prefix-scheduler"
 
     def __post_init__(self) -> None:
@@ -148,18 +171,35 @@ class PrefixScheduler:
             raise DraftsmithError(f"running_at must be 'choose' or 'trim', got {self.running_at!r}")
         if self.running_search not in ("best-prefix", "early-stop"):
             raise DraftsmithError(f"running_search must be 'best-prefix' or 'early-stop', got {self.running_search!r}")
+        if not 0.0 <= self.min_gain < 1.0:
+            raise DraftsmithError(f"min_gain must be in [0, 1), got {self.min_gain}")
+        if self.cost is None:
+            object.__setattr__(self, "cost", StepCost(self.sps))
+
+    def _sps(self) -> Callable[[float], float]:
+        return self.cost.sps if self.adapt else self.sps
 
     def choose(self, seqs: list[Sequence]) -> list[int]:
         R = len(seqs)
+        sps = self._sps()
         # Batch size only: skip drafting when no verify length could pay off at this load.
-        if not can_gain(R, self.max_k, self.sps, self.batch_tokens):
+        if not can_gain(R, self.max_k, sps, self.batch_tokens):
+            return [0] * R
+        # Predicted gain from what is known before drafting: each request's running
+        # acceptance and (adapt) the drafter's measured time per round. Below the margin,
+        # draft nothing. Past rounds only: lossless whatever the outcome.
+        conf = [running_confidences(s, self.max_k, self.prior) for s in seqs]
+        draft_time = self.cost.draft_time(R) if self.adapt else 0.0
+        ell, gain = plan_best_prefix(conf, lambda b: 1.0 / sps(b), self.batch_tokens, draft_time)
+        if gain < 1.0 + self.min_gain:
             return [0] * R
         if self.running_at == "trim" or all(drafter_has_confidences(s) for s in seqs):
             return [self.max_k] * R  # draft fully; trim() schedules
         # Running confidences are known before drafting: schedule now, so that drafts that
         # would not be verified are neither drafted nor carried through the forward.
-        caps = self._running([running_confidences(s, self.max_k, self.prior) for s in seqs])
-        return [self.max_k if drafter_has_confidences(s) else c for s, c in zip(seqs, caps)]
+        if self.running_search == "early-stop":
+            ell = admit(conf, sps, self.batch_tokens)
+        return [self.max_k if drafter_has_confidences(s) else c for s, c in zip(seqs, ell)]
 
     def trim(self, seqs: list[Sequence], proposal: Proposal) -> list[int]:
         if not proposal.max_len:
@@ -171,11 +211,17 @@ class PrefixScheduler:
                 return keep_all(proposal)  # already scheduled in choose()
             return self._running([running_confidences(s, n, self.prior) for s, n in zip(seqs, lengths)])
         raw = proposal.confidences.detach().float().cpu().tolist()
-        return admit([raw[b][:n] for b, n in enumerate(lengths)], self.sps, self.batch_tokens)
+        # Drafting is paid by now: Algorithm 1 weighs only the forward's cost.
+        return admit([raw[b][:n] for b, n in enumerate(lengths)], self._sps(), self.batch_tokens)
 
     def _running(self, conf: list[list[float]]) -> list[int]:
         search = admit_best_prefix if self.running_search == "best-prefix" else admit
-        return search(conf, self.sps, self.batch_tokens)
+        return search(conf, self._sps(), self.batch_tokens)
 
     def update(self, seqs, proposal, result) -> None:
         record_round(seqs, proposal, result, self.prior)
+
+    def observe(self, info) -> None:
+        """Engine hook: one round's forward shape and timings (engine.StepInfo)."""
+        if self.adapt:
+            self.cost.observe(info)

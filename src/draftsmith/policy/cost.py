@@ -1,0 +1,110 @@
+"""Step cost for the prefix scheduler: the profiled SPS(B), corrected online by measured rounds.
+
+The SPS(B) profile (policy/profile.py) is taken once, on an otherwise idle target, and times
+the target forward only. A serving process sees two things the profile cannot:
+
+- drift: other load on the machine, a warmer or colder cache, longer contexts than the
+  profile's; what matters to the scheduler is the *relative* cost of a wider forward, so a
+  correction is kept per forward size B = rows x width, not one global factor;
+- the drafter: a trained drafter's forward is a real share of a round on a CPU (its lm_head
+  alone is a fifth of a 135M target's), paid every round it drafts, whatever is verified.
+
+StepCost keeps, per B, an exponential moving average of measured / profiled forward time
+(used once a size has `min_samples` measurements; between measured sizes the ratio is
+interpolated, outside them the nearest one is used), and per row count the moving average
+of the drafting time (choose + propose + trim). Nothing here looks at tokens, so decisions
+made from it are non-anticipating like the profile itself (see prefix_scheduler.py).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.policy.profile import SPSTable
+
+if TYPE_CHECKING:
+    from draftsmith.engine.engine import StepInfo
+
+
+@dataclass
+class _Ewma:
+    value: float
+    count: int = 1
+
+    def add(self, x: float, alpha: float) -> None:
+        self.value += alpha * (x - self.value)
+        self.count += 1
+
+
+@dataclass
+class StepCost:
+    profile: SPSTable
+    alpha: float = 0.1  # weight of a new measurement in the moving averages
+    min_samples: int = 4  # measurements of a forward size before its correction is used
+    _ratio: dict[int, _Ewma] = field(default_factory=dict)  # B -> measured / profiled time
+    _draft: dict[int, _Ewma] = field(default_factory=dict)  # rows -> seconds of drafting
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.alpha <= 1.0 or self.min_samples < 1:
+            raise DraftsmithError(f"StepCost needs 0 < alpha <= 1 and min_samples >= 1, got "
+                                  f"alpha={self.alpha}, min_samples={self.min_samples}")
+
+    # ---- learning ---------------------------------------------------------------------
+
+    def observe(self, t: "StepInfo") -> None:
+        """Learn from one engine round (engine.last_step)."""
+        if t.rows < 1 or t.block_len < 1:
+            return
+        b = t.rows * t.block_len
+        if t.forward_s > 0:
+            r = t.forward_s / self.profile.step_time(b)
+            if b in self._ratio:
+                self._ratio[b].add(r, self.alpha)
+            else:
+                self._ratio[b] = _Ewma(r)
+        if t.drafted and t.draft_s >= 0:
+            if t.rows in self._draft:
+                self._draft[t.rows].add(t.draft_s, self.alpha)
+            else:
+                self._draft[t.rows] = _Ewma(t.draft_s)
+
+    # ---- predicting -------------------------------------------------------------------
+
+    def correction(self, b: float) -> float:
+        """Measured / profiled forward time at b tokens (1.0 until enough measurements)."""
+        known = sorted((k, e.value) for k, e in self._ratio.items() if e.count >= self.min_samples)
+        if not known:
+            return 1.0
+        xs = [k for k, _ in known]
+        i = bisect_left(xs, b)
+        if i == 0:
+            return known[0][1]
+        if i == len(xs):
+            return known[-1][1]
+        (x0, r0), (x1, r1) = known[i - 1], known[i]
+        return r0 + (r1 - r0) * (b - x0) / (x1 - x0)
+
+    def target_time(self, b: float) -> float:
+        """Seconds of one target forward of b tokens, as it runs now."""
+        return self.profile.step_time(b) * self.correction(b)
+
+    def sps(self, b: float) -> float:
+        """Corrected SPS(b): target forwards per second at b tokens per forward."""
+        return 1.0 / self.target_time(b)
+
+    def draft_time(self, rows: int) -> float:
+        """Seconds the drafter takes per round for this many rows (0 until measured;
+        the nearest measured row count stands in for an unmeasured one)."""
+        if not self._draft:
+            return 0.0
+        if rows in self._draft:
+            return self._draft[rows].value
+        nearest = min(self._draft, key=lambda r: (abs(r - rows), r))
+        return self._draft[nearest].value
+
+    def summary(self) -> dict:
+        return {"correction": {b: round(e.value, 4) for b, e in sorted(self._ratio.items())},
+                "draft_s": {r: round(e.value, 6) for r, e in sorted(self._draft.items())}}

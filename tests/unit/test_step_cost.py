@@ -1,0 +1,115 @@
+"""The prefix scheduler's online cost model (policy/cost.py) and what it changes in choose():
+measured drift per forward size, the drafter's time per round, the minimum predicted gain."""
+
+from __future__ import annotations
+
+import pytest
+
+from draftsmith import DraftsmithError, SamplingParams
+from draftsmith.engine.engine import StepInfo
+from draftsmith.engine.sequence import Sequence
+from draftsmith.policy.cost import StepCost
+from draftsmith.policy.prefix_scheduler import PrefixScheduler, plan_best_prefix
+from draftsmith.policy.profile import SPSTable
+
+# Profiled step times: 1.0 s for 1..2 tokens, +0.1 s per token above (a GPU-like curve).
+PROFILE = SPSTable.from_step_times((1, 2, 4, 8, 16), (1.0, 1.0, 1.2, 1.6, 2.4))
+
+
+def info(rows, width, forward_s, draft_s=0.0, drafted=False) -> StepInfo:
+    return StepInfo(rows=rows, block_len=width, useful_tokens=rows * width, drafted=drafted,
+                    draft_s=draft_s, forward_s=forward_s)
+
+
+def seqs(n: int) -> list[Sequence]:
+    return [Sequence(f"r{i}", [1, 2, 3], SamplingParams(), None) for i in range(n)]
+
+
+def test_no_measurements_means_the_profile():
+    cost = StepCost(PROFILE)
+    for b in (1, 3, 8, 20):
+        assert cost.target_time(b) == pytest.approx(PROFILE.step_time(b))
+        assert cost.sps(b) == pytest.approx(PROFILE(b))
+    assert cost.correction(5) == 1.0 and cost.draft_time(4) == 0.0
+
+
+def test_correction_needs_min_samples_then_tracks_per_size_and_interpolates():
+    cost = StepCost(PROFILE, alpha=1.0, min_samples=2)  # alpha 1: the last measurement
+    cost.observe(info(2, 1, forward_s=2.0))  # B=2 measured at 2x the profile
+    assert cost.correction(2) == 1.0  # one sample is not enough
+    cost.observe(info(2, 1, forward_s=2.0))
+    assert cost.correction(2) == pytest.approx(2.0)
+    assert cost.correction(16) == pytest.approx(2.0)  # outside measured sizes: the nearest
+    for _ in range(2):
+        cost.observe(info(2, 4, forward_s=1.6))  # B=8 measured exactly as profiled
+    assert cost.correction(8) == pytest.approx(1.0)
+    assert cost.correction(5) == pytest.approx(2.0 + (1.0 - 2.0) * 3 / 6)  # linear in B
+    assert cost.target_time(8) == pytest.approx(1.6)
+    assert cost.target_time(2) == pytest.approx(2.0)
+
+
+def test_moving_average_follows_drift():
+    cost = StepCost(PROFILE, alpha=0.5, min_samples=1)
+    cost.observe(info(1, 1, forward_s=1.0))
+    cost.observe(info(1, 1, forward_s=3.0))
+    assert cost.correction(1) == pytest.approx(2.0)  # 1 + 0.5 * (3 - 1)
+
+
+def test_drafting_time_is_learned_per_row_count_only_from_rounds_that_drafted():
+    cost = StepCost(PROFILE, alpha=1.0)
+    cost.observe(info(4, 1, forward_s=1.2, draft_s=0.7, drafted=False))  # did not draft
+    assert cost.draft_time(4) == 0.0
+    cost.observe(info(4, 6, forward_s=2.0, draft_s=0.5, drafted=True))
+    cost.observe(info(1, 6, forward_s=1.0, draft_s=0.2, drafted=True))
+    assert cost.draft_time(4) == pytest.approx(0.5) and cost.draft_time(1) == pytest.approx(0.2)
+    assert cost.draft_time(3) == pytest.approx(0.5)  # nearest measured row count
+    assert cost.draft_time(2) == pytest.approx(0.2)  # tie 1 vs 3 away: 1 is nearer
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(DraftsmithError, match="alpha"):
+        StepCost(PROFILE, alpha=0.0)
+    with pytest.raises(DraftsmithError, match="min_gain"):
+        PrefixScheduler(PROFILE, min_gain=1.5)
+
+
+def test_plan_gain_accounts_for_drafting_time():
+    conf = [[0.9, 0.9, 0.9]]  # one row, a = 0.9, 0.81, 0.729
+    step = PROFILE.step_time
+    ell, gain = plan_best_prefix(conf, step)
+    # Free drafting: 4 tokens verified in 1.2 s vs 1 token in 1.0 s -> (1 + 2.439) / 1.2.
+    assert ell == [3] and gain == pytest.approx((1 + 0.9 + 0.81 + 0.729) / 1.2)
+    ell, gain = plan_best_prefix(conf, step, draft_time=3.0)  # drafting dearer than it gains
+    assert ell == [0] and gain == pytest.approx(1.0)
+
+
+def test_choose_drafts_only_above_the_minimum_predicted_gain():
+    # 1 row, verifying 1 draft costs 1.0 s like plain: gain = 1 + a_1 with free drafting.
+    pol = PrefixScheduler(PROFILE, max_k=1, min_gain=0.0)
+    assert pol.choose(seqs(1)) == [1]  # prior acceptance 0.5: predicted 1.5x
+    # Measured drafting of 0.6 s per round: (1 + 0.5) / (1.0 + 0.6) < 1 -> do not draft.
+    for _ in range(4):
+        pol.observe(info(1, 2, forward_s=1.0, draft_s=0.6, drafted=True))
+    assert pol.choose(seqs(1)) == [0]
+    # The same measurement with adapt=False is ignored (profile only).
+    static = PrefixScheduler(PROFILE, max_k=1, min_gain=0.0, adapt=False)
+    for _ in range(4):
+        static.observe(info(1, 2, forward_s=1.0, draft_s=0.6, drafted=True))
+    assert static.choose(seqs(1)) == [1]
+    # A gain below min_gain is not worth it: 0.45 s drafting -> 1.5 / 1.45 = 1.034x.
+    near = PrefixScheduler(PROFILE, max_k=1, min_gain=0.05)
+    for _ in range(4):
+        near.observe(info(1, 2, forward_s=1.0, draft_s=0.45, drafted=True))
+    assert near.choose(seqs(1)) == [0]
+    assert PrefixScheduler(PROFILE, max_k=1, min_gain=0.0, cost=near.cost).choose(seqs(1)) == [1]
+
+
+def test_measured_drift_changes_the_schedule():
+    """The profile says a 2-row x 4-wide forward is cheap; measured, it is 3x dearer."""
+    pol = PrefixScheduler(PROFILE, max_k=3, min_gain=0.0)
+    assert pol.choose(seqs(2)) != [0, 0]
+    for _ in range(pol.cost.min_samples):
+        pol.observe(info(2, 1, forward_s=1.0))
+        for w in (2, 3, 4):
+            pol.observe(info(2, w, forward_s=3.0 * PROFILE.step_time(2 * w)))
+    assert pol.choose(seqs(2)) == [0, 0]
