@@ -11,11 +11,12 @@ target (one Engine and drafter instance each, same KV budget):
     plain             no drafter (FixedK(0)): the baseline
     fixed-k           the drafter (default n-gram), every row verifies up to K drafts
     prefix-static     verify lengths from DSpark Algorithm 1 on the SPS(B) profiled at
-                      start-up only (adapt=False); a drafter without confidences (n-gram)
-                      gets each request's running per-position acceptance instead
-    prefix-scheduler  the same with the online cost model (policy/cost.py): SPS(B) corrected
-                      from measured rounds, the drafter's time per round learned, and no
-                      drafting unless the predicted gain is >= 3%
+                      start-up only (static_prefix_scheduler); a drafter without confidences
+                      (n-gram) gets each request's running per-position acceptance instead
+    prefix-scheduler  the default PrefixScheduler: plus the online cost model (SPS(B) corrected
+                      from measured rounds, the drafter's time per round), a 3% minimum
+                      predicted gain, the server's pooled acceptance as a new request's prior,
+                      cheap drafts scored even when not verified, and periodic probing
 
 Closed loop per tier C: C requests always in flight; a finished one is replaced at once by
 the next prompt (the same prompt sequence for every configuration). The configurations
@@ -245,12 +246,12 @@ def build_engines(llm, k: int, max_batch: int, max_len: int, sps, drafter: str =
     from draftsmith.engine.engine import Engine, EngineConfig
     from draftsmith.models.target import eos_token_ids
     from draftsmith.policy.fixed import FixedK
-    from draftsmith.policy.prefix_scheduler import PrefixScheduler
+    from draftsmith.policy.prefix_scheduler import PrefixScheduler, static_prefix_scheduler
 
     cfg = EngineConfig(max_batch=max_batch, max_len=max_len)
     eos = eos_token_ids(llm.target)
     model, tok = llm.target.model, llm.tokenizer
-    policies = {"fixed-k": FixedK(k), "prefix-static": PrefixScheduler(sps, max_k=k, adapt=False),
+    policies = {"fixed-k": FixedK(k), "prefix-static": static_prefix_scheduler(sps, max_k=k),
                 "prefix-scheduler": PrefixScheduler(sps, max_k=k)}
     engines = {"plain": llm.engine}
     for name, pol in policies.items():  # one drafter instance per engine: drafters keep per-row state
@@ -419,9 +420,11 @@ def write_markdown(results: dict, json_path: Path) -> None:
     ]
     if results["skipped_tiers"]:
         lines.append(f"Skipped tiers (time budget): {results['skipped_tiers']}.")
-    lines += ["", "Configurations: prefix-static = Algorithm 1 on the start-up SPS(B) profile only; prefix-scheduler "
-              "= the same plus the online cost model (SPS(B) corrected from measured rounds, the drafter's time per "
-              "round, no drafting below a 3% predicted gain).", "", verdict(results), end]
+    lines += ["", "Configurations: prefix-static = Algorithm 1 on the start-up SPS(B) profile only (the paper's "
+              "scheduler); prefix-scheduler = Draftsmith's default: the same plus the online cost model (SPS(B) "
+              "corrected from measured rounds, the drafter's time per round), no drafting below a 3% predicted gain, "
+              "the server's pooled acceptance as a new request's prior, cheap drafts scored even when not verified, "
+              "and a probe round every 16 idle rounds.", "", verdict(results), end]
     md = ROOT / "BENCHMARKS.md"
     text = md.read_text() if md.is_file() else "# Benchmarks\n"
     block = "\n".join(lines)

@@ -20,7 +20,9 @@ from draftsmith.policy.acceptance import (
     AcceptancePrior, _Counts, record_round, remember_drafts, running_confidences,
 )
 from draftsmith.policy.batch_schedule import BatchSizeSchedule, default_schedule
-from draftsmith.policy.prefix_scheduler import PrefixScheduler, admit, admit_best_prefix, can_gain
+from draftsmith.policy.prefix_scheduler import (
+    PrefixScheduler, admit, admit_best_prefix, can_gain, static_prefix_scheduler,
+)
 from draftsmith.policy.profile import ProfileConfig, SPSTable, load_or_profile
 from draftsmith.policy.threshold import ConfidenceThreshold
 
@@ -112,7 +114,7 @@ def test_can_gain_and_choose_skip_drafting_when_nothing_can_pay():
 
 def test_prefix_scheduler_trim_uses_drafter_confidences_then_running_acceptance():
     sps = sps_from_times((2, 3, 4, 5), (1.0, 1.1, 1.2, 1.5))
-    pol = PrefixScheduler(sps, max_k=2, batch_tokens="packed")
+    pol = static_prefix_scheduler(sps, max_k=2, batch_tokens="packed")  # fixed prior, no margin
     ss = seqs(2)
     # The drafter's confidences decide (same table as the packed hand-worked case);
     # lengths cap the candidates: row 1 proposed 1 draft.

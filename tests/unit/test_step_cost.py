@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import pytest
 
+import torch
+
 from draftsmith import DraftsmithError, SamplingParams
+from draftsmith.core.types import Proposal
 from draftsmith.engine.engine import StepInfo
 from draftsmith.engine.sequence import Sequence
+from draftsmith.policy.acceptance import AcceptancePool, AcceptancePrior, running_confidences
 from draftsmith.policy.cost import StepCost
 from draftsmith.policy.prefix_scheduler import PrefixScheduler, plan_best_prefix
 from draftsmith.policy.profile import SPSTable
@@ -106,10 +110,52 @@ def test_choose_drafts_only_above_the_minimum_predicted_gain():
 
 def test_measured_drift_changes_the_schedule():
     """The profile says a 2-row x 4-wide forward is cheap; measured, it is 3x dearer."""
-    pol = PrefixScheduler(PROFILE, max_k=3, min_gain=0.0)
+    pol = PrefixScheduler(PROFILE, max_k=3, min_gain=0.0, running_at="choose")
     assert pol.choose(seqs(2)) != [0, 0]
     for _ in range(pol.cost.min_samples):
         pol.observe(info(2, 1, forward_s=1.0))
         for w in (2, 3, 4):
             pol.observe(info(2, w, forward_s=3.0 * PROFILE.step_time(2 * w)))
     assert pol.choose(seqs(2)) == [0, 0]
+
+
+def proposal(lengths, K) -> Proposal:
+    return Proposal(tokens=torch.zeros(len(lengths), K, dtype=torch.long), lengths=torch.tensor(lengths))
+
+
+def test_cheap_drafts_are_drafted_for_evidence_but_trim_keeps_only_what_pays():
+    # Verifying costs 3x plain (a CPU-like curve): with the 0.5 prior nothing pays.
+    dear = SPSTable.from_step_times((1, 2, 4), (1.0, 3.0, 3.2))
+    pol = PrefixScheduler(dear, max_k=3)
+    ss = seqs(1)
+    for _ in range(4):  # drafting measured at 1% of a plain step: cheap
+        pol.observe(info(1, 1, forward_s=1.0, draft_s=0.01, drafted=True))
+    assert pol.choose(ss) == [3]  # drafted anyway: the drafts get scored
+    assert pol.trim(ss, proposal([3], 3)) == [0]  # ... but none is worth verifying
+    # The same drafter in "choose" mode is not run at all.
+    assert PrefixScheduler(dear, max_k=3, running_at="choose", cost=pol.cost).choose(ss) == [0]
+
+
+def test_dear_drafters_probe_once_per_probe_every_idle_rounds():
+    dear = SPSTable.from_step_times((1, 2, 4), (1.0, 3.0, 3.2))
+    pol = PrefixScheduler(dear, max_k=3, probe_every=4)
+    for _ in range(4):
+        pol.observe(info(1, 4, forward_s=3.2, draft_s=0.5, drafted=True))  # drafting = half a step
+    picks = [pol.choose(seqs(1)) for _ in range(8)]
+    assert picks == [[0], [0], [0], [3], [0], [0], [0], [3]]
+    never = PrefixScheduler(dear, max_k=3, probe_every=0, cost=pol.cost)
+    assert all(never.choose(seqs(1)) == [0] for _ in range(8))
+
+
+def test_pooled_prior_moves_a_new_request_towards_the_servers_acceptance():
+    pool = AcceptancePool(min_weight=2.0)
+    prior = AcceptancePrior()
+    fresh = seqs(1)[0]
+    assert running_confidences(fresh, 2, prior, pool) == pytest.approx([prior.mean] * 2)
+    for _ in range(10):
+        pool.add(reached=2, accepted=2)  # this drafter is nearly always right here
+    c = running_confidences(fresh, 3, prior, pool)
+    assert c[0] == pytest.approx(0.99) and c[1] == pytest.approx(0.99)  # clamped pooled mean
+    assert c[2] == pytest.approx(prior.mean)  # position 3 never reached: the fixed prior
+    pool.add(reached=1, accepted=0)
+    assert pool.mean(0, 0.5) == pytest.approx(pool.accepted[0] / pool.reached[0]) and pool.mean(0, 0.5) < 0.99

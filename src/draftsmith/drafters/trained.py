@@ -36,6 +36,7 @@ from torch import nn
 from draftsmith.drafters import dflash, dspark, eagle3
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.decoder import Decoder
+from draftsmith.train.checkpoint import restore_state
 
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
@@ -233,17 +234,7 @@ def load_trained_model(ckpt_dir: str | Path, target) -> nn.Module:
         state = load_file(str(f))
     except (SafetensorError, OSError, ValueError) as e:
         raise DraftsmithError(f"cannot read {f}: {' '.join(str(e).split())}; the file is corrupt") from None
-    own = model.state_dict()
-    missing = sorted(set(own) - set(state))
-    unexpected = sorted(set(state) - set(own))
-    shapes = [k for k in own if k in state and tuple(own[k].shape) != tuple(state[k].shape)]
-    if missing or unexpected or shapes:
-        first = (missing or unexpected or shapes)[0]
-        raise DraftsmithError(
-            f"{f} does not match its {kind.name} config ({len(missing)} missing, {len(unexpected)} unexpected, "
-            f"{len(shapes)} mis-shaped tensors; first: {first}); the checkpoint is inconsistent"
-        )
-    model.load_state_dict(state)
+    restore_state(model, state, d)
     return model.to(device=target.model.device, dtype=target.model.dtype).eval()
 
 

@@ -19,6 +19,10 @@ Evidence, kept in seq.drafter_state under one key:
 - Sampled drafts (q given): only verified rounds count (acceptance min(1, p/q) is not a match
   probability).
 
+A fresh request starts from the prior. With an `AcceptancePool` the prior mean at position k
+is the server's own recent conditional acceptance at k, pooled over all requests (what this
+drafter achieves on this traffic), instead of the fixed `AcceptancePrior.mean` guess.
+
 Everything is scored from committed output of finished rounds, so confidences derived from
 it are non-anticipating: any verify-length rule built on them is lossless. (seq.stats keeps
 prefix survival only, which mixes in rounds that proposed fewer drafts, hence these counts.)
@@ -26,7 +30,7 @@ prefix survival only, which mixes in rounds that proposed fewer drafts, hence th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from draftsmith.core.types import Proposal, VerifyResult
 from draftsmith.engine.sequence import Sequence
@@ -71,6 +75,35 @@ class _Counts:
                 self.accepted[k] += 1.0
 
 
+@dataclass
+class AcceptancePool:
+    """Conditional acceptance per position pooled over every request's scored chains,
+    recency-weighted (older chains fade by `decay` per new chain)."""
+
+    decay: float = 0.995
+    min_weight: float = 8.0  # chains reaching position k before the pooled mean replaces the prior
+    reached: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
+
+    def add(self, reached: int, accepted: int) -> None:
+        self.reached = [x * self.decay for x in self.reached]
+        self.accepted = [x * self.decay for x in self.accepted]
+        if len(self.reached) < reached:
+            self.accepted += [0.0] * (reached - len(self.reached))
+            self.reached += [0.0] * (reached - len(self.reached))
+        for k in range(reached):
+            self.reached[k] += 1.0
+            if k < accepted:
+                self.accepted[k] += 1.0
+
+    def mean(self, k: int, fallback: float) -> float:
+        """Pooled conditional acceptance at 0-based position k (fallback until enough chains),
+        kept inside (0.01, 0.99) so that it stays a usable prior mean."""
+        if k >= len(self.reached) or self.reached[k] < self.min_weight:
+            return fallback
+        return min(max(self.accepted[k] / self.reached[k], 0.01), 0.99)
+
+
 def _counts(seq: Sequence) -> _Counts:
     c = seq.drafter_state.get(_KEY)
     if c is None:
@@ -100,8 +133,9 @@ def remember_drafts(seqs: list[Sequence], proposal: Proposal) -> None:
 
 
 def record_round(seqs: list[Sequence], proposal: Proposal, result: VerifyResult,
-                 prior: AcceptancePrior = AcceptancePrior()) -> None:
-    """Call in update(): fade older evidence one round, then score what this round resolved."""
+                 prior: AcceptancePrior = AcceptancePrior(), pool: AcceptancePool | None = None) -> None:
+    """Call in update(): fade older evidence one round, then score what this round resolved
+    (into each request's counts and, when given, the pool)."""
     for s in seqs:
         c = s.drafter_state.get(_KEY)
         if c is not None:
@@ -118,6 +152,8 @@ def record_round(seqs: list[Sequence], proposal: Proposal, result: VerifyResult,
                     m += 1
                 if m == len(drafts) or start + m < len(out):  # all matched, or a mismatch seen
                     c.add(reached=min(m + 1, len(drafts)), accepted=m)
+                    if pool is not None:
+                        pool.add(reached=min(m + 1, len(drafts)), accepted=m)
                 else:
                     keep.append((start, drafts))  # the output has not got that far yet
             c.pending = keep
@@ -127,15 +163,22 @@ def record_round(seqs: list[Sequence], proposal: Proposal, result: VerifyResult,
     for s, n, m in zip(seqs, proposal.lengths.tolist(), result.num_accepted.tolist()):
         if n:  # draft k (1-based) was reached iff drafts 1..k-1 were accepted
             _counts(s).add(reached=min(n, m + 1), accepted=m)
+            if pool is not None:
+                pool.add(reached=min(n, m + 1), accepted=m)
 
 
-def running_confidences(seq: Sequence, k: int, prior: AcceptancePrior) -> list[float]:
-    """c_1..c_k for this request: posterior-mean conditional acceptance per position."""
+def running_confidences(seq: Sequence, k: int, prior: AcceptancePrior,
+                        pool: AcceptancePool | None = None) -> list[float]:
+    """c_1..c_k for this request: posterior-mean conditional acceptance per position (prior
+    mean from the pool where it has enough chains, else prior.mean)."""
     c = seq.drafter_state.get(_KEY)
     reached, acc = (c.reached, c.accepted) if c is not None else ([], [])
-    a0, n0 = prior.mean * prior.strength, prior.strength
-    return [((acc[j] if j < len(acc) else 0.0) + a0) / ((reached[j] if j < len(reached) else 0.0) + n0)
-            for j in range(k)]
+    n0 = prior.strength
+    out = []
+    for j in range(k):
+        a0 = (pool.mean(j, prior.mean) if pool is not None else prior.mean) * n0
+        out.append(((acc[j] if j < len(acc) else 0.0) + a0) / ((reached[j] if j < len(reached) else 0.0) + n0))
+    return out
 
 
 def cumulative(conf: list[float]) -> list[float]:

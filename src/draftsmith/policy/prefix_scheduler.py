@@ -25,16 +25,16 @@ width costs nothing, widening the block costs a whole column. Any cost that depe
 the already-admitted set keeps the argument above intact.
 
 Drafters without confidences (n-gram): c_{r,j} is the request's running conditional
-acceptance (policy/acceptance.py), computed from finished rounds only. It is known before
-drafting, so by default (`running_at="choose"`) the schedule runs in choose() and caps the
-drafts: the engine forwards every drafted token, so nothing is drafted that would not be
-verified, and trim() keeps what was drafted. (`running_at="trim"` drafts max_k and schedules
-after drafting; then unverified deterministic drafts are scored against the committed output
-as well, which is worth it once the engine drops trimmed drafts from the forward.)
-Such confidences do not depend on this round's drafts at all, so the break is not needed
-for losslessness there, and by default the scheduler takes the best prefix of the same
-sorted order (`running_search="best-prefix"`): on a CPU the first extra verify token is the
-expensive one and later ones are nearly free, which the early stop cannot see past.
+acceptance (policy/acceptance.py), computed from finished rounds only, with a prior that is
+this server's pooled acceptance per position. By default (`running_at="trim"`) such a drafter
+drafts max_k and the schedule runs after drafting: the engine forwards only the kept drafts,
+and every draft is scored against the committed output whether verified or not, so the
+estimates keep learning while nothing is verified. (`running_at="choose"` schedules before
+drafting instead: nothing is drafted that would not be verified.) Such confidences do not
+depend on this round's drafts at all, so the break is not needed for losslessness there,
+and the scheduler takes the best prefix of the same sorted order (`running_search=
+"best-prefix"`): on a CPU the first extra verify token is the expensive one and later ones
+are nearly free, which the early stop cannot see past.
 
 Drafters with confidences (DSpark) draft max_k tokens per row and Algorithm 1 with the
 early stop trims them (drafting is paid by then: only the forward's cost is weighed).
@@ -43,8 +43,11 @@ Whether to draft at all is decided in choose(), from what is known before the ro
 request's running acceptance and the cost model of policy/cost.py, which corrects the
 profiled SPS(B) online from measured rounds and learns the drafter's time per round (a
 trained drafter costs a real share of a CPU round). A round drafts only if the best plan
-beats plain decoding by `min_gain`; otherwise every row decodes plainly and no draft work
-is done. This uses past rounds and timings only, so it is lossless whatever it decides.
+beats plain decoding by `min_gain`; otherwise every row decodes plainly, except that a
+drafter cheaper than `cheap_draft` of a plain step still drafts (evidence for free) and a
+dear one drafts once per `probe_every` rounds, so estimates made under other conditions are
+revisited. All of this uses past rounds and timings only: lossless whatever it decides.
+`static_prefix_scheduler()` is Algorithm 1 on the start-up profile alone, for comparison.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ from draftsmith.core.types import Proposal
 from draftsmith.engine.sequence import Sequence
 from draftsmith.errors import DraftsmithError
 from draftsmith.policy.acceptance import (
-    AcceptancePrior, cumulative, drafter_has_confidences, record_round, remember_drafts,
+    AcceptancePool, AcceptancePrior, cumulative, drafter_has_confidences, record_round, remember_drafts,
     running_confidences,
 )
 from draftsmith.policy.base import keep_all
@@ -143,24 +146,33 @@ def can_gain(R: int, max_k: int, sps: Callable[[float], float], batch_tokens: Ba
     return False
 
 
-@dataclass(frozen=True)
+@dataclass
 class PrefixScheduler:
     sps: SPSTable  # profiled target steps/s per tokens-per-step (policy/profile.py)
     max_k: int = 5  # drafts requested per row; the scheduler verifies a prefix of them
     batch_tokens: BatchTokens = "padded"  # how a forward's size is counted (see module doc)
     running_search: Literal["best-prefix", "early-stop"] = "best-prefix"  # confidence-free drafters
-    # Confidence-free drafters: schedule before drafting ("choose": only verified drafts are
-    # drafted) or draft max_k and schedule after ("trim": every draft is scored, which pays
-    # only with an engine that drops trimmed drafts from the forward).
-    running_at: Literal["choose", "trim"] = "choose"
+    # Confidence-free drafters: draft max_k and schedule after drafting ("trim": every draft is
+    # scored against the output, verified or not, so the estimates never starve; the engine
+    # forwards only the kept drafts) or schedule before drafting ("choose": only verified
+    # drafts are drafted; for drafters too dear to run without verifying).
+    running_at: Literal["choose", "trim"] = "trim"
     prior: AcceptancePrior = field(default_factory=AcceptancePrior)  # running acceptance prior
     # Draft at all only when the predicted gain (running acceptance, measured drafting time)
     # beats plain decoding by this fraction: a margin for the model's error, so that a busy
     # server does not pay for speculation that the cost model only barely favours.
     min_gain: float = 0.03
     adapt: bool = True  # correct SPS(B) online from measured rounds and learn the drafting time
+    pooled_prior: bool = True  # a new request's prior = this server's pooled acceptance (else prior.mean)
+    # When the estimates say "do not draft": draft anyway if drafting costs at most this share
+    # of a plain step (evidence for free), else once per `probe_every` rounds (0 = never), so
+    # that estimates made under other conditions (or by the prior) get revisited.
+    cheap_draft: float = 0.05
+    probe_every: int = 16
     cost: StepCost | None = None  # the online cost model (made from `sps` when None)
+    pool: AcceptancePool | None = None  # pooled acceptance (made when pooled_prior and None)
     name: str = "prefix-scheduler"
+    _idle: int = field(default=0, init=False, repr=False)  # rounds since the last drafting round
 
     def __post_init__(self) -> None:
         if self.max_k < 0:
@@ -173,11 +185,18 @@ class PrefixScheduler:
             raise DraftsmithError(f"running_search must be 'best-prefix' or 'early-stop', got {self.running_search!r}")
         if not 0.0 <= self.min_gain < 1.0:
             raise DraftsmithError(f"min_gain must be in [0, 1), got {self.min_gain}")
+        if self.probe_every < 0 or self.cheap_draft < 0:
+            raise DraftsmithError(f"probe_every and cheap_draft must be >= 0, got {self.probe_every}, {self.cheap_draft}")
         if self.cost is None:
-            object.__setattr__(self, "cost", StepCost(self.sps))
+            self.cost = StepCost(self.sps)
+        if self.pool is None and self.pooled_prior:
+            self.pool = AcceptancePool()
 
     def _sps(self) -> Callable[[float], float]:
         return self.cost.sps if self.adapt else self.sps
+
+    def _conf(self, seq: Sequence, k: int) -> list[float]:
+        return running_confidences(seq, k, self.prior, self.pool if self.pooled_prior else None)
 
     def choose(self, seqs: list[Sequence]) -> list[int]:
         R = len(seqs)
@@ -186,42 +205,59 @@ class PrefixScheduler:
         if not can_gain(R, self.max_k, sps, self.batch_tokens):
             return [0] * R
         # Predicted gain from what is known before drafting: each request's running
-        # acceptance and (adapt) the drafter's measured time per round. Below the margin,
-        # draft nothing. Past rounds only: lossless whatever the outcome.
-        conf = [running_confidences(s, self.max_k, self.prior) for s in seqs]
+        # acceptance and (adapt) the drafter's measured time per round. Past rounds only:
+        # lossless whatever is decided.
+        conf = [self._conf(s, self.max_k) for s in seqs]
         draft_time = self.cost.draft_time(R) if self.adapt else 0.0
         ell, gain = plan_best_prefix(conf, lambda b: 1.0 / sps(b), self.batch_tokens, draft_time)
-        if gain < 1.0 + self.min_gain:
-            return [0] * R
-        if self.running_at == "trim" or all(drafter_has_confidences(s) for s in seqs):
-            return [self.max_k] * R  # draft fully; trim() schedules
-        # Running confidences are known before drafting: schedule now, so that drafts that
-        # would not be verified are neither drafted nor carried through the forward.
-        if self.running_search == "early-stop":
-            ell = admit(conf, sps, self.batch_tokens)
-        return [self.max_k if drafter_has_confidences(s) else c for s, c in zip(seqs, ell)]
+        full = [self.max_k] * R
+        if any(ell) and gain >= 1.0 + self.min_gain:
+            self._idle = 0
+            if self.running_at == "trim" or all(drafter_has_confidences(s) for s in seqs):
+                return full  # draft fully; trim() schedules
+            # Schedule now, so that drafts that would not be verified are neither drafted
+            # nor carried through the forward.
+            if self.running_search == "early-stop":
+                ell = admit(conf, sps, self.batch_tokens)
+            return [self.max_k if drafter_has_confidences(s) else c for s, c in zip(seqs, ell)]
+        plain_step = 1.0 / sps(_tokens(R, 1, 0, self.batch_tokens))
+        self._idle += 1
+        if (self.running_at == "trim" and draft_time <= self.cheap_draft * plain_step) or \
+                (self.probe_every and self._idle >= self.probe_every):
+            self._idle = 0
+            return full  # evidence: trim() verifies only what pays
+        return [0] * R
 
     def trim(self, seqs: list[Sequence], proposal: Proposal) -> list[int]:
         if not proposal.max_len:
             return [0] * len(seqs)
         remember_drafts(seqs, proposal)
         lengths = proposal.lengths.tolist()
+        sps = self._sps()
         if proposal.confidences is None:
             if self.running_at == "choose":
                 return keep_all(proposal)  # already scheduled in choose()
-            return self._running([running_confidences(s, n, self.prior) for s, n in zip(seqs, lengths)])
+            conf = [self._conf(s, n) for s, n in zip(seqs, lengths)]
+            if self.running_search == "early-stop":
+                return admit(conf, sps, self.batch_tokens)
+            ell, gain = plan_best_prefix(conf, lambda b: 1.0 / sps(b), self.batch_tokens)
+            return ell if any(ell) and gain >= 1.0 + self.min_gain else [0] * len(seqs)
         raw = proposal.confidences.detach().float().cpu().tolist()
         # Drafting is paid by now: Algorithm 1 weighs only the forward's cost.
-        return admit([raw[b][:n] for b, n in enumerate(lengths)], self._sps(), self.batch_tokens)
-
-    def _running(self, conf: list[list[float]]) -> list[int]:
-        search = admit_best_prefix if self.running_search == "best-prefix" else admit
-        return search(conf, self._sps(), self.batch_tokens)
+        return admit([raw[b][:n] for b, n in enumerate(lengths)], sps, self.batch_tokens)
 
     def update(self, seqs, proposal, result) -> None:
-        record_round(seqs, proposal, result, self.prior)
+        record_round(seqs, proposal, result, self.prior, self.pool)
 
     def observe(self, info) -> None:
         """Engine hook: one round's forward shape and timings (engine.StepInfo)."""
         if self.adapt:
             self.cost.observe(info)
+
+
+def static_prefix_scheduler(sps: SPSTable, max_k: int = 5, **kw) -> PrefixScheduler:
+    """Algorithm 1 on the start-up SPS(B) profile alone, as in the paper: no online cost
+    model, no gain margin, no pooled prior, no probing; confidence-free drafters scheduled
+    before drafting. The baseline the adaptive scheduler is measured against."""
+    return PrefixScheduler(sps, max_k=max_k, running_at="choose", min_gain=0.0, adapt=False, pooled_prior=False,
+                           probe_every=0, **kw)

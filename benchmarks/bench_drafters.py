@@ -1,0 +1,275 @@
+"""Issue 4's comparison: EAGLE-3 vs DFlash vs DSpark on smollm2-135m, same data and budget.
+
+    .venv/bin/python benchmarks/bench_drafters.py [--work runs/drafters] [--samples 320]
+        [--budget 20] [--parallel] [--eval-prompts 12] [--eval-tokens 96] [--bench-requests 6]
+
+Every stage is a plain `draftsmith` CLI call and is skipped when its output exists, so a
+re-run resumes (delete a stage's output to redo it):
+
+1. regen      train split, code:0.4,chat:0.6 mix, --samples conversations, 128 tokens per turn
+2. cache      target layers 1,14,27 + final hidden (fp16): one cache serves all three recipes
+3. train      recipes/smollm2-135m-{eagle3,dflash,dspark}.yaml, --budget minutes of wall clock
+              each (the trainer sizes the step count from a timing probe and stops at the
+              deadline). --parallel trains the three at once with one torch thread each, so
+              all three see identical conditions; otherwise one after the other.
+4. calibrate  STS for drafters with a confidence head (DSpark) on held-out ShareGPT prompts:
+              disjoint from the eval tasks, so calibration is not fitted on what it is judged on
+5. eval       held-out HumanEval + MT-Bench at T=0 and T=1, γ = 7 for every drafter, n-gram
+              prompt lookup as a training-free reference
+6. bench      batch 1 wall clock, plain vs each drafter stepped side by side (draftsmith bench,
+              concurrency 1, fixed K = γ and the prefix scheduler), code and chat prompts
+
+Writes <work>/results.json and a section between markers in BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BEGIN, END = "<!-- bench_drafters:begin -->", "<!-- bench_drafters:end -->"
+KINDS = ("eagle3", "dflash", "dspark")
+GAMMA = 7
+WORKLOADS = ("humaneval", "mtbench")
+POLICIES = ("fixed", "prefix-scheduler")
+
+
+def cli(*argv: str, threads: int | None = None, log: Path | None = None, wait: bool = True):
+    env = dict(os.environ)
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    cmd = [sys.executable, "-m", "draftsmith", *argv]
+    print("$ draftsmith " + " ".join(argv), flush=True)
+    out = open(log, "a") if log else None
+    p = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT if out else None)
+    if not wait:
+        return p
+    if p.wait() != 0:
+        raise SystemExit(f"stage failed: draftsmith {' '.join(argv)}" + (f" (log: {log})" if log else ""))
+    return p
+
+
+def train_info(run: Path) -> dict:
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    last = rows[-1] if rows else {}
+    info = json.loads((run / "train_info.json").read_text()) if (run / "train_info.json").is_file() else {}
+    return {"steps": last.get("step"), "last": last, "info": info}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", type=Path, default=ROOT / "runs" / "drafters")
+    ap.add_argument("--samples", type=int, default=320)
+    ap.add_argument("--budget", type=float, default=20.0, help="training minutes per drafter")
+    ap.add_argument("--parallel", action="store_true", help="train the three at once, one thread each")
+    ap.add_argument("--eval-prompts", type=int, default=12, help="held-out prompts per task")
+    ap.add_argument("--eval-tokens", type=int, default=96, help="new tokens per turn in eval")
+    ap.add_argument("--bench-requests", type=int, default=6)
+    ap.add_argument("--bench-tokens", type=int, default=64)
+    ap.add_argument("--no-md", action="store_true")
+    args = ap.parse_args()
+    w = args.work.resolve()
+    w.mkdir(parents=True, exist_ok=True)
+    t_all = time.perf_counter()
+    stage_s: dict[str, float] = {}
+
+    def stage(name: str, done: Path, fn) -> None:
+        if done.exists():
+            print(f"== {name}: reused ({done})", flush=True)
+            return
+        t0 = time.perf_counter()
+        fn()
+        stage_s[name] = round(time.perf_counter() - t0, 1)
+
+    regen = w / "regen.jsonl"
+    stage("regen", w / ".regen.done", lambda: (cli(
+        "regen", "--mix", "code:0.4,chat:0.6", "--split", "train", "--max-samples", str(args.samples),
+        "--max-new-tokens", "128", "--max-len", "1024", "--batch-size", "16", "--out", str(regen),
+        *(["--resume"] if regen.exists() else [])), (w / ".regen.done").touch()))
+    cache = w / "cache"
+    stage("cache", w / ".cache.done", lambda: (cli(
+        "cache", "--data", str(regen), "--layers", "1,14,27", "--dtype", "fp16", "--out", str(cache),
+        *(["--resume"] if cache.exists() else [])), (w / ".cache.done").touch()))
+
+    def train_all() -> None:
+        todo = [k for k in KINDS if not (w / f".train-{k}.done").exists()]
+        argv = {k: ("train", "--config", f"recipes/smollm2-135m-{k}.yaml", "--budget", f"{args.budget:g}",
+                    f"out={w / k}", f"data.cache={cache}") for k in todo}
+        if args.parallel:
+            procs = {k: cli(*argv[k], threads=1, log=w / f"train-{k}.log", wait=False) for k in todo}
+            for k, p in procs.items():
+                if p.wait() != 0:
+                    raise SystemExit(f"training {k} failed: see {w / f'train-{k}.log'}")
+                (w / f".train-{k}.done").touch()
+        else:
+            for k in todo:
+                cli(*argv[k], log=w / f"train-{k}.log")
+                (w / f".train-{k}.done").touch()
+        (w / ".train.done").touch()
+
+    stage("train", w / ".train.done", train_all)
+    stage("calibrate", w / ".calibrate.done", lambda: (cli(
+        "calibrate", "--drafter", f"dspark:{w / 'dspark'}", "--tasks", "sharegpt", "--max-prompts", "16",
+        "--max-new-tokens", "64", "--temperature", "1", "--block-size", str(GAMMA)), (w / ".calibrate.done").touch()))
+    specs = [f"{k}:{w / k}" for k in KINDS]
+    for temp in ("0", "1"):
+        out = w / f"eval-T{temp}"
+        stage(f"eval-T{temp}", out / "report.json", lambda out=out, temp=temp: cli(
+            "eval", *[x for s in specs + ["ngram"] for x in ("--drafter", s)], "--tasks", ",".join(WORKLOADS),
+            "--max-prompts", str(args.eval_prompts), "--max-new-tokens", str(args.eval_tokens),
+            "--temperature", temp, "--block-size", str(GAMMA), "--out", str(out)))
+    for policy in POLICIES:
+        for wl in WORKLOADS:
+            out = w / f"bench-{policy}-{wl}"
+            stage(f"bench-{policy}-{wl}", out / "report.json", lambda out=out, wl=wl, policy=policy: cli(
+                "bench", *[x for s in specs for x in ("--drafter", s)], "--workload", wl, "--concurrency", "1",
+                "--requests", str(args.bench_requests), "--max-tokens", str(args.bench_tokens), "--warmup", "1",
+                "--num-speculative-tokens", str(GAMMA), "--policy", policy, "--out", str(out)))
+
+    results = collect(w)
+    results["setup"] = {"samples": args.samples, "budget_minutes": args.budget, "parallel": args.parallel,
+                        "eval_prompts": args.eval_prompts, "eval_tokens": args.eval_tokens, "gamma": GAMMA,
+                        "bench_requests": args.bench_requests, "bench_tokens": args.bench_tokens,
+                        "machine": f"{platform.machine()} {os.cpu_count()} CPUs", "stage_s": stage_s,
+                        "wall_s": round(time.perf_counter() - t_all, 1), "loadavg_end": os.getloadavg()}
+    (w / "results.json").write_text(json.dumps(results, indent=1))
+    dest = ROOT / "benchmarks" / "results" / "bench_drafters.json"
+    dest.write_text(json.dumps(results, indent=1))
+    print(f"wrote {dest}")
+    if not args.no_md:
+        write_markdown(results)
+    return 0
+
+
+def collect(w: Path) -> dict:
+    regen = [json.loads(x) for x in (w / "regen.jsonl").read_text().splitlines() if x.strip()]
+    res: dict = {"data": {"conversations": len(regen), "tokens": sum(int(r.get("num_tokens", 0)) for r in regen),
+                          "trained_tokens": sum(sum(r.get("loss_mask") or []) for r in regen)},
+                 "train": {k: train_info(w / k) for k in KINDS if (w / k / "metrics.jsonl").is_file()},
+                 "eval": {}, "bench": {}}
+    for temp in ("0", "1"):
+        p = w / f"eval-T{temp}" / "report.json"
+        if p.is_file():
+            rep = json.loads(p.read_text())
+            res["eval"][temp] = {"prompts": rep["prompts"], "drafters": {
+                d["kind"] if d["kind"] in KINDS else d["label"]: {
+                    "overall": _acc(d["overall"]), "tasks": {t: _acc(v) for t, v in d["tasks"].items()},
+                    "calibration": _cal(d.get("calibration"))} for d in rep["drafters"]}}
+    for policy in POLICIES:
+        for wl in WORKLOADS:
+            p = w / f"bench-{policy}-{wl}" / "report.json"
+            if p.is_file():
+                rep = json.loads(p.read_text())
+                tier = rep["tiers"][0]
+                res["bench"][f"{policy}:{wl}"] = {r["label"]: {
+                    "speedup": r["speedup"], "tokens_per_s": r["system_tokens_per_s"], "tau": r["tau"],
+                    "acceptance": r["acceptance_rate"], "spread": r.get("speedup_spread")} for r in tier["results"]}
+    return res
+
+
+def _acc(s: dict) -> dict:
+    return {k: s[k] for k in ("tau", "acceptance_rate", "rounds", "committed", "conditional_acceptance",
+                              "prefix_survival")}
+
+
+def _cal(c: dict | None) -> dict | None:
+    if not c:
+        return None
+    return {"source": c["source"], "temperatures": c["temperatures"],
+            **{f"{when}_{k}": c[when][k] for when in ("before", "after")
+               for k in ("mean_ece_cumulative", "mean_ece_conditional")},
+            "before_pooled": c["before"]["pooled_conditional"], "after_pooled": c["after"]["pooled_conditional"]}
+
+
+def _f(x, nd=2) -> str:
+    return "–" if x is None else f"{x:.{nd}f}"
+
+
+def write_markdown(r: dict) -> None:
+    s, d = r["setup"], r["data"]
+    names = {"eagle3": "EAGLE-3", "dflash": "DFlash", "dspark": "DSpark", "ngram": "n-gram (reference)"}
+    lines = [BEGIN, "## Drafters: EAGLE-3 vs DFlash vs DSpark, same data and budget (issue 4)", "",
+             f"`benchmarks/bench_drafters.py --samples {s['samples']} --budget {s['budget_minutes']:g}"
+             + (" --parallel" if s["parallel"] else "") + f"` (JSON: `benchmarks/results/bench_drafters.json`). "
+             f"Machine: {s['machine']}, no GPU. Data: {d['conversations']} regenerated train-split conversations "
+             f"(code:0.4, chat:0.6; {d['tokens']} tokens, {d['trained_tokens']} of them target answers), one feature "
+             f"cache (layers 1, 14, 27 + final) for all three. Training: each recipe for {s['budget_minutes']:g} "
+             "minutes of wall clock" + (", the three at once with one torch thread each (identical conditions)"
+                                         if s["parallel"] else ", one after the other") + ".", "",
+             "| drafter | steps | final loss | train acc@1 / expected acceptance |", "|---|---|---|---|"]
+    for k, t in r["train"].items():
+        last = t["last"]
+        acc = next((last[x] for x in ("acc@1", "accept") if x in last), None)
+        lines.append(f"| {names[k]} | {t['steps']} | {_f(last.get('loss'), 3)} | {_f(acc, 3)} |")
+    lines += ["", f"Held-out τ (tokens per verification round, bonus included; γ = {s['gamma']} drafts, fixed), "
+              f"{s['eval_prompts']} held-out prompts per task, {s['eval_tokens']} new tokens per turn "
+              "(MT-Bench: 2 turns):", "",
+              "| drafter | τ HumanEval T=0 | τ MT-Bench T=0 | τ all T=0 | τ HumanEval T=1 | τ MT-Bench T=1 | τ all T=1 "
+              "| acceptance T=1 |", "|---|---|---|---|---|---|---|---|"]
+    ev = r["eval"]
+    labels = list((ev.get("1") or ev.get("0") or {"drafters": {}})["drafters"])
+    for lab in labels:
+        row = [names.get(lab, lab)]
+        for temp in ("0", "1"):
+            e = (ev.get(temp) or {"drafters": {}})["drafters"].get(lab)
+            row += ([_f(e["tasks"].get(t, {}).get("tau")) for t in WORKLOADS] + [_f(e["overall"]["tau"])]
+                    if e else ["–"] * 3)
+        e1 = (ev.get("1") or {"drafters": {}})["drafters"].get(lab)
+        row.append(_f(e1["overall"]["acceptance_rate"]) if e1 else "–")
+        lines.append("| " + " | ".join(row) + " |")
+    for temp in ("0", "1"):
+        e = (ev.get(temp) or {"drafters": {}})["drafters"]
+        if all(k in e for k in KINDS):
+            t = {k: e[k]["overall"]["tau"] for k in KINDS}
+            lines += ["", f"Ordering at T={temp}: DSpark τ {t['dspark']:.2f} vs DFlash {t['dflash']:.2f} "
+                      f"({(t['dspark'] / t['dflash'] - 1) * 100:+.0f}%) vs EAGLE-3 {t['eagle3']:.2f} "
+                      f"({(t['dspark'] / t['eagle3'] - 1) * 100:+.0f}%); paper: +16–18% over DFlash, +27–31% over "
+                      "EAGLE-3."]
+    e1 = (ev.get("1") or {"drafters": {}})["drafters"]
+    if e1:
+        lines += ["", "Conditional acceptance per position k = 1..γ at T=1 (P(draft k accepted | 1..k−1 accepted); "
+                  "plot: `eval-T1/conditional_acceptance.png` in the work dir):", ""]
+        for lab, e in e1.items():
+            ca = e["overall"]["conditional_acceptance"]
+            lines.append(f"- {names.get(lab, lab)}: " + ", ".join(_f(x) for x in ca))
+        cal = e1.get("dspark", {}).get("calibration")
+        if cal:
+            lines += ["", f"DSpark confidence calibration at T=1 (STS from {cal['source']}): mean ECE over positions "
+                      f"(cumulative a_k) {_f(cal['before_mean_ece_cumulative'], 3)} before → "
+                      f"{_f(cal['after_mean_ece_cumulative'], 3)} after; conditional c_k "
+                      f"{_f(cal['before_mean_ece_conditional'], 3)} → {_f(cal['after_mean_ece_conditional'], 3)}; "
+                      f"pooled conditional AUROC {_f(cal['before_pooled'].get('auroc'))}, Brier "
+                      f"{_f(cal['before_pooled'].get('brier'), 3)} → {_f(cal['after_pooled'].get('brier'), 3)}."]
+    if r["bench"]:
+        lines += ["", f"Wall clock at batch 1 (draftsmith bench, concurrency 1, {s['bench_requests']} held-out requests "
+                  f"× {s['bench_tokens']} tokens, greedy, each drafter interleaved with plain decoding in one run; "
+                  "speedup = tokens/s ÷ plain's):", "",
+                  "| policy | workload | " + " | ".join(names[k] for k in KINDS) + " |",
+                  "|---|---|" + "---|" * len(KINDS)]
+        for key, rows in r["bench"].items():
+            policy, wl = key.split(":")
+            cells = []
+            for k in KINDS:
+                v = next((v for lab, v in rows.items() if lab.startswith(k)), None)
+                cells.append(f"{v['speedup']:.2f}× (τ {_f(v['tau'])})" if v and v["speedup"] is not None else "–")
+            lines.append(f"| {policy} | {wl} | " + " | ".join(cells) + " |")
+    lines += ["", f"Stage times (s): {s['stage_s']}; load average at the end {s['loadavg_end'][0]:.1f}.", END]
+    md = ROOT / "BENCHMARKS.md"
+    text = md.read_text()
+    block = "\n".join(lines)
+    if BEGIN in text and END in text:
+        text = text[: text.index(BEGIN)] + block + text[text.index(END) + len(END):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    md.write_text(text)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
