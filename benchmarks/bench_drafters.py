@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -142,6 +143,13 @@ def main() -> int:
     (w / "results.json").write_text(json.dumps(results, indent=1))
     dest = ROOT / "benchmarks" / "results" / "bench_drafters.json"
     dest.write_text(json.dumps(results, indent=1))
+    plots = ROOT / "benchmarks" / "results" / "drafters"
+    plots.mkdir(parents=True, exist_ok=True)
+    for src, name in ((w / "eval-T0" / "conditional_acceptance.png", "conditional_acceptance_T0.png"),
+                      (w / "eval-T1" / "conditional_acceptance.png", "conditional_acceptance_T1.png"),
+                      (w / "eval-T1" / "reliability-dspark_dspark.png", "reliability_dspark_T1.png")):
+        if src.is_file():
+            shutil.copyfile(src, plots / name)
     print(f"wrote {dest}")
     if not args.no_md:
         write_markdown(results)
@@ -235,7 +243,7 @@ def write_markdown(r: dict) -> None:
     e1 = (ev.get("1") or {"drafters": {}})["drafters"]
     if e1:
         lines += ["", "Conditional acceptance per position k = 1..γ at T=1 (P(draft k accepted | 1..k−1 accepted); "
-                  "plot: `eval-T1/conditional_acceptance.png` in the work dir):", ""]
+                  "plots: `benchmarks/results/drafters/`):", ""]
         for lab, e in e1.items():
             ca = e["overall"]["conditional_acceptance"]
             lines.append(f"- {names.get(lab, lab)}: " + ", ".join(_f(x) for x in ca))

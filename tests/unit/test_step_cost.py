@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from draftsmith import DraftsmithError, SamplingParams
-from draftsmith.core.types import Proposal
+from draftsmith.core.types import Proposal, VerifyResult
 from draftsmith.engine.engine import StepInfo
 from draftsmith.engine.sequence import Sequence
 from draftsmith.policy.acceptance import AcceptancePool, AcceptancePrior, running_confidences
@@ -136,13 +136,25 @@ def test_cheap_drafts_are_drafted_for_evidence_but_trim_keeps_only_what_pays():
     assert PrefixScheduler(dear, max_k=3, running_at="choose", cost=pol.cost).choose(ss) == [0]
 
 
-def test_dear_drafters_probe_once_per_probe_every_idle_rounds():
+def test_dear_drafters_probe_with_backoff_while_probes_verify_nothing():
     dear = SPSTable.from_step_times((1, 2, 4), (1.0, 3.0, 3.2))
-    pol = PrefixScheduler(dear, max_k=3, probe_every=4)
+    pol = PrefixScheduler(dear, max_k=3, probe_every=4, probe_backoff_max=8)
     for _ in range(4):
         pol.observe(info(1, 4, forward_s=3.2, draft_s=0.5, drafted=True))  # drafting = half a step
-    picks = [pol.choose(seqs(1)) for _ in range(8)]
-    assert picks == [[0], [0], [0], [3], [0], [0], [0], [3]]
+    ss = seqs(1)
+    nothing = VerifyResult(torch.zeros(1, 1, dtype=torch.long), torch.tensor([0]))
+
+    def run(n):
+        picks = []
+        for _ in range(n):
+            k = pol.choose(ss)[0]
+            picks.append(k)
+            kept = pol.trim(ss, proposal([k], max(k, 1))) if k else [0]
+            pol.update(ss, proposal(kept, max(kept[0], 0)) if kept[0] else proposal([0], 0), nothing)
+        return [i for i, k in enumerate(picks, 1) if k]
+
+    # Probes after 4 idle rounds, then 8 (backed off: the probe verified nothing), capped at 8.
+    assert run(24) == [4, 12, 20]
     never = PrefixScheduler(dear, max_k=3, probe_every=0, cost=pol.cost)
     assert all(never.choose(seqs(1)) == [0] for _ in range(8))
 

@@ -46,7 +46,9 @@ trained drafter costs a real share of a CPU round). A round drafts only if the b
 beats plain decoding by `min_gain`; otherwise every row decodes plainly, except that a
 drafter cheaper than `cheap_draft` of a plain step still drafts (evidence for free) and a
 dear one drafts once per `probe_every` rounds, so estimates made under other conditions are
-revisited. All of this uses past rounds and timings only: lossless whatever it decides.
+revisited (a probe that verifies nothing doubles the interval, up to `probe_backoff_max`:
+a drafter that never pays on this machine costs next to nothing). All of this uses past
+rounds and timings only: lossless whatever it decides.
 `static_prefix_scheduler()` is Algorithm 1 on the start-up profile alone, for comparison.
 """
 
@@ -169,10 +171,13 @@ class PrefixScheduler:
     # that estimates made under other conditions (or by the prior) get revisited.
     cheap_draft: float = 0.05
     probe_every: int = 16
+    probe_backoff_max: int = 1024  # a probe that verifies nothing doubles the interval, up to this
     cost: StepCost | None = None  # the online cost model (made from `sps` when None)
     pool: AcceptancePool | None = None  # pooled acceptance (made when pooled_prior and None)
     name: str = "prefix-scheduler"
     _idle: int = field(default=0, init=False, repr=False)  # rounds since the last drafting round
+    _interval: int = field(default=0, init=False, repr=False)  # current probe interval (backs off)
+    _probing: bool = field(default=False, init=False, repr=False)  # this round is a probe
 
     def __post_init__(self) -> None:
         if self.max_k < 0:
@@ -191,6 +196,7 @@ class PrefixScheduler:
             self.cost = StepCost(self.sps)
         if self.pool is None and self.pooled_prior:
             self.pool = AcceptancePool()
+        self._interval = self.probe_every
 
     def _sps(self) -> Callable[[float], float]:
         return self.cost.sps if self.adapt else self.sps
@@ -211,6 +217,7 @@ class PrefixScheduler:
         draft_time = self.cost.draft_time(R) if self.adapt else 0.0
         ell, gain = plan_best_prefix(conf, lambda b: 1.0 / sps(b), self.batch_tokens, draft_time)
         full = [self.max_k] * R
+        self._probing = False
         if any(ell) and gain >= 1.0 + self.min_gain:
             self._idle = 0
             if self.running_at == "trim" or all(drafter_has_confidences(s) for s in seqs):
@@ -222,10 +229,12 @@ class PrefixScheduler:
             return [self.max_k if drafter_has_confidences(s) else c for s, c in zip(seqs, ell)]
         plain_step = 1.0 / sps(_tokens(R, 1, 0, self.batch_tokens))
         self._idle += 1
-        if (self.running_at == "trim" and draft_time <= self.cheap_draft * plain_step) or \
-                (self.probe_every and self._idle >= self.probe_every):
+        if self.running_at == "trim" and draft_time <= self.cheap_draft * plain_step:
             self._idle = 0
-            return full  # evidence: trim() verifies only what pays
+            return full  # evidence for free: trim() verifies only what pays
+        if self.probe_every and self._idle >= self._interval:
+            self._idle, self._probing = 0, True
+            return full  # a probe: trim() verifies only what pays
         return [0] * R
 
     def trim(self, seqs: list[Sequence], proposal: Proposal) -> list[int]:
@@ -248,6 +257,10 @@ class PrefixScheduler:
 
     def update(self, seqs, proposal, result) -> None:
         record_round(seqs, proposal, result, self.prior, self.pool)
+        if self._probing:  # a probe that verified nothing was wasted: probe half as often
+            verified = bool(proposal.max_len) and int(proposal.lengths.sum()) > 0
+            self._interval = self.probe_every if verified else min(2 * self._interval, self.probe_backoff_max)
+            self._probing = False
 
     def observe(self, info) -> None:
         """Engine hook: one round's forward shape and timings (engine.StepInfo)."""
