@@ -424,7 +424,7 @@ def write_markdown(results: dict, json_path: Path) -> None:
               "scheduler); prefix-scheduler = Draftsmith's default: the same plus the online cost model (SPS(B) "
               "corrected from measured rounds, the drafter's time per round), no drafting below a 3% predicted gain, "
               "the server's pooled acceptance as a new request's prior, cheap drafts scored even when not verified, "
-              "and a probe round every 16 idle rounds.", "", verdict(results), end]
+              "and probe rounds for dear drafters (after 16 idle rounds, backing off while probes verify nothing).", "", verdict(results), end]
     md = ROOT / "BENCHMARKS.md"
     text = md.read_text() if md.is_file() else "# Benchmarks\n"
     block = "\n".join(lines)
