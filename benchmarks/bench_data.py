@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import sections
+
 ROOT = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- bench_data:begin -->", "<!-- bench_data:end -->"
 
@@ -111,15 +113,7 @@ def replicate(src: Path, dst: Path, min_tokens: int) -> int:
 
 
 def write_section(text: str) -> None:
-    path = ROOT / "BENCHMARKS.md"
-    cur = path.read_text() if path.exists() else "# Benchmarks\n"
-    section = f"{BEGIN}\n{text.rstrip()}\n{END}"
-    if BEGIN in cur and END in cur:
-        a, b = cur.index(BEGIN), cur.index(END) + len(END)
-        cur = cur[:a] + section + cur[b:]
-    else:
-        cur = cur.rstrip() + "\n\n" + section + "\n"
-    path.write_text(cur)
+    sections.write_section(BEGIN, END, text)
 
 
 def main() -> None:

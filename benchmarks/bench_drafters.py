@@ -34,6 +34,8 @@ import sys
 import time
 from pathlib import Path
 
+import sections
+
 ROOT = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- bench_drafters:begin -->", "<!-- bench_drafters:end -->"
 KINDS = ("eagle3", "dflash", "dspark")
@@ -135,6 +137,9 @@ def main() -> int:
                 "--num-speculative-tokens", str(GAMMA), "--policy", policy, "--out", str(out)))
 
     results = collect(w)
+    prev = w / "results.json"
+    if prev.is_file():  # keep the times of stages an earlier run did (this one reused them)
+        stage_s = {**json.loads(prev.read_text()).get("setup", {}).get("stage_s", {}), **stage_s}
     results["setup"] = {"samples": args.samples, "budget_minutes": args.budget, "parallel": args.parallel,
                         "eval_prompts": args.eval_prompts, "eval_tokens": args.eval_tokens, "gamma": GAMMA,
                         "bench_requests": args.bench_requests, "bench_tokens": args.bench_tokens,
@@ -268,15 +273,8 @@ def write_markdown(r: dict) -> None:
                 v = next((v for lab, v in rows.items() if lab.startswith(k)), None)
                 cells.append(f"{v['speedup']:.2f}× (τ {_f(v['tau'])})" if v and v["speedup"] is not None else "–")
             lines.append(f"| {policy} | {wl} | " + " | ".join(cells) + " |")
-    lines += ["", f"Stage times (s): {s['stage_s']}; load average at the end {s['loadavg_end'][0]:.1f}.", END]
-    md = ROOT / "BENCHMARKS.md"
-    text = md.read_text()
-    block = "\n".join(lines)
-    if BEGIN in text and END in text:
-        text = text[: text.index(BEGIN)] + block + text[text.index(END) + len(END):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    md.write_text(text)
+    lines += ["", f"Stage times (s): {s['stage_s']}; load average at the end {s['loadavg_end'][0]:.1f}."]
+    sections.write_section(BEGIN, END, "\n".join(lines[1:]))
 
 
 if __name__ == "__main__":

@@ -48,6 +48,8 @@ import sys
 import time
 from pathlib import Path
 
+import sections
+
 import torch
 
 from draftsmith.core.sampling import SamplingParams
@@ -424,15 +426,8 @@ def write_markdown(results: dict, json_path: Path) -> None:
               "scheduler); prefix-scheduler = Draftsmith's default: the same plus the online cost model (SPS(B) "
               "corrected from measured rounds, the drafter's time per round), no drafting below a 3% predicted gain, "
               "the server's pooled acceptance as a new request's prior, cheap drafts scored even when not verified, "
-              "and probe rounds for dear drafters (after 16 idle rounds, backing off while probes verify nothing).", "", verdict(results), end]
-    md = ROOT / "BENCHMARKS.md"
-    text = md.read_text() if md.is_file() else "# Benchmarks\n"
-    block = "\n".join(lines)
-    if begin in text and end in text:
-        text = text[: text.index(begin)] + block + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    md.write_text(text)
+              "and probe rounds for dear drafters (after 16 idle rounds, backing off while probes verify nothing).", "", verdict(results)]
+    sections.write_section(begin, end, "\n".join(lines[1:]))
 
 
 if __name__ == "__main__":
