@@ -181,7 +181,8 @@ def collect(w: Path) -> dict:
             if p.is_file():
                 rep = json.loads(p.read_text())
                 tier = rep["tiers"][0]
-                res["bench"][f"{policy}:{wl}"] = {r["label"]: {
+                # keyed by kind (a label is KIND:PATH, and the work dir is a local path)
+                res["bench"][f"{policy}:{wl}"] = {r["label"].partition(":")[0]: {
                     "speedup": r["speedup"], "tokens_per_s": r["system_tokens_per_s"], "tau": r["tau"],
                     "acceptance": r["acceptance_rate"], "spread": r.get("speedup_spread")} for r in tier["results"]}
     return res
@@ -270,7 +271,7 @@ def write_markdown(r: dict) -> None:
             policy, wl = key.split(":")
             cells = []
             for k in KINDS:
-                v = next((v for lab, v in rows.items() if lab.startswith(k)), None)
+                v = rows.get(k)
                 cells.append(f"{v['speedup']:.2f}× (τ {_f(v['tau'])})" if v and v["speedup"] is not None else "–")
             lines.append(f"| {policy} | {wl} | " + " | ".join(cells) + " |")
     lines += ["", f"Stage times (s): {s['stage_s']}; load average at the end {s['loadavg_end'][0]:.1f}."]
