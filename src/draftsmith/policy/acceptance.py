@@ -82,19 +82,19 @@ class AcceptancePool:
 
     decay: float = 0.995
     min_weight: float = 8.0  # chains reaching position k before the pooled mean replaces the prior
-    reached: list[float] = field(default_factory=list)
-    accepted: list[float] = field(default_factory=list)
+    counts: "_Counts" = field(default_factory=lambda: _Counts([], [], []))
+
+    @property
+    def reached(self) -> list[float]:
+        return self.counts.reached
+
+    @property
+    def accepted(self) -> list[float]:
+        return self.counts.accepted
 
     def add(self, reached: int, accepted: int) -> None:
-        self.reached = [x * self.decay for x in self.reached]
-        self.accepted = [x * self.decay for x in self.accepted]
-        if len(self.reached) < reached:
-            self.accepted += [0.0] * (reached - len(self.reached))
-            self.reached += [0.0] * (reached - len(self.reached))
-        for k in range(reached):
-            self.reached[k] += 1.0
-            if k < accepted:
-                self.accepted[k] += 1.0
+        self.counts.fade(self.decay)
+        self.counts.add(reached, accepted)
 
     def mean(self, k: int, fallback: float) -> float:
         """Pooled conditional acceptance at 0-based position k (fallback until enough chains),

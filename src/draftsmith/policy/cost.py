@@ -46,6 +46,7 @@ class StepCost:
     min_samples: int = 4  # measurements of a forward size before its correction is used
     _ratio: dict[int, _Ewma] = field(default_factory=dict)  # B -> measured / profiled time
     _draft: dict[int, _Ewma] = field(default_factory=dict)  # rows -> seconds of drafting
+    _known: list[tuple[int, float]] | None = field(default=None, repr=False)  # usable ratios, sorted by B
 
     def __post_init__(self) -> None:
         if not 0.0 < self.alpha <= 1.0 or self.min_samples < 1:
@@ -60,6 +61,7 @@ class StepCost:
             return
         b = t.rows * t.block_len
         if t.forward_s > 0:
+            self._known = None  # re-derived on the next prediction
             r = t.forward_s / self.profile.step_time(b)
             if b in self._ratio:
                 self._ratio[b].add(r, self.alpha)
@@ -75,7 +77,9 @@ class StepCost:
 
     def correction(self, b: float) -> float:
         """Measured / profiled forward time at b tokens (1.0 until enough measurements)."""
-        known = sorted((k, e.value) for k, e in self._ratio.items() if e.count >= self.min_samples)
+        if self._known is None:
+            self._known = sorted((k, e.value) for k, e in self._ratio.items() if e.count >= self.min_samples)
+        known = self._known
         if not known:
             return 1.0
         xs = [k for k, _ in known]

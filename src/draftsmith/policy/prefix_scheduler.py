@@ -201,6 +201,9 @@ class PrefixScheduler:
     def _sps(self) -> Callable[[float], float]:
         return self.cost.sps if self.adapt else self.sps
 
+    def _step_time(self) -> Callable[[float], float]:
+        return self.cost.target_time if self.adapt else self.sps.step_time
+
     def _conf(self, seq: Sequence, k: int) -> list[float]:
         return running_confidences(seq, k, self.prior, self.pool if self.pooled_prior else None)
 
@@ -215,7 +218,7 @@ class PrefixScheduler:
         # lossless whatever is decided.
         conf = [self._conf(s, self.max_k) for s in seqs]
         draft_time = self.cost.draft_time(R) if self.adapt else 0.0
-        ell, gain = plan_best_prefix(conf, lambda b: 1.0 / sps(b), self.batch_tokens, draft_time)
+        ell, gain = plan_best_prefix(conf, self._step_time(), self.batch_tokens, draft_time)
         full = [self.max_k] * R
         self._probing = False
         if any(ell) and gain >= 1.0 + self.min_gain:
@@ -227,7 +230,7 @@ class PrefixScheduler:
             if self.running_search == "early-stop":
                 ell = admit(conf, sps, self.batch_tokens)
             return [self.max_k if drafter_has_confidences(s) else c for s, c in zip(seqs, ell)]
-        plain_step = 1.0 / sps(_tokens(R, 1, 0, self.batch_tokens))
+        plain_step = self._step_time()(_tokens(R, 1, 0, self.batch_tokens))
         self._idle += 1
         if self.running_at == "trim" and draft_time <= self.cheap_draft * plain_step:
             self._idle = 0
@@ -249,7 +252,7 @@ class PrefixScheduler:
             conf = [self._conf(s, n) for s, n in zip(seqs, lengths)]
             if self.running_search == "early-stop":
                 return admit(conf, sps, self.batch_tokens)
-            ell, gain = plan_best_prefix(conf, lambda b: 1.0 / sps(b), self.batch_tokens)
+            ell, gain = plan_best_prefix(conf, self._step_time(), self.batch_tokens)
             return ell if any(ell) and gain >= 1.0 + self.min_gain else [0] * len(seqs)
         raw = proposal.confidences.detach().float().cpu().tolist()
         # Drafting is paid by now: Algorithm 1 weighs only the forward's cost.
