@@ -101,6 +101,44 @@ def test_block_loss_equals_loop_reference(coef):
         assert set(out.parts) == {"ce"}  # DFlash: CE only, no target logits needed
 
 
+def test_block_loss_with_a_reduced_draft_vocabulary():
+    """p_d on D ⊂ V: TV counts the target mass outside D (the drafter can never draft it);
+    CE skips data tokens outside D. Reference: the full-vocabulary formulas with p_d = 0
+    outside D, written as loops."""
+    g = torch.Generator().manual_seed(4)
+    N, V, K = 9, 12, 3
+    draft_ids = torch.tensor([0, 2, 3, 7, 8, 11])
+    index = torch.full((V,), len(draft_ids))
+    index[draft_ids] = torch.arange(len(draft_ids))
+    dl = torch.randn(N, len(draft_ids), generator=g) * 2
+    tl = torch.randn(N, V, generator=g) * 2
+    x = torch.randint(0, V, (N,), generator=g)
+    x[0], x[1] = 2, 5  # one token inside D, one outside
+    z = torch.randn(N, generator=g)
+    position = torch.arange(N) % K
+    coef = BlockLossWeights(ce=0.1, tv=0.9, conf=1.0)
+    out = block_loss(dl, index[x], position, K, coef, tl, z, None, draft_ids)
+    w = position_weights(K).tolist()
+    ce_num = ce_den = tv_num = conf_num = den = 0.0
+    for n in range(N):
+        pd = [0.0] * V
+        for j, p in zip(draft_ids.tolist(), _softmax(dl[n].tolist())):
+            pd[j] = p
+        pt = _softmax(tl[n].tolist())
+        l1 = sum(abs(a - b) for a, b in zip(pd, pt))
+        wk = w[int(position[n])]
+        if int(x[n]) in draft_ids.tolist():
+            ce_num += wk * -math.log(pd[int(x[n])])
+            ce_den += wk
+        c, label = 1 / (1 + math.exp(-float(z[n]))), 1 - 0.5 * l1
+        tv_num += wk * l1
+        conf_num += wk * -(label * math.log(c) + (1 - label) * math.log(1 - c))
+        den += wk
+    ref = 0.1 * ce_num / ce_den + 0.9 * tv_num / den + conf_num / den
+    assert float(out.total) == pytest.approx(ref, rel=1e-5)
+    assert out.parts["ce"] == pytest.approx(ce_num / ce_den, rel=1e-5)
+
+
 def test_confidence_label_carries_no_gradient():
     g = torch.Generator().manual_seed(2)
     dl = torch.randn(6, 8, generator=g, requires_grad=True)

@@ -30,6 +30,7 @@ from draftsmith.data.features import FeatureExtractor
 from draftsmith.drafters import dflash, dspark, eagle3
 from draftsmith.drafters.base import TargetFeatures
 from draftsmith.drafters.block import choose_mask_token_id, packed_forward
+from draftsmith.drafters.vocab import build_vocab_map
 from draftsmith.drafters.trained import (
     CATALOGUE, config_from_dict, load_trained_drafter, load_trained_model, save_trained_drafter,
 )
@@ -49,6 +50,9 @@ CONFIGS = {
     "dspark": dspark.DSparkConfig(block_size=4, num_layers=1, rank=32, max_anchors=16),
     "dspark-gated": dspark.DSparkConfig(block_size=4, num_layers=1, rank=32, max_anchors=16, head="gated"),
     "dspark-rnn": dspark.DSparkConfig(block_size=4, num_layers=1, rank=32, max_anchors=16, head="rnn"),
+    "dflash-small-vocab": dflash.DFlashConfig(block_size=4, num_layers=1, max_anchors=16, draft_vocab_size=160),
+    "dspark-small-vocab": dspark.DSparkConfig(block_size=4, num_layers=1, rank=32, max_anchors=16,
+                                              draft_vocab_size=160),
 }
 BUILD = {"eagle3": eagle3.build, "dflash": dflash.build, "dspark": dspark.build}
 
@@ -246,7 +250,8 @@ def test_greedy_equals_plain_greedy(name, target_dir, target, trained):
     assert llm.last_stats.draft_proposed > 0 and llm.last_stats.draft_accepted > 0
 
 
-@pytest.mark.parametrize("name", ["eagle3-small-vocab", "dflash", "dspark", "dspark-gated", "dspark-rnn"])
+@pytest.mark.parametrize("name", ["eagle3-small-vocab", "dflash", "dspark", "dspark-gated", "dspark-rnn",
+                                  "dspark-small-vocab"])
 def test_first_tokens_follow_the_target_at_temperature_one(name, target_dir, target, trained):
     model, _ = trained(name)
     pv, first_acceptance = _first_two_pvalues(target_dir, target, model.make_drafter(target.model, 64, 64))
@@ -295,7 +300,8 @@ def _row(batch: TrainBatch, b: int) -> TrainBatch:
                       {i: h[b : b + 1] for i, h in batch.hidden.items()}, batch.final_hidden[b : b + 1])
 
 
-@pytest.mark.parametrize("name", ["dflash", "dspark", "dspark-gated", "dspark-rnn"])
+@pytest.mark.parametrize("name", ["dflash", "dspark", "dspark-gated", "dspark-rnn", "dflash-small-vocab",
+                                  "dspark-small-vocab"])
 def test_block_drafter_proposes_what_training_scores(name, target, train_batch, trained):
     """The inference round at anchor n computes the distributions the packed training
     forward computes for a block anchored at n (with the drafted prefix as x_<k)."""
@@ -306,15 +312,21 @@ def test_block_drafter_proposes_what_training_scores(name, target, train_batch, 
     drafter.start(seq, TargetFeatures(hidden={i: h[:, :n] for i, h in row.hidden.items()}))
     prop = drafter.propose([seq], [gamma])
     first = model.config.kind == "dspark"
+    bb = model.backbone
     with torch.no_grad():
-        pf = packed_forward(model.backbone, row, gamma, first, torch.tensor([[n]]), torch.tensor([[True]]))
-        logits = model.backbone.head.logits(pf.hidden[0, 0])  # [γ, V]
+        pf = packed_forward(bb, row, gamma, first, torch.tensor([[n]]), torch.tensor([[True]]))
+        logits = bb.draft_logits(pf.hidden[0, 0])  # [γ, Vd]
         if first:
             prev = torch.cat([row.input_ids[0, n : n + 1], prop.tokens[0, :-1]])[None, None]  # x_0, d_1..
-            o, z = model.seq_head.teacher_forced(pf.hidden, prev)
+            o, z = model.seq_head.teacher_forced(pf.hidden, bb.to_draft(prev))
             logits = logits + model.seq_head.w2(o[0, 0]).float()
             torch.testing.assert_close(prop.confidences[0], torch.sigmoid(z[0, 0]), atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(prop.q[0], torch.softmax(logits, -1), atol=1e-5, rtol=1e-4)
+    q = torch.softmax(logits, -1)
+    if bb.vocab is not None:  # scattered into target ids, zero outside the draft vocabulary
+        assert logits.shape[-1] == 160 and float(prop.q[0][:, ~bb.vocab.t2d].abs().max()) == 0.0
+        assert bool(bb.vocab.t2d[prop.tokens[0]].all())
+        q = torch.zeros(gamma, bb.head.vocab_size).index_copy_(1, bb.draft_ids, q)
+    torch.testing.assert_close(prop.q[0], q, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("name", ["eagle3", "eagle3-small-vocab"])
@@ -392,7 +404,7 @@ def test_mixed_batch_confidences_and_one_hot_greedy_rows(target_dir, target, tra
 # ---------------------------------------------------------------------------- checkpoints
 
 
-@pytest.mark.parametrize("name", ["eagle3-small-vocab", "dflash", "dspark-rnn"])
+@pytest.mark.parametrize("name", ["eagle3-small-vocab", "dflash", "dspark-rnn", "dspark-small-vocab"])
 def test_checkpoint_round_trip(name, tmp_path, target_dir, target, trained):
     model, _ = trained(name)
     save_trained_drafter(model, tmp_path, target.target_id, target.weights_hash)
@@ -495,10 +507,10 @@ def test_mask_token_choice(target):
 
 def test_build_vocab_map():
     counts = torch.tensor([5, 0, 9, 9, 1, 7])
-    d2t, t2d = eagle3.build_vocab_map(counts, 3)
+    d2t, t2d = build_vocab_map(counts, 3)
     assert (torch.arange(3) + d2t).tolist() == [2, 3, 5]  # the 3 most frequent, ascending
     assert t2d.tolist() == [False, False, True, True, False, True]
-    d2t, _ = eagle3.build_vocab_map(torch.tensor([1, 1, 1, 1]), 2)
+    d2t, _ = build_vocab_map(torch.tensor([1, 1, 1, 1]), 2)
     assert (torch.arange(2) + d2t).tolist() == [0, 1]  # ties -> lower ids
     with pytest.raises(DraftsmithError):
-        eagle3.build_vocab_map(counts, 7)
+        build_vocab_map(counts, 7)

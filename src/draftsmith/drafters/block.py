@@ -7,7 +7,8 @@ Backbone (DFlash paper; ALGORITHMS.md):
 - the block: the anchor (last committed token) followed by mask tokens, bidirectional
   inside the block; the block sees the context strictly before the anchor (the anchor is
   the engine's pending token and has no target features yet);
-- embedding and lm_head are the target's, frozen, never saved (`TargetHead`).
+- embedding and lm_head are the target's, frozen, never saved (`TargetHead`); with a
+  reduced draft vocabulary (drafters/vocab.py) the drafter scores only those lm_head rows.
 
 Attention is computed in two parts — the context keys shared by all blocks of a row, and
 each block's own keys — joined in one softmax. Blocks are a separate tensor axis, so in
@@ -35,6 +36,7 @@ from draftsmith.core.sampling import SamplingParams
 from draftsmith.core.types import Proposal
 from draftsmith.core.warp import draw_uniforms
 from draftsmith.drafters.base import FeatureSpec, TargetFeatures
+from draftsmith.drafters.vocab import DraftVocab
 from draftsmith.engine.sequence import Sequence as Seq
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.decoder import MLP, Decoder, DecoderConfig, RMSNorm, apply_rope, rope_inv_freq
@@ -183,7 +185,8 @@ class InjectedLayer(nn.Module):
 
 
 class BlockBackbone(nn.Module):
-    """W_c + RMSNorm context projection, `num_layers` KV-injected layers, final norm."""
+    """W_c + RMSNorm context projection, `num_layers` KV-injected layers, final norm, and
+    the draft vocabulary (all target tokens, or the `draft_vocab_size` most frequent)."""
 
     def __init__(
         self,
@@ -192,6 +195,7 @@ class BlockBackbone(nn.Module):
         num_layers: int,
         mask_token_id: int,
         intermediate_size: int | None = None,
+        draft_vocab_size: int | None = None,
     ) -> None:
         super().__init__()
         tc = target.config
@@ -209,11 +213,54 @@ class BlockBackbone(nn.Module):
         self.register_buffer("inv_freq", inv, persistent=False)
         self.rope_scale = scale
         self.head = TargetHead.of(target)
+        V = tc.vocab_size
+        self.vocab = DraftVocab(V, draft_vocab_size) if draft_vocab_size and draft_vocab_size < V else None
+        self.lm_rows: torch.Tensor | None = None  # the target's lm_head rows of the draft ids (derived)
         init_linear_(self)
+        self._take_lm_rows()
+        self.register_load_state_dict_post_hook(lambda module, _keys: module._take_lm_rows())
 
     @property
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
+
+    # -- the draft vocabulary (identity maps when it is the target's)
+
+    @property
+    def draft_size(self) -> int:
+        return self.vocab.size if self.vocab is not None else self.head.vocab_size
+
+    def _take_lm_rows(self) -> None:
+        if self.vocab is not None:
+            self.lm_rows = self.head.lm_head[self.vocab.ids.to(self.head.lm_head.device)]
+
+    def set_draft_vocab(self, token_counts: torch.Tensor | Sequence[int]) -> None:
+        """Choose the reduced vocabulary from training-data token counts [V] (no-op without one)."""
+        if self.vocab is not None:
+            self.vocab.set_counts(token_counts)
+            self._take_lm_rows()
+
+    def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """[..., H] → float32 logits over the draft vocabulary [..., Vd] (frozen target rows)."""
+        if self.vocab is None:
+            return self.head.logits(h)
+        return F.linear(h.to(self.lm_rows.dtype), self.lm_rows).float()
+
+    @property
+    def draft_ids(self) -> torch.Tensor | None:
+        """[Vd] target id of each draft id; None when the draft vocabulary is the target's."""
+        return self.vocab.ids if self.vocab is not None else None
+
+    def to_draft(self, target_ids: torch.Tensor) -> torch.Tensor:
+        """Target ids → draft ids (Vd for a token outside a reduced vocabulary)."""
+        return target_ids if self.vocab is None else self.vocab.to_draft(target_ids)
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids if self.vocab is None else self.vocab.ids[draft_ids]
+
+    def to_target_q(self, q: torch.Tensor) -> torch.Tensor:
+        """[..., Vd] → [..., V] (zero outside the draft vocabulary)."""
+        return q if self.vocab is None else self.vocab.scatter(q)
 
     def features(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
         """layer id → [B, T, H] → concatenated [B, T, mH] in `layer_ids` order."""
@@ -578,6 +625,9 @@ def validate_block_config(cfg) -> None:
             problems.append(f"{name} must be an integer >= 1, got {v!r}")
     if cfg.intermediate_size is not None and (not isinstance(cfg.intermediate_size, int) or cfg.intermediate_size < 1):
         problems.append(f"intermediate_size must be a positive integer or null, got {cfg.intermediate_size!r}")
+    dv = cfg.draft_vocab_size
+    if dv is not None and (not isinstance(dv, int) or isinstance(dv, bool) or dv < 1):
+        problems.append(f"draft_vocab_size must be a positive integer or null, got {dv!r}")
     if not all(isinstance(i, int) and not isinstance(i, bool) for i in cfg.layer_ids):
         problems.append(f"layer_ids must be integers, got {cfg.layer_ids!r}")
     elif len(set(cfg.layer_ids)) != len(cfg.layer_ids):
@@ -615,5 +665,10 @@ def resolve_block_config(cfg, target: Decoder):
     if not 0 <= mask < tc.vocab_size:
         raise DraftsmithError(
             f"{cfg.kind} config: mask_token_id {mask} is outside the target vocabulary [0, {tc.vocab_size})"
+        )
+    if cfg.draft_vocab_size is not None and cfg.draft_vocab_size > tc.vocab_size:
+        raise DraftsmithError(
+            f"{cfg.kind} config: draft_vocab_size {cfg.draft_vocab_size} exceeds the target vocabulary "
+            f"{tc.vocab_size}; use at most {tc.vocab_size} (or null for the whole vocabulary)"
         )
     return dataclasses.replace(cfg, layer_ids=ids, mask_token_id=int(mask))

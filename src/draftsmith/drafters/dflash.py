@@ -39,6 +39,7 @@ class DFlashConfig:
     mask_token_id: int | None = None  # None = resolved at build (block.choose_mask_token_id)
     intermediate_size: int | None = None  # draft MLP width; None = the target's
     max_anchors: int = 512  # training blocks sampled per sequence
+    draft_vocab_size: int | None = None  # reduced draft vocabulary (drafters/vocab.py); None = the target's
     ce_weight: float = 1.0  # DFlash trains with CE only ...
     tv_weight: float = 0.0  # ... an L1/TV term is available for ablations
     position_decay: float | None = None  # w_k = exp(−(k−1)/d); None = block_size
@@ -52,7 +53,12 @@ class DFlashModel(nn.Module):
         super().__init__()
         self.config = resolve_block_config(config, target)
         c = self.config
-        self.backbone = BlockBackbone(target, c.layer_ids, c.num_layers, c.mask_token_id, c.intermediate_size)
+        self.backbone = BlockBackbone(target, c.layer_ids, c.num_layers, c.mask_token_id, c.intermediate_size,
+                                      c.draft_vocab_size)
+
+    def init_draft_vocab(self, token_counts: torch.Tensor | Sequence[int]) -> None:
+        """Choose the reduced vocabulary from training-data token counts [V] (before training)."""
+        self.backbone.set_draft_vocab(token_counts)
 
     @property
     def feature_spec(self) -> FeatureSpec:
@@ -63,25 +69,29 @@ class DFlashModel(nn.Module):
         anchors, valid = sample_anchors(batch.loss_mask, batch.lengths, c.max_anchors, generator)
         pf = packed_forward(self.backbone, batch, c.block_size, False, anchors, valid)
         sel = pf.pack.target_mask  # [B, A, γ]
-        logits = self.backbone.head.logits(pf.hidden[sel])  # [N, V]
+        logits = self.backbone.draft_logits(pf.hidden[sel])  # [N, Vd]
+        targets = self.backbone.to_draft(pf.targets[sel])
         position = torch.arange(c.block_size, device=sel.device).expand_as(sel)[sel]
         tl = target_logits_at(self.backbone, batch, pf.pack) if c.tv_weight else None
         terms = block_loss(
-            logits, pf.targets[sel], position, c.block_size,
+            logits, targets, position, c.block_size,
             BlockLossWeights(ce=c.ce_weight, tv=c.tv_weight, conf=0.0), tl, None, c.position_decay,
+            self.backbone.draft_ids,
         )
         parts = dict(terms.parts)
-        parts.update(accuracy_parts(logits.detach(), pf.targets[sel], position))
+        parts.update(accuracy_parts(logits.detach(), targets, position))
         parts["blocks"] = float(pf.pack.num_blocks)
         return LossOutput(total=terms.total, parts=parts)
 
     def draft(self, hidden, anchors, params: Sequence[SamplingParams], uniforms):
-        """Independent positions: q_k = warp(lm_head(h_k)); x_k by inverse CDF (argmax when greedy)."""
-        logits = self.backbone.head.logits(hidden)  # [B, n, V]
-        q = target_probs(logits, list(params))  # [B, n, V]; one-hot rows for greedy requests
-        B, n, V = q.shape
-        tokens = inverse_cdf(q.reshape(B * n, V), uniforms.reshape(-1)).view(B, n)
-        return tokens, q, None
+        """Independent positions: q_k = warp(lm_head(h_k)); x_k by inverse CDF (argmax when greedy).
+        With a reduced vocabulary q is scattered back into target ids (zero outside)."""
+        bb = self.backbone
+        logits = bb.draft_logits(hidden)  # [B, n, Vd]
+        q = target_probs(logits, list(params))  # [B, n, Vd]; one-hot rows for greedy requests
+        B, n, Vd = q.shape
+        tokens = inverse_cdf(q.reshape(B * n, Vd), uniforms.reshape(-1)).view(B, n)
+        return bb.to_target(tokens), bb.to_target_q(q), None
 
     def make_drafter(self, target: Decoder, max_rows: int, max_len: int, temperatures=None) -> BlockDrafter:
         return BlockDrafter("dflash", self.backbone, self, self.config.block_size, False, max_rows, max_len)

@@ -61,6 +61,7 @@ class DSparkConfig:
     head: Literal["markov", "gated", "rnn"] = "markov"  # sequential stage
     rank: int = 256  # r of W1 ∈ R^{V×r}, W2 ∈ R^{r×V} (and the RNN state width)
     max_anchors: int = 512  # training blocks sampled per sequence
+    draft_vocab_size: int | None = None  # reduced draft vocabulary (drafters/vocab.py); None = the target's
     ce_weight: float = 0.1  # L = 0.1 L_ce + 0.9 L_tv + 1.0 L_conf
     tv_weight: float = 0.9
     conf_weight: float = 1.0
@@ -80,11 +81,12 @@ class DSparkConfig:
 class SequentialHead(nn.Module):
     """B_k and the confidence logit from (h_k, x_{k−1}[, s_{k−1}])."""
 
-    def __init__(self, kind: str, vocab_size: int, hidden_size: int, rank: int) -> None:
+    def __init__(self, kind: str, vocab_size: int, hidden_size: int, rank: int, extra_rows: int = 0) -> None:
         super().__init__()
         self.kind, self.rank = kind, rank
-        self.w1 = nn.Embedding(vocab_size, rank)  # W1 [V, r]
-        self.w2 = nn.Linear(rank, vocab_size, bias=False)  # W2 (stored as [V, r])
+        # W1 [Vd (+1: the row of every token outside a reduced vocabulary), r]
+        self.w1 = nn.Embedding(vocab_size + extra_rows, rank)
+        self.w2 = nn.Linear(rank, vocab_size, bias=False)  # W2 (stored as [Vd, r])
         if kind == "gated":
             self.gate = nn.Linear(hidden_size + rank, rank)
         elif kind == "rnn":
@@ -140,8 +142,14 @@ class DSparkModel(nn.Module):
         super().__init__()
         self.config = resolve_block_config(config, target)
         c = self.config
-        self.backbone = BlockBackbone(target, c.layer_ids, c.num_layers, c.mask_token_id, c.intermediate_size)
-        self.seq_head = SequentialHead(c.head, target.config.vocab_size, target.config.hidden_size, c.rank)
+        self.backbone = BlockBackbone(target, c.layer_ids, c.num_layers, c.mask_token_id, c.intermediate_size,
+                                      c.draft_vocab_size)
+        self.seq_head = SequentialHead(c.head, self.backbone.draft_size, target.config.hidden_size, c.rank,
+                                       extra_rows=int(self.backbone.vocab is not None))
+
+    def init_draft_vocab(self, token_counts: torch.Tensor | Sequence[int]) -> None:
+        """Choose the reduced vocabulary from training-data token counts [V] (before training)."""
+        self.backbone.set_draft_vocab(token_counts)
 
     @property
     def feature_spec(self) -> FeatureSpec:
@@ -152,33 +160,37 @@ class DSparkModel(nn.Module):
         anchors, valid = sample_anchors(batch.loss_mask, batch.lengths, c.max_anchors, generator)
         pf = packed_forward(self.backbone, batch, c.block_size, True, anchors, valid)
         sel = pf.pack.target_mask  # [B, A, γ]
-        o, conf = self.seq_head.teacher_forced(pf.hidden, pf.prev)
-        logits = self.backbone.head.logits(pf.hidden[sel]) + self.seq_head.w2(o[sel]).float()  # [N, V]
+        bb = self.backbone
+        o, conf = self.seq_head.teacher_forced(pf.hidden, bb.to_draft(pf.prev))
+        logits = bb.draft_logits(pf.hidden[sel]) + self.seq_head.w2(o[sel]).float()  # [N, Vd]
+        targets = bb.to_draft(pf.targets[sel])
         position = torch.arange(c.block_size, device=sel.device).expand_as(sel)[sel]
         need_pt = c.tv_weight > 0 or c.conf_weight > 0
-        tl = target_logits_at(self.backbone, batch, pf.pack) if need_pt else None
+        tl = target_logits_at(bb, batch, pf.pack) if need_pt else None
         terms = block_loss(
-            logits, pf.targets[sel], position, c.block_size,
+            logits, targets, position, c.block_size,
             BlockLossWeights(ce=c.ce_weight, tv=c.tv_weight, conf=c.conf_weight), tl, conf[sel],
-            c.position_decay,
+            c.position_decay, bb.draft_ids,
         )
         parts = dict(terms.parts)
-        parts.update(accuracy_parts(logits.detach(), pf.targets[sel], position))
+        parts.update(accuracy_parts(logits.detach(), targets, position))
         parts["blocks"] = float(pf.pack.num_blocks)
         return LossOutput(total=terms.total, parts=parts)
 
     def sequential_logits(self, U_k: torch.Tensor, h_k: torch.Tensor, prev: torch.Tensor, state):
-        """One step of the sequential stage: (U_k + B_k [B, V], confidence logit [B], s_k)."""
+        """One step of the sequential stage (draft ids): (U_k + B_k [B, Vd], confidence logit [B], s_k)."""
         e = self.seq_head.w1(prev)
         o, state = self.seq_head.step(h_k, e, state)
         return U_k + self.seq_head.w2(o).float(), self.seq_head.confidence_logit(h_k, e), state
 
     def draft(self, hidden, anchors, params: Sequence[SamplingParams], uniforms):
-        """Left to right: q_k = warp(U_k + B_k(x_0, x_<k)), x_k ~ q_k (argmax when greedy)."""
-        U = self.backbone.head.logits(hidden)  # [B, n, V]
-        B, n, V = U.shape
+        """Left to right: q_k = warp(U_k + B_k(x_0, x_<k)), x_k ~ q_k (argmax when greedy), in
+        draft ids; tokens and q go back to target ids (q zero outside a reduced vocabulary)."""
+        bb = self.backbone
+        U = bb.draft_logits(hidden)  # [B, n, Vd]
+        B, n, Vd = U.shape
         plist = list(params)
-        prev = anchors
+        prev = bb.to_draft(anchors)
         state = self.seq_head.init_state((B,), hidden)
         toks, qs, confs = [], [], []
         for k in range(n):
@@ -188,7 +200,7 @@ class DSparkModel(nn.Module):
             toks.append(prev)
             qs.append(q)
             confs.append(z)
-        return torch.stack(toks, 1), torch.stack(qs, 1), torch.stack(confs, 1)
+        return bb.to_target(torch.stack(toks, 1)), bb.to_target_q(torch.stack(qs, 1)), torch.stack(confs, 1)
 
     def make_drafter(self, target: Decoder, max_rows: int, max_len: int, temperatures=None) -> BlockDrafter:
         return BlockDrafter("dspark", self.backbone, self, self.config.block_size, True, max_rows, max_len,

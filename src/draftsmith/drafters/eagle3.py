@@ -43,6 +43,7 @@ from draftsmith.drafters.block import (
     PREFILL_KEY, InjectedAttention, TargetHead, committed_feature_counts, init_linear_, merge_heads,
     request_generator, resolve_feature_layers, rope_cos_sin, row_uniforms, stash_prefill, take_prefills,
 )
+from draftsmith.drafters.vocab import build_vocab_map
 from draftsmith.engine.sequence import Sequence as Seq
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.decoder import MLP, Decoder, RMSNorm, rope_inv_freq
@@ -80,23 +81,6 @@ class Eagle3Config:
             problems.append(f"layer_ids repeat: {list(self.layer_ids)}")
         if problems:
             raise DraftsmithError("eagle3 config: " + "; ".join(problems))
-
-
-def build_vocab_map(token_counts: torch.Tensor | Sequence[int], size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The `size` most frequent target tokens (ties → lower id) as a draft vocabulary.
-
-    Returns (d2t [size] int64, t2d [V] bool): draft id i is target id i + d2t[i]; draft ids
-    follow ascending target id; t2d marks the target ids that have a draft id.
-    """
-    counts = torch.as_tensor(token_counts, dtype=torch.float64).flatten()
-    V = counts.numel()
-    if not 1 <= size <= V:
-        raise DraftsmithError(f"draft vocabulary size {size} must be in [1, {V}] (the target vocabulary)")
-    order = torch.sort(-counts, stable=True).indices[:size]
-    ids = order.sort().values
-    t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[ids] = True
-    return ids - torch.arange(size), t2d
 
 
 class EagleLayer(nn.Module):
@@ -245,6 +229,12 @@ class Eagle3Model(nn.Module):
         B, T = ids.shape
         t = torch.arange(T, device=ids.device)
         draft_ids = self.draft_ids
+        with torch.no_grad():
+            # p_t over the draft vocabulary at every column, once: step i reads column t+1+i.
+            # Only the draft rows of the lm_head are computed (the softmax over them equals
+            # the renormalised restriction of the full softmax).
+            lm = self.head.lm_head[draft_ids.to(self.head.lm_head.device)] if self.reduced_vocab else self.head.lm_head
+            p_t = torch.softmax(F.linear(batch.final_hidden.to(lm.dtype), lm).float(), dim=-1)  # [B, T, Vd]
         step_logits, step_targets = [], []
         parts: dict[str, float] = {}
         for i, h in enumerate(self.ttt_forward(batch)):
@@ -252,11 +242,8 @@ class Eagle3Model(nn.Module):
             sel = (tgt[None] < lengths[:, None]) & batch.loss_mask.bool().gather(1, tgt.clamp(max=T - 1).expand(B, T))
             rows, cols = sel.nonzero(as_tuple=True)
             dl = self.draft_logits(h[rows, cols])  # [N, Vd]
-            with torch.no_grad():
-                tl = self.head.logits(batch.final_hidden[rows, cols + 1 + i])  # [N, V]
-                tp = torch.softmax(tl[:, draft_ids] if self.reduced_vocab else tl, dim=-1)
             step_logits.append(dl)
-            step_targets.append(tp)
+            step_targets.append(p_t[rows, cols + 1 + i])
             if i == 0 and rows.numel():
                 x_star = ids[rows, cols + 2]
                 parts["acc@1"] = float((draft_ids[dl.detach().argmax(-1)] == x_star).float().mean())

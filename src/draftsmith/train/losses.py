@@ -11,7 +11,9 @@ Block drafters (DFlash, DSpark), each term position-weighted by w_k = exp(−(k�
     L      = 0.1 L_ce + 0.9 L_tv + 1.0 L_conf             (DSpark; DFlash: L_ce only)
 
 The soft label c*_k is the probability that draft k is accepted when drafted from p_d,k
-(1 − TV); it is a label, so no gradient flows into it. Every sum is normalised as a
+(1 − TV); it is a label, so no gradient flows into it. With a reduced draft vocabulary D,
+p_d lives on D: ‖p_d − p_t‖₁ = Σ_D |p_d − p_t| + p_t(V∖D) (the target mass no draft can
+reach), and L_ce skips items whose x*_k is outside D. Every sum is normalised as a
 weighted mean, Σ_i w_{k_i} ℓ_i / Σ_i w_{k_i} over the valid (block, position) pairs, so the
 scale does not depend on how many blocks or masked positions a batch has.
 
@@ -93,21 +95,24 @@ class LossTerms:
 
 
 def block_loss(
-    draft_logits: torch.Tensor,  # [N, V] sequential draft logits (U_k + B_k) at valid positions
-    targets: torch.Tensor,  # [N] x*_k
+    draft_logits: torch.Tensor,  # [N, Vd] sequential draft logits (U_k + B_k) at valid positions
+    targets: torch.Tensor,  # [N] x*_k as a draft id (Vd = outside a reduced draft vocabulary)
     position: torch.Tensor,  # [N] 0-based k − 1 of each item inside its block
     gamma: int,
     coef: BlockLossWeights,
     target_logits: torch.Tensor | None = None,  # [N, V] lm_head(final_hidden) of the target
     conf_logits: torch.Tensor | None = None,  # [N] confidence-head logits
     decay: float | None = None,
+    draft_ids: torch.Tensor | None = None,  # [Vd] target id per draft id; None: Vd = V
 ) -> LossTerms:
     """The DFlash / DSpark objective over N valid (block, position) items."""
     w = position_weights(gamma, decay, draft_logits.device)[position]  # [N]
     parts: dict[str, float] = {}
     total = draft_logits.new_zeros(())
     if coef.ce:
-        ce = weighted_mean(token_cross_entropy(draft_logits, targets), w)
+        Vd = draft_logits.shape[-1]
+        inside = (targets < Vd).float()
+        ce = weighted_mean(token_cross_entropy(draft_logits, targets.clamp(max=Vd - 1)), w * inside)
         total = total + coef.ce * ce
         parts["ce"] = float(ce.detach())
     need_pt = coef.tv or (coef.conf and conf_logits is not None)
@@ -116,7 +121,11 @@ def block_loss(
             raise ValueError("the TV and confidence terms need the target's logits")
         pd = torch.softmax(draft_logits.float(), -1)
         pt = torch.softmax(target_logits.float(), -1)
-        l1 = l1_distance(pd, pt)  # [N]
+        if draft_ids is None:
+            l1 = l1_distance(pd, pt)  # [N]
+        else:
+            pt = pt[:, draft_ids]
+            l1 = l1_distance(pd, pt) + (1.0 - pt.sum(-1)).clamp(min=0.0)
         if coef.tv:
             tv = weighted_mean(l1, w)
             total = total + coef.tv * tv
