@@ -329,6 +329,72 @@ def test_block_drafter_proposes_what_training_scores(name, target, train_batch, 
     torch.testing.assert_close(prop.q[0], q, atol=1e-5, rtol=1e-4)
 
 
+class _EveryThirdRound:
+    """Drafts K on every third round only: the rounds between leave the block drafter's
+    context pending (projected lazily, drafters/block.py)."""
+
+    name = "every-third"
+
+    def __init__(self, k: int) -> None:
+        self.k, self.round = k, 0
+
+    def choose(self, seqs):
+        self.round += 1
+        return [self.k if self.round % 3 == 0 else 0] * len(seqs)
+
+    def trim(self, seqs, proposal):
+        return proposal.lengths.tolist() if proposal.max_len else [0] * len(seqs)
+
+    def update(self, seqs, proposal, result):
+        pass
+
+
+@pytest.mark.parametrize("name", ["dflash-small-vocab", "dspark"])
+def test_lazy_context_upkeep_drafts_what_training_scores(name, monkeypatch, target_dir, target, trained):
+    """Rounds without drafts only queue the committed features (and a full queue is
+    projected early): every greedy proposal still equals the packed training forward at
+    its anchor, computed from scratch on the final sequence."""
+    from draftsmith.drafters import block
+
+    monkeypatch.setattr(block, "FLUSH_TOKENS", 7)  # also exercise the early projection
+    model, _ = trained(name)
+    gamma = model.config.block_size
+    drafter = model.make_drafter(target.model, 2, 128)
+    made: list[tuple[list[int], torch.Tensor]] = []  # (committed ids at the round, drafted tokens)
+    inner_propose = drafter.propose
+
+    def propose(seqs, max_lengths):
+        prop = inner_propose(seqs, max_lengths)
+        for b, s in enumerate(seqs):
+            if prop.max_len and int(prop.lengths[b]):
+                made.append((list(s.all_ids), prop.tokens[b, : int(prop.lengths[b])].clone()))
+        return prop
+
+    drafter.propose = propose
+    llm = LLM(str(target_dir), drafter=drafter, num_speculative_tokens=gamma, policy=_EveryThirdRound(gamma),
+              max_batch=2, max_len=128)
+    prompts = [PROMPT, [104, 101, 108, 108, 111, 32, 119]]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0))
+    seqs = [o.prompt_token_ids + o.token_ids for o in outs]
+    full = _batch(target, seqs, prompt_len=0)
+    first = model.config.kind == "dspark"
+    bb = model.backbone
+    for prefix, tokens in made:
+        b = next(i for i, sq in enumerate(seqs) if sq[: len(prefix)] == prefix)
+        anchor, n_drafts, seq = len(prefix) - 1, len(tokens), seqs[b]
+        with torch.no_grad():
+            pf = packed_forward(bb, _row(full, b), gamma, first, torch.tensor([[anchor]]), torch.tensor([[True]]))
+            logits = bb.draft_logits(pf.hidden[0, 0])[:n_drafts]
+            if first:
+                prev = torch.cat([torch.tensor([seq[anchor]]), tokens[:-1]])
+                o, _ = model.seq_head.teacher_forced(pf.hidden[:, :, :n_drafts], bb.to_draft(prev)[None, None])
+                logits = logits + model.seq_head.w2(o[0, 0]).float()
+        assert bb.to_target(logits.argmax(-1)).tolist() == tokens.tolist()
+    assert len(made) >= 6
+    assert [o.token_ids for o in outs] == [o.token_ids for o in LLM(str(target_dir), max_batch=2, max_len=128)
+                                           .generate(prompts, SamplingParams(max_tokens=40, temperature=0))]
+
+
 @pytest.mark.parametrize("name", ["eagle3", "eagle3-small-vocab"])
 def test_eagle_drafts_what_training_time_test_scores(name, target, train_batch, trained):
     """Draft i+1 at inference = TTT step i at the context's last column, when the data

@@ -15,10 +15,12 @@ each block's own keys — joined in one softmax. Blocks are a separate tensor ax
 training many blocks of one conversation share a forward without ever seeing each other.
 
 Inference (`BlockDrafter`): per engine row, a KVCache of the projected context keys/values
-of every draft layer; its length is the number of committed tokens with target features
-(= num_tokens − 1, the engine's invariant). `on_verified` appends the features of the
-committed tokens only; rejected drafts never enter the cache, so there is nothing to roll
-back. Each round is one backbone forward per row batch plus the kind's sampling stage.
+of every draft layer; once a row drafts, its length is the number of committed tokens with
+target features (= num_tokens − 1, the engine's invariant). `on_verified` keeps the features
+of the committed tokens only (rejected drafts never enter the cache, so there is nothing to
+roll back) and projects them lazily: when the row next drafts, or once FLUSH_TOKENS have
+gathered — rounds a load-aware policy does not draft pay no drafter upkeep. Each drafting
+round is one backbone forward per row batch plus the kind's sampling stage.
 """
 
 from __future__ import annotations
@@ -414,6 +416,8 @@ def committed_feature_counts(seqs: Sequence[Seq], num_accepted: torch.Tensor, ct
 
 
 PREFILL_KEY = "drafter_prefill"
+PENDING_KEY = "drafter_pending"  # committed tokens' concatenated features [n, mH], not yet projected
+FLUSH_TOKENS = 64  # project a row's pending features once this many have gathered (bounds memory)
 
 
 def stash_prefill(seq: Seq, features: TargetFeatures | None) -> None:
@@ -502,42 +506,66 @@ class BlockDrafter:
 
     def start(self, seq: Seq, features: TargetFeatures | None) -> None:
         self.cache.reset(seq.row)
+        seq.drafter_state.pop(PENDING_KEY, None)
         seq.drafter_state["drafter_gen"] = request_generator(seq, self.device)
         stash_prefill(seq, features)
 
+    def _pending(self, seq: Seq) -> int:
+        """Tokens whose features are known but not yet projected into the row's cache."""
+        pre = seq.drafter_state.get(PREFILL_KEY)
+        n = int(next(iter(pre.values())).shape[1]) if pre is not None else 0
+        return n + sum(int(x.shape[0]) for x in seq.drafter_state.get(PENDING_KEY, ()))
+
     def _flush(self, seqs: Sequence[Seq]) -> None:
-        """Project the prompt features of newly started rows, all in one batch."""
-        pend = take_prefills(seqs)
-        if pend:
-            rows, hidden, counts = pend
-            self._append(rows, self.backbone.features(hidden), counts)
+        """Project every row's pending features (prompt, then committed rounds), all rows in one batch."""
+        rows, chunks = [], []
+        for s in seqs:
+            parts = []
+            pre = s.drafter_state.pop(PREFILL_KEY, None)
+            if pre is not None:
+                parts.append(self.backbone.features(pre)[0])
+            parts += s.drafter_state.pop(PENDING_KEY, [])
+            if parts:
+                rows.append(s.row)
+                chunks.append(torch.cat(parts, 0) if len(parts) > 1 else parts[0])
+        if not rows:
+            return
+        counts = [int(c.shape[0]) for c in chunks]
+        feats = chunks[0].new_zeros(len(chunks), max(counts), chunks[0].shape[-1])
+        for b, c in enumerate(chunks):
+            feats[b, : counts[b]] = c
+        self._append(rows, feats, counts)
 
     def release(self, seq: Seq) -> None:
         seq.drafter_state.pop(PREFILL_KEY, None)
+        seq.drafter_state.pop(PENDING_KEY, None)
         if seq.row >= 0:
             self.cache.reset(seq.row)
 
     def on_verified(self, seqs, proposal, result, features) -> None:
+        """Keep the committed tokens' features; they are projected when the row next drafts
+        (or once FLUSH_TOKENS have gathered), so rounds the policy does not draft cost nothing."""
         if features is None or not features.hidden:
             raise DraftsmithError(f"drafter {self.name!r} needs target features after every round")
-        self._flush(seqs)
-        rows = [s.row for s in seqs]
-        ctx = self.cache.lengths[rows].tolist()
+        ctx = [int(self.cache.lengths[s.row]) + self._pending(s) for s in seqs]
         counts = committed_feature_counts(seqs, result.num_accepted, ctx)
         keep = [b for b, n in enumerate(counts) if n > 0]
-        if keep:
-            feats = self.backbone.features(features.hidden)  # [B, 1+K, mH]
-            self._append([rows[b] for b in keep], feats[keep], [counts[b] for b in keep])
+        if not keep:
+            return
+        feats = self.backbone.features(features.hidden)  # [B, 1+K, mH]
+        for b in keep:
+            seqs[b].drafter_state.setdefault(PENDING_KEY, []).append(feats[b, : counts[b]])
+        self._flush([s for s in seqs if self._pending(s) >= FLUSH_TOKENS])
 
     # -- one round
 
     @torch.inference_mode()
     def propose(self, seqs: list[Seq], max_lengths: list[int]) -> Proposal:
-        self._flush(seqs)
         active = [i for i, k in enumerate(max_lengths) if k > 0]
         if not active:
             return Proposal.empty(len(seqs))
         act = [seqs[i] for i in active]
+        self._flush(act)
         caps = [min(max_lengths[i], self.gamma) for i in active]
         n = max(caps)
         rows = torch.tensor([s.row for s in act])
