@@ -349,18 +349,12 @@ class _EveryThirdRound:
         pass
 
 
-@pytest.mark.parametrize("name", ["dflash-small-vocab", "dspark"])
-def test_lazy_context_upkeep_drafts_what_training_scores(name, monkeypatch, target_dir, target, trained):
-    """Rounds without drafts only queue the committed features (and a full queue is
-    projected early): every greedy proposal still equals the packed training forward at
-    its anchor, computed from scratch on the final sequence."""
-    from draftsmith.drafters import block
-
-    monkeypatch.setattr(block, "FLUSH_TOKENS", 7)  # also exercise the early projection
-    model, _ = trained(name)
-    gamma = model.config.block_size
+def _greedy_rounds_every_third(model, target_dir, target, k: int):
+    """Greedy generation drafting k on every third round, with an early projection every 7
+    pending positions: (final sequences, [(committed ids at a drafting round, drafted tokens)])."""
     drafter = model.make_drafter(target.model, 2, 128)
-    made: list[tuple[list[int], torch.Tensor]] = []  # (committed ids at the round, drafted tokens)
+    drafter.flush_tokens = 7
+    made: list[tuple[list[int], torch.Tensor]] = []
     inner_propose = drafter.propose
 
     def propose(seqs, max_lengths):
@@ -371,28 +365,47 @@ def test_lazy_context_upkeep_drafts_what_training_scores(name, monkeypatch, targ
         return prop
 
     drafter.propose = propose
-    llm = LLM(str(target_dir), drafter=drafter, num_speculative_tokens=gamma, policy=_EveryThirdRound(gamma),
-              max_batch=2, max_len=128)
     prompts = [PROMPT, [104, 101, 108, 108, 111, 32, 119]]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0))
-    seqs = [o.prompt_token_ids + o.token_ids for o in outs]
+    params = SamplingParams(max_tokens=40, temperature=0)
+    llm = LLM(str(target_dir), drafter=drafter, num_speculative_tokens=k, policy=_EveryThirdRound(k),
+              max_batch=2, max_len=128)
+    outs = [o.token_ids for o in llm.generate(prompts, params)]
+    assert outs == [o.token_ids for o in LLM(str(target_dir), max_batch=2, max_len=128).generate(prompts, params)]
+    assert len(made) >= 6
+    return [p + o for p, o in zip(prompts, outs)], made
+
+
+@pytest.mark.parametrize("name", ["dflash-small-vocab", "dspark", "eagle3", "eagle3-small-vocab"])
+def test_lazy_context_upkeep_drafts_what_training_scores(name, target_dir, target, trained):
+    """Rounds without drafts only queue the committed features (a full queue is projected
+    early): every greedy proposal still equals the training forward at its anchor, computed
+    from scratch (block: packed forward on the final sequence; EAGLE-3: training-time test
+    on the committed ids + the drafts)."""
+    model, _ = trained(name)
+    k = model.config.block_size if name != "eagle3" and name != "eagle3-small-vocab" else 3
+    seqs, made = _greedy_rounds_every_third(model, target_dir, target, k)
+    if model.config.kind == "eagle3":
+        for prefix, tokens in made:
+            rerun = _batch(target, [prefix + tokens.tolist()], prompt_len=0)
+            with torch.no_grad():
+                steps = model.ttt_forward(rerun, steps=len(tokens))
+            picks = [int(model.draft_ids[model.draft_logits(h[0, len(prefix) - 2]).argmax()]) for h in steps]
+            assert picks == tokens.tolist()
+        return
     full = _batch(target, seqs, prompt_len=0)
     first = model.config.kind == "dspark"
-    bb = model.backbone
+    bb, gamma = model.backbone, model.config.block_size
     for prefix, tokens in made:
         b = next(i for i, sq in enumerate(seqs) if sq[: len(prefix)] == prefix)
-        anchor, n_drafts, seq = len(prefix) - 1, len(tokens), seqs[b]
+        anchor = len(prefix) - 1
         with torch.no_grad():
             pf = packed_forward(bb, _row(full, b), gamma, first, torch.tensor([[anchor]]), torch.tensor([[True]]))
-            logits = bb.draft_logits(pf.hidden[0, 0])[:n_drafts]
+            logits = bb.draft_logits(pf.hidden[0, 0])[: len(tokens)]
             if first:
-                prev = torch.cat([torch.tensor([seq[anchor]]), tokens[:-1]])
-                o, _ = model.seq_head.teacher_forced(pf.hidden[:, :, :n_drafts], bb.to_draft(prev)[None, None])
+                prev = torch.cat([torch.tensor([prefix[anchor]]), tokens[:-1]])
+                o, _ = model.seq_head.teacher_forced(pf.hidden[:, :, : len(tokens)], bb.to_draft(prev)[None, None])
                 logits = logits + model.seq_head.w2(o[0, 0]).float()
         assert bb.to_target(logits.argmax(-1)).tolist() == tokens.tolist()
-    assert len(made) >= 6
-    assert [o.token_ids for o in outs] == [o.token_ids for o in LLM(str(target_dir), max_batch=2, max_len=128)
-                                           .generate(prompts, SamplingParams(max_tokens=40, temperature=0))]
 
 
 @pytest.mark.parametrize("name", ["eagle3", "eagle3-small-vocab"])

@@ -431,23 +431,6 @@ def stash_prefill(seq: Seq, features: TargetFeatures | None) -> None:
             seq.drafter_state[PREFILL_KEY] = features.hidden
 
 
-def take_prefills(seqs: Sequence[Seq]) -> tuple[list[int], dict[int, torch.Tensor], list[int]] | None:
-    """Pop the stashed prompt features of `seqs`: (rows, layer id -> right-padded
-    [B, S, H], counts), or None when no row has any."""
-    pend = [(s.row, s.drafter_state.pop(PREFILL_KEY)) for s in seqs if s.drafter_state.get(PREFILL_KEY) is not None]
-    if not pend:
-        return None
-    counts = [int(next(iter(h.values())).shape[1]) for _, h in pend]
-    S = max(counts)
-    hidden: dict[int, torch.Tensor] = {}
-    for i, ref in pend[0][1].items():
-        out = ref.new_zeros(len(pend), S, ref.shape[-1])
-        for b, (_, h) in enumerate(pend):
-            out[b, : counts[b]] = h[i][0]
-        hidden[i] = out
-    return [r for r, _ in pend], hidden, counts
-
-
 class BlockDrafter:
     """Inference drafter for a block model (DFlash / DSpark): one backbone forward per round.
 
@@ -475,6 +458,7 @@ class BlockDrafter:
         self.offset = 0 if anchor_is_first_prediction else 1
         self.needs = FeatureSpec(layer_ids=backbone.layer_ids)
         self.temperatures = tuple(float(t) for t in temperatures) if temperatures else None
+        self.flush_tokens = FLUSH_TOKENS
         c = backbone.cfg
         self.device = backbone.fc.weight.device
         self.cache = KVCache(c.num_layers, max_rows, c.num_kv_heads, max_len, c.head_dim,
@@ -555,7 +539,7 @@ class BlockDrafter:
         feats = self.backbone.features(features.hidden)  # [B, 1+K, mH]
         for b in keep:
             seqs[b].drafter_state.setdefault(PENDING_KEY, []).append(feats[b, : counts[b]])
-        self._flush([s for s in seqs if self._pending(s) >= FLUSH_TOKENS])
+        self._flush([s for s in seqs if self._pending(s) >= self.flush_tokens])
 
     # -- one round
 
