@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from standin_drafter import sequence_records  # noqa: E402
@@ -32,7 +33,8 @@ def trained(tiny_model_dir, tmp_path_factory):
     run_cache(CacheConfig(target=str(target), data=regen, out=root / "cache", layers="0,1,2", dtype="fp16",
                           progress=False))
     runs = {}
-    for kind, opts, dtype in [("dspark", {"num_layers": 1, "block_size": 4, "max_anchors": 6, "rank": 32}, "fp32"),
+    for kind, opts, dtype in [("dspark", {"num_layers": 1, "block_size": 4, "max_anchors": 6, "rank": 32,
+                                          "draft_vocab_size": 128}, "fp32"),
                               ("eagle3", {"ttt_steps": 3, "draft_vocab_size": 128}, "bf16")]:  # bf16 autocast too
         raw = {"target": str(target), "out": str(root / kind), "drafter": {"kind": kind, **opts},
                "data": {"cache": str(root / "cache"), "max_len": 32},
@@ -41,6 +43,17 @@ def trained(tiny_model_dir, tmp_path_factory):
         res = Trainer(parse_config(raw, num_layers=3)).fit()
         assert res.step == 4
         runs[kind] = root / kind
+    from safetensors.torch import load_file
+
+    # the trainer chose DSpark's draft vocabulary from the cached answers' token counts
+    counts = torch.zeros(272, dtype=torch.long)
+    for shard in (root / "cache").glob("*.safetensors"):
+        part = load_file(str(shard))
+        counts += torch.bincount(part["input_ids"].long()[part["loss_mask"].bool()], minlength=272)
+    state = load_file(str(root / "dspark" / "model.safetensors"))
+    t2d = state["backbone.vocab.t2d"]
+    assert int(t2d.sum()) == 128 and not torch.equal(t2d, torch.arange(272) < 128)  # not the untouched default
+    assert bool(t2d[counts.argsort(descending=True)[:10]].all())  # (the trainer counts train-split answers only)
     ids = [f"p{i}" for i in range(4000) if split_of(f"file:prompts.jsonl/p{i}") == "heldout"][:4]
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": i, "prompt": f"abc abc {i}"}) + "\n" for i in ids))
