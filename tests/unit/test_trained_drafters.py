@@ -548,12 +548,18 @@ def test_checkpoint_for_another_target_is_refused(tmp_path, tiny_model_dir, targ
         ({"kind": "dspark", "head": "lstm"}, "must be one of"),
         ({"kind": "eagle3", "ttt_steps": 0}, "ttt_steps"),
         ({"kind": "dflash", "layer_ids": [0, 0]}, "repeat"),
+        ({"kind": "dflash", "draft_vocab_size": 0}, "draft_vocab_size must be a positive integer"),
         ({"kind": "medusa"}, "unknown drafter kind"),
     ],
 )
 def test_config_errors_are_clear(data, message):
     with pytest.raises(DraftsmithError, match=message):
         config_from_dict(data)
+
+
+def test_draft_vocabulary_larger_than_the_target_is_refused(target):
+    with pytest.raises(DraftsmithError, match="draft_vocab_size 300 exceeds the target vocabulary 272"):
+        dspark.build(target.model, dspark.DSparkConfig(block_size=4, num_layers=1, draft_vocab_size=300))
 
 
 def test_config_defaults_and_target_resolution(target):
