@@ -416,19 +416,60 @@ def committed_feature_counts(seqs: Sequence[Seq], num_accepted: torch.Tensor, ct
 
 
 PREFILL_KEY = "drafter_prefill"
-PENDING_KEY = "drafter_pending"  # committed tokens' concatenated features [n, mH], not yet projected
-FLUSH_TOKENS = 64  # project a row's pending features once this many have gathered (bounds memory)
+PENDING_KEY = "drafter_pending"  # committed positions' features, one {layer id: [n, H]} per round
+FLUSH_TOKENS = 64  # run a row's pending positions once this many have gathered (bounds memory)
 
 
 def stash_prefill(seq: Seq, features: TargetFeatures | None) -> None:
-    """Keep a new request's prompt features until the next propose / on_verified, so the
-    rows admitted in one engine step are projected in one batch (the engine starts them
-    one by one)."""
+    """Keep a new request's prompt features until the row next drafts, so the rows admitted
+    in one engine step are projected in one batch (the engine starts them one by one)."""
     seq.drafter_state.pop(PREFILL_KEY, None)
+    seq.drafter_state.pop(PENDING_KEY, None)
     if features is not None and features.hidden:
         n = int(next(iter(features.hidden.values())).shape[1])
         if n:
             seq.drafter_state[PREFILL_KEY] = features.hidden
+
+
+def pending_count(seq: Seq) -> int:
+    """Context positions whose target features are stashed but not yet in the drafter's cache."""
+    pre = seq.drafter_state.get(PREFILL_KEY)
+    n = int(next(iter(pre.values())).shape[1]) if pre is not None else 0
+    return n + sum(int(next(iter(x.values())).shape[0]) for x in seq.drafter_state.get(PENDING_KEY, ()))
+
+
+def queue_committed(seqs: Sequence[Seq], counts: Sequence[int], hidden: dict[int, torch.Tensor],
+                    layer_ids: Sequence[int]) -> None:
+    """Stash the first counts[b] positions of a round's features [B, 1+K, H] for row b."""
+    for b, n in enumerate(counts):
+        if n > 0:
+            seqs[b].drafter_state.setdefault(PENDING_KEY, []).append({i: hidden[i][b, :n] for i in layer_ids})
+
+
+def take_pending(seqs: Sequence[Seq]) -> tuple[list[Seq], dict[int, torch.Tensor], list[int]] | None:
+    """Pop every row's stashed positions (prompt, then rounds, in order): (the rows that had
+    some, layer id → right-padded [B, S, H], counts), or None when no row has any."""
+    rows, chunks = [], []
+    for s in seqs:
+        parts = []
+        pre = s.drafter_state.pop(PREFILL_KEY, None)
+        if pre is not None:
+            parts.append({i: h[0] for i, h in pre.items()})
+        parts += s.drafter_state.pop(PENDING_KEY, [])
+        if parts:
+            rows.append(s)
+            keys = set(parts[0]).intersection(*parts[1:])  # the layers every part has
+            chunks.append({i: torch.cat([p[i] for p in parts], 0) for i in sorted(keys)})
+    if not rows:
+        return None
+    counts = [int(next(iter(c.values())).shape[0]) for c in chunks]
+    hidden = {}
+    for i, ref in chunks[0].items():
+        out = ref.new_zeros(len(chunks), max(counts), ref.shape[-1])
+        for b, c in enumerate(chunks):
+            out[b, : counts[b]] = c[i]
+        hidden[i] = out
+    return rows, hidden, counts
 
 
 class BlockDrafter:
@@ -490,35 +531,15 @@ class BlockDrafter:
 
     def start(self, seq: Seq, features: TargetFeatures | None) -> None:
         self.cache.reset(seq.row)
-        seq.drafter_state.pop(PENDING_KEY, None)
         seq.drafter_state["drafter_gen"] = request_generator(seq, self.device)
         stash_prefill(seq, features)
 
-    def _pending(self, seq: Seq) -> int:
-        """Tokens whose features are known but not yet projected into the row's cache."""
-        pre = seq.drafter_state.get(PREFILL_KEY)
-        n = int(next(iter(pre.values())).shape[1]) if pre is not None else 0
-        return n + sum(int(x.shape[0]) for x in seq.drafter_state.get(PENDING_KEY, ()))
-
     def _flush(self, seqs: Sequence[Seq]) -> None:
-        """Project every row's pending features (prompt, then committed rounds), all rows in one batch."""
-        rows, chunks = [], []
-        for s in seqs:
-            parts = []
-            pre = s.drafter_state.pop(PREFILL_KEY, None)
-            if pre is not None:
-                parts.append(self.backbone.features(pre)[0])
-            parts += s.drafter_state.pop(PENDING_KEY, [])
-            if parts:
-                rows.append(s.row)
-                chunks.append(torch.cat(parts, 0) if len(parts) > 1 else parts[0])
-        if not rows:
-            return
-        counts = [int(c.shape[0]) for c in chunks]
-        feats = chunks[0].new_zeros(len(chunks), max(counts), chunks[0].shape[-1])
-        for b, c in enumerate(chunks):
-            feats[b, : counts[b]] = c
-        self._append(rows, feats, counts)
+        """Project every row's pending positions (prompt, then committed rounds), in one batch."""
+        pend = take_pending(seqs)
+        if pend:
+            rows, hidden, counts = pend
+            self._append([s.row for s in rows], self.backbone.features(hidden), counts)
 
     def release(self, seq: Seq) -> None:
         seq.drafter_state.pop(PREFILL_KEY, None)
@@ -528,18 +549,13 @@ class BlockDrafter:
 
     def on_verified(self, seqs, proposal, result, features) -> None:
         """Keep the committed tokens' features; they are projected when the row next drafts
-        (or once FLUSH_TOKENS have gathered), so rounds the policy does not draft cost nothing."""
+        (or once `flush_tokens` have gathered), so rounds a policy does not draft cost nothing."""
         if features is None or not features.hidden:
             raise DraftsmithError(f"drafter {self.name!r} needs target features after every round")
-        ctx = [int(self.cache.lengths[s.row]) + self._pending(s) for s in seqs]
-        counts = committed_feature_counts(seqs, result.num_accepted, ctx)
-        keep = [b for b, n in enumerate(counts) if n > 0]
-        if not keep:
-            return
-        feats = self.backbone.features(features.hidden)  # [B, 1+K, mH]
-        for b in keep:
-            seqs[b].drafter_state.setdefault(PENDING_KEY, []).append(feats[b, : counts[b]])
-        self._flush([s for s in seqs if self._pending(s) >= self.flush_tokens])
+        ctx = [int(self.cache.lengths[s.row]) + pending_count(s) for s in seqs]
+        queue_committed(seqs, committed_feature_counts(seqs, result.num_accepted, ctx), features.hidden,
+                        self.backbone.layer_ids)
+        self._flush([s for s in seqs if pending_count(s) >= self.flush_tokens])
 
     # -- one round
 

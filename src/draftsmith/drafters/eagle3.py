@@ -41,7 +41,8 @@ from draftsmith.core.warp import inverse_cdf, target_probs
 from draftsmith.drafters.base import FeatureSpec, TargetFeatures
 from draftsmith.drafters.block import (
     FLUSH_TOKENS, PENDING_KEY, PREFILL_KEY, InjectedAttention, TargetHead, committed_feature_counts, init_linear_,
-    merge_heads, request_generator, resolve_feature_layers, rope_cos_sin, row_uniforms, stash_prefill,
+    merge_heads, pending_count, queue_committed, request_generator, resolve_feature_layers, rope_cos_sin,
+    row_uniforms, stash_prefill, take_pending,
 )
 from draftsmith.drafters.vocab import build_vocab_map
 from draftsmith.engine.sequence import Sequence as Seq
@@ -315,44 +316,18 @@ class EagleDrafter:
 
     def start(self, seq: Seq, features: TargetFeatures | None) -> None:
         self.cache.reset(seq.row)
-        seq.drafter_state.pop(PENDING_KEY, None)
         seq.drafter_state["drafter_gen"] = request_generator(seq, self.device)
         stash_prefill(seq, features)
-
-    def _pending(self, seq: Seq) -> int:
-        """Context positions whose target features are known but not yet run through the layer."""
-        pre = seq.drafter_state.get(PREFILL_KEY)
-        n = int(next(iter(pre.values())).shape[1]) if pre is not None else 0
-        return n + sum(int(next(iter(x.values())).shape[0]) for x in seq.drafter_state.get(PENDING_KEY, ()))
 
     def _flush(self, seqs: list[Seq]) -> None:
         """Run every row's pending context positions (prompt, then committed rounds) through
         the draft layer, all rows in one batch; position j pairs feature j with token j+1."""
-        rows, chunks, toks = [], [], []
-        for s in seqs:
-            parts = []
-            pre = s.drafter_state.pop(PREFILL_KEY, None)
-            if pre is not None:
-                parts.append({i: h[0] for i, h in pre.items()})
-            parts += s.drafter_state.pop(PENDING_KEY, [])
-            if not parts:
-                continue
-            feats = {i: torch.cat([p[i] for p in parts], 0) for i in parts[0]}
-            n = int(next(iter(feats.values())).shape[0])
-            ctx = int(self.cache.lengths[s.row])
-            rows.append(s.row)
-            chunks.append(feats)
-            toks.append(s.all_ids[ctx + 1 : ctx + 1 + n])
-        if not rows:
-            return
-        S = max(len(t) for t in toks)
-        hidden = {}
-        for i, ref in chunks[0].items():
-            out = ref.new_zeros(len(chunks), S, ref.shape[-1])
-            for b, c in enumerate(chunks):
-                out[b, : c[i].shape[0]] = c[i]
-            hidden[i] = out
-        self._extend(rows, hidden, toks)
+        pend = take_pending(seqs)
+        if pend:
+            rows, hidden, counts = pend
+            ctx = [int(self.cache.lengths[s.row]) for s in rows]
+            self._extend([s.row for s in rows], hidden,
+                         [s.all_ids[c + 1 : c + 1 + n] for s, c, n in zip(rows, ctx, counts)])
 
     def release(self, seq: Seq) -> None:
         seq.drafter_state.pop(PREFILL_KEY, None)
@@ -362,16 +337,13 @@ class EagleDrafter:
 
     def on_verified(self, seqs, proposal, result, features) -> None:
         """Keep the committed positions' features; the draft layer runs over them when the
-        row next drafts (or once FLUSH_TOKENS have gathered), so undrafted rounds cost nothing."""
+        row next drafts (or once `flush_tokens` are pending), so undrafted rounds cost nothing."""
         if features is None or not features.hidden:
             raise DraftsmithError("eagle3 drafter needs target features after every round")
-        ctx = [int(self.cache.lengths[s.row]) + self._pending(s) for s in seqs]
-        counts = committed_feature_counts(seqs, result.num_accepted, ctx)
-        for b, n in enumerate(counts):
-            if n > 0:
-                seqs[b].drafter_state.setdefault(PENDING_KEY, []).append(
-                    {i: f[b, :n] for i, f in features.hidden.items() if i in self.model.layer_ids})
-        self._flush([s for s in seqs if self._pending(s) >= self.flush_tokens])
+        ctx = [int(self.cache.lengths[s.row]) + pending_count(s) for s in seqs]
+        queue_committed(seqs, committed_feature_counts(seqs, result.num_accepted, ctx), features.hidden,
+                        self.model.layer_ids)
+        self._flush([s for s in seqs if pending_count(s) >= self.flush_tokens])
 
     @torch.inference_mode()
     def propose(self, seqs: list[Seq], max_lengths: list[int]) -> Proposal:
