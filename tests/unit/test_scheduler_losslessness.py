@@ -34,6 +34,7 @@ from draftsmith.policy.acceptance import cumulative
 from draftsmith.policy.prefix_scheduler import PrefixScheduler
 from draftsmith.policy.profile import SPSTable
 from draftsmith.policy.threshold import ConfidenceThreshold
+from chi_square import chi2_pvalue  # noqa: E402  (tests/unit helper)
 
 ALPHA = 1e-4
 N_ROWS = 60_000
@@ -163,23 +164,6 @@ def _generate(P, Q, C, K, R, schedule, seed):
 # ----------------------------------------------------------------------------- statistics
 
 
-def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    counts, probs = counts.double().flatten(), probs.double().flatten()
-    if bool((counts[probs <= 0] > 0).any()):
-        return 0.0
-    expected = counts.sum() * probs
-    big, small = expected >= 5, (expected > 0) & (expected < 5)
-    obs, exp = counts[big], expected[big]
-    if bool(small.any()):
-        obs = torch.cat([obs, counts[small].sum().view(1)])
-        exp = torch.cat([exp, expected[small].sum().view(1)])
-    df = obs.numel() - 1
-    if df < 1:
-        return 1.0
-    stat = ((obs - exp) ** 2 / exp).sum()
-    return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64), stat / 2))
-
-
 def _pvalues(P: torch.Tensor, seq: torch.Tensor) -> dict[str, float]:
     L = seq.shape[1]
     m = [P[0, BOS].double()]
@@ -188,9 +172,9 @@ def _pvalues(P: torch.Tensor, seq: torch.Tensor) -> dict[str, float]:
 
     def pair(t: int) -> float:
         law = m[t - 1].unsqueeze(1) * P[t].double()
-        return _chi2_pvalue(torch.bincount(seq[:, t - 1] * V + seq[:, t], minlength=V * V), law)
+        return chi2_pvalue(torch.bincount(seq[:, t - 1] * V + seq[:, t], minlength=V * V), law)
 
-    return {"first": _chi2_pvalue(torch.bincount(seq[:, 0], minlength=V), m[0]),
+    return {"first": chi2_pvalue(torch.bincount(seq[:, 0], minlength=V), m[0]),
             "first_pair": pair(1), "last_pair": pair(L - 1)}
 
 

@@ -37,6 +37,7 @@ from draftsmith.drafters.trained import (
 from draftsmith.engine.sequence import Sequence
 from draftsmith.models.target import load_target
 from draftsmith.train.protocol import TrainBatch
+from chi_square import chi2_pvalue  # noqa: E402  (tests/unit helper)
 
 ALPHA = 1e-4
 N_SAMPLES = 2000
@@ -186,23 +187,6 @@ def _exact_laws(model, prompt: list[int]):
     return p1, pair.sum(0), pair
 
 
-def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson chi-square p-value; cells with expected count < 5 pooled; a token seen where
-    the target has zero mass fails outright."""
-    counts, probs = counts.double().flatten(), probs.double().flatten()
-    if bool((counts[probs <= 0] > 0).any()):
-        return 0.0
-    expected = counts.sum() * probs
-    big = expected >= 5
-    obs = torch.cat([counts[big], counts[~big].sum().view(1)])
-    exp = torch.cat([expected[big], expected[~big].sum().view(1)])
-    keep = exp > 0
-    obs, exp = obs[keep], exp[keep]
-    stat = ((obs - exp) ** 2 / exp).sum()
-    df = obs.numel() - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64), stat / 2))
-
-
 def _first_two_pvalues(target_dir, target, drafter) -> tuple[dict[str, float], float]:
     llm = LLM(str(target_dir), drafter=drafter, num_speculative_tokens=4, max_batch=64, max_len=64)
     params = [SamplingParams(max_tokens=3, temperature=1.0, seed=i, ignore_eos=True) for i in range(N_SAMPLES)]
@@ -212,9 +196,9 @@ def _first_two_pvalues(target_dir, target, drafter) -> tuple[dict[str, float], f
     V = target.model.config.vocab_size
     p1, p2, pair = _exact_laws(target.model, PROMPT)
     pv = {
-        "first": _chi2_pvalue(torch.bincount(first, minlength=V), p1),
-        "second": _chi2_pvalue(torch.bincount(second, minlength=V), p2),
-        "pair": _chi2_pvalue(torch.bincount(first * V + second, minlength=V * V), pair),
+        "first": chi2_pvalue(torch.bincount(first, minlength=V), p1),
+        "second": chi2_pvalue(torch.bincount(second, minlength=V), p2),
+        "pair": chi2_pvalue(torch.bincount(first * V + second, minlength=V * V), pair),
     }
     return pv, llm.last_stats.prefix_survival[0]
 
