@@ -616,6 +616,30 @@ class BlockDrafter:
         return Proposal(tokens=out_tokens, lengths=lengths, q=q_full, confidences=conf)
 
 
+# ---------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class BlockConfig:
+    """The fields DFlash and DSpark share: the backbone and its training. Each kind's config
+    subclasses this and sets its kind, loss weights and extras."""
+
+    kind: str = "block"
+    block_size: int = 7  # γ: drafts per forward
+    num_layers: int = 5  # draft layers, each with the context K/V injected
+    layer_ids: tuple[int, ...] = ()  # target feature layers; () = num_layers spread over [1, L−3]
+    mask_token_id: int | None = None  # None = resolved at build (choose_mask_token_id)
+    intermediate_size: int | None = None  # draft MLP width; None = the target's
+    max_anchors: int = 512  # training blocks sampled per sequence
+    draft_vocab_size: int | None = None  # reduced draft vocabulary (drafters/vocab.py); None = the target's
+    ce_weight: float = 1.0
+    tv_weight: float = 0.0
+    position_decay: float | None = None  # w_k = exp(−(k−1)/d); None = block_size
+
+    def __post_init__(self) -> None:
+        validate_block_config(self)
+
+
 # ---------------------------------------------------------------------------- config helpers
 
 

@@ -20,7 +20,7 @@ from draftsmith.core.sampling import SamplingParams
 from draftsmith.core.warp import inverse_cdf, target_probs
 from draftsmith.drafters.base import FeatureSpec
 from draftsmith.drafters.block import (
-    BlockBackbone, BlockDrafter, packed_forward, resolve_block_config, target_logits_at, validate_block_config,
+    BlockBackbone, BlockConfig, BlockDrafter, packed_forward, resolve_block_config, target_logits_at,
 )
 from draftsmith.models.decoder import Decoder
 from draftsmith.train.anchors import sample_anchors
@@ -29,23 +29,12 @@ from draftsmith.train.protocol import LossOutput, TrainBatch
 
 
 @dataclass(frozen=True)
-class DFlashConfig:
-    """DFlash drafter (defaults: ALGORITHMS.md / the DFlash paper)."""
+class DFlashConfig(BlockConfig):
+    """DFlash drafter (defaults: ALGORITHMS.md / the DFlash paper). γ = block_size: the block
+    is the anchor + γ mask tokens. DFlash trains with CE only (ce_weight 1, tv_weight 0); an
+    L1/TV term is available for ablations."""
 
     kind: Literal["dflash"] = "dflash"
-    block_size: int = 7  # γ: drafts per forward; the block is the anchor + γ mask tokens
-    num_layers: int = 5  # draft layers, each with the context K/V injected
-    layer_ids: tuple[int, ...] = ()  # target feature layers; () = num_layers spread over [1, L−3]
-    mask_token_id: int | None = None  # None = resolved at build (block.choose_mask_token_id)
-    intermediate_size: int | None = None  # draft MLP width; None = the target's
-    max_anchors: int = 512  # training blocks sampled per sequence
-    draft_vocab_size: int | None = None  # reduced draft vocabulary (drafters/vocab.py); None = the target's
-    ce_weight: float = 1.0  # DFlash trains with CE only ...
-    tv_weight: float = 0.0  # ... an L1/TV term is available for ablations
-    position_decay: float | None = None  # w_k = exp(−(k−1)/d); None = block_size
-
-    def __post_init__(self) -> None:
-        validate_block_config(self)
 
 
 class DFlashModel(nn.Module):

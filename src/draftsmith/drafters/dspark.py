@@ -36,7 +36,7 @@ from draftsmith.core.sampling import SamplingParams
 from draftsmith.core.warp import inverse_cdf, target_probs
 from draftsmith.drafters.base import FeatureSpec
 from draftsmith.drafters.block import (
-    BlockBackbone, BlockDrafter, packed_forward, resolve_block_config, target_logits_at, validate_block_config,
+    BlockBackbone, BlockConfig, BlockDrafter, packed_forward, resolve_block_config, target_logits_at,
 )
 from draftsmith.drafters.dflash import accuracy_parts
 from draftsmith.errors import DraftsmithError
@@ -49,26 +49,19 @@ HEADS = ("markov", "gated", "rnn")
 
 
 @dataclass(frozen=True)
-class DSparkConfig:
-    """DSpark drafter (defaults: ALGORITHMS.md / the DSpark paper)."""
+class DSparkConfig(BlockConfig):
+    """DSpark drafter (defaults: ALGORITHMS.md / the DSpark paper). γ = block_size: block
+    inputs = drafts (the anchor predicts the first draft)."""
 
     kind: Literal["dspark"] = "dspark"
-    block_size: int = 7  # γ: block inputs = drafts (the anchor predicts the first draft)
-    num_layers: int = 5  # draft layers, each with the context K/V injected
-    layer_ids: tuple[int, ...] = ()  # target feature layers; () = num_layers spread over [1, L−3]
-    mask_token_id: int | None = None  # None = resolved at build (block.choose_mask_token_id)
-    intermediate_size: int | None = None  # draft MLP width; None = the target's
     head: Literal["markov", "gated", "rnn"] = "markov"  # sequential stage
     rank: int = 256  # r of W1 ∈ R^{V×r}, W2 ∈ R^{r×V} (and the RNN state width)
-    max_anchors: int = 512  # training blocks sampled per sequence
-    draft_vocab_size: int | None = None  # reduced draft vocabulary (drafters/vocab.py); None = the target's
     ce_weight: float = 0.1  # L = 0.1 L_ce + 0.9 L_tv + 1.0 L_conf
     tv_weight: float = 0.9
     conf_weight: float = 1.0
-    position_decay: float | None = None  # w_k = exp(−(k−1)/d); None = block_size
 
     def __post_init__(self) -> None:
-        validate_block_config(self)
+        super().__post_init__()
         problems = []
         if self.head not in HEADS:
             problems.append(f"head must be one of {', '.join(HEADS)}, got {self.head!r}")
