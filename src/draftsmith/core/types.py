@@ -19,8 +19,10 @@ class Proposal:
     tokens:      [B, K] int64 draft ids, right-padded (padding value is ignored).
     lengths:     [B]    int64 number of valid draft tokens per row, 0 <= lengths <= K.
     q:           [B, K, V] float draft distributions the tokens were sampled from, or None
-                 when the drafter is deterministic (n-gram, greedy drafts): then q is one-hot
-                 at `tokens` and the verifier never materialises it.
+                 when every row that drafted this round drew deterministically (n-gram, or
+                 greedy rows of a trained drafter — also when the sampled rows of the batch
+                 proposed 0 tokens): then q is one-hot at `tokens` and the verifier never
+                 materialises it.
     confidences: [B, K] float, per-position survival confidences c_k (DSpark), or None.
     """
 
