@@ -1,6 +1,11 @@
-"""Server pieces that need no model: stop-string holdback, metrics text, request models."""
+"""Server pieces that need no model (stop-string holdback, metrics text, request models, the
+engine thread over a fake engine), then the HTTP app over a tiny random model: disconnects,
+request limits, malformed input, API keys."""
 
 from __future__ import annotations
+
+import json
+import logging
 
 import pytest
 from pydantic import ValidationError
@@ -216,3 +221,271 @@ def test_engine_loop_events_abort_failure_and_idle():
     finally:
         loop.stop()
     assert not loop.alive
+
+
+# ---- the HTTP app over a tiny random model (no download; seconds) ---------------------
+
+
+class _ThreadServer:
+    """uvicorn in a background thread on an ephemeral loopback port; its logs go to caplog."""
+
+    def __init__(self, app) -> None:
+        import threading
+
+        import uvicorn
+
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", log_config=None))
+        self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
+
+    def start(self) -> str:
+        import time
+
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
+            time.sleep(0.02)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tiny_model_dir):
+    return tiny_model_dir()
+
+
+@pytest.fixture
+def tiny_server(tiny_dir):
+    """Factory: `tiny_server(**create_app_kwargs) -> base URL` of a fresh server (2 KV rows, context 256)."""
+    from draftsmith.api import LLM
+    from draftsmith.server.app import create_app
+
+    servers = []
+
+    def start(**kw) -> str:
+        servers.append(_ThreadServer(create_app(LLM(str(tiny_dir), max_batch=2, max_len=256), "tiny", **kw)))
+        return servers[-1].start()
+
+    yield start
+    for s in servers:
+        s.stop()
+
+
+def _metrics(url: str) -> dict[str, float]:
+    import httpx
+
+    return parse_metrics(httpx.get(f"{url}/metrics", timeout=10).text)
+
+
+def _wait_for(cond, timeout: float, what: str) -> float:
+    """Poll `cond()` every 20 ms; return the seconds it took, or fail after `timeout`."""
+    import time
+
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout, f"{what}: not within {timeout}s"
+        time.sleep(0.02)
+    return time.monotonic() - t0
+
+
+def _raw_post(port: int, path: str, body: bytes, content_length: int | None = None):
+    """Send a POST over a bare socket (the caller closes it: a disconnect the server must see)."""
+    import socket
+
+    s = socket.create_connection(("127.0.0.1", port))
+    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body) if content_length is None else content_length}\r\n\r\n")
+    s.sendall(head.encode() + body)
+    return s
+
+
+def _assert_openai_error(r, status: int, param=None, code=None, says: str = "") -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"], r.text
+    assert err["param"] == param, err
+    if code:
+        assert err["code"] == code, err
+    assert says.lower() in err["message"].lower(), err
+    assert "Traceback" not in err["message"] and "internal" not in err["message"].lower(), err
+    return err
+
+
+def _no_server_errors(url: str, caplog) -> None:
+    m = _metrics(url)
+    assert not any(k.startswith('draftsmith_http_errors_total{status="5') for k in m), m
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors]
+
+
+def test_abandoned_fanout_is_cancelled_within_a_second(tiny_server):
+    """A non-streaming 20 prompts x n=64 request whose client leaves: every choice is aborted
+    within about a second, although finished choices keep the handler's queue busy."""
+    from draftsmith.server.app import Limits
+
+    url = tiny_server(limits=Limits(max_choices=20 * 64, max_queued_tokens=10**6))
+    port = int(url.rsplit(":", 1)[1])
+    body = json.dumps({"prompt": [f"prompt {i}" for i in range(20)], "n": 64, "max_tokens": 48,
+                       "ignore_eos": True}).encode()
+    sock = _raw_post(port, "/v1/completions", body)
+    try:
+        _wait_for(lambda: _metrics(url).get('draftsmith_requests_finished_total{finish_reason="length"}', 0) >= 2,
+                  60, "the fan-out did not start")
+    finally:
+        sock.close()
+    took = _wait_for(lambda: (m := _metrics(url))["draftsmith_kv_rows_in_use"] == 0
+                     and m["draftsmith_num_requests_waiting"] == 0, 3.0, "the abandoned fan-out still runs")
+    print(f"abandoned fan-out cancelled {took:.2f}s after the disconnect")
+    assert took < 1.5
+    m = _metrics(url)
+    done = sum(v for k, v in m.items() if k.startswith("draftsmith_requests_finished_total"))
+    assert done == 20 * 64 and m['draftsmith_requests_finished_total{finish_reason="abort"}'] > 1000
+
+
+def test_request_limits_give_openai_errors(tiny_server, caplog):
+    import httpx
+    import openai
+
+    from draftsmith.server.app import Limits
+
+    url = tiny_server(limits=Limits(max_choices=8, max_prompt_bytes=64, max_queued_tokens=300))
+    h = httpx.Client(base_url=url, timeout=30)
+    c = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30)
+    r = h.post("/v1/completions", json={"prompt": ["a", "b", "c"], "n": 3, "max_tokens": 1})
+    _assert_openai_error(r, 400, "n", "too_many_choices", says="3 prompt(s) x n=3")
+    _assert_openai_error(h.post("/v1/completions", json={"prompt": "x" * 65, "max_tokens": 1}),
+                         400, "prompt", "prompt_too_large", says="64 bytes")
+    r = h.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "y" * 40}] * 2, "max_tokens": 1})
+    _assert_openai_error(r, 400, "messages", "prompt_too_large", says="64 bytes")
+    r = h.post("/v1/completions", content=b'{"prompt": "' + b"z" * (2 << 20) + b'"}',
+               headers={"content-type": "application/json"})
+    _assert_openai_error(r, 413, None, "request_too_large", says="bytes")
+    _assert_openai_error(h.post("/v1/completions", json={"prompt": "x", "n": 2, "max_tokens": 200}),
+                         400, None, "too_many_tokens", says="300")
+    # a running request holds its tokens (prompt + max_tokens): a second one past the limit is told to retry
+    stream = c.completions.create(model="tiny", prompt="x", max_tokens=200, stream=True, extra_body={"ignore_eos": True})
+    next(iter(stream))
+    with pytest.raises(openai.RateLimitError) as e:
+        c.completions.create(model="tiny", prompt="x", max_tokens=150)
+    assert e.value.body["code"] == "too_many_queued_tokens" and "retry" in e.value.body["message"]
+    stream.close()  # the closed stream gives its tokens back
+    _wait_for(lambda: _metrics(url)["draftsmith_kv_rows_in_use"] == 0, 10, "the closed stream still runs")
+    assert c.completions.create(model="tiny", prompt="x", max_tokens=150).usage.completion_tokens >= 1
+    _no_server_errors(url, caplog)
+
+
+BAD_BODIES = [  # (path, raw body, param, says)
+    ("/v1/completions", b'{"prompt": "\\ud800", "max_tokens": 2}', None, "surrogate"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', None, "surrogate"),
+    ("/v1/completions", b'{"prompt": "x", "model": "\\udfff"}', None, "surrogate"),
+    ("/v1/completions", b'{"prompt": ' + b"[" * 10_000 + b"]" * 10_000 + b"}", None, "nested"),
+    ("/v1/chat/completions", b'{"messages": ' + b"[" * 10_000 + b"]" * 10_000 + b"}", None, "nested"),
+    ("/v1/completions", b'{"prompt": "x", "seed": 18446744073709551616}', "seed", "seed"),
+    ("/v1/completions", b'{"prompt": "x", "seed": 9223372036854775808}', "seed", "seed"),
+    ("/v1/completions", b'{"prompt": "x", "seed": -1}', "seed", "seed"),
+    ("/v1/completions", b'{"prompt": "x", "seed": 9223372036854775807, "n": 2}', "seed", "seed"),
+    ("/v1/completions", b'{"prompt": "x", "temperature": Infinity}', "temperature", "temperature"),
+    ("/v1/completions", b'{"prompt": "x", "temperature": NaN}', "temperature", "temperature"),
+    ("/v1/completions", b'{"prompt": "x", "temperature": 1e308}', "temperature", "temperature"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "temperature": 1e400}',
+     "temperature", "temperature"),
+    ("/v1/completions", b'{"prompt": "x", "temperature": 2.5}', "temperature", "temperature"),
+    ("/v1/completions", b'{"prompt": "x", "stop_token_ids": [272]}', "stop_token_ids", "vocabulary"),
+    ("/v1/completions", b'{"prompt": "x", "stop_token_ids": [-1]}', "stop_token_ids", "vocabulary"),
+    ("/v1/completions", b'{"prompt": "x", "top_k": -2}', "top_k", "top_k"),
+]
+
+
+def test_malformed_requests_get_a_clear_400_never_a_500(tiny_server, caplog):
+    import httpx
+
+    url = tiny_server()
+    with httpx.Client(base_url=url, timeout=30) as h:
+        for path, body, param, says in BAD_BODIES:
+            r = h.post(path, content=body, headers={"content-type": "application/json"})
+            _assert_openai_error(r, 400, param, says=says)
+        fanout = {"prompt": [f"p{i}" for i in range(20)], "n": 64, "max_tokens": 1}
+        _assert_openai_error(h.post("/v1/completions", json=fanout), 400, "n", "too_many_choices", says="1280")
+        # without a JSON Content-Type: 415, and the message says what to send
+        for headers in ({"content-type": "text/plain"}, {"content-type": "application/x-www-form-urlencoded"}, {}):
+            r = h.post("/v1/completions", content=b'{"prompt": "x"}', headers=headers)
+            _assert_openai_error(r, 415, None, "unsupported_media_type", says="application/json")
+        # what stays valid: the edges of each range, -1 / huge top_k (= all tokens, as vLLM)
+        ok = {"prompt": "hello", "max_tokens": 6, "temperature": 2.0, "seed": 2**63 - 2, "n": 2}
+        r = h.post("/v1/completions", json=ok, headers={"content-type": "application/json; charset=utf-8"})
+        assert r.status_code == 200, r.text
+        texts = {}
+        for top_k in (0, -1, 2**40):
+            r = h.post("/v1/completions", json={"prompt": "hello", "max_tokens": 6, "seed": 7, "top_k": top_k,
+                                                "stop_token_ids": [0, 271]})
+            assert r.status_code == 200, r.text
+            texts[top_k] = r.json()["choices"][0]["text"]
+        assert texts[-1] == texts[0] == texts[2**40]
+    _no_server_errors(url, caplog)
+
+
+def test_client_gone_mid_body_is_not_a_server_error(tiny_server, caplog):
+    import time
+
+    url = tiny_server()
+    port = int(url.rsplit(":", 1)[1])
+    _raw_post(port, "/v1/completions", b'{"prompt": "half a bo', content_length=1000).close()
+    time.sleep(1.0)  # the handler has read what came and seen the disconnect
+    _no_server_errors(url, caplog)
+    import httpx
+
+    assert httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
+
+
+def test_api_key(tiny_server):
+    import httpx
+    import openai
+
+    url = tiny_server(api_key="sekret")
+    good = openai.OpenAI(base_url=f"{url}/v1", api_key="sekret", max_retries=0, timeout=30)
+    assert [m.id for m in good.models.list().data] == ["tiny"]
+    assert good.completions.create(model="tiny", prompt="x", max_tokens=2).usage.completion_tokens >= 1
+    bad = openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0, timeout=30)
+    with pytest.raises(openai.AuthenticationError) as e:
+        bad.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2)
+    assert e.value.body["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    for headers in ({}, {"Authorization": "sekret"}, {"Authorization": "Bearer sekret2"}):
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "x"}, headers=headers)
+        _assert_openai_error(r, 401, None, "invalid_api_key", says="api key")
+    assert httpx.get(f"{url}/health").json()["status"] == "ok"  # health and metrics stay open
+    assert httpx.get(f"{url}/metrics").status_code == 200
+
+
+def test_serve_flags_reach_the_server(monkeypatch):
+    """`serve --api-key / $DRAFTSMITH_API_KEY` and the limit flags, down to `serve(...)` (no model loaded)."""
+    from types import SimpleNamespace
+
+    import draftsmith.api
+    import draftsmith.server.app
+    from draftsmith.cli import build_parser
+    from draftsmith.server.app import Limits
+
+    calls = []
+    fake = SimpleNamespace(target=SimpleNamespace(target_id="t"), engine=SimpleNamespace(max_len=64))
+    monkeypatch.setattr(draftsmith.api, "LLM", lambda *a, **k: fake)
+    monkeypatch.setattr(draftsmith.server.app, "serve", lambda llm, **kw: calls.append(kw))
+
+    def run(*flags):
+        args = build_parser().parse_args(["serve", *flags])
+        assert args.func(args) == 0
+        return calls[-1]
+
+    monkeypatch.delenv("DRAFTSMITH_API_KEY", raising=False)
+    kw = run()
+    assert kw["api_key"] is None and kw["limits"] == Limits()
+    monkeypatch.setenv("DRAFTSMITH_API_KEY", "from-env")
+    assert run()["api_key"] == "from-env"
+    kw = run("--api-key", "flag", "--max-choices-per-request", "9", "--max-prompt-bytes", "100",
+             "--max-queued-tokens", "5000")
+    assert kw["api_key"] == "flag" and kw["limits"] == Limits(max_choices=9, max_prompt_bytes=100, max_queued_tokens=5000)

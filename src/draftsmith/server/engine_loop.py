@@ -31,7 +31,7 @@ log = logging.getLogger("draftsmith.server")
 
 @dataclass
 class Event:
-    kind: str  # "added" | "tokens" | "finished" | "error"
+    kind: str  # "added" | "tokens" | "finished" | "error" (the app adds "disconnected")
     index: int = -1  # choice index (for tokens / finished)
     token_ids: list[int] = field(default_factory=list)  # new ids (tokens); all output ids (finished)
     text: str = ""  # final visible text (finished)
