@@ -1,6 +1,12 @@
 """Draftsmith: mint, verify and serve speculative-decoding drafters for your own LLM."""
 
-from draftsmith.core.sampling import SamplingParams
+import os
+
+# Before torch loads OpenMP: worker threads sleep instead of spinning between parallel regions,
+# so a loaded machine does not stall every region on a spinning thread (models/threads.py).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from draftsmith.core.sampling import SamplingParams  # noqa: E402
 from draftsmith.errors import DraftsmithError
 
 __all__ = ["LLM", "SamplingParams", "DraftsmithError"]

@@ -117,6 +117,8 @@ class LLM:
     target:   built-in alias (e.g. "smollm2-135m") or a local HF-format directory.
     drafter:  "none", "ngram", "draft-model:PATH", or a Drafter instance.
     num_speculative_tokens / policy: draft length per round ("fixed" K or "heuristic").
+    dtype:    "float32" (CPU default), "bfloat16" (CUDA default; on CPUs with AVX512-BF16 / AMX).
+    threads:  CPU threads for torch's kernels (default: the physical cores).
     """
 
     def __init__(
@@ -129,8 +131,9 @@ class LLM:
         max_len: int = 2048,
         device: str | None = None,
         dtype: str | None = None,
+        threads: int | None = None,
     ) -> None:
-        self.target = load_target(target, device=device, dtype=dtype)
+        self.target = load_target(target, device=device, dtype=dtype, threads=threads)
         self.tokenizer = self.target.tokenizer
         cfg = EngineConfig(max_batch=max_batch, max_len=max_len)
         max_len = min(max_len, self.target.model.config.max_position_embeddings)

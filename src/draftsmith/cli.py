@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_data_parsers(sub)  # regen, cache
     _add_mint_verify_parsers(sub)  # train, calibrate, eval
     _add_bench_parser(sub)  # bench
+    _add_profile_parser(sub)  # profile
+    for cmd in sub.choices.values():  # one CPU-threads option, the same on every job
+        cmd.add_argument("--threads", type=_positive_int, default=None,
+                         help="CPU threads for the model's kernels (default: the physical cores)")
     return ap
 
 
@@ -158,10 +162,20 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", default=None, help="model id clients send (default: the target id)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on /v1 routes (default: $DRAFTSMITH_API_KEY, else none)")
+    s.add_argument("--max-choices-per-request", type=_positive_int, default=None,
+                   help="prompts x n one request may ask for (default 256)")
+    s.add_argument("--max-prompt-bytes", type=_positive_int, default=None,
+                   help="UTF-8 bytes of prompt text per request (default 1 MiB)")
+    s.add_argument("--max-queued-tokens", type=_positive_int, default=None,
+                   help="prompt + max_tokens of all unfinished requests; past it, 429 (default 32 x max-batch x max-len)")
     s.set_defaults(func=cmd_serve)
 
 
 def cmd_serve(args) -> int:
+    import os
+
     from draftsmith.api import LLM
 
     if args.num_speculative_tokens < 0:
@@ -172,14 +186,19 @@ def cmd_serve(args) -> int:
         args.target, drafter=args.drafter, num_speculative_tokens=args.num_speculative_tokens,
         policy=args.policy, max_batch=args.max_batch, max_len=args.max_len, device=args.device, dtype=args.dtype,
     )
-    from draftsmith.server.app import serve
+    from draftsmith.server.app import Limits, serve
 
+    given = {"max_choices": args.max_choices_per_request, "max_prompt_bytes": args.max_prompt_bytes,
+             "max_queued_tokens": args.max_queued_tokens}
+    limits = Limits(**{k: v for k, v in given.items() if v is not None})
+    api_key = args.api_key or os.environ.get("DRAFTSMITH_API_KEY") or None
     print(
         f"draftsmith: serving {args.served_model_name or llm.target.target_id} (drafter {args.drafter}, "
         f"max batch {args.max_batch}, context {llm.engine.max_len}) on http://{args.host}:{args.port}/v1",
         file=sys.stderr, flush=True,
     )
-    serve(llm, host=args.host, port=args.port, log_level=args.log_level, model_name=args.served_model_name)
+    serve(llm, host=args.host, port=args.port, log_level=args.log_level, model_name=args.served_model_name,
+          api_key=api_key, limits=limits)
     return 0
 
 
@@ -483,10 +502,57 @@ def cmd_bench(args) -> int:
 # ---- end bench ------------------------------------------------------------------------------
 
 
+# ---- profile (what verification costs on this hardware) --------------------------------------
+
+
+def _add_profile_parser(sub) -> None:
+    p = sub.add_parser("profile", help="what a target forward of 1..64 tokens costs here, against the "
+                       "memory-bandwidth floor; stores the SPS(B) table the prefix scheduler uses")
+    _add_target_args(p)
+    p.add_argument("--max-batch", type=_positive_int, default=8, help="rows of the SPS(B) table (as generate / serve)")
+    p.add_argument("--num-speculative-tokens", "-k", type=_positive_int, default=7,
+                   help="longest verify block of the SPS(B) table (max-batch x (k + 1) tokens)")
+    p.add_argument("--context-len", type=int, default=200, help="cached tokens per row while timing")
+    p.add_argument("--repeats", type=_positive_int, default=7, help="timed forwards per point (median)")
+    p.add_argument("--json", action="store_true", help="print the profile as JSON")
+    p.set_defaults(func=cmd_profile)
+
+
+def cmd_profile(args) -> int:
+    from draftsmith.models.target import load_target
+    from draftsmith.policy.profile import ProfileConfig, load_or_profile
+    from draftsmith.policy.roofline import runtime_profile
+
+    if args.context_len < 0:
+        raise DraftsmithError(f"--context-len must be >= 0, got {args.context_len}")
+    target = load_target(args.target, device=args.device, dtype=args.dtype, threads=args.threads)
+    doc = {"target": target.target_id, **runtime_profile(target.model, context_len=args.context_len,
+                                                          repeats=args.repeats)}
+    cfg = ProfileConfig(max_batch=args.max_batch, max_k=args.num_speculative_tokens,
+                        repeats=args.repeats, context_len=args.context_len)
+    sps = load_or_profile(target.model, weights_hash=target.weights_hash, name=target.target_id,
+                          config=cfg, refresh=True)
+    doc["sps"] = sps.to_dict()
+    if args.json:
+        print(json.dumps(doc, indent=1))
+        return 0
+    print(f"{doc['target']} on {doc['device']} ({doc['dtype']}, {doc['threads']} threads, "
+          f"{doc['linear_backend']} linears): {doc['weight_bytes'] / 1e6:.0f} MB of weights per step, "
+          f"read bandwidth {doc['bandwidth_gbs']:.1f} GB/s -> floor {doc['floor_ms']:.2f} ms/token")
+    print(f"decode {doc['decode_ms']:.2f} ms/token = {doc['decode_over_floor']:.2f}x the floor")
+    print("tokens per forward  " + " ".join(f"{t:>6d}" for t in doc["tokens"]))
+    print("step ms             " + " ".join(f"{t:6.2f}" for t in doc["step_ms"]))
+    print("in decode steps     " + " ".join(f"{t:6.2f}" for t in doc["verify_in_decode_steps"]))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        from draftsmith.models.threads import configure_threads
+
+        configure_threads(args.threads)
         return int(args.func(args) or 0)
     except DraftsmithError as e:
         print(f"draftsmith: error: {e}", file=sys.stderr)

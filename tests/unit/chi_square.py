@@ -22,3 +22,15 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
         return 1.0
     stat = ((obs - exp) ** 2 / exp).sum()
     return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64), stat / 2))
+
+
+def exact_first_two_laws(model, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A target decoder's law of the first sampled token [V], the second [V] and the pair [V, V]
+    after `prompt` at temperature 1 (float64; every second-token context in one batch)."""
+    V, L = model.config.vocab_size, len(prompt)
+    with torch.no_grad():
+        ids = torch.cat([torch.tensor([prompt]).expand(V, L), torch.arange(V)[:, None]], 1)
+        logits = model(ids, model.new_cache(V, L + 1), rows=torch.arange(V)).logits.double()
+    p1 = torch.softmax(logits[0, L - 1], -1)
+    pair = p1[:, None] * torch.softmax(logits[:, L], -1)
+    return p1, pair.sum(0), pair

@@ -37,7 +37,7 @@ from draftsmith.drafters.trained import (
 from draftsmith.engine.sequence import Sequence
 from draftsmith.models.target import load_target
 from draftsmith.train.protocol import TrainBatch
-from chi_square import chi2_pvalue  # noqa: E402  (tests/unit helper)
+from chi_square import chi2_pvalue, exact_first_two_laws  # noqa: E402  (tests/unit helper)
 
 ALPHA = 1e-4
 N_SAMPLES = 2000
@@ -176,17 +176,6 @@ class Recorder:
         self.inner.release(seq)
 
 
-def _exact_laws(model, prompt: list[int]):
-    """Target law of the first token [V], the second token [V] and the pair [V, V] (float64)."""
-    V, L = model.config.vocab_size, len(prompt)
-    with torch.no_grad():
-        ids = torch.cat([torch.tensor([prompt]).expand(V, L), torch.arange(V)[:, None]], 1)
-        logits = model(ids, model.new_cache(V, L + 1), rows=torch.arange(V)).logits.double()
-    p1 = torch.softmax(logits[0, L - 1], -1)
-    pair = p1[:, None] * torch.softmax(logits[:, L], -1)
-    return p1, pair.sum(0), pair
-
-
 def _first_two_pvalues(target_dir, target, drafter) -> tuple[dict[str, float], float]:
     llm = LLM(str(target_dir), drafter=drafter, num_speculative_tokens=4, max_batch=64, max_len=64)
     params = [SamplingParams(max_tokens=3, temperature=1.0, seed=i, ignore_eos=True) for i in range(N_SAMPLES)]
@@ -194,7 +183,7 @@ def _first_two_pvalues(target_dir, target, drafter) -> tuple[dict[str, float], f
     first = torch.tensor([o.token_ids[0] for o in outs])
     second = torch.tensor([o.token_ids[1] for o in outs])
     V = target.model.config.vocab_size
-    p1, p2, pair = _exact_laws(target.model, PROMPT)
+    p1, p2, pair = exact_first_two_laws(target.model, PROMPT)
     pv = {
         "first": chi2_pvalue(torch.bincount(first, minlength=V), p1),
         "second": chi2_pvalue(torch.bincount(second, minlength=V), p2),

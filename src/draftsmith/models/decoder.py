@@ -12,10 +12,11 @@ accepted prefix). Layer features for drafters: `layer_ids` index decoder-layer o
 replaces its last entry by the normed state, which is our `final_hidden`, the lm_head input).
 
 Speed (CPU decode is memory-bound, one small op costs several microseconds): `load_decoder`
-calls `fuse_projections_()` (q/k/v and gate/up as single [in, out] matrices), RoPE cos/sin
-come from a table indexed by position, single-length batches skip the attention mask, and
-layers call functional ops directly. Prefill stays bit-identical to HF transformers; decode
-steps differ from it only in GEMV summation order (~1e-5 on smollm2-135m logits).
+calls `prepare_inference_()`, which fuses q/k/v and gate/up into single matrices and lays out
+every linear once for its kernel (models/linear.py: oneDNN-blocked weights on a CPU); RoPE
+cos/sin come from a table indexed by position, single-length batches skip the attention mask,
+and layers call functional ops directly. Logits differ from HF transformers only in summation
+order (~1e-5 on smollm2-135m).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from torch import nn
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.kv_cache import KVCache
+from draftsmith.models.linear import FastLinear, choose_backend
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
@@ -234,14 +236,13 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
-        # Filled by `Decoder.fuse_projections_()`: [q; k; v] as one [in, out] matrix (see there).
-        self.register_buffer("qkv_weight_t", None, persistent=False)
-        self.register_buffer("qkv_bias", None, persistent=False)
-        self.register_buffer("o_weight_t", None, persistent=False)
+        # Set by `Decoder.prepare_inference_()`: [q; k; v] as one linear, and o_proj.
+        self.qkv: FastLinear | None = None
+        self.o: FastLinear | None = None
 
     def _qkv(self, x: torch.Tensor) -> torch.Tensor:
-        if self.qkv_weight_t is not None:
-            return _linear_t(x, self.qkv_weight_t, self.qkv_bias)
+        if self.qkv is not None:
+            return self.qkv(x)
         return torch.cat(
             [F.linear(x, p.weight, p.bias) for p in (self.q_proj, self.k_proj, self.v_proj)], dim=-1
         )
@@ -277,8 +278,8 @@ class Attention(nn.Module):
             enable_gqa=nh != nkv,
         )  # [B, H, S, D]
         out = out.transpose(1, 2).reshape(B, S, nh * self.hd)
-        if self.o_weight_t is not None:
-            return _linear_t(out, self.o_weight_t)
+        if self.o is not None:
+            return self.o(out)
         return F.linear(out, self.o_proj.weight)
 
 
@@ -288,13 +289,14 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        # Filled by `Decoder.fuse_projections_()` (inference only): [gate; up] as one [in, out] matrix.
-        self.register_buffer("gate_up_weight_t", None, persistent=False)
+        # Set by `Decoder.prepare_inference_()` (inference only): [gate; up] as one linear, down.
+        self.gate_up: FastLinear | None = None
+        self.down: FastLinear | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_weight_t is not None:
-            gate, up = _linear_t(x, self.gate_up_weight_t).chunk(2, dim=-1)
-            return F.linear(F.silu(gate) * up, self.down_proj.weight)
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+            return self.down(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -350,6 +352,10 @@ class Decoder(nn.Module):
         self.register_buffer("inv_freq", inv, persistent=False)
         self.rope_scale = scale
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # (cos, sin_signed) [T, D]
+        self.head: FastLinear | None = None  # lm_head, set by prepare_inference_()
+        self.linear_backend: str | None = None  # resolved backend of prepare_inference_()
+        # New weights through load_state_dict reach the prepared linears (oneDNN holds copies).
+        self.register_load_state_dict_post_hook(_reprepare_after_load)
 
     @property
     def device(self) -> torch.device:
@@ -367,23 +373,28 @@ class Decoder(nn.Module):
         )
 
     @torch.no_grad()
-    def fuse_projections_(self) -> "Decoder":
-        """Inference layout: q/k/v and gate/up each become one matrix; those and o_proj are
-        stored [in, out] (down_proj and lm_head keep [out, in], which measured faster).
+    def prepare_inference_(self, backend: str = "auto") -> "Decoder":
+        """Inference layout (models/linear.py): q/k/v and gate/up each become one linear, and
+        every linear (o_proj, down_proj and the lm_head too) is laid out once for `backend`.
 
-        One larger GEMV instead of 2-3 saves dispatch overhead; the [in, out] layout makes
-        MKL's single-row and few-row products stream the weights faster than the [out, in]
-        layout F.linear uses (measured ~1.3-1.6x on these shapes for 1-2 rows, equal or
-        better up to 16). The original parameters become (transposed) views of the fused
-        tensors, so names, shapes and `load_state_dict` keep working and no memory is
-        duplicated. Numerics change only in summation order (~1e-6 relative). Idempotent;
-        call again after moving the model to another device."""
+        One larger product instead of 2-3 saves dispatch overhead. The original parameters
+        stay usable (names, shapes, `state_dict`): with "mkl" and "torch" they become views of
+        the fused matrices (no memory duplicated); "onednn" keeps them and adds blocked copies.
+        Numerics change only in summation order (~1e-6 relative). Idempotent; call again after
+        moving the model to another device or dtype, or changing weights in place (a
+        `load_state_dict` re-prepares by itself)."""
+        backend = choose_backend(backend, self.device)
         for layer in self.model.layers:
             a, m = layer.self_attn, layer.mlp
-            a.qkv_weight_t = _fuse_t([a.q_proj, a.k_proj, a.v_proj], "weight")
-            a.qkv_bias = _fuse_t([a.q_proj, a.k_proj, a.v_proj], "bias") if a.q_proj.bias is not None else None
-            a.o_weight_t = _fuse_t([a.o_proj], "weight")
-            m.gate_up_weight_t = _fuse_t([m.gate_proj, m.up_proj], "weight")
+            qkv = [a.q_proj, a.k_proj, a.v_proj]
+            w, b = _fuse(qkv, "weight", backend), _fuse(qkv, "bias", backend) if a.q_proj.bias is not None else None
+            a.qkv = FastLinear.build(w, b, backend)
+            a.o = FastLinear.build(_fuse([a.o_proj], "weight", backend), None, backend)
+            m.gate_up = FastLinear.build(_fuse([m.gate_proj, m.up_proj], "weight", backend), None, backend)
+            # "mkl" (the earlier path) kept down_proj and the lm_head [out, in]: faster there.
+            m.down = FastLinear.build(m.down_proj.weight, None, "torch" if backend == "mkl" else backend)
+        self.head = FastLinear.build(self.lm_head.weight, None, "torch" if backend == "mkl" else backend)
+        self.linear_backend = backend
         return self
 
     def _rope_tables(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -478,35 +489,35 @@ class Decoder(nn.Module):
             if logit_index is not None:
                 idx = logit_index.to(self.device)
                 h = torch.gather(final, 1, idx[..., None].expand(-1, -1, final.shape[-1]))
-            logits = F.linear(h, self.lm_head.weight).float()
+            logits = (self.head(h) if self.head is not None else F.linear(h, self.lm_head.weight)).float()
         return DecoderOutput(logits=logits, hidden=hidden, final_hidden=final)
 
 
-def _linear_t(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] @ w_t [in, out] (+ bias): a Linear whose weight is stored transposed."""
-    if bias is None:
-        return torch.matmul(x, w_t)
-    return torch.addmm(bias, x.reshape(-1, x.shape[-1]), w_t).view(*x.shape[:-1], w_t.shape[1])
+def _reprepare_after_load(module: "Decoder", incompatible_keys) -> None:
+    if module.linear_backend is not None:
+        module.prepare_inference_(module.linear_backend)
 
 
-def _fuse_t(linears: list[nn.Linear], name: str) -> torch.Tensor:
-    """Concatenate `name` ("weight" [out, in] or "bias" [out]) of Linears along the output
-    dim, weights stored transposed ([in, sum(out)], contiguous); re-point the Linears'
-    parameters at views of it (weights as transposed views, so their shapes are unchanged)."""
+def _fuse(linears: list[nn.Linear], name: str, backend: str) -> torch.Tensor:
+    """Concatenate `name` ("weight" [out, in] or "bias" [out]) of Linears along the output dim
+    → [sum(out), in] (or [sum(out)]). Except for "onednn" (which copies the result into its own
+    layout), the Linears' parameters are re-pointed at views of the fused tensor; "mkl" stores
+    it [in, out] underneath, as its kernel wants, and returns the [out, in] view of that."""
     params = [getattr(m, name) for m in linears]
-    if name == "bias":
+    if name == "bias" or backend != "mkl":
         fused = torch.cat([p.detach() for p in params], dim=0)
-        views = []
-        start = 0
+        if backend == "onednn":
+            return fused
+        views, start = [], 0
         for p in params:
             views.append(fused[start : start + p.shape[0]])
             start += p.shape[0]
     else:
-        fused = torch.cat([p.detach().t() for p in params], dim=1).contiguous()  # [in, out]
-        views = []
-        start = 0
+        fused_t = torch.cat([p.detach().t() for p in params], dim=1).contiguous()  # [in, out]
+        fused = fused_t.t()
+        views, start = [], 0
         for p in params:
-            views.append(fused[:, start : start + p.shape[0]].t())  # [out, in] view
+            views.append(fused_t[:, start : start + p.shape[0]].t())  # [out, in] view
             start += p.shape[0]
     for m, p, v in zip(linears, params, views):
         setattr(m, name, nn.Parameter(v, requires_grad=p.requires_grad))

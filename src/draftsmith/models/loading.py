@@ -68,8 +68,11 @@ def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
 
 
 def load_decoder(
-    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+    linear_backend: str = "auto",
 ) -> Decoder:
+    """The decoder of an HF-format directory, ready for inference (`prepare_inference_`, whose
+    `linear_backend` is models/linear.py's: "auto" = oneDNN-prepacked on a CPU)."""
     path = Path(path)
     cfg = read_config(path)
     state = load_state_dict(path)
@@ -98,7 +101,7 @@ def load_decoder(
     model.inv_freq = inv
     model = model.to(device=device, dtype=dtype).eval()
     model.inv_freq = inv.to(model.device)
-    return model.fuse_projections_()
+    return model.prepare_inference_(linear_backend)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -10,6 +11,7 @@ import torch
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.loading import LoadedTarget, load_decoder, load_tokenizer, weights_fingerprint
 from draftsmith.models.registry import resolve_target
+from draftsmith.models.threads import configure_threads
 
 
 def pick_device(device: str | None) -> torch.device:
@@ -20,21 +22,46 @@ def pick_device(device: str | None) -> torch.device:
     return torch.device(device)
 
 
+def cpu_has_fast_bf16() -> bool:
+    """bf16 matmuls in hardware: AVX512-BF16 or AMX on x86-64, the BF16 extension on Arm."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    words = set(flags.split())
+    return bool(words & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
 def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
-    """fp32 on CPU (bf16 has no hardware support on these CPUs); bf16 on CUDA by default."""
+    """fp32 on CPU by default, bf16 on CUDA. bfloat16 on a CPU pays where the CPU computes it in
+    hardware (AVX512-BF16 / AMX / Arm BF16); elsewhere it is emulated and slower: warn."""
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
              "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
     if dtype in (None, "auto"):
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if dtype not in table:
         raise DraftsmithError(f"unknown dtype {dtype!r}; choose from {', '.join(table)}")
-    return table[dtype]
+    chosen = table[dtype]
+    if device.type == "cpu" and chosen != torch.float32 and not cpu_has_fast_bf16():
+        warnings.warn(
+            f"{dtype} on this CPU has no hardware support (no AVX512-BF16 / AMX / BF16 flag): it runs "
+            "emulated and is likely slower than float32; use --dtype float32",
+            stacklevel=2,
+        )
+    return chosen
 
 
-def load_target(name_or_path: str, device: str | None = None, dtype: str | None = None) -> LoadedTarget:
+def load_target(
+    name_or_path: str, device: str | None = None, dtype: str | None = None,
+    threads: int | None = None, linear_backend: str = "auto",
+) -> LoadedTarget:
+    """Resolve, load and prepare a target. On a CPU this also sets torch's threads
+    (models/threads.py: `threads`, default the physical cores)."""
     target_id, path = resolve_target(name_or_path)
     dev = pick_device(device)
-    model = load_decoder(path, dtype=pick_dtype(dtype, dev), device=dev)
+    if dev.type == "cpu":
+        configure_threads(threads)
+    model = load_decoder(path, dtype=pick_dtype(dtype, dev), device=dev, linear_backend=linear_backend)
     tok = load_tokenizer(path)
     return LoadedTarget(
         model=model, tokenizer=tok, target_id=target_id, path=path,

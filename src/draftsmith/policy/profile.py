@@ -38,7 +38,7 @@ from draftsmith.core.sampling import SamplingParams
 from draftsmith.core.warp import target_probs
 from draftsmith.errors import DraftsmithError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the key names the linear backend (models/linear.py)
 
 
 @dataclass(frozen=True)
@@ -201,6 +201,7 @@ def profile_key(model, weights_hash: str, config: ProfileConfig) -> dict:
         "weights_hash": weights_hash,
         "dtype": str(model.dtype).removeprefix("torch."),
         "device": model.device.type,
+        "linear_backend": getattr(model, "linear_backend", None),
         "grid": [list(g) for g in config.grid()],
         "context_len": config.context_len,
     }

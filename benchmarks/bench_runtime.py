@@ -1,0 +1,163 @@
+"""Runtime benchmark (issue 11): what a target forward costs, before and after the linear-backend
+change, in float32 and bfloat16, at 1 and 2 threads; and the OpenMP wait policy idle vs loaded.
+
+Side by side in one process (MEASURING.md): the "mkl" backend (the earlier path: fused [in, out]
+weights through torch.matmul) and "onednn" (weights prepacked once, models/linear.py) are loaded
+together and measured interleaved, round by round; each number is the median over rounds of a
+per-round median. Per configuration:
+  - decode ms/token at batch 1 (one forward of one token after 200 cached, greedy warp included)
+    and its ratio to the floor = weight bytes / read bandwidth (a torch `sum` over 256 MB, measured
+    in the same run at the same thread count);
+  - verify(K) = one forward of K tokens on one row, in decode steps, K = 2, 4, 8, 16;
+  - steps/s at B = 1..64 rows of one token (decode batches, as a serving engine runs them).
+Wait policy: child processes with OMP_WAIT_POLICY=ACTIVE / PASSIVE (set before torch loads
+OpenMP) time onednn fp32 decode at 2 threads, on the idle machine and with N busy processes.
+
+Writes benchmarks/results/runtime.json and the "Runtime" section of BENCHMARKS.md.
+
+    .venv/bin/python benchmarks/bench_runtime.py [--rounds 3] [--repeats 5] [--load 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from draftsmith.models.loading import load_decoder
+from draftsmith.models.registry import resolve_target
+from draftsmith.policy.roofline import measure_bandwidth, step_time, weight_bytes
+
+HERE = Path(__file__).resolve().parent
+VERIFY = (2, 4, 8, 16)
+ROWS = (1, 2, 4, 8, 16, 32, 64)
+CONFIGS = [("mkl", "float32"), ("onednn", "float32"), ("mkl", "bfloat16"), ("onednn", "bfloat16")]
+
+
+def child_decode(repeats: int) -> None:
+    """Print the median decode seconds of the default target (onednn, fp32, 2 threads)."""
+    torch.set_num_threads(2)
+    _, path = resolve_target("smollm2-135m")
+    m = load_decoder(path, linear_backend="onednn")
+    t = [step_time(m, 1, 1, repeats=repeats) for _ in range(3)]
+    print(json.dumps({"decode_s": statistics.median(t), "wait_policy": os.environ.get("OMP_WAIT_POLICY")}))
+
+
+def wait_policy(rounds: int, load: int, repeats: int) -> dict:
+    res: dict[str, list[float]] = {}
+    spin = "import time\nt=time.time()\nwhile time.time()-t<600: pass"
+    for _ in range(rounds):
+        for n in (0, load):
+            hogs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(n)]
+            try:
+                for pol in ("ACTIVE", "PASSIVE"):
+                    env = {**os.environ, "OMP_WAIT_POLICY": pol}
+                    out = subprocess.run([sys.executable, __file__, "--child-decode", "--repeats", str(repeats)],
+                                         env=env, capture_output=True, text=True, check=True, timeout=600)
+                    res.setdefault(f"{pol} load {n}", []).append(json.loads(out.stdout.splitlines()[-1])["decode_s"])
+            finally:
+                for h in hogs:
+                    h.kill()
+                    h.wait()
+    return {k: 1e3 * statistics.median(v) for k, v in res.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--load", type=int, default=2, help="busy processes for the loaded wait-policy runs")
+    ap.add_argument("--child-decode", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
+    args = ap.parse_args()
+    if args.child_decode:
+        return child_decode(args.repeats)
+
+    _, path = resolve_target("smollm2-135m")
+    models = {c: load_decoder(path, dtype=getattr(torch, c[1]), linear_backend=c[0]) for c in CONFIGS}
+    result: dict = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                                "torch": torch.__version__, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")},
+                    "weight_bytes": {c[1]: weight_bytes(models[c]) for c in CONFIGS}, "threads": {}}
+    for threads in [int(t) for t in args.threads.split(",")]:
+        torch.set_num_threads(threads)
+        bw: list[float] = []
+        raw: dict = {f"{b}/{d}": {"decode": [], "verify": {k: [] for k in VERIFY}, "rows": {r: [] for r in ROWS}}
+                     for b, d in CONFIGS}
+        for rnd in range(args.rounds):
+            bw.append(measure_bandwidth("cpu"))
+            for (b, d), m in models.items():
+                r = raw[f"{b}/{d}"]
+                r["decode"].append(step_time(m, 1, 1, repeats=args.repeats))
+                for k in VERIFY:
+                    r["verify"][k].append(step_time(m, 1, k, repeats=args.repeats))
+                for n in ROWS:
+                    r["rows"][n].append(step_time(m, n, 1, repeats=args.repeats))
+                print(f"threads {threads} round {rnd + 1}: {b}/{d} decode {1e3 * r['decode'][-1]:.1f} ms", flush=True)
+        gbs = statistics.median(bw)
+        out = {"bandwidth_gbs": gbs, "configs": {}}
+        for key, r in raw.items():
+            dec = statistics.median(r["decode"])
+            floor = result["weight_bytes"][key.split("/")[1]] / (gbs * 1e9)
+            out["configs"][key] = {
+                "decode_ms": 1e3 * dec, "floor_ms": 1e3 * floor, "over_floor": dec / floor,
+                "verify_steps": {k: statistics.median(v) / dec for k, v in r["verify"].items()},
+                "steps_per_s": {n: 1 / statistics.median(v) for n, v in r["rows"].items()},
+            }
+        result["threads"][threads] = out
+    result["wait_policy_ms"] = wait_policy(max(1, args.rounds - 1), args.load, args.repeats)
+    (HERE / "results").mkdir(exist_ok=True)
+    (HERE / "results" / "runtime.json").write_text(json.dumps(result, indent=1))
+    md = render(result, args)
+    print(md)
+    if not args.no_write:
+        sys.path.insert(0, str(HERE))
+        from sections import write_section
+
+        write_section("<!-- runtime:begin -->", "<!-- runtime:end -->", md)
+
+
+def render(res: dict, args) -> str:
+    lines = [
+        "## Runtime: what a target forward costs (issue 11)",
+        "",
+        f"`benchmarks/bench_runtime.py --rounds {args.rounds} --repeats {args.repeats}` on {time.strftime('%Y-%m-%d')}, "
+        f"smollm2-135m, {res['machine']['cores']} cores, torch {res['machine']['torch']}, idle machine. "
+        "\"mkl\" is the earlier path (fused weights through torch.matmul), \"onednn\" the new default "
+        "(weights prepacked once at load). Interleaved in one process, medians over rounds. Floor = weight "
+        "bytes read per step / read bandwidth measured in the same run at the same thread count.",
+        "",
+    ]
+    for threads, out in res["threads"].items():
+        lines += [f"### {threads} thread(s): read bandwidth {out['bandwidth_gbs']:.1f} GB/s", "",
+                  "| backend / dtype | decode ms/token | floor ms | × floor | verify(2) | verify(4) | verify(8) | verify(16) |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for key, c in out["configs"].items():
+            v = c["verify_steps"]
+            lines.append(f"| {key} | {c['decode_ms']:.1f} | {c['floor_ms']:.1f} | {c['over_floor']:.2f} | "
+                         + " | ".join(f"{v[k]:.2f}" for k in VERIFY) + " |")
+        lines += ["", "Steps/s at B rows of one token (decode batches):", "",
+                  "| backend / dtype | " + " | ".join(f"B={n}" for n in ROWS) + " |",
+                  "|---|" + "---|" * len(ROWS)]
+        for key, c in out["configs"].items():
+            lines.append(f"| {key} | " + " | ".join(f"{c['steps_per_s'][n]:.1f}" for n in ROWS) + " |")
+        lines.append("")
+    w = res["wait_policy_ms"]
+    lines += ["OpenMP wait policy, onednn fp32 decode at 2 threads (ms/token, child processes, "
+              f"load = {args.load} busy processes on the 2 cores):", "",
+              "| policy | idle | loaded |", "|---|---|---|"]
+    for pol in ("ACTIVE", "PASSIVE"):
+        lines.append(f"| {pol} | {w[f'{pol} load 0']:.1f} | {w[f'{pol} load {args.load}']:.1f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""Inference linears: y = x Wᵀ (+ b) with the weight laid out once, at load, for the kernel.
+
+Decode on a CPU is memory-bound: a step streams every weight once. How fast a linear streams
+its weight depends on the kernel and the weight's layout, and differs most at the few-row
+sizes speculative verification uses (1 + K tokens per row):
+
+- "onednn": the weight reordered once into oneDNN's blocked layout
+  (`torch.ops.mkldnn._reorder_linear_weight`, the same op torch.compile's CPU freezing
+  uses) and applied with `torch.ops.mkldnn._linear_pointwise`. Measured on a 2-core Zen 4
+  over smollm2-135m's shapes (BENCHMARKS.md, Runtime): about 2× faster than MKL at one
+  row and nearly flat from 1 to 16 rows, in float32 and bfloat16. The blocked copy is made
+  from the checkpoint weight, which stays as the parameter (state_dict, drafters sharing the
+  target's embedding / lm_head), so these linears hold their weights twice.
+- "mkl": the previous CPU path, kept as the reference the benchmark compares against:
+  fused weights stored [in, out] and multiplied with `torch.matmul` (MKL sgemv / sgemm).
+  The parameters become views of the fused matrix, nothing is duplicated.
+- "torch": `F.linear` on the [out, in] weight (CUDA, and CPUs without oneDNN).
+
+`choose_backend("auto", device)` picks "onednn" on a CPU where torch has oneDNN, "torch"
+elsewhere. Numerics differ between backends only in summation order (~1e-6 relative).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from draftsmith.errors import DraftsmithError
+
+BACKENDS = ("auto", "onednn", "mkl", "torch")
+
+
+def choose_backend(backend: str, device: torch.device | str) -> str:
+    """Resolve "auto" for a device; refuse a CPU-only backend on another device."""
+    dev = torch.device(device)
+    if backend not in BACKENDS:
+        raise DraftsmithError(f"unknown linear backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if backend == "auto":
+        return "onednn" if dev.type == "cpu" and torch.backends.mkldnn.is_available() else "torch"
+    if backend in ("onednn", "mkl") and dev.type != "cpu":
+        raise DraftsmithError(f"linear backend {backend!r} runs on the CPU only; use 'torch' or 'auto' on {dev}")
+    if backend == "onednn" and not torch.backends.mkldnn.is_available():
+        raise DraftsmithError("this torch build has no oneDNN (mkldnn); use linear backend 'torch' or 'mkl'")
+    return backend
+
+
+@dataclass(frozen=True)
+class FastLinear:
+    """One prepared linear. `weight` is backend-specific: oneDNN-blocked ("onednn"),
+    [in, out] ("mkl") or [out, in] ("torch"); bias [out] or None."""
+
+    backend: str
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    out_features: int
+
+    @staticmethod
+    def build(weight: torch.Tensor, bias: torch.Tensor | None, backend: str) -> "FastLinear":
+        """weight [out, in] (a checkpoint layout); `backend` already resolved."""
+        w = weight.detach()
+        b = None if bias is None else bias.detach()
+        if backend == "onednn":
+            w = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None)
+        elif backend == "mkl":
+            w = w.t().contiguous()
+        return FastLinear(backend, w, b, int(weight.shape[0]))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.backend == "onednn":
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
+        if self.backend == "mkl":
+            return linear_t(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+def linear_t(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] @ w_t [in, out] (+ bias): a Linear whose weight is stored transposed."""
+    if bias is None:
+        return torch.matmul(x, w_t)
+    return torch.addmm(bias, x.reshape(-1, x.shape[-1]), w_t).view(*x.shape[:-1], w_t.shape[1])

@@ -1,0 +1,94 @@
+"""What a target forward costs on this hardware, next to its physical limit.
+
+Decode is memory-bound: one step streams every weight once, so its floor is
+`weight_bytes / read bandwidth`, both measured here in the same run (MEASURING.md #8). A
+verify of K tokens should cost about one decode step where the kernels stream weights well;
+`runtime_profile` puts the measured step times next to that floor. `draftsmith profile` prints
+it as JSON; the SPS(B) part is the table the prefix scheduler uses (policy/profile.py).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from draftsmith.core.sampling import SamplingParams
+from draftsmith.core.warp import target_probs
+
+
+def weight_bytes(model) -> int:
+    """Bytes of weights one decode step reads: every parameter once, the input embedding as one
+    row (a lookup) unless it is tied to the lm_head (then it is read whole, as the lm_head)."""
+    seen: set[int] = set()
+    total = 0
+    emb = model.model.embed_tokens.weight
+    tied = model.lm_head.weight.data_ptr() == emb.data_ptr()
+    for p in model.parameters():
+        if p.data_ptr() in seen:
+            continue
+        seen.add(p.data_ptr())
+        if p is emb and not tied:
+            total += p.shape[1] * p.element_size()
+        else:
+            total += p.numel() * p.element_size()
+    return total
+
+
+def measure_bandwidth(device: torch.device | str = "cpu", nbytes: int = 256 << 20, repeats: int = 7) -> float:
+    """Read bandwidth in GB/s: median time of a `sum` over `nbytes` of float32 (torch's threads)."""
+    dev = torch.device(device)
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=dev)
+    times = []
+    for i in range(repeats + 2):
+        _sync(dev)
+        t0 = time.perf_counter()
+        x.sum()
+        _sync(dev)
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def step_time(model, rows: int, width: int, context_len: int = 200, repeats: int = 7, warmup: int = 2) -> float:
+    """Median seconds of one target forward of [rows, width] new tokens after `context_len`
+    cached ones, the greedy warp included (what the engine runs per round)."""
+    cache = model.new_cache(rows, context_len + width + 1)
+    cache.lengths[:] = context_len
+    ids = torch.randint(0, model.config.vocab_size, (rows, width), generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(temperature=0.0)] * rows
+    times = []
+    for i in range(warmup + repeats):
+        _sync(model.device)
+        t0 = time.perf_counter()
+        out = model(ids, cache, rows=torch.arange(rows))
+        target_probs(out.logits, params)
+        _sync(model.device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def runtime_profile(model, tokens: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), context_len: int = 200,
+                    repeats: int = 7) -> dict:
+    """One row of `tokens` new tokens per forward (a batch-1 verify of tokens − 1 drafts), the
+    decode floor and each step in decode steps."""
+    bw = measure_bandwidth(model.device)
+    wb = weight_bytes(model)
+    step_ms = [1e3 * step_time(model, 1, t, context_len, repeats) for t in tokens]
+    decode_ms = step_ms[tokens.index(1)] if 1 in tokens else 1e3 * step_time(model, 1, 1, context_len, repeats)
+    floor_ms = 1e3 * wb / (bw * 1e9)
+    return {
+        "tokens": list(tokens), "step_ms": step_ms, "decode_ms": decode_ms,
+        "verify_in_decode_steps": [s / decode_ms for s in step_ms],
+        "weight_bytes": wb, "bandwidth_gbs": bw, "floor_ms": floor_ms,
+        "decode_over_floor": decode_ms / floor_ms, "context_len": context_len,
+        "dtype": str(model.dtype).removeprefix("torch."), "device": model.device.type,
+        "linear_backend": model.linear_backend, "threads": torch.get_num_threads(),
+    }
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
