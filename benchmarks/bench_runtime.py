@@ -10,8 +10,8 @@ per-round median. Per configuration:
     in the same run at the same thread count);
   - verify(K) = one forward of K tokens on one row, in decode steps, K = 2, 4, 8, 16;
   - steps/s at B = 1..64 rows of one token (decode batches, as a serving engine runs them).
-Wait policy: child processes with OMP_WAIT_POLICY=ACTIVE / PASSIVE (set before torch loads
-OpenMP) time onednn fp32 decode at 2 threads, on the idle machine and with N busy processes.
+Wait policy: child processes with each OpenMP setting (set before torch loads OpenMP) time
+onednn fp32 decode at 2 threads: alone, beside N busy processes, and two decoding at once.
 
 Writes benchmarks/results/runtime.json and the "Runtime" section of BENCHMARKS.md.
 
@@ -51,18 +51,44 @@ def child_decode(repeats: int) -> None:
     print(json.dumps({"decode_s": statistics.median(t), "wait_policy": os.environ.get("OMP_WAIT_POLICY")}))
 
 
+# OpenMP settings compared (libgomp, torch's OpenMP runtime): its default (spin ~300k iterations,
+# then sleep), spin forever, sleep at once, and short spins.
+WAIT_POLICIES = {
+    "default (unset)": {},
+    "OMP_WAIT_POLICY=ACTIVE": {"OMP_WAIT_POLICY": "ACTIVE"},
+    "OMP_WAIT_POLICY=PASSIVE": {"OMP_WAIT_POLICY": "PASSIVE"},
+    "GOMP_SPINCOUNT=1000": {"GOMP_SPINCOUNT": "1000"},
+    "GOMP_SPINCOUNT=3000 (draftsmith's default)": {"GOMP_SPINCOUNT": "3000"},
+    "GOMP_SPINCOUNT=10000": {"GOMP_SPINCOUNT": "10000"},
+}
+
+
+def _child(extra: dict, repeats: int) -> subprocess.Popen:
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    return subprocess.Popen([sys.executable, __file__, "--child-decode", "--repeats", str(repeats)],
+                            env={**base, **extra}, stdout=subprocess.PIPE, text=True)
+
+
+def _decode_s(proc: subprocess.Popen) -> float:
+    out, _ = proc.communicate(timeout=600)
+    if proc.returncode:
+        raise SystemExit(f"child decode failed with exit code {proc.returncode}")
+    return json.loads(out.splitlines()[-1])["decode_s"]
+
+
 def wait_policy(rounds: int, load: int, repeats: int) -> dict:
+    """Per policy: decode alone ("idle"), beside `load` busy Python loops ("busy"), and two
+    decoding processes at once ("pair", their mean)."""
     res: dict[str, list[float]] = {}
     spin = "import time\nt=time.time()\nwhile time.time()-t<600: pass"
     for _ in range(rounds):
-        for n in (0, load):
-            hogs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(n)]
+        for name, extra in WAIT_POLICIES.items():
+            res.setdefault(f"{name} idle", []).append(_decode_s(_child(extra, repeats)))
+            pair = [_child(extra, repeats) for _ in range(2)]
+            res.setdefault(f"{name} pair", []).append(statistics.mean(_decode_s(p) for p in pair))
+            hogs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(load)]
             try:
-                for pol in ("ACTIVE", "PASSIVE"):
-                    env = {**os.environ, "OMP_WAIT_POLICY": pol}
-                    out = subprocess.run([sys.executable, __file__, "--child-decode", "--repeats", str(repeats)],
-                                         env=env, capture_output=True, text=True, check=True, timeout=600)
-                    res.setdefault(f"{pol} load {n}", []).append(json.loads(out.stdout.splitlines()[-1])["decode_s"])
+                res.setdefault(f"{name} busy", []).append(_decode_s(_child(extra, repeats)))
             finally:
                 for h in hogs:
                     h.kill()
@@ -78,10 +104,15 @@ def main() -> None:
     ap.add_argument("--load", type=int, default=2, help="busy processes for the loaded wait-policy runs")
     ap.add_argument("--child-decode", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
+    ap.add_argument("--wait-policy-only", action="store_true", help="only the OpenMP wait-policy runs")
     args = ap.parse_args()
     if args.child_decode:
         return child_decode(args.repeats)
 
+    if args.wait_policy_only:
+        for k, v in wait_policy(max(1, args.rounds - 1), args.load, args.repeats).items():
+            print(f"{k}: {v:.1f} ms")
+        return
     _, path = resolve_target("smollm2-135m")
     models = {c: load_decoder(path, dtype=getattr(torch, c[1]), linear_backend=c[0]) for c in CONFIGS}
     result: dict = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
@@ -151,11 +182,11 @@ def render(res: dict, args) -> str:
             lines.append(f"| {key} | " + " | ".join(f"{c['steps_per_s'][n]:.1f}" for n in ROWS) + " |")
         lines.append("")
     w = res["wait_policy_ms"]
-    lines += ["OpenMP wait policy, onednn fp32 decode at 2 threads (ms/token, child processes, "
-              f"load = {args.load} busy processes on the 2 cores):", "",
-              "| policy | idle | loaded |", "|---|---|---|"]
-    for pol in ("ACTIVE", "PASSIVE"):
-        lines.append(f"| {pol} | {w[f'{pol} load 0']:.1f} | {w[f'{pol} load {args.load}']:.1f} |")
+    lines += ["OpenMP wait policy, onednn fp32 decode at 2 threads, ms/token (child processes): alone; "
+              f"beside {args.load} busy Python loops; two decoding processes at once (their mean).", "",
+              "| policy | alone | busy machine | two processes |", "|---|---|---|---|"]
+    for pol in WAIT_POLICIES:
+        lines.append(f"| {pol} | {w[pol + ' idle']:.1f} | {w[pol + ' busy']:.1f} | {w[pol + ' pair']:.1f} |")
     return "\n".join(lines)
 
 

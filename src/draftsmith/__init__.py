@@ -2,9 +2,11 @@
 
 import os
 
-# Before torch loads OpenMP: worker threads sleep instead of spinning between parallel regions,
-# so a loaded machine does not stall every region on a spinning thread (models/threads.py).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Before torch loads OpenMP (libgomp): worker threads spin ~3000 iterations, then sleep, so a
+# busy machine does not stall every kernel on a spinning thread (models/threads.py). The
+# environment wins: a user's OMP_WAIT_POLICY or GOMP_SPINCOUNT is left alone.
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "3000")
 
 from draftsmith.core.sampling import SamplingParams  # noqa: E402
 from draftsmith.errors import DraftsmithError

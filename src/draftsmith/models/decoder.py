@@ -190,14 +190,12 @@ def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's RMSNorm: normalise in float32, cast back, scale. One fused kernel for float32
-    (bit-identical to the composite on CPU), the composite otherwise."""
+    """HF's RMSNorm: normalise in float32, cast back, scale. The fused kernel normalises (on CPU
+    bit-identical to HF's pow / mean / rsqrt composite); float32 scales inside it."""
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
+    # HF's order: normalise in float32, round to the input dtype, then scale (3 ops, not 7).
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
 class RMSNorm(nn.Module):

@@ -3,12 +3,15 @@
 Default: the physical cores this process may run on. Decode is memory-bound; SMT siblings
 share a core's load ports, so a thread per logical CPU only adds contention. Tests may pin 1.
 
-Spin-waiting: OpenMP threads that finish a parallel region spin for a while before they
-sleep. On an idle machine that shaves wake-up latency; on a loaded one a spinning thread
-holds a core another thread needs, and every region waits for its slowest thread. The
-package sets `OMP_WAIT_POLICY=PASSIVE` at import (draftsmith/__init__.py, before torch
-loads OpenMP) unless the environment already sets it; BENCHMARKS.md (Runtime) has the
-idle and loaded measurements behind that choice.
+Spin-waiting: OpenMP threads that finish a parallel region spin before they sleep; a decode
+step runs ~150 regions (the linears, attention). libgomp's default spin (300k iterations) is
+fastest on an idle machine, but two such processes on the same cores hold each other's cores:
+~18 ms/token alone became 0.65-1.2 s/token each (measured, BENCHMARKS.md Runtime). Sleeping at
+once (OMP_WAIT_POLICY=PASSIVE) costs ~40% alone (a wake-up per region). The package sets
+`GOMP_SPINCOUNT=3000` at import (draftsmith/__init__.py, before torch loads OpenMP) unless the
+environment sets OMP_WAIT_POLICY or GOMP_SPINCOUNT: alone as fast as the default (within
+noise), ~47 ms/token each for two processes instead of a collapse. It only takes effect when
+draftsmith is imported before torch (the CLI always is).
 """
 
 from __future__ import annotations
