@@ -15,7 +15,9 @@ from draftsmith.drafters.base import Drafter
 from draftsmith.drafters.catalogue import build_drafter
 from draftsmith.engine.engine import Engine, EngineConfig
 from draftsmith.errors import DraftsmithError
+from draftsmith.models.loading import LoadedTarget
 from draftsmith.models.target import eos_token_ids, load_target
+from draftsmith.models.threads import configure_threads
 from draftsmith.policy.base import DraftLengthPolicy
 from draftsmith.policy.fixed import FixedK
 from draftsmith.policy.heuristic import HeuristicK
@@ -114,7 +116,8 @@ def make_policy(name: str, k: int, *, target=None, max_batch: int = 8) -> DraftL
 class LLM:
     """A target (+ optional drafter) ready to generate.
 
-    target:   built-in alias (e.g. "smollm2-135m") or a local HF-format directory.
+    target:   built-in alias (e.g. "smollm2-135m"), a local HF-format directory, or an already
+              loaded target (`LLM(...).target`; device / dtype then come from it).
     drafter:  "none", "ngram", "draft-model:PATH", or a Drafter instance.
     num_speculative_tokens / policy: draft length per round ("fixed" K or "heuristic").
     dtype:    "float32" (CPU default), "bfloat16" (CUDA default; on CPUs with AVX512-BF16 / AMX).
@@ -123,7 +126,7 @@ class LLM:
 
     def __init__(
         self,
-        target: str = "smollm2-135m",
+        target: str | LoadedTarget = "smollm2-135m",
         drafter: str | Drafter = "none",
         num_speculative_tokens: int = 5,
         policy: str | DraftLengthPolicy = "fixed",
@@ -133,7 +136,12 @@ class LLM:
         dtype: str | None = None,
         threads: int | None = None,
     ) -> None:
-        self.target = load_target(target, device=device, dtype=dtype, threads=threads)
+        if isinstance(target, LoadedTarget):  # share one loaded target between several LLMs
+            if threads is not None and target.model.device.type == "cpu":
+                configure_threads(threads)
+            self.target = target
+        else:
+            self.target = load_target(target, device=device, dtype=dtype, threads=threads)
         self.tokenizer = self.target.tokenizer
         cfg = EngineConfig(max_batch=max_batch, max_len=max_len)
         max_len = min(max_len, self.target.model.config.max_position_embeddings)

@@ -157,3 +157,13 @@ def test_bad_sampling_params_are_clear_errors():
         SamplingParams(top_p=1.01)
     with pytest.raises(DraftsmithError, match="max_tokens"):
         SamplingParams(max_tokens=0)
+
+
+def test_llms_can_share_one_loaded_target(tiny):
+    """LLM(target=<a loaded target>) reuses its weights (no second copy) and gives the same output."""
+    plain = LLM(str(tiny), drafter="none", max_len=256)
+    spec = LLM(plain.target, drafter="ngram", num_speculative_tokens=4, max_len=256)
+    assert spec.target.model is plain.target.model
+    ref = [o.token_ids for o in plain.generate(PROMPTS, greedy(24))]
+    assert [o.token_ids for o in spec.generate(PROMPTS, greedy(24))] == ref
+    assert [o.token_ids for o in plain.generate(PROMPTS, greedy(24))] == ref  # the first LLM is unaffected
