@@ -73,3 +73,39 @@ def test_threads():
                 configure_threads(bad)
     finally:
         torch.set_num_threads(before)
+
+
+def test_packed_linears_infer_like_f_linear_and_still_train():
+    """pack_linears_for_inference_: same outputs without gradients, the usual autograd path with
+    them, new weights picked up after an optimizer step, deep copies independent, state_dict
+    unchanged."""
+    import copy
+
+    from draftsmith.models.linear import pack_linears_for_inference_
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.SiLU(), torch.nn.Linear(40, 8, bias=False))
+    ref = copy.deepcopy(net)
+    keys = set(net.state_dict())
+    pack_linears_for_inference_(net)
+    assert set(net.state_dict()) == keys
+    x = torch.randn(5, 24)
+    with torch.no_grad():
+        torch.testing.assert_close(net(x), ref(x), atol=1e-5, rtol=1e-5)
+    with torch.inference_mode():
+        torch.testing.assert_close(net(x), ref(x), atol=1e-5, rtol=1e-5)
+    if torch.backends.mkldnn.is_available():
+        assert net[0].inference_pack._fast.backend == "onednn"  # the packed path really ran
+    for m in (net, ref):  # one identical SGD step on both
+        loss = m(x).square().sum()
+        loss.backward()
+        with torch.no_grad():
+            for p in m.parameters():
+                p -= 0.1 * p.grad
+    torch.testing.assert_close(net[0].weight, ref[0].weight)
+    with torch.no_grad():
+        torch.testing.assert_close(net(x), ref(x), atol=1e-5, rtol=1e-5)  # re-packed after the step
+        twin = copy.deepcopy(net)
+        twin[2].weight.zero_()
+        assert float(twin(x).abs().max()) == 0.0
+        torch.testing.assert_close(net(x), ref(x), atol=1e-5, rtol=1e-5)  # the original is untouched

@@ -43,6 +43,7 @@ from draftsmith.engine.sequence import Sequence as Seq
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.decoder import MLP, Decoder, DecoderConfig, RMSNorm, apply_rope, rope_inv_freq
 from draftsmith.models.kv_cache import KVCache
+from draftsmith.models.linear import PackedWeight, pack_linears_for_inference_
 from draftsmith.train.anchors import BlockPack, pack_blocks
 from draftsmith.train.protocol import TrainBatch
 
@@ -218,6 +219,7 @@ class BlockBackbone(nn.Module):
         V = tc.vocab_size
         self.vocab = DraftVocab(V, draft_vocab_size) if draft_vocab_size and draft_vocab_size < V else None
         self.lm_rows: torch.Tensor | None = None  # the target's lm_head rows of the draft ids (derived)
+        self._lm_pack = PackedWeight()  # lm_rows laid out for the CPU kernel at inference (models/linear.py)
         init_linear_(self)
         self._take_lm_rows()
         self.register_load_state_dict_post_hook(lambda module, _keys: module._take_lm_rows())
@@ -246,7 +248,7 @@ class BlockBackbone(nn.Module):
         """[..., H] → float32 logits over the draft vocabulary [..., Vd] (frozen target rows)."""
         if self.vocab is None:
             return self.head.logits(h)
-        return F.linear(h.to(self.lm_rows.dtype), self.lm_rows).float()
+        return self._lm_pack(h.to(self.lm_rows.dtype), self.lm_rows).float()
 
     @property
     def draft_ids(self) -> torch.Tensor | None:
@@ -498,6 +500,10 @@ class BlockDrafter:
         self.n_in = self.gamma if anchor_is_first_prediction else self.gamma + 1
         self.offset = 0 if anchor_is_first_prediction else 1
         self.needs = FeatureSpec(layer_ids=backbone.layer_ids)
+        # inference through prepacked weights; the modules still train as before (models/linear.py)
+        pack_linears_for_inference_(backbone)
+        if isinstance(sampler, torch.nn.Module):
+            pack_linears_for_inference_(sampler)
         self.temperatures = tuple(float(t) for t in temperatures) if temperatures else None
         self.flush_tokens = FLUSH_TOKENS
         c = backbone.cfg

@@ -49,6 +49,7 @@ from draftsmith.engine.sequence import Sequence as Seq
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.decoder import MLP, Decoder, RMSNorm, rope_inv_freq
 from draftsmith.models.kv_cache import KVCache
+from draftsmith.models.linear import pack_linears_for_inference_
 from draftsmith.train.losses import ttt_loss
 from draftsmith.train.protocol import LossOutput, TrainBatch
 
@@ -268,7 +269,7 @@ class EagleDrafter:
     name = "eagle3"
 
     def __init__(self, model: Eagle3Model, max_rows: int, max_len: int) -> None:
-        self.model = model
+        self.model = pack_linears_for_inference_(model)  # prepacked at inference; trains as before
         self.needs = FeatureSpec(layer_ids=model.layer_ids)
         c = model.cfg
         self.device = model.fc.weight.device

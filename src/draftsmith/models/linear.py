@@ -22,6 +22,7 @@ elsewhere. Numerics differ between backends only in summation order (~1e-6 relat
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass
 
 import torch
@@ -80,3 +81,55 @@ def linear_t(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None = Non
     if bias is None:
         return torch.matmul(x, w_t)
     return torch.addmm(bias, x.reshape(-1, x.shape[-1]), w_t).view(*x.shape[:-1], w_t.shape[1])
+
+
+class PackedWeight:
+    """A linear whose weight may change (a drafter that is also trained, a new draft
+    vocabulary, load_state_dict): the weight is laid out for the kernel on first use and again
+    whenever the tensor or its version (bumped by every in-place update) changes. While
+    gradients flow, or off the CPU, it is plain F.linear. A stale layout could only make a
+    drafter propose worse tokens, never break losslessness: q is computed from the same logits
+    the drafts are sampled from."""
+
+    def __init__(self, backend: str = "auto") -> None:
+        self.backend = backend
+        self._key: tuple | None = None
+        self._fast: FastLinear | None = None
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if weight.device.type != "cpu" or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+            return F.linear(x, weight, bias)
+        key = (_tensor_key(weight), None if bias is None else _tensor_key(bias))
+        if key != self._key:
+            self._fast = FastLinear.build(weight, bias, choose_backend(self.backend, weight.device))
+            self._key = key
+        return self._fast(x.to(weight.dtype))
+
+    def __deepcopy__(self, memo) -> "PackedWeight":  # a copy lays out its own weights
+        return PackedWeight(self.backend)
+
+    def __getstate__(self) -> dict:
+        return {"backend": self.backend, "_key": None, "_fast": None}
+
+
+def _tensor_key(t: torch.Tensor) -> tuple:
+    try:
+        version = t._version
+    except RuntimeError:  # an inference tensor has no version counter
+        version = None
+    return (t.data_ptr(), tuple(t.shape), t.dtype, version)
+
+
+def pack_linears_for_inference_(module: torch.nn.Module, backend: str = "auto") -> torch.nn.Module:
+    """Every nn.Linear in `module` computes through a `PackedWeight` (a prepacked copy of its
+    weight, kept in step with it) when no gradient is needed, and as before otherwise, so the
+    same module still trains. Parameters, names and state_dict are unchanged. Idempotent."""
+    for lin in module.modules():
+        if isinstance(lin, torch.nn.Linear) and "forward" not in vars(lin):
+            lin.inference_pack = PackedWeight(backend)
+            lin.forward = types.MethodType(_packed_linear_forward, lin)  # deepcopy re-binds to the copy
+    return module
+
+
+def _packed_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return self.inference_pack(x, self.weight, self.bias)
