@@ -179,7 +179,7 @@ class LLM:
         plist = list(params) if not isinstance(params, SamplingParams) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise DraftsmithError(f"{len(plist)} sampling params for {len(prompts)} prompts")
-        seqs = []
+        encoded: list[tuple[list[int], SamplingParams]] = []
         texts: list[str | None] = []
         for p, sp in zip(prompts, plist):
             if isinstance(p, str):
@@ -188,8 +188,21 @@ class LLM:
             else:
                 ids = [int(t) for t in p]
                 texts.append(None)
-            seqs.append(self.engine.add_request(ids, sp))
+            encoded.append((ids, sp))
+        for ids, sp in encoded:  # refuse before running anything, as the server (and vLLM) do
+            self._check_context(len(ids), sp.max_tokens)
+        seqs = [self.engine.add_request(ids, sp) for ids, sp in encoded]
         return self._run(seqs, texts)
+
+    def _check_context(self, prompt_len: int, max_tokens: int) -> None:
+        limit = self.engine.max_len
+        if prompt_len + max_tokens > limit:
+            raise DraftsmithError(
+                f"this model's context limit is {limit} tokens, but the prompt has {prompt_len} tokens and "
+                f"max_tokens is {max_tokens} ({prompt_len + max_tokens} in all): "
+                + (f"lower max_tokens to at most {limit - prompt_len}, " if prompt_len < limit else "")
+                + "shorten the prompt, or raise max_len"
+            )
 
     def chat(
         self,

@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-file", type=Path, help="one prompt per line (.txt) or JSONL with prompt/messages")
     g.add_argument("--chat", action="store_true", help="apply the target's chat template")
     g.add_argument("--max-batch", type=_positive_int, default=8)
+    g.add_argument("--max-len", type=_positive_int, default=2048, help="context limit per prompt (prompt + output)")
     _add_sampling_args(g)
     g.add_argument("--json", action="store_true", help="print results and stats as JSON")
     g.set_defaults(func=cmd_generate)
@@ -73,8 +74,12 @@ def _read_prompts(args) -> list:
     if f is not None:
         if not f.is_file():
             raise DraftsmithError(f"prompt file {f} does not exist")
+        try:
+            text = f.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise DraftsmithError(f"prompt file {f} is not valid UTF-8 (byte {e.start}); save it as UTF-8") from None
         if f.suffix == ".jsonl":
-            for n, line in enumerate(f.read_text().splitlines(), 1):
+            for n, line in enumerate(text.splitlines(), 1):
                 if not line.strip():
                     continue
                 try:
@@ -88,7 +93,7 @@ def _read_prompts(args) -> list:
                 else:
                     raise DraftsmithError(f"{f}:{n}: expected an object with a 'prompt' string or 'messages' list")
         else:
-            prompts.extend(line for line in f.read_text().splitlines() if line.strip())
+            prompts.extend(line for line in text.splitlines() if line.strip())
     if not prompts:
         raise DraftsmithError("no prompt given: use --prompt TEXT or --prompt-file FILE")
     return prompts
@@ -107,7 +112,7 @@ def cmd_generate(args) -> int:
     prompts = _read_prompts(args)
     llm = LLM(
         args.target, drafter=args.drafter, num_speculative_tokens=args.num_speculative_tokens,
-        policy=args.policy, max_batch=args.max_batch, device=args.device, dtype=args.dtype,
+        policy=args.policy, max_batch=args.max_batch, max_len=args.max_len, device=args.device, dtype=args.dtype,
     )
     ids = []
     for p in prompts:

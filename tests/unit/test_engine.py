@@ -95,10 +95,18 @@ def test_stop_string_inside_accepted_block(tiny):
 
 
 def test_prompt_near_context_limit(tiny):
+    """The engine stops a row at its context limit (finish "length"); the front door, like the
+    server and vLLM, refuses a request that cannot fit before running anything."""
     llm = LLM(str(tiny), drafter=f"draft-model:{tiny}", num_speculative_tokens=7, max_len=64)
     prompt = list(range(3, 63))  # 60 tokens, room for 4 more
-    out = llm.generate([prompt], greedy(100, ignore_eos=True))[0]
-    assert len(out.token_ids) == 4 and out.finish_reason == "length"
+    seq = llm.engine.add_request(prompt, greedy(100, ignore_eos=True))
+    while not seq.finished:
+        llm.engine.step()
+    assert len(seq.output_ids) == 4 and seq.finish_reason == "length"
+    with pytest.raises(DraftsmithError, match=r"context limit is 64 tokens.*max_tokens to at most 4"):
+        llm.generate([prompt, list(range(3, 10))], greedy(100, ignore_eos=True))
+    assert not llm.engine.waiting and not any(llm.engine.running)  # nothing was queued
+    assert llm.generate([prompt], greedy(4, ignore_eos=True))[0].finish_reason == "length"
     with pytest.raises(DraftsmithError, match="context limit"):
         llm.generate([list(range(3, 67))], greedy(4))
 

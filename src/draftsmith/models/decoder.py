@@ -106,6 +106,11 @@ class DecoderConfig:
             )
         except KeyError as e:
             raise DraftsmithError(f"config.json is missing required field {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:  # e.g. "num_hidden_layers": "thirty"
+            raise DraftsmithError(
+                f"config.json has a field of the wrong type ({' '.join(str(e).split())}); "
+                "sizes and counts must be numbers"
+            ) from None
 
 
 def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:

@@ -92,6 +92,15 @@ def load_decoder(
             f"weights in {path} have unexpected tensors (first: {unexpected[0]}); "
             "not a Llama/Qwen2/Qwen3 decoder checkpoint"
         )
+    expected = model.state_dict()
+    wrong = [k for k, v in state.items() if tuple(v.shape) != tuple(expected[k].shape)]
+    if wrong:
+        k = wrong[0]
+        raise DraftsmithError(
+            f"weights in {path} do not match its config.json: {k} has shape {tuple(state[k].shape)}, the config "
+            f"implies {tuple(expected[k].shape)} ({len(wrong)} tensors differ); fix config.json or use the "
+            "checkpoint's own"
+        )
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
