@@ -483,6 +483,17 @@ def test_checkpoint_round_trip(name, tmp_path, target_dir, target, trained):
     assert saved["target_weights_hash"] == target.weights_hash and saved["format_version"] == 1
 
 
+def test_flipped_byte_in_checkpoint_weights_is_refused(tmp_path, target, trained):
+    model, _ = trained("dflash")
+    save_trained_drafter(model, tmp_path, target.target_id, target.weights_hash)
+    f = tmp_path / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-100] ^= 0x01  # inside the last tensor's data
+    f.write_bytes(bytes(data))
+    with pytest.raises(DraftsmithError, match="content hash"):
+        load_trained_drafter(tmp_path, target, 4, 64)
+
+
 def test_calibration_temperatures_rescale_confidences(tmp_path, target_dir, target, trained):
     model, _ = trained("dspark")
     save_trained_drafter(model, tmp_path, target.target_id, target.weights_hash)

@@ -29,13 +29,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from draftsmith.drafters import dflash, dspark, eagle3
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.decoder import Decoder
+from draftsmith.tensorfile import load_tensors, save_tensors
 from draftsmith.train.checkpoint import restore_state
 
 FORMAT_VERSION = 1
@@ -156,7 +155,7 @@ def save_trained_drafter(model: nn.Module, ckpt_dir: str | Path, target_id: str,
     cfg = {"kind": model.config.kind, "target_id": target_id, "target_weights_hash": target_weights_hash,
            "format_version": FORMAT_VERSION, **config_to_dict(model.config)}
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    _atomic(d / WEIGHTS_FILE, lambda p: save_file(state, str(p), metadata={"format": "pt", "kind": cfg["kind"]}))
+    _atomic(d / WEIGHTS_FILE, lambda p: save_tensors(p, state, metadata={"format": "pt", "kind": cfg["kind"]}))
     _atomic(d / CONFIG_FILE, lambda p: p.write_text(json.dumps(cfg, indent=2) + "\n"))
     return d
 
@@ -230,11 +229,7 @@ def load_trained_model(ckpt_dir: str | Path, target) -> nn.Module:
     f = d / WEIGHTS_FILE
     if not f.is_file():
         raise DraftsmithError(f"{d} has no {WEIGHTS_FILE}; the checkpoint is incomplete")
-    try:
-        state = load_file(str(f))
-    except (SafetensorError, OSError, ValueError) as e:
-        raise DraftsmithError(f"cannot read {f}: {' '.join(str(e).split())}; the file is corrupt") from None
-    restore_state(model, state, d)
+    restore_state(model, load_tensors(f, "drafter checkpoint"), d)
     return model.to(device=target.model.device, dtype=target.model.dtype).eval()
 
 

@@ -40,6 +40,7 @@ import torch
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.fileio import fsync_dir as _fsync_dir
+from draftsmith.tensorfile import load_tensors, save_tensors
 
 CHECKPOINT_FORMAT_VERSION = 1
 _CKPT_RE = re.compile(r"^checkpoint-(\d{8})$")
@@ -120,8 +121,6 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
 def save_checkpoint(run_dir: Path, step: int, config_json: Mapping[str, Any], model_state: Mapping[str, torch.Tensor],
                     train_state: Mapping[str, Any], meta: Mapping[str, Any], keep: int = 2) -> Path:
     """Write `run_dir/checkpoint-<step>` atomically, export it to the top level, prune old ones."""
-    from safetensors.torch import save_file
-
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(run_dir)
@@ -134,8 +133,7 @@ def save_checkpoint(run_dir: Path, step: int, config_json: Mapping[str, Any], mo
         files = []
         (tmp / "config.json").write_text(json.dumps(dict(config_json), indent=1) + "\n")
         files.append(tmp / "config.json")
-        save_file({k: v.contiguous() for k, v in model_state.items()}, str(tmp / "model.safetensors"),
-                  metadata={"format": "pt", "step": str(step)})
+        save_tensors(tmp / "model.safetensors", model_state, metadata={"format": "pt", "step": str(step)})
         files.append(tmp / "model.safetensors")
         torch.save(dict(train_state), tmp / "train_state" / "state.pt")
         files.append(tmp / "train_state" / "state.pt")
@@ -253,16 +251,10 @@ def check_checkpoint_target(ckpt: Path, target_id: str, weights_hash: str, kind:
 
 
 def load_model_state(ckpt: Path) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     f = Path(ckpt) / "model.safetensors"
     if not f.is_file():
         raise DraftsmithError(f"checkpoint {ckpt} lacks model.safetensors")
-    try:
-        return load_file(str(f))
-    except (SafetensorError, OSError, ValueError) as e:
-        raise DraftsmithError(f"cannot read {f} ({' '.join(str(e).split())}); the checkpoint is damaged") from None
+    return load_tensors(f, "checkpoint")
 
 
 def load_train_state(ckpt: Path) -> dict[str, Any]:
