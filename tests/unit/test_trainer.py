@@ -236,3 +236,21 @@ def test_checkpoint_files_load_without_pickle(target_dir, cache_dir, tmp_path):
     assert state["step"] == 3 and len(state["rng"]) == 1
     assert {"torch", "python", "numpy"} <= set(state["rng"][0])
     assert state["optimizer"]["state"]  # AdamW moments are there
+
+
+def test_incomplete_or_empty_cache_is_refused(target_dir, cache_dir, tmp_path):
+    """A cache whose `draftsmith cache` run stopped early is not trained on (it used to warn and
+    train on the part that was written); nor is one without samples. Nothing is written."""
+    import shutil
+
+    broken = tmp_path / "cache"
+    shutil.copytree(cache_dir, broken)
+    manifest = json.loads((broken / "manifest.json").read_text())
+    (broken / "manifest.json").write_text(json.dumps({**manifest, "complete": False}))
+    with pytest.raises(DraftsmithError, match=r"incomplete .*--resume"):
+        Trainer(make_cfg(target_dir, broken, tmp_path / "run"), CATALOGUE).fit()
+    empty = {**manifest, "shards": [], "num_samples": 0, "num_tokens": 0, "complete": True}
+    (broken / "manifest.json").write_text(json.dumps(empty))
+    with pytest.raises(DraftsmithError, match="no samples"):
+        Trainer(make_cfg(target_dir, broken, tmp_path / "run2"), CATALOGUE).fit()
+    assert not (tmp_path / "run" / "config.json").exists() and not (tmp_path / "run2" / "config.json").exists()

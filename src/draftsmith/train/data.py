@@ -126,6 +126,14 @@ class TrainData:
         cache = FeatureCache(path)
         cache.validate(target_id=target.target_id, weights_hash=target.weights_hash, layer_ids=self.layer_ids,
                        hidden_size=target.model.config.hidden_size)
+        if not cache.manifest.get("complete", False):
+            data = cache.manifest.get("data", {}).get("path") or "DATA"
+            raise DraftsmithError(
+                f"feature cache {path} is incomplete ({len(cache)} samples written before its `draftsmith cache` run "
+                f"stopped); finish it with `draftsmith cache --data {data} --out {path} --resume` before training"
+            )
+        if len(cache) == 0:
+            raise DraftsmithError(f"feature cache {path} holds no samples; regenerate data and cache it again")
         self.cache = cache
         self.samples: list[str] = []  # sample ids
         self.windows: list[Window] = []
