@@ -339,8 +339,13 @@ def test_mix_errors(tmp_path: Path) -> None:
     with pytest.raises(DraftsmithError, match="bad.jsonl:2"):
         load_mix(str(bad))
     skipping = JsonlSource(bad, on_error="skip")
-    assert load_mix(str(bad), on_error="skip", split="train") == list(skipping.conversations("train"))
-    assert load_mix(str(bad), on_error="skip", split="heldout") == list(skipping.conversations("heldout"))
+    for split in ("train", "heldout"):  # the one good record is in one of them; the other is empty
+        expected = list(skipping.conversations(split))
+        if expected:
+            assert load_mix(str(bad), on_error="skip", split=split) == expected
+        else:
+            with pytest.raises(DraftsmithError, match=f"has no {split} conversations"):
+                load_mix(str(bad), on_error="skip", split=split)
 
 
 def test_real_code_chat_mix(stdlib_conversations: list[Conversation]) -> None:
@@ -358,3 +363,14 @@ def test_real_code_chat_mix(stdlib_conversations: list[Conversation]) -> None:
 
     expected = sorted((c for c in stdlib_conversations if c.split == "train"), key=rank)[:20]
     assert [c for c in mix if c.source == "stdlib-code"] == expected
+
+
+def test_a_mix_without_conversations_is_an_error(tmp_path: Path) -> None:
+    """An empty prompt file is a user error (it used to give a 0-record regen that exited 0)."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(DraftsmithError, match="has no train conversations"):
+        load_mix(str(empty), split="train", max_samples=3)
+    with pytest.raises(DraftsmithError, match="has no train conversations"):
+        load_mix(str(empty), split="train")
+    assert load_mix(str(empty), split="train", max_samples=0) == []

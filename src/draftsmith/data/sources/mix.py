@@ -175,6 +175,11 @@ def load_mix(spec: str | Sequence[MixEntry], split: Split = "train",
         candidates.append(_round_robin(members))
     quotas = _quotas([e.weight for e in entries], [len(c) for c in candidates], max_samples)
     result = _interleave([c[:q] for c, q in zip(candidates, quotas)])
+    if not result and max_samples != 0:
+        raise DraftsmithError(
+            f"mix {_describe(entries)} has no {split} conversations: check the file or source names "
+            "(a JSONL line needs 'prompt' or 'messages'), or use --split"
+        )
     if max_samples is not None and len(result) < max_samples:
         log.warning("mix %s (%s) has only %d conversations, fewer than max_samples=%d",
                     _describe(entries), split, len(result), max_samples)
