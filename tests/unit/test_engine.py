@@ -175,3 +175,50 @@ def test_llms_can_share_one_loaded_target(tiny):
     ref = [o.token_ids for o in plain.generate(PROMPTS, greedy(24))]
     assert [o.token_ids for o in spec.generate(PROMPTS, greedy(24))] == ref
     assert [o.token_ids for o in plain.generate(PROMPTS, greedy(24))] == ref  # the first LLM is unaffected
+
+
+class _VerifiedLog:
+    """Wraps a drafter; keeps (prompt ids, drafted tokens, accepted count) for every row of every round."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.name, self.needs = inner, inner.name, inner.needs
+        self.rounds: list[tuple[tuple[int, ...], list[int], int]] = []
+
+    def start(self, seq, features):
+        self.inner.start(seq, features)
+
+    def propose(self, seqs, max_lengths):
+        return self.inner.propose(seqs, max_lengths)
+
+    def on_verified(self, seqs, proposal, result, features):
+        for b, s in enumerate(seqs):
+            n = int(proposal.lengths[b])
+            self.rounds.append((tuple(s.prompt_ids), proposal.tokens[b, :n].tolist(), int(result.num_accepted[b])))
+        self.inner.on_verified(seqs, proposal, result, features)
+
+    def release(self, seq):
+        self.inner.release(seq)
+
+
+def test_eos_accepted_inside_a_draft_block_at_batch_4(tiny):
+    """An EOS committed from inside an accepted draft block ends its row there (drafts after it
+    are dropped), and every row of the batch equals its solo plain run. Checked, not incidental:
+    the log shows the EOS drafted and accepted with more accepted drafts behind it."""
+    ref = LLM(str(tiny), max_len=256).generate(PROMPTS, greedy(40, ignore_eos=True))
+    out0 = ref[0].token_ids
+    eos = next(t for i, t in enumerate(out0) if i >= 3 and t not in out0[:i])  # first seen at i >= 3
+
+    def with_eos(llm: LLM) -> LLM:
+        llm.engine.eos_token_ids = frozenset({eos})
+        return llm
+
+    solo = [with_eos(LLM(str(tiny), max_len=256)).generate([p], greedy(40))[0].token_ids for p in PROMPTS]
+    assert solo[0] == out0[: out0.index(eos) + 1]
+    spec = with_eos(LLM(str(tiny), drafter=f"draft-model:{tiny}", num_speculative_tokens=8, max_batch=4, max_len=256))
+    log = spec.engine.drafter = _VerifiedLog(spec.engine.drafter)
+    outs = spec.generate(PROMPTS, greedy(40))
+    assert [o.token_ids for o in outs] == solo
+    assert outs[0].finish_reason == "stop" and outs[0].token_ids[-1] == eos
+    prompt0 = tuple(outs[0].prompt_token_ids)
+    inside = [(d, m) for p, d, m in log.rounds if p == prompt0 and eos in d and m > d.index(eos) + 1]
+    assert inside, "the EOS was never an accepted draft with accepted drafts after it"
