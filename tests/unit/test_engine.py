@@ -222,3 +222,39 @@ def test_eos_accepted_inside_a_draft_block_at_batch_4(tiny):
     prompt0 = tuple(outs[0].prompt_token_ids)
     inside = [(d, m) for p, d, m in log.rounds if p == prompt0 and eos in d and m > d.index(eos) + 1]
     assert inside, "the EOS was never an accepted draft with accepted drafts after it"
+
+
+def _solo(tiny, ids: list[int], params: SamplingParams, max_len: int) -> list[int]:
+    eng = LLM(str(tiny), max_len=max_len).engine
+    s = eng.add_request(ids, params)
+    while not s.finished:
+        eng.step()
+    return s.output_ids
+
+
+@pytest.mark.parametrize("drafter", ["draft-model:SELF", "ngram"])
+def test_context_limit_mid_block_and_abort_then_row_reuse_at_batch_3(tiny, drafter):
+    """At batch 3 with 8 drafts a round: one row reaches the context limit inside an accepted
+    block, another is aborted mid-run and its row is reused by a new request; every row that
+    finishes equals its solo plain run."""
+    max_len = 64
+    llm = LLM(str(tiny), drafter=drafter.replace("SELF", str(tiny)), num_speculative_tokens=8,
+              max_batch=3, max_len=max_len)
+    eng = llm.engine
+    enc = [llm.encode(p) for p in PROMPTS]
+    near_limit = list(range(3, 58))  # 55 tokens: 9 to go before the limit of 64
+    params = greedy(40, ignore_eos=True)
+    a, b, c = (eng.add_request(ids, params) for ids in (near_limit, enc[0], enc[1]))
+    for _ in range(2):
+        eng.step()
+    assert not b.finished and b.row >= 0
+    freed = b.row
+    assert eng.abort(b.request_id) and b.finish_reason == "abort"
+    d = eng.add_request(enc[2], params)
+    while not (a.finished and c.finished and d.finished):
+        eng.step()
+    assert d.row == freed or freed in eng.free_rows  # the row was handed out again (or is free again)
+    assert a.finish_reason == "length" and len(a.prompt_ids) + len(a.output_ids) == max_len
+    for s, ids in ((a, near_limit), (c, enc[1]), (d, enc[2])):
+        assert s.output_ids == _solo(tiny, ids, params, max_len)
+    assert sum(s.stats.accepted for s in (a, c, d)) > 0

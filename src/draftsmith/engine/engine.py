@@ -195,12 +195,13 @@ class Engine:
 
     def _round(self, seqs: list[Sequence]) -> list[Sequence]:
         # Cap each row's draft so that (a) max_tokens is never exceeded even if every draft
-        # and the bonus are accepted, (b) the cache has room for pending + drafts.
+        # and the bonus are accepted, (b) the cache has room for pending + drafts — for every
+        # row: the forward pads all rows to the widest block, so a row near its context limit
+        # bounds the drafts of the whole batch for its last rounds.
         t0 = time.perf_counter()
         wanted = self.policy.choose(seqs)
-        caps = [
-            max(0, min(k, s.remaining - 1, self.max_len - s.num_tokens)) for k, s in zip(wanted, seqs)
-        ]
+        room = min(self.max_len - s.num_tokens for s in seqs)
+        caps = [max(0, min(k, s.remaining - 1, room)) for k, s in zip(wanted, seqs)]
         proposal = self.drafter.propose(seqs, caps)
         lengths = proposal.lengths.tolist() if proposal.max_len else [0] * len(seqs)
         for b, (n, cap) in enumerate(zip(lengths, caps)):
