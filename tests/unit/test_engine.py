@@ -258,3 +258,28 @@ def test_context_limit_mid_block_and_abort_then_row_reuse_at_batch_3(tiny, draft
     for s, ids in ((a, near_limit), (c, enc[1]), (d, enc[2])):
         assert s.output_ids == _solo(tiny, ids, params, max_len)
     assert sum(s.stats.accepted for s in (a, c, d)) > 0
+
+
+def test_stop_string_spanning_a_round_boundary_at_batch_2(tiny):
+    """A stop string whose first characters were committed in one round and whose last
+    characters arrive in the next: the row stops at the right token, its text ends before the
+    stop string, and the other row of the batch equals its solo run. The boundary is read from
+    the log of the run, not assumed."""
+    params = greedy(40, ignore_eos=True)
+    ref = LLM(str(tiny), max_len=256).generate([PROMPTS[1]], params)[0].token_ids
+    spec = LLM(str(tiny), drafter=f"draft-model:{tiny}", num_speculative_tokens=4, max_batch=2, max_len=256)
+    log = spec.engine.drafter = _VerifiedLog(spec.engine.drafter)
+    spec.generate([PROMPTS[1]], params)
+    committed = [m + 1 for p, _, m in log.rounds]  # tokens committed per round (prefill gave 1)
+    boundary = 1 + committed[0]  # output index of the first token of round 2
+    dec = spec.engine.decode
+    left, right = dec(ref[:boundary]), dec(ref[: boundary + 1])
+    assert len(left) >= 1 and len(right) > len(left)
+    stop = left[-1] + right[len(left)]  # last character of round 1 + first character of round 2
+    first = dec(ref).find(stop)
+    assert first == len(left) - 1, "the stop string must first occur across the boundary"
+    spec2 = LLM(str(tiny), drafter=f"draft-model:{tiny}", num_speculative_tokens=4, max_batch=2, max_len=256)
+    outs = spec2.generate([PROMPTS[1], PROMPTS[2]], [greedy(40, ignore_eos=True, stop=(stop,)), params])
+    assert outs[0].finish_reason == "stop" and outs[0].text == dec(ref)[:first]
+    assert outs[0].token_ids == ref[: boundary + 1]  # ends with the token that completed it
+    assert outs[1].token_ids == LLM(str(tiny), max_len=256).generate([PROMPTS[2]], params)[0].token_ids
