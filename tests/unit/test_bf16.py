@@ -9,6 +9,7 @@ import torch
 
 from draftsmith import LLM, SamplingParams
 from chi_square import chi2_pvalue, exact_first_two_laws  # noqa: E402  (tests/unit helper)
+from drafter_wrappers import ForwardingDrafter  # noqa: E402  (tests/unit helper)
 
 ALPHA = 1e-4
 N_SAMPLES = 2000
@@ -43,15 +44,9 @@ def test_bf16_greedy_equals_bf16_plain(tiny, tiny_draft, drafter):
         assert stats.draft_accepted > 0.5 * stats.draft_proposed
 
 
-class _SharpenedQ:
+class _SharpenedQ(ForwardingDrafter):
     """Test-only bug: reports q² (renormalised) instead of the q the drafts were sampled from.
     (Dropping q altogether would not do: verifying a sampled draft as one-hot is still exact.)"""
-
-    def __init__(self, inner) -> None:
-        self.inner, self.name, self.needs = inner, inner.name, inner.needs
-
-    def start(self, seq, features):
-        self.inner.start(seq, features)
 
     def propose(self, seqs, max_lengths):
         p = self.inner.propose(seqs, max_lengths)
@@ -59,12 +54,6 @@ class _SharpenedQ:
             q2 = p.q.double() ** 2
             p.q = (q2 / q2.sum(-1, keepdim=True).clamp_min(1e-300)).to(p.q.dtype)
         return p
-
-    def on_verified(self, seqs, proposal, result, features):
-        self.inner.on_verified(seqs, proposal, result, features)
-
-    def release(self, seq):
-        self.inner.release(seq)
 
 
 def _pvalues(tiny, tiny_draft, wrap) -> tuple[dict[str, float], float]:

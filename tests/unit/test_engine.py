@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 from draftsmith import LLM, DraftsmithError, SamplingParams
 from draftsmith.core.types import Proposal
 from draftsmith.drafters.base import FeatureSpec, pad_proposal
+from drafter_wrappers import ForwardingDrafter  # noqa: E402  (tests/unit helper)
 
 PROMPTS = ["hello world, hello world, hello", "def f(x):\n    return x + 1\n", "abcabcabcabc", "z"]
 
@@ -177,27 +178,18 @@ def test_llms_can_share_one_loaded_target(tiny):
     assert [o.token_ids for o in plain.generate(PROMPTS, greedy(24))] == ref  # the first LLM is unaffected
 
 
-class _VerifiedLog:
-    """Wraps a drafter; keeps (prompt ids, drafted tokens, accepted count) for every row of every round."""
+class _VerifiedLog(ForwardingDrafter):
+    """Keeps (prompt ids, drafted tokens, accepted count) for every row of every round."""
 
     def __init__(self, inner) -> None:
-        self.inner, self.name, self.needs = inner, inner.name, inner.needs
+        super().__init__(inner)
         self.rounds: list[tuple[tuple[int, ...], list[int], int]] = []
-
-    def start(self, seq, features):
-        self.inner.start(seq, features)
-
-    def propose(self, seqs, max_lengths):
-        return self.inner.propose(seqs, max_lengths)
 
     def on_verified(self, seqs, proposal, result, features):
         for b, s in enumerate(seqs):
             n = int(proposal.lengths[b])
             self.rounds.append((tuple(s.prompt_ids), proposal.tokens[b, :n].tolist(), int(result.num_accepted[b])))
         self.inner.on_verified(seqs, proposal, result, features)
-
-    def release(self, seq):
-        self.inner.release(seq)
 
 
 def test_eos_accepted_inside_a_draft_block_at_batch_4(tiny):

@@ -38,6 +38,7 @@ from draftsmith.engine.sequence import Sequence
 from draftsmith.models.target import load_target
 from draftsmith.train.protocol import TrainBatch
 from chi_square import chi2_pvalue, exact_first_two_laws  # noqa: E402  (tests/unit helper)
+from drafter_wrappers import ForwardingDrafter  # noqa: E402  (tests/unit helper)
 
 ALPHA = 1e-4
 N_SAMPLES = 2000
@@ -154,26 +155,17 @@ def trained(target, train_batch):
 # ---------------------------------------------------------------------------- helpers
 
 
-class Recorder:
-    """Wraps a drafter and keeps every proposal (the engine sees the same object)."""
+class Recorder(ForwardingDrafter):
+    """Keeps every proposal (the engine sees the same object)."""
 
     def __init__(self, inner) -> None:
-        self.inner, self.name, self.needs = inner, inner.name, inner.needs
+        super().__init__(inner)
         self.proposals: list = []
-
-    def start(self, seq, features):
-        self.inner.start(seq, features)
 
     def propose(self, seqs, max_lengths):
         p = self.inner.propose(seqs, max_lengths)
         self.proposals.append(([s.params for s in seqs], p))
         return p
-
-    def on_verified(self, seqs, proposal, result, features):
-        self.inner.on_verified(seqs, proposal, result, features)
-
-    def release(self, seq):
-        self.inner.release(seq)
 
 
 def _first_two_pvalues(target_dir, target, drafter) -> tuple[dict[str, float], float]:
