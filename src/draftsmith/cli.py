@@ -141,7 +141,7 @@ def cmd_generate(args) -> int:
             print("-" * 40)
     if stats:
         print(
-            f"[{args.drafter}] {stats.output_tokens} tokens in {stats.wall_time_s:.2f}s "
+            f"\n[{args.drafter}] {stats.output_tokens} tokens in {stats.wall_time_s:.2f}s "
             f"({stats.tokens_per_s:.1f} tok/s) | target forwards/token {stats.forwards_per_token:.3f} | "
             f"τ {stats.tau:.2f} | acceptance {stats.acceptance_rate:.2f} "
             f"({stats.draft_accepted}/{stats.draft_proposed}) | prefix survival "
@@ -337,7 +337,7 @@ def _add_mint_verify_parsers(sub) -> None:
     e.add_argument("--tasks", default="humaneval,mtbench", help="comma-separated sources (held-out split only)")
     e.add_argument("--confidence-threshold", type=float, default=None,
                    help="verify only the prefix whose cumulative confidence stays >= this")
-    e.add_argument("--out", type=Path, default=Path("eval-out"), help="report.json, report.md, PNG plots")
+    e.add_argument("--out", type=Path, default=Path("runs/eval"), help="report.json, report.md, PNG plots")
     _add_eval_run_args(e, max_prompts=8, seed=0)
     e.add_argument("--json", action="store_true", help="print report.json to stdout")
     e.set_defaults(func=cmd_eval)
@@ -470,7 +470,7 @@ def _add_bench_parser(sub) -> None:
                    help="memory bandwidth for the physical-limit column (default 15 on CPU)")
     b.add_argument("--max-prompt-tokens", type=_positive_int, default=None,
                    help="skip longer prompts (default: what fits the context with --max-tokens)")
-    b.add_argument("--out", type=Path, default=Path("bench-out"), help="report.json, report.md, PNGs, results.jsonl")
+    b.add_argument("--out", type=Path, default=Path("runs/bench"), help="report.json, report.md, PNGs, results.jsonl")
     b.add_argument("--resume", action="store_true", help="keep finished tiers in --out and run the rest")
     b.add_argument("--overwrite", action="store_true", help="discard earlier results in --out")
     b.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,

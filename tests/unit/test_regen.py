@@ -186,6 +186,7 @@ def test_engine_backend_turn_by_turn_and_batch_independent(tiny, tmp_path):
     be.prompt_log = []
     s = run_regen(cfg, conversations=convs, backend=be)
     assert (s.written, s.errors) == (5, 0)
+    assert not errors_path(cfg.out).exists()  # a run without failures leaves no empty errors file
     recs = {r["id"]: r for r in load_records(cfg.out)}
     assert set(recs) == {c.id for c in convs}
     for c in convs:

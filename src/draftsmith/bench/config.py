@@ -111,7 +111,7 @@ class BenchConfig:
     dollars_per_hour: float | None = None
     mem_bandwidth_gbs: float | None = None  # default 15 on CPU (MEASURING.md #8), unknown on CUDA
     max_prompt_tokens: int | None = None  # longer prompts are skipped (default: what fits the context)
-    out: Path = Path("bench-out")
+    out: Path = Path("runs/bench")
     resume: bool = False
     overwrite: bool = False
     device: str | None = None

@@ -375,6 +375,9 @@ class RegenSink:
     def close(self) -> None:
         self.out.close()
         self.err.close()
+        errs = Path(self.err.path)
+        if errs.is_file() and errs.stat().st_size == 0:  # no failures: leave no empty errors file
+            errs.unlink()
 
 
 def make_record(conv, ct: ChatTokens, target_info: Mapping[str, Any], sampling: RegenSampling,

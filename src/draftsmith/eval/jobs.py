@@ -52,7 +52,7 @@ class EvalOptions:
     max_turns: int = 2
     seed: int = 0
     n_bins: int = M.DEFAULT_BINS
-    out: Path | None = Path("eval-out")
+    out: Path | None = Path("runs/eval")
     device: str | None = None
     progress: bool | None = None
     thresholds: tuple[float, ...] = field(default_factory=lambda: tuple(M.default_thresholds(0.05)))
