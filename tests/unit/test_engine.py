@@ -145,9 +145,19 @@ def test_empty_proposals_are_plain_decoding(tiny):
     assert out.token_ids == plain.token_ids
 
 
-@pytest.mark.parametrize("drafter", ["none", "ngram"])
-def test_seeded_request_is_batch_invariant(tiny, drafter):
-    llm = LLM(str(tiny), drafter=drafter, max_batch=4, max_len=256)
+@pytest.mark.parametrize("drafter,policy", [
+    ("none", "fixed"), ("ngram", "fixed"), ("draft-model:OTHER", "fixed"), ("draft-model:OTHER", "heuristic"),
+    pytest.param("draft-model:SELF", "batch-schedule", marks=pytest.mark.xfail(strict=True, reason=(
+        "known defect (issue 15 item 3): with rejection sampling a seeded request's random stream "
+        "depends on how many drafts are verified, and batch-schedule picks K by batch size; "
+        "strict, so a fix (e.g. coupled position-keyed sampling) flips this test"))),
+])
+def test_seeded_request_is_batch_invariant(tiny, tiny_draft, drafter, policy):
+    """The same seed gives the same output alone, in a batch of other seeded requests, and when
+    run again — for sampling drafters (q ≠ p) and for policies whose draft length depends on
+    the batch size (batch-schedule) or on acceptance so far (heuristic)."""
+    drafter = drafter.replace("SELF", str(tiny)).replace("OTHER", str(tiny_draft))
+    llm = LLM(str(tiny), drafter=drafter, policy=policy, num_speculative_tokens=4, max_batch=4, max_len=256)
     p = SamplingParams(max_tokens=24, temperature=1.0, seed=1234)
     alone = llm.generate([PROMPTS[0]], p)[0].token_ids
     others = [SamplingParams(max_tokens=30, temperature=0.8, seed=s) for s in (1, 2, 3)]
