@@ -93,9 +93,10 @@ def test_summarize_baseline_has_no_acceptance():
 def test_verdicts():
     base = {"system_tokens_per_s": 100.0}
     assert verdict({}, None, is_baseline=True)["decision"] == "baseline"
-    assert verdict({"void": True, "void_reason": "2 of 8 differ"}, base) == {"decision": "void", "reason": "2 of 8 differ"}
+    assert verdict({"void": True, "void_reason": "2 of 8 differ"}, base) == {
+        "decision": "void", "reason": "2 of 8 differ", "flags": []}
     v = verdict({"acceptance_rate": 0.4, "draft_proposed": 10, "speedup": 1.3}, base)
-    assert v["decision"] == "no-go" and "acceptance 0.40 < 0.5" in v["reason"]
+    assert v["decision"] == "no-go" and v["reason"] == "faster (1.30×) but acceptance 0.40 < 0.5"
     v = verdict({"acceptance_rate": 0.8, "draft_proposed": 10, "speedup": 0.9}, base)
     assert v["decision"] == "no-go" and "slower than the baseline: 0.90×" in v["reason"]
     v = verdict({"acceptance_rate": 0.3, "draft_proposed": 10, "speedup": 0.9}, base)
@@ -104,6 +105,22 @@ def test_verdicts():
     v = verdict({"acceptance_rate": 0.7, "draft_proposed": 10, "speedup": 1.25}, base)
     assert v["decision"] == "go" and v["reason"].startswith("1.25×")
     assert verdict({"acceptance_rate": 0.7, "speedup": None}, None)["decision"] == "n/a"
+
+
+def test_verdict_flags_what_cannot_be_trusted():
+    """Fewer requests than the concurrency, a load above the core count, a speedup above τ:
+    each is flagged in the reason and in "flags"; a clean measurement has none."""
+    base = {"system_tokens_per_s": 100.0}
+    clean = {"acceptance_rate": 0.7, "draft_proposed": 10, "speedup": 1.25, "tau": 2.0, "requests": 16,
+             "concurrency": 4, "loadavg": 1.9, "cores": 2}
+    assert verdict(clean, base)["flags"] == []
+    v = verdict({**clean, "requests": 4, "concurrency": 16}, base)
+    assert v["flags"] == ["only 4 requests for concurrency 16: the tier was not reached"] and "[only 4" in v["reason"]
+    assert verdict({**clean, "loadavg": 5.0}, base)["flags"] == ["noisy: load average 5.0 on 2 cores"]
+    v = verdict({**clean, "speedup": 2.86, "tau": 1.07}, base)
+    assert v["decision"] == "go" and v["flags"][0].startswith("implausible: 2.86× with τ 1.07")
+    assert verdict({**clean, "speedup": 2.1, "tau": 2.0}, base)["flags"] == []  # within the 10% slack
+    assert verdict(clean, base, is_baseline=True)["flags"] == []
     # an endpoint without counters: speed alone decides
     assert verdict({"acceptance_rate": None, "draft_proposed": None, "speedup": 1.1}, base)["decision"] == "go"
 

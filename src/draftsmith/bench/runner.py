@@ -504,7 +504,10 @@ def _phase_lines(cfg, phase, runners, runs, mem, started, load0, fp_sha, per_req
         if r.kind == "peer":
             line["verdict"] = {"decision": "peer", "reason": "reference point (another toolkit)"}
         else:
-            row = {**s, "speedup": line["speedup"], "void": line["void"], "void_reason": line["void_reason"]}
+            loads = [x[0] for x in (load0, load1) if x]
+            row = {**s, "speedup": line["speedup"], "void": line["void"], "void_reason": line["void_reason"],
+                   "concurrency": phase.concurrency, "loadavg": max(loads) if loads else None,
+                   "cores": os.cpu_count()}
             line["verdict"] = verdict(row, summaries.get(base_label) if base_label else None,
                                       is_baseline=r.label == base_label)
         lines.append(line)

@@ -7,14 +7,44 @@
     go      otherwise, with the speedup
     n/a     no baseline measured at this tier (e.g. one endpoint only): acceptance alone
             cannot say go
+
+Flags, appended to the reason and listed under "flags", say when a number is not to be
+trusted as it stands: fewer requests than the concurrency asked for (the tier was never
+reached), a machine busier than its cores (load average above the core count), or a speedup
+above τ — a verification round costs at least one plain step of the same batch, so a
+speculative configuration cannot be more than τ× faster; above that (with 10% slack) the
+measurement is noise.
 """
 
 from __future__ import annotations
 
 MIN_ACCEPTANCE = 0.5
+TAU_SLACK = 1.10
+
+
+def flags(row: dict) -> list[str]:
+    out: list[str] = []
+    req, conc = row.get("requests"), row.get("concurrency")
+    if req is not None and conc is not None and req < conc:
+        out.append(f"only {req} requests for concurrency {conc}: the tier was not reached")
+    load, cores = row.get("loadavg"), row.get("cores")
+    if load is not None and cores and load > cores:
+        out.append(f"noisy: load average {load:.1f} on {cores} cores")
+    sp, tau = row.get("speedup"), row.get("tau")
+    if sp is not None and tau is not None and tau >= 1 and sp > TAU_SLACK * tau:
+        out.append(f"implausible: {sp:.2f}× with τ {tau:.2f} (cannot exceed τ); likely noise")
+    return out
 
 
 def verdict(row: dict, baseline: dict | None, *, is_baseline: bool = False) -> dict:
+    v = _decide(row, baseline, is_baseline=is_baseline)
+    f = [] if is_baseline else flags(row)
+    if f:
+        v = {**v, "reason": f"{v['reason']} [{'; '.join(f)}]"}
+    return {**v, "flags": f}
+
+
+def _decide(row: dict, baseline: dict | None, *, is_baseline: bool = False) -> dict:
     if is_baseline:
         return {"decision": "baseline", "reason": "no speculation (reference)"}
     if row.get("void"):
@@ -33,6 +63,9 @@ def verdict(row: dict, baseline: dict | None, *, is_baseline: bool = False) -> d
         return {"decision": "n/a", "reason": f"no baseline at this tier to compare speed with{extra}"}
     if speedup < 1.0:
         reasons.append(f"slower than the baseline: {speedup:.2f}× its tokens/s")
+    elif reasons:  # faster, but the go rule also needs acceptance: say both
+        reasons.insert(0, f"faster ({speedup:.2f}×) but")
+        return {"decision": "no-go", "reason": " ".join(reasons[:2]) + "".join(f"; {r}" for r in reasons[2:])}
     if reasons:
         return {"decision": "no-go", "reason": "; ".join(reasons)}
     acc_s = "" if acc is None else f", acceptance {acc:.2f}"
