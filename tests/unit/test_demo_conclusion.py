@@ -1,0 +1,28 @@
+"""The demo's closing paragraph is computed from the bench reports, not written in advance."""
+
+from __future__ import annotations
+
+import json
+
+from draftsmith.demo import conclusion
+
+
+def _report(path, rows):
+    path.write_text(json.dumps({"tiers": [
+        {"concurrency": 4, "results": [{"label": "ngram", "kind": "engine", "speedup": 9.0}]},
+        {"concurrency": 1, "results": rows},
+    ]}))
+    return path
+
+
+def test_conclusion_reads_concurrency_one_and_says_when_outputs_differed(tmp_path):
+    rows = [{"label": "none", "kind": "engine", "speedup": 1.0},
+            {"label": "ngram", "kind": "engine", "speedup": 1.3, "acceptance_rate": 0.4, "void": False},
+            {"label": "dspark:runs/x", "kind": "engine", "speedup": 0.8, "acceptance_rate": 0.05, "void": False},
+            {"label": "hf:generate", "kind": "peer", "speedup": 0.5}]
+    text = conclusion({"humaneval": _report(tmp_path / "a.json", rows)})
+    assert "humaneval prompts, one request at a time: ngram 1.30× plain (acceptance 0.40); dspark 0.80× plain" in text
+    assert "9.00" not in text and "hf" not in text.split("one request at a time")[1].split("\n")[0]
+    assert "identical to plain decoding" in text
+    rows[2]["void"] = True
+    assert "SOME OUTPUTS DIFFERED" in conclusion({"humaneval": _report(tmp_path / "b.json", rows)})
