@@ -30,11 +30,7 @@ import torch
 from draftsmith import LLM, SamplingParams
 from draftsmith.data.sources import HumanEvalSource
 from draftsmith.models.target import eos_token_ids
-
-
-def spread(xs: list[float]) -> str:
-    xs = sorted(xs)
-    return f"{statistics.median(xs):.2f}× (min {xs[0]:.2f}, max {xs[-1]:.2f})"
+from bench_foundation import quantiles as spread  # noqa: E402  (same folder: median and range of ratios)
 
 
 def main() -> None:

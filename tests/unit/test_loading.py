@@ -15,6 +15,7 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.models import registry
 from draftsmith.models.loading import load_decoder, load_tokenizer, read_config
 from draftsmith.models.registry import BUILTIN_TARGETS, resolve_target
+from fake_converter import copy_model  # noqa: E402  (tests/unit helper)
 
 
 def _one_line_error(excinfo) -> str:
@@ -158,12 +159,7 @@ def fake_converter(monkeypatch, tiny_model_dir):
 
     def convert(pkg_dir, gguf_file, out, fail_after=None, exc=RuntimeError("simulated crash half way")):
         calls.append(out)
-        files = sorted(src.iterdir(), key=lambda p: (p.name != "config.json", p.name))
-        for i, f in enumerate(files):
-            if i == fail_after:
-                (out / "model.safetensors").write_bytes(b"\0" * 64)
-                raise exc
-            (out / f.name).write_bytes(f.read_bytes())
+        copy_model(src, out, fail_after, exc)
 
     monkeypatch.setattr(registry, "_convert_gguf", convert)
     return calls, convert

@@ -28,6 +28,7 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.models import registry
 from draftsmith.models.loading import load_decoder, load_tokenizer
 from draftsmith.models.registry import BUILTIN_TARGETS, BuiltinTarget, resolve_target
+from fake_converter import copy_model  # noqa: E402  (tests/unit helper)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -173,12 +174,7 @@ def recording_converter(monkeypatch, tiny_model_dir):
         gguf_path = Path(pkg_dir) / gguf_file
         seen.append({"pkg_dir": Path(pkg_dir), "gguf_file": gguf_file, "out": Path(out),
                      "data": gguf_path.read_bytes() if gguf_path.is_file() else None})
-        files = sorted(src.iterdir(), key=lambda p: (p.name != "config.json", p.name))
-        for i, f in enumerate(files):
-            if i == fail_after:
-                (out / "model.safetensors").write_bytes(b"\0" * 64)
-                raise exc
-            (out / f.name).write_bytes(f.read_bytes())
+        copy_model(src, out, fail_after, exc)
 
     monkeypatch.setattr(registry, "_convert_gguf", convert)
     return seen, convert

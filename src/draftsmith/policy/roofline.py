@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -53,9 +54,11 @@ def measure_bandwidth(device: torch.device | str = "cpu", nbytes: int = 512 << 2
     return nbytes / min(times) / 1e9
 
 
-def step_time(model, rows: int, width: int, context_len: int = 200, repeats: int = 7, warmup: int = 2) -> float:
+def step_time(model, rows: int, width: int, context_len: int = 200, repeats: int = 7, warmup: int = 2,
+              clock: Callable[[], float] = time.perf_counter) -> float:
     """Median seconds of one target forward of [rows, width] new tokens after `context_len`
-    cached ones, the greedy warp included (what the engine runs per round)."""
+    cached ones, the greedy warp included (what the engine runs per round). KV contents do
+    not change the cost: the rows simply claim `context_len` cached tokens."""
     cache = model.new_cache(rows, context_len + width + 1)
     cache.lengths[:] = context_len
     ids = torch.randint(0, model.config.vocab_size, (rows, width), generator=torch.Generator().manual_seed(0))
@@ -63,12 +66,12 @@ def step_time(model, rows: int, width: int, context_len: int = 200, repeats: int
     times = []
     for i in range(warmup + repeats):
         _sync(model.device)
-        t0 = time.perf_counter()
+        t0 = clock()
         out = model(ids, cache, rows=torch.arange(rows))
         target_probs(out.logits, params)
         _sync(model.device)
         if i >= warmup:
-            times.append(time.perf_counter() - t0)
+            times.append(clock() - t0)
     return statistics.median(times)
 
 
