@@ -120,18 +120,21 @@ def _solo(dec, prefix: list[int], new: list[int]) -> torch.Tensor:
     return dec(torch.tensor([new]), cache).logits[0]
 
 
-def test_batched_rows_with_independent_lengths_match_solo_runs(qwen3):
+# consecutive rows (one cache view), a hole (two runs), unsorted (three runs), and more runs
+# than MAX_ROW_RUNS (the gather path)
+@pytest.mark.parametrize("rows", [[1, 2, 3], [0, 2, 3], [3, 0, 2], [0, 2, 4, 6, 8, 10, 12, 14, 16, 18]])
+def test_batched_rows_with_independent_lengths_match_solo_runs(qwen3, rows):
     dec = qwen3
     V = dec.config.vocab_size
     g = torch.Generator().manual_seed(4)
-    rows = [1, 2, 3]
-    prefix_len = {1: 5, 2: 11, 3: 0}  # different cache lengths (row 3 starts empty)
-    valid = {1: 4, 2: 2, 3: 1}  # different numbers of valid new tokens; the rest is padding
+    # different cache lengths (the third row starts empty) and numbers of valid new tokens
+    prefix_len = {r: (5, 11, 0)[i % 3] for i, r in enumerate(rows)}
+    valid = {r: (4, 2, 1)[i % 3] for i, r in enumerate(rows)}  # the rest is padding
     S = max(valid.values())
     prefixes = {r: torch.randint(0, V, (n,), generator=g).tolist() for r, n in prefix_len.items()}
     new = {r: torch.randint(0, V, (S,), generator=g).tolist() for r in rows}
 
-    cache = dec.new_cache(4, 64)
+    cache = dec.new_cache(max(rows) + 1, 64)
     for r in rows:
         if prefixes[r]:
             dec(torch.tensor([prefixes[r]]), cache, rows=torch.tensor([r]), compute_logits=False)
@@ -313,3 +316,17 @@ def test_fused_layout_keeps_checkpoint_names_and_numbers(tiny_model_dir, backend
     a2 = fused(ids, fused.new_cache(1, 16)).logits
     b2 = plain(ids, plain.new_cache(1, 16)).logits
     assert _maxdiff(a2, b2) <= TOL and _maxdiff(a2, a) > 1e-3  # the new weights are in use
+
+
+def test_attention_segments_follow_row_runs_and_bound_padding():
+    from draftsmith.models.decoder import MAX_ROW_RUNS, SEGMENT_WASTE_KEYS, _row_runs
+
+    assert _row_runs([0, 1, 2], [10, 10, 10], 1) == [(0, 3, 0, 11)]  # one view, no padding
+    assert _row_runs([0, 1, 3], [10, 12, 10], 1) == [(0, 2, 0, 13), (2, 3, 3, 11)]  # a hole
+    # similar lengths share a call; a row 2,000 keys longer gets its own
+    segs = _row_runs([4, 5, 6, 7], [100, 120, 2100, 90], 1)
+    assert segs == [(0, 2, 4, 121), (2, 3, 6, 2101), (3, 4, 7, 91)]
+    for b0, b1, _, keys in segs:
+        real = sum(s + 1 for s in [100, 120, 2100, 90][b0:b1])
+        assert (b1 - b0) * keys - real <= SEGMENT_WASTE_KEYS
+    assert _row_runs(list(range(0, 2 * (MAX_ROW_RUNS + 1), 2)), [5] * (MAX_ROW_RUNS + 1), 1) is None

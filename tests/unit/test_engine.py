@@ -285,3 +285,15 @@ def test_stop_string_spanning_a_round_boundary_at_batch_2(tiny):
     assert outs[0].finish_reason == "stop" and outs[0].text == dec(ref)[:first]
     assert outs[0].token_ids == ref[: boundary + 1]  # ends with the token that completed it
     assert outs[1].token_ids == LLM(str(tiny), max_len=256).generate([PROMPTS[2]], params)[0].token_ids
+
+
+def test_prefill_groups_bound_padding_and_cover_every_request():
+    from draftsmith.engine.engine import prefill_groups
+
+    lengths = [900, 12, 0, 13, 880, 14, 0, 2000, 13]
+    groups = prefill_groups(lengths)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for g in groups:
+        sizes = [lengths[i] for i in g]
+        assert len(g) * max(sizes) <= 1.1 * sum(sizes) or max(sizes) == 0
+    assert [sorted(lengths[i] for i in g) for g in groups] == [[0, 0], [12, 13, 13, 14], [880, 900], [2000]]

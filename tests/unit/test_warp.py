@@ -192,3 +192,17 @@ def test_inverse_cdf_edge_u_and_unnormalised_rows() -> None:
     assert inverse_cdf(probs, torch.zeros(2)).tolist() == [1, 0]
     with pytest.raises(ValueError):
         inverse_cdf(torch.zeros(1, 3), torch.zeros(1))
+
+
+@pytest.mark.parametrize("scale", [0.01, 0.3, 1.0, 10.0])  # nuclei from a few tokens to most of V
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.99])
+def test_top_p_from_leading_tokens_equals_a_full_sort(scale, top_p) -> None:
+    V = 5000
+    logits = torch.randn(6, V, generator=torch.Generator().manual_seed(7)) * scale
+    got = target_probs(logits.view(6, 1, V), [SamplingParams(top_p=top_p)] * 6)[:, 0] > 0
+    srt = torch.sort(logits, dim=-1, descending=True).values
+    p = torch.softmax(srt, dim=-1)
+    n_keep = ((p.cumsum(-1) - p) < top_p).sum(-1, keepdim=True)
+    want = logits >= srt.gather(-1, n_keep - 1)
+    assert torch.equal(got, want)
+    assert int(n_keep.max()) > 256 or scale > 0.5  # the flat cases do need the escalation

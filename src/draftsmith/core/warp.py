@@ -113,6 +113,23 @@ def _per_row(values: list, S: int, device: torch.device, dtype: torch.dtype) -> 
     return t.repeat_interleave(S).unsqueeze(-1)
 
 
+def _leading_logits(x: torch.Tensor, m: torch.Tensor, z: torch.Tensor, top_p: torch.Tensor,
+                    k: int = 256) -> torch.Tensor:
+    """The k largest logits of each row, descending, for the smallest k in 256, 2048, 16384, V
+    whose tokens hold at least top_p of every row's mass (rows with top_p = 1 need all V).
+
+    A top-p nucleus is a prefix of the sorted row, so once the leading k tokens reach top_p
+    the cut lies inside them and sorting the rest cannot change it: exact, and a top-256 is
+    ~20x cheaper than sorting 49k logits (a quarter of a batched sampling step was the sort)."""
+    V = x.shape[-1]
+    while k < V:
+        lead = torch.topk(x, k, dim=-1).values  # [N, k], descending
+        if bool(torch.all(((torch.exp(lead - m) / z).sum(dim=-1, keepdim=True) >= top_p) & (top_p < 1.0))):
+            return lead
+        k *= 8
+    return torch.sort(x, dim=-1, descending=True).values
+
+
 def _warp_sampled(x: torch.Tensor, params: Sequence[SamplingParams], S: int) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p on logits x [N, V] -> probabilities [N, V].
 
@@ -128,23 +145,19 @@ def _warp_sampled(x: torch.Tensor, params: Sequence[SamplingParams], S: int) -> 
     use_top_p = any(sp.top_p < 1.0 for sp in params)
     use_min_p = any(sp.min_p > 0.0 for sp in params)
 
-    sorted_x = torch.sort(x, dim=-1, descending=True).values if use_top_p else None  # [N, V]
     if use_top_k:
         k = _per_row([sp.top_k if 0 < sp.top_k < V else V for sp in params], S, dev, torch.long)
-        if sorted_x is None:
-            ranked = torch.topk(x, int(k.max()), dim=-1).values  # [N, kmax], descending
-        else:
-            ranked = sorted_x
-        kth = ranked.gather(-1, k - 1)  # [N, 1]
+        kth = torch.topk(x, int(k.max()), dim=-1).values.gather(-1, k - 1)  # [N, 1]
         x = x.masked_fill(x < kth, float("-inf"))
-        if sorted_x is not None:
-            sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))  # still descending
     if use_top_p:
         top_p = _per_row([sp.top_p for sp in params], S, dev, torch.float32)  # [N, 1]
-        sorted_p = torch.softmax(sorted_x, dim=-1)  # [N, V]
-        mass_before = sorted_p.cumsum(dim=-1) - sorted_p  # [N, V] mass of strictly better tokens
+        m = x.amax(dim=-1, keepdim=True)  # [N, 1]; normalised over the whole vocabulary, as softmax
+        z = torch.exp(x - m).sum(dim=-1, keepdim=True)  # [N, 1]
+        sorted_x = _leading_logits(x, m, z, top_p)  # [N, k], descending
+        sorted_p = torch.exp(sorted_x - m) / z  # [N, k]
+        mass_before = sorted_p.cumsum(dim=-1) - sorted_p  # [N, k] mass of strictly better tokens
         # top_p == 1 rows keep everything: cumsum rounding can reach 1 before the tail ends.
-        keep = (mass_before < top_p) | (top_p >= 1.0)  # [N, V], a prefix, never empty
+        keep = (mass_before < top_p) | (top_p >= 1.0)  # [N, k], a prefix, never empty
         n_keep = keep.sum(dim=-1, keepdim=True)  # [N, 1]
         cutoff = sorted_x.gather(-1, n_keep - 1)  # [N, 1] logit of the last kept token
         x = x.masked_fill(x < cutoff, float("-inf"))

@@ -167,23 +167,28 @@ class Engine:
             new.append(s)
         if not new:
             return
-        # Prefill everything but the last prompt token (it is the first round's input).
+        # Prefill everything but the last prompt token (it is the first round's input), in
+        # groups of similar length: one padded forward per group, so no row computes much
+        # padding (one batch padded to its longest prompt spent most of regen's time on it).
         feeds = [s.prompt_ids[:-1] for s in new]
-        features = None
-        if any(feeds):
-            S = max(len(f) for f in feeds)
-            ids = torch.zeros(len(new), S, dtype=torch.long)
-            for b, f in enumerate(feeds):
-                ids[b, : len(f)] = torch.tensor(f, dtype=torch.long)
-            rows = torch.tensor([s.row for s in new])
-            out = self.model(ids, self.cache, rows=rows, layer_ids=self._layer_ids, compute_logits=False)
-            features = self._features(out)
-            for s in new:
-                s.stats.target_forwards += 1
-        for b, s in enumerate(new):
-            self.cache.lengths[s.row] = len(feeds[b])
-            self.drafter.start(s, _slice_features(features, b, len(feeds[b])))
-            self.running.append(s)
+        for group in prefill_groups([len(f) for f in feeds]):
+            features = None
+            if len(feeds[group[0]]):
+                S = len(feeds[group[-1]])
+                ids = torch.zeros(len(group), S, dtype=torch.long)
+                for b, i in enumerate(group):
+                    ids[b, : len(feeds[i])] = torch.tensor(feeds[i], dtype=torch.long)
+                rows = torch.tensor([new[i].row for i in group])
+                out = self.model(ids, self.cache, rows=rows, layer_ids=self._layer_ids, compute_logits=False)
+                features = self._features(out)
+                for i in group:
+                    new[i].stats.target_forwards += 1
+            for b, i in enumerate(group):
+                s = new[i]
+                self.cache.lengths[s.row] = len(feeds[i])
+                self.drafter.start(s, _slice_features(features, b, len(feeds[i])))
+        self.running.extend(new)
+        self.running.sort(key=lambda s: s.row)  # consecutive rows: attention reads cache views
 
     def _features(self, out) -> TargetFeatures | None:
         needs = self.drafter.needs
@@ -315,6 +320,24 @@ class Engine:
 def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:
     hits = [i for i in (text.find(x) for x in stops) if i >= 0]
     return min(hits) if hits else None
+
+
+def prefill_groups(lengths: list[int], max_waste: float = 0.1) -> list[list[int]]:
+    """Indices grouped for padded prefill, shortest first: a group grows while its padded
+    size (rows x longest) stays within (1 + max_waste) x the tokens it really holds.
+    Empty prompts form their own group (no forward)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        g = groups[-1] if groups else None
+        if g is not None and lengths[g[0]] > 0 and (len(g) + 1) * lengths[i] <= (1 + max_waste) * (
+                sum(lengths[j] for j in g) + lengths[i]):
+            g.append(i)
+        elif g is not None and lengths[g[0]] == 0 and lengths[i] == 0:
+            g.append(i)
+        else:
+            groups.append([i])
+    return groups
 
 
 def _slice_features(f: TargetFeatures | None, b: int, n: int) -> TargetFeatures | None:
