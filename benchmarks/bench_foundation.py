@@ -1,10 +1,10 @@
 """Foundation benchmark (issue 2): batch 1, greedy, HumanEval prompts, default target.
 
-Side by side in one process, interleaved per prompt (MEASURING.md):
+Side by side in one process, interleaved per prompt (docs/MEASURING.md):
   A = Draftsmith plain decoding      B = HF transformers `generate` (plain)
   C = Draftsmith n-gram speculative  D = HF transformers prompt lookup
 Reports median per-prompt ratios with their spread, target forwards per token and τ, and
-how far plain decoding is from the memory-bandwidth floor (~36 ms/token, MEASURING.md #8).
+how far plain decoding is from the memory-bandwidth floor (~36 ms/token, docs/MEASURING.md #8).
 Writes benchmarks/results/foundation.json and prints a markdown table.
 
     .venv/bin/python benchmarks/bench_foundation.py [--prompts 12] [--max-new-tokens 128]
@@ -21,6 +21,7 @@ import statistics
 import time
 from pathlib import Path
 
+import draftsmith  # noqa: F401  (OpenMP settings: must come before torch)
 import torch
 
 from draftsmith import LLM, SamplingParams

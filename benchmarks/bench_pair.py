@@ -1,7 +1,7 @@
 """Memory-bound reference pair (issue 11): Qwen2.5-Coder-1.5B-Instruct as the target and
 -0.5B-Instruct as its draft model, batch 1, greedy, held-out HumanEval prompts.
 
-Side by side in one process, interleaved per prompt (MEASURING.md), one loaded copy of each
+Side by side in one process, interleaved per prompt (docs/MEASURING.md), one loaded copy of each
 model shared by our configurations:
   ours:  plain, n-gram (fixed K), draft-model 0.5B (fixed K)
   HF transformers: `generate` plain, prompt lookup (`prompt_lookup_num_tokens`), assisted
@@ -25,6 +25,7 @@ import statistics
 import time
 from pathlib import Path
 
+import draftsmith  # noqa: F401  (OpenMP settings: must come before torch)
 import torch
 
 from draftsmith import LLM, SamplingParams

@@ -1,7 +1,7 @@
 """Runtime benchmark (issue 11): what a target forward costs, before and after the linear-backend
 change, in float32 and bfloat16, at 1 and 2 threads; and the OpenMP wait policy idle vs loaded.
 
-Side by side in one process (MEASURING.md): the "mkl" backend (the earlier path: fused [in, out]
+Side by side in one process (docs/MEASURING.md): the "mkl" backend (the earlier path: fused [in, out]
 weights through torch.matmul) and "onednn" (weights prepacked once, models/linear.py) are loaded
 together and measured interleaved, round by round; each number is the median over rounds of a
 per-round median. Per configuration:
@@ -30,6 +30,7 @@ import sys
 import time
 from pathlib import Path
 
+import draftsmith  # noqa: F401  (OpenMP settings: must come before torch)
 import torch
 
 from draftsmith.models.loading import load_decoder

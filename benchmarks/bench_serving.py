@@ -32,7 +32,7 @@ every request costs one prefill in every configuration); end-to-end throughput i
 (engine clock) of requests that completed inside the window. Counts next to times: target
 forwards per output token (decode + prefill forwards / tokens: a system figure) and tau
 (tokens committed per verification round, bonus included). Greedy outputs must be identical
-across configurations for requests all of them completed (MEASURING.md rule 2); checked.
+across configurations for requests all of them completed (docs/MEASURING.md rule 2); checked.
 
 Writes the JSON (every number) and a section between markers in BENCHMARKS.md.
 """
@@ -50,6 +50,7 @@ from pathlib import Path
 
 import sections
 
+import draftsmith  # noqa: F401  (OpenMP settings: must come before torch)
 import torch
 
 from draftsmith.core.sampling import SamplingParams
@@ -244,21 +245,15 @@ def summarize(runs: dict[str, dict], C: int) -> dict[str, dict]:
 
 
 def build_engines(llm, k: int, max_batch: int, max_len: int, sps, drafter: str = "ngram"):
-    from draftsmith.drafters.catalogue import build_drafter
-    from draftsmith.engine.engine import Engine, EngineConfig
-    from draftsmith.models.target import eos_token_ids
+    from draftsmith.engine.builder import build_engine
     from draftsmith.policy.fixed import FixedK
     from draftsmith.policy.prefix_scheduler import PrefixScheduler, static_prefix_scheduler
 
-    cfg = EngineConfig(max_batch=max_batch, max_len=max_len)
-    eos = eos_token_ids(llm.target)
-    model, tok = llm.target.model, llm.tokenizer
     policies = {"fixed-k": FixedK(k), "prefix-static": static_prefix_scheduler(sps, max_k=k),
                 "prefix-scheduler": PrefixScheduler(sps, max_k=k)}
     engines = {"plain": llm.engine}
     for name, pol in policies.items():  # one drafter instance per engine: drafters keep per-row state
-        d = build_drafter(drafter, llm.target, max_rows=max_batch, max_len=max_len)
-        engines[name] = Engine(model, tok, d, pol, cfg, eos_token_ids=eos)
+        engines[name] = build_engine(llm.target, drafter, pol, k, max_batch, max_len)
     return engines
 
 

@@ -39,7 +39,7 @@ params = SamplingParams(max_tokens=tokens, temperature=0.0)
 for llm in (plain, ngram):  # warm up
     llm.generate([prompts[0]], SamplingParams(max_tokens=8, temperature=0.0))
 rows = []
-for ids in prompts:  # interleaved A B per prompt (MEASURING.md)
+for ids in prompts:  # interleaved A B per prompt (docs/MEASURING.md)
     a = plain.generate([ids], params)[0]; ta = plain.last_stats
     b = ngram.generate([ids], params)[0]; tb = ngram.last_stats
     rows.append({"plain_ms_per_token": 1e3 * ta.wall_time_s / ta.output_tokens,

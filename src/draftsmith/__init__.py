@@ -11,14 +11,14 @@ if "OMP_WAIT_POLICY" not in os.environ:
 from draftsmith.core.sampling import SamplingParams  # noqa: E402
 from draftsmith.errors import DraftsmithError
 
-__all__ = ["LLM", "SamplingParams", "DraftsmithError"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "DraftsmithError"]
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
     # Lazy: `import draftsmith` stays cheap (no torch model code) for the CLI's --help.
-    if name == "LLM":
-        from draftsmith.api import LLM
+    if name in ("LLM", "RequestOutput", "CompletionOutput"):
+        from draftsmith import api
 
-        return LLM
+        return getattr(api, name)
     raise AttributeError(name)

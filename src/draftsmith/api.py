@@ -7,31 +7,58 @@ token ids, finish reason) plus the speculative stats Draftsmith is about.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence as Seq
 
 from draftsmith.core.sampling import SamplingParams
 from draftsmith.drafters.base import Drafter
-from draftsmith.drafters.catalogue import build_drafter
-from draftsmith.engine.engine import Engine, EngineConfig
+from draftsmith.engine.builder import build_engine
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.loading import LoadedTarget
-from draftsmith.models.target import eos_token_ids, load_target
+from draftsmith.models.prompts import encode_chat, encode_text
+from draftsmith.models.target import load_target
 from draftsmith.models.threads import configure_threads
 from draftsmith.policy.base import DraftLengthPolicy
-from draftsmith.policy.fixed import FixedK
-from draftsmith.policy.heuristic import HeuristicK
+from draftsmith.policy.registry import make_policy  # noqa: F401  (re-exported: draftsmith.api.make_policy)
 
 
 @dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
+class CompletionOutput:
+    """One sample of a request (vLLM's name): SamplingParams(n=N) gives N of them."""
+
+    index: int
     text: str
     token_ids: list[int]
     finish_reason: str
     stats: dict = field(default_factory=dict)
+
+
+@dataclass
+class RequestOutput:
+    """One prompt's result, shaped like vLLM's: `.outputs[i]` per sample, `.prompt_token_ids`.
+    `.text`, `.token_ids`, `.finish_reason` and `.stats` are the first sample's (kept from
+    Draftsmith's earlier API)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str:
+        return self.outputs[0].finish_reason
+
+    @property
+    def stats(self) -> dict:
+        return self.outputs[0].stats
 
 
 @dataclass
@@ -73,46 +100,6 @@ class GenerateStats:
         }
 
 
-def make_policy(name: str, k: int, *, target=None, max_batch: int = 8) -> DraftLengthPolicy:
-    """A draft-length policy by name, K = k drafts per round at most.
-
-    prefix-scheduler profiles SPS(B) for `target` (a LoadedTarget) on first use per machine
-    (cached under $DRAFTSMITH_HOME/profiles/), for up to `max_batch` rows of k + 1 tokens.
-    """
-    if name == "fixed":
-        return FixedK(k)
-    if name == "heuristic":
-        return HeuristicK(initial=min(k, 16), max_k=max(16, k))
-    if name == "threshold":
-        from draftsmith.policy.threshold import ConfidenceThreshold
-
-        return ConfidenceThreshold(max_k=k)
-    if name == "batch-schedule":
-        from draftsmith.policy.batch_schedule import BatchSizeSchedule, default_schedule
-
-        return BatchSizeSchedule(default_schedule(k))
-    if name == "prefix-scheduler":
-        import sys
-
-        from draftsmith.policy.prefix_scheduler import PrefixScheduler
-        from draftsmith.policy.profile import ProfileConfig, load_or_profile
-
-        if target is None:
-            raise DraftsmithError(
-                "the prefix-scheduler policy needs the target to profile SPS(B): call "
-                "make_policy(name, k, target=loaded_target, max_batch=...) or pass "
-                "PrefixScheduler(load_or_profile(model, ...)) as the policy"
-            )
-        sps = load_or_profile(
-            target.model, weights_hash=target.weights_hash, name=target.target_id,
-            config=ProfileConfig(max_batch=max_batch, max_k=k),
-            log=lambda m: print(f"draftsmith: {m}", file=sys.stderr, flush=True),
-        )
-        return PrefixScheduler(sps, max_k=k)
-    known = ("fixed", "heuristic", "threshold", "batch-schedule", "prefix-scheduler")
-    raise DraftsmithError(f"unknown draft-length policy {name!r}; choose one of {', '.join(known)}")
-
-
 class LLM:
     """A target (+ optional drafter) ready to generate.
 
@@ -143,26 +130,15 @@ class LLM:
         else:
             self.target = load_target(target, device=device, dtype=dtype, threads=threads)
         self.tokenizer = self.target.tokenizer
-        cfg = EngineConfig(max_batch=max_batch, max_len=max_len)
-        max_len = min(max_len, self.target.model.config.max_position_embeddings)
-        self.drafter = drafter if not isinstance(drafter, str) else build_drafter(drafter, self.target, max_batch, max_len)
-        self.policy = policy if not isinstance(policy, str) else make_policy(
-            policy, num_speculative_tokens, target=self.target, max_batch=max_batch
-        )
-        self.engine = Engine(
-            self.target.model, self.tokenizer, self.drafter, self.policy, cfg,
-            eos_token_ids=eos_token_ids(self.target),
-        )
+        self.engine = build_engine(self.target, drafter, policy, num_speculative_tokens, max_batch, max_len)
+        self.drafter, self.policy = self.engine.drafter, self.engine.policy
         self.last_stats: GenerateStats | None = None
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise DraftsmithError(f"target {self.target.target_id!r} has no chat template; send plain prompts")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return encode_chat(self.tokenizer, messages, self.target.target_id)
 
     def encode(self, prompt: str) -> list[int]:
-        return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        return encode_text(self.tokenizer, prompt)
 
     def generate(
         self,
@@ -191,8 +167,11 @@ class LLM:
             encoded.append((ids, sp))
         for ids, sp in encoded:  # refuse before running anything, as the server (and vLLM) do
             self._check_context(len(ids), sp.max_tokens)
-        seqs = [self.engine.add_request(ids, sp) for ids, sp in encoded]
-        return self._run(seqs, texts)
+        # n samples per prompt: sample i is seeded seed + i (as the server's choices), so
+        # sample 0 is what n=1 gives
+        groups = [[self.engine.add_request(ids, sp if i == 0 or sp.seed is None else replace(sp, seed=sp.seed + i))
+                   for i in range(sp.n)] for ids, sp in encoded]
+        return self._run(groups, texts)
 
     def _check_context(self, prompt_len: int, max_tokens: int) -> None:
         limit = self.engine.max_len
@@ -214,17 +193,19 @@ class LLM:
         ids = [self.apply_chat_template(list(c)) for c in conversations]  # type: ignore[arg-type]
         return self.generate(ids, sampling_params)
 
-    def _run(self, seqs, texts) -> list[RequestOutput]:
+    def _run(self, groups, texts) -> list[RequestOutput]:
+        seqs = [s for g in groups for s in g]
         t0 = time.perf_counter()
         while any(not s.finished for s in seqs):
             self.engine.step()
         wall = time.perf_counter() - t0
         outs = [
             RequestOutput(
-                request_id=s.request_id, prompt=t, prompt_token_ids=s.prompt_ids, text=s.text,
-                token_ids=list(s.output_ids), finish_reason=s.finish_reason or "", stats=s.stats.to_dict(),
+                request_id=g[0].request_id, prompt=t, prompt_token_ids=g[0].prompt_ids,
+                outputs=[CompletionOutput(i, s.text, list(s.output_ids), s.finish_reason or "", s.stats.to_dict())
+                         for i, s in enumerate(g)],
             )
-            for s, t in zip(seqs, texts)
+            for g, t in zip(groups, texts)
         ]
         surv_p: list[int] = []
         surv_a: list[int] = []

@@ -10,7 +10,9 @@ import json
 import sys
 from pathlib import Path
 
+from draftsmith.drafters import registry
 from draftsmith.errors import DraftsmithError
+from draftsmith.policy.registry import policies
 
 
 def _positive_int(v: str) -> int:
@@ -29,6 +31,17 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")
 
 
+def _policy_help() -> str:
+    return "draft-length policy: " + "; ".join(f"{p.name} = {p.summary}" for p in policies().values())
+
+
+def _add_speculation_args(p: argparse.ArgumentParser) -> None:
+    """--drafter / --num-speculative-tokens / --policy, from the registries (generate, serve)."""
+    p.add_argument("--drafter", default="none", help=f"{registry.usage()} (default: none)")
+    p.add_argument("--num-speculative-tokens", "-k", type=int, default=5, help="draft length K (default: 5)")
+    p.add_argument("--policy", default="fixed", choices=list(policies()), help=_policy_help() + " (default: fixed)")
+
+
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=_positive_int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -45,10 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text, optionally with speculative decoding")
     _add_target_args(g)
-    g.add_argument("--drafter", default="none", help="none | ngram | draft-model:PATH")
-    g.add_argument("--num-speculative-tokens", "-k", type=int, default=5, help="draft length K")
-    g.add_argument("--policy", default="fixed", choices=["fixed", "heuristic", "threshold", "batch-schedule", "prefix-scheduler"],
-                   help="draft-length policy (prefix-scheduler profiles SPS(B) once per machine + model)")
+    _add_speculation_args(g)
     g.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
     g.add_argument("--prompt-file", type=Path, help="one prompt per line (.txt) or JSONL with prompt/messages")
     g.add_argument("--chat", action="store_true", help="apply the target's chat template")
@@ -157,10 +167,7 @@ def cmd_generate(args) -> int:
 def _add_serve_parser(sub) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, /metrics)")
     _add_target_args(s)
-    s.add_argument("--drafter", default="none", help="none | ngram | draft-model:PATH")
-    s.add_argument("--num-speculative-tokens", "-k", type=int, default=5, help="draft length K")
-    s.add_argument("--policy", default="fixed", choices=["fixed", "heuristic", "threshold", "batch-schedule", "prefix-scheduler"],
-                   help="draft-length policy (prefix-scheduler profiles SPS(B) once per machine + model)")
+    _add_speculation_args(s)
     s.add_argument("--max-batch", type=_positive_int, default=8, help="KV rows = requests running at once")
     s.add_argument("--max-len", type=_positive_int, default=2048, help="context limit per request (prompt + output)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
@@ -321,7 +328,9 @@ def _add_mint_verify_parsers(sub) -> None:
     c = sub.add_parser("calibrate", help="fit Sequential Temperature Scaling on held-out data; store calibration.json")
     c.add_argument("--target", default="smollm2-135m", help="built-in alias or HF-format model dir")
     c.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
-    c.add_argument("--drafter", required=True, help="KIND:CHECKPOINT, e.g. dspark:runs/smollm2-135m-dspark")
+    c.add_argument("--drafter", required=True,
+                   help=f"KIND:CHECKPOINT of a trainable kind ({', '.join(registry.trainable_kinds())}), "
+                        "e.g. dspark:runs/smollm2-135m-dspark")
     src = c.add_mutually_exclusive_group(required=True)
     src.add_argument("--data", type=Path, help="held-out regen JSONL (draftsmith regen --split heldout)")
     src.add_argument("--tasks", help="held-out prompts of these sources, e.g. humaneval,mtbench")
@@ -333,7 +342,7 @@ def _add_mint_verify_parsers(sub) -> None:
     e.add_argument("--target", default="smollm2-135m", help="built-in alias or HF-format model dir")
     e.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     e.add_argument("--drafter", action="append", required=True,
-                   help="KIND:CHECKPOINT (dspark, dflash, eagle3) or ngram / draft-model:PATH; repeat to compare")
+                   help=f"{registry.usage()}; repeat to compare")
     e.add_argument("--tasks", default="humaneval,mtbench", help="comma-separated sources (held-out split only)")
     e.add_argument("--confidence-threshold", type=float, default=None,
                    help="verify only the prefix whose cumulative confidence stays >= this")
@@ -437,8 +446,7 @@ def _add_bench_parser(sub) -> None:
     b = sub.add_parser("bench", help="speedup / latency / cost report across concurrency tiers, go/no-go per tier")
     _add_target_args(b)
     b.add_argument("--drafter", action="append", default=[],
-                   help="ngram | draft-model:PATH | KIND:CHECKPOINT (dspark, dflash, eagle3); repeatable. "
-                        "The no-speculation baseline (none) is always measured")
+                   help=f"{registry.usage()}; repeatable. The no-speculation baseline (none) is always measured")
     b.add_argument("--workload", default="humaneval",
                    help="humaneval | mtbench | sharegpt | code | chat | a .jsonl/.parquet prompt file")
     b.add_argument("--split", default=None, choices=["heldout", "train", "all"],
@@ -454,9 +462,7 @@ def _add_bench_parser(sub) -> None:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--num-speculative-tokens", "-k", type=_positive_int, default=None,
                    help="draft length K (default: the checkpoint's block size, else 5)")
-    b.add_argument("--policy", default="fixed",
-                   help="draft-length policy for the drafters: fixed, heuristic, threshold, batch-schedule, "
-                        "prefix-scheduler, ...")
+    b.add_argument("--policy", default="fixed", choices=list(policies()), help=_policy_help())
     b.add_argument("--endpoint", action="append", default=[], metavar="[LABEL=]URL",
                    help="benchmark an OpenAI-compatible server instead (repeatable; label `none` = the baseline)")
     b.add_argument("--endpoint-model", default=None, help="model name to send (default: the server's first)")
@@ -467,7 +473,7 @@ def _add_bench_parser(sub) -> None:
     b.add_argument("--peer-lookup-tokens", type=_positive_int, default=10, help="--peers hf: prompt_lookup_num_tokens")
     b.add_argument("--dollars-per-hour", type=float, default=None, help="machine price, for cost per 1M output tokens")
     b.add_argument("--mem-bandwidth-gbs", type=float, default=None,
-                   help="memory bandwidth for the physical-limit column (default 15 on CPU)")
+                   help="memory bandwidth for the physical-limit column (default: measured after the run)")
     b.add_argument("--max-prompt-tokens", type=_positive_int, default=None,
                    help="skip longer prompts (default: what fits the context with --max-tokens)")
     b.add_argument("--out", type=Path, default=Path("runs/bench"), help="report.json, report.md, PNGs, results.jsonl")

@@ -1,9 +1,16 @@
-"""Durable-write helpers shared by the feature cache and checkpoints."""
+"""File helpers shared by the feature cache, checkpoints, reports and runs: atomic writes and
+JSON reads with errors that name the file."""
 
 from __future__ import annotations
 
+import json
 import os
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+from draftsmith.errors import DraftsmithError
 
 
 def fsync_dir(path: Path) -> None:
@@ -18,3 +25,38 @@ def fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    """Write `path` through `write(tmp)` on a temporary file in the same directory, fsync
+    it, then rename it over `path`: a crash leaves the old file or the new one, never half."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """`data` as indented JSON (one trailing newline), written atomically."""
+    atomic_write(Path(path), lambda p: p.write_text(json.dumps(data, indent=1) + "\n"))
+
+
+def read_json(path: Path, what: str = "file") -> Any:
+    """Parsed JSON, or a DraftsmithError that names the file and what is wrong with it."""
+    path = Path(path)
+    if not path.is_file():
+        raise DraftsmithError(f"{what} {path} does not exist")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise DraftsmithError(f"{what} {path} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    except UnicodeDecodeError:
+        raise DraftsmithError(f"{what} {path} is not UTF-8 text") from None

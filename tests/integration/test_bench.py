@@ -1,4 +1,4 @@
-"""`draftsmith bench` end to end on tiny models (no wall-clock assertions; MEASURING.md #7).
+"""`draftsmith bench` end to end on tiny models (no wall-clock assertions; docs/MEASURING.md #7).
 
 - In process: 2 tiers, none + ngram, HF peers (generate, prompt lookup, assistant): every
   report field is present, the numbers are consistent with each other and with the raw

@@ -1,7 +1,7 @@
 """Mint -> Verify on a tiny target with the real drafter kinds: train a few steps, calibrate, eval.
 
 Numbers here are meaningless (a random 3-layer target, a few steps); the test checks the
-jobs fit together: checkpoints load through drafters/trained.py, STS lands in
+jobs fit together: checkpoints load through drafters/checkpoint.py, STS lands in
 calibration.json and eval uses it, reports and plots are written, foreign targets refused.
 """
 
@@ -103,3 +103,29 @@ def test_threshold_cuts_verification(trained):
                                progress=False))
     o = rep["drafters"][0]["overall"]
     assert o["verify_rate"] < 1.0 and o["proposed"] < o["drafted"]
+
+
+def test_every_command_applies_the_same_target_rule(trained, tmp_path, tiny_model_dir, capsys):
+    """drafters/checkpoint.check_target: the weights decide. The same weights under another
+    directory name pass in generate, eval and calibrate alike; other weights are refused by all."""
+    import shutil
+
+    target, runs, prompts, root = trained
+    renamed = tmp_path / "renamed-target"
+    shutil.copytree(target, renamed)  # another target id, the same weights
+    other = tiny_model_dir("llama", seed=7)  # the same shapes, other weights
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(runs["dspark"], ckpt)  # calibrate writes into it
+    spec = f"dspark:{ckpt}"
+    jobs = {
+        "generate": ["generate", "--drafter", spec, "--prompt", "abc", "--max-new-tokens", "4"],
+        "eval": ["eval", "--drafter", spec, "--tasks", str(prompts), "--max-prompts", "1", "--max-new-tokens", "4",
+                 "--no-progress", "--out", str(tmp_path / "eval")],
+        "calibrate": ["calibrate", "--drafter", spec, "--tasks", str(prompts), "--max-prompts", "1",
+                      "--max-new-tokens", "4", "--no-progress"],
+    }
+    for name, argv in jobs.items():
+        assert main([*argv, "--target", str(renamed)]) == 0, name
+        capsys.readouterr()
+        assert main([*argv, "--target", str(other)]) == 2, name
+        assert "trained for target" in capsys.readouterr().err, name

@@ -1,4 +1,4 @@
-"""A tiny trainable drafter that satisfies train/protocol.py, for testing the machinery.
+"""A tiny trainable drafter that satisfies drafters/protocol.py, for testing the machinery.
 
 `HeadModel`: a linear map over [chosen target layers ; final_hidden] followed by the
 target's frozen lm_head, predicting the next token (dropout on, to exercise RNG restore;
@@ -19,8 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.drafters.base import FeatureSpec
-from draftsmith.train.config import KindEntry
-from draftsmith.train.protocol import LossOutput, TrainBatch
+from draftsmith.drafters.protocol import LossOutput, TrainBatch
 
 
 @dataclass(frozen=True)
@@ -63,7 +62,12 @@ def build(target, cfg: HeadConfig) -> HeadModel:
     return HeadModel(target, cfg)
 
 
-CATALOGUE = {"head": KindEntry(HeadConfig, build)}
+class _Entry:  # what the trainer reads of a kind: config_cls and build (drafters/registry.DrafterKind)
+    config_cls = HeadConfig
+    build = staticmethod(build)
+
+
+CATALOGUE = {"head": _Entry()}
 
 
 def next_token(t: int) -> int:

@@ -1,6 +1,6 @@
 """bench building blocks: percentiles, aggregation from counts, verdicts, parsers, the results
 file, /metrics differences, phase planning, and the in-process load generator on a tiny model
-(closed loop and Poisson arrivals). No wall-clock assertions (MEASURING.md #7)."""
+(closed loop and Poisson arrivals). No wall-clock assertions (docs/MEASURING.md #7)."""
 
 from __future__ import annotations
 
@@ -220,7 +220,7 @@ def test_counters_from_server_metrics():
 
 @pytest.fixture(scope="module")
 def tiny_engine_factory(tiny_model_dir):
-    from draftsmith.drafters.catalogue import build_drafter
+    from draftsmith.drafters.registry import build_drafter
     from draftsmith.engine.engine import Engine, EngineConfig
     from draftsmith.models.target import eos_token_ids, load_target
     from draftsmith.policy.fixed import FixedK

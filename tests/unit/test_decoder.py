@@ -120,10 +120,16 @@ def _solo(dec, prefix: list[int], new: list[int]) -> torch.Tensor:
     return dec(torch.tensor([new]), cache).logits[0]
 
 
-# consecutive rows (one cache view), a hole (two runs), unsorted (three runs), and more runs
-# than MAX_ROW_RUNS (the gather path)
-@pytest.mark.parametrize("rows", [[1, 2, 3], [0, 2, 3], [3, 0, 2], [0, 2, 4, 6, 8, 10, 12, 14, 16, 18]])
-def test_batched_rows_with_independent_lengths_match_solo_runs(qwen3, rows):
+# consecutive rows (one cache view), a hole (two runs), unsorted (three runs), many runs, and
+# the gather path (GPUs, more than MAX_ROW_RUNS runs) forced on this CPU
+@pytest.mark.parametrize("rows, gather", [([1, 2, 3], False), ([0, 2, 3], False), ([3, 0, 2], False),
+                                          ([0, 2, 4, 6, 8, 10, 12, 14, 16, 18], False),
+                                          ([0, 2, 4, 6, 8, 10, 12, 14, 16, 18], True)])
+def test_batched_rows_with_independent_lengths_match_solo_runs(qwen3, rows, gather, monkeypatch):
+    import draftsmith.models.decoder as decoder_module
+
+    if gather:
+        monkeypatch.setattr(decoder_module, "_row_runs", lambda *a, **k: None)
     dec = qwen3
     V = dec.config.vocab_size
     g = torch.Generator().manual_seed(4)

@@ -297,3 +297,22 @@ def test_prefill_groups_bound_padding_and_cover_every_request():
         sizes = [lengths[i] for i in g]
         assert len(g) * max(sizes) <= 1.1 * sum(sizes) or max(sizes) == 0
     assert [sorted(lengths[i] for i in g) for g in groups] == [[0, 0], [12, 13, 13, 14], [880, 900], [2000]]
+
+
+def test_llm_generate_returns_vllm_shaped_outputs_with_n_samples(tiny_model_dir):
+    from draftsmith import LLM, CompletionOutput, RequestOutput
+
+    llm = LLM(str(tiny_model_dir("llama", seed=0)), max_batch=8, max_len=64)
+    one = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, temperature=1.0, seed=3))[0]
+    out = llm.generate([[5, 6, 7], [9, 9]], SamplingParams(max_tokens=6, temperature=1.0, seed=3, n=3))
+    assert [len(o.outputs) for o in out] == [3, 3] and isinstance(out[0], RequestOutput)
+    first = out[0]
+    assert isinstance(first.outputs[0], CompletionOutput) and [c.index for c in first.outputs] == [0, 1, 2]
+    assert first.prompt_token_ids == [5, 6, 7]
+    assert first.outputs[0].token_ids == one.token_ids  # sample 0 is the n=1 sample (seed + 0)
+    assert len({tuple(c.token_ids) for c in first.outputs}) > 1  # seeds seed + i differ
+    # the earlier attributes still read the first sample
+    assert (first.text, first.token_ids, first.finish_reason) == (
+        first.outputs[0].text, first.outputs[0].token_ids, first.outputs[0].finish_reason)
+    with pytest.raises(DraftsmithError, match="n must be a positive integer"):
+        SamplingParams(n=0)

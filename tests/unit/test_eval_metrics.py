@@ -144,11 +144,11 @@ def test_scale_unscale_and_calibration_file(tmp_path):
     data = json.loads(path.read_text())
     assert data["method"] == "sts" and data["temperatures"] == t and data["fitted_on"]["rounds"] == 5
     assert sts.read_calibration(tmp_path)["temperatures"] == t
-    from draftsmith.drafters.trained import read_calibration  # what the inference drafter loads
+    from draftsmith.drafters.checkpoint import read_calibration  # what the inference drafter loads
 
     assert read_calibration(tmp_path) == tuple(t)
     # the drafter's own STS (drafters apply it to confidence logits) matches eval's
-    from draftsmith.train.losses import temperature_scale
+    from draftsmith.drafters.losses import temperature_scale
 
     assert temperature_scale(torch.tensor([c[:3]]), t)[0].tolist() == pytest.approx(sts.scale(c[:3], t), rel=1e-5)
 

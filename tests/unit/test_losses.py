@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from draftsmith.train.anchors import eligible_anchors, pack_blocks, sample_anchors
-from draftsmith.train.losses import (
+from draftsmith.drafters.anchors import eligible_anchors, pack_blocks, sample_anchors
+from draftsmith.drafters.losses import (
     BlockLossWeights, block_loss, confidence_bce, forward_kl, l1_distance, position_weights, temperature_scale,
     ttt_loss, ttt_step_weights,
 )

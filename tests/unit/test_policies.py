@@ -13,7 +13,7 @@ from draftsmith import LLM, DraftsmithError, SamplingParams
 from draftsmith.api import make_policy
 from draftsmith.core.types import Proposal, VerifyResult
 from draftsmith.drafters.ngram import NgramDrafter
-from draftsmith.engine.sequence import Sequence
+from draftsmith.core.request import Request
 from draftsmith.models.loading import load_decoder
 from draftsmith.policy import profile as profile_mod
 from draftsmith.policy.acceptance import (
@@ -40,8 +40,8 @@ def sps_from_times(tokens, times) -> SPSTable:
     return SPSTable.from_step_times(tuple(tokens), tuple(times))
 
 
-def seqs(n: int) -> list[Sequence]:
-    return [Sequence(f"r{i}", [1, 2, 3], SamplingParams(), None) for i in range(n)]
+def seqs(n: int) -> list[Request]:
+    return [Request(f"r{i}", [1, 2, 3], SamplingParams(), None) for i in range(n)]
 
 
 def proposal(lengths, K, confidences=None) -> Proposal:

@@ -29,7 +29,7 @@ import torch
 from draftsmith.core.sampling import SamplingParams
 from draftsmith.core.types import Proposal
 from draftsmith.core.verify import verify
-from draftsmith.engine.sequence import Sequence
+from draftsmith.core.request import Request
 from draftsmith.policy.acceptance import cumulative
 from draftsmith.policy.prefix_scheduler import PrefixScheduler
 from draftsmith.policy.profile import SPSTable
@@ -96,11 +96,11 @@ def _global_search_without_early_stop(conf: list[list[float]], sps) -> list[int]
 
 def _policy_lengths(policy):
     """Verify lengths from the real policy's trim() for one group's confidences."""
-    seqs_cache: dict[int, list[Sequence]] = {}
+    seqs_cache: dict[int, list[Request]] = {}
 
     def lengths(conf: list[list[float]]) -> list[int]:
         R, K = len(conf), len(conf[0])
-        seqs = seqs_cache.setdefault(R, [Sequence(f"r{i}", [0], SamplingParams(), None) for i in range(R)])
+        seqs = seqs_cache.setdefault(R, [Request(f"r{i}", [0], SamplingParams(), None) for i in range(R)])
         proposal = Proposal(tokens=torch.zeros(R, K, dtype=torch.long), lengths=torch.full((R,), K),
                             confidences=torch.tensor(conf))
         return policy.trim(seqs, proposal)
@@ -218,7 +218,7 @@ def _sps(tokens: tuple[int, ...], step_times: tuple[float, ...]) -> SPSTable:
     return SPSTable.from_step_times(tokens, step_times)
 
 
-# CPU-like cost curves (ARCHITECTURE.md): the first extra verify token is expensive, later ones
+# CPU-like cost curves (docs/ARCHITECTURE.md): the first extra verify token is expensive, later ones
 # nearly free. So Theta first dips, then rises: exactly where the early stop and a global
 # search disagree, and where the verify length depends on the drafts through c_k.
 CASES = {

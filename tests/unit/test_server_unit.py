@@ -121,12 +121,12 @@ class _FakeEngine:
         self.fail_next = False
 
     def add_request(self, prompt_ids, params, request_id):
-        from draftsmith.engine.sequence import Sequence
+        from draftsmith.core.request import Request
         from draftsmith.errors import DraftsmithError
 
         if not prompt_ids:
             raise DraftsmithError("prompt is empty")
-        s = Sequence(request_id=request_id, prompt_ids=list(prompt_ids), params=params, generator=None)
+        s = Request(request_id=request_id, prompt_ids=list(prompt_ids), params=params, generator=None)
         self.waiting.append(s)
         return s
 
@@ -135,7 +135,7 @@ class _FakeEngine:
         return bool(self.waiting or self.running)
 
     def _finish(self, s, reason):
-        from draftsmith.engine.sequence import Status
+        from draftsmith.core.request import Status
 
         s.finish_reason, s.status, s.text = reason, Status.FINISHED, "x" * len(s.output_ids)
         if s.row >= 0:

@@ -10,7 +10,7 @@ import torch
 from draftsmith import DraftsmithError, SamplingParams
 from draftsmith.core.types import Proposal, VerifyResult
 from draftsmith.engine.engine import StepInfo
-from draftsmith.engine.sequence import Sequence
+from draftsmith.core.request import Request
 from draftsmith.policy.acceptance import AcceptancePool, AcceptancePrior, running_confidences
 from draftsmith.policy.cost import StepCost
 from draftsmith.policy.prefix_scheduler import PrefixScheduler, plan_best_prefix
@@ -25,8 +25,8 @@ def info(rows, width, forward_s, draft_s=0.0, drafted=False) -> StepInfo:
                     draft_s=draft_s, forward_s=forward_s)
 
 
-def seqs(n: int) -> list[Sequence]:
-    return [Sequence(f"r{i}", [1, 2, 3], SamplingParams(), None) for i in range(n)]
+def seqs(n: int) -> list[Request]:
+    return [Request(f"r{i}", [1, 2, 3], SamplingParams(), None) for i in range(n)]
 
 
 def test_no_measurements_means_the_profile():

@@ -31,12 +31,14 @@ from draftsmith.drafters import dflash, dspark, eagle3
 from draftsmith.drafters.base import TargetFeatures
 from draftsmith.drafters.block import choose_mask_token_id, packed_forward
 from draftsmith.drafters.vocab import build_vocab_map
-from draftsmith.drafters.trained import (
-    CATALOGUE, config_from_dict, load_trained_drafter, load_trained_model, save_trained_drafter,
-)
-from draftsmith.engine.sequence import Sequence
+from draftsmith.drafters.checkpoint import save_trained_drafter
+from draftsmith.drafters.registry import config_for as config_from_dict
+from draftsmith.drafters.registry import load_checkpoint as load_trained_drafter
+from draftsmith.drafters.registry import load_checkpoint_model as load_trained_model
+from draftsmith.drafters.registry import trainable_kinds
+from draftsmith.core.request import Request
 from draftsmith.models.target import load_target
-from draftsmith.train.protocol import TrainBatch
+from draftsmith.drafters.protocol import TrainBatch
 from chi_square import chi2_pvalue, exact_first_two_laws  # noqa: E402  (tests/unit helper)
 from drafter_wrappers import ForwardingDrafter  # noqa: E402  (tests/unit helper)
 
@@ -254,8 +256,8 @@ def test_negative_control_wrong_q_fails_the_check(bug, target_dir, target, train
 # ---------------------------------------------------------------------------- train / inference parity
 
 
-def _sequence(prompt: list[int], params: SamplingParams) -> Sequence:
-    s = Sequence(request_id="parity", prompt_ids=list(prompt), params=params, generator=None)
+def _sequence(prompt: list[int], params: SamplingParams) -> Request:
+    s = Request(request_id="parity", prompt_ids=list(prompt), params=params, generator=None)
     s.row = 0
     return s
 
@@ -533,7 +535,7 @@ def test_checkpoint_for_another_target_is_refused(tmp_path, tiny_model_dir, targ
         ({"kind": "eagle3", "ttt_steps": 0}, "ttt_steps"),
         ({"kind": "dflash", "layer_ids": [0, 0]}, "repeat"),
         ({"kind": "dflash", "draft_vocab_size": 0}, "draft_vocab_size must be a positive integer"),
-        ({"kind": "medusa"}, "unknown drafter kind"),
+        ({"kind": "medusa"}, "unknown trainable drafter kind"),
     ],
 )
 def test_config_errors_are_clear(data, message):
@@ -547,7 +549,7 @@ def test_draft_vocabulary_larger_than_the_target_is_refused(target):
 
 
 def test_config_defaults_and_target_resolution(target):
-    assert set(CATALOGUE) == {"eagle3", "dflash", "dspark"}
+    assert set(trainable_kinds()) == {"eagle3", "dflash", "dspark"}
     d = config_from_dict({"kind": "dspark"})
     assert (d.block_size, d.num_layers, d.rank, d.head) == (7, 5, 256, "markov")
     assert (d.ce_weight, d.tv_weight, d.conf_weight) == (0.1, 0.9, 1.0)

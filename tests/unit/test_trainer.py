@@ -180,7 +180,7 @@ def test_resume_refuses_checkpoint_of_another_target(target_dir, cache_dir, tiny
     with pytest.raises(DraftsmithError, match="trained for target"):
         Trainer(cfg, CATALOGUE, resume=True).fit()
     with pytest.raises(DraftsmithError, match="trained for target"):
-        ckpt_io.check_checkpoint_target(out, "other-model", "0" * 16)
+        ckpt_io.check_target(ckpt_io.read_checkpoint_config(out), "other-model", "0" * 16, str(out))
     # a changed drafter config is refused too (the weights would not fit)
     raw = make_cfg(target_dir, cache_dir, out, max_steps=6).to_dict()
     raw["drafter"]["layer_ids"] = [1]

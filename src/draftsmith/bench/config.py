@@ -109,7 +109,7 @@ class BenchConfig:
     peer_assistant: str | None = None  # HF assistant_model directory / alias
     peer_lookup_tokens: int = 10  # HF prompt_lookup_num_tokens
     dollars_per_hour: float | None = None
-    mem_bandwidth_gbs: float | None = None  # default 15 on CPU (MEASURING.md #8), unknown on CUDA
+    mem_bandwidth_gbs: float | None = None  # default: measured after the run (docs/MEASURING.md #8)
     max_prompt_tokens: int | None = None  # longer prompts are skipped (default: what fits the context)
     out: Path = Path("runs/bench")
     resume: bool = False

@@ -57,7 +57,7 @@ def _noop(_: RequestRecord) -> None:
 def run_engine(engine, requests: Sequence[BenchRequest], concurrency: int, offsets: Sequence[float] | None = None,
                on_done: Callable[[RequestRecord], None] = _noop) -> RunResult:
     """Drive `engine` (built with max_batch >= concurrency) until every request finished."""
-    from draftsmith.engine.sequence import Status
+    from draftsmith.core.request import Status
 
     if engine.has_unfinished():
         raise DraftsmithError("the engine has unfinished requests; a bench run needs it idle")

@@ -42,7 +42,7 @@ DEFINITIONS = {
     "per_request_speedup": "per request: baseline seconds per token / this configuration's, same prompt and unit",
     "cost_per_1m_output_tokens": "dollars_per_hour / 3600 / system tokens/s x 1e6",
     "bandwidth_bound_tokens_per_s": "tokens/s if every batched target forward took only the time to read the "
-                                    "weights once at the assumed memory bandwidth (MEASURING.md #8)",
+                                    "weights once at the assumed memory bandwidth (docs/MEASURING.md #8)",
     "fraction_of_bound": "measured system tokens/s / bandwidth_bound_tokens_per_s",
     "verdict": "void if greedy outputs differ from the baseline or requests failed; no-go if acceptance < 0.5, "
                "no drafts, or speedup < 1; else go",
@@ -306,7 +306,7 @@ def render_markdown(rep: dict) -> str:
            f"- versions: " + ", ".join(f"{k} {v}" for k, v in st.get("versions", {}).items()), ""]
     bf = rep.get("bandwidth_floor")
     if bf:
-        md += [f"Physical limit (MEASURING.md #8): {_bytes(bf['weights_bytes'])} of weights per batched forward "
+        md += [f"Physical limit (docs/MEASURING.md #8): {_bytes(bf['weights_bytes'])} of weights per batched forward "
                f"at {bf['gb_per_s']:g} GB/s = {bf['floor_s_per_forward'] * 1000:.3g} ms per forward at best; the "
                "'bound' column is the tokens/s that floor allows for each run's forward count.", ""]
     for t in rep["tiers"]:
@@ -362,7 +362,7 @@ def render_markdown(rep: dict) -> str:
     skipped = wl.get("skipped_prompts") or []
     md += ["## Notes", "",
            "- Configurations of a tier ran back to back on the same requests (same prompts, seeds and arrival "
-           "schedule), in alternating order; ratios are from that one run (MEASURING.md #1).",
+           "schedule), in alternating order; ratios are from that one run (docs/MEASURING.md #1).",
            "- At temperature 0 every speculative output is compared with the baseline's; any difference voids that "
            "configuration's speed numbers at that tier.",
            f"- Prompts: split {wl.get('split')}; ids in report.json setup.workload.prompt_ids"

@@ -3,7 +3,7 @@ results to disk, write the report.
 
 Within a tier every configuration runs the same requests (same prompts, same seeds, same
 arrival schedule) back to back, in alternating order per interleaving unit (A B C, C B A,
-…; MEASURING.md #1). A unit is one request at concurrency 1 in a closed loop (so the ratio's
+…; docs/MEASURING.md #1). A unit is one request at concurrency 1 in a closed loop (so the ratio's
 spread is per prompt), else the whole request list; `repeats` repeats the units.
 HF peers (`--peers hf`) join the concurrency-1 closed-loop tier as extra configurations; if
 there is no such tier, a `peers` phase (concurrency 1, closed loop) runs ours and theirs.
@@ -37,14 +37,17 @@ from draftsmith.bench.loadgen import (
 )
 from draftsmith.bench.metrics import RunResult, spread, summarize
 from draftsmith.bench.verdict import verdict
-from draftsmith.bench.workload import Workload, load_workload, prompt_token_ids
+from draftsmith.bench.workload import Workload, load_workload
 from draftsmith.core.sampling import SamplingParams
 from draftsmith.errors import DraftsmithError
+from draftsmith.engine.builder import build_engine
+from draftsmith.models.prompts import encode_messages
+from draftsmith.policy.fixed import FixedK
+from draftsmith.policy.roofline import measure_bandwidth
 
 FORMAT_VERSION = 1
 RESULTS = "results.jsonl"
 SETUP = "setup.json"
-DEFAULT_CPU_BANDWIDTH_GBS = 15.0  # MEASURING.md #8, measured on this machine class
 
 
 @dataclass(frozen=True)
@@ -187,37 +190,26 @@ class InProcessBackend:
         return self.target.weights_hash
 
     def tokenize(self, messages: list[dict]) -> list[int]:
-        return prompt_token_ids(self.target.tokenizer, messages)
+        return encode_messages(self.target.tokenizer, messages)
 
     def runners(self, phase: Phase, max_len: int) -> list:
-        from draftsmith.api import make_policy
-        from draftsmith.engine.engine import Engine, EngineConfig
-        from draftsmith.eval.runner import load_drafter
-        from draftsmith.policy.fixed import FixedK
-
         C = phase.concurrency
-        ecfg = EngineConfig(max_batch=C, max_len=max_len)
         out: list = []
         shared_cache = None
         for label in self.cfg.config_labels:
             if label == BASELINE:
-                from draftsmith.drafters.base import NoDrafter
-
-                drafter, policy, kind = NoDrafter(), FixedK(0), "baseline"
+                engine = build_engine(self.target, "none", FixedK(0), 0, C, max_len, cache=shared_cache)
+                kind = "baseline"
                 info = {"label": BASELINE, "spec": BASELINE, "kind": "none", "num_speculative_tokens": 0,
                         "policy": "none", "checkpoint": None}
             else:
                 info = self.drafters[label]
-                drafter = load_drafter(label, self.target, C, max_len).drafter
-                policy = make_policy(self.cfg.policy, info["num_speculative_tokens"], target=self.target, max_batch=C)
+                # Configurations never run at the same time and every run leaves all rows free,
+                # so they share one target KV cache (rows are reset on admission).
+                engine = build_engine(self.target, label, self.cfg.policy, info["num_speculative_tokens"], C, max_len,
+                                      cache=shared_cache)
                 kind = "drafter"
-            engine = Engine(self.model, self.target.tokenizer, drafter, policy, ecfg, eos_token_ids=self.eos)
-            # Configurations never run at the same time and every run leaves all rows free, so they
-            # share one target KV cache (rows are reset on admission).
-            if shared_cache is None:
-                shared_cache = engine.cache
-            else:
-                engine.cache = shared_cache
+            shared_cache = engine.cache
             out.append(EngineRunner(label, kind, engine, info))
         if phase.with_peers:
             if self.peers is None:
@@ -397,7 +389,7 @@ def run_phase(backend, cfg: BenchConfig, phase: Phase, wl: Workload, max_len: in
                 bar.update(1)
             return f
 
-        # warm-up (MEASURING.md #4): unmeasured requests per configuration, at this tier's concurrency
+        # warm-up (docs/MEASURING.md #4): unmeasured requests per configuration, at this tier's concurrency
         if cfg.warmup:
             warm = _requests(cfg, wl, cfg.warmup, index_base=10_000_000)
             for r in runners:
@@ -650,4 +642,6 @@ def _bandwidth(cfg: BenchConfig, backend) -> float | None:
         return cfg.mem_bandwidth_gbs
     if cfg.endpoint_mode:
         return None
-    return DEFAULT_CPU_BANDWIDTH_GBS if backend.model.device.type == "cpu" else None
+    # measured here, after the timed phases (docs/MEASURING.md #8): a fixed default went stale
+    # (15 GB/s assumed where 40-77 were measured, so fraction_of_bound read ~3x too high)
+    return round(measure_bandwidth(backend.model.device), 1)

@@ -1,7 +1,7 @@
 """The prompt set of a bench run: the first user turn (plus any system message) of each
 conversation of a source, from one split, in the source's fixed order.
 
-Built-in sources default to the held-out split (MEASURING.md #5: drafters are judged on
+Built-in sources default to the held-out split (docs/MEASURING.md #5: drafters are judged on
 prompts they never trained on); a user's prompt file defaults to all of it. Prompts too long
 for the context (prompt + max_tokens + drafts) are skipped and listed. When the split has
 fewer prompts than `--requests`, the list is cycled and the report says how many repeat.
@@ -40,15 +40,6 @@ def default_split(workload: str) -> str:
     from draftsmith.data.sources.registry import is_prompt_file
 
     return "all" if is_prompt_file(workload) else "heldout"
-
-
-def prompt_token_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """What `LLM.chat` sends: the chat template with a generation prompt, else the text."""
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    text = "\n\n".join(m["content"] for m in messages)
-    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
 
 
 def load_workload(workload: str, split: str | None, n: int,

@@ -24,6 +24,8 @@ class SamplingParams:
     stop:            stop strings; the output ends right before the first occurrence.
     stop_token_ids:  extra token ids that end the output (EOS is always one unless ignore_eos).
     ignore_eos:      keep generating past EOS (benchmarks).
+    n:               samples per prompt (`LLM.generate`: RequestOutput.outputs; sample i is
+                     seeded seed + i when a seed is given).
     """
 
     max_tokens: int = 128
@@ -35,6 +37,7 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    n: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -44,6 +47,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
             raise DraftsmithError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise DraftsmithError(f"n must be a positive integer (samples per prompt), got {self.n!r}")
         if not (self.temperature >= 0.0):  # also rejects NaN
             raise DraftsmithError(
                 f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}"

@@ -53,6 +53,7 @@ from draftsmith.data.features import (
     store_dtype,
 )
 from draftsmith.errors import DraftsmithError
+from draftsmith.fileio import atomic_write
 from draftsmith.fileio import fsync_dir as _fsync_dir
 
 log = logging.getLogger(__name__)
@@ -78,13 +79,9 @@ def dump_manifest(m: Mapping[str, Any]) -> str:
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(dump_manifest(data) if isinstance(data, dict) and "shards" in data else json.dumps(data, indent=1) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    """A manifest (one shard per line) or other JSON, written atomically."""
+    text = dump_manifest(data) if isinstance(data, dict) and "shards" in data else json.dumps(data, indent=1) + "\n"
+    atomic_write(path, lambda p: p.write_text(text))
 
 
 # ---- streaming safetensors ------------------------------------------------------------

@@ -50,7 +50,7 @@ class EngineBackend:
     """Batched regeneration with Draftsmith's own engine (plain decoding, no drafter)."""
 
     def __init__(self, cfg: RegenConfig, target=None) -> None:
-        from draftsmith.engine.engine import Engine, EngineConfig
+        from draftsmith.engine.builder import build_engine  # regen imports this module lazily
         from draftsmith.models.target import eos_token_ids, load_target
 
         self.cfg = cfg
@@ -59,9 +59,7 @@ class EngineBackend:
         self.eos = eos_token_ids(self.target)
         self.sampling = resolve_sampling(self.target.path, cfg.temperature, cfg.top_p, cfg.top_k,
                                          cfg.max_new_tokens, cfg.seed)
-        self.engine = Engine(self.target.model, self.tokenizer,
-                             config=EngineConfig(max_batch=cfg.batch_size, max_len=cfg.max_len or 2048),
-                             eos_token_ids=self.eos)
+        self.engine = build_engine(self.target, max_batch=cfg.batch_size, max_len=cfg.max_len or 2048)
         self.max_len = self.engine.max_len
         self.target_info = {"id": self.target.target_id, "weights_hash": self.target.weights_hash}
         self.prompt_log: list[tuple[str, int, list[int]]] | None = None  # tests: (id, turn, prompt ids)

@@ -21,7 +21,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from draftsmith.core.types import Proposal, VerifyResult
-from draftsmith.engine.sequence import Sequence
+from draftsmith.core.request import Request
 
 
 @dataclass(frozen=True)
@@ -49,19 +49,19 @@ class Drafter(Protocol):
     name: str
     needs: FeatureSpec
 
-    def start(self, seq: Sequence, features: TargetFeatures | None) -> None: ...
+    def start(self, seq: Request, features: TargetFeatures | None) -> None: ...
 
-    def propose(self, seqs: list[Sequence], max_lengths: list[int]) -> Proposal: ...
+    def propose(self, seqs: list[Request], max_lengths: list[int]) -> Proposal: ...
 
     def on_verified(
         self,
-        seqs: list[Sequence],
+        seqs: list[Request],
         proposal: Proposal,
         result: VerifyResult,
         features: TargetFeatures | None,
     ) -> None: ...
 
-    def release(self, seq: Sequence) -> None: ...
+    def release(self, seq: Request) -> None: ...
 
 
 class NoDrafter:
@@ -70,16 +70,16 @@ class NoDrafter:
     name = "none"
     needs = FeatureSpec()
 
-    def start(self, seq: Sequence, features: TargetFeatures | None) -> None:
+    def start(self, seq: Request, features: TargetFeatures | None) -> None:
         pass
 
-    def propose(self, seqs: list[Sequence], max_lengths: list[int]) -> Proposal:
+    def propose(self, seqs: list[Request], max_lengths: list[int]) -> Proposal:
         return Proposal.empty(len(seqs))
 
     def on_verified(self, seqs, proposal, result, features) -> None:
         pass
 
-    def release(self, seq: Sequence) -> None:
+    def release(self, seq: Request) -> None:
         pass
 
 

@@ -1,6 +1,6 @@
 """The block-parallel backbone shared by DFlash and DSpark, and their inference drafter.
 
-Backbone (DFlash paper; ALGORITHMS.md):
+Backbone (DFlash paper; docs/ALGORITHMS.md):
 - context: target features of m layers, concatenated → W_c (mH→H) → RMSNorm = H_ctx;
 - KV injection: every draft layer attends over keys [W_K H_ctx ; W_K H_d] and values
   [W_V H_ctx ; W_V H_d]; queries come from the block H_d only;
@@ -39,13 +39,14 @@ from draftsmith.core.types import Proposal
 from draftsmith.core.warp import draw_uniforms
 from draftsmith.drafters.base import FeatureSpec, TargetFeatures
 from draftsmith.drafters.vocab import DraftVocab
-from draftsmith.engine.sequence import Sequence as Seq
+from draftsmith.core.request import Request
 from draftsmith.errors import DraftsmithError
-from draftsmith.models.decoder import MLP, Decoder, DecoderConfig, RMSNorm, apply_rope, rope_inv_freq
+from draftsmith.models.decoder import MLP, Decoder, DecoderConfig, RMSNorm
+from draftsmith.models.rope import apply_rope, rope_inv_freq
 from draftsmith.models.kv_cache import KVCache
 from draftsmith.models.linear import PackedWeight, pack_linears_for_inference_
-from draftsmith.train.anchors import BlockPack, pack_blocks
-from draftsmith.train.protocol import TrainBatch
+from draftsmith.drafters.anchors import BlockPack, pack_blocks
+from draftsmith.drafters.protocol import TrainBatch
 
 DRAFT_SEED_SALT = 0x5EED  # drafter generators derive from, and never share, the request's
 
@@ -315,7 +316,7 @@ class BlockBackbone(nn.Module):
 class PackedForward:
     """One packed training forward: the sampled blocks and their drafted positions.
 
-    pack:    anchors, masks and drafted-token indices (train/anchors.py)
+    pack:    anchors, masks and drafted-token indices (drafters/anchors.py)
     hidden:  [B, A, γ, H] final-normed hidden at the γ drafted positions of every block
     targets: [B, A, γ] x*_k (the token at a+k);  prev: [B, A, γ] x_{k−1} (anchor at k = 1)
     """
@@ -389,7 +390,7 @@ class BlockSampler(Protocol):
         ...
 
 
-def request_generator(seq: Seq, device: torch.device) -> torch.Generator | None:
+def request_generator(seq: Request, device: torch.device) -> torch.Generator | None:
     """The drafter's own per-request generator (None when the request has no seed)."""
     if seq.params.seed is None:
         return None
@@ -398,7 +399,7 @@ def request_generator(seq: Seq, device: torch.device) -> torch.Generator | None:
     return g
 
 
-def row_uniforms(seqs: Sequence[Seq], counts: Sequence[int], width: int, device: torch.device) -> torch.Tensor:
+def row_uniforms(seqs: Sequence[Request], counts: Sequence[int], width: int, device: torch.device) -> torch.Tensor:
     """[B, width] uniforms: row b draws exactly counts[b] from its own generator (the rest
     are 0.5 padding), so a seeded row's drafts do not depend on the rest of the batch."""
     u = torch.full((len(seqs), width), 0.5, device=device)
@@ -408,7 +409,7 @@ def row_uniforms(seqs: Sequence[Seq], counts: Sequence[int], width: int, device:
     return u
 
 
-def committed_feature_counts(seqs: Sequence[Seq], num_accepted: torch.Tensor, ctx_len: Sequence[int]) -> list[int]:
+def committed_feature_counts(seqs: Sequence[Request], num_accepted: torch.Tensor, ctx_len: Sequence[int]) -> list[int]:
     """How many of a round's feature positions [pending, d1..] each row commits: 1 + accepted,
     less where a stop rule cut the committed tokens short (the row is finishing)."""
     out = []
@@ -422,7 +423,7 @@ PENDING_KEY = "drafter_pending"  # committed positions' features, one {layer id:
 FLUSH_TOKENS = 64  # run a row's pending positions once this many have gathered (bounds memory)
 
 
-def stash_prefill(seq: Seq, features: TargetFeatures | None) -> None:
+def stash_prefill(seq: Request, features: TargetFeatures | None) -> None:
     """Keep a new request's prompt features until the row next drafts, so the rows admitted
     in one engine step are projected in one batch (the engine starts them one by one)."""
     seq.drafter_state.pop(PREFILL_KEY, None)
@@ -433,14 +434,14 @@ def stash_prefill(seq: Seq, features: TargetFeatures | None) -> None:
             seq.drafter_state[PREFILL_KEY] = features.hidden
 
 
-def pending_count(seq: Seq) -> int:
+def pending_count(seq: Request) -> int:
     """Context positions whose target features are stashed but not yet in the drafter's cache."""
     pre = seq.drafter_state.get(PREFILL_KEY)
     n = int(next(iter(pre.values())).shape[1]) if pre is not None else 0
     return n + sum(int(next(iter(x.values())).shape[0]) for x in seq.drafter_state.get(PENDING_KEY, ()))
 
 
-def queue_committed(seqs: Sequence[Seq], counts: Sequence[int], hidden: dict[int, torch.Tensor],
+def queue_committed(seqs: Sequence[Request], counts: Sequence[int], hidden: dict[int, torch.Tensor],
                     layer_ids: Sequence[int]) -> None:
     """Stash the first counts[b] positions of a round's features [B, 1+K, H] for row b."""
     for b, n in enumerate(counts):
@@ -448,7 +449,7 @@ def queue_committed(seqs: Sequence[Seq], counts: Sequence[int], hidden: dict[int
             seqs[b].drafter_state.setdefault(PENDING_KEY, []).append({i: hidden[i][b, :n] for i in layer_ids})
 
 
-def take_pending(seqs: Sequence[Seq]) -> tuple[list[Seq], dict[int, torch.Tensor], list[int]] | None:
+def take_pending(seqs: Sequence[Request]) -> tuple[list[Request], dict[int, torch.Tensor], list[int]] | None:
     """Pop every row's stashed positions (prompt, then rounds, in order): (the rows that had
     some, layer id → right-padded [B, S, H], counts), or None when no row has any."""
     rows, chunks = [], []
@@ -535,19 +536,19 @@ class BlockDrafter:
         for r, n in zip(rows, counts):
             self.cache.lengths[r] += n
 
-    def start(self, seq: Seq, features: TargetFeatures | None) -> None:
+    def start(self, seq: Request, features: TargetFeatures | None) -> None:
         self.cache.reset(seq.row)
         seq.drafter_state["drafter_gen"] = request_generator(seq, self.device)
         stash_prefill(seq, features)
 
-    def _flush(self, seqs: Sequence[Seq]) -> None:
+    def _flush(self, seqs: Sequence[Request]) -> None:
         """Project every row's pending positions (prompt, then committed rounds), in one batch."""
         pend = take_pending(seqs)
         if pend:
             rows, hidden, counts = pend
             self._append([s.row for s in rows], self.backbone.features(hidden), counts)
 
-    def release(self, seq: Seq) -> None:
+    def release(self, seq: Request) -> None:
         seq.drafter_state.pop(PREFILL_KEY, None)
         seq.drafter_state.pop(PENDING_KEY, None)
         if seq.row >= 0:
@@ -566,7 +567,7 @@ class BlockDrafter:
     # -- one round
 
     @torch.inference_mode()
-    def propose(self, seqs: list[Seq], max_lengths: list[int]) -> Proposal:
+    def propose(self, seqs: list[Request], max_lengths: list[int]) -> Proposal:
         active = [i for i, k in enumerate(max_lengths) if k > 0]
         if not active:
             return Proposal.empty(len(seqs))

@@ -4,7 +4,7 @@ Block = the anchor (last committed token) followed by γ mask tokens at position
 a .. a+γ; the hidden states at block positions 1..γ give the γ draft logits through the
 target's frozen lm_head, and every position is sampled independently (q_k = the request's
 warp of those logits). Backbone, context injection and inference state: drafters/block.py.
-Loss: position-weighted CE (optionally + TV), train/losses.py.
+Loss: position-weighted CE (optionally + TV), drafters/losses.py.
 """
 
 from __future__ import annotations
@@ -23,14 +23,14 @@ from draftsmith.drafters.block import (
     BlockBackbone, BlockConfig, BlockDrafter, packed_forward, resolve_block_config, target_logits_at,
 )
 from draftsmith.models.decoder import Decoder
-from draftsmith.train.anchors import sample_anchors
-from draftsmith.train.losses import BlockLossWeights, block_loss
-from draftsmith.train.protocol import LossOutput, TrainBatch
+from draftsmith.drafters.anchors import sample_anchors
+from draftsmith.drafters.losses import BlockLossWeights, block_loss
+from draftsmith.drafters.protocol import LossOutput, TrainBatch
 
 
 @dataclass(frozen=True)
 class DFlashConfig(BlockConfig):
-    """DFlash drafter (defaults: ALGORITHMS.md / the DFlash paper). γ = block_size: the block
+    """DFlash drafter (defaults: docs/ALGORITHMS.md / the DFlash paper). γ = block_size: the block
     is the anchor + γ mask tokens. DFlash trains with CE only (ce_weight 1, tv_weight 0); an
     L1/TV term is available for ablations."""
 

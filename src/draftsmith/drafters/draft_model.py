@@ -17,7 +17,7 @@ import torch
 from draftsmith.core.types import Proposal
 from draftsmith.core.warp import sample_from, target_probs
 from draftsmith.drafters.base import FeatureSpec, TargetFeatures, pad_proposal
-from draftsmith.engine.sequence import Sequence
+from draftsmith.core.request import Request
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.decoder import Decoder
 from draftsmith.models.kv_cache import KVCache
@@ -38,7 +38,7 @@ class DraftModelDrafter:
         self.model = model
         self.cache: KVCache = model.new_cache(max_rows, max_len)
 
-    def start(self, seq: Sequence, features: TargetFeatures | None) -> None:
+    def start(self, seq: Request, features: TargetFeatures | None) -> None:
         self.cache.reset(seq.row)
         gen = None
         if seq.params.seed is not None:
@@ -48,7 +48,7 @@ class DraftModelDrafter:
         seq.drafter_state["draft_base"] = 0
         seq.drafter_state["draft_k"] = 0
 
-    def _forward_last(self, seqs: list[Sequence], feeds: list[list[int]]) -> torch.Tensor:
+    def _forward_last(self, seqs: list[Request], feeds: list[list[int]]) -> torch.Tensor:
         """Run each row's feed tokens; return logits at each row's last fed token [B, V]."""
         S = max(len(f) for f in feeds)
         ids = torch.zeros(len(seqs), S, dtype=torch.long)
@@ -61,7 +61,7 @@ class DraftModelDrafter:
             self.cache.lengths[s.row] += len(f)
         return out.logits[:, 0]  # [B, V]
 
-    def propose(self, seqs: list[Sequence], max_lengths: list[int]) -> Proposal:
+    def propose(self, seqs: list[Request], max_lengths: list[int]) -> Proposal:
         active = [i for i, k in enumerate(max_lengths) if k > 0]
         if not active:
             return Proposal.empty(len(seqs))
@@ -100,6 +100,6 @@ class DraftModelDrafter:
             self.cache.lengths[s.row] = s.drafter_state["draft_base"] + min(m, k - 1)
             s.drafter_state["draft_k"] = 0
 
-    def release(self, seq: Sequence) -> None:
+    def release(self, seq: Request) -> None:
         if seq.row >= 0:
             self.cache.reset(seq.row)

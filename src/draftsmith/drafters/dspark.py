@@ -41,16 +41,16 @@ from draftsmith.drafters.block import (
 from draftsmith.drafters.dflash import accuracy_parts
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.decoder import Decoder
-from draftsmith.train.anchors import sample_anchors
-from draftsmith.train.losses import BlockLossWeights, block_loss
-from draftsmith.train.protocol import LossOutput, TrainBatch
+from draftsmith.drafters.anchors import sample_anchors
+from draftsmith.drafters.losses import BlockLossWeights, block_loss
+from draftsmith.drafters.protocol import LossOutput, TrainBatch
 
 HEADS = ("markov", "gated", "rnn")
 
 
 @dataclass(frozen=True)
 class DSparkConfig(BlockConfig):
-    """DSpark drafter (defaults: ALGORITHMS.md / the DSpark paper). γ = block_size: block
+    """DSpark drafter (defaults: docs/ALGORITHMS.md / the DSpark paper). γ = block_size: block
     inputs = drafts (the anchor predicts the first draft)."""
 
     kind: Literal["dspark"] = "dspark"

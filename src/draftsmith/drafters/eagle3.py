@@ -1,6 +1,6 @@
 """EAGLE-3: an autoregressive one-layer drafter over fused low / mid / high target features.
 
-Model (EAGLE-3 paper; ALGORITHMS.md):
+Model (EAGLE-3 paper; docs/ALGORITHMS.md):
 - g_t = fc([f_low ; f_mid ; f_high]_t)  (3H → H), the fused target feature at position t;
 - one decoder layer whose attention input is [RMSNorm(embed(x_{t+1})) ; RMSNorm(g_t)] (2H
   wide), with g_t as the residual stream; its output h_t (before the final norm) predicts
@@ -45,18 +45,19 @@ from draftsmith.drafters.block import (
     row_uniforms, stash_prefill, take_pending,
 )
 from draftsmith.drafters.vocab import build_vocab_map
-from draftsmith.engine.sequence import Sequence as Seq
+from draftsmith.core.request import Request
 from draftsmith.errors import DraftsmithError
-from draftsmith.models.decoder import MLP, Decoder, RMSNorm, rope_inv_freq
+from draftsmith.models.decoder import MLP, Decoder, RMSNorm
+from draftsmith.models.rope import rope_inv_freq
 from draftsmith.models.kv_cache import KVCache
 from draftsmith.models.linear import pack_linears_for_inference_
-from draftsmith.train.losses import ttt_loss
-from draftsmith.train.protocol import LossOutput, TrainBatch
+from draftsmith.drafters.losses import ttt_loss
+from draftsmith.drafters.protocol import LossOutput, TrainBatch
 
 
 @dataclass(frozen=True)
 class Eagle3Config:
-    """EAGLE-3 drafter (defaults: ALGORITHMS.md / the EAGLE-3 paper)."""
+    """EAGLE-3 drafter (defaults: docs/ALGORITHMS.md / the EAGLE-3 paper)."""
 
     kind: Literal["eagle3"] = "eagle3"
     layer_ids: tuple[int, ...] = ()  # target feature layers; () = low / mid / high over [1, L−3]
@@ -315,12 +316,12 @@ class EagleDrafter:
             self.last_hidden[row] = h[b, n - 1]
             self.cache.lengths[row] += n
 
-    def start(self, seq: Seq, features: TargetFeatures | None) -> None:
+    def start(self, seq: Request, features: TargetFeatures | None) -> None:
         self.cache.reset(seq.row)
         seq.drafter_state["drafter_gen"] = request_generator(seq, self.device)
         stash_prefill(seq, features)
 
-    def _flush(self, seqs: list[Seq]) -> None:
+    def _flush(self, seqs: list[Request]) -> None:
         """Run every row's pending context positions (prompt, then committed rounds) through
         the draft layer, all rows in one batch; position j pairs feature j with token j+1."""
         pend = take_pending(seqs)
@@ -330,7 +331,7 @@ class EagleDrafter:
             self._extend([s.row for s in rows], hidden,
                          [s.all_ids[c + 1 : c + 1 + n] for s, c, n in zip(rows, ctx, counts)])
 
-    def release(self, seq: Seq) -> None:
+    def release(self, seq: Request) -> None:
         seq.drafter_state.pop(PREFILL_KEY, None)
         seq.drafter_state.pop(PENDING_KEY, None)
         if seq.row >= 0:
@@ -347,7 +348,7 @@ class EagleDrafter:
         self._flush([s for s in seqs if pending_count(s) >= self.flush_tokens])
 
     @torch.inference_mode()
-    def propose(self, seqs: list[Seq], max_lengths: list[int]) -> Proposal:
+    def propose(self, seqs: list[Request], max_lengths: list[int]) -> Proposal:
         m = self.model
         self._flush([s for s, k in zip(seqs, max_lengths) if k > 0])
         rows_all = [s.row for s in seqs]

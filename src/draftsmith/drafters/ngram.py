@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from draftsmith.core.types import Proposal
 from draftsmith.drafters.base import FeatureSpec, TargetFeatures, pad_proposal
-from draftsmith.engine.sequence import Sequence
+from draftsmith.core.request import Request
 
 
 @dataclass(frozen=True)
@@ -44,10 +44,10 @@ class NgramDrafter:
     def __init__(self, config: NgramConfig | None = None) -> None:
         self.config = config or NgramConfig()
 
-    def start(self, seq: Sequence, features: TargetFeatures | None) -> None:
+    def start(self, seq: Request, features: TargetFeatures | None) -> None:
         pass
 
-    def propose(self, seqs: list[Sequence], max_lengths: list[int]) -> Proposal:
+    def propose(self, seqs: list[Request], max_lengths: list[int]) -> Proposal:
         c = self.config
         drafts = [
             lookup(s.all_ids, min(k, c.max_draft), c.max_ngram, c.min_ngram)
@@ -58,5 +58,5 @@ class NgramDrafter:
     def on_verified(self, seqs, proposal, result, features) -> None:
         pass
 
-    def release(self, seq: Sequence) -> None:
+    def release(self, seq: Request) -> None:
         pass

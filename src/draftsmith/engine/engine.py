@@ -20,9 +20,10 @@ from draftsmith.core.sampling import SamplingParams
 from draftsmith.core.verify import verify
 from draftsmith.core.warp import target_probs
 from draftsmith.drafters.base import Drafter, NoDrafter, TargetFeatures
-from draftsmith.engine.sequence import Sequence, Status
+from draftsmith.core.request import Request, Status
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.decoder import Decoder
+from draftsmith.models.kv_cache import KVCache
 from draftsmith.policy.base import DraftLengthPolicy
 from draftsmith.policy.fixed import FixedK
 
@@ -54,7 +55,10 @@ class Engine:
         policy: DraftLengthPolicy | None = None,
         config: EngineConfig | None = None,
         eos_token_ids: tuple[int, ...] = (),
+        cache: KVCache | None = None,
     ) -> None:
+        """`cache`: share another engine's KV cache (engines that never run at the same time,
+        e.g. a benchmark's configurations); it needs max_batch rows of max_len tokens."""
         self.model = model
         self.tokenizer = tokenizer
         self.drafter: Drafter = drafter or NoDrafter()
@@ -62,10 +66,13 @@ class Engine:
         self.config = config or EngineConfig()
         max_len = min(self.config.max_len, model.config.max_position_embeddings)
         self.max_len = max_len
-        self.cache = model.new_cache(self.config.max_batch, max_len)
+        if cache is not None and (cache.max_rows < self.config.max_batch or cache.max_len < max_len):
+            raise DraftsmithError(f"a shared KV cache of {cache.max_rows} rows x {cache.max_len} tokens is smaller "
+                                  f"than this engine's {self.config.max_batch} x {max_len}")
+        self.cache = cache if cache is not None else model.new_cache(self.config.max_batch, max_len)
         self.free_rows: list[int] = list(range(self.config.max_batch))
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
         self.eos_token_ids = frozenset(eos_token_ids)
         self._ids = itertools.count()
         self.last_step = StepInfo()
@@ -82,7 +89,7 @@ class Engine:
 
     def add_request(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
-    ) -> Sequence:
+    ) -> Request:
         if not prompt_ids:
             raise DraftsmithError("prompt is empty: give at least one token")
         V = self.model.config.vocab_size
@@ -98,7 +105,7 @@ class Engine:
         if params.seed is not None:
             gen = torch.Generator(device=self.model.device)
             gen.manual_seed(params.seed)
-        seq = Sequence(
+        seq = Request(
             request_id=request_id or f"req-{next(self._ids)}",
             prompt_ids=list(prompt_ids),
             params=params,
@@ -121,7 +128,7 @@ class Engine:
                 return True
         return False
 
-    def abort_all(self) -> list[Sequence]:
+    def abort_all(self) -> list[Request]:
         """Cancel everything (e.g. after a failed step); all cache rows are freed."""
         victims = list(self.waiting) + list(self.running)
         self.waiting.clear()
@@ -147,7 +154,7 @@ class Engine:
 
     # ---- the loop ---------------------------------------------------------------------
 
-    def step(self) -> list[Sequence]:
+    def step(self) -> list[Request]:
         """One round for every running request. Returns the sequences that finished."""
         self._admit()
         if not self.running:
@@ -158,7 +165,7 @@ class Engine:
         return finished
 
     def _admit(self) -> None:
-        new: list[Sequence] = []
+        new: list[Request] = []
         while self.waiting and self.free_rows:
             s = self.waiting.popleft()
             s.row = self.free_rows.pop(0)
@@ -198,7 +205,7 @@ class Engine:
             hidden=out.hidden, final_hidden=out.final_hidden if needs.final_hidden else None
         )
 
-    def _round(self, seqs: list[Sequence]) -> list[Sequence]:
+    def _round(self, seqs: list[Request]) -> list[Request]:
         # Cap each row's draft so that (a) max_tokens is never exceeded even if every draft
         # and the bonus are accepted, (b) the cache has room for pending + drafts — for every
         # row: the forward pads all rows to the widest block, so a row near its context limit
@@ -248,7 +255,7 @@ class Engine:
         out = self.model(ids, self.cache, rows=rows, layer_ids=self._layer_ids)
         p = target_probs(out.logits, [s.params for s in seqs])  # [B, 1+K, V]
         result = verify(proposal, p, [s.generator for s in seqs])
-        finished: list[Sequence] = []
+        finished: list[Request] = []
         committed_tokens = result.tokens.tolist()  # waits for the device: timings end here
         self.last_step = StepInfo(rows=len(seqs), block_len=1 + K, useful_tokens=len(seqs) + sum(lengths),
                                   drafted=drafted, draft_s=t1 - t0, forward_s=time.perf_counter() - t1)
@@ -271,7 +278,7 @@ class Engine:
                 finished.append(s)
         return finished
 
-    def _append(self, s: Sequence, tokens: list[int]) -> int:
+    def _append(self, s: Request, tokens: list[int]) -> int:
         """Commit tokens one by one, applying stop rules; returns how many were kept."""
         p = s.params
         kept = 0
@@ -298,13 +305,13 @@ class Engine:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def visible_text(self, s: Sequence) -> str:
+    def visible_text(self, s: Request) -> str:
         """Decoded output with everything from the first stop string on removed."""
         text = self.decode(s.output_ids)
         cut = _find_stop(text, s.params.stop) if s.params.stop else None
         return text if cut is None else text[:cut]
 
-    def _finish(self, s: Sequence, reason: str) -> None:
+    def _finish(self, s: Request, reason: str) -> None:
         s.finish_reason = reason
         s.text = self.visible_text(s)
         s.status = Status.FINISHED

@@ -251,7 +251,8 @@ def render_markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def print_summary(report: dict, file=sys.stderr) -> None:
+def print_summary(report: dict, file=None) -> None:
+    file = file or sys.stderr  # looked up per call: a default bound at import outlives a swapped stderr
     for d in report["drafters"]:
         o = d["overall"]
         msg = (f"[{d['label']}] τ {_f(o['tau'], 2)} | acceptance {_f(o['acceptance_rate'])} | "

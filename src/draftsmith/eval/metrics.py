@@ -1,4 +1,4 @@
-"""Acceptance and calibration metrics over verification rounds (ALGORITHMS.md definitions).
+"""Acceptance and calibration metrics over verification rounds (docs/ALGORITHMS.md definitions).
 
 The unit is one verification round of one request (`RoundRecord`): how many draft tokens
 were verified, how many were accepted, how many tokens were committed (bonus / correction

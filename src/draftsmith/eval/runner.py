@@ -29,8 +29,12 @@ from typing import Any
 
 from draftsmith.core.sampling import SamplingParams
 from draftsmith.core.types import Proposal, VerifyResult
-from draftsmith.engine.sequence import Sequence as Seq
+from draftsmith.drafters import registry
+from draftsmith.drafters.checkpoint import read_checkpoint_config
+from draftsmith.core.request import Request
+from draftsmith.engine.builder import build_engine
 from draftsmith.errors import DraftsmithError
+from draftsmith.models.prompts import encode_messages
 from draftsmith.eval.metrics import RoundRecord
 from draftsmith.eval.sts import unscale
 
@@ -107,31 +111,16 @@ class LoadedDrafter:
         return self.kind if self.checkpoint is None else f"{self.kind}:{self.checkpoint.name or self.checkpoint}"
 
 
-def trained_kinds() -> tuple[str, ...]:
-    try:
-        from draftsmith.drafters.trained import CATALOGUE
-    except ImportError:
-        return ()
-    return tuple(CATALOGUE)
-
-
 def load_drafter(spec: str, target, max_rows: int, max_len: int) -> LoadedDrafter:
-    """`KIND:CHECKPOINT` for trained kinds (refusing other targets), else any catalogue spec."""
-    kind, _, arg = spec.partition(":")
-    if kind in trained_kinds():
-        if not arg:
-            raise DraftsmithError(f"--drafter {kind} needs a checkpoint: {kind}:PATH (a `draftsmith train` out dir)")
-        from draftsmith.drafters.trained import load_trained_drafter
-        from draftsmith.train.checkpoint import check_checkpoint_target
-
-        ckpt = Path(arg)
-        cfg = check_checkpoint_target(ckpt, target.target_id, target.weights_hash, kind=kind)
-        drafter = load_trained_drafter(ckpt, target, max_rows, max_len)
-        temps = getattr(drafter, "temperatures", None)
-        return LoadedDrafter(drafter, spec, kind, ckpt, tuple(temps) if temps else None, cfg)
-    from draftsmith.drafters.catalogue import build_drafter
-
-    return LoadedDrafter(build_drafter(spec, target, max_rows, max_len), spec, kind, None, None)
+    """Any registered spec; a trained kind's checkpoint config and STS come along."""
+    kind, arg = registry.parse_spec(spec)
+    drafter = kind.load(arg, target, max_rows, max_len)
+    if not kind.trainable:
+        return LoadedDrafter(drafter, spec, kind.name, None, None)
+    ckpt = Path(arg)
+    temps = getattr(drafter, "temperatures", None)
+    return LoadedDrafter(drafter, spec, kind.name, ckpt, tuple(temps) if temps else None,
+                         read_checkpoint_config(ckpt))
 
 
 # ---- recording --------------------------------------------------------------------------------
@@ -159,10 +148,10 @@ class RecordingPolicy:
         self._drafted: list[tuple[int, tuple[float, ...] | None]] = []
         self._committed: dict[str, int] = {}
 
-    def choose(self, seqs: list[Seq]) -> list[int]:
+    def choose(self, seqs: list[Request]) -> list[int]:
         return [self.gamma] * len(seqs)
 
-    def trim(self, seqs: list[Seq], proposal: Proposal) -> list[int]:
+    def trim(self, seqs: list[Request], proposal: Proposal) -> list[int]:
         lengths = proposal.lengths.tolist() if proposal.max_len else [0] * len(seqs)
         conf = proposal.confidences.tolist() if proposal.confidences is not None and proposal.max_len else None
         self._drafted = [(n, tuple(conf[b][:n]) if conf is not None else None) for b, n in enumerate(lengths)]
@@ -179,7 +168,7 @@ class RecordingPolicy:
             keep.append(ell)
         return keep
 
-    def update(self, seqs: list[Seq], proposal: Proposal, result: VerifyResult) -> None:
+    def update(self, seqs: list[Request], proposal: Proposal, result: VerifyResult) -> None:
         lengths = proposal.lengths.tolist() if proposal.max_len else [0] * len(seqs)
         accepted = result.num_accepted.tolist()
         for b, s in enumerate(seqs):
@@ -205,14 +194,6 @@ class RunOutput:
     texts: dict[str, list[str]] = field(default_factory=dict)  # conversation id -> answers
 
 
-def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    text = "\n\n".join(m["content"] for m in messages)
-    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
-
-
 def run_rounds(target, loaded: LoadedDrafter, conversations: Sequence[EvalConversation], gamma: int,
                temperature: float = 1.0, max_new_tokens: int = 128, max_batch: int = 4, max_len: int = 2048,
                threshold: float | None = None, seed: int = 0, max_turns: int = 2,
@@ -220,13 +201,9 @@ def run_rounds(target, loaded: LoadedDrafter, conversations: Sequence[EvalConver
     """Generate answers for every conversation turn with the drafter; record each round."""
     from tqdm import tqdm
 
-    from draftsmith.engine.engine import Engine, EngineConfig
-    from draftsmith.models.target import eos_token_ids
-
     tags: dict[str, tuple[str, str]] = {}
     policy = RecordingPolicy(gamma, threshold, loaded.temperatures, tags)
-    engine = Engine(target.model, target.tokenizer, loaded.drafter, policy, EngineConfig(max_batch, max_len),
-                    eos_token_ids=eos_token_ids(target))
+    engine = build_engine(target, loaded.drafter, policy, gamma, max_batch, max_len)
     history = {c.id: ([{"role": "system", "content": c.system}] if c.system else []) for c in conversations}
     answers: dict[str, list[str]] = {c.id: [] for c in conversations}
     skipped: list[dict] = []
@@ -242,7 +219,7 @@ def run_rounds(target, loaded: LoadedDrafter, conversations: Sequence[EvalConver
                 if turn >= len(c.user_turns) or len(answers[c.id]) < turn:
                     continue  # no such turn, or an earlier turn was skipped
                 msgs = history[c.id] + [{"role": "user", "content": c.user_turns[turn]}]
-                ids = prompt_ids(target.tokenizer, msgs)
+                ids = encode_messages(target.tokenizer, msgs)
                 if len(ids) + max_new_tokens > engine.max_len:
                     skipped.append({"id": c.id, "turn": turn, "reason": f"prompt of {len(ids)} tokens + "
                                     f"{max_new_tokens} new exceeds the context of {engine.max_len}"})
@@ -269,11 +246,7 @@ def run_rounds(target, loaded: LoadedDrafter, conversations: Sequence[EvalConver
 
 def default_block_size(loaded: LoadedDrafter, fallback: int = 7) -> int:
     """γ: the checkpoint's block size (DFlash / DSpark) or TTT depth (EAGLE-3), else `fallback`."""
-    cfg = loaded.config or {}
-    for key in ("block_size", "ttt_steps"):
-        if isinstance(cfg.get(key), int) and cfg[key] > 0:
-            return int(cfg[key])
-    return fallback
+    return registry.get(loaded.kind).default_k(loaded.config, fallback)
 
 
 def group_by_task(records: Iterable[RoundRecord]) -> dict[str, list[RoundRecord]]:

@@ -11,7 +11,7 @@ A positive temperature is a monotone map per position, so STS never changes whic
 confidences at the same position is larger (order-preserving; AUROC per position is
 unchanged). Raw heads are over-confident, so fitted temperatures are usually > 1.
 
-calibration.json (next to the checkpoint's config.json; drafters/trained.py reads
+calibration.json (next to the checkpoint's config.json; drafters/checkpoint.py reads
 "temperatures" and the drafter applies them at inference):
 
     {"method": "sts", "format_version": 1, "temperatures": [T_1, ..., T_γ], "n_bins": 10,
@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.fileio import write_json_atomic
 from draftsmith.eval.metrics import DEFAULT_BINS, RoundRecord, cumulative_pairs, ece
 
 CALIBRATION_FILE = "calibration.json"
@@ -157,8 +158,6 @@ def _model_sha256(ckpt: Path) -> str | None:
 def write_calibration(ckpt: Path, temperatures: Sequence[float], ece_before: Sequence[float | None],
                       ece_after: Sequence[float | None], fitted_on: Mapping[str, Any], n_bins: int) -> Path:
     """Store STS in the checkpoint directory (atomic replace)."""
-    from draftsmith.train.checkpoint import write_json_atomic
-
     ckpt = Path(ckpt)
     if not (ckpt / "config.json").is_file():
         raise DraftsmithError(f"{ckpt} is not a drafter checkpoint (no config.json); cannot store calibration")

@@ -21,7 +21,6 @@ order (~1e-5 on smollm2-135m).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,25 +32,9 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.models.attention import attend
 from draftsmith.models.kv_cache import KVCache
 from draftsmith.models.linear import FastLinear, choose_backend
+from draftsmith.models.rope import RopeConfig, _rope_from_hf, _rope_signed, rope_inv_freq
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    theta: float = 10000.0
-    type: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0  # llama3
-    high_freq_factor: float = 4.0  # llama3
-    original_max_position_embeddings: int | None = None  # llama3 / yarn
-    beta_fast: float = 32.0  # yarn
-    beta_slow: float = 1.0  # yarn
-    attention_factor: float | None = None  # yarn
-    mscale: float | None = None  # yarn (DeepSeek-style attention factor)
-    mscale_all_dim: float | None = None  # yarn
-    truncate: bool = True  # yarn: round the correction range to whole dims
 
 
 @dataclass(frozen=True)
@@ -114,87 +97,6 @@ class DecoderConfig:
             ) from None
 
 
-def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
-    # transformers 5 folds theta and scaling into `rope_parameters`; 4.x used
-    # `rope_theta` + `rope_scaling`.
-    params = dict(cfg.get("rope_parameters") or {})
-    scaling = dict(cfg.get("rope_scaling") or {})
-    merged = {**scaling, **params}
-    theta = float(merged.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    rtype = merged.get("rope_type", merged.get("type", "default")) or "default"
-    if rtype not in SUPPORTED_ROPE_TYPES:
-        raise DraftsmithError(
-            f"rope type {rtype!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
-        )
-    return RopeConfig(
-        theta=theta,
-        type=rtype,
-        factor=float(merged.get("factor", 1.0) or 1.0),
-        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=merged.get("original_max_position_embeddings"),
-        beta_fast=float(merged.get("beta_fast") or 32.0),
-        beta_slow=float(merged.get("beta_slow") or 1.0),
-        attention_factor=merged.get("attention_factor"),
-        mscale=merged.get("mscale"),
-        mscale_all_dim=merged.get("mscale_all_dim"),
-        truncate=bool(merged.get("truncate", True)),
-    )
-
-
-def rope_inv_freq(rope: RopeConfig, head_dim: int, max_pos: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [head_dim/2] and the attention scaling for a RoPE variant.
-
-    Computed in float32 with the same operations as HF transformers: a float64 table differs
-    in the last bit of some frequencies, which moves a 30-layer model's logits by ~1e-4.
-    """
-    inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    scale = 1.0
-    if rope.type == "linear":
-        inv = inv / rope.factor
-    elif rope.type == "dynamic":
-        # Dynamic NTK only changes theta past the original context; within it, it is default.
-        pass
-    elif rope.type == "llama3":
-        old_ctx = rope.original_max_position_embeddings or max_pos
-        low_wl = old_ctx / rope.low_freq_factor
-        high_wl = old_ctx / rope.high_freq_factor
-        wavelen = 2 * math.pi / inv
-        scaled = torch.where(wavelen > low_wl, inv / rope.factor, inv)
-        smooth = (old_ctx / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
-        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
-        mid = ~(wavelen < high_wl) * ~(wavelen > low_wl)
-        inv = torch.where(mid, smoothed, scaled)
-    elif rope.type == "yarn":
-        old_ctx = rope.original_max_position_embeddings or max_pos
-        factor = rope.factor
-
-        def dim_for(rot: float) -> float:
-            return (head_dim * math.log(old_ctx / (rot * 2 * math.pi))) / (2 * math.log(rope.theta))
-
-        low, high = dim_for(rope.beta_fast), dim_for(rope.beta_slow)
-        if rope.truncate:
-            low, high = math.floor(low), math.ceil(high)
-        low, high = max(low, 0), min(high, head_dim - 1)
-        if low == high:
-            high += 0.001
-        ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-        pos_freqs = rope.theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
-        extrapolation = 1 - ramp
-        inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
-        if rope.attention_factor is not None:
-            scale = float(rope.attention_factor)
-        elif rope.mscale and rope.mscale_all_dim:
-            scale = _yarn_mscale(factor, rope.mscale) / _yarn_mscale(factor, rope.mscale_all_dim)
-        else:
-            scale = _yarn_mscale(factor)
-    return inv.float(), float(scale)
-
-
-def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's RMSNorm: normalise in float32, cast back, scale. The fused kernel normalises (on CPU
     bit-identical to HF's pow / mean / rsqrt composite); float32 scales inside it."""
@@ -212,19 +114,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, S, D]; cos/sin [B, 1, S, D] (HF 'rotate_half' convention)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
-def _rope_signed(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """`apply_rope` in fewer ops, bit-identical: rotate_half(x) * sin == roll(x) * [-sin1, sin2]
-    (a sign flip is exact). x [..., D]; cos / sin_signed broadcast to it."""
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
 
 
 class Attention(nn.Module):
@@ -320,7 +209,7 @@ class DecoderLayer(nn.Module):
 
 @dataclass
 class _StepContext:
-    rows: torch.Tensor | None  # [B] cache rows on the model device (when positions is set)
+    rows: torch.Tensor | None  # [B] cache rows on the model device (for scatters and gathers)
     row_slice: slice | None  # rows as a contiguous slice when they are one
     row_runs: list[tuple[int, int, int, int]] | None  # (b0, b1, first row, keys): see _row_runs
     starts_list: list[int]  # per-row start positions
@@ -447,10 +336,11 @@ class Decoder(nn.Module):
         elif not same_start:
             key_pos = torch.arange(kv_len, device=dev)
             mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, S, kv_len]
+        runs = _row_runs(rows_list, starts_list, S, None if dev.type == "cpu" else MAX_ROW_RUNS)
         return _StepContext(
-            rows=None if positions is None else torch.tensor(rows_list, device=dev),
+            rows=None if positions is None and runs is not None else torch.tensor(rows_list, device=dev),
             row_slice=slice(r0, r0 + B) if contiguous else None,
-            row_runs=_row_runs(rows_list, starts_list, S),
+            row_runs=runs,
             starts_list=starts_list,
             positions=positions,
             kv_len=kv_len,
@@ -498,15 +388,17 @@ class Decoder(nn.Module):
         return DecoderOutput(logits=logits, hidden=hidden, final_hidden=final)
 
 
-MAX_ROW_RUNS = 8  # beyond this many runs of consecutive rows, one gather is cheaper
+MAX_ROW_RUNS = 8  # on GPUs, beyond this many runs of consecutive rows one gather is cheaper
 SEGMENT_WASTE_KEYS = 256  # padding keys worth one more attention call (~20 us on a CPU)
 
 
-def _row_runs(rows: list[int], starts: list[int], S: int) -> list[tuple[int, int, int, int]] | None:
+def _row_runs(rows: list[int], starts: list[int], S: int, max_runs: int | None = MAX_ROW_RUNS,
+              ) -> list[tuple[int, int, int, int]] | None:
     """Attention segments of a batch, (b0, b1, rows[b0], keys): batch rows b0:b1 sit in
     consecutive cache rows (so their keys are one view of the cache) and attend over their
-    own `keys` = max(starts[b0:b1]) + S. None when the rows form more than MAX_ROW_RUNS runs
-    (attention then gathers them).
+    own `keys` = max(starts[b0:b1]) + S. None when the rows form more than `max_runs` runs
+    (attention then gathers them: one kernel instead of many, which pays on a GPU; on a CPU
+    a call costs ~20 us while a gather copies every row's keys, so the CPU passes None).
 
     The engine keeps its batch sorted by row, so a full batch is one run and a batch with
     free rows a few. A run is cut further where a row would add more than
@@ -525,7 +417,7 @@ def _row_runs(rows: list[int], starts: list[int], S: int) -> list[tuple[int, int
                 continue
         segs.append((b0, b, rows[b0], top))
         runs += new_run
-        if runs > MAX_ROW_RUNS:
+        if max_runs is not None and runs > max_runs:
             return None
         if b < len(rows):
             b0, top = b, starts[b] + S

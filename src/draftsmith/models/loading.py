@@ -16,7 +16,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.models.decoder import Decoder, DecoderConfig, rope_inv_freq
+from draftsmith.models.decoder import Decoder, DecoderConfig
+from draftsmith.models.rope import rope_inv_freq
 
 
 @dataclass

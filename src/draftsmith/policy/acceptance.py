@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from draftsmith.core.types import Proposal, VerifyResult
-from draftsmith.engine.sequence import Sequence
+from draftsmith.core.request import Request
 from draftsmith.errors import DraftsmithError
 
 _KEY = "policy.running_acceptance"
@@ -104,19 +104,19 @@ class AcceptancePool:
         return min(max(self.accepted[k] / self.reached[k], 0.01), 0.99)
 
 
-def _counts(seq: Sequence) -> _Counts:
+def _counts(seq: Request) -> _Counts:
     c = seq.drafter_state.get(_KEY)
     if c is None:
         c = seq.drafter_state[_KEY] = _Counts([], [], [])
     return c
 
 
-def drafter_has_confidences(seq: Sequence) -> bool:
+def drafter_has_confidences(seq: Request) -> bool:
     """True once this request's drafter has proposed with confidences (False: not yet/never)."""
     return bool(seq.drafter_state.get(_HAS_CONF, False))
 
 
-def remember_drafts(seqs: list[Sequence], proposal: Proposal) -> None:
+def remember_drafts(seqs: list[Request], proposal: Proposal) -> None:
     """Call in trim(), before any draft is dropped: keep deterministic chains for scoring,
     and note whether the drafter gives confidences."""
     if not proposal.max_len:
@@ -132,7 +132,7 @@ def remember_drafts(seqs: list[Sequence], proposal: Proposal) -> None:
             c.pending = (c.pending + [(len(s.output_ids), row[:n])])[-_MAX_PENDING:]
 
 
-def record_round(seqs: list[Sequence], proposal: Proposal, result: VerifyResult,
+def record_round(seqs: list[Request], proposal: Proposal, result: VerifyResult,
                  prior: AcceptancePrior = AcceptancePrior(), pool: AcceptancePool | None = None) -> None:
     """Call in update(): fade older evidence one round, then score what this round resolved
     (into each request's counts and, when given, the pool)."""
@@ -167,7 +167,7 @@ def record_round(seqs: list[Sequence], proposal: Proposal, result: VerifyResult,
                 pool.add(reached=min(n, m + 1), accepted=m)
 
 
-def running_confidences(seq: Sequence, k: int, prior: AcceptancePrior,
+def running_confidences(seq: Request, k: int, prior: AcceptancePrior,
                         pool: AcceptancePool | None = None) -> list[float]:
     """c_1..c_k for this request: posterior-mean conditional acceptance per position (prior
     mean from the pool where it has enough chains, else prior.mean)."""

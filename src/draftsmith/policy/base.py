@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from draftsmith.core.types import Proposal, VerifyResult
-from draftsmith.engine.sequence import Sequence
+from draftsmith.core.request import Request
 
 
 def keep_all(proposal: Proposal) -> list[int]:
@@ -20,11 +20,11 @@ def keep_all(proposal: Proposal) -> list[int]:
 class DraftLengthPolicy(Protocol):
     name: str
 
-    def choose(self, seqs: list[Sequence]) -> list[int]:
+    def choose(self, seqs: list[Request]) -> list[int]:
         """Draft length per row for this round (>= 0)."""
         ...
 
-    def trim(self, seqs: list[Sequence], proposal: Proposal) -> list[int]:
+    def trim(self, seqs: list[Request], proposal: Proposal) -> list[int]:
         """After drafting: how many of each row's drafts to verify (<= proposal.lengths).
 
         Confidence-driven schedulers (static threshold, DSpark's prefix scheduler) decide
@@ -34,7 +34,7 @@ class DraftLengthPolicy(Protocol):
         """
         ...
 
-    def update(self, seqs: list[Sequence], proposal: Proposal, result: VerifyResult) -> None:
+    def update(self, seqs: list[Request], proposal: Proposal, result: VerifyResult) -> None:
         """Learn from the round that just finished."""
         ...
 

@@ -10,14 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from draftsmith.core.types import Proposal
-from draftsmith.engine.sequence import Sequence
+from draftsmith.core.request import Request
 from draftsmith.errors import DraftsmithError
 from draftsmith.policy.base import keep_all
 
 
 def default_schedule(k: int) -> tuple[tuple[int, int], ...]:
     """Full K for 1-2 requests, about half up to 4, off above: the small models on a CPU
-    stop gaining from wider forwards early (ARCHITECTURE.md, machine facts)."""
+    stop gaining from wider forwards early (docs/ARCHITECTURE.md, machine facts)."""
     return ((2, k), (4, max(1, (k + 1) // 2))) if k > 0 else ((1, 0),)
 
 
@@ -43,10 +43,10 @@ class BatchSizeSchedule:
                 return k
         return 0
 
-    def choose(self, seqs: list[Sequence]) -> list[int]:
+    def choose(self, seqs: list[Request]) -> list[int]:
         return [self.k_for(len(seqs))] * len(seqs)
 
-    def trim(self, seqs: list[Sequence], proposal: Proposal) -> list[int]:
+    def trim(self, seqs: list[Request], proposal: Proposal) -> list[int]:
         return keep_all(proposal)
 
     def update(self, seqs, proposal, result) -> None:

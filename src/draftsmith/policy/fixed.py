@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from draftsmith.core.types import Proposal
-from draftsmith.engine.sequence import Sequence
+from draftsmith.core.request import Request
 from draftsmith.policy.base import keep_all
 from draftsmith.errors import DraftsmithError
 
@@ -19,10 +19,10 @@ class FixedK:
         if self.k < 0:
             raise DraftsmithError(f"draft length K must be >= 0, got {self.k}")
 
-    def choose(self, seqs: list[Sequence]) -> list[int]:
+    def choose(self, seqs: list[Request]) -> list[int]:
         return [self.k] * len(seqs)
 
-    def trim(self, seqs: list[Sequence], proposal: Proposal) -> list[int]:
+    def trim(self, seqs: list[Request], proposal: Proposal) -> list[int]:
         return keep_all(proposal)
 
     def update(self, seqs, proposal, result) -> None:

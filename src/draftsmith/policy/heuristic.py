@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from draftsmith.core.types import Proposal
-from draftsmith.engine.sequence import Sequence
+from draftsmith.core.request import Request
 from draftsmith.policy.base import keep_all
 from draftsmith.errors import DraftsmithError
 
@@ -30,10 +30,10 @@ class HeuristicK:
                 f"{self.min_k}, {self.initial}, {self.max_k}"
             )
 
-    def choose(self, seqs: list[Sequence]) -> list[int]:
+    def choose(self, seqs: list[Request]) -> list[int]:
         return [s.drafter_state.get(_KEY, self.initial) for s in seqs]
 
-    def trim(self, seqs: list[Sequence], proposal: Proposal) -> list[int]:
+    def trim(self, seqs: list[Request], proposal: Proposal) -> list[int]:
         return keep_all(proposal)
 
     def update(self, seqs, proposal, result) -> None:

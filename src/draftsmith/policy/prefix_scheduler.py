@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from draftsmith.core.types import Proposal
-from draftsmith.engine.sequence import Sequence
+from draftsmith.core.request import Request
 from draftsmith.errors import DraftsmithError
 from draftsmith.policy.acceptance import (
     AcceptancePool, AcceptancePrior, cumulative, drafter_has_confidences, record_round, remember_drafts,
@@ -204,10 +204,10 @@ class PrefixScheduler:
     def _step_time(self) -> Callable[[float], float]:
         return self.cost.target_time if self.adapt else self.sps.step_time
 
-    def _conf(self, seq: Sequence, k: int) -> list[float]:
+    def _conf(self, seq: Request, k: int) -> list[float]:
         return running_confidences(seq, k, self.prior, self.pool if self.pooled_prior else None)
 
-    def choose(self, seqs: list[Sequence]) -> list[int]:
+    def choose(self, seqs: list[Request]) -> list[int]:
         R = len(seqs)
         sps = self._sps()
         # Batch size only: skip drafting when no verify length could pay off at this load.
@@ -240,7 +240,7 @@ class PrefixScheduler:
             return full  # a probe: trim() verifies only what pays
         return [0] * R
 
-    def trim(self, seqs: list[Sequence], proposal: Proposal) -> list[int]:
+    def trim(self, seqs: list[Request], proposal: Proposal) -> list[int]:
         if not proposal.max_len:
             return [0] * len(seqs)
         remember_drafts(seqs, proposal)

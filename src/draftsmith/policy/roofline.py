@@ -1,7 +1,7 @@
 """What a target forward costs on this hardware, next to its physical limit.
 
 Decode is memory-bound: one step streams every weight once, so its floor is
-`weight_bytes / read bandwidth`, both measured here in the same run (MEASURING.md #8). A
+`weight_bytes / read bandwidth`, both measured here in the same run (docs/MEASURING.md #8). A
 verify of K tokens should cost about one decode step where the kernels stream weights well;
 `runtime_profile` puts the measured step times next to that floor. `draftsmith profile` prints
 it as JSON; the SPS(B) part is the table the prefix scheduler uses (policy/profile.py).

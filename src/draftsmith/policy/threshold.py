@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from draftsmith.core.types import Proposal
-from draftsmith.engine.sequence import Sequence
+from draftsmith.core.request import Request
 from draftsmith.errors import DraftsmithError
 from draftsmith.policy.acceptance import (
     AcceptancePrior, cumulative, drafter_has_confidences, record_round, remember_drafts,
@@ -37,12 +37,12 @@ class ConfidenceThreshold:
         if self.max_k < 0:
             raise DraftsmithError(f"max_k must be >= 0, got {self.max_k}")
 
-    def choose(self, seqs: list[Sequence]) -> list[int]:
+    def choose(self, seqs: list[Request]) -> list[int]:
         # Without drafter confidences the running ones are known now: draft only what passes.
         return [self.max_k if drafter_has_confidences(s) else self._keep(running_confidences(s, self.max_k, self.prior))
                 for s in seqs]
 
-    def trim(self, seqs: list[Sequence], proposal: Proposal) -> list[int]:
+    def trim(self, seqs: list[Request], proposal: Proposal) -> list[int]:
         remember_drafts(seqs, proposal)
         if proposal.confidences is None or not proposal.max_len:
             return keep_all(proposal)  # capped in choose()

@@ -22,7 +22,7 @@ from typing import Callable
 
 from draftsmith.core.sampling import SamplingParams
 from draftsmith.engine.engine import Engine
-from draftsmith.engine.sequence import Sequence
+from draftsmith.core.request import Request
 from draftsmith.errors import DraftsmithError
 from draftsmith.server.metrics import ServerMetrics
 
@@ -53,7 +53,7 @@ class SubRequest:
 @dataclass
 class _Live:
     sub: SubRequest
-    seq: Sequence
+    seq: Request
     sent: int = 0  # output tokens already reported
     t_last: float | None = None
     proposed: int = 0
@@ -199,7 +199,7 @@ class EngineLoop:
             live.t_last = now
         return max(n, 0)
 
-    def _after_step(self, finished: list[Sequence]) -> None:
+    def _after_step(self, finished: list[Request]) -> None:
         now = time.perf_counter()
         verify_tokens = 0
         done: list[str] = []

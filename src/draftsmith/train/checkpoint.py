@@ -38,11 +38,19 @@ from typing import Any
 import numpy as np
 import torch
 
+from draftsmith.drafters.checkpoint import (  # noqa: F401  (the trainer reads the format through here)
+    FORMAT_VERSION,
+    check_target,
+    checkpoint_config,
+    jsonable,
+    load_model_state,
+    read_checkpoint_config,
+    restore_state,
+)
 from draftsmith.errors import DraftsmithError
 from draftsmith.fileio import fsync_dir as _fsync_dir
-from draftsmith.tensorfile import load_tensors, save_tensors
-
-CHECKPOINT_FORMAT_VERSION = 1
+from draftsmith.fileio import write_json_atomic
+from draftsmith.tensorfile import save_tensors
 _CKPT_RE = re.compile(r"^checkpoint-(\d{8})$")
 
 
@@ -58,37 +66,7 @@ def _fsync_file(path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(data, indent=1, sort_keys=False) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
 # ---- what goes in a checkpoint ------------------------------------------------------------
-
-
-def checkpoint_config(kind: str, drafter_config: Any, target_id: str, weights_hash: str) -> dict[str, Any]:
-    """config.json of protocol.py: identity of the target + the kind's config fields."""
-    import dataclasses
-
-    fields = dataclasses.asdict(drafter_config) if dataclasses.is_dataclass(drafter_config) else dict(drafter_config)
-    fields.pop("kind", None)
-    return {"kind": kind, "target_id": target_id, "target_weights_hash": weights_hash,
-            "format_version": CHECKPOINT_FORMAT_VERSION, **_jsonable(fields)}
-
-
-def _jsonable(x: Any) -> Any:
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, Path):
-        return str(x)
-    return x
 
 
 def rng_state() -> dict[str, Any]:
@@ -137,7 +115,7 @@ def save_checkpoint(run_dir: Path, step: int, config_json: Mapping[str, Any], mo
         files.append(tmp / "model.safetensors")
         torch.save(dict(train_state), tmp / "train_state" / "state.pt")
         files.append(tmp / "train_state" / "state.pt")
-        (tmp / "train_state" / "meta.json").write_text(json.dumps(_jsonable(dict(meta)), indent=1) + "\n")
+        (tmp / "train_state" / "meta.json").write_text(json.dumps(jsonable(dict(meta)), indent=1) + "\n")
         files.append(tmp / "train_state" / "meta.json")
         for f in files:
             _fsync_file(f)
@@ -218,45 +196,6 @@ def find_resume_checkpoint(path: Path) -> Path:
     return ckpts[-1][1]
 
 
-def read_checkpoint_config(ckpt: Path) -> dict[str, Any]:
-    f = Path(ckpt) / "config.json"
-    if not f.is_file():
-        raise DraftsmithError(f"{ckpt} is not a drafter checkpoint: config.json is missing")
-    try:
-        cfg = json.loads(f.read_text())
-    except json.JSONDecodeError as e:
-        raise DraftsmithError(f"{f} is not valid JSON ({e.msg}); the checkpoint is damaged") from None
-    for k in ("kind", "target_id", "target_weights_hash"):
-        if k not in cfg:
-            raise DraftsmithError(f"{f} lacks {k!r}; not a Draftsmith drafter checkpoint")
-    if cfg.get("format_version", CHECKPOINT_FORMAT_VERSION) != CHECKPOINT_FORMAT_VERSION:
-        raise DraftsmithError(f"{f} has checkpoint format {cfg.get('format_version')}; this Draftsmith reads "
-                              f"format {CHECKPOINT_FORMAT_VERSION}")
-    return cfg
-
-
-def check_checkpoint_target(ckpt: Path, target_id: str, weights_hash: str, kind: str | None = None) -> dict[str, Any]:
-    """Refuse a checkpoint trained for another target (or of another kind). Returns its config."""
-    cfg = read_checkpoint_config(ckpt)
-    problems = []
-    if kind is not None and cfg["kind"] != kind:
-        problems.append(f"it is a {cfg['kind']!r} drafter, not {kind!r}")
-    if cfg["target_id"] != target_id or cfg["target_weights_hash"] != weights_hash:
-        problems.append(f"it was trained for target {cfg['target_id']!r} (weights {cfg['target_weights_hash']}), "
-                        f"not {target_id!r} (weights {weights_hash})")
-    if problems:
-        raise DraftsmithError(f"checkpoint {ckpt} does not fit: " + "; ".join(problems)
-                              + ". Use a checkpoint trained for this target, or train one")
-    return cfg
-
-
-def load_model_state(ckpt: Path) -> dict[str, torch.Tensor]:
-    f = Path(ckpt) / "model.safetensors"
-    if not f.is_file():
-        raise DraftsmithError(f"checkpoint {ckpt} lacks model.safetensors")
-    return load_tensors(f, "checkpoint")
-
-
 def load_train_state(ckpt: Path) -> dict[str, Any]:
     f = Path(ckpt) / "train_state" / "state.pt"
     if not f.is_file():
@@ -265,18 +204,3 @@ def load_train_state(ckpt: Path) -> dict[str, Any]:
         return torch.load(f, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises several types for a damaged file
         raise DraftsmithError(f"cannot read {f} ({type(e).__name__}); the checkpoint is damaged") from None
-
-
-def restore_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor], ckpt: Path) -> None:
-    """Load a saved state dict into `model`: every name and shape must match."""
-    own = model.state_dict()
-    missing = sorted(set(own) - set(state))
-    unexpected = sorted(set(state) - set(own))
-    shapes = [k for k in own if k in state and tuple(own[k].shape) != tuple(state[k].shape)]
-    if missing or unexpected or shapes:
-        first = (missing or unexpected or shapes)[0]
-        raise DraftsmithError(
-            f"checkpoint {ckpt} does not fit this drafter ({len(missing)} missing, {len(unexpected)} unexpected, "
-            f"{len(shapes)} mis-shaped tensors; first: {first}); the drafter config differs from the one it was "
-            "trained with")
-    model.load_state_dict({k: v.to(own[k].device, own[k].dtype) for k, v in state.items()})

@@ -18,7 +18,7 @@ sees frozen dataclasses. A recipe looks like:
       ...
 
 The drafter section is validated against the kind's own `Config` dataclass from the
-catalogue of trainable kinds (drafters/trained.py), so every kind's options are typed in
+registry of drafter kinds (drafters/registry.py), so every kind's options are typed in
 one place, next to the model code. Layer ids are checked against the target's depth.
 """
 
@@ -35,41 +35,19 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
+from draftsmith.drafters.registry import trainable_kinds
 from draftsmith.errors import DraftsmithError
 
 # ---- the catalogue of trainable kinds --------------------------------------------------
 
 
-@dataclass(frozen=True)
-class KindEntry:
-    """What the trainer needs of a trainable drafter kind: its config class and builder."""
-
-    config_cls: type
-    build: Callable[..., Any]  # build(target: Decoder, config) -> nn.Module (protocol.py)
+def trained_catalogue() -> Mapping[str, Any]:
+    """The registered trainable kinds (drafters/registry.py): name -> DrafterKind, which has
+    the `config_cls` and `build` the trainer needs."""
+    return trainable_kinds()
 
 
-def trained_catalogue() -> dict[str, KindEntry]:
-    """The built-in trainable kinds (drafters/trained.py), as `KindEntry`s."""
-    try:
-        from draftsmith.drafters import trained
-    except ImportError as e:  # the drafter models are not in this build
-        raise DraftsmithError(f"no trainable drafter kinds are available ({e})") from None
-    table = getattr(trained, "TRAINED_KINDS", None) or getattr(trained, "CATALOGUE", None)
-    if table is None:
-        raise DraftsmithError("drafters/trained.py exposes no catalogue of trainable kinds")
-    out = {}
-    for kind, entry in table.items():
-        if isinstance(entry, KindEntry):
-            out[kind] = entry
-        elif isinstance(entry, tuple):
-            out[kind] = KindEntry(entry[0], entry[1])
-        else:  # an object with .config / .build attributes
-            cfg = getattr(entry, "config_cls", None) or getattr(entry, "config", None)
-            out[kind] = KindEntry(cfg, entry.build)
-    return out
-
-
-Catalogue = Mapping[str, KindEntry]
+Catalogue = Mapping[str, Any]  # name -> anything with config_cls and build(target, config)
 
 
 # ---- frozen config seen by the trainer --------------------------------------------------

@@ -30,7 +30,7 @@ from draftsmith.data.features import FeatureSample
 from draftsmith.data.sources.conversation import split_of
 from draftsmith.errors import DraftsmithError
 from draftsmith.train.config import DataConfig
-from draftsmith.train.protocol import TrainBatch
+from draftsmith.drafters.protocol import TrainBatch
 
 log = logging.getLogger(__name__)
 

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.drafters.kind_config import resolve_for_target
 from draftsmith.train import checkpoint as ckpt_io
 from draftsmith.train import distributed as dist_util
 from draftsmith.train.config import Catalogue, TrainConfig, trained_catalogue
@@ -39,15 +40,6 @@ PROBE_STEPS = 5  # timing probe for --budget: the first two warm up, the median 
 # Train-section fields that may change on resume without breaking exactness.
 _RESUME_FREE = {"log_every", "save_every", "keep_checkpoints", "budget_minutes", "max_steps", "epochs",
                 "tensorboard", "progress", "threads", "device"}
-
-
-def resolve_for_target(config, target):
-    """Fill target-dependent defaults (e.g. the block drafters' mask token) before `build`."""
-    try:
-        from draftsmith.drafters.trained import resolve_for_target as resolve
-    except ImportError:
-        return config
-    return resolve(config, target)
 
 
 def lr_factor(step: int, total: int, warmup_ratio: float, min_ratio: float) -> float:
@@ -128,8 +120,8 @@ class Trainer:
         self.resume_from: Path | None = None
         if self.resume:  # refuse a foreign checkpoint before anything else is loaded
             self.resume_from = ckpt_io.find_resume_checkpoint(self.out if self.resume is True else Path(self.resume))
-            ckpt_io.check_checkpoint_target(self.resume_from, self.target.target_id, self.target.weights_hash,
-                                            kind=self.cfg.kind)
+            ckpt_io.check_target(ckpt_io.read_checkpoint_config(self.resume_from), self.target.target_id,
+                                 self.target.weights_hash, str(self.resume_from), kind=self.cfg.kind)
         entry = self.catalogue[self.cfg.kind]
         self.model = entry.build(self.target.model, resolve_for_target(self.cfg.drafter, self.target)).to(info.device)
         self.model.train()
@@ -190,7 +182,7 @@ class Trainer:
     def _forward_backward(self, step: int) -> tuple[float, dict[str, float], int]:
         info, t = self.info, self.cfg.train
         batch = self.data.batch(step)
-        gen = torch.Generator()  # on the CPU: anchor sampling draws there (train/anchors.py)
+        gen = torch.Generator()  # on the CPU: anchor sampling draws there (drafters/anchors.py)
         gen.manual_seed(step_seed(t.seed, info.rank, step))
         with torch.autocast(device_type=info.device.type, dtype=torch.bfloat16, enabled=t.dtype == "bf16"):
             total, parts = self.wrapped(batch, gen)

@@ -3,13 +3,13 @@ the generic training / calibration / evaluation machinery (train/, eval/).
 
 A trainable drafter kind provides, in its own file:
 
-    <Kind>Config       frozen dataclass; `kind` literal; fields with defaults from ALGORITHMS.md
+    <Kind>Config       frozen dataclass; `kind` literal; fields with defaults from docs/ALGORITHMS.md
     <Kind>Model        nn.Module built by `build(target: Decoder, config)`; shares the target's
                        embedding and lm_head (frozen, not saved); exposes
                          feature_spec -> FeatureSpec (which target layers it reads)
                          training_loss(batch: TrainBatch, generator) -> LossOutput
                          make_drafter(target: Decoder, max_rows, max_len) -> Drafter (inference)
-    registered once in `drafters/trained.py` (the explicit catalogue of trainable kinds).
+    registered once in `drafters/registry.py` (the one registry of drafter kinds).
 
 Checkpoint directory (written atomically by train/checkpoint.py):
     config.json          {"kind", "target_id", "target_weights_hash", "format_version", ...config}

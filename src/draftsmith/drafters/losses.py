@@ -1,4 +1,4 @@
-"""Drafter training losses (ALGORITHMS.md: DSpark, DFlash, EAGLE-3).
+"""Drafter training losses (docs/ALGORITHMS.md: DSpark, DFlash, EAGLE-3).
 
 Notation: p_t is the target's distribution (softmax of lm_head(final_hidden) at T = 1),
 p_d the drafter's; k = 1..γ is a position inside a draft block.

@@ -18,7 +18,7 @@ class Status(enum.Enum):
 
 
 @dataclass
-class SequenceStats:
+class RequestStats:
     """Counters for one request. τ and acceptance are derived, never stored."""
 
     target_forwards: int = 0  # target forward passes this request took part in (prefill incl.)
@@ -73,7 +73,7 @@ class SequenceStats:
 
 
 @dataclass
-class Sequence:
+class Request:
     """A request: prompt, what has been committed, its sampling state and its cache row.
 
     Invariant while running: the target KV cache row holds every token of `all_ids` except
@@ -89,7 +89,7 @@ class Sequence:
     row: int = -1  # KV cache row while running
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     text: str = ""  # decoded output, stop string removed
-    stats: SequenceStats = field(default_factory=SequenceStats)
+    stats: RequestStats = field(default_factory=RequestStats)
     drafter_state: dict = field(default_factory=dict)  # owned by the drafter / policy
 
     @property

@@ -1,0 +1,177 @@
+"""The one registry of drafter kinds: everything that lists, parses, builds or describes a
+kind reads it (the CLI's help, `LLM(drafter=...)`, recipes, eval, bench, serve).
+
+A drafter spec is `KIND` or `KIND:ARG`. Built-in kinds:
+
+    none                 plain decoding
+    ngram                prompt lookup (drafters/ngram.py)
+    draft-model:PATH     a smaller model of the same tokenizer (drafters/draft_model.py)
+    eagle3:CKPT          trained kinds, from a checkpoint directory (drafters/checkpoint.py)
+    dflash:CKPT
+    dspark:CKPT
+
+A new trainable kind is one file: its config dataclass, `build(target, config) -> model`
+(drafters/protocol.py), and a `register(DrafterKind(...))` call; plus a recipe. `register`
+is explicit, no import-time discovery: call it before using the kind (tests/unit/toy_kind.py
+does, and runs the toy kind through train, generate and eval).
+"""
+
+from __future__ import annotations
+
+import difflib
+import types
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from draftsmith.drafters import dflash, dspark, eagle3
+from draftsmith.drafters.base import Drafter, NoDrafter
+from draftsmith.drafters.checkpoint import load_trained_drafter, load_trained_model, read_checkpoint_config
+from draftsmith.drafters.draft_model import DraftModelDrafter
+from draftsmith.drafters.kind_config import config_from_dict
+from draftsmith.drafters.ngram import NgramConfig, NgramDrafter
+from draftsmith.errors import DraftsmithError
+
+# load(arg, target: LoadedTarget, max_rows, max_len) -> Drafter; arg is the text after "KIND:"
+Loader = Callable[[str, Any, int, int], Drafter]
+
+
+@dataclass(frozen=True)
+class DrafterKind:
+    """One drafter kind. Trainable kinds have `config_cls` and `build`, and load from a
+    checkpoint directory; their default K is the checkpoint's block size / TTT depth."""
+
+    name: str
+    usage: str  # how the spec is written, e.g. "dspark:CKPT"
+    summary: str  # one line for --help
+    load: Loader
+    config_cls: type | None = None  # trainable: the typed config a recipe's `drafter:` fills
+    build: Callable[..., Any] | None = None  # trainable: build(target Decoder, config) -> model
+    needs_arg: bool = False  # the spec must carry ":ARG"
+
+    @property
+    def trainable(self) -> bool:
+        return self.config_cls is not None
+
+    def default_k(self, config: Mapping[str, Any] | None, fallback: int = 7) -> int:
+        """γ for evaluation: a trained checkpoint's block size (DFlash / DSpark) or TTT depth
+        (EAGLE-3), else `fallback`."""
+        for key in ("block_size", "ttt_steps"):
+            v = (config or {}).get(key)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                return v
+        return fallback
+
+
+def _none(arg: str, target, max_rows: int, max_len: int) -> Drafter:
+    return NoDrafter()
+
+
+def _ngram(arg: str, target, max_rows: int, max_len: int) -> Drafter:
+    return NgramDrafter(NgramConfig())
+
+
+def _draft_model(arg: str, target, max_rows: int, max_len: int) -> Drafter:
+    from draftsmith.models.target import load_target  # models/target imports the drafters' users
+
+    draft = load_target(arg, device=str(target.model.device), dtype=str(target.model.dtype).removeprefix("torch."))
+    return DraftModelDrafter(draft.model, target.model.config.vocab_size, max_rows, max_len)
+
+
+def checkpoint_loader(name: str) -> Loader:
+    """The loader of a trainable kind: its checkpoint directory (drafters/checkpoint.py) -> Drafter."""
+    def load(arg: str, target, max_rows: int, max_len: int) -> Drafter:
+        return load_trained_drafter(arg, target, max_rows, max_len, get(name, trainable=True))
+    return load
+
+
+_KINDS: dict[str, DrafterKind] = {}
+
+
+def register(kind: DrafterKind, replace: bool = False) -> DrafterKind:
+    """Add a kind (or, with replace=True, swap one). Returns it."""
+    if kind.name in _KINDS and not replace:
+        raise DraftsmithError(f"drafter kind {kind.name!r} is already registered")
+    if ":" in kind.name or not kind.name:
+        raise DraftsmithError(f"a drafter kind name must be non-empty and without ':' (got {kind.name!r})")
+    _KINDS[kind.name] = kind
+    return kind
+
+
+def unregister(name: str) -> None:
+    _KINDS.pop(name, None)
+
+
+for _k in (
+    DrafterKind("none", "none", "plain decoding, no drafter", _none),
+    DrafterKind("ngram", "ngram", "prompt lookup: copy what followed the last n-gram seen before", _ngram),
+    DrafterKind("draft-model", "draft-model:PATH", "a smaller model with the target's tokenizer (alias or HF dir)",
+                _draft_model, needs_arg=True),
+    DrafterKind("eagle3", "eagle3:CKPT", "EAGLE-3 head trained by `draftsmith train`", checkpoint_loader("eagle3"),
+                eagle3.Eagle3Config, eagle3.build, needs_arg=True),
+    DrafterKind("dflash", "dflash:CKPT", "DFlash block drafter trained by `draftsmith train`", checkpoint_loader("dflash"),
+                dflash.DFlashConfig, dflash.build, needs_arg=True),
+    DrafterKind("dspark", "dspark:CKPT", "DSpark block drafter + Markov head + confidence head", checkpoint_loader("dspark"),
+                dspark.DSparkConfig, dspark.build, needs_arg=True),
+):
+    register(_k)
+
+
+def kinds() -> Mapping[str, DrafterKind]:
+    """All registered kinds (read-only view, registration order)."""
+    return types.MappingProxyType(_KINDS)
+
+
+def trainable_kinds() -> Mapping[str, DrafterKind]:
+    return types.MappingProxyType({n: k for n, k in _KINDS.items() if k.trainable})
+
+
+def get(name: str, trainable: bool = False) -> DrafterKind:
+    table = trainable_kinds() if trainable else kinds()
+    if name not in table:
+        close = difflib.get_close_matches(name, list(table), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        what = "trainable drafter kind" if trainable else "drafter kind"
+        raise DraftsmithError(f"unknown {what} {name!r}{hint}; known: {', '.join(table)}")
+    return table[name]
+
+
+def parse_spec(spec: str) -> tuple[DrafterKind, str]:
+    """`KIND[:ARG]` -> (kind, arg), with a clear error for an unknown kind or a missing ARG."""
+    name, _, arg = spec.partition(":")
+    kind = get(name)
+    if kind.needs_arg and not arg:
+        raise DraftsmithError(f"drafter {name} needs an argument: --drafter {kind.usage}")
+    return kind, arg
+
+
+def build_drafter(spec: str, target, max_rows: int, max_len: int) -> Drafter:
+    """A ready Drafter for a LoadedTarget from a spec string."""
+    kind, arg = parse_spec(spec)
+    return kind.load(arg, target, max_rows, max_len)
+
+
+def usage() -> str:
+    """Spec forms for --help: 'none | ngram | draft-model:PATH | eagle3:CKPT | ...'."""
+    return " | ".join(k.usage for k in _KINDS.values())
+
+
+def config_for(data: Mapping[str, Any]):
+    """The typed config of the trainable kind named by data["kind"], from plain data."""
+    if "kind" not in data:
+        raise DraftsmithError(f"drafter config has no 'kind'; choose one of {', '.join(trainable_kinds())}")
+    kind = get(str(data["kind"]), trainable=True)
+    return config_from_dict(data, kind.config_cls, kind.name)
+
+
+def load_checkpoint_model(ckpt_dir: str | Path, target):
+    """The trained model in a checkpoint directory, whatever its kind, on a LoadedTarget."""
+    kind = get(str(read_checkpoint_config(ckpt_dir)["kind"]), trainable=True)
+    return load_trained_model(ckpt_dir, target, kind)
+
+
+def load_checkpoint(ckpt_dir: str | Path, target, max_rows: int, max_len: int) -> Drafter:
+    """A ready Drafter from a checkpoint directory, whatever its kind (calibration included)."""
+    kind = get(str(read_checkpoint_config(ckpt_dir)["kind"]), trainable=True)
+    return load_trained_drafter(ckpt_dir, target, max_rows, max_len, kind)

@@ -1,0 +1,29 @@
+"""The one way to put a target, a drafter and a draft-length policy together into an Engine
+(`LLM`, eval, bench, regen and the serving benchmark all come through here)."""
+
+from __future__ import annotations
+
+from draftsmith.drafters.base import Drafter
+from draftsmith.drafters.registry import build_drafter
+from draftsmith.engine.engine import Engine, EngineConfig
+from draftsmith.models.kv_cache import KVCache
+from draftsmith.models.loading import LoadedTarget
+from draftsmith.models.target import eos_token_ids
+from draftsmith.policy.base import DraftLengthPolicy
+from draftsmith.policy.registry import make_policy
+
+
+def build_engine(target: LoadedTarget, drafter: str | Drafter = "none", policy: str | DraftLengthPolicy = "fixed",
+                 num_speculative_tokens: int = 5, max_batch: int = 8, max_len: int = 2048,
+                 cache: KVCache | None = None) -> Engine:
+    """An Engine for `target` with `drafter` (a registry spec such as "ngram" or
+    "dspark:CKPT", or a Drafter) and `policy` (a registered name or a policy object), K =
+    num_speculative_tokens drafts per round at most, max_batch rows of max_len tokens
+    (capped at the target's context). `cache`: share an idle engine's KV cache."""
+    max_len = min(max_len, target.model.config.max_position_embeddings)
+    if isinstance(drafter, str):
+        drafter = build_drafter(drafter, target, max_batch, max_len)
+    if isinstance(policy, str):
+        policy = make_policy(policy, num_speculative_tokens, target=target, max_batch=max_batch)
+    return Engine(target.model, target.tokenizer, drafter, policy, EngineConfig(max_batch=max_batch, max_len=max_len),
+                  eos_token_ids=eos_token_ids(target), cache=cache)
