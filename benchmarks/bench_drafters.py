@@ -94,7 +94,7 @@ def main() -> int:
     regen = w / "regen.jsonl"
     stage("regen", w / ".regen.done", lambda: (cli(
         "regen", "--mix", "code:0.4,chat:0.6", "--split", "train", "--max-samples", str(args.samples),
-        "--max-new-tokens", "128", "--max-len", "1024", "--batch-size", "16", "--out", str(regen),
+        "--max-tokens", "128", "--max-len", "1024", "--batch-size", "16", "--out", str(regen),
         *(["--resume"] if regen.exists() else [])), (w / ".regen.done").touch()))
     cache = w / "cache"
     stage("cache", w / ".cache.done", lambda: (cli(
@@ -120,13 +120,13 @@ def main() -> int:
     stage("train", w / ".train.done", train_all)
     stage("calibrate", w / ".calibrate.done", lambda: (cli(
         "calibrate", "--drafter", f"dspark:{w / 'dspark'}", "--tasks", "sharegpt", "--max-prompts", "16",
-        "--max-new-tokens", "64", "--temperature", "1", "--block-size", str(GAMMA)), (w / ".calibrate.done").touch()))
+        "--max-tokens", "64", "--temperature", "1", "--block-size", str(GAMMA)), (w / ".calibrate.done").touch()))
     specs = [f"{k}:{w / k}" for k in KINDS]
     for temp in ("0", "1"):
         out = w / f"eval-T{temp}"
         stage(f"eval-T{temp}", out / "report.json", lambda out=out, temp=temp: cli(
             "eval", *[x for s in specs + ["ngram"] for x in ("--drafter", s)], "--tasks", ",".join(WORKLOADS),
-            "--max-prompts", str(args.eval_prompts), "--max-new-tokens", str(args.eval_tokens),
+            "--max-prompts", str(args.eval_prompts), "--max-tokens", str(args.eval_tokens),
             "--temperature", temp, "--block-size", str(GAMMA), "--out", str(out)))
     for policy in POLICIES:
         for wl in WORKLOADS:

@@ -36,19 +36,19 @@ def stages() -> list[Stage]:
     ckpt = d / "dspark"
     return [
         Stage("regen-train", ("regen", "--mix", "code:0.5,chat:0.5", "--split", "train",
-              "--max-samples", str(16 * SCALE), "--max-new-tokens", "64", "--max-len", "640",
+              "--max-samples", str(16 * SCALE), "--max-tokens", "64", "--max-len", "640",
               "--batch-size", "8", "--out", str(d / "regen.jsonl")), "--resume"),
         Stage("regen-heldout", ("regen", "--mix", "code:0.5,chat:0.5", "--split", "heldout",
-              "--max-samples", "4", "--max-new-tokens", "64", "--max-len", "640",
+              "--max-samples", "4", "--max-tokens", "64", "--max-len", "640",
               "--batch-size", "8", "--out", str(d / "heldout.jsonl")), "--resume"),
         Stage("cache", ("cache", "--data", str(d / "regen.jsonl"), "--layers", "1,14,27",
               "--dtype", "fp16", "--out", str(d / "cache")), "--resume"),
         Stage("train", ("train", "--config", "recipes/smollm2-135m-dspark.yaml", "--budget", str(3 * SCALE),
               f"out={ckpt}", f"data.cache={d / 'cache'}"), "--resume"),
         Stage("calibrate", ("calibrate", "--drafter", f"dspark:{ckpt}", "--data", str(d / "heldout.jsonl"),
-              "--max-new-tokens", "32", "--temperature", "1")),
+              "--max-tokens", "32", "--temperature", "1")),
         Stage("eval", ("eval", "--drafter", f"dspark:{ckpt}", "--drafter", "ngram", "--tasks", "humaneval,mtbench",
-              "--max-prompts", "2", "--max-new-tokens", "32", "--temperature", "1", "--out", str(d / "eval"))),
+              "--max-prompts", "2", "--max-tokens", "32", "--temperature", "1", "--out", str(d / "eval"))),
         *(Stage(name, ("bench", "--drafter", "ngram", "--drafter", f"dspark:{ckpt}", "--workload", workload,
                        "--concurrency", "1,4,16", "--requests", "4", "--max-tokens", "32", "--warmup", "1",
                        "--peers", "hf", "--dollars-per-hour", "0.10", "--out", str(d / out)), "--resume")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,8 +31,9 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     """Write `path` through `write(tmp)` on a temporary file in the same directory, fsync
     it, then rename it over `path`: a crash leaves the old file or the new one, never half."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
+    # a fresh name created with the process umask (mkstemp's files are 0600)
+    tmp = str(path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp"))
+    open(tmp, "x").close()
     try:
         write(Path(tmp))
         with open(tmp, "rb") as f:

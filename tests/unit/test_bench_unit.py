@@ -14,7 +14,8 @@ import torch
 from draftsmith.bench.config import Arrival, BenchConfig, parse_arrival, parse_concurrency, parse_endpoint
 from draftsmith.bench.loadgen import BenchRequest, counters_from_text, diff_counters, poisson_offsets, run_engine
 from draftsmith.bench.metrics import RequestRecord, RunResult, distribution, percentile, spread, summarize
-from draftsmith.bench.runner import plan_phases, read_results
+from draftsmith.bench.phases import plan_phases
+from draftsmith.bench.results import read_results
 from draftsmith.bench.verdict import verdict
 from draftsmith.core.sampling import SamplingParams
 from draftsmith.errors import DraftsmithError
@@ -282,7 +283,8 @@ def test_run_engine_poisson_arrivals(tiny_engine_factory):
 def test_endpoint_without_counters_reports_unavailable():
     from types import SimpleNamespace
 
-    from draftsmith.bench.runner import Phase, _phase_lines
+    from draftsmith.bench.phases import Phase
+    from draftsmith.bench.tier_lines import phase_lines as _phase_lines
 
     def run(tps_scale: float, sha: str, counters):
         recs = [RequestRecord(index=i, prompt_id=f"p{i}", t_arrival=0.0, ttft=0.1, e2e=1.0 / tps_scale,

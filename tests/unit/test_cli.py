@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -51,3 +52,95 @@ def test_config_count_that_is_not_a_number(tiny_model_dir):
     cfg["num_hidden_layers"] = "thirty"
     (path / "config.json").write_text(json.dumps(cfg))
     _one_line_error(_run("generate", "--target", str(path), "--prompt", "x"), "wrong type", "thirty")
+
+
+# ---- the parser itself: version, option names, help ------------------------------------------------
+
+PIPELINE = ["regen", "cache", "train", "calibrate", "eval", "bench", "generate", "serve", "profile"]
+
+
+def _job_parsers() -> dict:
+    from draftsmith.cli import build_parser
+
+    return build_parser()._subparsers._group_actions[0].choices
+
+
+def test_version(capsys):
+    import draftsmith
+    from draftsmith.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"draftsmith {draftsmith.__version__}"
+
+
+@pytest.mark.parametrize("job, required, dest", [
+    ("generate", [], "max_new_tokens"),
+    ("regen", [], "max_new_tokens"),
+    ("eval", ["--drafter", "ngram"], "max_new_tokens"),
+    ("calibrate", ["--drafter", "dspark:x", "--tasks", "humaneval"], "max_new_tokens"),
+    ("bench", [], "max_tokens"),
+])
+def test_max_tokens_and_its_alias(job, required, dest):
+    """`--max-tokens` on every job with a new-token limit; `--max-new-tokens` still works, same dest."""
+    from draftsmith.cli import build_parser
+
+    for flag in ("--max-tokens", "--max-new-tokens"):
+        args = build_parser().parse_args([job, *required, flag, "7"])
+        assert getattr(args, dest) == 7, (job, flag)
+    help_text = _job_parsers()[job].format_help()
+    assert "--max-tokens N, --max-new-tokens N" in help_text
+
+
+def test_every_job_help_shows_defaults():
+    from draftsmith.cli.options import HelpFormatter
+
+    jobs = _job_parsers()
+    for name, parser in jobs.items():
+        fmt = HelpFormatter(prog=name)
+        for action in parser._actions:
+            d = action.default
+            if not action.option_strings or d in (None, False, [], argparse.SUPPRESS):
+                continue
+            assert "default" in fmt._get_help_string(action).lower(), (name, action.option_strings)
+        assert "example:\n  draftsmith " + name in parser.format_help(), name
+    generate = " ".join(jobs["generate"].format_help().split())
+    assert "--max-len MAX_LEN context limit per prompt (prompt + output) (default: 2048)" in generate
+    assert "(default: none)" in generate and "(default: fixed)" in generate  # --drafter, --policy
+
+
+def test_top_level_help_lists_jobs_in_pipeline_order():
+    from draftsmith.cli import build_parser
+
+    assert list(_job_parsers()) == PIPELINE
+    text = build_parser().format_help()
+    jobs_section = text.split("jobs (in pipeline order):", 1)[1].split("examples:", 1)[0]
+    listed = [ln.split()[0] for ln in jobs_section.splitlines() if ln.startswith("    ") and ln.split()[0] in PIPELINE]
+    assert listed == PIPELINE
+    examples = text.split("examples:", 1)[1]
+    at = [examples.index(f"draftsmith {job} ") for job in PIPELINE]  # one example command per job, in order
+    assert at == sorted(at)
+
+
+def test_entry_points_and_module_sizes():
+    """`draftsmith` (pyproject), `python -m draftsmith` and `python -m draftsmith.cli` reach the same main."""
+    import tomllib
+    from pathlib import Path
+
+    import draftsmith.cli as cli
+
+    root = Path(__file__).resolve().parents[2]
+    script = tomllib.loads((root / "pyproject.toml").read_text())["project"]["scripts"]["draftsmith"]
+    module, _, attr = script.partition(":")
+    assert (module, attr) == ("draftsmith.cli", "main") and cli.main is cli.__dict__[attr]
+    for m in ("draftsmith/__main__.py", "draftsmith/cli/__main__.py"):
+        assert "from draftsmith.cli import main" in (root / "src" / m).read_text()
+    for f in (root / "src/draftsmith/cli").glob("*.py"):
+        assert len(f.read_text().splitlines()) <= 450, f
+    assert not (root / "src/draftsmith/cli.py").exists()
+
+
+def test_bad_flag_is_one_usage_error():
+    proc = _run("generate", "--max-tokens", "0")
+    assert proc.returncode == 2 and "must be a positive integer" in proc.stderr

@@ -325,7 +325,7 @@ def test_fused_layout_keeps_checkpoint_names_and_numbers(tiny_model_dir, backend
 
 
 def test_attention_segments_follow_row_runs_and_bound_padding():
-    from draftsmith.models.decoder import MAX_ROW_RUNS, SEGMENT_WASTE_KEYS, _row_runs
+    from draftsmith.models.attention import MAX_ROW_RUNS, SEGMENT_WASTE_KEYS, _row_runs
 
     assert _row_runs([0, 1, 2], [10, 10, 10], 1) == [(0, 3, 0, 11)]  # one view, no padding
     assert _row_runs([0, 1, 3], [10, 12, 10], 1) == [(0, 2, 0, 13), (2, 3, 3, 11)]  # a hole

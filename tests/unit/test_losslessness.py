@@ -111,7 +111,7 @@ def _draw(probs: torch.Tensor, g: torch.Generator | None) -> torch.Tensor:
     return torch.searchsorted(cdf, u, right=True).squeeze(-1)
 
 
-def _round(P, Q, kind, prev, start, lengths, verifier, g) -> VerifyResult:
+def _round(P, Q, kind, prev, start, lengths, verifier, g, keys=None) -> VerifyResult:
     """One round for n rows: draft γ tokens after prev [n] from positions start [n] on."""
     n, gamma = prev.numel(), int(lengths.max()) if lengths.numel() else 0
     gamma = max(gamma, 1)
@@ -123,14 +123,17 @@ def _round(P, Q, kind, prev, start, lengths, verifier, g) -> VerifyResult:
     pos = start.unsqueeze(1) + torch.arange(gamma + 1)  # [n, γ+1]
     p = P[pos, chain]  # [n, γ+1, V]: p[:, k] = target at draft k's position given its prefix
     q = None if kind.startswith("one_hot") else Q[pos[:, :-1], chain[:, :-1]]  # [n, γ, V]
+    if keys is not None:
+        return verifier(Proposal(chain[:, 1:], lengths, q), p, [None] * n, keys)
     return verifier(Proposal(chain[:, 1:], lengths, q), p, [None] * n)
 
 
-def _generate(P, Q, kind, gamma, verifier, seed, ragged=False):
+def _generate(P, Q, kind, gamma, verifier, seed, ragged=False, keyed=None):
     """Generate L = γ + 2 tokens per row by repeated rounds.
 
     Returns (sequences [N, L], first-round first-draft accepted [N] bool). ragged: each round
     verifies a length drawn uniformly from 0..γ before drafting (non-anticipating).
+    keyed(rows, start) -> per-row (seed, position) keys: position-keyed verification.
     """
     L = gamma + 2
     g = torch.Generator().manual_seed(seed)
@@ -149,7 +152,8 @@ def _generate(P, Q, kind, gamma, verifier, seed, ragged=False):
                 lengths = torch.randint(0, gamma + 1, (rows.numel(),), generator=g)
             else:
                 lengths = torch.full((rows.numel(),), gamma)
-            res = _round(P, Q, kind, prev, start, lengths, verifier, g)
+            keys = None if keyed is None else keyed(rows.tolist(), start.tolist())
+            res = _round(P, Q, kind, prev, start, lengths, verifier, g, keys)
             if first_accepted is None:
                 first_accepted = (res.num_accepted >= 1) & (lengths >= 1)
             cols = start.unsqueeze(1) + torch.arange(res.tokens.shape[1])  # [n, γ+1]
@@ -280,3 +284,36 @@ def test_negative_control_biased_verifiers_fail_the_check(kind: str, gamma: int,
         seq, _ = _generate(P, Q, kind, gamma, biased, seed)
         pvalues = _pvalues(P, seq)
         assert min(pvalues.values()) < ALPHA, f"biased verifier {mode} passed: {pvalues}"
+
+
+# ----------------------------------------------------------------------------- seeded rows (keys)
+
+
+@pytest.mark.parametrize("kind, gamma", [("close", 3), ("near_uniform", 7), ("one_hot_sampled", 5), ("peaked", 1)])
+def test_position_keyed_rows_follow_the_target_and_equal_plain_seeded_decoding(kind: str, gamma: int) -> None:
+    """Issue 15 item 3: a seeded row verifies by position-keyed coupling. Over many seeds the
+    output is distributed as p, and each seed's output equals plain decoding with that seed
+    (no drafts) token for token, whatever the drafts and the (ragged) lengths were."""
+    seed = 9000 + 10 * gamma + KINDS.index(kind)
+    P, Q = _models(kind, True, gamma, seed)
+
+    def keyed(rows, start):
+        return [(seed * 1_000_003 + r, t) for r, t in zip(rows, start)]
+
+    seq, _ = _generate(P, Q, kind, gamma, verify, seed, ragged=True, keyed=keyed)
+    for name, pv in _pvalues(P, seq).items():
+        assert pv >= ALPHA, f"{name}: p-value {pv:.2e}"
+    plain, _ = _generate(P, Q, kind, 0, verify, seed + 1, keyed=keyed)  # one token per round
+    L = min(seq.shape[1], plain.shape[1])
+    assert torch.equal(seq[:, :L], plain[:, :L])
+
+
+def test_negative_control_keys_that_ignore_the_position_fail_the_check() -> None:
+    """The same rule with a key that does not advance with the position (every round reuses
+    position 0's uniform) correlates consecutive tokens: the chi-square check must see it."""
+    kind, gamma = "near_uniform", 1
+    seed = 9500
+    P, Q = _models(kind, True, gamma, seed)
+    seq, _ = _generate(P, Q, kind, gamma, verify, seed, keyed=lambda rows, start: [(seed + r, 0) for r in rows])
+    assert min(_pvalues(P, seq).values()) < ALPHA
+

@@ -23,7 +23,10 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import httpx
+
 from draftsmith.bench.metrics import RequestRecord, RunResult, sha_of_ids, sha_of_text
+from draftsmith.core.request import Status
 from draftsmith.core.sampling import SamplingParams
 from draftsmith.errors import DraftsmithError
 
@@ -57,8 +60,6 @@ def _noop(_: RequestRecord) -> None:
 def run_engine(engine, requests: Sequence[BenchRequest], concurrency: int, offsets: Sequence[float] | None = None,
                on_done: Callable[[RequestRecord], None] = _noop) -> RunResult:
     """Drive `engine` (built with max_batch >= concurrency) until every request finished."""
-    from draftsmith.core.request import Status
-
     if engine.has_unfinished():
         raise DraftsmithError("the engine has unfinished requests; a bench run needs it idle")
     pending = deque(range(len(requests)))
@@ -134,8 +135,6 @@ def base_url(url: str) -> str:
 
 def endpoint_model(url: str, timeout: float = 30.0) -> str:
     """The first model a server lists."""
-    import httpx
-
     try:
         r = httpx.get(f"{url}/models", timeout=timeout)
         r.raise_for_status()
@@ -155,8 +154,6 @@ def run_endpoint(url: str, model: str, requests: Sequence[BenchRequest], concurr
 
 
 async def _run_endpoint(url, model, requests, concurrency, offsets, timeout, on_done) -> RunResult:
-    import httpx
-
     records: list[RequestRecord | None] = [None] * len(requests)
     limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30.0), limits=limits) as client:
@@ -252,8 +249,6 @@ async def _stream_one(client, url: str, model: str, req: BenchRequest, t0: float
 
 def scrape_counters(url: str, timeout: float = 30.0) -> dict | None:
     """draftsmith_* counters from {server}/metrics, or None if it exposes none."""
-    import httpx
-
     try:
         r = httpx.get(f"{base_url(url)}/metrics", timeout=timeout)
         if r.status_code != 200:
@@ -265,6 +260,8 @@ def scrape_counters(url: str, timeout: float = 30.0) -> dict | None:
 
 def counters_from_text(text: str) -> dict | None:
     """The draftsmith_* counters of a Prometheus exposition text, or None if there are none."""
+    # Imported here: importing draftsmith.server loads FastAPI and the app (0.55 s measured),
+    # which only endpoint runs need.
     from draftsmith.server.metrics import parse_metrics
 
     m = parse_metrics(text)

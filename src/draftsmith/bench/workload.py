@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from draftsmith.data.sources.registry import is_prompt_file, iter_conversations
 from draftsmith.errors import DraftsmithError
 
 
@@ -37,8 +38,6 @@ class Workload:
 
 
 def default_split(workload: str) -> str:
-    from draftsmith.data.sources.registry import is_prompt_file
-
     return "all" if is_prompt_file(workload) else "heldout"
 
 
@@ -47,8 +46,6 @@ def load_workload(workload: str, split: str | None, n: int,
                   max_prompt_tokens: int | None = None) -> Workload:
     """`n` prompts of `workload`. With `tokenize`, prompts get token ids and those over
     `max_prompt_tokens` are skipped."""
-    from draftsmith.data.sources.registry import iter_conversations
-
     split = split or default_split(workload)
     picked: list[BenchPrompt] = []
     skipped: list[dict] = []

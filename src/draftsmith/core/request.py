@@ -90,7 +90,9 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     text: str = ""  # decoded output, stop string removed
     stats: RequestStats = field(default_factory=RequestStats)
-    drafter_state: dict = field(default_factory=dict)  # owned by the drafter / policy
+    # The draft-length policy's per-request scratch (policy/*.py). Drafters keep typed state
+    # of their own per request instead (drafters/base.py: RequestStates).
+    drafter_state: dict = field(default_factory=dict)
 
     @property
     def all_ids(self) -> list[int]:

@@ -22,6 +22,16 @@ samples the final token (by inverse CDF, exactly like `sample_from`). The draw c
 not depend on the outcome, so the whole round is vectorised over the batch, and a seeded
 row gives the same result whatever else is in the batch. A row with no drafts draws one
 uniform and matches `sample_from(p[b, 0], generators[b])`.
+
+Seeded requests (keys[b] = (seed, t0), t0 = the output position of this round's first
+token): position-keyed coupling instead. Position t has its own uniform u_t, a pure function
+of (seed, t) (`warp.position_uniforms`); the target's token there is y_t = inverse_cdf(p_t, u_t),
+exactly what plain decoding with that seed samples. Draft k is accepted iff it equals y_{t0+k}
+(and all before it were accepted); the round commits the accepted drafts and then y at the
+first mismatch (or the bonus position). Every committed token is y_t, so the output is the
+plain seeded output token for token — whatever the drafter, K, policy, batch or load — and
+hence exactly distributed as p. q plays no part; acceptance is P(x = y), which reaches the
+rejection rule's sum_v min(p, q) when the drafter samples by inverse CDF from the same u_t.
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ from collections.abc import Sequence
 import torch
 
 from draftsmith.core.types import Proposal, VerifyResult
-from draftsmith.core.warp import draw_uniforms, inverse_cdf
+from draftsmith.core.warp import draw_uniforms, inverse_cdf, position_uniforms
 from draftsmith.errors import DraftsmithError
 
 # Residual mass below this is float noise from p ≈ q (a rejection there has probability of
@@ -40,7 +50,8 @@ _RESIDUAL_EPS = 1e-6
 
 
 def verify(
-    proposal: Proposal, p: torch.Tensor, generators: Sequence[torch.Generator | None]
+    proposal: Proposal, p: torch.Tensor, generators: Sequence[torch.Generator | None],
+    keys: Sequence[tuple[int, int] | None] | None = None,
 ) -> VerifyResult:
     """Accept or reject a batch of draft chains against the target distributions.
 
@@ -49,6 +60,8 @@ def verify(
                 position of draft k (k < lengths[b]), p[b, lengths[b]] the bonus position.
                 Rows need not be exactly normalised (inverse CDF scales by the total).
     generators: one per row; None = global RNG.
+    keys:       optional, one per row: (seed, first output position) for position-keyed
+                coupling (see the module docstring), None for the rejection rule.
     Returns VerifyResult with tokens [B, K+1] padded by -1.
 
     Raises DraftsmithError for bad shapes, lengths outside [0, K] or draft ids outside
@@ -92,11 +105,32 @@ def verify(
     u_final = u[rows, lengths]  # [B]
     final_token = inverse_cdf(final, u_final)  # [B]
 
+    if keys is not None and any(k is not None for k in keys):
+        num_accepted, final_token = _coupled(tokens, lengths, valid, p, keys, num_accepted, final_token)
+
     out = torch.full((B, K + 1), -1, dtype=torch.long, device=dev)  # [B, K+1]
     keep = positions.unsqueeze(0) < num_accepted.unsqueeze(1)  # [B, K]
     out[:, :K] = torch.where(keep, tokens, out[:, :K])
     out[rows, num_accepted] = final_token
     return VerifyResult(tokens=out, num_accepted=num_accepted)
+
+
+def _coupled(tokens, lengths, valid, p, keys, num_accepted, final_token):
+    """Position-keyed rows: accept draft k iff it equals y_k = inverse_cdf(p_k, u_{t0+k});
+    the final token is y at the first mismatch. Returns (num_accepted, final_token) with the
+    keyed rows replaced."""
+    B, K1, V = p.shape
+    idx = [b for b, k in enumerate(keys) if k is not None]
+    u = torch.stack([position_uniforms(keys[b][0], keys[b][1], K1, p.device) for b in idx])  # [n, K+1]
+    y = inverse_cdf(p[idx].reshape(-1, V), u.reshape(-1)).view(len(idx), K1)  # [n, K+1]
+    match = (tokens[idx] == y[:, : K1 - 1]) & valid[idx]  # [n, K]
+    m = match.long().cumprod(dim=-1).sum(dim=-1)  # [n]
+    rows = torch.tensor(idx, device=p.device)
+    num_accepted = num_accepted.clone()
+    final_token = final_token.clone()
+    num_accepted[rows] = m
+    final_token[rows] = y[torch.arange(len(idx), device=p.device), m]
+    return num_accepted, final_token
 
 
 def _residual(

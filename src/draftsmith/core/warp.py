@@ -82,6 +82,30 @@ def draw_uniforms(n: int, generator: torch.Generator | None, device: torch.devic
     return torch.rand(n, generator=generator, device=generator.device).to(device)
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    """A 64-bit mixing function (SplitMix64's finaliser): consecutive inputs give
+    statistically independent outputs."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def position_uniforms(seed: int, start: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Uniforms in [0, 1) for output positions start .. start+n-1 of a request seeded `seed`,
+    float64 [n]: a pure function of (seed, position), never of how many were drawn before.
+
+    This is what makes a seeded request reproducible whatever the policy, batch and load:
+    position t's token is always inverse_cdf(p_t, u_t), however many drafts were verified in
+    the round that reached t (core/verify.py, "keys")."""
+    s = _splitmix64(int(seed) & _MASK64)
+    vals = [(_splitmix64(s ^ _splitmix64(t)) >> 11) * 2.0 ** -53 for t in range(start, start + n)]
+    return torch.tensor(vals, dtype=torch.float64, device=device)
+
+
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Batched inverse-CDF sampling: probs [N, V] (non-negative, any positive total), u [N]
     in [0, 1) -> token ids [N] (int64).

@@ -15,7 +15,6 @@ conversation (or its failure) to the sink; they differ only in who samples the a
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 from collections import deque
 from collections.abc import Sequence
@@ -23,8 +22,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from draftsmith.data.regen import ChatTokens, RegenConfig, answer_slots, make_record, resolve_sampling, turn_seed
+import httpx
+
+from draftsmith.core.sampling import SamplingParams
+from draftsmith.data.chat_tokens import ChatTokens, answer_slots
+from draftsmith.data.regen_config import RegenConfig, resolve_sampling, turn_seed
+from draftsmith.data.regen_records import make_record
+from draftsmith.engine.builder import build_engine
 from draftsmith.errors import DraftsmithError
+from draftsmith.fileio import read_json
+from draftsmith.models.loading import load_tokenizer, read_config, weights_fingerprint
+from draftsmith.models.registry import resolve_target
+from draftsmith.models.target import eos_token_ids, load_target
 
 
 def _one_line(e: BaseException) -> str:
@@ -50,9 +59,6 @@ class EngineBackend:
     """Batched regeneration with Draftsmith's own engine (plain decoding, no drafter)."""
 
     def __init__(self, cfg: RegenConfig, target=None) -> None:
-        from draftsmith.engine.builder import build_engine  # regen imports this module lazily
-        from draftsmith.models.target import eos_token_ids, load_target
-
         self.cfg = cfg
         self.target = target or load_target(cfg.target, device=cfg.device, dtype=cfg.dtype)
         self.tokenizer = self.target.tokenizer
@@ -64,9 +70,7 @@ class EngineBackend:
         self.target_info = {"id": self.target.target_id, "weights_hash": self.target.weights_hash}
         self.prompt_log: list[tuple[str, int, list[int]]] | None = None  # tests: (id, turn, prompt ids)
 
-    def _params(self, conv_id: str, k: int):
-        from draftsmith.core.sampling import SamplingParams
-
+    def _params(self, conv_id: str, k: int) -> SamplingParams:
         s = self.sampling
         return SamplingParams(max_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                               top_k=s.top_k, seed=turn_seed(s.seed, conv_id, k))
@@ -144,9 +148,6 @@ class EndpointBackend:
     """Regeneration against any OpenAI-compatible server (vLLM, SGLang, Draftsmith's own)."""
 
     def __init__(self, cfg: RegenConfig) -> None:
-        from draftsmith.models.loading import load_tokenizer, read_config, weights_fingerprint
-        from draftsmith.models.registry import resolve_target
-
         if not cfg.endpoint:
             raise DraftsmithError("EndpointBackend needs --endpoint URL")
         if cfg.concurrency <= 0:
@@ -157,7 +158,7 @@ class EndpointBackend:
         eos = set(read_config(path).eos_token_ids)
         gen = Path(path) / "generation_config.json"
         if gen.is_file():
-            e = json.loads(gen.read_text()).get("eos_token_id")
+            e = read_json(gen, "generation config").get("eos_token_id")
             eos.update(e if isinstance(e, list) else ([] if e is None else [e]))
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(int(self.tokenizer.eos_token_id))
@@ -170,8 +171,6 @@ class EndpointBackend:
         self.max_len = cfg.max_len
 
     def _served_model(self) -> str | None:
-        import httpx
-
         models_url = self.url[: -len("/chat/completions")] + "/models"
         try:
             r = httpx.get(models_url, timeout=min(10.0, self.cfg.request_timeout))
@@ -187,8 +186,6 @@ class EndpointBackend:
         asyncio.run(self._run_all(list(todo), sink))
 
     async def _run_all(self, todo: list, sink) -> None:
-        import httpx
-
         it = iter(todo)
         limits = httpx.Limits(max_connections=self.cfg.concurrency, max_keepalive_connections=self.cfg.concurrency)
         async with httpx.AsyncClient(timeout=self.cfg.request_timeout, limits=limits) as client:
@@ -230,8 +227,6 @@ class EndpointBackend:
 
     async def _complete(self, client, messages: list[dict], conv_id: str, k: int,
                         room: int | None = None) -> tuple[str, str]:
-        import httpx
-
         s = self.sampling
         body: dict[str, Any] = {
             "model": self.model_name, "messages": messages,

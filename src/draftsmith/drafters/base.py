@@ -11,17 +11,36 @@ The engine calls every drafter the same way and never branches on its kind:
                      the committed tokens are in seq.output_ids already; features hold the
                      requested target features for this round's input positions
     release(seq)     the request left: free its state
+
+Per-request state. A drafter keeps what it knows about a request in a small dataclass of
+its own, held in a `RequestStates` it owns: created by start(), looked up by propose() and
+on_verified(), dropped by release(). Entries are keyed by the engine row the request holds
+in between (one request per row at a time, as in the drafter's own KV cache; request ids
+may repeat, e.g. client-supplied ones). Sampling drafters subclass `DrafterRequestState`,
+whose `drafter_gen` is the request's drafter generator (`drafter_generator`: the request's
+seed ^ DRAFT_SEED_SALT — derived from, never shared with, the generator that verifies):
+
+    DraftModelState      drafters/draft_model.py   drafter_gen, base, k (the round's rollback)
+    FeatureRequestState  drafters/feature_queue.py drafter_gen, queue (target features not
+                                                   yet in the cache; EAGLE-3, DFlash, DSpark)
+
+`Request.drafter_state` (a plain dict) is not the drafter's: it is the draft-length
+policy's per-request scratch (policy/*.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Generic, Protocol, TypeVar, runtime_checkable
 
 import torch
 
 from draftsmith.core.types import Proposal, VerifyResult
 from draftsmith.core.request import Request
+from draftsmith.core.warp import draw_uniforms
+
+DRAFT_SEED_SALT = 0x5EED  # drafter generators derive from, and never share, the request's
 
 
 @dataclass(frozen=True)
@@ -81,6 +100,70 @@ class NoDrafter:
 
     def release(self, seq: Request) -> None:
         pass
+
+
+# ---------------------------------------------------------------------------- per-request state
+
+
+@dataclass
+class DrafterRequestState:
+    """What every sampling drafter keeps per request: its own generator (None = unseeded)."""
+
+    drafter_gen: torch.Generator | None = None
+
+
+S = TypeVar("S")
+
+
+class RequestStates(Generic[S]):
+    """A drafter's typed per-request state: one S per started request, keyed by its engine row."""
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner  # the drafter's name, for errors
+        self._by_row: dict[int, S] = {}
+
+    def start(self, seq: Request, state: S) -> S:
+        """Set the state of a request that just got its row (replaces any stale entry)."""
+        self._by_row[seq.row] = state
+        return state
+
+    def __getitem__(self, seq: Request) -> S:
+        try:
+            return self._by_row[seq.row]
+        except KeyError:
+            raise RuntimeError(
+                f"drafter {self.owner}: request {seq.request_id!r} (row {seq.row}) was not started"
+            ) from None
+
+    def get(self, seq: Request) -> S | None:
+        return self._by_row.get(seq.row)
+
+    def release(self, seq: Request) -> S | None:
+        """Drop a leaving request's state (None when it had none)."""
+        return self._by_row.pop(seq.row, None)
+
+    def __len__(self) -> int:
+        return len(self._by_row)
+
+
+def drafter_generator(seq: Request, device: torch.device) -> torch.Generator | None:
+    """The drafter's own per-request generator (None when the request has no seed)."""
+    if seq.params.seed is None:
+        return None
+    g = torch.Generator(device=device)
+    g.manual_seed(seq.params.seed ^ DRAFT_SEED_SALT)
+    return g
+
+
+def row_uniforms(generators: Sequence[torch.Generator | None], counts: Sequence[int], width: int,
+                 device: torch.device) -> torch.Tensor:
+    """[B, width] uniforms: row b draws exactly counts[b] from its own drafter generator (the
+    rest are 0.5 padding), so a seeded row's drafts do not depend on the rest of the batch."""
+    u = torch.full((len(generators), width), 0.5, device=device)
+    for b, (g, n) in enumerate(zip(generators, counts)):
+        if n:
+            u[b, :n] = draw_uniforms(n, g, device)
+    return u
 
 
 def pad_proposal(drafts: list[list[int]], q: list[torch.Tensor] | None = None) -> Proposal:

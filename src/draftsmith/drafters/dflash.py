@@ -3,8 +3,9 @@
 Block = the anchor (last committed token) followed by γ mask tokens at positions
 a .. a+γ; the hidden states at block positions 1..γ give the γ draft logits through the
 target's frozen lm_head, and every position is sampled independently (q_k = the request's
-warp of those logits). Backbone, context injection and inference state: drafters/block.py.
-Loss: position-weighted CE (optionally + TV), drafters/losses.py.
+warp of those logits). Backbone and context injection: drafters/block.py; inference
+state: drafters/block_drafter.py. Loss: position-weighted CE (optionally + TV),
+drafters/losses.py.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from draftsmith.core.sampling import SamplingParams
 from draftsmith.core.warp import inverse_cdf, target_probs
 from draftsmith.drafters.base import FeatureSpec
 from draftsmith.drafters.block import (
-    BlockBackbone, BlockConfig, BlockDrafter, packed_forward, resolve_block_config, target_logits_at,
+    BlockBackbone, BlockConfig, packed_forward, resolve_block_config, target_logits_at,
 )
+from draftsmith.drafters.block_drafter import BlockDrafter
 from draftsmith.models.decoder import Decoder
 from draftsmith.drafters.anchors import sample_anchors
 from draftsmith.drafters.losses import BlockLossWeights, block_loss

@@ -8,21 +8,32 @@ temperature 0 drafts are greedy and q is one-hot (Proposal.q = None).
 Cache bookkeeping: `draft_len` = tokens of all_ids whose KV is valid in the draft cache.
 A round starting with n known tokens writes KV for all_ids[draft_len:n] and for drafts
 d1..d(K-1); after verification with m accepted, the valid prefix is n + min(m, K-1).
+Per request (`DraftModelState`): the drafter generator and that round's n (`base`) and K (`k`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from draftsmith.core.types import Proposal
 from draftsmith.core.warp import sample_from, target_probs
-from draftsmith.drafters.base import FeatureSpec, TargetFeatures, pad_proposal
+from draftsmith.drafters.base import (
+    DrafterRequestState, FeatureSpec, RequestStates, TargetFeatures, drafter_generator, pad_proposal,
+)
 from draftsmith.core.request import Request
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.decoder import Decoder
 from draftsmith.models.kv_cache import KVCache
 
-_DRAFT_SEED_SALT = 0x5EED  # the draft's generator is derived from, not shared with, the request's
+
+@dataclass
+class DraftModelState(DrafterRequestState):
+    """Per request: `drafter_gen`, and the last drafting round's rollback point."""
+
+    base: int = 0  # num_tokens when that round drafted
+    k: int = 0  # drafts that round proposed; 0 = nothing to roll back
 
 
 class DraftModelDrafter:
@@ -37,16 +48,11 @@ class DraftModelDrafter:
             )
         self.model = model
         self.cache: KVCache = model.new_cache(max_rows, max_len)
+        self.states: RequestStates[DraftModelState] = RequestStates(self.name)
 
     def start(self, seq: Request, features: TargetFeatures | None) -> None:
         self.cache.reset(seq.row)
-        gen = None
-        if seq.params.seed is not None:
-            gen = torch.Generator(device=self.model.device)
-            gen.manual_seed(seq.params.seed ^ _DRAFT_SEED_SALT)
-        seq.drafter_state["draft_gen"] = gen
-        seq.drafter_state["draft_base"] = 0
-        seq.drafter_state["draft_k"] = 0
+        self.states.start(seq, DraftModelState(drafter_gen=drafter_generator(seq, self.model.device)))
 
     def _forward_last(self, seqs: list[Request], feeds: list[list[int]]) -> torch.Tensor:
         """Run each row's feed tokens; return logits at each row's last fed token [B, V]."""
@@ -68,8 +74,8 @@ class DraftModelDrafter:
         drafts: list[list[int]] = [[] for _ in seqs]
         step_q: dict[int, list[torch.Tensor]] = {i: [] for i in active}
         for i in active:
-            seqs[i].drafter_state["draft_base"] = seqs[i].num_tokens
-            seqs[i].drafter_state["draft_k"] = max_lengths[i]
+            st = self.states[seqs[i]]
+            st.base, st.k = seqs[i].num_tokens, max_lengths[i]
         # First pass catches the draft cache up with everything committed since last round.
         idx = active
         feeds = [seqs[i].all_ids[int(self.cache.lengths[seqs[i].row]) :] for i in idx]
@@ -79,7 +85,7 @@ class DraftModelDrafter:
             q = target_probs(logits[:, None, :], [seqs[i].params for i in idx])[:, 0]  # [B', V]
             for j, i in enumerate(idx):
                 s = seqs[i]
-                tok = int(torch.argmax(q[j])) if s.params.greedy else sample_from(q[j], s.drafter_state["draft_gen"])
+                tok = int(torch.argmax(q[j])) if s.params.greedy else sample_from(q[j], self.states[s].drafter_gen)
                 drafts[i].append(tok)
                 step_q[i].append(q[j])
             idx = [i for i in idx if len(drafts[i]) < max_lengths[i]]
@@ -93,13 +99,14 @@ class DraftModelDrafter:
 
     def on_verified(self, seqs, proposal, result, features) -> None:
         for b, s in enumerate(seqs):
-            k = s.drafter_state.get("draft_k", 0)
-            if k == 0:
+            st = self.states[s]
+            if st.k == 0:
                 continue
             m = int(result.num_accepted[b])
-            self.cache.lengths[s.row] = s.drafter_state["draft_base"] + min(m, k - 1)
-            s.drafter_state["draft_k"] = 0
+            self.cache.lengths[s.row] = st.base + min(m, st.k - 1)
+            st.k = 0
 
     def release(self, seq: Request) -> None:
+        self.states.release(seq)
         if seq.row >= 0:
             self.cache.reset(seq.row)

@@ -36,8 +36,9 @@ from draftsmith.core.sampling import SamplingParams
 from draftsmith.core.warp import inverse_cdf, target_probs
 from draftsmith.drafters.base import FeatureSpec
 from draftsmith.drafters.block import (
-    BlockBackbone, BlockConfig, BlockDrafter, packed_forward, resolve_block_config, target_logits_at,
+    BlockBackbone, BlockConfig, packed_forward, resolve_block_config, target_logits_at,
 )
+from draftsmith.drafters.block_drafter import BlockDrafter
 from draftsmith.drafters.dflash import accuracy_parts
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.decoder import Decoder

@@ -38,12 +38,11 @@ from torch import nn
 
 from draftsmith.core.types import Proposal
 from draftsmith.core.warp import inverse_cdf, target_probs
-from draftsmith.drafters.base import FeatureSpec, TargetFeatures
-from draftsmith.drafters.block import (
-    FLUSH_TOKENS, PENDING_KEY, PREFILL_KEY, InjectedAttention, TargetHead, committed_feature_counts, init_linear_,
-    merge_heads, pending_count, queue_committed, request_generator, resolve_feature_layers, rope_cos_sin,
-    row_uniforms, stash_prefill, take_pending,
-)
+from draftsmith.drafters.base import FeatureSpec, RequestStates, row_uniforms
+from draftsmith.drafters.block import resolve_feature_layers
+from draftsmith.drafters.block_attention import InjectedAttention, head_rope, merge_heads
+from draftsmith.drafters.feature_queue import FLUSH_TOKENS, FeatureQueueDrafter, FeatureRequestState
+from draftsmith.drafters.target_head import TargetHead, concat_features, init_linear_
 from draftsmith.drafters.vocab import build_vocab_map
 from draftsmith.core.request import Request
 from draftsmith.errors import DraftsmithError
@@ -184,16 +183,10 @@ class Eagle3Model(nn.Module):
     # -- pieces shared by training and inference
 
     def features(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
-        missing = [i for i in self.layer_ids if i not in hidden]
-        if missing:
-            raise DraftsmithError(f"target features lack layers {missing}; the drafter reads {list(self.layer_ids)}")
-        xs = [hidden[i] for i in self.layer_ids]
-        xs = [x.clone() if x.is_inference() and torch.is_grad_enabled() else x for x in xs]
-        return self.fc(torch.cat(xs, dim=-1).to(self.dtype))  # g [B, T, H]
+        return self.fc(concat_features(hidden, self.layer_ids, self.dtype))  # g [B, T, H]
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
-        cos, sin = rope_cos_sin(self.inv_freq, positions, self.rope_scale, dtype)
-        return cos[:, None], sin[:, None]  # [B, 1, S, D]
+        return head_rope(self.inv_freq, positions, self.rope_scale, dtype)  # [B, 1, S, D]
 
     def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
         """[..., H] → draft-vocabulary logits [..., Vd] (float32)."""
@@ -262,16 +255,19 @@ def build(target: Decoder, config: Eagle3Config) -> Eagle3Model:
     return Eagle3Model(target, config).to(target.device)
 
 
-class EagleDrafter:
+class EagleDrafter(FeatureQueueDrafter):
     """Inference for Eagle3Model. State per engine row: `cache` (step-0 K/V at context
-    positions 0..num_tokens−2), `last_hidden[row]` (layer output at the last context
-    position) and the request's drafter generator in seq.drafter_state."""
+    positions 0..num_tokens−2) and `last_hidden[row]` (layer output at the last context
+    position); per request, `states` keeps a `FeatureRequestState` (the request's
+    `drafter_gen` and its queued target features, drafters/feature_queue.py)."""
 
     name = "eagle3"
 
     def __init__(self, model: Eagle3Model, max_rows: int, max_len: int) -> None:
         self.model = pack_linears_for_inference_(model)  # prepacked at inference; trains as before
         self.needs = FeatureSpec(layer_ids=model.layer_ids)
+        self.feature_layers = model.layer_ids
+        self.states: RequestStates[FeatureRequestState] = RequestStates(self.name)
         c = model.cfg
         self.device = model.fc.weight.device
         self.cache = KVCache(1, max_rows, c.num_kv_heads, max_len, c.head_dim, dtype=model.dtype, device=self.device)
@@ -316,36 +312,12 @@ class EagleDrafter:
             self.last_hidden[row] = h[b, n - 1]
             self.cache.lengths[row] += n
 
-    def start(self, seq: Request, features: TargetFeatures | None) -> None:
-        self.cache.reset(seq.row)
-        seq.drafter_state["drafter_gen"] = request_generator(seq, self.device)
-        stash_prefill(seq, features)
-
-    def _flush(self, seqs: list[Request]) -> None:
-        """Run every row's pending context positions (prompt, then committed rounds) through
-        the draft layer, all rows in one batch; position j pairs feature j with token j+1."""
-        pend = take_pending(seqs)
-        if pend:
-            rows, hidden, counts = pend
-            ctx = [int(self.cache.lengths[s.row]) for s in rows]
-            self._extend([s.row for s in rows], hidden,
-                         [s.all_ids[c + 1 : c + 1 + n] for s, c, n in zip(rows, ctx, counts)])
-
-    def release(self, seq: Request) -> None:
-        seq.drafter_state.pop(PREFILL_KEY, None)
-        seq.drafter_state.pop(PENDING_KEY, None)
-        if seq.row >= 0:
-            self.cache.reset(seq.row)
-
-    def on_verified(self, seqs, proposal, result, features) -> None:
-        """Keep the committed positions' features; the draft layer runs over them when the
-        row next drafts (or once `flush_tokens` are pending), so undrafted rounds cost nothing."""
-        if features is None or not features.hidden:
-            raise DraftsmithError("eagle3 drafter needs target features after every round")
-        ctx = [int(self.cache.lengths[s.row]) + pending_count(s) for s in seqs]
-        queue_committed(seqs, committed_feature_counts(seqs, result.num_accepted, ctx), features.hidden,
-                        self.model.layer_ids)
-        self._flush([s for s in seqs if pending_count(s) >= self.flush_tokens])
+    def _consume(self, rows: list[Request], hidden: dict[int, torch.Tensor], counts: list[int]) -> None:
+        """Run queued context positions through the draft layer, all rows in one batch;
+        position j pairs feature j with token j+1."""
+        ctx = [int(self.cache.lengths[s.row]) for s in rows]
+        self._extend([s.row for s in rows], hidden,
+                     [s.all_ids[c + 1 : c + 1 + n] for s, c, n in zip(rows, ctx, counts)])
 
     @torch.inference_mode()
     def propose(self, seqs: list[Request], max_lengths: list[int]) -> Proposal:
@@ -365,7 +337,8 @@ class EagleDrafter:
                 )
         caps = {i: max_lengths[i] for i in active}
         K = max(caps.values())
-        u = row_uniforms([seqs[i] for i in active], [caps[i] for i in active], K, self.device)
+        gens = [self.states[seqs[i]].drafter_gen for i in active]
+        u = row_uniforms(gens, [caps[i] for i in active], K, self.device)
         col = {i: j for j, i in enumerate(active)}
         draft_ids = m.draft_ids
         V = m.head.vocab_size

@@ -151,11 +151,12 @@ def machine_fingerprint(device: torch.device) -> dict:
     if device.type == "cuda":
         hw = {"gpu": torch.cuda.get_device_name(device), "gpus": torch.cuda.device_count()}
     else:
-        hw = {"cpu": _cpu_model(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+        hw = {"cpu": cpu_model(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()}
     return {**hw, "machine": platform.machine(), "torch": torch.__version__}
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what `platform` knows. Also bench's machine facts."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.lower().startswith("model name"):

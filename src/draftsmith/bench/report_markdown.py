@@ -1,0 +1,186 @@
+"""The bench report's text: the headline bullets, report.md, and the compact headline table
+the CLI prints."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+
+def _x(v: float | None) -> str:
+    return "–" if v is None else f"{v:.2f}×"
+
+
+def headline_bullets(tiers: list[dict], peers: dict | None) -> list[str]:
+    out: list[str] = []
+    labels: list[str] = []
+    for t in tiers:
+        for r in t["results"]:
+            if r["verdict"]["decision"] not in ("baseline", "peer") and r["label"] not in labels:
+                labels.append(r["label"])
+    for lab in labels:
+        pts = [(t["concurrency"], r) for t in tiers for r in t["results"] if r["label"] == lab]
+        parts = [f"c{c} {_x(r['speedup'])} {r['verdict']['decision']}" for c, r in pts]
+        stops = next((c for c, r in pts if r["verdict"]["decision"] in ("no-go", "void")), None)
+        goes = [c for c, r in pts if r["verdict"]["decision"] == "go"]
+        if not goes:
+            tail = "does not pay at any measured tier"
+        elif stops is None:
+            tail = "pays at every measured tier"
+        else:
+            tail = f"stops paying at concurrency {stops}"
+        out.append(f"{lab}: {tail} ({'; '.join(parts)})")
+    if peers:
+        for p in peers["peers"]:
+            ratios = ", ".join(f"{lab} {_x(v)}" for lab, v in p["ours_vs_peer"].items())
+            out.append(f"vs {p['label']} at concurrency 1 (ours tokens/s ÷ theirs): {ratios}")
+    return out
+
+
+def _f(v, nd: int = 1, scale: float = 1.0) -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "–"
+    return f"{v * scale:.{nd}f}"
+
+
+def _pct(d: dict | None, scale: float = 1000.0) -> str:
+    if not d or d.get("p50") is None:
+        return "–"
+    return f"{_f(d['p50'], 0, scale)} / {_f(d['p95'], 0, scale)} / {_f(d['p99'], 0, scale)}"
+
+
+def _ratio_spread(d: dict | None) -> str:
+    if not d or d.get("median") is None:
+        return "–"
+    return f"{_x(d['median'])} ({_f(d['min'], 2)}–{_f(d['max'], 2)}, n={d['n']})"
+
+
+def _bytes(v: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if v >= scale:
+            return f"{v / scale:.2f} {unit}"
+    return f"{v:.0f} B"
+
+
+def _mb(v) -> str:
+    return "–" if v is None else f"{v / 2**20:.0f}"
+
+
+def headline_table(report: dict) -> str:
+    """A compact markdown table: tokens/s, speedup and verdict per tier and configuration."""
+    lines = ["| concurrency | config | tokens/s | speedup (spread) | acceptance | τ | verdict |",
+             "|---|---|---|---|---|---|---|"]
+    for t in report["tiers"]:
+        for r in t["results"]:
+            sp = r.get("speedup_spread") or {}
+            spread = f" ({_f(sp.get('min'), 2)}–{_f(sp.get('max'), 2)}, n={sp.get('n')})" if sp.get("n") else ""
+            lines.append(f"| {t['concurrency']} | {r['label']} | {_f(r['system_tokens_per_s'])} | "
+                         f"{_x(r['speedup'])}{spread} | {_f(r['acceptance_rate'], 2)} | {_f(r['tau'], 2)} | "
+                         f"**{r['verdict']['decision']}**: {r['verdict']['reason']} |")
+    return "\n".join(lines)
+
+
+def render_markdown(rep: dict) -> str:
+    st = rep["setup"]
+    tgt = st.get("target", {})
+    mach = st.get("machine", {})
+    wl = st.get("workload", {})
+    cfgd = st.get("config", {})
+    md = ["# Draftsmith bench report", ""]
+    md += ["## Headline", ""] + [f"- {h}" for h in rep["headline"]] + [""]
+    md += [headline_table(rep), ""]
+    md += ["## Setup", "",
+           f"- target: `{tgt.get('id')}` (weights hash `{tgt.get('weights_hash')}`, {tgt.get('dtype', '?')} on "
+           f"{tgt.get('device', '?')}, {tgt.get('parameters', '?')} parameters)",
+           "- configurations: " + ", ".join(
+               f"`{d['label']}`" + (f" (K={d.get('num_speculative_tokens')}, policy {d.get('policy')})"
+                                    if d.get("num_speculative_tokens") else "")
+               + (f" checkpoint `{d['checkpoint']}`" if d.get("checkpoint") else "") for d in st.get("drafters", [])),
+           f"- workload: `{wl.get('name')}`, split **{wl.get('split')}**, {wl.get('unique_prompts')} unique prompts"
+           f" ({wl.get('reused_prompts')} reused, {len(wl.get('skipped_prompts') or [])} skipped as too long)",
+           f"- sampling: temperature {st['sampling']['temperature']}, top-p {st['sampling']['top_p']}, "
+           f"max tokens {st['sampling']['max_tokens']}, seed {st['sampling']['seed']}",
+           f"- arrival {st.get('arrival')}, {cfgd.get('requests')} requests per tier and configuration, "
+           f"warm-up {st.get('warmup')}, repeats {st.get('repeats')}",
+           f"- machine: {mach.get('cpu_count')} × {mach.get('cpu_model')}, torch threads {mach.get('torch_threads')}"
+           + (f", GPU {mach.get('gpu')}" if mach.get("gpu") else "")
+           + f"; load average at start {rep['machine_load']['loadavg_start']}, end {rep['machine_load']['loadavg_end']}",
+           f"- versions: " + ", ".join(f"{k} {v}" for k, v in st.get("versions", {}).items()), ""]
+    bf = rep.get("bandwidth_floor")
+    if bf:
+        md += [f"Physical limit (docs/MEASURING.md #8): {_bytes(bf['weights_bytes'])} of weights per batched forward "
+               f"at {bf['gb_per_s']:g} GB/s = {bf['floor_s_per_forward'] * 1000:.3g} ms per forward at best; the "
+               "'bound' column is the tokens/s that floor allows for each run's forward count.", ""]
+    for t in rep["tiers"]:
+        md += [f"## Concurrency {t['concurrency']} ({t['arrival']})", "",
+               "| config | tokens/s (system) | per-user tok/s (mean / worst) | speedup | per-request speedup (median, min–max) "
+               "| $/1M tok | bound tok/s (fraction) | outputs ≠ baseline | verdict |",
+               "|---|---|---|---|---|---|---|---|---|"]
+        for r in t["results"]:
+            pu = r["per_user_tokens_per_s"]
+            pr = r.get("per_request_speedup") or {}
+            eq = r.get("equality") or {}
+            mism = (f"{eq['mismatches']}/{eq['compared']}" if eq.get("checked") else
+                    ("–" if r["kind"] == "baseline" else "not checked"))
+            void = " (VOID)" if r.get("void") else ""
+            md.append(
+                f"| {r['label']} | {_f(r['system_tokens_per_s'])}{void} | {_f(pu['mean'])} / {_f(pu['min'])} | "
+                f"{_x(r['speedup'])} | {_ratio_spread(pr)} | "
+                f"{_f(r['cost_per_1m_output_tokens'], 2)} | {_f(r['bandwidth_bound_tokens_per_s'])} "
+                f"({_f(r['fraction_of_bound'], 2)}) | {mism} | **{r['verdict']['decision']}**: {r['verdict']['reason']} |")
+        md += ["", "| config | TTFT ms P50/P95/P99 | ITL ms P50/P95/P99 | TPOT ms P50 | E2E ms P50/P95/P99 | "
+               "acceptance | τ | target fwd/tok | steps/tok | RSS MB | KV MB | peak CUDA MB |",
+               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in t["results"]:
+            m = r["memory"]
+            md.append(
+                f"| {r['label']} | {_pct(r['ttft_s'])} | {_pct(r['itl_s'])} | {_f((r['tpot_s'] or {}).get('p50'), 1, 1000)} | "
+                f"{_pct(r['e2e_s'])} | {_f(r['acceptance_rate'], 3)} | {_f(r['tau'], 3)} | "
+                f"{_f(r['target_forwards_per_token'], 3)} | {_f(r['engine_steps_per_token'], 3)} | "
+                f"{_mb(m.get('rss_bytes'))} | {_mb(m.get('kv_cache_bytes'))} | {_mb(m.get('cuda_peak_allocated_bytes'))} |")
+        la = t["results"][0]
+        md += ["", f"Load average during the tier: {la.get('loadavg_start')} → {la.get('loadavg_end')}.", ""]
+    if rep.get("peers"):
+        p = rep["peers"]
+        md += [f"## Peers (concurrency 1, closed loop, same prompts; phase `{p['phase']}`)", "",
+               "| peer | tokens/s | TTFT ms P50 | E2E ms P50 | ours ÷ theirs (tokens/s) | per-request median | "
+               "same output as our baseline |", "|---|---|---|---|---|---|---|"]
+        for e in p["peers"]:
+            ratios = ", ".join(f"{k} {_x(v)}" for k, v in e["ours_vs_peer"].items())
+            per_req = ", ".join(f"{k} {_x(v.get('median'))}" for k, v in e["ours_vs_peer_per_request"].items())
+            same = e.get("same_output_as_our_baseline") or {}
+            md.append(f"| {e['label']} | {_f(e['system_tokens_per_s'])} | {_f(e['ttft_s'].get('p50'), 0, 1000)} | "
+                      f"{_f(e['e2e_s'].get('p50'), 0, 1000)} | {ratios} | {per_req} | "
+                      f"{same.get('equal', '–')}/{same.get('compared', '–')} |")
+        md += ["", p["timing_note"] + ".", ""]
+    acc = rep.get("acceptance_per_position") or {}
+    if acc:
+        md += ["## Per-position acceptance (all tiers pooled)", "", "| drafter | " +
+               " | ".join(f"k={k + 1}" for k in range(max(len(v) for v in acc.values()))) + " |",
+               "|---|" + "---|" * max(len(v) for v in acc.values())]
+        for lab, v in acc.items():
+            md.append(f"| {lab} | " + " | ".join(_f(x, 2) for x in v) + " |")
+        md.append("")
+    skipped = wl.get("skipped_prompts") or []
+    plots = rep["plots"]
+    md += ["## Notes", "",
+           "- Configurations of a tier ran back to back on the same requests (same prompts, seeds and arrival "
+           "schedule), in alternating order; ratios are from that one run (docs/MEASURING.md #1).",
+           "- At temperature 0 every speculative output is compared with the baseline's; any difference voids that "
+           "configuration's speed numbers at that tier.",
+           f"- Prompts: split {wl.get('split')}; ids in report.json setup.workload.prompt_ids"
+           + (f"; {len(skipped)} skipped as too long" if skipped else "") + ".",
+           "- Raw per-request records (every delivery) are in results.jsonl.", "",
+           "## Plots", "", f"![throughput]({plots['throughput']})", "", f"![latency]({plots['latency']})", "",
+           f"![acceptance]({plots['acceptance']})", "",
+           "## Definitions", ""] + [f"- **{k}**: {v}" for k, v in rep["definitions"].items()] + [""]
+    return "\n".join(md)
+
+
+
+
+def report_headline(report_json) -> str:
+    """The markdown headline (bullets + per-tier table) of a written report.json."""
+    rep = json.loads(Path(report_json).read_text())
+    return "\n".join(f"- {h}" for h in rep["headline"]) + "\n\n" + headline_table(rep)

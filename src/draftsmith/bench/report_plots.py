@@ -1,0 +1,117 @@
+"""The bench report's PNG plots (matplotlib, Agg backend):
+
+    throughput_vs_concurrency.png   system output tokens/s per configuration across tiers
+    latency_percentiles.png         TTFT / inter-token / end-to-end P50, P95, P99 across tiers
+    acceptance_per_position.png     per drafter: rounds accepting >= k drafts / rounds proposing >= k
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _plt():
+    # Imported on first use, not at the top: the backend must be chosen before pyplot is
+    # imported, and forcing Agg when the bench package is merely imported would change the
+    # backend of a caller's own (interactive) matplotlib session.
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _labels(tiers: list[dict]) -> list[str]:
+    out: list[str] = []
+    for t in tiers:
+        for r in t["results"]:
+            if r["label"] not in out:
+                out.append(r["label"])
+    return out
+
+
+def plot_throughput(tiers: list[dict], peers: dict | None, path: Path) -> Path:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=110)
+    for lab in _labels(tiers):
+        pts = [(t["concurrency"], r) for t in tiers for r in t["results"] if r["label"] == lab]
+        xs = [c for c, r in pts if r["system_tokens_per_s"]]
+        ys = [r["system_tokens_per_s"] for c, r in pts if r["system_tokens_per_s"]]
+        line, = ax.plot(xs, ys, marker="o", label=lab)
+        void = [(c, r["system_tokens_per_s"]) for c, r in pts if r.get("void") and r["system_tokens_per_s"]]
+        if void:
+            ax.scatter([v[0] for v in void], [v[1] for v in void], s=120, facecolors="none",
+                       edgecolors="red", zorder=3, label=f"{lab} (void)")
+    for e in (peers or {}).get("peers", []):
+        if e["system_tokens_per_s"]:
+            ax.scatter([1], [e["system_tokens_per_s"]], marker="x", s=60, label=e["label"], zorder=3)
+    concs = sorted({t["concurrency"] for t in tiers}) or [1]
+    if len(concs) > 1:
+        ax.set_xscale("log", base=2)
+    ax.set_xticks(concs)
+    ax.set_xticklabels([str(c) for c in concs])
+    ax.set_xlabel("concurrency")
+    ax.set_ylabel("system output tokens/s")
+    ax.set_title("Throughput vs concurrency")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def plot_latency(tiers: list[dict], path: Path) -> Path:
+    plt = _plt()
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4), dpi=100)
+    metrics = (("ttft_s", "TTFT"), ("itl_s", "inter-token latency"), ("e2e_s", "end-to-end latency"))
+    styles = (("p50", "-"), ("p95", "--"), ("p99", ":"))
+    concs = sorted({t["concurrency"] for t in tiers}) or [1]
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, (key, title) in zip(axes, metrics):
+        for i, lab in enumerate(_labels(tiers)):
+            for q, ls in styles:
+                pts = [(t["concurrency"], (r[key] or {}).get(q)) for t in tiers for r in t["results"] if r["label"] == lab]
+                pts = [(c, v * 1000) for c, v in pts if v is not None]
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], ls=ls, marker="o", ms=3,
+                            color=colors[i % len(colors)], label=f"{lab} {q.upper()}")
+        if len(concs) > 1:
+            ax.set_xscale("log", base=2)
+        ax.set_xticks(concs)
+        ax.set_xticklabels([str(c) for c in concs])
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel("ms")
+        ax.set_title(f"{title} (P50 solid, P95 dashed, P99 dotted)", fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def plot_acceptance(curves: dict[str, list[float | None]], path: Path) -> Path:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=110)
+    for lab, ys in curves.items():
+        pts = [(k + 1, y) for k, y in enumerate(ys) if y is not None]
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=lab)
+    if not curves:
+        ax.text(0.5, 0.5, "no draft tokens were proposed", ha="center", va="center", transform=ax.transAxes)
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("draft position k")
+    ax.set_ylabel("rounds accepting ≥ k / rounds proposing ≥ k")
+    ax.set_ylim(0, 1.02)
+    ax.set_title("Per-position acceptance (all tiers pooled)")
+    ax.grid(alpha=0.3)
+    if curves:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

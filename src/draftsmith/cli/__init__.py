@@ -1,0 +1,79 @@
+"""One entry point: `draftsmith <job> ...`.
+
+User errors (DraftsmithError, bad flags) print one line and exit 2; no tracebacks.
+
+One module per job (or closely related pair); the option groups they share live in
+`draftsmith.cli.options`. `build_parser()` adds the jobs in pipeline order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import draftsmith
+from draftsmith.cli import bench, cache, generate, profile, regen, serve, train
+from draftsmith.cli import eval as eval_
+from draftsmith.cli.options import HelpFormatter, add_threads
+from draftsmith.errors import DraftsmithError
+
+__all__ = ["main", "build_parser"]
+
+# (title, [(job, add_parser, example)]) in the order a drafter is made and used.
+_SECTIONS = (
+    ("mint a drafter, verify it, decide whether it pays", (
+        ("regen", regen.add_parser, regen.EXAMPLE),
+        ("cache", cache.add_parser, cache.EXAMPLE),
+        ("train", train.add_parser, train.EXAMPLE),
+        ("calibrate", eval_.add_calibrate_parser, eval_.CALIBRATE_EXAMPLE),
+        ("eval", eval_.add_eval_parser, eval_.EVAL_EXAMPLE),
+        ("bench", bench.add_parser, bench.EXAMPLE),
+    )),
+    ("use it", (
+        ("generate", generate.add_parser, generate.EXAMPLE),
+        ("serve", serve.add_parser, serve.EXAMPLE),
+    )),
+    ("measure the hardware", (
+        ("profile", profile.add_parser, profile.EXAMPLE),
+    )),
+)
+
+
+def _epilog() -> str:
+    lines = ["pipeline: regen -> cache -> train -> calibrate -> eval -> bench; then generate / serve; profile",
+             "", "examples:"]
+    for title, jobs in _SECTIONS:
+        lines.append(f"  {title}:")
+        lines.extend(f"    {example}" for _job, _add, example in jobs)
+    lines += ["", "`draftsmith JOB --help` lists a job's options and their defaults."]
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="draftsmith", description=draftsmith.__doc__.splitlines()[0],
+                                 formatter_class=HelpFormatter, epilog=_epilog())
+    ap.add_argument("--version", action="version", version=f"draftsmith {draftsmith.__version__}")
+    sub = ap.add_subparsers(dest="job", required=True, metavar="JOB",
+                            title="jobs (in pipeline order)")
+    for _title, jobs in _SECTIONS:
+        for _job, add_parser, _example in jobs:
+            add_parser(sub)
+    for cmd in sub.choices.values():
+        add_threads(cmd)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        from draftsmith.models.threads import configure_threads
+
+        configure_threads(args.threads)
+        return int(args.func(args) or 0)
+    except DraftsmithError as e:
+        print(f"draftsmith: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("draftsmith: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,83 @@
+"""`draftsmith bench` (Decide): speedup / latency / cost across concurrency tiers, go/no-go per tier."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from draftsmith.cli.options import (add_job, add_max_tokens, add_progress, add_target_args, opt_auto, policy_help,
+                                    positive_int)
+from draftsmith.drafters import registry
+from draftsmith.policy.registry import policies
+
+HELP = "speedup / latency / cost report across concurrency tiers, go/no-go per tier"
+EXAMPLE = "draftsmith bench --drafter ngram --drafter dspark:runs/smollm2-135m-dspark --concurrency 1,4,16 --peers hf"
+
+
+def add_parser(sub) -> None:
+    b = add_job(sub, "bench", HELP, EXAMPLE)
+    add_target_args(b)
+    b.add_argument("--drafter", action="append", default=[],
+                   help=f"{registry.usage()}; repeatable. The no-speculation baseline (none) is always measured")
+    b.add_argument("--workload", default="humaneval",
+                   help="humaneval | mtbench | sharegpt | code | chat | a .jsonl/.parquet prompt file")
+    b.add_argument("--split", default=None, choices=["heldout", "train", "all"],
+                   help="prompt split (default: heldout for built-in sources, all for a file)")
+    b.add_argument("--concurrency", default="1,2,4,8,16,32", help="comma-separated tiers, e.g. 1,4,16")
+    b.add_argument("--requests", type=positive_int, default=16, help="measured requests per tier and configuration")
+    b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs checked against the baseline)")
+    b.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    add_max_tokens(b, 64, "new tokens per request", dest="max_tokens")
+    b.add_argument("--arrival", default="closed", help="closed (a user per concurrency slot) or poisson:RATE (req/s)")
+    b.add_argument("--warmup", type=int, default=2, help="unmeasured requests per configuration at each tier's start")
+    b.add_argument("--repeats", type=positive_int, default=1, help="interleaved repetitions per tier")
+    b.add_argument("--seed", type=int, default=0, help="prompt-selection and sampling seed")
+    b.add_argument("--num-speculative-tokens", "-k", type=positive_int, default=None,
+                   help="draft length K (default: the checkpoint's block size, else 5)")
+    b.add_argument("--policy", default="fixed", choices=list(policies()), help=policy_help())
+    b.add_argument("--endpoint", action="append", default=[], metavar="[LABEL=]URL",
+                   help="benchmark an OpenAI-compatible server instead (repeatable; label `none` = the baseline)")
+    b.add_argument("--endpoint-model", default=None, help="model name to send (default: the server's first)")
+    b.add_argument("--request-timeout", type=float, default=600.0, help="--endpoint: seconds per request")
+    b.add_argument("--peers", default=None, choices=["hf"],
+                   help="also run HF transformers at batch 1 on the same prompts (default: off)")
+    b.add_argument("--peer-assistant", default=None, metavar="PATH",
+                   help="--peers hf: a draft model for HF assisted generation (assistant_model)")
+    b.add_argument("--peer-lookup-tokens", type=positive_int, default=10, help="--peers hf: prompt_lookup_num_tokens")
+    b.add_argument("--dollars-per-hour", type=float, default=None,
+                   help="machine price, for cost per 1M output tokens (default: unset: no cost figures)")
+    b.add_argument("--mem-bandwidth-gbs", type=float, default=None,
+                   help="memory bandwidth for the physical-limit column (default: measured after the run)")
+    b.add_argument("--max-prompt-tokens", type=positive_int, default=None,
+                   help="skip longer prompts (default: what fits the context with --max-tokens)")
+    b.add_argument("--out", type=Path, default=Path("runs/bench"), help="report.json, report.md, PNGs, results.jsonl")
+    b.add_argument("--resume", action="store_true", help="keep finished tiers in --out and run the rest")
+    b.add_argument("--overwrite", action="store_true", help="discard earlier results in --out")
+    add_progress(b)
+    b.add_argument("--json", action="store_true", help="print report.json to stdout")
+    b.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args) -> int:
+    from draftsmith.bench import BenchConfig, headline_table, run_bench
+    from draftsmith.bench.config import parse_arrival, parse_concurrency, parse_endpoint
+
+    cfg = BenchConfig(
+        target=args.target, drafters=tuple(args.drafter), workload=args.workload, split=args.split,
+        concurrency=parse_concurrency(args.concurrency), requests=args.requests, temperature=args.temperature,
+        top_p=args.top_p, max_tokens=args.max_tokens, arrival=parse_arrival(args.arrival), warmup=args.warmup,
+        repeats=args.repeats, seed=args.seed, num_speculative_tokens=args.num_speculative_tokens,
+        policy=args.policy, endpoints=tuple(parse_endpoint(e, i) for i, e in enumerate(args.endpoint)),
+        endpoint_model=args.endpoint_model, request_timeout=args.request_timeout,
+        peers=(args.peers,) if args.peers else (), peer_assistant=args.peer_assistant,
+        peer_lookup_tokens=args.peer_lookup_tokens, dollars_per_hour=args.dollars_per_hour,
+        mem_bandwidth_gbs=args.mem_bandwidth_gbs, max_prompt_tokens=args.max_prompt_tokens, out=args.out,
+        resume=args.resume, overwrite=args.overwrite, device=opt_auto(args.device), dtype=opt_auto(args.dtype),
+        progress=args.progress,
+    )
+    path = run_bench(cfg)
+    if args.json:
+        print(path.read_text())
+    print(headline_table(path), file=sys.stderr)
+    print(f"bench: report -> {path}, {path.with_name('report.md')}", file=sys.stderr)
+    return 0

@@ -1,0 +1,112 @@
+"""`draftsmith generate`: text from the target, optionally with speculative decoding."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from draftsmith.cli.options import (add_job, add_sampling_args, add_speculation_args, add_target_args,
+                                    positive_int)
+from draftsmith.errors import DraftsmithError
+
+HELP = "generate text, optionally with speculative decoding"
+EXAMPLE = ('draftsmith generate --drafter ngram --prompt "Write a Python function that reverses a string." '
+           "--chat --max-tokens 128")
+
+
+def add_parser(sub) -> None:
+    g = add_job(sub, "generate", HELP, EXAMPLE)
+    add_target_args(g)
+    add_speculation_args(g)
+    g.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
+    g.add_argument("--prompt-file", type=Path, help="one prompt per line (.txt) or JSONL with prompt/messages")
+    g.add_argument("--chat", action="store_true", help="apply the target's chat template")
+    g.add_argument("--max-batch", type=positive_int, default=8, help="prompts decoded together (KV rows)")
+    g.add_argument("--max-len", type=positive_int, default=2048, help="context limit per prompt (prompt + output)")
+    add_sampling_args(g)
+    g.add_argument("--json", action="store_true", help="print results and stats as JSON")
+    g.set_defaults(func=cmd_generate)
+
+
+def read_prompts(args) -> list:
+    prompts: list = list(args.prompt)
+    f: Path | None = args.prompt_file
+    if f is not None:
+        if not f.is_file():
+            raise DraftsmithError(f"prompt file {f} does not exist")
+        try:
+            text = f.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise DraftsmithError(f"prompt file {f} is not valid UTF-8 (byte {e.start}); save it as UTF-8") from None
+        if f.suffix == ".jsonl":
+            for n, line in enumerate(text.splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DraftsmithError(f"{f}:{n}: not valid JSON ({e.msg})") from None
+                if isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
+                    prompts.append(rec["prompt"])
+                elif isinstance(rec, dict) and isinstance(rec.get("messages"), list):
+                    prompts.append(rec["messages"])
+                else:
+                    raise DraftsmithError(f"{f}:{n}: expected an object with a 'prompt' string or 'messages' list")
+        else:
+            prompts.extend(line for line in text.splitlines() if line.strip())
+    if not prompts:
+        raise DraftsmithError("no prompt given: use --prompt TEXT or --prompt-file FILE")
+    return prompts
+
+
+def cmd_generate(args) -> int:
+    from draftsmith.api import LLM
+    from draftsmith.core.sampling import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=tuple(args.stop),
+    )
+    if args.num_speculative_tokens < 0:
+        raise DraftsmithError("--num-speculative-tokens must be >= 0")
+    prompts = read_prompts(args)
+    llm = LLM(
+        args.target, drafter=args.drafter, num_speculative_tokens=args.num_speculative_tokens,
+        policy=args.policy, max_batch=args.max_batch, max_len=args.max_len, device=args.device, dtype=args.dtype,
+    )
+    ids = []
+    for p in prompts:
+        if isinstance(p, list):
+            ids.append(llm.apply_chat_template(p))
+        elif args.chat:
+            ids.append(llm.apply_chat_template([{"role": "user", "content": p}]))
+        else:
+            ids.append(llm.encode(p))
+    outs = llm.generate(ids, params)
+    stats = llm.last_stats
+    if args.json:
+        print(json.dumps({
+            "target": llm.target.target_id, "drafter": args.drafter,
+            "results": [
+                {"prompt": p if isinstance(p, str) else None, "text": o.text, "token_ids": o.token_ids,
+                 "finish_reason": o.finish_reason, "stats": o.stats}
+                for p, o in zip(prompts, outs)
+            ],
+            "stats": stats.to_dict() if stats else {},
+        }))
+        return 0
+    for o in outs:
+        print(o.text)
+        if len(outs) > 1:
+            print("-" * 40)
+    if stats:
+        print(
+            f"\n[{args.drafter}] {stats.output_tokens} tokens in {stats.wall_time_s:.2f}s "
+            f"({stats.tokens_per_s:.1f} tok/s) | target forwards/token {stats.forwards_per_token:.3f} | "
+            f"τ {stats.tau:.2f} | acceptance {stats.acceptance_rate:.2f} "
+            f"({stats.draft_accepted}/{stats.draft_proposed}) | prefix survival "
+            + " ".join(f"{x:.2f}" for x in stats.prefix_survival[:8]),
+            file=sys.stderr,
+        )
+    return 0

@@ -1,0 +1,98 @@
+"""Option groups and helpers shared by the job modules of `draftsmith`.
+
+One name per option across jobs: the new-token limit is `--max-tokens` everywhere (as the
+OpenAI API and vLLM say it), with `--max-new-tokens` kept as an alias.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+from draftsmith.drafters import registry
+from draftsmith.policy.registry import policies
+
+_SAYS_DEFAULT = re.compile(r"\(default|default:", re.IGNORECASE)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Epilogs keep their line breaks; every option shows its default.
+
+    A help text that already explains its default ("default: the checkpoint's block size") is
+    left alone; defaults that say nothing (None, False, an empty list) are not printed.
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        d = action.default
+        if (not action.option_strings or "%(default)" in text or _SAYS_DEFAULT.search(text)
+                or d is None or d is False or d is argparse.SUPPRESS or (isinstance(d, list) and not d)):
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+
+def add_job(sub, name: str, help: str, example: str) -> argparse.ArgumentParser:
+    """One job's parser: its one-line help, defaults in --help, and an example command."""
+    return sub.add_parser(name, help=help, description=help, formatter_class=HelpFormatter,
+                          epilog=f"example:\n  {example}")
+
+
+def positive_int(v: str) -> int:
+    try:
+        n = int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {v!r}") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {n}")
+    return n
+
+
+def add_target_args(p: argparse.ArgumentParser, dtype: bool = True) -> None:
+    """--target / --device / --dtype (cache and eval take the target's dtype elsewhere, or not at all)."""
+    p.add_argument("--target", default="smollm2-135m", help="built-in alias or HF-format model dir")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    if dtype:
+        p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")
+
+
+def policy_help() -> str:
+    return "draft-length policy: " + "; ".join(f"{p.name} = {p.summary}" for p in policies().values())
+
+
+def add_speculation_args(p: argparse.ArgumentParser) -> None:
+    """--drafter / --num-speculative-tokens / --policy, from the registries (generate, serve)."""
+    p.add_argument("--drafter", default="none", help=registry.usage())
+    p.add_argument("--num-speculative-tokens", "-k", type=int, default=5, help="draft length K")
+    p.add_argument("--policy", default="fixed", choices=list(policies()), help=policy_help())
+
+
+def add_max_tokens(p: argparse.ArgumentParser, default: int, help: str, dest: str = "max_new_tokens") -> None:
+    """`--max-tokens N` (alias `--max-new-tokens`), stored under the job's existing dest."""
+    p.add_argument("--max-tokens", "--max-new-tokens", dest=dest, type=positive_int, default=default,
+                   metavar="N", help=help)
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    add_max_tokens(p, 128, "new tokens per prompt")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability (0 = off)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: none = nondeterministic)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def add_progress(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress bar (default: only on a terminal)")
+
+
+def add_threads(p: argparse.ArgumentParser) -> None:
+    """One CPU-threads option, the same on every job."""
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="CPU threads for the model's kernels (default: the physical cores)")
+
+
+def opt_auto(v: str) -> str | None:
+    """'auto' -> None, as the job configs take it."""
+    return None if v == "auto" else v

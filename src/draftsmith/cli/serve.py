@@ -1,0 +1,61 @@
+"""`draftsmith serve`: the OpenAI-compatible HTTP server (completions, chat, /metrics)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from draftsmith.cli.options import add_job, add_speculation_args, add_target_args, positive_int
+from draftsmith.errors import DraftsmithError
+
+HELP = "OpenAI-compatible HTTP server (completions, chat, /metrics)"
+EXAMPLE = "draftsmith serve --drafter dspark:runs/smollm2-135m-dspark --policy prefix-scheduler --port 8000"
+
+
+def add_parser(sub) -> None:
+    s = add_job(sub, "serve", HELP, EXAMPLE)
+    add_target_args(s)
+    add_speculation_args(s)
+    s.add_argument("--max-batch", type=positive_int, default=8, help="KV rows = requests running at once")
+    s.add_argument("--max-len", type=positive_int, default=2048, help="context limit per request (prompt + output)")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    s.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
+    s.add_argument("--served-model-name", default=None, help="model id clients send (default: the target id)")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="server log level")
+    s.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on /v1 routes (default: $DRAFTSMITH_API_KEY, else none)")
+    s.add_argument("--max-choices-per-request", type=positive_int, default=None,
+                   help="prompts x n one request may ask for (default 256)")
+    s.add_argument("--max-prompt-bytes", type=positive_int, default=None,
+                   help="UTF-8 bytes of prompt text per request (default 1 MiB)")
+    s.add_argument("--max-queued-tokens", type=positive_int, default=None,
+                   help="prompt + max_tokens of all unfinished requests; past it, 429 (default 32 x max-batch x max-len)")
+    s.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args) -> int:
+    from draftsmith.api import LLM
+
+    if args.num_speculative_tokens < 0:
+        raise DraftsmithError("--num-speculative-tokens must be >= 0")
+    if not 0 <= args.port <= 65535:
+        raise DraftsmithError(f"--port must be in 0..65535, got {args.port}")
+    llm = LLM(
+        args.target, drafter=args.drafter, num_speculative_tokens=args.num_speculative_tokens,
+        policy=args.policy, max_batch=args.max_batch, max_len=args.max_len, device=args.device, dtype=args.dtype,
+    )
+    from draftsmith.server.app import Limits, serve
+
+    given = {"max_choices": args.max_choices_per_request, "max_prompt_bytes": args.max_prompt_bytes,
+             "max_queued_tokens": args.max_queued_tokens}
+    limits = Limits(**{k: v for k, v in given.items() if v is not None})
+    api_key = args.api_key or os.environ.get("DRAFTSMITH_API_KEY") or None
+    print(
+        f"draftsmith: serving {args.served_model_name or llm.target.target_id} (drafter {args.drafter}, "
+        f"max batch {args.max_batch}, context {llm.engine.max_len}) on http://{args.host}:{args.port}/v1",
+        file=sys.stderr, flush=True,
+    )
+    serve(llm, host=args.host, port=args.port, log_level=args.log_level, model_name=args.served_model_name,
+          api_key=api_key, limits=limits)
+    return 0

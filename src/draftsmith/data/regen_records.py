@@ -1,0 +1,148 @@
+"""Regen records on disk (JSONL, one conversation per line; fields in `draftsmith.data.regen`):
+building a record (`make_record`), appending it durably (`JsonlAppender`), reading the output
+back (`scan_output` / `load_records` for resume, `iter_records` streamed for cache and training)
+and the errors file beside it (`errors_path`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from draftsmith.data.chat_tokens import ChatTokens
+from draftsmith.data.regen_config import RegenSampling
+from draftsmith.errors import DraftsmithError
+
+REGEN_FORMAT_VERSION = 1
+
+
+def make_record(conv, ct: ChatTokens, target_info: Mapping[str, Any], sampling: RegenSampling,
+                dropped_user_turns: int = 0) -> dict:
+    return {
+        "id": conv.id, "source": conv.source, "split": conv.split,
+        "messages": ct.messages, "input_ids": ct.ids, "loss_mask": ct.mask, "turns": ct.turns,
+        "dropped_user_turns": dropped_user_turns, "num_tokens": len(ct.ids),
+        "target": dict(target_info), "sampling": sampling.to_dict(),
+        "format_version": REGEN_FORMAT_VERSION,
+    }
+
+
+# ---- writing --------------------------------------------------------------------------
+
+
+def errors_path(out: Path) -> Path:
+    return out.with_name(out.name + ".errors.jsonl")
+
+
+class JsonlAppender:
+    """Append-only JSONL: one write per record, then flush + fsync (a kill loses nothing written)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "ab")
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        line = json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+        self._f.write(line)
+        self._f.flush()
+        os.fsync(self._f.fileno())
+
+    def close(self) -> None:
+        self._f.close()
+
+
+# ---- reading --------------------------------------------------------------------------
+
+
+def scan_output(path: Path, repair: bool = True) -> tuple[dict[str, dict], int]:
+    """Read a regen output for --resume: {id: record}, and bytes of a dropped partial last line.
+
+    Only the last line may be incomplete (append + fsync per record); it is cut off (the file
+    is truncated to the last complete record) so the sample is regenerated. A damaged line
+    elsewhere means the file was edited or is not a regen output: a clear error.
+    """
+    done: dict[str, dict] = {}
+    path = Path(path)
+    if not path.is_file():
+        return done, 0
+    data = path.read_bytes()
+    good_end = 0
+    pos = 0
+    n = 0
+    while pos < len(data):
+        nl = data.find(b"\n", pos)
+        n += 1
+        line = data[pos:] if nl < 0 else data[pos:nl]
+        end = len(data) if nl < 0 else nl + 1
+        rec = None
+        if line.strip():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                rec = None
+            last = data[end:].strip() == b""
+            if rec is None or nl < 0 or not isinstance(rec, dict) or "id" not in rec:
+                if last:
+                    break  # a truncated final record: drop it
+                raise DraftsmithError(f"{path}:{n} is not a complete regen record and is not the last line; "
+                                      "the file is damaged (fix or remove that line, then --resume)")
+            done[str(rec["id"])] = rec
+        good_end = end
+        pos = end
+    dropped = len(data) - good_end
+    if dropped and repair:
+        with open(path, "r+b") as f:
+            f.truncate(good_end)
+            f.flush()
+            os.fsync(f.fileno())
+    return done, dropped
+
+
+def load_records(path: Path) -> list[dict]:
+    """All complete records of a regen output (a truncated last line is ignored)."""
+    done, _ = scan_output(path, repair=False)
+    return list(done.values())
+
+
+def iter_records(path: Path) -> Iterator[dict]:
+    """Stream regen records; a truncated last line (a killed regen) is skipped with a warning."""
+    path = Path(path)
+    if not path.is_file():
+        raise DraftsmithError(f"regen data {path} does not exist; run `draftsmith regen` first")
+    with open(path, "rb") as f:
+        prev: tuple[int, bytes] | None = None
+        for n, line in enumerate(f, 1):
+            if prev is not None:
+                yield _parse_record(path, *prev)
+            prev = (n, line)
+        if prev is not None:
+            n, line = prev
+            if not line.endswith(b"\n"):
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    print(f"[draftsmith] warning: {path}:{n} is an incomplete last line (a killed run?); "
+                          "skipped", file=sys.stderr)
+                    return
+                yield rec
+            elif line.strip():
+                yield _parse_record(path, n, line)
+
+
+def _parse_record(path: Path, n: int, line: bytes) -> dict:
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DraftsmithError(f"{path}:{n}: not valid JSON ({e.msg}); the regen file is damaged") from None
+    if not isinstance(rec, dict) or "id" not in rec:
+        raise DraftsmithError(f"{path}:{n}: expected a regen record object with an 'id'")
+    return rec
+
+
+def record_split(rec: Mapping[str, Any]) -> str:
+    """A record's split ("train" when it has none)."""
+    return str(rec.get("split") or "train")

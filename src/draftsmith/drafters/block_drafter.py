@@ -1,0 +1,168 @@
+"""The inference drafter of a block model (DFlash / DSpark): one backbone forward per round.
+
+Per engine row, a KVCache of the projected context keys/values of every draft layer; once a
+row drafts, its length is the number of committed tokens with target features (=
+num_tokens − 1, the engine's invariant). The target features of committed tokens reach it
+through the request's feature queue (drafters/feature_queue.py), projected lazily. Each
+drafting round is one backbone forward per row batch (drafters/block.py) plus the kind's
+sampling stage (`BlockSampler`: DFlash's independent positions, DSpark's sequential stage).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from draftsmith.core.request import Request
+from draftsmith.core.sampling import SamplingParams
+from draftsmith.core.types import Proposal
+from draftsmith.drafters.base import FeatureSpec, RequestStates, row_uniforms
+from draftsmith.drafters.block import BlockBackbone
+from draftsmith.drafters.feature_queue import FLUSH_TOKENS, FeatureQueueDrafter, FeatureRequestState
+from draftsmith.errors import DraftsmithError
+from draftsmith.models.kv_cache import KVCache
+from draftsmith.models.linear import pack_linears_for_inference_
+
+
+class BlockSampler(Protocol):
+    """The kind-specific part of a block drafter's round (DFlash: independent positions;
+    DSpark: the sequential stage and confidences)."""
+
+    def draft(
+        self,
+        hidden: torch.Tensor,  # [B, n, H] final-normed hidden at the first n drafted positions
+        anchors: torch.Tensor,  # [B] anchor ids (x_0)
+        params: Sequence[SamplingParams],
+        uniforms: torch.Tensor,  # [B, n] one uniform per drafted position
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """→ tokens [B, n], q [B, n, V] (the warped distributions sampled from; one-hot on
+        greedy rows), confidence logits [B, n] or None."""
+        ...
+
+
+class BlockDrafter(FeatureQueueDrafter):
+    """Inference drafter for a block model (DFlash / DSpark): one backbone forward per round.
+
+    State per engine row: `cache` holds projected context K/V of every draft layer at
+    positions 0 .. num_tokens − 2; per request, `states` keeps a `FeatureRequestState` (the
+    request's `drafter_gen` and its queued target features). `temperatures` (STS, from
+    calibration.json) rescale confidence logits.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        backbone: BlockBackbone,
+        sampler: BlockSampler,
+        gamma: int,
+        anchor_is_first_prediction: bool,
+        max_rows: int,
+        max_len: int,
+        temperatures: Sequence[float] | None = None,
+    ) -> None:
+        self.name = name
+        self.backbone = backbone
+        self.sampler = sampler
+        self.gamma = int(gamma)
+        self.n_in = self.gamma if anchor_is_first_prediction else self.gamma + 1
+        self.offset = 0 if anchor_is_first_prediction else 1
+        self.needs = FeatureSpec(layer_ids=backbone.layer_ids)
+        self.feature_layers = backbone.layer_ids
+        # inference through prepacked weights; the modules still train as before (models/linear.py)
+        pack_linears_for_inference_(backbone)
+        if isinstance(sampler, torch.nn.Module):
+            pack_linears_for_inference_(sampler)
+        self.temperatures = tuple(float(t) for t in temperatures) if temperatures else None
+        self.flush_tokens = FLUSH_TOKENS
+        self.states: RequestStates[FeatureRequestState] = RequestStates(name)
+        c = backbone.cfg
+        self.device = backbone.fc.weight.device
+        self.cache = KVCache(c.num_layers, max_rows, c.num_kv_heads, max_len, c.head_dim,
+                             dtype=backbone.dtype, device=self.device)
+
+    # -- context cache
+
+    def _consume(self, rows: list[Request], hidden: dict[int, torch.Tensor], counts: list[int]) -> None:
+        self._append([s.row for s in rows], self.backbone.features(hidden), counts)
+
+    @torch.inference_mode()
+    def _append(self, rows: list[int], feats: torch.Tensor, counts: list[int]) -> None:
+        """Project features [B, S, mH] and store the first counts[b] positions of row b."""
+        if not rows or max(counts) == 0:
+            return
+        S = max(counts)
+        feats = feats[:, :S]
+        starts = self.cache.lengths[rows]  # [B]
+        for r, n in zip(rows, counts):
+            if int(self.cache.lengths[r]) + n > self.cache.max_len:
+                raise DraftsmithError(f"drafter context for row {r} would exceed {self.cache.max_len} tokens")
+        pos = (starts[:, None] + torch.arange(S)[None, :]).to(self.device)
+        kvs = self.backbone.context_kv(self.backbone.context(feats.to(self.device, self.backbone.dtype)), pos)
+        for layer, (k, v) in enumerate(kvs):
+            kc, vc = self.cache.k[layer], self.cache.v[layer]
+            for b, (r, n) in enumerate(zip(rows, counts)):
+                s0 = int(starts[b])
+                kc[r, :, s0 : s0 + n] = k[b, :, :n]
+                vc[r, :, s0 : s0 + n] = v[b, :, :n]
+        for r, n in zip(rows, counts):
+            self.cache.lengths[r] += n
+
+    # -- one round
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Request], max_lengths: list[int]) -> Proposal:
+        active = [i for i, k in enumerate(max_lengths) if k > 0]
+        if not active:
+            return Proposal.empty(len(seqs))
+        act = [seqs[i] for i in active]
+        self._flush(act)
+        caps = [min(max_lengths[i], self.gamma) for i in active]
+        n = max(caps)
+        rows = torch.tensor([s.row for s in act])
+        ctx_len = self.cache.lengths[rows]  # [B']
+        for s, c in zip(act, ctx_len.tolist()):
+            if c != s.num_tokens - 1:
+                raise RuntimeError(
+                    f"drafter {self.name}: row {s.row} has context for {c} tokens, expected "
+                    f"{s.num_tokens - 1} (the engine's feature invariant is broken)"
+                )
+        dev = self.device
+        L = int(ctx_len.max())
+        ctx_kv = [(self.cache.k[i][rows, :, :L], self.cache.v[i][rows, :, :L]) for i in range(len(self.cache.k))]
+        ctx_len_d = ctx_len.to(dev)
+        ctx_mask = (torch.arange(L, device=dev)[None, :] < ctx_len_d[:, None])[:, None, :]  # [B', 1, L]
+        anchors = torch.tensor([s.all_ids[-1] for s in act], dtype=torch.long, device=dev)  # [B']
+        ids = self.backbone.block_inputs(anchors[:, None], self.n_in)  # [B', 1, n_in]
+        pos = ctx_len_d[:, None, None] + torch.arange(self.n_in, device=dev)  # anchor at index ctx_len
+        h = self.backbone.blocks(ids, pos, ctx_kv, ctx_mask)[:, 0]  # [B', n_in, H]
+        h = h[:, self.offset : self.offset + n]  # [B', n, H]
+        u = row_uniforms([self.states[s].drafter_gen for s in act], caps, n, dev)
+        params = [s.params for s in act]
+        tokens, q, conf_logits = self.sampler.draft(h, anchors, params, u)
+        return self._assemble(len(seqs), active, caps, tokens, q, conf_logits, params)
+
+    def _assemble(self, B, active, caps, tokens, q, conf_logits, params) -> Proposal:
+        K = max(caps)
+        out_tokens = torch.zeros(B, K, dtype=torch.long)
+        lengths = torch.zeros(B, dtype=torch.long)
+        idx = torch.tensor(active)
+        out_tokens[idx] = tokens.cpu()
+        lengths[idx] = torch.tensor(caps)
+        keep = torch.arange(K)[None, :] < lengths[:, None]
+        out_tokens = out_tokens.masked_fill(~keep, 0)
+        q_full = None
+        if not all(p.greedy for p in params):
+            q_full = torch.zeros(B, K, q.shape[-1], dtype=torch.float32, device=q.device)
+            q_full[idx.to(q.device)] = q.float()
+        conf = None
+        if conf_logits is not None:
+            z = conf_logits.float()
+            if self.temperatures:
+                t = list(self.temperatures[:K]) + [1.0] * max(0, K - len(self.temperatures))
+                z = z / torch.tensor(t, dtype=z.dtype, device=z.device)
+            conf = torch.zeros(B, K, dtype=torch.float32)
+            conf[idx] = torch.sigmoid(z).cpu()
+            conf = conf.masked_fill(~keep, 0.0)
+        return Proposal(tokens=out_tokens, lengths=lengths, q=q_full, confidences=conf)

@@ -1,0 +1,152 @@
+"""The per-request queue of target features a context-cache drafter has not consumed yet,
+and the request lifecycle built on it (DFlash / DSpark: block_drafter.py; EAGLE-3: eagle3.py).
+
+Such a drafter keeps, per engine row, a cache computed from the target features of the
+committed tokens; once the row drafts it covers num_tokens − 1 positions (the engine's
+invariant: the last token is pending and has no features yet). Features arrive at prefill
+(`start`: the prompt's) and after every round (`on_verified`: the committed positions only —
+rejected drafts never enter, so there is nothing to roll back). They wait in the request's
+`QueuedFeatures` and are consumed lazily, when the row next drafts or once `flush_tokens`
+have gathered: the rows admitted in one engine step go through the drafter in one batch,
+and rounds a load-aware policy does not draft pay no drafter upkeep.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from draftsmith.core.request import Request
+from draftsmith.drafters.base import DrafterRequestState, RequestStates, TargetFeatures, drafter_generator
+from draftsmith.errors import DraftsmithError
+from draftsmith.models.kv_cache import KVCache
+
+FLUSH_TOKENS = 64  # consume a row's queued positions once this many have gathered (bounds memory)
+
+
+@dataclass
+class QueuedFeatures:
+    """One request's target features not yet in its drafter's cache, oldest first."""
+
+    prefill: dict[int, torch.Tensor] | None = None  # the prompt's: layer id → [1, S, H]
+    rounds: list[dict[int, torch.Tensor]] = field(default_factory=list)  # committed: {layer id: [n, H]} per round
+
+    @staticmethod
+    def of_prompt(features: TargetFeatures | None) -> "QueuedFeatures":
+        """The queue of a new request: its prompt features (none for a one-token prompt)."""
+        q = QueuedFeatures()
+        if features is not None and features.hidden:
+            n = int(next(iter(features.hidden.values())).shape[1])
+            if n:
+                q.prefill = features.hidden
+        return q
+
+    def count(self) -> int:
+        """Context positions queued."""
+        n = int(next(iter(self.prefill.values())).shape[1]) if self.prefill is not None else 0
+        return n + sum(int(next(iter(x.values())).shape[0]) for x in self.rounds)
+
+    def push(self, hidden: dict[int, torch.Tensor]) -> None:
+        """Queue one round's committed positions ({layer id: [n, H]})."""
+        self.rounds.append(hidden)
+
+    def take(self) -> dict[int, torch.Tensor] | None:
+        """Empty the queue: layer id → [n, H], prompt then rounds in order (the layers every
+        part has), or None when nothing was queued."""
+        parts = []
+        if self.prefill is not None:
+            parts.append({i: h[0] for i, h in self.prefill.items()})
+        parts += self.rounds
+        self.prefill, self.rounds = None, []
+        if not parts:
+            return None
+        keys = set(parts[0]).intersection(*parts[1:])
+        return {i: torch.cat([p[i] for p in parts], 0) for i in sorted(keys)}
+
+
+@dataclass
+class FeatureRequestState(DrafterRequestState):
+    """Per-request state of a queue-fed drafter: its generator (`drafter_gen`) and the
+    features waiting for its cache."""
+
+    queue: QueuedFeatures = field(default_factory=QueuedFeatures)
+
+
+def committed_feature_counts(seqs: Sequence[Request], num_accepted: torch.Tensor, ctx_len: Sequence[int]) -> list[int]:
+    """How many of a round's feature positions [pending, d1..] each row commits: 1 + accepted,
+    less where a stop rule cut the committed tokens short (the row is finishing)."""
+    out = []
+    for s, m, c in zip(seqs, num_accepted.tolist(), ctx_len):
+        out.append(max(0, min(1 + int(m), s.num_tokens - 1 - int(c))))
+    return out
+
+
+def pad_rows(chunks: Sequence[dict[int, torch.Tensor]]) -> tuple[dict[int, torch.Tensor], list[int]]:
+    """Per row, layer id → [n_b, H] → (layer id → right-padded [B, max n, H], [n_b])."""
+    counts = [int(next(iter(c.values())).shape[0]) for c in chunks]
+    hidden = {}
+    for i, ref in chunks[0].items():
+        out = ref.new_zeros(len(chunks), max(counts), ref.shape[-1])
+        for b, c in enumerate(chunks):
+            out[b, : counts[b]] = c[i]
+        hidden[i] = out
+    return hidden, counts
+
+
+class FeatureQueueDrafter:
+    """start / release / on_verified of a drafter fed through `QueuedFeatures`.
+
+    A subclass sets `name`, `device`, `cache` (its per-row context cache: `lengths`, `reset`),
+    `feature_layers` (the target layers it reads), `flush_tokens`, `states` (a
+    `RequestStates[FeatureRequestState]`), and implements `_consume`.
+    """
+
+    name: str
+    device: torch.device
+    cache: KVCache
+    feature_layers: tuple[int, ...]
+    flush_tokens: int
+    states: RequestStates[FeatureRequestState]
+
+    def _consume(self, rows: list[Request], hidden: dict[int, torch.Tensor], counts: list[int]) -> None:
+        """Append the first counts[b] positions of hidden (layer id → [B, S, H]) to row b's context."""
+        raise NotImplementedError
+
+    def start(self, seq: Request, features: TargetFeatures | None) -> None:
+        self.cache.reset(seq.row)
+        self.states.start(seq, FeatureRequestState(drafter_gen=drafter_generator(seq, self.device),
+                                                   queue=QueuedFeatures.of_prompt(features)))
+
+    def release(self, seq: Request) -> None:
+        self.states.release(seq)
+        if seq.row >= 0:
+            self.cache.reset(seq.row)
+
+    def pending_count(self, seq: Request) -> int:
+        """Context positions whose target features are queued but not yet in the cache."""
+        return self.states[seq].queue.count()
+
+    def on_verified(self, seqs, proposal, result, features) -> None:
+        """Queue the committed positions' features; they are consumed when the row next drafts
+        (or once `flush_tokens` have gathered), so rounds a policy does not draft cost nothing."""
+        if features is None or not features.hidden:
+            raise DraftsmithError(f"drafter {self.name!r} needs target features after every round")
+        ctx = [int(self.cache.lengths[s.row]) + self.pending_count(s) for s in seqs]
+        for b, (s, n) in enumerate(zip(seqs, committed_feature_counts(seqs, result.num_accepted, ctx))):
+            if n > 0:
+                self.states[s].queue.push({i: features.hidden[i][b, :n] for i in self.feature_layers})
+        self._flush([s for s in seqs if self.pending_count(s) >= self.flush_tokens])
+
+    def _flush(self, seqs: Sequence[Request]) -> None:
+        """Consume every given row's queued positions (prompt, then committed rounds), in one batch."""
+        rows, chunks = [], []
+        for s in seqs:
+            c = self.states[s].queue.take()
+            if c is not None:
+                rows.append(s)
+                chunks.append(c)
+        if rows:
+            hidden, counts = pad_rows(chunks)
+            self._consume(rows, hidden, counts)

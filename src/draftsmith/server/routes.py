@@ -1,0 +1,101 @@
+"""The HTTP routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{id}]
+(behind the API key when there is one), GET /health, GET /metrics (Prometheus text)."""
+
+from __future__ import annotations
+
+import hmac
+import uuid
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.server.body import parse_body, reject_unsupported, text_bytes
+from draftsmith.server.generate import generate
+from draftsmith.server.metrics import CONTENT_TYPE
+from draftsmith.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from draftsmith.server.responses import ResponseFormat
+from draftsmith.server.state import ServerState
+
+
+def add_routes(app: FastAPI, st: ServerState) -> None:
+    """Register every route of the server over `st` on `app`."""
+
+    async def _auth(request: Request) -> None:
+        if st.api_key is None:
+            return
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), st.api_key.encode()):
+            raise APIError(401, "missing or incorrect API key: send `Authorization: Bearer KEY` with this "
+                           "server's key", code="invalid_api_key")
+
+    auth = [Depends(_auth)]
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def completions(request: Request) -> Response:
+        req: CompletionRequest = await parse_body(request, CompletionRequest, st.limits.max_body_bytes)
+        st.check_model(req.model)
+        reject_unsupported(req)
+        raw = req.prompt
+        if isinstance(raw, str):
+            items: list = [raw]
+        elif raw and all(isinstance(x, int) for x in raw):
+            items = [list(raw)]
+        else:
+            items = list(raw)
+        if not items:
+            raise APIError(400, "prompt is empty", param="prompt")
+        st.check_size(len(items), req.n, text_bytes(items), "prompt")
+        prompts: list[list[int]] = []
+        for it in items:
+            if isinstance(it, str):
+                prompts.append(st.front.encode(it))
+            else:
+                bad = [t for t in it if not 0 <= t < st.vocab_size]
+                if bad:
+                    raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {st.vocab_size})",
+                                   param="prompt", code="invalid_value")
+                prompts.append(list(it))
+        fmt = ResponseFormat(chat=False, rid=f"cmpl-{uuid.uuid4().hex}", model=st.model_id)
+        return await generate(st, request, req, prompts, req.max_tokens if req.max_tokens is not None else 16,
+                              fmt, "prompt")
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat_completions(request: Request) -> Response:
+        req: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest, st.limits.max_body_bytes)
+        st.check_model(req.model)
+        reject_unsupported(req)
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        st.check_size(1, req.n, text_bytes([m["content"] for m in messages]), "messages")
+        try:
+            ids = st.front.apply_chat_template(messages)
+        except DraftsmithError as e:
+            raise APIError(400, str(e), param="messages") from None
+        except Exception as e:  # template errors (e.g. a role order the template rejects)
+            raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        fmt = ResponseFormat(chat=True, rid=f"chatcmpl-{uuid.uuid4().hex}", model=st.model_id)
+        return await generate(st, request, req, [ids], max_tokens, fmt, "messages")
+
+    def _model_card() -> dict:
+        return {"id": st.model_id, "object": "model", "created": st.created, "owned_by": "draftsmith",
+                "max_model_len": st.max_len}
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models() -> dict:
+        return {"object": "list", "data": [_model_card()]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=auth)
+    async def model(model_id: str) -> dict:
+        st.check_model(model_id)
+        return _model_card()
+
+    @app.get("/health")
+    async def health() -> Response:
+        if st.loop.alive:
+            return JSONResponse({"status": "ok", "model": st.model_id})
+        return JSONResponse({"status": "engine not running"}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(st.metrics.render(), media_type=CONTENT_TYPE)

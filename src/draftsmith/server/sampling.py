@@ -1,0 +1,81 @@
+"""A request's sampling fields, checked and turned into one `SamplingParams` per choice.
+
+Ranges the server enforces beyond SamplingParams: temperature finite in [0, 2] (OpenAI's
+range); seed in [0, 2**63 - 1] (a torch generator's int64 range; choice i uses seed + i, so
+seed + n - 1 must fit too); top_k -1 or 0 = all tokens, and a top_k at or above the vocabulary
+size keeps all tokens too (as vLLM); stop_token_ids inside the vocabulary.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from draftsmith.core.sampling import SamplingParams
+from draftsmith.errors import DraftsmithError
+from draftsmith.server.protocol import APIError
+
+_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "seed")
+_MAX_TEMPERATURE = 2.0
+_MAX_SEED = 2**63 - 1
+
+
+def check_sampling(req: Any, vocab_size: int) -> None:
+    """The ranges SamplingParams accepts but the server does not (see the module docstring)."""
+    t = req.temperature
+    if t is not None and not 0.0 <= t <= _MAX_TEMPERATURE:  # NaN and infinity fail too
+        raise APIError(400, f"temperature must be a number in [0, {_MAX_TEMPERATURE:g}] (0 = greedy), got {t!r}",
+                       param="temperature", code="invalid_value")
+    if req.seed is not None and not 0 <= req.seed <= _MAX_SEED - (req.n - 1):
+        msg = "seed must be an integer in [0, 2**63 - 1]"
+        if req.n > 1:
+            msg += f"; choice i uses seed + i, so with n={req.n} it must be at most {_MAX_SEED - req.n + 1}"
+        raise APIError(400, f"{msg}, got {req.seed}", param="seed", code="invalid_value")
+    if req.top_k is not None and req.top_k < -1:
+        raise APIError(400, f"top_k must be -1 or 0 (all tokens) or a positive integer, got {req.top_k}",
+                       param="top_k", code="invalid_value")
+    bad = [t for t in req.stop_token_ids or () if not 0 <= t < vocab_size]
+    if bad:
+        raise APIError(400, f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab_size})",
+                       param="stop_token_ids", code="invalid_value")
+
+
+def sampling_params(req: Any, max_tokens: int | None, prompt_len: int, index: int, prompt_param: str, *,
+                    max_len: int, vocab_size: int) -> SamplingParams:
+    """Choice `index`'s SamplingParams; max_tokens None: up to the context length."""
+    if prompt_len == 0:
+        raise APIError(400, "the prompt is empty: give at least one token", param=prompt_param)
+    if prompt_len >= max_len:
+        raise APIError(
+            400, f"This model's maximum context length is {max_len} tokens, but the prompt has "
+            f"{prompt_len} tokens, which leaves no room to generate. Shorten the prompt.",
+            param=prompt_param, code="context_length_exceeded",
+        )
+    if max_tokens is None:
+        max_tokens = max_len - prompt_len
+    if max_tokens <= 0:
+        raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens",
+                       code="invalid_value")
+    if prompt_len + max_tokens > max_len:
+        raise APIError(
+            400, f"This model's maximum context length is {max_len} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
+            "completion). Reduce the prompt or max_tokens.",
+            param="max_tokens", code="context_length_exceeded",
+        )
+    stop = req.stop if req.stop is not None else ()
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else float(req.temperature),
+            top_p=1.0 if req.top_p is None else float(req.top_p),
+            top_k=req.top_k if req.top_k and 0 < req.top_k < vocab_size else 0,  # else all tokens
+            min_p=0.0 if req.min_p is None else float(req.min_p),
+            seed=None if req.seed is None else req.seed + index,
+            stop=(stop,) if isinstance(stop, str) else tuple(stop),
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos,
+        )
+    except DraftsmithError as e:
+        msg = str(e)
+        param = next((f for f in _SAMPLING_FIELDS if msg.startswith(f)), None)
+        raise APIError(400, msg, param=param, code="invalid_value") from None

@@ -1,0 +1,100 @@
+"""What the server holds between requests (`ServerState`): the model, the engine thread, the
+metrics, the HTTP side's tokenizer, and admission (`Limits`).
+
+Admission (`serve --max-choices-per-request / --max-prompt-bytes / --max-queued-tokens`):
+prompts x n per request; bytes of prompt text per request (the body may be 6x that + 1 MiB:
+a JSON \\u escape is 6 bytes); tokens queued server-wide (prompt + max_tokens of every choice
+admitted and unfinished: past it a request gets a 429, or a 400 if it alone is larger).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+
+from draftsmith.api import LLM
+from draftsmith.errors import DraftsmithError
+from draftsmith.server.engine_loop import EngineLoop
+from draftsmith.server.metrics import ServerMetrics
+from draftsmith.server.protocol import APIError
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask for, and how much work may wait (see the module docstring)."""
+
+    max_choices: int = 256  # prompts x n of one request
+    max_prompt_bytes: int = 1 << 20  # UTF-8 bytes of one request's prompt text
+    max_queued_tokens: int | None = None  # None: 32 x max_batch x max_len
+
+    def __post_init__(self) -> None:
+        for name in ("max_choices", "max_prompt_bytes", "max_queued_tokens"):
+            v = getattr(self, name)
+            if v is not None and v <= 0:
+                raise DraftsmithError(f"{name} must be a positive integer, got {v}")
+
+    @property
+    def max_body_bytes(self) -> int:
+        return 6 * self.max_prompt_bytes + (1 << 20)
+
+
+class _Front:
+    """The HTTP thread's tokenizer: a private copy (the engine thread decodes with the
+    original; fast tokenizers are not safe to share across threads), used through LLM's
+    own encode / apply_chat_template so prompts match `LLM.generate` exactly."""
+
+    apply_chat_template = LLM.apply_chat_template
+    encode = LLM.encode
+
+    def __init__(self, llm: LLM) -> None:
+        self.target = llm.target
+        self.tokenizer = copy.deepcopy(llm.tokenizer)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+class ServerState:
+    def __init__(self, llm: LLM, model_name: str | None = None, api_key: str | None = None,
+                 limits: Limits | None = None) -> None:
+        self.llm = llm
+        self.model_id = model_name or llm.target.target_id
+        self.max_len = llm.engine.max_len
+        self.vocab_size = llm.target.model.config.vocab_size
+        self.api_key = api_key or None
+        self.limits = limits or Limits()
+        self.max_queued_tokens = self.limits.max_queued_tokens or 32 * llm.engine.config.max_batch * self.max_len
+        self.queued_tokens = 0  # prompt + max_tokens of the choices admitted and unfinished (event loop only)
+        self.front = _Front(llm)
+        self.metrics = ServerMetrics(self.model_id, llm.engine.config.max_batch)
+        self.loop = EngineLoop(llm.engine, self.metrics)
+        self.created = int(time.time())
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_id:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_id}`.",
+                           param="model", code="model_not_found")
+
+    def check_size(self, n_prompts: int, n: int, prompt_bytes: int, prompt_param: str) -> None:
+        lim = self.limits
+        if n_prompts * n > lim.max_choices:
+            raise APIError(400, f"this request asks for {n_prompts} prompt(s) x n={n} = {n_prompts * n} choices; "
+                           f"this server allows at most {lim.max_choices} per request", param="n",
+                           code="too_many_choices")
+        if prompt_bytes > lim.max_prompt_bytes:
+            raise APIError(400, f"the prompt text is {prompt_bytes} bytes; this server allows at most "
+                           f"{lim.max_prompt_bytes} bytes per request", param=prompt_param, code="prompt_too_large")
+
+    def reserve(self, tokens: int, choices: int) -> None:
+        """Count `tokens` as queued, or refuse: 400 if the request alone is over the limit, else 429."""
+        limit = self.max_queued_tokens
+        if tokens > limit:
+            raise APIError(400, f"this request may need up to {tokens} tokens (prompt + max_tokens over its "
+                           f"{choices} choice(s)), over this server's limit of {limit}; lower max_tokens, n or "
+                           "the number of prompts", code="too_many_tokens")
+        if self.queued_tokens + tokens > limit:
+            raise APIError(429, f"the server is busy: {self.queued_tokens} tokens are queued and this request may "
+                           f"need {tokens} more, over the limit of {limit}; retry later",
+                           type="rate_limit_exceeded", code="too_many_queued_tokens")
+        self.queued_tokens += tokens
