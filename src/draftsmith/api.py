@@ -109,6 +109,9 @@ class LLM:
     num_speculative_tokens / policy: draft length per round ("fixed" K or "heuristic").
     dtype:    "float32" (CPU default), "bfloat16" (CUDA default; on CPUs with AVX512-BF16 / AMX).
     threads:  CPU threads for torch's kernels (default: the physical cores).
+    reproducible_seeds: a seeded request gives one output whatever K, policy, batch or load
+              (position-keyed coupling; acceptance of sampled drafts is lower than with the
+              rejection rule, which False restores for seeded requests).
     """
 
     def __init__(
@@ -122,6 +125,7 @@ class LLM:
         device: str | None = None,
         dtype: str | None = None,
         threads: int | None = None,
+        reproducible_seeds: bool = True,
     ) -> None:
         if isinstance(target, LoadedTarget):  # share one loaded target between several LLMs
             if threads is not None and target.model.device.type == "cpu":
@@ -130,7 +134,8 @@ class LLM:
         else:
             self.target = load_target(target, device=device, dtype=dtype, threads=threads)
         self.tokenizer = self.target.tokenizer
-        self.engine = build_engine(self.target, drafter, policy, num_speculative_tokens, max_batch, max_len)
+        self.engine = build_engine(self.target, drafter, policy, num_speculative_tokens, max_batch, max_len,
+                                   reproducible_seeds=reproducible_seeds)
         self.drafter, self.policy = self.engine.drafter, self.engine.policy
         self.last_stats: GenerateStats | None = None
 

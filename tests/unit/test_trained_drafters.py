@@ -170,8 +170,11 @@ class Recorder(ForwardingDrafter):
         return p
 
 
-def _first_two_pvalues(target_dir, target, drafter) -> tuple[dict[str, float], float]:
-    llm = LLM(str(target_dir), drafter=drafter, num_speculative_tokens=4, max_batch=64, max_len=64)
+def _first_two_pvalues(target_dir, target, drafter, reproducible_seeds=False) -> tuple[dict[str, float], float]:
+    # reproducible_seeds=False: seeded requests take the rejection rule (where q matters);
+    # True: position-keyed coupling (q plays no part; tested below)
+    llm = LLM(str(target_dir), drafter=drafter, num_speculative_tokens=4, max_batch=64, max_len=64,
+              reproducible_seeds=reproducible_seeds)
     params = [SamplingParams(max_tokens=3, temperature=1.0, seed=i, ignore_eos=True) for i in range(N_SAMPLES)]
     outs = llm.generate([PROMPT] * N_SAMPLES, params)
     first = torch.tensor([o.token_ids[0] for o in outs])
@@ -224,6 +227,17 @@ def test_first_tokens_follow_the_target_at_temperature_one(name, target_dir, tar
     pv, first_acceptance = _first_two_pvalues(target_dir, target, model.make_drafter(target.model, 64, 64))
     assert min(pv.values()) >= ALPHA, pv
     assert first_acceptance > 0.3  # drafts are often accepted: a wrong q could not hide
+
+
+@pytest.mark.parametrize("name", ["dspark", "eagle3-small-vocab"])
+def test_seeded_coupled_verification_follows_the_target(name, target_dir, target, trained):
+    """Seeded requests under position-keyed coupling (the default): the output law is the
+    target's, and the drafts, drawn from the same per-position uniforms, are still accepted."""
+    model, _ = trained(name)
+    pv, first_acceptance = _first_two_pvalues(target_dir, target, model.make_drafter(target.model, 64, 64),
+                                              reproducible_seeds=True)
+    assert min(pv.values()) >= ALPHA, pv
+    assert first_acceptance > 0.05
 
 
 class _QWithoutSequentialBias(dspark.DSparkModel):

@@ -38,7 +38,7 @@ import torch
 
 from draftsmith.core.types import Proposal, VerifyResult
 from draftsmith.core.request import Request
-from draftsmith.core.warp import draw_uniforms
+from draftsmith.core.warp import draw_uniforms, position_uniforms
 
 DRAFT_SEED_SALT = 0x5EED  # drafter generators derive from, and never share, the request's
 
@@ -155,13 +155,19 @@ def drafter_generator(seq: Request, device: torch.device) -> torch.Generator | N
     return g
 
 
-def row_uniforms(generators: Sequence[torch.Generator | None], counts: Sequence[int], width: int,
-                 device: torch.device) -> torch.Tensor:
-    """[B, width] uniforms: row b draws exactly counts[b] from its own drafter generator (the
-    rest are 0.5 padding), so a seeded row's drafts do not depend on the rest of the batch."""
-    u = torch.full((len(generators), width), 0.5, device=device)
-    for b, (g, n) in enumerate(zip(generators, counts)):
-        if n:
+def row_uniforms(seqs: Sequence[Request], generators: Sequence[torch.Generator | None], counts: Sequence[int],
+                 width: int, device: torch.device) -> torch.Tensor:
+    """[B, width] uniforms for the drafts of a round (the rest are 0.5 padding).
+
+    A seeded request's draft k uses the uniform of its output position, len(output_ids) + k:
+    the same u_t that verification's position-keyed coupling draws the target's token with
+    (core/verify.py), so draft and target token come from one uniform and agree as often as
+    their CDFs allow. Other rows draw counts[b] from their drafter generator."""
+    u = torch.full((len(seqs), width), 0.5, device=device)
+    for b, (s, g, n) in enumerate(zip(seqs, generators, counts)):
+        if n and s.params.seed is not None:
+            u[b, :n] = position_uniforms(s.params.seed, len(s.output_ids), n, device).to(u.dtype)
+        elif n:
             u[b, :n] = draw_uniforms(n, g, device)
     return u
 

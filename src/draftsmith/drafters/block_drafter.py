@@ -138,7 +138,7 @@ class BlockDrafter(FeatureQueueDrafter):
         pos = ctx_len_d[:, None, None] + torch.arange(self.n_in, device=dev)  # anchor at index ctx_len
         h = self.backbone.blocks(ids, pos, ctx_kv, ctx_mask)[:, 0]  # [B', n_in, H]
         h = h[:, self.offset : self.offset + n]  # [B', n, H]
-        u = row_uniforms([self.states[s].drafter_gen for s in act], caps, n, dev)
+        u = row_uniforms(act, [self.states[s].drafter_gen for s in act], caps, n, dev)
         params = [s.params for s in act]
         tokens, q, conf_logits = self.sampler.draft(h, anchors, params, u)
         return self._assemble(len(seqs), active, caps, tokens, q, conf_logits, params)

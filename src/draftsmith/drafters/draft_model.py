@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from draftsmith.core.types import Proposal
-from draftsmith.core.warp import sample_from, target_probs
+from draftsmith.core.warp import inverse_cdf, position_uniforms, sample_from, target_probs
 from draftsmith.drafters.base import (
     DrafterRequestState, FeatureSpec, RequestStates, TargetFeatures, drafter_generator, pad_proposal,
 )
@@ -85,7 +85,13 @@ class DraftModelDrafter:
             q = target_probs(logits[:, None, :], [seqs[i].params for i in idx])[:, 0]  # [B', V]
             for j, i in enumerate(idx):
                 s = seqs[i]
-                tok = int(torch.argmax(q[j])) if s.params.greedy else sample_from(q[j], self.states[s].drafter_gen)
+                if s.params.greedy:
+                    tok = int(torch.argmax(q[j]))
+                elif s.params.seed is not None:  # the position's uniform, as verification couples it
+                    u = position_uniforms(s.params.seed, len(s.output_ids) + len(drafts[i]), 1, q.device)
+                    tok = int(inverse_cdf(q[j][None], u.to(q.dtype))[0])
+                else:
+                    tok = int(sample_from(q[j], self.states[s].drafter_gen))
                 drafts[i].append(tok)
                 step_q[i].append(q[j])
             idx = [i for i in idx if len(drafts[i]) < max_lengths[i]]

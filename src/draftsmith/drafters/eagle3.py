@@ -338,7 +338,7 @@ class EagleDrafter(FeatureQueueDrafter):
         caps = {i: max_lengths[i] for i in active}
         K = max(caps.values())
         gens = [self.states[seqs[i]].drafter_gen for i in active]
-        u = row_uniforms(gens, [caps[i] for i in active], K, self.device)
+        u = row_uniforms([seqs[i] for i in active], gens, [caps[i] for i in active], K, self.device)
         col = {i: j for j, i in enumerate(active)}
         draft_ids = m.draft_ids
         V = m.head.vocab_size

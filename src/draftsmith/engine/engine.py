@@ -44,6 +44,10 @@ class StepInfo:
 class EngineConfig:
     max_batch: int = 8  # KV cache rows = requests running at once
     max_len: int = 2048  # context limit per row (prompt + output)
+    # Seeded requests verify by position-keyed coupling (core/verify.py): one seed, one output,
+    # whatever K, policy, batch or load. False: the rejection rule for them too (higher
+    # acceptance with sampled drafts; reproducible only while K does not depend on load).
+    reproducible_seeds: bool = True
 
 
 class Engine:
@@ -254,7 +258,10 @@ class Engine:
         rows = torch.tensor([s.row for s in seqs])
         out = self.model(ids, self.cache, rows=rows, layer_ids=self._layer_ids)
         p = target_probs(out.logits, [s.params for s in seqs])  # [B, 1+K, V]
-        result = verify(proposal, p, [s.generator for s in seqs])
+        # seeded requests: position-keyed coupling, so the output never depends on K or load
+        keys = [(s.params.seed, len(s.output_ids)) if s.params.seed is not None and self.config.reproducible_seeds
+                else None for s in seqs]
+        result = verify(proposal, p, [s.generator for s in seqs], keys)
         finished: list[Request] = []
         committed_tokens = result.tokens.tolist()  # waits for the device: timings end here
         self.last_step = StepInfo(rows=len(seqs), block_len=1 + K, useful_tokens=len(seqs) + sum(lengths),
