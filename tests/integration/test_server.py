@@ -397,3 +397,33 @@ def test_client_disconnect_aborts_and_frees_rows(env):
     assert m["draftsmith_num_requests_running"] == 0
     r = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2, temperature=0)
     assert r.choices[0].finish_reason == "length"
+
+
+def test_a_seed_fixes_the_output_under_a_load_dependent_policy(env, default_target_dir):
+    """Issue 15 item 3 through HTTP: batch-schedule picks K by how many requests run, and a
+    sampling draft model (q != p) drafts; the same seeded request alone, under concurrent load
+    and again gives one output, equal to plain decoding with that seed."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from draftsmith.server.app import create_app
+
+    llm = LLM(MODEL, drafter=f"draft-model:{MODEL}", policy="batch-schedule", num_speculative_tokens=6,
+              max_batch=8, max_len=MAX_LEN)
+    plain = LLM(llm.target, drafter="none", max_batch=8, max_len=MAX_LEN)
+    want = plain.generate([PROMPTS[0]], SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=77))[0].text
+    server = _ThreadServer(create_app(llm))
+    url = server.start()
+    try:
+        c = _client(url)
+        kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0.9, top_p=0.95, seed=77)
+        alone = c.completions.create(**kw).choices[0].text
+        load = [dict(model=MODEL, prompt=p, max_tokens=24, temperature=1.0) for p in PROMPTS * 3]
+        with ThreadPoolExecutor(8) as pool:
+            others = [pool.submit(c.completions.create, **o) for o in load]
+            under_load = [pool.submit(c.completions.create, **kw) for _ in range(3)]
+            texts = [f.result().choices[0].text for f in under_load]
+            [f.result() for f in others]
+        assert alone == want and texts == [want] * 3
+        assert llm.engine.last_step.rows >= 1  # the engine really served them
+    finally:
+        server.stop()
