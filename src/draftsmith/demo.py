@@ -13,6 +13,7 @@ Set DRAFTSMITH_DEMO_SCALE=2 (or more) for a longer, better-trained run.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -99,8 +100,6 @@ def main() -> int:
 
 def conclusion(reports: dict[str, Path]) -> str:
     """What the run showed, in plain words, from the bench reports (concurrency 1)."""
-    import json
-
     lines = ["== what this run shows", "",
              f"- Trained: a DSpark drafter for smollm2-135m, {3 * SCALE} minutes on {16 * SCALE} regenerated "
              "conversations on this CPU (the recipe in recipes/smollm2-135m-dspark.yaml)."]

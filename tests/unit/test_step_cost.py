@@ -9,7 +9,7 @@ import torch
 
 from draftsmith import DraftsmithError, SamplingParams
 from draftsmith.core.types import Proposal, VerifyResult
-from draftsmith.engine.engine import StepInfo
+from draftsmith.core.request import StepInfo
 from draftsmith.core.request import Request
 from draftsmith.policy.acceptance import AcceptancePool, AcceptancePrior, running_confidences
 from draftsmith.policy.cost import StepCost

@@ -46,12 +46,7 @@ def plot_throughput(tiers: list[dict], peers: dict | None, path: Path) -> Path:
     for e in (peers or {}).get("peers", []):
         if e["system_tokens_per_s"]:
             ax.scatter([1], [e["system_tokens_per_s"]], marker="x", s=60, label=e["label"], zorder=3)
-    concs = sorted({t["concurrency"] for t in tiers}) or [1]
-    if len(concs) > 1:
-        ax.set_xscale("log", base=2)
-    ax.set_xticks(concs)
-    ax.set_xticklabels([str(c) for c in concs])
-    ax.set_xlabel("concurrency")
+    _concurrency_axis(ax, sorted({t["concurrency"] for t in tiers}) or [1])
     ax.set_ylabel("system output tokens/s")
     ax.set_title("Throughput vs concurrency")
     ax.grid(alpha=0.3)
@@ -60,6 +55,15 @@ def plot_throughput(tiers: list[dict], peers: dict | None, path: Path) -> Path:
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def _concurrency_axis(ax, concs: list[int]) -> None:
+    """x = concurrency tiers: log2 scale when there are several, a tick at each."""
+    if len(concs) > 1:
+        ax.set_xscale("log", base=2)
+    ax.set_xticks(concs)
+    ax.set_xticklabels([str(c) for c in concs])
+    ax.set_xlabel("concurrency")
 
 
 def plot_latency(tiers: list[dict], path: Path) -> Path:
@@ -77,11 +81,7 @@ def plot_latency(tiers: list[dict], path: Path) -> Path:
                 if pts:
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], ls=ls, marker="o", ms=3,
                             color=colors[i % len(colors)], label=f"{lab} {q.upper()}")
-        if len(concs) > 1:
-            ax.set_xscale("log", base=2)
-        ax.set_xticks(concs)
-        ax.set_xticklabels([str(c) for c in concs])
-        ax.set_xlabel("concurrency")
+        _concurrency_axis(ax, concs)
         ax.set_ylabel("ms")
         ax.set_title(f"{title} (P50 solid, P95 dashed, P99 dotted)", fontsize=9)
         ax.grid(alpha=0.3)

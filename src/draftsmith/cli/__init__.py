@@ -4,6 +4,10 @@ User errors (DraftsmithError, bad flags) print one line and exit 2; no traceback
 
 One module per job (or closely related pair); the option groups they share live in
 `draftsmith.cli.options`. `build_parser()` adds the jobs in pipeline order.
+
+Each job module imports its job's machinery inside its command function, on purpose: a
+parser is built for every invocation, and importing every job (the server's FastAPI, the
+bench's plotting, transformers) would cost seconds before `--help` or a one-line error.
 """
 
 from __future__ import annotations

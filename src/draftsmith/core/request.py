@@ -1,4 +1,5 @@
-"""One request's state inside the engine, and the counters its stats come from."""
+"""One request's state inside the engine, the counters its stats come from, and what the
+engine reports of its last round (StepInfo, read by policies that learn step cost)."""
 
 from __future__ import annotations
 
@@ -109,3 +110,15 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """The last round: forward shape rows × (1 + longest draft), useful tokens, timings."""
+
+    rows: int = 0
+    block_len: int = 0  # 1 + max draft length in the batch (padded verify width)
+    useful_tokens: int = 0  # sum over rows of 1 + that row's draft length
+    drafted: bool = False  # did the drafter run with a draft length > 0
+    draft_s: float = 0.0  # wall seconds of choose + propose + trim
+    forward_s: float = 0.0  # wall seconds of the target forward + warp + verify

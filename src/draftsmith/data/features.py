@@ -24,6 +24,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.models.target import load_target
 
 STORE_DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16, "float16": torch.float16,
@@ -229,8 +230,6 @@ class OnlineFeatures:
                  device: str | None = None, chunk_tokens: int = 1024,
                  out_device: torch.device | str | None = None) -> None:
         if isinstance(target, str):
-            from draftsmith.models.target import load_target
-
             target = load_target(target, device=device)
         self.target = target
         cfg = target.model.config

@@ -24,7 +24,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from draftsmith.drafters.anchors import BlockPack, pack_blocks
+from draftsmith.data.features import default_layer_ids
+from draftsmith.drafters.anchors import BlockPack, pack_blocks, sample_anchors
+from draftsmith.drafters.base import FeatureSpec
 from draftsmith.drafters.block_attention import InjectedLayer, head_rope
 from draftsmith.drafters.protocol import TrainBatch
 from draftsmith.drafters.target_head import TargetHead, concat_features, init_linear_
@@ -294,8 +296,6 @@ def validate_block_config(cfg) -> None:
 
 def resolve_feature_layers(layer_ids: Sequence[int], n_default: int, num_layers: int, kind: str) -> tuple[int, ...]:
     """Explicit ids are range-checked; () means `n_default` ids spread over [1, L−3]."""
-    from draftsmith.data.features import default_layer_ids
-
     if not layer_ids:
         return default_layer_ids(num_layers, n_default)
     bad = [i for i in layer_ids if not 0 <= i < num_layers]
@@ -322,3 +322,26 @@ def resolve_block_config(cfg, target: Decoder):
             f"{tc.vocab_size}; use at most {tc.vocab_size} (or null for the whole vocabulary)"
         )
     return dataclasses.replace(cfg, layer_ids=ids, mask_token_id=int(mask))
+
+
+class BlockModel(nn.Module):
+    """What the DFlash and DSpark models share: the draft vocabulary, the target features
+    the backbone reads, and the packed training forward over sampled anchor blocks."""
+
+    backbone: BlockBackbone
+
+    def init_draft_vocab(self, token_counts: torch.Tensor | Sequence[int]) -> None:
+        """Choose the reduced vocabulary from training-data token counts [V] (before training)."""
+        self.backbone.set_draft_vocab(token_counts)
+
+    @property
+    def feature_spec(self) -> FeatureSpec:
+        return FeatureSpec(layer_ids=self.backbone.layer_ids)
+
+    def packed_training_forward(self, batch: TrainBatch, generator: torch.Generator | None,
+                                anchor_is_first_prediction: bool) -> tuple[PackedForward, torch.Tensor]:
+        """The backbone over this batch's sampled blocks, and the mask [B, A, γ] of trained slots."""
+        c = self.config
+        anchors, valid = sample_anchors(batch.loss_mask, batch.lengths, c.max_anchors, generator)
+        pf = packed_forward(self.backbone, batch, c.block_size, anchor_is_first_prediction, anchors, valid)
+        return pf, pf.pack.target_mask

@@ -15,19 +15,14 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from torch import nn
 
 from draftsmith.core.sampling import SamplingParams
 from draftsmith.core.warp import inverse_cdf, target_probs
-from draftsmith.drafters.base import FeatureSpec
-from draftsmith.drafters.block import (
-    BlockBackbone, BlockConfig, packed_forward, resolve_block_config, target_logits_at,
-)
+from draftsmith.drafters.block import BlockBackbone, BlockConfig, BlockModel, resolve_block_config, target_logits_at
 from draftsmith.drafters.block_drafter import BlockDrafter
-from draftsmith.models.decoder import Decoder
-from draftsmith.drafters.anchors import sample_anchors
 from draftsmith.drafters.losses import BlockLossWeights, block_loss
 from draftsmith.drafters.protocol import LossOutput, TrainBatch
+from draftsmith.models.decoder import Decoder
 
 
 @dataclass(frozen=True)
@@ -39,7 +34,7 @@ class DFlashConfig(BlockConfig):
     kind: Literal["dflash"] = "dflash"
 
 
-class DFlashModel(nn.Module):
+class DFlashModel(BlockModel):
     def __init__(self, target: Decoder, config: DFlashConfig) -> None:
         super().__init__()
         self.config = resolve_block_config(config, target)
@@ -47,19 +42,9 @@ class DFlashModel(nn.Module):
         self.backbone = BlockBackbone(target, c.layer_ids, c.num_layers, c.mask_token_id, c.intermediate_size,
                                       c.draft_vocab_size)
 
-    def init_draft_vocab(self, token_counts: torch.Tensor | Sequence[int]) -> None:
-        """Choose the reduced vocabulary from training-data token counts [V] (before training)."""
-        self.backbone.set_draft_vocab(token_counts)
-
-    @property
-    def feature_spec(self) -> FeatureSpec:
-        return FeatureSpec(layer_ids=self.backbone.layer_ids)
-
     def training_loss(self, batch: TrainBatch, generator: torch.Generator | None = None) -> LossOutput:
         c = self.config
-        anchors, valid = sample_anchors(batch.loss_mask, batch.lengths, c.max_anchors, generator)
-        pf = packed_forward(self.backbone, batch, c.block_size, False, anchors, valid)
-        sel = pf.pack.target_mask  # [B, A, γ]
+        pf, sel = self.packed_training_forward(batch, generator, False)  # sel [B, A, γ]
         logits = self.backbone.draft_logits(pf.hidden[sel])  # [N, Vd]
         targets = self.backbone.to_draft(pf.targets[sel])
         position = torch.arange(c.block_size, device=sel.device).expand_as(sel)[sel]

@@ -34,17 +34,13 @@ from torch import nn
 
 from draftsmith.core.sampling import SamplingParams
 from draftsmith.core.warp import inverse_cdf, target_probs
-from draftsmith.drafters.base import FeatureSpec
-from draftsmith.drafters.block import (
-    BlockBackbone, BlockConfig, packed_forward, resolve_block_config, target_logits_at,
-)
+from draftsmith.drafters.block import BlockBackbone, BlockConfig, BlockModel, resolve_block_config, target_logits_at
 from draftsmith.drafters.block_drafter import BlockDrafter
 from draftsmith.drafters.dflash import accuracy_parts
-from draftsmith.errors import DraftsmithError
-from draftsmith.models.decoder import Decoder
-from draftsmith.drafters.anchors import sample_anchors
 from draftsmith.drafters.losses import BlockLossWeights, block_loss
 from draftsmith.drafters.protocol import LossOutput, TrainBatch
+from draftsmith.errors import DraftsmithError
+from draftsmith.models.decoder import Decoder
 
 HEADS = ("markov", "gated", "rnn")
 
@@ -131,7 +127,7 @@ class SequentialHead(nn.Module):
         return o, self.confidence_logit(h, e)
 
 
-class DSparkModel(nn.Module):
+class DSparkModel(BlockModel):
     def __init__(self, target: Decoder, config: DSparkConfig) -> None:
         super().__init__()
         self.config = resolve_block_config(config, target)
@@ -141,19 +137,9 @@ class DSparkModel(nn.Module):
         self.seq_head = SequentialHead(c.head, self.backbone.draft_size, target.config.hidden_size, c.rank,
                                        extra_rows=int(self.backbone.vocab is not None))
 
-    def init_draft_vocab(self, token_counts: torch.Tensor | Sequence[int]) -> None:
-        """Choose the reduced vocabulary from training-data token counts [V] (before training)."""
-        self.backbone.set_draft_vocab(token_counts)
-
-    @property
-    def feature_spec(self) -> FeatureSpec:
-        return FeatureSpec(layer_ids=self.backbone.layer_ids)
-
     def training_loss(self, batch: TrainBatch, generator: torch.Generator | None = None) -> LossOutput:
         c = self.config
-        anchors, valid = sample_anchors(batch.loss_mask, batch.lengths, c.max_anchors, generator)
-        pf = packed_forward(self.backbone, batch, c.block_size, True, anchors, valid)
-        sel = pf.pack.target_mask  # [B, A, γ]
+        pf, sel = self.packed_training_forward(batch, generator, True)  # sel [B, A, γ]
         bb = self.backbone
         o, conf = self.seq_head.teacher_forced(pf.hidden, bb.to_draft(pf.prev))
         logits = bb.draft_logits(pf.hidden[sel]) + self.seq_head.w2(o[sel]).float()  # [N, Vd]

@@ -32,6 +32,7 @@ from draftsmith.drafters.draft_model import DraftModelDrafter
 from draftsmith.drafters.kind_config import config_from_dict
 from draftsmith.drafters.ngram import NgramConfig, NgramDrafter
 from draftsmith.errors import DraftsmithError
+from draftsmith.models.target import load_target
 
 # load(arg, target: LoadedTarget, max_rows, max_len) -> Drafter; arg is the text after "KIND:"
 Loader = Callable[[str, Any, int, int], Drafter]
@@ -73,8 +74,6 @@ def _ngram(arg: str, target, max_rows: int, max_len: int) -> Drafter:
 
 
 def _draft_model(arg: str, target, max_rows: int, max_len: int) -> Drafter:
-    from draftsmith.models.target import load_target  # models/target imports the drafters' users
-
     draft = load_target(arg, device=str(target.model.device), dtype=str(target.model.dtype).removeprefix("torch."))
     return DraftModelDrafter(draft.model, target.model.config.vocab_size, max_rows, max_len)
 

@@ -20,24 +20,12 @@ from draftsmith.core.sampling import SamplingParams
 from draftsmith.core.verify import verify
 from draftsmith.core.warp import target_probs
 from draftsmith.drafters.base import Drafter, NoDrafter, TargetFeatures
-from draftsmith.core.request import Request, Status
+from draftsmith.core.request import Request, Status, StepInfo
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.decoder import Decoder
 from draftsmith.models.kv_cache import KVCache
 from draftsmith.policy.base import DraftLengthPolicy
 from draftsmith.policy.fixed import FixedK
-
-
-@dataclass(frozen=True)
-class StepInfo:
-    """The last round: forward shape rows × (1 + longest draft), useful tokens, timings."""
-
-    rows: int = 0
-    block_len: int = 0  # 1 + max draft length in the batch (padded verify width)
-    useful_tokens: int = 0  # sum over rows of 1 + that row's draft length
-    drafted: bool = False  # did the drafter run with a draft length > 0
-    draft_s: float = 0.0  # wall seconds of choose + propose + trim
-    forward_s: float = 0.0  # wall seconds of the target forward + warp + verify
 
 
 @dataclass(frozen=True)

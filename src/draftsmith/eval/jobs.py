@@ -23,8 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.eval import metrics as M
-from draftsmith.eval import sts
+from draftsmith.eval import metrics as M, plots, sts
 from draftsmith.eval.runner import (
     DEFAULT_TASKS,
     LoadedDrafter,
@@ -35,6 +34,7 @@ from draftsmith.eval.runner import (
     load_drafter,
     run_rounds,
 )
+from draftsmith.models.target import load_target
 
 
 @dataclass(frozen=True)
@@ -92,9 +92,6 @@ def evaluate_drafter(target, loaded: LoadedDrafter, convs, opt: EvalOptions) -> 
 
 
 def run_eval(opt: EvalOptions) -> dict:
-    from draftsmith.models.target import load_target
-    from draftsmith.eval import plots
-
     if opt.confidence_threshold is not None and not 0.0 <= opt.confidence_threshold <= 1.0:
         raise DraftsmithError(f"--confidence-threshold must be in [0, 1], got {opt.confidence_threshold}")
     if opt.block_size is not None and opt.block_size < 1:
@@ -170,8 +167,6 @@ class CalibrateOptions:
 
 def run_calibrate(opt: CalibrateOptions) -> dict:
     """Fit STS on held-out rounds of a checkpoint's drafter and store calibration.json in it."""
-    from draftsmith.models.target import load_target
-
     if (opt.data is None) == (not opt.tasks):
         raise DraftsmithError("give exactly one of --data HELDOUT.jsonl or --tasks T1,T2")
     target = load_target(opt.target, device=opt.device)

@@ -12,6 +12,8 @@ from pathlib import Path
 
 
 def _plt():
+    # here, not at the top: the Agg backend must be chosen before pyplot loads, and doing it at
+    # import would switch the backend of a caller's own matplotlib session
     import matplotlib
 
     matplotlib.use("Agg", force=True)

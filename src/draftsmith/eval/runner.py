@@ -27,16 +27,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
+from draftsmith.core.request import Request
 from draftsmith.core.sampling import SamplingParams
 from draftsmith.core.types import Proposal, VerifyResult
+from draftsmith.data.cache import iter_records
+from draftsmith.data.sources.registry import iter_conversations
 from draftsmith.drafters import registry
 from draftsmith.drafters.checkpoint import read_checkpoint_config
-from draftsmith.core.request import Request
 from draftsmith.engine.builder import build_engine
 from draftsmith.errors import DraftsmithError
-from draftsmith.models.prompts import encode_messages
 from draftsmith.eval.metrics import RoundRecord
 from draftsmith.eval.sts import unscale
+from draftsmith.models.prompts import encode_messages
 
 DEFAULT_TASKS = ("humaneval", "mtbench")
 
@@ -54,8 +58,6 @@ class EvalConversation:
 
 def heldout_conversations(tasks: Sequence[str], max_prompts: int | None = None) -> list[EvalConversation]:
     """Held-out conversations of each task (a built-in source, alias or prompt file), in file order."""
-    from draftsmith.data.sources.registry import iter_conversations
-
     out: list[EvalConversation] = []
     for task in tasks:
         n = 0
@@ -72,8 +74,6 @@ def heldout_conversations(tasks: Sequence[str], max_prompts: int | None = None) 
 
 def heldout_from_regen(path: Path, max_prompts: int | None = None) -> list[EvalConversation]:
     """Held-out records of a regen JSONL (their user turns); training-split records are refused."""
-    from draftsmith.data.cache import iter_records
-
     out, skipped = [], 0
     for rec in iter_records(Path(path)):
         sid = str(rec["id"])
@@ -199,7 +199,6 @@ def run_rounds(target, loaded: LoadedDrafter, conversations: Sequence[EvalConver
                threshold: float | None = None, seed: int = 0, max_turns: int = 2,
                progress: bool | None = None) -> RunOutput:
     """Generate answers for every conversation turn with the drafter; record each round."""
-    from tqdm import tqdm
 
     tags: dict[str, tuple[str, str]] = {}
     policy = RecordingPolicy(gamma, threshold, loaded.temperatures, tags)

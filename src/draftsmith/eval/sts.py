@@ -26,14 +26,15 @@ import hashlib
 import json
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.fileio import write_json_atomic
 from draftsmith.eval.metrics import DEFAULT_BINS, RoundRecord, cumulative_pairs, ece
+from draftsmith.fileio import write_json_atomic
 
 CALIBRATION_FILE = "calibration.json"
 CALIBRATION_FORMAT_VERSION = 1
@@ -114,8 +115,6 @@ def fit_sts(rounds: Sequence[RoundRecord], gamma: int, n_bins: int = DEFAULT_BIN
 
 def calibrated(rounds: Sequence[RoundRecord], temperatures: Sequence[float]) -> list[RoundRecord]:
     """Rounds with their confidences passed through STS."""
-    from dataclasses import replace
-
     return [replace(r, confidences=tuple(scale(r.confidences, temperatures))) if r.confidences is not None else r
             for r in rounds]
 

@@ -16,6 +16,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.fileio import read_json
 from draftsmith.models.decoder import Decoder, DecoderConfig
 from draftsmith.models.rope import rope_inv_freq
 
@@ -35,11 +36,7 @@ def read_config(path: Path) -> DecoderConfig:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise DraftsmithError(f"{path} has no config.json; expected an HF-format model directory")
-    try:
-        raw = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise DraftsmithError(f"{cfg_file} is not valid JSON ({e.msg} at line {e.lineno})") from None
-    return DecoderConfig.from_hf(raw)
+    return DecoderConfig.from_hf(read_json(cfg_file, "model config"))
 
 
 def weights_fingerprint(path: Path) -> str:
@@ -122,7 +119,7 @@ def _one_line(e: BaseException) -> str:
 
 
 def load_tokenizer(path: str | Path):
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # here: importing transformers takes ~2 s, and most importers never load one
 
     path = Path(path)
     if not any((path / f).is_file() for f in TOKENIZER_FILES):

@@ -235,7 +235,7 @@ def _reassemble(t: BuiltinTarget, parts: list[Path], out: Path) -> None:
     """Concatenate `parts` into `out` (streamed, with a progress bar) and check the result's
     GGUF magic, size and sha256 against the target's. Failures are one-line DraftsmithErrors;
     the caller removes `out`'s directory."""
-    from tqdm import tqdm
+    from tqdm import tqdm  # here, with the conversion imports below: only a first install converts
 
     reinstall = t.pip_command_reinstall
     total = sum(p.stat().st_size for p in parts)
@@ -294,7 +294,7 @@ def _remove_stale_temps(parent: Path, alias: str) -> None:
 
 
 def _convert_gguf(pkg_dir: Path, gguf_file: str, out: Path) -> None:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported, hence the imports here
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer

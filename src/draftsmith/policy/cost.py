@@ -20,13 +20,9 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
+from draftsmith.core.request import StepInfo
 from draftsmith.errors import DraftsmithError
 from draftsmith.policy.profile import SPSTable
-
-if TYPE_CHECKING:
-    from draftsmith.engine.engine import StepInfo
 
 
 @dataclass

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.models.registry import draftsmith_home
 from draftsmith.policy.roofline import step_time
 
 FORMAT_VERSION = 2  # 2: the key names the linear backend (models/linear.py)
@@ -205,7 +206,6 @@ def load_or_profile(
     refresh:      profile again even when a cached table exists.
     A cache file that cannot be read is replaced (it only holds measurements).
     """
-    from draftsmith.models.registry import draftsmith_home
 
     key = profile_key(model, weights_hash or model_fingerprint(model), config)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -37,6 +37,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from draftsmith.drafters.registry import trainable_kinds
 from draftsmith.errors import DraftsmithError
+from draftsmith.models.loading import read_config
+from draftsmith.models.registry import resolve_target
 
 # ---- the catalogue of trainable kinds --------------------------------------------------
 
@@ -339,9 +341,6 @@ def _check_drafter_values(values: Mapping[str, Any], num_layers: int | None, sou
 
 def target_num_layers(target: str) -> int:
     """Depth of a target from its config.json (no weights loaded)."""
-    from draftsmith.models.loading import read_config
-    from draftsmith.models.registry import resolve_target
-
     _, path = resolve_target(target)
     return read_config(path).num_layers
 

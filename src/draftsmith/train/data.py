@@ -25,12 +25,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
-from draftsmith.data.features import FeatureSample
+from draftsmith.data.cache import FeatureCache, iter_records
+from draftsmith.data.features import FeatureSample, OnlineFeatures, record_tensors
 from draftsmith.data.sources.conversation import split_of
+from draftsmith.drafters.protocol import TrainBatch
 from draftsmith.errors import DraftsmithError
 from draftsmith.train.config import DataConfig
-from draftsmith.drafters.protocol import TrainBatch
 
 log = logging.getLogger(__name__)
 
@@ -117,10 +119,6 @@ class TrainData:
     # ---- sources ------------------------------------------------------------------------
 
     def _init_offline(self, target) -> None:
-        from safetensors import safe_open
-
-        from draftsmith.data.cache import FeatureCache
-
         path = Path(self.cfg.cache)
         self.source = f"feature cache {path}"
         cache = FeatureCache(path)
@@ -154,9 +152,6 @@ class TrainData:
         self.shard_count = len(cache.manifest["shards"])
 
     def _init_online(self, target) -> None:
-        from draftsmith.data.cache import iter_records
-        from draftsmith.data.features import OnlineFeatures, record_tensors
-
         path = Path(self.cfg.regen)
         self.source = f"regen data {path}"
         self.records: list[Mapping[str, Any]] = []
@@ -228,13 +223,10 @@ class TrainData:
         """[V] int64 counts of the tokens the drafter learns to predict (loss-masked positions)."""
         counts = torch.zeros(vocab_size, dtype=torch.long)
         if self.cfg.online:
-            from draftsmith.data.features import record_tensors
-
             for rec in self.records:
                 ids, mask = record_tensors(rec)
                 counts += torch.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
             return counts
-        from safetensors import safe_open
 
         wanted = set(self.samples)
         for entry in self.cache.manifest["shards"]:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from draftsmith.errors import DraftsmithError
 
@@ -92,7 +93,6 @@ def wrap(model: nn.Module, info: DistInfo, find_unused: bool = False) -> nn.Modu
     lm = LossModule(model)
     if not info.enabled:
         return lm
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     kw: dict[str, Any] = {"find_unused_parameters": find_unused}
     if info.device.type == "cuda":

@@ -27,12 +27,14 @@ from typing import Any
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
-from draftsmith.errors import DraftsmithError
 from draftsmith.drafters.kind_config import resolve_for_target
-from draftsmith.train import checkpoint as ckpt_io
-from draftsmith.train import distributed as dist_util
+from draftsmith.errors import DraftsmithError
+from draftsmith.models.target import load_target
+from draftsmith.train import checkpoint as ckpt_io, distributed as dist_util
 from draftsmith.train.config import Catalogue, TrainConfig, trained_catalogue
+from draftsmith.train.data import TrainData
 from draftsmith.train.distributed import DistInfo, init_from_env, shutdown
 
 StepHook = Callable[[int, "Trainer"], None]
@@ -96,9 +98,6 @@ class Trainer:
     # ---- setup ---------------------------------------------------------------------------
 
     def _setup(self) -> None:
-        from draftsmith.models.target import load_target
-        from draftsmith.train.data import TrainData
-
         t = self.cfg.train
         self.t_start = time.perf_counter()
         if t.threads is not None:
@@ -314,14 +313,13 @@ class Trainer:
         t = self.cfg.train
         if t.tensorboard != "off":
             try:
-                from torch.utils.tensorboard import SummaryWriter
+                from torch.utils.tensorboard import SummaryWriter  # optional: needs the tensorboard package
 
                 self.tb = SummaryWriter(str(self.out / "tensorboard"))
             except ImportError:
                 if t.tensorboard == "on":
                     raise DraftsmithError("train.tensorboard=on needs the tensorboard package "
                                           "(pip install tensorboard), or use tensorboard=auto") from None
-        from tqdm import tqdm
 
         show = sys.stderr.isatty() if t.progress == "auto" else t.progress == "on"
         self.bar = tqdm(total=self.total_steps, initial=self.step, desc=f"train {self.cfg.kind}", unit="step",
