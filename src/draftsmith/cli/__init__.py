@@ -16,7 +16,7 @@ import argparse
 import sys
 
 import draftsmith
-from draftsmith.cli import bench, cache, generate, profile, regen, serve, train
+from draftsmith.cli import bench, cache, export, generate, profile, regen, serve, train
 from draftsmith.cli import eval as eval_
 from draftsmith.cli.options import HelpFormatter, add_threads
 from draftsmith.errors import DraftsmithError
@@ -36,6 +36,7 @@ _SECTIONS = (
     ("use it", (
         ("generate", generate.add_parser, generate.EXAMPLE),
         ("serve", serve.add_parser, serve.EXAMPLE),
+        ("export", export.add_parser, export.EXAMPLE),
     )),
     ("measure the hardware", (
         ("profile", profile.add_parser, profile.EXAMPLE),
@@ -44,7 +45,7 @@ _SECTIONS = (
 
 
 def _epilog() -> str:
-    lines = ["pipeline: regen -> cache -> train -> calibrate -> eval -> bench; then generate / serve; profile",
+    lines = ["pipeline: regen -> cache -> train -> calibrate -> eval -> bench; then generate / serve / export; profile",
              "", "examples:"]
     for title, jobs in _SECTIONS:
         lines.append(f"  {title}:")

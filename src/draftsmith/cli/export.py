@@ -1,0 +1,37 @@
+"""`draftsmith export`: a trained drafter in the formats vLLM and SGLang load (docs/FORMATS.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from draftsmith.cli.options import add_job, add_target_args, opt_auto
+from draftsmith.errors import DraftsmithError
+
+HELP = "write a trained drafter in the format vLLM (speculators) or SGLang loads"
+EXAMPLE = ("draftsmith export --drafter eagle3:runs/smollm2-135m-eagle3 --format speculators "
+           "--out exports/smollm2-135m-eagle3")
+FORMATS = ("speculators", "sglang")
+
+
+def add_parser(sub) -> None:
+    e = add_job(sub, "export", HELP, EXAMPLE)
+    add_target_args(e)
+    e.add_argument("--drafter", required=True, help="KIND:CHECKPOINT of a trained drafter (eagle3, dflash, dspark)")
+    e.add_argument("--format", required=True, choices=FORMATS,
+                   help="speculators: vLLM --speculative-config (eagle3, dflash, dspark); sglang: EAGLE-3 drafts")
+    e.add_argument("--out", type=Path, required=True, help="output directory (config.json + model.safetensors)")
+    e.set_defaults(func=cmd_export)
+
+
+def cmd_export(args) -> int:
+    from draftsmith.drafters import registry
+    from draftsmith.export.formats import export_drafter
+    from draftsmith.models.target import load_target
+
+    kind, arg = registry.parse_spec(args.drafter)
+    if not kind.trainable:
+        raise DraftsmithError(f"--drafter {kind.name} has no trained weights to export; give KIND:CHECKPOINT")
+    target = load_target(args.target, device=opt_auto(args.device), dtype=opt_auto(args.dtype))
+    out = export_drafter(arg, target, args.format, args.out)
+    print(f"draftsmith: wrote the {kind.name} drafter in {args.format} format to {out}")
+    return 0

@@ -1,0 +1,124 @@
+"""Issue 13: exports in the layouts vLLM (speculators) and SGLang load (docs/FORMATS.md).
+
+These are name / shape / dtype / config contract tests: SGLang's loader skips unknown tensor
+names silently and vLLM reads a missing field differently from what our drafters compute, so
+a wrong name or a dropped field is a silent zero-acceptance bug, not an error."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from draftsmith.cli import main
+from draftsmith.drafters import dflash, dspark, eagle3
+from draftsmith.drafters.checkpoint import save_trained_drafter
+from draftsmith.errors import DraftsmithError
+from draftsmith.export.formats import export_drafter
+from draftsmith.models.target import load_target
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model_dir):
+    return load_target(str(tiny_model_dir("llama", seed=0)))
+
+
+@pytest.fixture(scope="module")
+def qwen3(tiny_model_dir):
+    return load_target(str(tiny_model_dir("qwen3", seed=0)))
+
+
+def _ckpt(tmp_path, target, model):
+    d = tmp_path / "ckpt"
+    save_trained_drafter(model, d, target.target_id, target.weights_hash)
+    return d
+
+
+def _export(tmp_path, target, model, fmt):
+    out = export_drafter(_ckpt(tmp_path, target, model), target, fmt, tmp_path / fmt)
+    return json.loads((out / "config.json").read_text()), load_file(str(out / "model.safetensors"))
+
+
+@pytest.mark.parametrize("vocab", [128, None])
+def test_eagle3_to_speculators(tmp_path, llama, vocab):
+    model = eagle3.build(llama.model, eagle3.Eagle3Config(ttt_steps=3, draft_vocab_size=vocab))
+    cfg, t = _export(tmp_path, llama, model, "speculators")
+    ours = model.state_dict()
+    V = llama.model.config.vocab_size
+    assert cfg["speculators_model_type"] == "eagle3"
+    assert cfg["norm_before_residual"] is False  # vLLM assumes True when the key is missing
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in model.config.layer_ids]  # vLLM: consumer ids
+    assert cfg["draft_vocab_size"] == (vocab or V)  # speculators' default is 32000
+    layer = cfg["transformer_layer_config"]
+    assert layer["model_type"] == "llama" and layer["num_hidden_layers"] == 1
+    assert layer["num_aux_hidden_states"] == len(model.config.layer_ids)
+    assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    want = {"fc.weight", "norm.weight", "lm_head.weight"} | {"layers.0." + k[6:] for k in ours if k.startswith("layer.")}
+    if vocab:
+        want |= {"d2t", "t2d"}
+        assert t["d2t"].dtype == torch.int64 and t["t2d"].dtype == torch.bool and int(t["t2d"].sum()) == vocab
+    assert set(t) == want  # exactly: an extra or a misspelt name would be skipped by a loader
+    assert torch.equal(t["layers.0.self_attn.q_proj.weight"], ours["layer.self_attn.q_proj.weight"])
+    assert torch.equal(t["fc.weight"], ours["fc.weight"])
+
+
+def test_eagle3_to_sglang(tmp_path, llama):
+    model = eagle3.build(llama.model, eagle3.Eagle3Config(ttt_steps=2))
+    cfg, t = _export(tmp_path, llama, model, "sglang")
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == list(model.config.layer_ids)  # producer ids
+    assert cfg["draft_vocab_size"] == llama.model.config.vocab_size
+    assert {k for k in t if k.startswith("midlayer.")} == {"midlayer." + k[6:] for k in model.state_dict()
+                                                            if k.startswith("layer.")}
+    assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} <= set(t)
+
+
+def test_formats_refuse_what_they_cannot_express(tmp_path, llama, qwen3):
+    with pytest.raises(DraftsmithError, match="q/k norms"):  # SGLang would drop them silently
+        _export(tmp_path, qwen3, eagle3.build(qwen3.model, eagle3.Eagle3Config(ttt_steps=2)), "sglang")
+    block = dspark.build(llama.model, dspark.DSparkConfig(block_size=3, num_layers=1, rank=8))
+    with pytest.raises(DraftsmithError, match="q/k norms"):  # block layers have them in every format
+        _export(tmp_path / "b", llama, block, "speculators")
+    with pytest.raises(DraftsmithError, match="EAGLE-3 drafters only"):
+        _export(tmp_path / "c", qwen3, dspark.build(qwen3.model, dspark.DSparkConfig(block_size=3, num_layers=1,
+                                                                                       rank=8)), "sglang")
+
+
+def test_dspark_to_speculators(tmp_path, qwen3):
+    V = qwen3.model.config.vocab_size
+    model = dspark.build(qwen3.model, dspark.DSparkConfig(block_size=4, num_layers=1, rank=8, draft_vocab_size=100))
+    model.init_draft_vocab(torch.arange(V, 0, -1) % 37)  # a non-trivial vocabulary
+    cfg, t = _export(tmp_path, qwen3, model, "speculators")
+    c = model.config
+    assert cfg["speculators_model_type"] == "dspark" and cfg["block_size"] == 4
+    assert cfg["sample_from_anchor"] is True and cfg["sliding_window_non_causal"] is True
+    assert cfg["markov_head_type"] == "vanilla" and cfg["markov_rank"] == 8
+    assert cfg["aux_hidden_state_layer_ids"] == [i + 1 for i in c.layer_ids]
+    assert cfg["mask_token_id"] == c.mask_token_id and cfg["draft_vocab_size"] == 100
+    ours = model.state_dict()
+    assert torch.equal(t["hidden_norm.weight"], ours["backbone.ctx_norm.weight"])
+    ids = model.backbone.vocab.ids
+    assert torch.equal(t["lm_head.weight"], qwen3.model.lm_head.weight.detach()[ids])
+    w1 = t["markov_head.markov_w1.weight"]
+    assert w1.shape == (V, 8)
+    index = model.backbone.vocab.index  # target id -> draft id, 100 = outside
+    assert torch.equal(w1, ours["seq_head.w1.weight"][index])
+    assert torch.equal(w1[ids[5]], ours["seq_head.w1.weight"][5])
+    assert {"confidence_head.proj.weight", "markov_head.markov_w2.weight", "d2t", "t2d"} <= set(t)
+    assert not [k for k in t if k.startswith(("backbone.", "seq_head."))]  # every name mapped
+
+
+def test_dflash_to_speculators_and_the_cli(tmp_path, qwen3, capsys):
+    model = dflash.build(qwen3.model, dflash.DFlashConfig(block_size=4, num_layers=1))
+    cfg, t = _export(tmp_path, qwen3, model, "speculators")
+    assert cfg["block_size"] == 5 and cfg["sample_from_anchor"] is False  # anchor + γ masks
+    assert "d2t" not in t and "lm_head.weight" not in t  # full vocabulary: the verifier's own head
+    ckpt = tmp_path / "ckpt"
+    assert main(["export", "--target", str(qwen3.path), "--drafter", f"dflash:{ckpt}", "--format", "speculators",
+                 "--out", str(tmp_path / "cli")]) == 0
+    assert (tmp_path / "cli" / "config.json").is_file()
+    assert main(["export", "--target", str(qwen3.path), "--drafter", "ngram", "--format", "speculators",
+                 "--out", str(tmp_path / "x")]) == 2
+    assert "no trained weights" in capsys.readouterr().err
