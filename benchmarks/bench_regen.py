@@ -1,11 +1,11 @@
 """Regeneration throughput of the built-in engine by batch size (issue 12, item 1).
 
-    .venv/bin/python benchmarks/bench_regen.py [--samples 64] [--serial-samples 16]
-        [--max-new-tokens 128] [--batch-sizes 1,8,32,64] [--dtype float32] [--no-write]
+    .venv/bin/python benchmarks/bench_regen.py [--samples 128] [--serial-samples 16]
+        [--max-new-tokens 128] [--batch-sizes 1,8,32,64] [--dtypes float32,bfloat16] [--no-write]
 
 The same train-split conversations of `code:0.4,chat:0.6` (first two user turns each) are
 regenerated with `--batch-size` 1, 8, 32 and 64 (conversations in flight; continuous
-batching), one target loaded once, all threads. Batch 1 runs on the first
+batching), one target per dtype, all threads. Batch 1 runs on the first
 `--serial-samples` conversations only (it is the slow case); every batch size's outputs
 on those are compared for identity (per-answer seeds make batching invisible).
 Generated tokens / wall seconds, prefill included. Run on an idle machine.
@@ -52,35 +52,39 @@ def first_turns(n: int, turns: int = 2) -> list[Conversation]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--samples", type=int, default=64)
+    ap.add_argument("--samples", type=int, default=128)
     ap.add_argument("--serial-samples", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--batch-sizes", default="1,8,32,64")
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     convs = first_turns(args.samples)
-    target = load_target("smollm2-135m", device="cpu", dtype=args.dtype)
     load0, t0 = os.getloadavg(), time.time()
     rows, outputs = [], {}
     with tempfile.TemporaryDirectory(prefix="bench-regen-") as d:
-        for bs in [int(x) for x in args.batch_sizes.split(",")]:
-            todo = convs[: args.serial_samples] if bs == 1 else convs
-            cfg = RegenConfig(target="smollm2-135m", out=Path(d) / f"b{bs}.jsonl", max_new_tokens=args.max_new_tokens,
-                              batch_size=bs, max_len=2048, overwrite=True, progress=False, dtype=args.dtype)
-            s = run_regen(cfg, conversations=todo, backend=EngineBackend(cfg, target=target))
-            recs = load_records(cfg.out)
-            outputs[bs] = {r["id"]: r["input_ids"] for r in recs}
-            row = {"batch_size": bs, "conversations": s.written, "errors": s.errors,
-                   "generated_tokens": s.generated_tokens,
-                   "prompt_tokens": sum(t["prompt_tokens"] for r in recs for t in r["turns"]),
-                   "wall_s": round(s.wall_s, 1), "tokens_per_s": round(s.tokens_per_s, 1)}
-            rows.append(row)
-            print(json.dumps(row), file=sys.stderr)
+        for dtype in args.dtypes.split(","):
+            target = load_target("smollm2-135m", device="cpu", dtype=dtype)
+            for bs in [int(x) for x in args.batch_sizes.split(",")]:
+                todo = convs[: args.serial_samples] if bs == 1 else convs
+                cfg = RegenConfig(target="smollm2-135m", out=Path(d) / f"{dtype}-b{bs}.jsonl",
+                                  max_new_tokens=args.max_new_tokens, batch_size=bs, max_len=2048, overwrite=True,
+                                  progress=False, dtype=dtype)
+                s = run_regen(cfg, conversations=todo, backend=EngineBackend(cfg, target=target))
+                recs = load_records(cfg.out)
+                outputs[(dtype, bs)] = {r["id"]: r["input_ids"] for r in recs}
+                row = {"dtype": dtype, "batch_size": bs, "conversations": s.written, "errors": s.errors,
+                       "generated_tokens": s.generated_tokens,
+                       "prompt_tokens": sum(t["prompt_tokens"] for r in recs for t in r["turns"]),
+                       "wall_s": round(s.wall_s, 1), "tokens_per_s": round(s.tokens_per_s, 1)}
+                rows.append(row)
+                print(json.dumps(row), file=sys.stderr)
+            del target
     common = [c.id for c in convs[: args.serial_samples]]
-    identical = all(len({json.dumps(outputs[bs].get(i)) for bs in outputs}) == 1 for i in common)
+    identical = {dt: all(len({json.dumps(o.get(i)) for (t, _), o in outputs.items() if t == dt}) == 1 for i in common)
+                 for dt in args.dtypes.split(",")}
     load1 = os.getloadavg()
-    result = {"rows": rows, "identical_on_common": identical, "dtype": args.dtype,
+    result = {"rows": rows, "identical_on_common": identical, "dtypes": args.dtypes,
               "threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens,
               "load_before": load0[0], "load_after": load1[0], "wall_s": round(time.time() - t0)}
     (ROOT / "benchmarks/results").mkdir(exist_ok=True)
@@ -93,24 +97,27 @@ def main() -> None:
         "## Regeneration throughput by batch size (issue 12)",
         "",
         f"`benchmarks/bench_regen.py` (JSON: `benchmarks/results/bench_regen.json`): 2-core CPU, "
-        f"{result['threads']} torch threads, {args.dtype} target `smollm2-135m`, the same train-split "
+        f"{result['threads']} torch threads, target `smollm2-135m` in {args.dtypes.replace(',', ' and ')}, the same train-split "
         f"conversations of `code:0.4,chat:0.6` (first 2 user turns each), max {args.max_new_tokens} new tokens per "
         f"answer, the target's sampling defaults with per-answer seeds. Load average {load0[0]:.1f} before, "
         f"{load1[0]:.1f} after; {result['wall_s']} s in all. Batch 1 regenerates the first {args.serial_samples} "
         "conversations only.",
         "",
-        "| batch size | conversations | generated tokens | prompt tokens | wall s | generated tok/s |",
-        "|---|---|---|---|---|---|",
+        "| dtype | batch size | conversations | generated tokens | prompt tokens | wall s | generated tok/s |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        lines.append(f"| {r['batch_size']} | {r['conversations']} | {r['generated_tokens']} | {r['prompt_tokens']} | "
+        lines.append(f"| {r['dtype']} | {r['batch_size']} | {r['conversations']} | {r['generated_tokens']} | {r['prompt_tokens']} | "
                      f"{r['wall_s']} | {r['tokens_per_s']} |")
     lines += [
         "",
-        f"Best: **{best['tokens_per_s']} tok/s at batch {best['batch_size']}** "
+        f"Best: **{best['tokens_per_s']} tok/s at batch {best['batch_size']} in {best['dtype']}** "
         f"({best['tokens_per_s'] / 29:.1f}x the 29 tok/s of the issue-4 regeneration). "
-        + ("Every batch size produced identical token ids on the common conversations."
-           if identical else "**Outputs differ between batch sizes on some common conversations.**"),
+        + " ".join(f"{dt}: every batch size produced identical token ids on the common conversations."
+                   if same else f"{dt}: **outputs differ between batch sizes on some common conversations.**"
+                   for dt, same in identical.items())
+        + " (bfloat16 regenerates the bf16 target's answers: the same distribution up to bf16 rounding,"
+        " not the float32 target's tokens.)",
     ]
     sections.write_section(BEGIN, END, "\n".join(lines))
 

@@ -78,6 +78,10 @@ def verify(
     positions = torch.arange(K, device=dev)  # [K]
 
     valid = positions.unsqueeze(0) < lengths.unsqueeze(1)  # [B, K] real drafts, not padding
+    if keys is not None and all(k is not None for k in keys):  # every row keyed (e.g. seeded regen)
+        zeros = torch.zeros(B, dtype=torch.long, device=dev)
+        num_accepted, final_token = _coupled(tokens, lengths, valid, p, keys, zeros, zeros)
+        return _result(tokens, num_accepted, final_token)
     safe_tokens = tokens.masked_fill(~valid, 0)  # [B, K] padding -> any in-range id
     p_draft = p[:, :K].gather(-1, safe_tokens.unsqueeze(-1)).squeeze(-1)  # [B, K] p_k(x_k)
     if q is None:
@@ -108,10 +112,16 @@ def verify(
     if keys is not None and any(k is not None for k in keys):
         num_accepted, final_token = _coupled(tokens, lengths, valid, p, keys, num_accepted, final_token)
 
-    out = torch.full((B, K + 1), -1, dtype=torch.long, device=dev)  # [B, K+1]
-    keep = positions.unsqueeze(0) < num_accepted.unsqueeze(1)  # [B, K]
+    return _result(tokens, num_accepted, final_token)
+
+
+def _result(tokens: torch.Tensor, num_accepted: torch.Tensor, final_token: torch.Tensor) -> VerifyResult:
+    """Accepted drafts, then the final token, padded by -1: [B, K+1]."""
+    B, K = tokens.shape
+    out = torch.full((B, K + 1), -1, dtype=torch.long, device=tokens.device)  # [B, K+1]
+    keep = torch.arange(K, device=tokens.device).unsqueeze(0) < num_accepted.unsqueeze(1)  # [B, K]
     out[:, :K] = torch.where(keep, tokens, out[:, :K])
-    out[rows, num_accepted] = final_token
+    out[torch.arange(B, device=tokens.device), num_accepted] = final_token
     return VerifyResult(tokens=out, num_accepted=num_accepted)
 
 
