@@ -40,7 +40,9 @@ from draftsmith.policy.roofline import measure_bandwidth, step_time, weight_byte
 HERE = Path(__file__).resolve().parent
 VERIFY = (2, 4, 8, 16)
 ROWS = (1, 2, 4, 8, 16, 32, 64)
-CONFIGS = [("mkl", "float32"), ("onednn", "float32"), ("mkl", "bfloat16"), ("onednn", "bfloat16")]
+# (linear backend, dtype, attention kernel); "sdpa" in bfloat16 is the attention before grouped matmuls
+CONFIGS = [("mkl", "float32", "auto"), ("onednn", "float32", "auto"), ("mkl", "bfloat16", "auto"),
+           ("onednn", "bfloat16", "sdpa"), ("onednn", "bfloat16", "auto")]
 
 
 def child_decode(repeats: int) -> None:
@@ -97,6 +99,11 @@ def wait_policy(rounds: int, load: int, repeats: int) -> dict:
     return {k: 1e3 * statistics.median(v) for k, v in res.items()}
 
 
+def _key(c: tuple[str, str, str]) -> str:
+    """backend/dtype, plus /attention when it is not the default."""
+    return "/".join(c if c[2] != "auto" else c[:2])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
@@ -116,24 +123,26 @@ def main() -> None:
         return
     _, path = resolve_target("smollm2-135m")
     models = {c: load_decoder(path, dtype=getattr(torch, c[1]), linear_backend=c[0]) for c in CONFIGS}
+    for (_, _, kernel), m in models.items():
+        m.attention_kernel = kernel
     result: dict = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                                 "torch": torch.__version__, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")},
                     "weight_bytes": {c[1]: weight_bytes(models[c]) for c in CONFIGS}, "threads": {}}
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
         bw: list[float] = []
-        raw: dict = {f"{b}/{d}": {"decode": [], "verify": {k: [] for k in VERIFY}, "rows": {r: [] for r in ROWS}}
-                     for b, d in CONFIGS}
+        raw: dict = {_key(c): {"decode": [], "verify": {k: [] for k in VERIFY}, "rows": {r: [] for r in ROWS}}
+                     for c in CONFIGS}
         for rnd in range(args.rounds):
             bw.append(measure_bandwidth("cpu"))
-            for (b, d), m in models.items():
-                r = raw[f"{b}/{d}"]
+            for c, m in models.items():
+                r = raw[_key(c)]
                 r["decode"].append(step_time(m, 1, 1, repeats=args.repeats))
                 for k in VERIFY:
                     r["verify"][k].append(step_time(m, 1, k, repeats=args.repeats))
                 for n in ROWS:
                     r["rows"][n].append(step_time(m, n, 1, repeats=args.repeats))
-                print(f"threads {threads} round {rnd + 1}: {b}/{d} decode {1e3 * r['decode'][-1]:.1f} ms", flush=True)
+                print(f"threads {threads} round {rnd + 1}: {_key(c)} decode {1e3 * r['decode'][-1]:.1f} ms", flush=True)
         gbs = statistics.median(bw)
         out = {"bandwidth_gbs": gbs, "configs": {}}
         for key, r in raw.items():
@@ -164,7 +173,9 @@ def render(res: dict, args) -> str:
         f"`benchmarks/bench_runtime.py --rounds {args.rounds} --repeats {args.repeats}` on {time.strftime('%Y-%m-%d')}, "
         f"smollm2-135m, {res['machine']['cores']} cores, torch {res['machine']['torch']}, idle machine. "
         "\"mkl\" is the earlier path (fused weights through torch.matmul), \"onednn\" the new default "
-        "(weights prepacked once at load). Interleaved in one process, medians over rounds. Floor = weight "
+        "(weights prepacked once at load); \"/sdpa\" is bfloat16 with torch's SDPA for attention, the kernel "
+        "before 16-bit decode / verify attention moved to grouped matmuls (models/attention.py). "
+        "Interleaved in one process, medians over rounds. Floor = weight "
         "bytes read per step / read bandwidth measured in the same run at the same thread count.",
         "",
     ]

@@ -43,9 +43,10 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-           causal: bool) -> torch.Tensor:
-    """Softmax attention of q [B, H, S, D] over k / v [B, KV, T, D] (GQA when KV < H)."""
-    if use_grouped(q):
+           causal: bool, kernel: str = "auto") -> torch.Tensor:
+    """Softmax attention of q [B, H, S, D] over k / v [B, KV, T, D] (GQA when KV < H).
+    kernel: "auto" (grouped where `use_grouped`, else SDPA), "sdpa" or "grouped" (benchmarks)."""
+    if kernel == "grouped" or (kernel == "auto" and use_grouped(q)):
         return grouped_attention(q, k, v, mask, causal)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                           enable_gqa=q.shape[1] != k.shape[1])

@@ -161,13 +161,14 @@ class Attention(nn.Module):
             vc[ctx.rows[:, None], :, ctx.positions] = v
         q = q.transpose(1, 2)  # [B, H, S, D]
         if ctx.row_runs is None:  # rows in no useful order: gather their keys (a copy)
-            out = attend(q, kc[ctx.rows, :, : ctx.kv_len], vc[ctx.rows, :, : ctx.kv_len], ctx.mask, ctx.causal)
+            out = attend(q, kc[ctx.rows, :, : ctx.kv_len], vc[ctx.rows, :, : ctx.kv_len], ctx.mask, ctx.causal,
+                         ctx.attention)
         else:  # runs of consecutive rows (one run always for batch 1): views of the cache
             outs = []
             for b0, b1, r0, kv in ctx.row_runs:
                 m = ctx.mask if ctx.mask is None or ctx.mask.shape[0] == 1 else ctx.mask[b0:b1, :, :, :kv]
                 r = slice(r0, r0 + b1 - b0)
-                outs.append(attend(q[b0:b1], kc[r, :, :kv], vc[r, :, :kv], m, ctx.causal))
+                outs.append(attend(q[b0:b1], kc[r, :, :kv], vc[r, :, :kv], m, ctx.causal, ctx.attention))
             out = outs[0] if len(outs) == 1 else torch.cat(outs)
         out = out.transpose(1, 2).reshape(B, S, nh * self.hd)
         if self.o is not None:
@@ -217,6 +218,7 @@ class _StepContext:
     kv_len: int  # keys visible this step: max(start) + S
     mask: torch.Tensor | None  # [B, 1, S, kv_len] bool, True = attend; None when not needed
     causal: bool  # no mask, SDPA's own causal mask (all rows start at 0)
+    attention: str  # "auto", "sdpa" or "grouped" (models/attention.py)
     cos: torch.Tensor  # [B or 1, S, 1, D]
     sin_signed: torch.Tensor  # [B or 1, S, 1, D], first half negated (see _rope_signed)
 
@@ -247,6 +249,7 @@ class Decoder(nn.Module):
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # (cos, sin_signed) [T, D]
         self.head: FastLinear | None = None  # lm_head, set by prepare_inference_()
         self.linear_backend: str | None = None  # resolved backend of prepare_inference_()
+        self.attention_kernel = "auto"  # models/attention.attend: auto, sdpa or grouped
         # New weights through load_state_dict reach the prepared linears (oneDNN holds copies).
         self.register_load_state_dict_post_hook(_reprepare_after_load)
 
@@ -346,6 +349,7 @@ class Decoder(nn.Module):
             kv_len=kv_len,
             mask=mask,
             causal=causal,
+            attention=self.attention_kernel,
             cos=cos,
             sin_signed=sin_signed,
         )
