@@ -1,10 +1,10 @@
 """Attention over the KV cache: torch's SDPA, or grouped matmuls where SDPA is slow.
 
-PyTorch's CPU `scaled_dot_product_attention` has no fast kernel for 16-bit queries of a
-few tokens against a long cache: in bfloat16 a batch-1 decode step took 0.25 ms per layer
-(0.07 with the matmuls below) and a batch-32 step with a padding mask 7.5 ms (0.5). In
-float32 SDPA is as fast as the alternative, so float32 keeps it (its numerics are what the
-HF-parity tests pin).
+PyTorch's CPU `scaled_dot_product_attention` has no fast kernel for batches of 16-bit
+queries of a few tokens against a long cache: in bfloat16 a batch-32 decode step with a
+padding mask took 7.5 ms per layer (0.5 with the matmuls below). For one row it is fine, and
+in float32 it is as fast as the alternative, so those keep it (float32's numerics are what
+the HF-parity tests pin).
 
 The grouped form never copies K/V per query head (GQA): the G = heads / kv_heads query
 heads that share one kv head are stacked along the query axis, so one matmul per kv head
@@ -20,8 +20,12 @@ GROUPED_MAX_QUERY = 64  # decode and verify steps; prefill of longer chunks goes
 
 
 def use_grouped(q: torch.Tensor) -> bool:
-    """q [B, H, S, D]: 16-bit, on CPU, a decode/verify-sized step."""
-    return q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and q.shape[2] <= GROUPED_MAX_QUERY
+    """q [B, H, S, D]: 16-bit, on CPU, several rows, a decode/verify-sized step. One row goes
+    to SDPA: measured (bench_runtime, bf16, 2 threads) it is as fast at one token and faster
+    for a verify block (8 tokens: 1.06 vs 1.21 decode steps), while batched rows are where
+    SDPA falls behind (64 rows of one token: 5.2 vs 15.6 steps/s)."""
+    return (q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and q.shape[0] > 1
+            and q.shape[2] <= GROUPED_MAX_QUERY)
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
