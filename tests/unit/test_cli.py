@@ -144,3 +144,24 @@ def test_entry_points_and_module_sizes():
 def test_bad_flag_is_one_usage_error():
     proc = _run("generate", "--max-tokens", "0")
     assert proc.returncode == 2 and "must be a positive integer" in proc.stderr
+
+
+def test_reproducible_seeds_flag_reaches_the_engine(tiny_model_dir, monkeypatch, capsys):
+    """generate / serve: --no-reproducible-seeds switches seeded requests to the rejection rule."""
+    import draftsmith.api as api
+    from draftsmith.cli import build_parser, main
+
+    seen = []
+    real = api.LLM.__init__
+
+    def spy(self, *a, **kw):
+        seen.append(kw.get("reproducible_seeds"))
+        real(self, *a, **kw)
+
+    monkeypatch.setattr(api.LLM, "__init__", spy)
+    target = str(tiny_model_dir("llama", seed=0))
+    for flag, want in (([], True), (["--no-reproducible-seeds"], False)):
+        assert main(["generate", "--target", target, "--prompt", "ab", "--max-tokens", "2", "--seed", "1",
+                     "--temperature", "1", *flag]) == 0
+        assert seen[-1] is want
+    assert build_parser().parse_args(["serve", "--no-reproducible-seeds"]).reproducible_seeds is False

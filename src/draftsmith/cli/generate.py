@@ -74,6 +74,7 @@ def cmd_generate(args) -> int:
     llm = LLM(
         args.target, drafter=args.drafter, num_speculative_tokens=args.num_speculative_tokens,
         policy=args.policy, max_batch=args.max_batch, max_len=args.max_len, device=args.device, dtype=args.dtype,
+        reproducible_seeds=args.reproducible_seeds,
     )
     ids = []
     for p in prompts:

@@ -64,6 +64,10 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default="none", help=registry.usage())
     p.add_argument("--num-speculative-tokens", "-k", type=int, default=5, help="draft length K")
     p.add_argument("--policy", default="fixed", choices=list(policies()), help=policy_help())
+    p.add_argument("--reproducible-seeds", action=argparse.BooleanOptionalAction, default=True,
+                   help="a seeded request gives one output whatever K, policy, batch or load (position-keyed "
+                        "coupling); --no-reproducible-seeds verifies seeded requests by the rejection rule "
+                        "(more sampled drafts accepted; reproducible only while K does not depend on load)")
 
 
 def add_max_tokens(p: argparse.ArgumentParser, default: int, help: str, dest: str = "max_new_tokens") -> None:
