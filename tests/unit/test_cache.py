@@ -219,3 +219,21 @@ def test_resume_continues_after_last_complete_shard(tiny, target, tmp_path):
     a, b = list(FeatureCache(out)), list(FeatureCache(fresh))
     assert [x.id for x in a] == [r["id"] for r in recs] == [x.id for x in b]
     assert all(torch.equal(x.hidden[2], y.hidden[2]) for x, y in zip(a, b))
+
+
+def test_a_cache_that_fails_before_caching_anything_leaves_nothing_behind(tiny, target, tmp_path):
+    """Issue 15 item 6: a failed first run must not leave a manifest that the next run reads as
+    an interrupted cache ("not empty; pass --resume")."""
+    good = _records(target, 3, seed=4)
+    bad = [dict(good[0], id="broken")]
+    del bad[0]["input_ids"]
+    out = tmp_path / "cache"
+    with pytest.raises(DraftsmithError, match="lacks 'input_ids'"):
+        run_cache(CacheConfig(target=str(tiny), data=_write(tmp_path / "bad.jsonl", bad), out=out, dtype="fp32"))
+    assert not out.exists()  # this run created it: gone
+    out.mkdir()  # a directory the user made is kept, emptied of what the job wrote
+    with pytest.raises(DraftsmithError):
+        run_cache(CacheConfig(target=str(tiny), data=_write(tmp_path / "bad.jsonl", bad), out=out, dtype="fp32"))
+    assert out.is_dir() and not any(out.iterdir())
+    s = run_cache(CacheConfig(target=str(tiny), data=_write(tmp_path / "good.jsonl", good), out=out, dtype="fp32"))
+    assert s["num_samples"] == 3  # no --overwrite or --resume needed

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from draftsmith.errors import DraftsmithError
 from draftsmith.train import checkpoint as ckpt_io
 from draftsmith.train.config import parse_config
-from draftsmith.train.trainer import Trainer, lr_factor, trained_params
+from draftsmith.train.trainer import Trainer, lr_factor
 
 from standin_drafter import CATALOGUE, sequence_records
 
@@ -47,6 +47,11 @@ def cache_dir(tmp_path_factory, target_dir, regen_file):
                           shard_tokens=300, progress=False))
     return out
 
+
+
+def trained_params(trainer: Trainer) -> dict:
+    """Current trainable parameters (CPU copies), to compare runs."""
+    return {n: p.detach().to("cpu").clone() for n, p in trainer.params.items()}
 
 def make_cfg(target_dir, cache_dir, out, **train):
     raw = {"target": str(target_dir), "out": str(out), "drafter": {"kind": "head", "layer_ids": [0]},
@@ -254,3 +259,11 @@ def test_incomplete_or_empty_cache_is_refused(target_dir, cache_dir, tmp_path):
     with pytest.raises(DraftsmithError, match="no samples"):
         Trainer(make_cfg(target_dir, broken, tmp_path / "run2"), CATALOGUE).fit()
     assert not (tmp_path / "run" / "config.json").exists() and not (tmp_path / "run2" / "config.json").exists()
+
+
+def test_a_run_that_fails_before_writing_leaves_no_empty_run_directory(target_dir, tmp_path):
+    """Issue 15 item 6: a failed train must not leave an empty run directory behind."""
+    out = tmp_path / "run"
+    with pytest.raises(DraftsmithError, match="not a feature cache"):
+        Trainer(make_cfg(target_dir, tmp_path / "no-cache", out), CATALOGUE).fit()
+    assert not out.exists()

@@ -118,7 +118,9 @@ def run_cache(cfg: CacheConfig) -> dict:
         return {"estimate": est, "layer_ids": list(layer_ids)}
 
     weights_hash = weights_fingerprint(path)
+    out_existed = out.exists()
     manifest = _prepare_out(out, cfg, target_id, weights_hash, layer_ids, mcfg, dtype_name)
+    fresh = not manifest["shards"] and not manifest["skipped"]
     done = {sid for sh in manifest["shards"] for sid in sh["sample_ids"]}
     done |= {s["id"] for s in manifest["skipped"]}
     target = load_target(cfg.target, device=cfg.device, dtype=cfg.model_dtype)
@@ -148,6 +150,10 @@ def run_cache(cfg: CacheConfig) -> dict:
             new_tokens += int(ids.shape[0])
             bar.update(int(ids.shape[0]))
         writer.close(complete=True)
+    except BaseException:
+        if fresh and not manifest["shards"]:  # nothing was cached: leave nothing a later run could
+            _remove_cache_files(out, remove_dir=not out_existed)  # take for an interrupted cache
+        raise
     finally:
         bar.close()
     wall = time.perf_counter() - t0
@@ -201,6 +207,16 @@ def _prepare_out(out: Path, cfg: CacheConfig, target_id: str, weights_hash: str,
                      cfg.shard_tokens, str(cfg.data))
     write_json_atomic(mpath, m)
     return m
+
+
+def _remove_cache_files(out: Path, remove_dir: bool) -> None:
+    """Delete what this job writes (manifest, shards, temporaries); the directory too when this
+    run created it and nothing else is in it."""
+    for f in out.iterdir():
+        if f.is_file() and (f.name == MANIFEST or f.name.startswith(("shard-", ".shard-", f".{MANIFEST}"))):
+            f.unlink()
+    if remove_dir and not any(out.iterdir()):
+        out.rmdir()
 
 
 def _clean_strays(out: Path, m: dict) -> None:

@@ -23,7 +23,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -347,8 +346,14 @@ class Trainer:
 
     def fit(self) -> TrainResult:
         threads = torch.get_num_threads()
+        created = not self.out.exists()
         try:
             return self._fit()
+        except BaseException:
+            # a run that failed before writing anything leaves no empty run directory behind
+            if created and self.out.is_dir() and not any(self.out.iterdir()):
+                self.out.rmdir()
+            raise
         finally:
             torch.set_num_threads(threads)  # train.threads applies to this run only
             if self.info is not None:
@@ -439,8 +444,3 @@ class Trainer:
 def train(cfg: TrainConfig, catalogue: Catalogue | None = None, resume: bool | str | Path = False,
           overwrite: bool = False, hooks: Sequence[StepHook] = ()) -> TrainResult:
     return Trainer(cfg, catalogue, resume=resume, overwrite=overwrite, hooks=hooks).fit()
-
-
-def trained_params(trainer: Trainer) -> dict[str, Any]:
-    """Current trainable parameters (CPU copies), e.g. for tests comparing runs."""
-    return {n: p.detach().to("cpu").clone() for n, p in trainer.params.items()}
