@@ -66,19 +66,11 @@ def bench_regen(args, tmp: Path) -> tuple[dict, Path]:
     torch.set_num_threads(args.threads)
     from draftsmith.data.regen import RegenConfig, load_records, run_regen
     from draftsmith.data.regen_backends import EngineBackend
-    from draftsmith.data.sources import load_mix
-    from draftsmith.data.sources.conversation import Conversation
     from draftsmith.models.target import load_target
 
-    convs = []
-    for c in load_mix("code:0.4,chat:0.6", split="train", max_samples=args.samples, seed=0):
-        keep, users = [], 0
-        for m in c.messages:
-            users += m["role"] == "user"
-            if users > 2:
-                break
-            keep.append(m)
-        convs.append(Conversation(id=c.id, source=c.source, split=c.split, messages=keep))
+    from bench_regen import first_turns  # the same conversations as the batch-size benchmark
+
+    convs = first_turns(args.samples)
     target = load_target("smollm2-135m", device="cpu")
     res = {}
     out = None

@@ -38,6 +38,8 @@ BEGIN, END = "<!-- bench_regen:begin -->", "<!-- bench_regen:end -->"
 
 
 def first_turns(n: int, turns: int = 2) -> list[Conversation]:
+    """n train-split conversations of code:0.4,chat:0.6 cut after their first `turns` user turns
+    (bench_data.py regenerates the same ones)."""
     out = []
     for c in load_mix("code:0.4,chat:0.6", split="train", max_samples=n, seed=0):
         keep, users = [], 0

@@ -9,17 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-
-def _plt():
-    # Imported on first use, not at the top: the backend must be chosen before pyplot is
-    # imported, and forcing Agg when the bench package is merely imported would change the
-    # backend of a caller's own (interactive) matplotlib session.
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    return plt
+from draftsmith.eval.plots import plt_agg
 
 
 def _labels(tiers: list[dict]) -> list[str]:
@@ -32,7 +22,7 @@ def _labels(tiers: list[dict]) -> list[str]:
 
 
 def plot_throughput(tiers: list[dict], peers: dict | None, path: Path) -> Path:
-    plt = _plt()
+    plt = plt_agg()
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=110)
     for lab in _labels(tiers):
         pts = [(t["concurrency"], r) for t in tiers for r in t["results"] if r["label"] == lab]
@@ -67,7 +57,7 @@ def _concurrency_axis(ax, concs: list[int]) -> None:
 
 
 def plot_latency(tiers: list[dict], path: Path) -> Path:
-    plt = _plt()
+    plt = plt_agg()
     fig, axes = plt.subplots(1, 3, figsize=(13, 4), dpi=100)
     metrics = (("ttft_s", "TTFT"), ("itl_s", "inter-token latency"), ("e2e_s", "end-to-end latency"))
     styles = (("p50", "-"), ("p95", "--"), ("p99", ":"))
@@ -93,7 +83,7 @@ def plot_latency(tiers: list[dict], path: Path) -> Path:
 
 
 def plot_acceptance(curves: dict[str, list[float | None]], path: Path) -> Path:
-    plt = _plt()
+    plt = plt_agg()
     fig, ax = plt.subplots(figsize=(6, 4), dpi=110)
     for lab, ys in curves.items():
         pts = [(k + 1, y) for k, y in enumerate(ys) if y is not None]

@@ -328,17 +328,17 @@ def prefill_groups(lengths: list[int], max_waste: float = 0.1) -> list[list[int]
     """Indices grouped for padded prefill, shortest first: a group grows while its padded
     size (rows x longest) stays within (1 + max_waste) x the tokens it really holds.
     Empty prompts form their own group (no forward)."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     groups: list[list[int]] = []
-    for i in order:
-        g = groups[-1] if groups else None
-        if g is not None and lengths[g[0]] > 0 and (len(g) + 1) * lengths[i] <= (1 + max_waste) * (
-                sum(lengths[j] for j in g) + lengths[i]):
-            g.append(i)
-        elif g is not None and lengths[g[0]] == 0 and lengths[i] == 0:
-            g.append(i)
+    total = 0  # tokens in the last group (its longest prompt is the one being added: sorted)
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        n = lengths[i]
+        # (zeros only ever join zeros: a prompt of n > 0 would pad a group of k >= 1 empties to (k+1)n)
+        if groups and (len(groups[-1]) + 1) * n <= (1 + max_waste) * (total + n):
+            groups[-1].append(i)
+            total += n
         else:
             groups.append([i])
+            total = n
     return groups
 
 

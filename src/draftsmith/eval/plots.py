@@ -11,7 +11,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 
-def _plt():
+def plt_agg():
+    """pyplot on the non-interactive Agg backend (bench reports use it too)."""
     # here, not at the top: the Agg backend must be chosen before pyplot loads, and doing it at
     # import would switch the backend of a caller's own matplotlib session
     import matplotlib
@@ -24,7 +25,7 @@ def _plt():
 
 def conditional_acceptance(curves: Mapping[str, Sequence[float | None]], path: Path,
                            title: str = "Conditional acceptance per position") -> Path:
-    plt = _plt()
+    plt = plt_agg()
     fig, ax = plt.subplots(figsize=(6, 4), dpi=110)
     for label, ys in curves.items():
         pts = [(k + 1, y) for k, y in enumerate(ys) if y is not None]
@@ -46,7 +47,7 @@ def conditional_acceptance(curves: Mapping[str, Sequence[float | None]], path: P
 def reliability(before: Sequence[Sequence[dict]], after: Sequence[Sequence[dict]] | None, path: Path,
                 title: str = "Reliability (cumulative confidence vs prefix survival)") -> Path:
     """`before[k]` / `after[k]`: reliability bins of position k+1 (metrics.reliability_bins)."""
-    plt = _plt()
+    plt = plt_agg()
     n = max(1, len(before))
     cols = min(4, n)
     rows = (n + cols - 1) // cols
@@ -77,7 +78,7 @@ def reliability(before: Sequence[Sequence[dict]], after: Sequence[Sequence[dict]
 
 
 def threshold_sweep(points: Sequence[dict], path: Path, title: str = "Static confidence threshold") -> Path:
-    plt = _plt()
+    plt = plt_agg()
     fig, ax = plt.subplots(figsize=(6, 4), dpi=110)
     xs = [p["threshold"] for p in points]
     ax.plot(xs, [p["tokens_per_step"] for p in points], marker="o", ms=3, label="tokens per step (τ)")
