@@ -233,3 +233,33 @@ def test_pack_blocks_masks_match_a_loop():
                 assert bool(pack.target_mask[b, j, k - 1]) == want
                 if want:
                     assert int(pack.target_index[b, j, k - 1]) == a + k
+
+
+def test_optional_kl_term_is_the_weighted_forward_kl():
+    """kl weight > 0 adds Σ w_k KL(p_t ‖ p_d) / Σ w_k (loop reference), zero where p_d = p_t;
+    with a reduced vocabulary it runs over D with p_t restricted to D (unnormalised)."""
+    g = torch.Generator().manual_seed(7)
+    N, V, K = 8, 10, 4
+    dl, tl = torch.randn(N, V, generator=g) * 2, torch.randn(N, V, generator=g) * 2
+    x, position = torch.randint(0, V, (N,), generator=g), torch.arange(N) % K
+    coef = BlockLossWeights(ce=0.0, tv=0.0, conf=0.0, kl=0.5)
+    out = block_loss(dl, x, position, K, coef, tl)
+    w = position_weights(K).tolist()
+    num = den = 0.0
+    for n in range(N):
+        pd, pt = _softmax(dl[n].tolist()), _softmax(tl[n].tolist())
+        kl = sum(p * (math.log(p) - math.log(q)) for p, q in zip(pt, pd))
+        num += w[int(position[n])] * kl
+        den += w[int(position[n])]
+    assert out.parts["kl"] == pytest.approx(num / den, rel=1e-5)
+    assert float(out.total) == pytest.approx(0.5 * num / den, rel=1e-5)
+    assert block_loss(tl, x, position, K, coef, tl).parts["kl"] == pytest.approx(0.0, abs=1e-6)
+    draft_ids = torch.tensor([1, 4, 5, 9])
+    red = block_loss(dl[:, draft_ids], x.clamp(max=3), position, K, coef, tl, None, None, draft_ids)
+    num = 0.0
+    for n in range(N):
+        pd = _softmax(dl[n, draft_ids].tolist())
+        pt = [_softmax(tl[n].tolist())[j] for j in draft_ids.tolist()]
+        num += w[int(position[n])] * sum(p * (math.log(p) - math.log(q)) for p, q in zip(pt, pd))
+    assert red.parts["kl"] == pytest.approx(num / den, rel=1e-5)
+    assert "kl" not in block_loss(dl, x, position, K, BlockLossWeights(), tl, torch.zeros(N)).parts

@@ -50,7 +50,7 @@ def test_unknown_field(key, value, expect):
 @pytest.mark.parametrize("key,value,expect", [
     ("train.lr", "fast", r"recipe\.yaml: train\.lr: Input should be a valid number.*'fast'"),
     ("train.batch_size", "2.5", r"train\.batch_size: Input should be a valid integer"),
-    ("train.dtype", "fp8", r"train\.dtype: Input should be 'fp32' or 'bf16'"),
+    ("train.dtype", "fp8", r"train\.dtype: Input should be 'auto', 'fp32' or 'bf16'"),
     ("drafter.block_size", "[1, 2]", r"drafter\.block_size: Input should be a valid integer"),
     ("drafter.layer_ids", "first", r"drafter\.layer_ids: Input should be a valid tuple"),
 ])

@@ -101,7 +101,7 @@ class BlockBackbone(nn.Module):
         """[..., H] → float32 logits over the draft vocabulary [..., Vd] (frozen target rows)."""
         if self.vocab is None:
             return self.head.logits(h)
-        return self._lm_pack(h.to(self.lm_rows.dtype), self.lm_rows).float()
+        return self._lm_pack(h.to(self.lm_rows.dtype), self.head.autocast_weight(self.lm_rows)).float()
 
     @property
     def draft_ids(self) -> torch.Tensor | None:
@@ -234,6 +234,7 @@ class BlockConfig:
     draft_vocab_size: int | None = None  # reduced draft vocabulary (drafters/vocab.py); None = the target's
     ce_weight: float = 1.0
     tv_weight: float = 0.0
+    kl_weight: float = 0.0  # KL(p_t ‖ p_d) per position (drafters/losses.py); 0 in the papers
     position_decay: float | None = None  # w_k = exp(−(k−1)/d); None = block_size
 
     def __post_init__(self) -> None:
@@ -284,7 +285,7 @@ def validate_block_config(cfg) -> None:
         problems.append(f"layer_ids must be integers, got {cfg.layer_ids!r}")
     elif len(set(cfg.layer_ids)) != len(cfg.layer_ids):
         problems.append(f"layer_ids repeat: {list(cfg.layer_ids)}")
-    for name in ("ce_weight", "tv_weight", "conf_weight"):
+    for name in ("ce_weight", "tv_weight", "kl_weight", "conf_weight"):
         v = getattr(cfg, name, 0.0)
         if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
             problems.append(f"{name} must be a number >= 0, got {v!r}")

@@ -48,10 +48,10 @@ class DFlashModel(BlockModel):
         logits = self.backbone.draft_logits(pf.hidden[sel])  # [N, Vd]
         targets = self.backbone.to_draft(pf.targets[sel])
         position = torch.arange(c.block_size, device=sel.device).expand_as(sel)[sel]
-        tl = target_logits_at(self.backbone, batch, pf.pack) if c.tv_weight else None
+        tl = target_logits_at(self.backbone, batch, pf.pack) if c.tv_weight or c.kl_weight else None
         terms = block_loss(
             logits, targets, position, c.block_size,
-            BlockLossWeights(ce=c.ce_weight, tv=c.tv_weight, conf=0.0), tl, None, c.position_decay,
+            BlockLossWeights(ce=c.ce_weight, tv=c.tv_weight, conf=0.0, kl=c.kl_weight), tl, None, c.position_decay,
             self.backbone.draft_ids,
         )
         parts = dict(terms.parts)

@@ -145,11 +145,11 @@ class DSparkModel(BlockModel):
         logits = bb.draft_logits(pf.hidden[sel]) + self.seq_head.w2(o[sel]).float()  # [N, Vd]
         targets = bb.to_draft(pf.targets[sel])
         position = torch.arange(c.block_size, device=sel.device).expand_as(sel)[sel]
-        need_pt = c.tv_weight > 0 or c.conf_weight > 0
+        need_pt = c.tv_weight > 0 or c.kl_weight > 0 or c.conf_weight > 0
         tl = target_logits_at(bb, batch, pf.pack) if need_pt else None
         terms = block_loss(
             logits, targets, position, c.block_size,
-            BlockLossWeights(ce=c.ce_weight, tv=c.tv_weight, conf=c.conf_weight), tl, conf[sel],
+            BlockLossWeights(ce=c.ce_weight, tv=c.tv_weight, conf=c.conf_weight, kl=c.kl_weight), tl, conf[sel],
             c.position_decay, bb.draft_ids,
         )
         parts = dict(terms.parts)

@@ -9,6 +9,12 @@ Block drafters (DFlash, DSpark), each term position-weighted by w_k = exp(−(k�
     L_tv   =  Σ w_k ‖p_d,k − p_t,k‖₁                    (the L1 norm, i.e. 2 × TV, as written)
     L_conf = −Σ w_k [c*_k log c_k + (1 − c*_k) log(1 − c_k)],  c*_k = 1 − ½‖p_d,k − p_t,k‖₁
     L      = 0.1 L_ce + 0.9 L_tv + 1.0 L_conf             (DSpark; DFlash: L_ce only)
+    L_kl   =  Σ w_k KL(p_t,k ‖ p_d,k)                      (optional, `kl` weight; 0 in the papers)
+
+L_kl is an addition for short budgets: while acceptance is near zero the TV gradient is tiny
+(|∂‖p_d − p_t‖₁| scales with the overlap) and L_ce sees one sampled token per position, while
+the KL term gives every position the target's whole distribution (as EAGLE-3's loss does).
+With a reduced vocabulary it runs over D (p_t's mass outside D is a constant).
 
 The soft label c*_k is the probability that draft k is accepted when drafted from p_d,k
 (1 − TV); it is a label, so no gradient flows into it. With a reduced draft vocabulary D,
@@ -86,6 +92,7 @@ class BlockLossWeights:
     ce: float = 0.1
     tv: float = 0.9
     conf: float = 1.0
+    kl: float = 0.0
 
 
 @dataclass
@@ -115,7 +122,7 @@ def block_loss(
         ce = weighted_mean(token_cross_entropy(draft_logits, targets.clamp(max=Vd - 1)), w * inside)
         total = total + coef.ce * ce
         parts["ce"] = float(ce.detach())
-    need_pt = coef.tv or (coef.conf and conf_logits is not None)
+    need_pt = coef.tv or coef.kl or (coef.conf and conf_logits is not None)
     if need_pt:
         if target_logits is None:
             raise ValueError("the TV and confidence terms need the target's logits")
@@ -126,6 +133,11 @@ def block_loss(
         else:
             pt = pt[:, draft_ids]
             l1 = l1_distance(pd, pt) + (1.0 - pt.sum(-1)).clamp(min=0.0)
+        if coef.kl:
+            log_pd = torch.log_softmax(draft_logits.float(), -1)
+            kl = weighted_mean((torch.xlogy(pt, pt) - pt * log_pd).sum(-1), w)
+            total = total + coef.kl * kl
+            parts["kl"] = float(kl.detach())
         if coef.tv:
             tv = weighted_mean(l1, w)
             total = total + coef.tv * tv

@@ -7,8 +7,8 @@ A drafter spec is `KIND` or `KIND:ARG`. Built-in kinds:
     ngram                prompt lookup (drafters/ngram.py)
     draft-model:PATH     a smaller model of the same tokenizer (drafters/draft_model.py)
     eagle3:CKPT          trained kinds, from a checkpoint directory (drafters/checkpoint.py)
-    dflash:CKPT
-    dspark:CKPT
+    dflash:CKPT          or a built-in drafter's name (drafters/builtin.py), e.g.
+    dspark:CKPT          dspark:smollm2-135m
 
 A new trainable kind is one file: its config dataclass, `build(target, config) -> model`
 (drafters/protocol.py), and a `register(DrafterKind(...))` call; plus a recipe. `register`
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from draftsmith.drafters import dflash, dspark, eagle3
+from draftsmith.drafters import builtin, dflash, dspark, eagle3
 from draftsmith.drafters.base import Drafter, NoDrafter
 from draftsmith.drafters.checkpoint import load_trained_drafter, load_trained_model, read_checkpoint_config
 from draftsmith.drafters.draft_model import DraftModelDrafter
@@ -140,8 +140,15 @@ def parse_spec(spec: str) -> tuple[DrafterKind, str]:
     """`KIND[:ARG]` -> (kind, arg), with a clear error for an unknown kind or a missing ARG."""
     name, _, arg = spec.partition(":")
     kind = get(name)
+    shipped = builtin.builtin_specs(name) if kind.trainable else []
+    also = f" (built-in: {', '.join(shipped)})" if shipped else ""
     if kind.needs_arg and not arg:
-        raise DraftsmithError(f"drafter {name} needs an argument: --drafter {kind.usage}")
+        raise DraftsmithError(f"drafter {name} needs an argument: --drafter {kind.usage}{also}")
+    if kind.trainable:
+        arg = builtin.resolve(name, arg)
+        if not Path(arg).exists():
+            raise DraftsmithError(f"drafter {spec}: no checkpoint directory {arg!r} and no built-in drafter of that "
+                                  f"name{also}; train one with `draftsmith train`")
     return kind, arg
 
 
@@ -152,8 +159,11 @@ def build_drafter(spec: str, target, max_rows: int, max_len: int) -> Drafter:
 
 
 def usage() -> str:
-    """Spec forms for --help: 'none | ngram | draft-model:PATH | eagle3:CKPT | ...'."""
-    return " | ".join(k.usage for k in _KINDS.values())
+    """Spec forms for --help: 'none | ngram | draft-model:PATH | eagle3:CKPT | ...', then the
+    built-in drafters."""
+    forms = " | ".join(k.usage for k in _KINDS.values())
+    shipped = builtin.builtin_specs()
+    return forms + (f"; built-in: {', '.join(shipped)}" if shipped else "")
 
 
 def config_for(data: Mapping[str, Any]):

@@ -10,7 +10,7 @@ weights start.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +27,9 @@ class TargetHead:
 
     embed: torch.Tensor  # [V, H]
     lm_head: torch.Tensor  # [V, H]
+    # 16-bit copies of lm_head for autocast training (a frozen tensor is not in autocast's
+    # weight cache, so it would be cast again at every call): dtype -> (version, copy)
+    _cast: dict = field(default_factory=dict, compare=False, repr=False)
 
     @staticmethod
     def of(target: Decoder) -> "TargetHead":
@@ -40,8 +43,26 @@ class TargetHead:
         return F.embedding(ids.to(self.embed.device), self.embed).to(dtype)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """[..., H] → float32 target-vocabulary logits [..., V]."""
-        return F.linear(h.to(self.lm_head.dtype), self.lm_head).float()
+        """[..., H] → float32 target-vocabulary logits [..., V] (under autocast: in its dtype)."""
+        return F.linear(h.to(self.lm_head.dtype), self.autocast_weight(self.lm_head)).float()
+
+    def autocast_weight(self, w: torch.Tensor) -> torch.Tensor:
+        """`w` (a frozen tensor of this head) as autocast would cast it, cast once and kept
+        while autocast is on; `w` itself otherwise."""
+        dev = w.device.type
+        if not torch.is_autocast_enabled(dev):
+            return w
+        dt = torch.get_autocast_dtype(dev)
+        key = (dt, w.data_ptr(), tuple(w.shape))
+        try:
+            version = w._version
+        except RuntimeError:  # an inference tensor: never changed in place
+            version = None
+        hit = self._cast.get(key)
+        if hit is None or hit[0] != version:
+            hit = (version, w.detach().to(dt))
+            self._cast[key] = hit
+        return hit[1]
 
 
 def concat_features(hidden: dict[int, torch.Tensor], layer_ids: Sequence[int], dtype: torch.dtype) -> torch.Tensor:

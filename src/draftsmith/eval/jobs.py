@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from draftsmith.drafters.builtin import is_builtin
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval import metrics as M, plots, sts
 from draftsmith.eval.runner import (
@@ -173,6 +174,10 @@ def run_calibrate(opt: CalibrateOptions) -> dict:
     loaded = load_drafter(opt.drafter, target, opt.max_batch, min(opt.max_len, target.model.config.max_position_embeddings))
     if loaded.checkpoint is None:
         raise DraftsmithError(f"calibrate needs a trained drafter checkpoint (KIND:PATH), got {opt.drafter!r}")
+    if is_builtin(loaded.checkpoint):
+        raise DraftsmithError(f"{opt.drafter} is a built-in drafter (package data, calibrated when it was made); "
+                              f"to calibrate it again, copy {loaded.checkpoint} to a directory of your own and "
+                              f"pass {loaded.kind}:THAT_DIR")
     convs = heldout_from_regen(opt.data, opt.max_prompts) if opt.data is not None else \
         heldout_conversations(opt.tasks, opt.max_prompts)
     gamma = opt.block_size or default_block_size(loaded)

@@ -63,13 +63,15 @@ class DataConfig:
     max_len: int  # tokens per training window
     max_samples: int | None  # use at most this many training samples
     online_batch: int  # records per target forward when online
+    eval_cache: Path | None = None  # feature cache whose held-out samples are evaluated during training
+    eval_samples: int = 64  # held-out samples evaluated (the first, in a fixed order)
 
 
 @dataclass(frozen=True)
 class OptimConfig:
     seed: int
     device: str
-    dtype: Literal["fp32", "bf16"]
+    dtype: Literal["auto", "fp32", "bf16"]
     batch_size: int  # global: samples per optimizer step, summed over processes
     epochs: float
     max_steps: int | None
@@ -129,12 +131,17 @@ class _DataSection(_Strict):
     max_len: int = Field(512, ge=8, description="tokens per training window")
     max_samples: int | None = Field(None, ge=1, description="cap on training samples")
     online_batch: int = Field(4, ge=1, description="records per target forward when online")
+    eval_cache: Path | None = Field(None, description="feature cache of held-out conversations, evaluated "
+                                    "at every checkpoint (teacher-forced acceptance)")
+    eval_samples: int = Field(64, ge=1, description="held-out samples evaluated")
 
 
 class _TrainSection(_Strict):
     seed: int = 0
     device: str = Field("auto", description="cpu, cuda, cuda:N or auto")
-    dtype: Literal["fp32", "bf16"] = Field("fp32", description="autocast dtype of the drafter")
+    dtype: Literal["auto", "fp32", "bf16"] = Field(
+        "fp32", description="autocast dtype of the drafter's compute (auto: bf16 on CUDA and on CPUs with "
+        "bf16 hardware, else fp32)")
     batch_size: int = Field(8, ge=1, description="samples per step, over all processes")
     epochs: float = Field(1.0, gt=0)
     max_steps: int | None = Field(None, ge=1, description="overrides epochs when set")
@@ -314,7 +321,8 @@ def parse_config(raw: Mapping[str, Any], catalogue: Catalogue | None = None, sou
     return TrainConfig(
         target=root.target, out=root.out, kind=kind, drafter=drafter,
         data=DataConfig(cache=d.cache, online=d.online, regen=d.regen, max_len=d.max_len,
-                        max_samples=d.max_samples, online_batch=d.online_batch),
+                        max_samples=d.max_samples, online_batch=d.online_batch, eval_cache=d.eval_cache,
+                        eval_samples=d.eval_samples),
         train=OptimConfig(**t.model_dump()),
     )
 

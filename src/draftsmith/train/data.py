@@ -63,6 +63,11 @@ def is_training_sample(sample_id: str, stored_split: str | None) -> bool:
     return (stored_split or "train") == "train" and split_of(sample_id) == "train"
 
 
+def sample_split(sample_id: str, stored_split: str | None) -> str:
+    """"train" only when both the stored split and the id's hash say so, else "heldout"."""
+    return "train" if is_training_sample(sample_id, stored_split) else "heldout"
+
+
 def collate(parts: Sequence[tuple[FeatureSample, int, int]], layer_ids: Sequence[int],
             device: torch.device | str = "cpu") -> TrainBatch:
     """Right-pad windows into a TrainBatch (fresh float32 tensors: safe for autograd)."""
@@ -91,7 +96,9 @@ class TrainData:
     """The training windows of a run and the deterministic, rank-split batch order."""
 
     def __init__(self, cfg: DataConfig, target, layer_ids: Sequence[int], seed: int, batch_size: int,
-                 rank: int = 0, world_size: int = 1, device: torch.device | str = "cpu") -> None:
+                 rank: int = 0, world_size: int = 1, device: torch.device | str = "cpu",
+                 split: str = "train") -> None:
+        """`split="heldout"` reads the other side instead (held-out evaluation, train/evaluate.py)."""
         if batch_size % world_size:
             raise DraftsmithError(f"train.batch_size={batch_size} must be a multiple of the number of "
                                   f"processes ({world_size}); it is the global batch, split evenly")
@@ -102,15 +109,17 @@ class TrainData:
         self.rank, self.world_size = int(rank), int(world_size)
         self.per_rank = self.batch_size // self.world_size
         self.device = torch.device(device)
-        self.excluded_heldout = 0
+        self.split = split
+        self.excluded_heldout = 0  # samples of the other split skipped
         self._epoch_cache: tuple[int, list[Window]] | None = None
         if cfg.online:
             self._init_online(target)
         else:
             self._init_offline(target)
         if not self.windows:
-            raise DraftsmithError(f"no training data: {self.source} has no train-split samples with loss tokens "
-                                  f"({self.excluded_heldout} held-out samples excluded)")
+            raise DraftsmithError(f"no {'training' if split == 'train' else 'held-out'} data: {self.source} has no "
+                                  f"{split}-split samples with loss tokens ({self.excluded_heldout} of the other "
+                                  "split excluded)")
         self.steps_per_epoch = len(self.windows) // self.batch_size
         if self.steps_per_epoch == 0:
             raise DraftsmithError(f"{self.source} gives {len(self.windows)} training windows, fewer than one "
@@ -142,7 +151,7 @@ class TrainData:
             for k, sid in enumerate(entry["sample_ids"]):
                 if self.cfg.max_samples is not None and len(self.samples) >= self.cfg.max_samples:
                     break
-                if not is_training_sample(sid, entry["splits"][k]):
+                if sample_split(sid, entry["splits"][k]) != self.split:
                     self.excluded_heldout += 1
                     continue
                 a, b = int(offsets[k]), int(offsets[k + 1])
@@ -159,7 +168,7 @@ class TrainData:
         for rec in iter_records(path):
             if self.cfg.max_samples is not None and len(self.records) >= self.cfg.max_samples:
                 break
-            if not is_training_sample(str(rec["id"]), rec.get("split")):
+            if sample_split(str(rec["id"]), rec.get("split")) != self.split:
                 self.excluded_heldout += 1
                 continue
             _, mask = record_tensors(rec)
@@ -206,7 +215,10 @@ class TrainData:
 
     def batch(self, step: int) -> TrainBatch:
         """This rank's part of global batch `step`."""
-        ws = self.rank_windows(step)
+        return self.collate_windows(self.rank_windows(step))
+
+    def collate_windows(self, ws: Sequence[Window]) -> TrainBatch:
+        """A TrainBatch of the given windows (features from the cache, or the target online)."""
         if self.cfg.online:
             need = sorted({w.sample for w in ws})
             feats: dict[int, FeatureSample] = {}
