@@ -214,3 +214,30 @@ def test_killed_conversion_leftovers_are_ignored_and_cleaned(fake_home, fake_con
     assert len(calls) == 1
     assert load_decoder(path).config.num_layers == 3
     assert not stale.exists() and fresh.exists()
+
+
+def test_weights_fingerprint_sees_every_byte(tmp_path, monkeypatch):
+    """Issue 16: the old fingerprint read the first MiB of each file, so a same-shape change
+    past it (a fine-tune that leaves the first embedding rows alone) kept the same id. The
+    content hash changes with any byte; older stored ids still match through the legacy one."""
+    from draftsmith.models.loading import (
+        legacy_weights_fingerprint,
+        same_weights,
+        weights_fingerprint,
+    )
+
+    monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path / "home"))
+    d = tmp_path / "m"
+    d.mkdir()
+    w = torch.zeros(3 * 2**18)  # 3 MiB of float32
+    save_file({"w": w}, str(d / "model.safetensors"))
+    new, old = weights_fingerprint(d), legacy_weights_fingerprint(d)
+    assert new.startswith("sha256:") and weights_fingerprint(d) == new  # stable (memoised)
+    w[-1] = 1.0  # past the first MiB, same shape and size
+    save_file({"w": w}, str(d / "model.safetensors"))
+    assert legacy_weights_fingerprint(d) == old  # the weakness: blind to it
+    changed = weights_fingerprint(d)
+    assert changed != new  # the content hash is not (the memo is keyed by size, mtime and inode)
+    assert same_weights(new, new) and same_weights(new, changed) is False
+    assert same_weights(old, changed, legacy=old)  # files written before the content hash
+    assert same_weights(None, changed) is None

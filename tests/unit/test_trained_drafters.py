@@ -17,6 +17,7 @@ round-trip, and a checkpoint for another target is refused.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -599,3 +600,17 @@ def test_build_vocab_map():
     assert (torch.arange(2) + d2t).tolist() == [0, 1]  # ties -> lower ids
     with pytest.raises(DraftsmithError):
         build_vocab_map(counts, 7)
+
+
+def test_init_from_target_copies_the_last_target_layers(target):
+    cfg = dspark.DSparkConfig(block_size=4, num_layers=2, rank=8, max_anchors=4, init_from_target=True)
+    model = dspark.build(target.model, cfg)
+    layers = list(target.model.model.layers)
+    for mine, theirs in zip(model.backbone.layers, layers[-2:]):
+        own = mine.state_dict()
+        assert own and all(torch.equal(own[k], theirs.state_dict()[k]) for k in own)
+    fresh = dspark.build(target.model, dspark.DSparkConfig(block_size=4, num_layers=2, rank=8, max_anchors=4))
+    w = fresh.backbone.layers[0].self_attn.q_proj.weight
+    assert not torch.equal(w, layers[-2].self_attn.q_proj.weight)  # off by default
+    with pytest.raises(DraftsmithError, match="init_from_target"):
+        dspark.build(target.model, dataclasses.replace(cfg, intermediate_size=8))

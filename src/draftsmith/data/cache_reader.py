@@ -61,10 +61,11 @@ class FeatureCache:
         return [sid for sh in self.manifest["shards"] for sid in sh["sample_ids"]]
 
     def validate(self, target_id: str | None = None, weights_hash: str | None = None,
-                 layer_ids: Sequence[int] | None = None, hidden_size: int | None = None) -> "FeatureCache":
+                 layer_ids: Sequence[int] | None = None, hidden_size: int | None = None,
+                 legacy_hash: str | None = None) -> "FeatureCache":
         """Check the cache against what the consumer needs; keeps only the requested layers."""
         check_compatible(f"feature cache {self.path}", manifest_view(self.manifest), target_id,
-                         weights_hash, layer_ids, hidden_size)
+                         weights_hash, layer_ids, hidden_size, legacy_hash)
         if layer_ids is not None:
             self.layer_ids = tuple(int(i) for i in layer_ids)
         return self

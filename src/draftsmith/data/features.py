@@ -24,6 +24,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.models.loading import same_weights
 from draftsmith.models.target import load_target
 
 STORE_DTYPES: dict[str, torch.dtype] = {
@@ -123,12 +124,12 @@ class FeatureProvider(Protocol):
 
 
 def check_compatible(what: str, have: Mapping[str, Any], target_id: str | None, weights_hash: str | None,
-                     layer_ids: Sequence[int] | None, hidden_size: int | None) -> None:
+                     layer_ids: Sequence[int] | None, hidden_size: int | None, legacy_hash: str | None = None) -> None:
     """Raise a DraftsmithError naming every mismatch between `have` and what is asked for."""
     problems = []
     if target_id is not None and target_id != have["target_id"]:
         problems.append(f"target is {have['target_id']!r}, expected {target_id!r}")
-    if weights_hash is not None and weights_hash != have["weights_hash"]:
+    if weights_hash is not None and same_weights(have["weights_hash"], weights_hash, legacy_hash) is False:
         problems.append(f"target weights hash is {have['weights_hash']}, expected {weights_hash} "
                         "(the checkpoint changed since the features were made)")
     if hidden_size is not None and int(hidden_size) != int(have["hidden_size"]):

@@ -65,6 +65,7 @@ from draftsmith.data.regen_records import (
 )
 from draftsmith.data.sources import load_mix
 from draftsmith.errors import DraftsmithError
+from draftsmith.models.loading import same_weights
 
 __all__ = [
     "FALLBACK_TEMPERATURE", "FALLBACK_TOP_P", "REGEN_FORMAT_VERSION",
@@ -128,7 +129,9 @@ class RegenSink:
 
 
 def _prepare_output(cfg: RegenConfig, target_info: Mapping[str, Any], sampling: RegenSampling | None,
-                    summary: RegenSummary, run_ids: set[str]) -> set[str]:
+                    summary: RegenSummary, run_ids: set[str], legacy: str | None = None) -> set[str]:
+    """Check what --out already holds against this run (`legacy`: the target's older-style
+    weights fingerprint, which records written before the content hash carry)."""
     out = Path(cfg.out)
     errs = errors_path(out)
     if out.exists() and out.stat().st_size > 0 and not (cfg.resume or cfg.overwrite):
@@ -145,7 +148,7 @@ def _prepare_output(cfg: RegenConfig, target_info: Mapping[str, Any], sampling: 
               "it will be regenerated", file=sys.stderr)
     for rec in done.values():
         h = (rec.get("target") or {}).get("weights_hash")
-        if h and h != target_info.get("weights_hash"):
+        if same_weights(h, target_info.get("weights_hash"), legacy) is False:
             raise DraftsmithError(f"cannot resume {out}: it was written by target weights {h}, this run uses "
                                   f"{target_info.get('weights_hash')}; use the same target or a new --out")
         old = {k: v for k, v in (rec.get("sampling") or {}).items() if k != "origin"}
@@ -180,7 +183,7 @@ def run_regen(cfg: RegenConfig, conversations: Sequence | None = None, backend=N
         backend = EndpointBackend(cfg) if cfg.endpoint else EngineBackend(cfg)
     summary = RegenSummary()
     done = _prepare_output(cfg, backend.target_info, getattr(backend, "sampling", None), summary,
-                           {c.id for c in conversations})
+                           {c.id for c in conversations}, backend.legacy_weights_hash)
     todo = [c for c in conversations if c.id not in done]
     summary.skipped_done = len(conversations) - len(todo)
     bar = tqdm(total=len(todo), unit="sample", desc="regen", file=sys.stderr, dynamic_ncols=True,

@@ -31,7 +31,7 @@ from draftsmith.data.regen_records import make_record
 from draftsmith.engine.builder import build_engine
 from draftsmith.errors import DraftsmithError
 from draftsmith.fileio import read_json
-from draftsmith.models.loading import load_tokenizer, read_config, weights_fingerprint
+from draftsmith.models.loading import legacy_weights_fingerprint, load_tokenizer, read_config, weights_fingerprint
 from draftsmith.models.registry import resolve_target
 from draftsmith.models.target import eos_token_ids, load_target
 
@@ -68,6 +68,7 @@ class EngineBackend:
         self.engine = build_engine(self.target, max_batch=cfg.batch_size, max_len=cfg.max_len or 2048)
         self.max_len = self.engine.max_len
         self.target_info = {"id": self.target.target_id, "weights_hash": self.target.weights_hash}
+        self.legacy_weights_hash = self.target.legacy_weights_hash
         self.prompt_log: list[tuple[str, int, list[int]]] | None = None  # tests: (id, turn, prompt ids)
 
     def _params(self, conv_id: str, k: int) -> SamplingParams:
@@ -168,6 +169,7 @@ class EndpointBackend:
         self.model_name = cfg.endpoint_model or self._served_model() or target_id
         self.target_info = {"id": target_id, "weights_hash": weights_fingerprint(path),
                             "endpoint": cfg.endpoint, "served_model": self.model_name}
+        self.legacy_weights_hash = legacy_weights_fingerprint(path)
         self.max_len = cfg.max_len
 
     def _served_model(self) -> str | None:

@@ -52,6 +52,7 @@ class BlockBackbone(nn.Module):
         mask_token_id: int,
         intermediate_size: int | None = None,
         draft_vocab_size: int | None = None,
+        init_from_target: bool = False,
     ) -> None:
         super().__init__()
         tc = target.config
@@ -74,12 +75,27 @@ class BlockBackbone(nn.Module):
         self.lm_rows: torch.Tensor | None = None  # the target's lm_head rows of the draft ids (derived)
         self._lm_pack = PackedWeight()  # lm_rows laid out for the CPU kernel at inference (models/linear.py)
         init_linear_(self)
+        if init_from_target:
+            self.init_layers_from(target)
         self._take_lm_rows()
         self.register_load_state_dict_post_hook(lambda module, _keys: module._take_lm_rows())
 
     @property
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
+
+    def init_layers_from(self, target: Decoder) -> None:
+        """Start draft layer j as a copy of target layer L − n + j (its last n layers: they
+        already map hidden states towards next-token logits through the same lm_head)."""
+        src = list(target.model.layers)[-len(self.layers):]
+        for mine, theirs in zip(self.layers, src):
+            own = mine.state_dict()
+            state = {k: v for k, v in theirs.state_dict().items() if k in own}
+            bad = [k for k in own if k not in state or state[k].shape != own[k].shape]
+            if bad:
+                raise DraftsmithError(f"init_from_target: draft layer tensors {bad[:3]} have no same-shaped "
+                                      "counterpart in the target's layers (a different intermediate_size?)")
+            mine.load_state_dict({k: v.detach().clone() for k, v in state.items()})
 
     # -- the draft vocabulary (identity maps when it is the target's)
 
@@ -235,6 +251,7 @@ class BlockConfig:
     ce_weight: float = 1.0
     tv_weight: float = 0.0
     kl_weight: float = 0.0  # KL(p_t ‖ p_d) per position (drafters/losses.py); 0 in the papers
+    init_from_target: bool = False  # start the draft layers as copies of the target's last layers
     position_decay: float | None = None  # w_k = exp(−(k−1)/d); None = block_size
 
     def __post_init__(self) -> None:

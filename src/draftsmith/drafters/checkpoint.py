@@ -28,6 +28,7 @@ from torch import nn
 from draftsmith.drafters.kind_config import config_from_dict, config_to_dict
 from draftsmith.errors import DraftsmithError
 from draftsmith.fileio import atomic_write
+from draftsmith.models.loading import same_weights
 from draftsmith.tensorfile import load_tensors, save_tensors
 
 FORMAT_VERSION = 1
@@ -78,14 +79,16 @@ def read_checkpoint_config(ckpt_dir: str | Path) -> dict[str, Any]:
 
 
 def check_target(raw: Mapping[str, Any], target_id: str, weights_hash: str | None, where: str,
-                 kind: str | None = None) -> None:
+                 kind: str | None = None, legacy_hash: str | None = None) -> None:
     """Refuse a checkpoint (its config.json `raw`) made for another target, or of another
     kind when `kind` is given. The rule is the module docstring's: the weights decide."""
     problems = []
     if kind is not None and raw.get("kind") != kind:
         problems.append(f"it is a {raw.get('kind')!r} drafter, not {kind!r} (use --drafter {raw.get('kind')}:{where})")
     ck_id, ck_hash = raw.get("target_id"), raw.get("target_weights_hash")
-    same = (ck_hash == weights_hash) if (ck_hash and weights_hash) else (ck_id == target_id)
+    same = same_weights(ck_hash, weights_hash, legacy_hash)
+    if same is None:
+        same = ck_id == target_id
     if not same:
         problems.append(f"it was trained for target {ck_id!r} (weights {ck_hash}), not {target_id!r} "
                         f"(weights {weights_hash}); use a drafter trained for this target")
@@ -149,7 +152,8 @@ def load_trained_model(ckpt_dir: str | Path, target, kind) -> nn.Module:
     refusing other targets and kinds, and load its weights."""
     d = Path(ckpt_dir)
     raw = read_checkpoint_config(d)
-    check_target(raw, target.target_id, getattr(target, "weights_hash", None), str(d), kind=kind.name)
+    check_target(raw, target.target_id, getattr(target, "weights_hash", None), str(d), kind=kind.name,
+                 legacy_hash=getattr(target, "legacy_weights_hash", None))
     fields = {f.name for f in dataclasses.fields(kind.config_cls)}
     config = config_from_dict({k: v for k, v in raw.items() if k in fields}, kind.config_cls, kind.name)
     model = kind.build(target.model, config)

@@ -148,6 +148,12 @@ def block_loss(
             total = total + coef.conf * conf
             parts["conf"] = float(conf.detach())
         parts["accept"] = float(weighted_mean(1.0 - 0.5 * l1.detach(), torch.ones_like(w)))
+        # T = 0 agreement: the draft's argmax is the target's (teacher-forced greedy acceptance)
+        d_arg = draft_logits.detach().argmax(-1)
+        same = ((d_arg if draft_ids is None else draft_ids[d_arg]) == target_logits.argmax(-1)).float()
+        parts["greedy"] = float(same.mean())
+        if bool((position == 0).any()):
+            parts["greedy@1"] = float(same[position == 0].mean())
     return LossTerms(total=total, parts=parts)
 
 

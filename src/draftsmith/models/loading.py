@@ -29,7 +29,8 @@ class LoadedTarget:
     tokenizer: object  # transformers tokenizer (chat template included when the model has one)
     target_id: str  # alias or directory name
     path: Path
-    weights_hash: str  # short hash of the safetensors index (names, shapes, file sizes)
+    weights_hash: str  # content hash of the weights files (`weights_fingerprint`)
+    legacy_weights_hash: str | None = None  # the pre-2026-12 first-MiB fingerprint, to read older files
 
 
 def read_config(path: Path) -> DecoderConfig:
@@ -39,8 +40,61 @@ def read_config(path: Path) -> DecoderConfig:
     return DecoderConfig.from_hf(read_json(cfg_file, "model config"))
 
 
+HASH_PREFIX = "sha256:"
+
+
 def weights_fingerprint(path: Path) -> str:
-    """Cheap, stable id of a checkpoint: hash of file names, sizes and the first MiB of each."""
+    """The identity of a model's weights: "sha256:" + 32 hex digits of a sha256 over every
+    *.safetensors file's name and full content (the sha256 of each file), so any changed byte
+    changes it. A file's sha256 is remembered in $DRAFTSMITH_HOME/weights-sha256.json under its
+    path, size, mtime and inode, so an unchanged target is hashed once (~0.5 s per GB)."""
+    h = hashlib.sha256()
+    for f in sorted(Path(path).glob("*.safetensors")):
+        h.update(f.name.encode() + b"\0" + _file_sha256(f).encode() + b"\0")
+    return HASH_PREFIX + h.hexdigest()[:32]
+
+
+def same_weights(stored: str | None, current: str | None, legacy: str | None = None) -> bool | None:
+    """Whether a stored weights hash names the current weights; None when either is unknown.
+    A stored hash of the older kind (no "sha256:" prefix) is compared with `legacy`."""
+    if not stored or not current:
+        return None
+    if stored.startswith(HASH_PREFIX) or legacy is None:
+        return stored == current
+    return stored == legacy
+
+
+def _file_sha256(f: Path) -> str:
+    from draftsmith.fileio import write_json_atomic
+    from draftsmith.models.registry import draftsmith_home
+
+    st = f.stat()
+    key = f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+    memo_file = draftsmith_home() / "weights-sha256.json"
+    try:
+        memo = json.loads(memo_file.read_text())
+        if not isinstance(memo, dict):
+            memo = {}
+    except (OSError, ValueError):
+        memo = {}
+    if key in memo:
+        return memo[key]
+    h = hashlib.sha256()
+    with open(f, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 22), b""):
+            h.update(chunk)
+    memo[key] = h.hexdigest()
+    try:
+        memo_file.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(memo_file, {k: v for k, v in memo.items() if Path(k.split("|")[0]).exists()})
+    except OSError:  # a read-only home: hash again next time
+        pass
+    return memo[key]
+
+
+def legacy_weights_fingerprint(path: Path) -> str:
+    """The fingerprint files written before the content hash carry: names, sizes and the first
+    MiB of each file (blind to a change past the first MiB; kept only to recognise them)."""
     h = hashlib.sha256()
     for f in sorted(path.glob("*.safetensors")):
         h.update(f.name.encode())

@@ -9,7 +9,13 @@ from pathlib import Path
 import torch
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.models.loading import LoadedTarget, load_decoder, load_tokenizer, weights_fingerprint
+from draftsmith.models.loading import (
+    LoadedTarget,
+    legacy_weights_fingerprint,
+    load_decoder,
+    load_tokenizer,
+    weights_fingerprint,
+)
 from draftsmith.models.registry import resolve_target
 from draftsmith.models.threads import configure_threads
 
@@ -65,7 +71,7 @@ def load_target(
     tok = load_tokenizer(path)
     return LoadedTarget(
         model=model, tokenizer=tok, target_id=target_id, path=path,
-        weights_hash=weights_fingerprint(path),
+        weights_hash=weights_fingerprint(path), legacy_weights_hash=legacy_weights_fingerprint(path),
     )
 
 

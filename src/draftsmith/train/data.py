@@ -131,7 +131,8 @@ class TrainData:
         path = Path(self.cfg.cache)
         self.source = f"feature cache {path}"
         cache = FeatureCache(path)
-        cache.validate(target_id=target.target_id, weights_hash=target.weights_hash, layer_ids=self.layer_ids,
+        cache.validate(target_id=target.target_id, weights_hash=target.weights_hash,
+                       legacy_hash=getattr(target, "legacy_weights_hash", None), layer_ids=self.layer_ids,
                        hidden_size=target.model.config.hidden_size)
         if not cache.manifest.get("complete", False):
             data = cache.manifest.get("data", {}).get("path") or "DATA"

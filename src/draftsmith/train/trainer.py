@@ -131,7 +131,8 @@ class Trainer:
         if self.resume:  # refuse a foreign checkpoint before anything else is loaded
             self.resume_from = ckpt_io.find_resume_checkpoint(self.out if self.resume is True else Path(self.resume))
             ckpt_io.check_target(ckpt_io.read_checkpoint_config(self.resume_from), self.target.target_id,
-                                 self.target.weights_hash, str(self.resume_from), kind=self.cfg.kind)
+                                 self.target.weights_hash, str(self.resume_from), kind=self.cfg.kind,
+                                 legacy_hash=self.target.legacy_weights_hash)
         entry = self.catalogue[self.cfg.kind]
         self.model = entry.build(self.target.model, resolve_for_target(self.cfg.drafter, self.target)).to(info.device)
         self.model.train()
