@@ -40,9 +40,17 @@ class Stage:
 BUILTIN = "dspark:smollm2-135m"  # the drafter that ships with the package (drafters/builtin.py)
 
 
+def builtin_drafters() -> tuple[str, ...]:
+    """("--drafter", BUILTIN) when the package carries the built-in drafter, else ()."""
+    from draftsmith.drafters.builtin import builtin_specs
+
+    return ("--drafter", BUILTIN) if BUILTIN in builtin_specs() else ()
+
+
 def stages() -> list[Stage]:
     d = ROOT
     ckpt = d / "dspark"
+    shipped = builtin_drafters()
     return [
         Stage("regen-train", ("regen", "--mix", "code:0.5,chat:0.5", "--split", "train",
               "--max-samples", str(16 * SCALE), "--max-tokens", "64", "--max-len", "640",
@@ -56,10 +64,10 @@ def stages() -> list[Stage]:
               f"out={ckpt}", f"data.cache={d / 'cache'}"), "--resume"),
         Stage("calibrate", ("calibrate", "--drafter", f"dspark:{ckpt}", "--data", str(d / "heldout.jsonl"),
               "--max-tokens", "32", "--temperature", "1")),
-        Stage("eval", ("eval", "--drafter", f"dspark:{ckpt}", "--drafter", BUILTIN, "--drafter", "ngram",
+        Stage("eval", ("eval", "--drafter", f"dspark:{ckpt}", *shipped, "--drafter", "ngram",
               "--tasks", "humaneval,mtbench",
               "--max-prompts", "2", "--max-tokens", "32", "--temperature", "1", "--out", str(d / "eval"))),
-        *(Stage(name, ("bench", "--drafter", "ngram", "--drafter", f"dspark:{ckpt}", "--drafter", BUILTIN,
+        *(Stage(name, ("bench", "--drafter", "ngram", "--drafter", f"dspark:{ckpt}", *shipped,
                        "--workload", workload,
                        "--concurrency", "1,4,16", "--requests", "4", "--max-tokens", "32", "--warmup", "1",
                        "--peers", "hf", "--dollars-per-hour", "0.10", "--out", str(d / out)), "--resume")
