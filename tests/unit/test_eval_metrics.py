@@ -182,3 +182,24 @@ def test_recording_policy_threshold_and_records():
     pol.update(seqs, prop, VerifyResult(tokens=torch.zeros(2, 4, dtype=torch.long), num_accepted=torch.tensor([0, 0])))
     assert pol.records[0].confidences == pytest.approx(tuple(sts.unscale([0.9, 0.5, 0.9], [2.0] * 3)))
     assert pol.records[0].committed == 3  # committed counts are per round (deltas)
+
+
+def test_report_markdown_opens_with_a_summary_and_ends_with_definitions():
+    from draftsmith.eval.jobs import render_markdown
+
+    s = {"rounds": 10, "tau": 2.5, "acceptance_rate": 0.3, "verify_rate": 1.0, "prefix_survival": [0.5, 0.2, 0.1],
+         "conditional_acceptance": [0.5, 0.4, 0.5]}
+    pos = lambda k, n: {"position": k, "cumulative": {"n": n, "ece": 0.0, "auroc": None, "brier": 0.0},  # noqa: E731
+                        "conditional": {"ece": 0.0}}
+    cal = {"before": {"positions": [pos(1, 10), pos(2, 0)]}, "after": {"positions": [pos(1, 10), pos(2, 0)]},
+           "source": "x"}
+    report = {"target": "t", "prompts": {"humaneval": 2}, "temperature": 0.0, "max_new_tokens": 8, "max_turns": 1,
+              "drafters": [{"label": "dspark:x", "tasks": {"humaneval": s}, "overall": s, "calibration": cal,
+                            "threshold_sweep": {"points": []}}],
+              "definitions": {"tau": "committed tokens per verification round"}}
+    md = render_markdown(report)
+    head = md.split("## Summary")[1].split("|")[0]
+    assert "dspark:x: each verification round committed 2.50 tokens on average of at most 4" in head
+    assert "30% of drafted tokens were accepted" in head
+    assert md.rstrip().endswith("- tau: committed tokens per verification round")
+    assert "| dspark:x | 2 | 0 | – | – |" in md  # a position no round reached shows no ECE of 0.000

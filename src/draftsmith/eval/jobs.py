@@ -210,11 +210,31 @@ def _series(xs: Sequence[float | None]) -> str:
     return " ".join(_f(x, 2) for x in xs)
 
 
+def summary_lines(report: dict) -> list[str]:
+    """One plain-language line per drafter: how many tokens a verification round commits."""
+    out = []
+    for d in report["drafters"]:
+        o = d["overall"]
+        tau, acc = o.get("tau"), o.get("acceptance_rate")
+        if tau is None:
+            out.append(f"- {d['label']}: no verification round ran (no prompt reached the drafter).")
+            continue
+        gamma = len(o.get("conditional_acceptance") or ()) or None
+        ceiling = f" of at most {gamma + 1}" if gamma else ""
+        out.append(f"- {d['label']}: each verification round committed {tau:.2f} tokens on average{ceiling} "
+                   f"(1.00 = no gain over plain decoding); {100 * (acc or 0):.0f}% of drafted tokens were accepted.")
+    return out
+
+
 def render_markdown(report: dict) -> str:
     lines = [f"# Drafter evaluation: {report['target']}", "",
              f"Held-out prompts ({', '.join(f'{t}: {n}' for t, n in report['prompts'].items())}), "
              f"temperature {report['temperature']:g}, up to {report['max_new_tokens']} new tokens per turn, "
              f"{report['max_turns']} turn(s). τ counts the bonus token.", "",
+             "## Summary", "", *summary_lines(report), "",
+             "τ is what a drafter can buy: wall-clock speed also depends on what drafting and a K-token "
+             "verification cost on this machine (`draftsmith bench` measures that side by side with plain "
+             "decoding).", "",
              "| drafter | task | rounds | τ | acceptance | verify rate | prefix survival k=1.. | conditional acceptance k=1.. |",
              "|---|---|---|---|---|---|---|---|"]
     for d in report["drafters"]:
@@ -230,6 +250,9 @@ def render_markdown(report: dict) -> str:
         for d in cal:
             b, a = d["calibration"]["before"]["positions"], d["calibration"]["after"]["positions"]
             for pb, pa in zip(b, a):
+                if not pb["cumulative"]["n"]:  # no round reached this position: nothing to score
+                    lines.append(f"| {d['label']} | {pb['position']} | 0 | – | – | – | – | – | – | – |")
+                    continue
                 lines.append(f"| {d['label']} | {pb['position']} | {pb['cumulative']['n']} | "
                              f"{_f(pb['cumulative']['ece'])} | {_f(pa['cumulative']['ece'])} | "
                              f"{_f(pb['cumulative']['auroc'])} | {_f(pb['cumulative']['brier'])} | "
@@ -248,6 +271,8 @@ def render_markdown(report: dict) -> str:
                                  f"{_f(p['verify_rate'], 2)} |")
     if report.get("plots"):
         lines += ["", "## Plots", ""] + [f"- {k}: `{Path(v).name}`" for k, v in report["plots"].items()]
+    if report.get("definitions"):
+        lines += ["", "## Definitions", ""] + [f"- {k}: {v}" for k, v in report["definitions"].items()]
     return "\n".join(lines) + "\n"
 
 

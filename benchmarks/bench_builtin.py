@@ -1,0 +1,163 @@
+"""The built-in DSpark drafter against plain decoding, on held-out prompts (issue 12 goals).
+
+    .venv/bin/python benchmarks/bench_builtin.py [--work runs/bench-builtin] [--drafter dspark:smollm2-135m]
+        [--eval-prompts 12] [--tokens 128] [--requests 8] [--tiers 1,4,16,32] [--tier-requests 2]
+
+Every stage is a plain `draftsmith` CLI call, skipped when its report exists (delete it to redo):
+
+1. eval   held-out HumanEval + MT-Bench, T = 0, γ = the drafter's block size: τ, conditional
+          acceptance per position; n-gram prompt lookup as the training-free reference
+2. bench  batch 1 (concurrency 1), the default policy (fixed K = γ), T = 0, --tokens new tokens:
+          plain vs the drafter vs n-gram stepped side by side on held-out HumanEval, then MT-Bench;
+          every speculative output is compared with plain decoding's (a difference voids it)
+3. tiers  the prefix scheduler at each serving tier (--tiers), held-out HumanEval prompts:
+          the speedup must never fall below ~1 (it turns speculation off where it does not pay)
+
+Writes <work>/results.json, benchmarks/results/bench_builtin.json and its BENCHMARKS.md section.
+Run on an idle machine: every number here is a ratio measured in one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import sections
+
+ROOT = Path(__file__).resolve().parents[1]
+BEGIN, END = "<!-- bench_builtin:begin -->", "<!-- bench_builtin:end -->"
+WORKLOADS = ("humaneval", "mtbench")
+
+
+def cli(*argv: str) -> None:
+    print("$ draftsmith " + " ".join(argv), flush=True)
+    if subprocess.call([sys.executable, "-m", "draftsmith", *argv], cwd=ROOT) != 0:
+        raise SystemExit(f"stage failed: draftsmith {' '.join(argv)}")
+
+
+def _f(x, nd=2) -> str:
+    return "–" if x is None else f"{x:.{nd}f}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--work", type=Path, default=ROOT / "runs" / "bench-builtin")
+    ap.add_argument("--drafter", default="dspark:smollm2-135m")
+    ap.add_argument("--eval-prompts", type=int, default=12)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--tiers", default="1,4,16,32")
+    ap.add_argument("--tier-requests", type=int, default=2, help="requests per tier = this x concurrency")
+    ap.add_argument("--tier-tokens", type=int, default=64)
+    ap.add_argument("--no-md", action="store_true")
+    args = ap.parse_args()
+    w = args.work
+    w.mkdir(parents=True, exist_ok=True)
+    stage_s: dict[str, float] = {}
+    t_all = time.perf_counter()
+
+    def stage(name: str, out: Path, *argv: str) -> None:
+        if (out / "report.json").is_file():
+            print(f"== {name}: reused {out}", flush=True)
+            return
+        t0 = time.perf_counter()
+        cli(*argv, "--out", str(out))
+        stage_s[name] = round(time.perf_counter() - t0, 1)
+
+    stage("eval-T0", w / "eval-T0", "eval", "--drafter", args.drafter, "--drafter", "ngram",
+          "--tasks", ",".join(WORKLOADS), "--max-prompts", str(args.eval_prompts),
+          "--max-tokens", str(args.tokens), "--temperature", "0")
+    for wl in WORKLOADS:
+        stage(f"bench-{wl}", w / f"bench-{wl}", "bench", "--drafter", args.drafter, "--drafter", "ngram",
+              "--workload", wl, "--concurrency", "1", "--requests", str(args.requests),
+              "--max-tokens", str(args.tokens), "--warmup", "1", "--temperature", "0")
+    tiers = [int(c) for c in args.tiers.split(",")]
+    stage("tiers", w / "tiers", "bench", "--drafter", args.drafter, "--policy", "prefix-scheduler",
+          "--workload", "humaneval", "--concurrency", args.tiers,
+          "--requests", str(args.tier_requests * max(tiers)), "--max-tokens", str(args.tier_tokens),
+          "--warmup", "1", "--temperature", "0")
+
+    res = collect(w, args)
+    res["setup"] = {"drafter": args.drafter, "eval_prompts": args.eval_prompts, "tokens": args.tokens,
+                    "requests": args.requests, "tiers": tiers, "tier_requests": args.tier_requests,
+                    "tier_tokens": args.tier_tokens, "machine": f"{platform.machine()} {os.cpu_count()} CPUs",
+                    "stage_s": stage_s, "wall_s": round(time.perf_counter() - t_all, 1),
+                    "loadavg_end": os.getloadavg()}
+    (w / "results.json").write_text(json.dumps(res, indent=1))
+    dest = ROOT / "benchmarks" / "results" / "bench_builtin.json"
+    dest.write_text(json.dumps(res, indent=1))
+    print(f"wrote {dest}")
+    if not args.no_md:
+        sections.write_section(BEGIN, END, markdown(res))
+    return 0
+
+
+def collect(w: Path, args) -> dict:
+    res: dict = {"eval": {}, "bench": {}, "tiers": []}
+    ev = json.loads((w / "eval-T0" / "report.json").read_text())
+    for d in ev["drafters"]:
+        res["eval"][d["label"]] = {
+            "tau": d["overall"]["tau"], "tasks": {t: v["tau"] for t, v in d["tasks"].items()},
+            "conditional_acceptance": d["overall"]["conditional_acceptance"],
+            "acceptance_rate": d["overall"]["acceptance_rate"]}
+    res["eval_prompts"] = ev.get("prompts")
+    for wl in WORKLOADS:
+        rep = json.loads((w / f"bench-{wl}" / "report.json").read_text())
+        res["bench"][wl] = {r["label"]: {"speedup": r["speedup"], "tokens_per_s": r["system_tokens_per_s"],
+                                         "tau": r["tau"], "acceptance": r["acceptance_rate"],
+                                         "spread": r.get("speedup_spread"), "void": r.get("void")}
+                            for r in rep["tiers"][0]["results"]}
+    rep = json.loads((w / "tiers" / "report.json").read_text())
+    for t in rep["tiers"]:
+        for r in t["results"]:
+            if r["label"] != "none":
+                res["tiers"].append({"concurrency": t["concurrency"], "label": r["label"], "speedup": r["speedup"],
+                                     "tau": r["tau"], "void": r.get("void"),
+                                     "requests": r.get("requests", r.get("n"))})
+    return res
+
+
+def markdown(r: dict) -> str:
+    s = r["setup"]
+    d = s["drafter"]
+    lines = ["## Built-in drafter: `" + d + "` against plain decoding (issue 12)", "",
+             f"`benchmarks/bench_builtin.py` (JSON: `benchmarks/results/bench_builtin.json`). Machine: "
+             f"{s['machine']}, no GPU, float32 target, T = 0, held-out prompts only. How the drafter was made: "
+             "`src/draftsmith/builtin/dspark/smollm2-135m/TRAINING.md`.", "",
+             f"Held-out τ (tokens per verification round, bonus included; γ = the drafter's block size), "
+             f"{s['eval_prompts']} prompts per task, {s['tokens']} new tokens per turn:", "",
+             "| drafter | τ HumanEval | τ MT-Bench | τ all | acceptance | conditional acceptance k = 1.. |",
+             "|---|---|---|---|---|---|"]
+    for lab, e in r["eval"].items():
+        ca = ", ".join(_f(x) for x in e["conditional_acceptance"])
+        lines.append(f"| {lab} | {_f(e['tasks'].get('humaneval'))} | {_f(e['tasks'].get('mtbench'))} | "
+                     f"{_f(e['tau'])} | {_f(e['acceptance_rate'])} | {ca} |")
+    lines += ["", f"Batch 1 wall clock (`draftsmith bench`, concurrency 1, {s['requests']} held-out requests × "
+              f"{s['tokens']} tokens, default policy = fixed K, plain decoding stepped side by side in the same run; "
+              "speedup = tokens/s ÷ plain's):", "",
+              "| workload | drafter | speedup | tokens/s | τ | acceptance | outputs = plain |", "|---|---|---|---|---|---|---|"]
+    for wl, rows in r["bench"].items():
+        for lab, x in rows.items():
+            if lab == "none":
+                lines.append(f"| {wl} | plain | 1.00 | {_f(x['tokens_per_s'], 1)} | – | – | – |")
+                continue
+            lines.append(f"| {wl} | {lab} | {_f(x['speedup'])} | {_f(x['tokens_per_s'], 1)} | {_f(x['tau'])} | "
+                         f"{_f(x['acceptance'])} | {'NO (void)' if x['void'] else 'yes'} |")
+    lines += ["", f"Serving tiers with the prefix scheduler (held-out HumanEval, {s['tier_tokens']} tokens, "
+              f"{s['tier_requests']} × concurrency requests per tier):", "",
+              "| concurrency | speedup vs plain | τ | outputs = plain |", "|---|---|---|---|"]
+    for t in r["tiers"]:
+        lines.append(f"| {t['concurrency']} | {_f(t['speedup'])} | {_f(t['tau'])} | "
+                     f"{'NO (void)' if t['void'] else 'yes'} |")
+    lines += ["", f"Stage times (s): {s['stage_s']}; load average at the end {s['loadavg_end'][0]:.1f}."]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
