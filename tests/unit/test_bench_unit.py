@@ -96,12 +96,12 @@ def test_verdicts():
     assert verdict({}, None, is_baseline=True)["decision"] == "baseline"
     assert verdict({"void": True, "void_reason": "2 of 8 differ"}, base) == {
         "decision": "void", "reason": "2 of 8 differ", "flags": []}
-    v = verdict({"acceptance_rate": 0.4, "draft_proposed": 10, "speedup": 1.3}, base)
-    assert v["decision"] == "no-go" and v["reason"] == "faster (1.30×) but acceptance 0.40 < 0.5"
+    v = verdict({"acceptance_rate": 0.2, "draft_proposed": 10, "speedup": 1.3}, base)
+    assert v["decision"] == "go" and v["reason"] == "1.30× the baseline's tokens/s, acceptance 0.20"  # speed decides
     v = verdict({"acceptance_rate": 0.8, "draft_proposed": 10, "speedup": 0.9}, base)
     assert v["decision"] == "no-go" and "slower than the baseline: 0.90×" in v["reason"]
     v = verdict({"acceptance_rate": 0.3, "draft_proposed": 10, "speedup": 0.9}, base)
-    assert "acceptance" in v["reason"] and "slower" in v["reason"]
+    assert v["decision"] == "no-go" and "acceptance 0.30" in v["reason"] and "slower" in v["reason"]
     assert verdict({"acceptance_rate": None, "draft_proposed": 0, "speedup": 1.2}, base)["decision"] == "no-go"
     v = verdict({"acceptance_rate": 0.7, "draft_proposed": 10, "speedup": 1.25}, base)
     assert v["decision"] == "go" and v["reason"].startswith("1.25×")
