@@ -122,3 +122,24 @@ def test_dflash_to_speculators_and_the_cli(tmp_path, qwen3, capsys):
     assert main(["export", "--target", str(qwen3.path), "--drafter", "ngram", "--format", "speculators",
                  "--out", str(tmp_path / "x")]) == 2
     assert "no trained weights" in capsys.readouterr().err
+
+
+def test_block_drafter_of_a_llama_target_exports_with_qk_norm_layers(tmp_path, llama):
+    """drafter.qk_norm=true gives a Llama-style target's DSpark drafter Qwen3-style layers,
+    the only block layers speculators / vLLM have: it exports, q/k norm weights included, and
+    still drafts losslessly here (greedy == plain)."""
+    from draftsmith import LLM, SamplingParams
+
+    cfg_ = dspark.DSparkConfig(block_size=3, num_layers=1, rank=8, qk_norm=True, init_from_target=True)
+    model = dspark.build(llama.model, cfg_)
+    assert model.backbone.cfg.qk_norm and not llama.model.config.qk_norm
+    cfg, t = _export(tmp_path, llama, model, "speculators")
+    assert cfg["transformer_layer_config"]["model_type"] == "qwen3"
+    assert {"layers.0.self_attn.q_norm.weight", "layers.0.self_attn.k_norm.weight"} <= set(t)
+    ckpt = tmp_path / "ckpt"
+    p = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    spec = LLM(str(llama.path), drafter=f"dspark:{ckpt}", max_len=64).generate(["hi there"], p)[0].token_ids
+    assert spec == LLM(str(llama.path), max_len=64).generate(["hi there"], p)[0].token_ids
+    with pytest.raises(DraftsmithError, match="drafter.qk_norm=true"):  # the default follows the target
+        _export(tmp_path / "b", llama, dspark.build(llama.model, dspark.DSparkConfig(block_size=3, num_layers=1,
+                                                                                      rank=8)), "speculators")

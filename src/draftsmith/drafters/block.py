@@ -53,11 +53,13 @@ class BlockBackbone(nn.Module):
         intermediate_size: int | None = None,
         draft_vocab_size: int | None = None,
         init_from_target: bool = False,
+        qk_norm: bool | None = None,
     ) -> None:
         super().__init__()
         tc = target.config
         self.cfg = dataclasses.replace(
-            tc, num_layers=num_layers, intermediate_size=intermediate_size or tc.intermediate_size
+            tc, num_layers=num_layers, intermediate_size=intermediate_size or tc.intermediate_size,
+            qk_norm=tc.qk_norm if qk_norm is None else bool(qk_norm),
         )
         self.layer_ids = tuple(int(i) for i in layer_ids)
         self.mask_token_id = int(mask_token_id)
@@ -91,6 +93,8 @@ class BlockBackbone(nn.Module):
         for mine, theirs in zip(self.layers, src):
             own = mine.state_dict()
             state = {k: v for k, v in theirs.state_dict().items() if k in own}
+            # q/k norms the target lacks (drafter.qk_norm=true on a Llama-style target) start at 1
+            state.update({k: v for k, v in own.items() if k not in state and k.endswith(("q_norm.weight", "k_norm.weight"))})
             bad = [k for k in own if k not in state or state[k].shape != own[k].shape]
             if bad:
                 raise DraftsmithError(f"init_from_target: draft layer tensors {bad[:3]} have no same-shaped "
@@ -252,6 +256,9 @@ class BlockConfig:
     tv_weight: float = 0.0
     kl_weight: float = 0.0  # KL(p_t ‖ p_d) per position (drafters/losses.py); 0 in the papers
     init_from_target: bool = False  # start the draft layers as copies of the target's last layers
+    # q/k RMSNorm in the draft layers; None = as the target. True lets a drafter of a target
+    # without them (Llama, SmolLM) export to vLLM / speculators, whose block layers are Qwen3's
+    qk_norm: bool | None = None
     position_decay: float | None = None  # w_k = exp(−(k−1)/d); None = block_size
 
     def __post_init__(self) -> None:

@@ -40,7 +40,7 @@ class DFlashModel(BlockModel):
         self.config = resolve_block_config(config, target)
         c = self.config
         self.backbone = BlockBackbone(target, c.layer_ids, c.num_layers, c.mask_token_id, c.intermediate_size,
-                                      c.draft_vocab_size, c.init_from_target)
+                                      c.draft_vocab_size, c.init_from_target, c.qk_norm)
 
     def training_loss(self, batch: TrainBatch, generator: torch.Generator | None = None) -> LossOutput:
         c = self.config

@@ -133,7 +133,7 @@ class DSparkModel(BlockModel):
         self.config = resolve_block_config(config, target)
         c = self.config
         self.backbone = BlockBackbone(target, c.layer_ids, c.num_layers, c.mask_token_id, c.intermediate_size,
-                                      c.draft_vocab_size, c.init_from_target)
+                                      c.draft_vocab_size, c.init_from_target, c.qk_norm)
         self.seq_head = SequentialHead(c.head, self.backbone.draft_size, target.config.hidden_size, c.rank,
                                        extra_rows=int(self.backbone.vocab is not None))
 

@@ -87,8 +87,8 @@ def _check_attention(dec_cfg, fmt: str, kind: str) -> None:
                               "export this drafter with --format speculators (vLLM) instead")
     if kind != "eagle3" and not dec_cfg.qk_norm:
         raise DraftsmithError(
-            f"every {kind} format's draft layers have q/k norms, and ours follow the target, which has "
-            f"none ({dec_cfg.model_type}); only drafters of Qwen3-style targets export today")
+            f"every {kind} format's draft layers have q/k norms (Qwen3 layers), and this drafter's have none "
+            f"(they follow its {dec_cfg.model_type} target); train it with drafter.qk_norm=true to export it")
 
 
 # ---------------------------------------------------------------------------- EAGLE-3
@@ -156,7 +156,7 @@ def _sglang_eagle3(model, target, hf):
 def _speculators_block(model, target, hf):
     dec = target.model.config
     kind = model.config.kind
-    _check_attention(dec, "speculators", kind)
+    _check_attention(model.backbone.cfg, "speculators", kind)  # the draft layers' own attention
     c = model.config
     state = model.state_dict()
     V = dec.vocab_size
