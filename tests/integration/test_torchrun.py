@@ -74,3 +74,7 @@ def test_two_gloo_processes_train_like_one(setup):
     assert step == STEPS and state["world_size"] == 2 and len(state["rng"]) == 2
     meta = json.loads((ckpt / "train_state" / "meta.json").read_text())
     assert meta["world_size"] == 2
+    # both ranks ended with bit-identical weights (each checkpoint gathers a digest per rank and
+    # refuses to save diverged replicas), and the saved weights are those
+    digests = meta["rank_weight_digests"]
+    assert len(digests) == 2 and digests[0] == digests[1]

@@ -299,3 +299,19 @@ def test_heldout_evaluation_at_every_checkpoint(target_dir, cache_dir, tmp_path)
     cfg = dataclasses.replace(cfg, out=tmp_path / "run2", data=dataclasses.replace(cfg.data, eval_cache=only_train))
     with pytest.raises(DraftsmithError, match="no held-out data"):
         Trainer(cfg, CATALOGUE).fit()
+
+
+def test_diverged_replicas_are_refused_at_the_checkpoint(target_dir, cache_dir, tmp_path, monkeypatch):
+    """Each checkpoint gathers every rank's weight digest; replicas that differ (gradients never
+    averaged) stop the run with a clear error instead of saving one rank's weights."""
+    from draftsmith.train import distributed as dist_util
+
+    real = dist_util.gather_objects
+    monkeypatch.setattr(dist_util, "gather_objects",
+                        lambda obj, info: real(obj, info) + (["0" * 16] if isinstance(obj, str) else [obj]))
+    with pytest.raises(DraftsmithError, match="different weights at step 3"):
+        Trainer(make_cfg(target_dir, cache_dir, tmp_path / "run", max_steps=6), CATALOGUE).fit()
+    monkeypatch.setattr(dist_util, "gather_objects", real)
+    Trainer(make_cfg(target_dir, cache_dir, tmp_path / "ok", max_steps=3), CATALOGUE).fit()
+    meta = json.loads((tmp_path / "ok" / "checkpoint-00000003" / "train_state" / "meta.json").read_text())
+    assert len(meta["rank_weight_digests"]) == 1

@@ -15,6 +15,7 @@ from a short timing probe (whose effects are undone) and stops at the deadline r
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import shutil
@@ -237,8 +238,20 @@ class Trainer:
 
     # ---- checkpoints -----------------------------------------------------------------------
 
+    def _weights_digest(self) -> str:
+        """sha256 of this rank's trainable weights (bytes, in name order)."""
+        h = hashlib.sha256()
+        for n in sorted(self.params):
+            h.update(n.encode())
+            h.update(self.params[n].detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()[:16]
+
     def _save(self, last_loss: float | None) -> Path | None:
         rngs = dist_util.gather_objects(ckpt_io.rng_state(), self.info)
+        digests = dist_util.gather_objects(self._weights_digest(), self.info)
+        if len(set(digests)) > 1:  # DDP keeps replicas identical; anything else is a bug, not noise
+            raise DraftsmithError(f"the {len(digests)} processes hold different weights at step {self.step} "
+                                  f"(digests {digests}); their gradients were not averaged")
         path = None
         if self.info.is_main:
             pos = self.data.position(self.step)
@@ -247,6 +260,7 @@ class Trainer:
                      "data_position": pos}
             meta = {"step": self.step, "total_steps": self.total_steps, "epoch": pos["epoch"],
                     "data_position": pos, "loss": last_loss, "world_size": self.info.world_size,
+                    "rank_weight_digests": digests,
                     "elapsed_s": round(time.perf_counter() - self.t_start, 3), "run_config": self.cfg.to_dict()}
             # the model's whole state dict: trainable parameters and persistent buffers (e.g. EAGLE-3's
             # vocabulary maps); the target's embedding / lm_head are shared by reference, not in it
