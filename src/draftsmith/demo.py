@@ -37,6 +37,12 @@ class Stage:
     resume_flag: str | None = None  # passed when the stage was started but not finished
 
 
+# What each stage took on an idle 2-core CPU (AMD EPYC Zen 4) at DRAFTSMITH_DEMO_SCALE=1, to
+# tell a newcomer what to expect; train scales with the budget, the rest roughly with SCALE.
+EXPECTED_MIN = {"regen-train": 1.0, "regen-heldout": 0.5, "cache": 0.5, "train": 3.0, "calibrate": 0.5,
+                "eval": 1.5, "bench": 2.5, "bench-chat": 2.5}
+
+
 BUILTIN = "dspark:smollm2-135m"  # the drafter that ships with the package (drafters/builtin.py)
 
 
@@ -70,7 +76,7 @@ def stages() -> list[Stage]:
         *(Stage(name, ("bench", "--drafter", "ngram", "--drafter", f"dspark:{ckpt}", *shipped,
                        "--workload", workload,
                        "--concurrency", "1,4,16", "--requests", "4", "--max-tokens", "32", "--warmup", "1",
-                       "--peers", "hf", "--dollars-per-hour", "0.10", "--out", str(d / out)), "--resume")
+                       "--peers", "hf", "--dollars-per-hour", "0.10", "--no-table", "--out", str(d / out)), "--resume")
           for name, workload, out in BENCHES),
     ]
 
@@ -79,16 +85,18 @@ def stages() -> list[Stage]:
 BENCHES = (("bench", "humaneval", "bench"), ("bench-chat", "mtbench", "bench-chat"))
 
 
-def run_stage(stage: Stage) -> None:
+def run_stage(stage: Stage, index: int = 1, total: int = 1) -> None:
     done = ROOT / f".{stage.name}.done"
     started = ROOT / f".{stage.name}.started"
     if done.exists():
-        print(f"== {stage.name}: done earlier, reused ({done})", flush=True)
+        print(f"== [{index}/{total}] {stage.name}: done earlier, reused ({done})", flush=True)
         return
     argv = [sys.executable, "-m", "draftsmith", *stage.argv]
     if started.exists() and stage.resume_flag:
         argv.append(stage.resume_flag)
-    print(f"\n== {stage.name}: draftsmith {' '.join(argv[3:])}", flush=True)
+    minutes = EXPECTED_MIN.get(stage.name)
+    expect = f" (~{minutes * SCALE:g} min on 2 cores)" if minutes else ""
+    print(f"\n== [{index}/{total}] {stage.name}{expect}: draftsmith {' '.join(argv[3:])}", flush=True)
     started.touch()
     t0 = time.perf_counter()
     rc = subprocess.call(argv)
@@ -103,12 +111,18 @@ def main() -> int:
     ROOT.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     print(f"draftsmith demo: mint → verify → decide on smollm2-135m (outputs in {ROOT}/)", flush=True)
-    for stage in stages():
-        run_stage(stage)
+    todo = stages()
+    for i, stage in enumerate(todo, 1):
+        run_stage(stage, i, len(todo))
     from draftsmith.bench import headline_table
 
     print(f"\n== done in {(time.perf_counter() - t0) / 60:.1f} min")
-    print(f"eval report:  {ROOT / 'eval' / 'report.md'}")
+    eval_json = ROOT / "eval" / "report.json"
+    if eval_json.is_file():
+        from draftsmith.eval.jobs import summary_lines
+
+        print(f"\n-- eval on held-out prompts: {ROOT / 'eval' / 'report.md'}\n")
+        print("\n".join(summary_lines(json.loads(eval_json.read_text()))))
     for _, workload, out in BENCHES:
         print(f"\n-- bench on {workload} prompts: {ROOT / out / 'report.md'} (+ report.json, PNG plots)\n")
         print(headline_table(ROOT / out / "report.json"))

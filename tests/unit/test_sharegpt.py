@@ -146,3 +146,19 @@ def test_real_package_file_first_records_stream_without_reading_the_whole_file()
     with open(path, "rb") as stream:
         stream.seek(-64, io.SEEK_END)
         assert not stream.read().rstrip().endswith(b"]")
+
+
+def test_a_known_cut_is_not_reported_as_damage(tmp_path: Path, caplog) -> None:
+    """The packaged dump ends mid-record by design: reaching its cut is logged at debug level
+    (issue 15: a warning on every run read like corruption); an unexpected cut still warns."""
+    import logging
+
+    text, _ = _array_text([_record(i) for i in range(3)])
+    path = tmp_path / "cut.json"
+    path.write_bytes(text[: text.index("answer 2") + 3].encode("utf-8"))
+    with caplog.at_level(logging.DEBUG, logger="draftsmith.data.sharegpt"):
+        assert len(list(iter_sharegpt(path, known_truncated=True))) == 2
+        assert [r.levelno for r in caplog.records] == [logging.DEBUG]
+        caplog.clear()
+        assert len(list(iter_sharegpt(path))) == 2
+        assert [r.levelno for r in caplog.records] == [logging.WARNING]

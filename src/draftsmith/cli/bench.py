@@ -54,6 +54,8 @@ def add_parser(sub) -> None:
     b.add_argument("--resume", action="store_true", help="keep finished tiers in --out and run the rest")
     b.add_argument("--overwrite", action="store_true", help="discard earlier results in --out")
     add_progress(b)
+    b.add_argument("--no-table", action="store_true",
+                   help="do not print the headline table at the end (the report files have it)")
     b.add_argument("--json", action="store_true", help="print report.json to stdout")
     b.set_defaults(func=cmd_bench)
 
@@ -78,6 +80,7 @@ def cmd_bench(args) -> int:
     path = run_bench(cfg)
     if args.json:
         print(path.read_text())
-    print(headline_table(path), file=sys.stderr)
+    if not args.no_table:
+        print(headline_table(path), file=sys.stderr)
     print(f"bench: report -> {path}, {path.with_name('report.md')}", file=sys.stderr)
     return 0

@@ -43,13 +43,17 @@ class JsonArrayReader:
     """
 
     def __init__(self, stream: IO[bytes], *, name: str = "<stream>",
-                 chunk_bytes: int = 1 << 20, max_record_chars: int = 1 << 26) -> None:
+                 chunk_bytes: int = 1 << 20, max_record_chars: int = 1 << 26,
+                 known_truncated: bool = False) -> None:
+        """`known_truncated`: the cut is a known property of the file (the packaged dump), so
+        reaching it is logged at debug level, not as a warning that reads like damage."""
         if chunk_bytes <= 0 or max_record_chars <= 0:
             raise ValueError("chunk_bytes and max_record_chars must be positive")
         self._stream = stream
         self._name = name
         self._chunk_bytes = chunk_bytes
         self._max_record_chars = max_record_chars
+        self._known_truncated = known_truncated
         self.records = 0
         self.complete = False
         self.truncated = False
@@ -134,8 +138,9 @@ class JsonArrayReader:
 
     def _stop_truncated(self, at_char: int) -> None:
         self.truncated = True
-        log.warning("%s: file ends inside the JSON array at char %d; kept the %d complete "
-                    "records before it", self._name, at_char, self.records)
+        log.log(logging.DEBUG if self._known_truncated else logging.WARNING,
+                "%s: file ends inside the JSON array at char %d; kept the %d complete records before it",
+                self._name, at_char, self.records)
 
 
 def _may_be_incomplete(err: json.JSONDecodeError, buffered: int) -> bool:
@@ -172,10 +177,13 @@ def sharegpt_messages(record: Any) -> tuple[dict[str, str], ...] | None:
     return tuple(messages)
 
 
-def iter_sharegpt(path: Path, *, chunk_bytes: int = 1 << 20) -> Iterator[tuple[str, tuple[dict[str, str], ...]]]:
-    """Yield (original id, messages) for every usable, complete record of a ShareGPT file."""
+def iter_sharegpt(path: Path, *, chunk_bytes: int = 1 << 20,
+                  known_truncated: bool = False) -> Iterator[tuple[str, tuple[dict[str, str], ...]]]:
+    """Yield (original id, messages) for every usable, complete record of a ShareGPT file
+    (`known_truncated`: see JsonArrayReader)."""
     with open(path, "rb") as stream:
-        for record in JsonArrayReader(stream, name=str(path), chunk_bytes=chunk_bytes):
+        for record in JsonArrayReader(stream, name=str(path), chunk_bytes=chunk_bytes,
+                                      known_truncated=known_truncated):
             messages = sharegpt_messages(record)
             record_id = record.get("id") if isinstance(record, dict) else None
             if messages is not None and isinstance(record_id, str) and record_id:

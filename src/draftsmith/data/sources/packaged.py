@@ -120,7 +120,8 @@ class ShareGPTSource:
     def _all(self) -> Iterator[Conversation]:
         path = self.path or package_file(SHAREGPT_PACKAGE[0], *SHAREGPT_PACKAGE[1:])
         seen: set[str] = set()
-        for record_id, messages in iter_sharegpt(path):
+        # the packaged dump is known to end mid-record: reaching the cut is not news to a user
+        for record_id, messages in iter_sharegpt(path, known_truncated=self.path is None):
             if record_id in seen:
                 log.warning("%s: skipping repeated id %r", path, record_id)
                 continue
