@@ -56,7 +56,7 @@ def test_config_count_that_is_not_a_number(tiny_model_dir):
 
 # ---- the parser itself: version, option names, help ------------------------------------------------
 
-PIPELINE = ["regen", "cache", "train", "calibrate", "eval", "bench", "generate", "serve", "export", "profile"]
+PIPELINE = ["regen", "cache", "train", "calibrate", "eval", "bench", "generate", "serve", "export", "import", "profile"]
 
 
 def _job_parsers() -> dict:

@@ -143,3 +143,98 @@ def test_block_drafter_of_a_llama_target_exports_with_qk_norm_layers(tmp_path, l
     with pytest.raises(DraftsmithError, match="drafter.qk_norm=true"):  # the default follows the target
         _export(tmp_path / "b", llama, dspark.build(llama.model, dspark.DSparkConfig(block_size=3, num_layers=1,
                                                                                       rank=8)), "speculators")
+
+
+# ---------------------------------------------------------------------------- import
+
+
+def _round_trip(tmp_path, target, model):
+    from draftsmith.export.importing import import_drafter
+
+    src = export_drafter(_ckpt(tmp_path, target, model), target, "speculators", tmp_path / "spec")
+    back = import_drafter(src, target, tmp_path / "imported")
+    return src, back
+
+
+@pytest.mark.parametrize("which", ["eagle3-full", "eagle3-small", "dflash", "dspark-small", "dspark-rnn-qk"])
+def test_speculators_import_inverts_export(tmp_path, llama, qwen3, which):
+    """export -> import gives the same config and bit-equal weights, and the imported drafter
+    proposes exactly what the original does (greedy outputs equal, same acceptance)."""
+    from draftsmith import LLM, SamplingParams
+    from draftsmith.drafters.registry import load_checkpoint_model
+
+    V = llama.model.config.vocab_size
+    target = qwen3 if which == "dflash" else llama
+    torch.manual_seed(3)
+    model = {
+        "eagle3-full": lambda: eagle3.build(llama.model, eagle3.Eagle3Config(ttt_steps=3)),
+        "eagle3-small": lambda: eagle3.build(llama.model, eagle3.Eagle3Config(ttt_steps=3, draft_vocab_size=100)),
+        "dflash": lambda: dflash.build(qwen3.model, dflash.DFlashConfig(block_size=3, num_layers=2)),
+        "dspark-small": lambda: dspark.build(llama.model, dspark.DSparkConfig(block_size=3, num_layers=1, rank=8,
+                                                                              draft_vocab_size=100, qk_norm=True)),
+        "dspark-rnn-qk": lambda: dspark.build(llama.model, dspark.DSparkConfig(block_size=3, num_layers=1, rank=8,
+                                                                               head="rnn", qk_norm=True)),
+    }[which]()
+    if getattr(model.config, "draft_vocab_size", None):
+        model.init_draft_vocab(torch.arange(V, 0, -1) % 37)
+    with torch.no_grad():  # non-trivial values everywhere (fresh W2 / confidence heads are zero)
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.05)
+    src, back = _round_trip(tmp_path, target, model)
+    loaded = load_checkpoint_model(back, target)
+    ours = model.state_dict()
+    assert loaded.config == model.config
+    assert set(loaded.state_dict()) == set(ours)
+    for k, v in ours.items():
+        assert torch.equal(loaded.state_dict()[k].cpu(), v.cpu()), k
+    p = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    runs = []
+    for ckpt in (tmp_path / "ckpt", back):
+        llm = LLM(str(target.path), drafter=f"{model.config.kind}:{ckpt}", max_len=64)
+        runs.append((llm.generate(["abc abc abc", "hello"], p)[1].token_ids, llm.last_stats.draft_accepted))
+    assert runs[0] == runs[1]
+
+
+def test_speculators_import_refuses_what_it_cannot_compute(tmp_path, llama, tiny_model_dir):
+    from draftsmith.export.importing import import_drafter
+
+    model = eagle3.build(llama.model, eagle3.Eagle3Config(ttt_steps=2))
+    src = export_drafter(_ckpt(tmp_path, llama, model), llama, "speculators", tmp_path / "spec")
+    cfg = json.loads((src / "config.json").read_text())
+
+    def attempt(**change):
+        bad = {**cfg, **change}
+        (src / "config.json").write_text(json.dumps({k: v for k, v in bad.items() if v is not None}))
+        return import_drafter(src, llama, tmp_path / "out")
+
+    with pytest.raises(DraftsmithError, match="norm_before_residual"):
+        attempt(norm_before_residual=None)  # absent: vLLM reads true
+    with pytest.raises(DraftsmithError, match="embeddings"):
+        attempt(eagle_aux_hidden_state_layer_ids=[0, 2])
+    with pytest.raises(DraftsmithError, match="another target"):
+        other = load_target(str(tiny_model_dir("qwen3", seed=0)))
+        (src / "config.json").write_text(json.dumps(cfg))
+        import_drafter(src, other, tmp_path / "out2")
+    # a reduced-vocab DSpark whose W1 rows outside the draft vocabulary differ: ours shares one row
+    block = dspark.build(llama.model, dspark.DSparkConfig(block_size=3, num_layers=1, rank=4, draft_vocab_size=50,
+                                                          qk_norm=True))
+    src2 = export_drafter(_ckpt(tmp_path / "b", llama, block), llama, "speculators", tmp_path / "spec2")
+    t = load_file(str(src2 / "model.safetensors"))
+    t["markov_head.markov_w1.weight"] = torch.randn_like(t["markov_head.markov_w1.weight"])
+    from safetensors.torch import save_file
+
+    save_file(t, str(src2 / "model.safetensors"))
+    with pytest.raises(DraftsmithError, match="W1 rows"):
+        import_drafter(src2, llama, tmp_path / "out3")
+
+
+def test_import_cli_round_trip_and_one_line_errors(tmp_path, llama, capsys):
+    model = eagle3.build(llama.model, eagle3.Eagle3Config(ttt_steps=2))
+    src = export_drafter(_ckpt(tmp_path, llama, model), llama, "speculators", tmp_path / "spec")
+    assert main(["import", "--target", str(llama.path), "--src", str(src), "--out", str(tmp_path / "imp")]) == 0
+    assert f"--drafter eagle3:{tmp_path / 'imp'}" in capsys.readouterr().out
+    assert main(["import", "--target", str(llama.path), "--src", str(tmp_path / "nowhere"),
+                 "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not exist" in err[0], err

@@ -16,7 +16,7 @@ import argparse
 import sys
 
 import draftsmith
-from draftsmith.cli import bench, cache, export, generate, profile, regen, serve, train
+from draftsmith.cli import bench, cache, export, generate, imports, profile, regen, serve, train
 from draftsmith.cli import eval as eval_
 from draftsmith.cli.options import HelpFormatter, add_threads
 from draftsmith.errors import DraftsmithError
@@ -37,6 +37,7 @@ _SECTIONS = (
         ("generate", generate.add_parser, generate.EXAMPLE),
         ("serve", serve.add_parser, serve.EXAMPLE),
         ("export", export.add_parser, export.EXAMPLE),
+        ("import", imports.add_parser, imports.EXAMPLE),
     )),
     ("measure the hardware", (
         ("profile", profile.add_parser, profile.EXAMPLE),
@@ -45,7 +46,8 @@ _SECTIONS = (
 
 
 def _epilog() -> str:
-    lines = ["pipeline: regen -> cache -> train -> calibrate -> eval -> bench; then generate / serve / export; profile",
+    lines = ["pipeline: regen -> cache -> train -> calibrate -> eval -> bench; then generate / serve / export "
+             "(import: a vLLM / speculators drafter); profile",
              "", "examples:"]
     for title, jobs in _SECTIONS:
         lines.append(f"  {title}:")
