@@ -203,3 +203,25 @@ def test_report_markdown_opens_with_a_summary_and_ends_with_definitions():
     assert "30% of drafted tokens were accepted" in head
     assert md.rstrip().endswith("- tau: committed tokens per verification round")
     assert "| dspark:x | 2 | 0 | – | – |" in md  # a position no round reached shows no ECE of 0.000
+
+
+def test_plot_colours_follow_the_drafter_and_empty_positions_get_no_panel(tmp_path):
+    from draftsmith.eval import plots
+
+    assert plots.color_for("dspark:runs/a") == plots.color_for("dspark:runs/b") != plots.color_for("ngram")
+    assert plots.color_for("dspark:smollm2-135m") != plots.color_for("dspark:runs/a")  # built-in: its own shade
+    assert plots.color_for("x:y") == plots.color_for("x:y")  # unknown kinds: stable too
+    full = [{"confidence": 0.5, "accuracy": 0.4, "count": 3}]
+    empty = [{"confidence": 0.5, "accuracy": 0.0, "count": 0}]
+    import matplotlib.pyplot as plt
+
+    made = []
+    real = plt.subplots
+    plt.subplots = lambda *a, **k: (made.append(a), real(*a, **k))[1]
+    try:
+        plots.reliability([full, empty, []], None, tmp_path / "r.png")
+        plots.reliability([[], []], None, tmp_path / "none.png")
+    finally:
+        plt.subplots = real
+    assert made[0][:2] == (1, 1)  # one panel: positions 2 and 3 were never reached
+    assert (tmp_path / "r.png").stat().st_size > 0 and (tmp_path / "none.png").stat().st_size > 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from draftsmith.eval.plots import plt_agg
+from draftsmith.eval.plots import color_for, plt_agg
 
 
 def _labels(tiers: list[dict]) -> list[str]:
@@ -28,7 +28,7 @@ def plot_throughput(tiers: list[dict], peers: dict | None, path: Path) -> Path:
         pts = [(t["concurrency"], r) for t in tiers for r in t["results"] if r["label"] == lab]
         xs = [c for c, r in pts if r["system_tokens_per_s"]]
         ys = [r["system_tokens_per_s"] for c, r in pts if r["system_tokens_per_s"]]
-        line, = ax.plot(xs, ys, marker="o", label=lab)
+        line, = ax.plot(xs, ys, marker="o", label=lab, color=color_for(lab))
         void = [(c, r["system_tokens_per_s"]) for c, r in pts if r.get("void") and r["system_tokens_per_s"]]
         if void:
             ax.scatter([v[0] for v in void], [v[1] for v in void], s=120, facecolors="none",
@@ -62,15 +62,14 @@ def plot_latency(tiers: list[dict], path: Path) -> Path:
     metrics = (("ttft_s", "TTFT"), ("itl_s", "inter-token latency"), ("e2e_s", "end-to-end latency"))
     styles = (("p50", "-"), ("p95", "--"), ("p99", ":"))
     concs = sorted({t["concurrency"] for t in tiers}) or [1]
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, (key, title) in zip(axes, metrics):
-        for i, lab in enumerate(_labels(tiers)):
+        for lab in _labels(tiers):
             for q, ls in styles:
                 pts = [(t["concurrency"], (r[key] or {}).get(q)) for t in tiers for r in t["results"] if r["label"] == lab]
                 pts = [(c, v * 1000) for c, v in pts if v is not None]
                 if pts:
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], ls=ls, marker="o", ms=3,
-                            color=colors[i % len(colors)], label=f"{lab} {q.upper()}")
+                            color=color_for(lab), label=f"{lab} {q.upper()}")
         _concurrency_axis(ax, concs)
         ax.set_ylabel("ms")
         ax.set_title(f"{title} (P50 solid, P95 dashed, P99 dotted)", fontsize=9)
@@ -88,7 +87,7 @@ def plot_acceptance(curves: dict[str, list[float | None]], path: Path) -> Path:
     for lab, ys in curves.items():
         pts = [(k + 1, y) for k, y in enumerate(ys) if y is not None]
         if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=lab)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=lab, color=color_for(lab))
     if not curves:
         ax.text(0.5, 0.5, "no draft tokens were proposed", ha="center", va="center", transform=ax.transAxes)
     from matplotlib.ticker import MaxNLocator
