@@ -77,7 +77,11 @@ def test_calibrate_then_eval(trained, capsys, tiny_model_dir):
     assert report["split"] == "heldout" and ds["kind"] == "dspark" and ea["kind"] == "eagle3"
     for d in (ds, ea):
         o = d["overall"]
-        assert o["rounds"] > 0 and o["tau"] >= 1.0 and len(o["conditional_acceptance"]) == d["block_size"]
+        assert o["rounds"] > 0 and len(o["conditional_acceptance"]) == d["block_size"]
+        # τ is the committed tokens per round (bonus included), within [1, K + 1]; a report that
+        # counted rounds or commits wrongly fails here (the old `tau >= 1` could not)
+        assert o["tau"] == pytest.approx(o["committed"] / o["rounds"])
+        assert 1.0 <= o["tau"] <= d["block_size"] + 1
     assert ds["block_size"] == 4 and ea["block_size"] == 3  # the checkpoints' block size / TTT depth
     assert ds["calibration"]["source"] == "calibration.json"
     assert ds["calibration"]["temperatures"] == pytest.approx(cal["temperatures"])
