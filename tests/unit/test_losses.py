@@ -215,6 +215,19 @@ def test_anchor_sampling_is_reproducible_and_uniform_enough():
         seen[a[0][v[0]]] += 1
     eligible = eligible_anchors(loss_mask[:1], lengths[:1])[0]
     assert bool((seen[eligible] > 0).all()) and float(seen[~eligible].sum()) == 0
+    # uniform over the eligible positions: chi-square against the uniform law, and the same test
+    # rejects a sampler biased towards early anchors (negative control; issue 16: "uniform
+    # enough" passed a heavily biased sampler)
+    from chi_square import chi2_pvalue
+
+    uniform = eligible.double() / eligible.sum()
+    assert chi2_pvalue(seen, uniform) > 1e-4
+    biased = torch.zeros(30)
+    idx = eligible.nonzero().squeeze(-1)
+    w = torch.linspace(2.0, 1.0, idx.numel())
+    for _ in range(300):
+        biased[idx[torch.multinomial(w, 3, generator=g)]] += 1
+    assert chi2_pvalue(biased, uniform) < 1e-4
 
 
 def test_pack_blocks_masks_match_a_loop():
