@@ -4,6 +4,8 @@
                   (`--speculative-config '{"model": DIR, ...}'`): eagle3, dflash, dspark
     sglang        SGLang's EAGLE-3 draft directory (LlamaForCausalLMEagle3): eagle3 on targets
                   without q/k norms or attention biases (SGLang drops both silently)
+    deepspec      DeepSpec's step_N layout (Qwen3DSparkModel / Qwen3Eagle3Model, export/deepspec.py):
+                  full-vocabulary dspark with q/k-norm layers, and eagle3 on Qwen3 targets
 
 Every engine reads a missing field differently from what our drafters compute, so every field
 that matters is written explicitly (norm_before_residual, sliding_window_non_causal,
@@ -21,10 +23,11 @@ import torch
 
 from draftsmith.drafters import registry
 from draftsmith.errors import DraftsmithError
+from draftsmith.export.deepspec import to_deepspec
 from draftsmith.fileio import atomic_write, read_json
 from draftsmith.tensorfile import save_tensors
 
-FORMATS = ("speculators", "sglang")
+FORMATS = ("speculators", "sglang", "deepspec")
 _MARKOV_HEAD = {"markov": "vanilla", "gated": "gated", "rnn": "rnn"}
 
 
@@ -35,7 +38,9 @@ def export_drafter(ckpt: str | Path, target, fmt: str, out: str | Path) -> Path:
     model = registry.load_checkpoint_model(ckpt, target)
     kind = model.config.kind
     hf = read_json(Path(target.path) / "config.json", "target config")
-    if fmt == "sglang":
+    if fmt == "deepspec":
+        config, tensors = to_deepspec(model, target, hf)
+    elif fmt == "sglang":
         if kind != "eagle3":
             raise DraftsmithError(f"the sglang format holds EAGLE-3 drafters only, not {kind}; "
                                   "export DFlash / DSpark with --format speculators")

@@ -1,5 +1,6 @@
-"""Import a drafter written in the speculators format (what vLLM serves) as a Draftsmith
-checkpoint, so `eval`, `bench`, `generate`, `serve` and the prefix scheduler can measure it.
+"""Import a drafter written in the speculators format (what vLLM serves) or in DeepSpec's
+layout (export/deepspec.py) as a Draftsmith checkpoint, so `eval`, `bench`, `generate`,
+`serve` and the prefix scheduler can measure it.
 
 The maps are the inverse of export/formats.py (docs/FORMATS.md §3). Only what our drafters
 compute exactly is accepted; every other setting is a DraftsmithError that names it, because
@@ -27,17 +28,33 @@ from draftsmith.drafters import registry
 from draftsmith.drafters.checkpoint import restore_state, save_trained_drafter
 from draftsmith.drafters.kind_config import config_from_dict
 from draftsmith.errors import DraftsmithError
+from draftsmith.export import deepspec
 from draftsmith.fileio import read_json
 from draftsmith.tensorfile import load_tensors
 
 _HEADS = {"vanilla": "markov", "gated": "gated", "rnn": "rnn"}
+IMPORT_FORMATS = ("speculators", "deepspec")
 
 
 def import_drafter(src: str | Path, target, out: str | Path, fmt: str = "speculators") -> Path:
-    """Read the speculators directory `src` for the LoadedTarget `target`; write our checkpoint to `out`."""
-    if fmt != "speculators":
-        raise DraftsmithError(f"unknown import format {fmt!r}; today: speculators")
+    """Read the `fmt` directory `src` (speculators, or a DeepSpec step_N / run directory) for
+    the LoadedTarget `target`; write our checkpoint to `out`."""
+    if fmt not in IMPORT_FORMATS:
+        raise DraftsmithError(f"unknown import format {fmt!r}; choose one of {', '.join(IMPORT_FORMATS)}")
     src = Path(src)
+    if fmt == "deepspec":
+        cfg, tensors = deepspec.read_dir(src)
+        config, state = deepspec.from_deepspec(cfg, tensors, target, src)
+    else:
+        config, state = _speculators(src, target)
+    kind = config["kind"]
+    entry = registry.get(kind, trainable=True)
+    model = entry.build(target.model, config_from_dict(config, entry.config_cls, kind))
+    restore_state(model, state, src)
+    return save_trained_drafter(model, out, target.target_id, target.weights_hash)
+
+
+def _speculators(src: Path, target) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     cfg = read_json(src / "config.json", "speculators config")
     tensors = load_tensors(src / "model.safetensors", "speculators drafter")
     kind = cfg.get("speculators_model_type")
@@ -46,13 +63,8 @@ def import_drafter(src: str | Path, target, out: str | Path, fmt: str = "specula
                               "(eagle3, dflash, dspark)")
     _check_geometry(cfg, target, src)
     if kind == "eagle3":
-        config, state = _eagle3(cfg, tensors, target, src)
-    else:
-        config, state = _block(kind, cfg, tensors, target, src)
-    entry = registry.get(kind, trainable=True)
-    model = entry.build(target.model, config_from_dict(config, entry.config_cls, kind))
-    restore_state(model, state, src)
-    return save_trained_drafter(model, out, target.target_id, target.weights_hash)
+        return _eagle3(cfg, tensors, target, src)
+    return _block(kind, cfg, tensors, target, src)
 
 
 # ---------------------------------------------------------------------------- shared checks
