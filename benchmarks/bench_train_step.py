@@ -36,7 +36,7 @@ KINDS = ("eagle3", "dflash", "dspark")
 
 def ms_per_step(recipe: Path, cache: Path, dtype: str, steps: int, out: Path) -> float:
     cfg = load_train_config(recipe, [f"data.cache={cache}", f"out={out}", f"train.dtype={dtype}",
-                                     "train.progress=off", "train.tensorboard=off"])
+                                     "train.progress=\"off\"", "train.tensorboard=\"off\""])
     tr = Trainer(cfg, overwrite=True)
     tr._setup()
     tr.total_steps = 1000

@@ -36,7 +36,7 @@ def plain_outputs(default_target_dir, prompts):
     return [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=N_NEW, temperature=0))]
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "draft-model:smollm2-135m"])
+@pytest.mark.parametrize("drafter", ["ngram", "draft-model:smollm2-135m", "dspark:smollm2-135m"])
 def test_speculative_equals_plain_greedy(default_target_dir, prompts, plain_outputs, drafter):
     llm = LLM(str(default_target_dir), drafter=drafter, num_speculative_tokens=4, max_batch=16)
     outs = llm.generate(prompts, SamplingParams(max_tokens=N_NEW, temperature=0))

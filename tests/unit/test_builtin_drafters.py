@@ -108,3 +108,11 @@ def test_calibrate_never_writes_into_the_package(fake_root, tmp_path):
     with pytest.raises(DraftsmithError, match="built-in drafter .*copy"):
         run_calibrate(CalibrateOptions(target=str(target_dir), drafter="dspark:tiny", data=tmp_path / "h.jsonl"))
     assert not (root / "dspark" / "tiny" / "calibration.json").exists()
+
+
+def test_the_default_target_has_a_builtin_dspark_drafter():
+    """The package ships `dspark:smollm2-135m` (issue 12): it resolves, and `--help` names it."""
+    assert "dspark:smollm2-135m" in builtin.builtin_specs("dspark")
+    kind, arg = registry.parse_spec("dspark:smollm2-135m")
+    assert Path(arg) == builtin.BUILTIN_ROOT / "dspark" / "smollm2-135m" and builtin.is_builtin(arg)
+    assert "built-in: dspark:smollm2-135m" in registry.usage()

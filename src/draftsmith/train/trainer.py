@@ -59,7 +59,7 @@ def lr_factor(step: int, total: int, warmup_ratio: float, min_ratio: float) -> f
 def resolve_bf16(dtype: str, device: torch.device) -> bool:
     """Whether the drafter computes under bf16 autocast (master weights stay float32).
     "auto": on CUDA, and on CPUs with bf16 hardware (AVX512-BF16 / AMX / Arm BF16), where it
-    measured 1.7x the fp32 steps/s for DSpark on 2 Zen 4 cores; emulated bf16 would be slower."""
+    measured 2.2-2.3x the fp32 steps/s on 2 Zen 4 cores (BENCHMARKS.md); emulated bf16 would be slower."""
     if dtype == "auto":
         return device.type == "cuda" or (device.type == "cpu" and cpu_has_fast_bf16())
     return dtype == "bf16"
