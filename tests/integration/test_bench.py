@@ -143,6 +143,14 @@ def test_bench_tiny_end_to_end(tiny_model_dir, tmp_path):
     for s in ("## Headline", "## Concurrency 1 (closed)", "## Concurrency 2 (closed)", "## Peers", "hf:assistant",
               "**baseline**", "## Per-position acceptance", "split **all**"):
         assert s in md
+    width = None  # every table row has as many cells as its header (issue 15: 5 cells under 7 columns)
+    for ln in md.splitlines():
+        if not ln.startswith("|"):
+            width = None
+            continue
+        cells = ln.count("|") - 1
+        width = cells if width is None else width
+        assert cells == width, ln
     lines = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
     assert sorted((x["phase"], x["label"]) for x in lines) == sorted(
         [("c1", lab) for lab in ("none", "ngram", "hf:generate", "hf:prompt-lookup", "hf:assistant")]

@@ -156,11 +156,11 @@ def render_markdown(rep: dict) -> str:
         md += ["", p["timing_note"] + ".", ""]
     acc = rep.get("acceptance_per_position") or {}
     if acc:
+        width = max(len(v) for v in acc.values())
         md += ["## Per-position acceptance (all tiers pooled)", "", "| drafter | " +
-               " | ".join(f"k={k + 1}" for k in range(max(len(v) for v in acc.values()))) + " |",
-               "|---|" + "---|" * max(len(v) for v in acc.values())]
-        for lab, v in acc.items():
-            md.append(f"| {lab} | " + " | ".join(_f(x, 2) for x in v) + " |")
+               " | ".join(f"k={k + 1}" for k in range(width)) + " |", "|---|" + "---|" * width]
+        for lab, v in acc.items():  # a drafter that proposed fewer positions: "–" in the rest (one cell per column)
+            md.append(f"| {lab} | " + " | ".join([_f(x, 2) for x in v] + ["–"] * (width - len(v))) + " |")
         md.append("")
     skipped = wl.get("skipped_prompts") or []
     plots = rep["plots"]
