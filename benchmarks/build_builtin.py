@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import hashlib
 import json
 import shutil
 import sys
@@ -29,17 +28,10 @@ import draftsmith  # noqa: F401  (OpenMP settings before torch)
 import torch
 
 from draftsmith.drafters.builtin import BUILTIN_ROOT
+from draftsmith.fileio import file_sha256
 from draftsmith.tensorfile import load_tensors, save_tensors
 
 MAX_BYTES = 20 * 1000 * 1000
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def describe_jsonl(path: Path) -> dict:
@@ -57,7 +49,7 @@ def describe_jsonl(path: Path) -> dict:
             answer += sum(r["loss_mask"])
             sources[r.get("source", "?")] += 1
             splits[r.get("split", "?")] += 1
-    return {"file": path.name, "sha256": sha256(path), "bytes": path.stat().st_size, "records": records,
+    return {"file": path.name, "sha256": file_sha256(path), "bytes": path.stat().st_size, "records": records,
             "tokens": tokens, "answer_tokens": answer, "sources": dict(sorted(sources.items())),
             "splits": dict(splits)}
 

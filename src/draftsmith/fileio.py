@@ -3,6 +3,7 @@ JSON reads with errors that name the file."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import uuid
@@ -43,6 +44,15 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def file_sha256(path: str | Path) -> str:
+    """sha256 (hex) of a file's bytes, read in 4 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
 
 
 def write_json_atomic(path: Path, data: Any) -> None:

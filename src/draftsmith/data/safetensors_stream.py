@@ -11,6 +11,8 @@ import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from draftsmith.fileio import file_sha256  # noqa: F401  (re-exported: the cache modules import it from here)
 from typing import Any
 
 import torch
@@ -83,9 +85,3 @@ def write_safetensors_stream(path: Path, specs: list[TensorSpec], metadata: Mapp
     return h.hexdigest(), total
 
 
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()

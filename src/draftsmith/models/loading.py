@@ -16,8 +16,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.fileio import read_json
+from draftsmith.fileio import file_sha256, read_json, write_json_atomic
 from draftsmith.models.decoder import Decoder, DecoderConfig
+from draftsmith.models.registry import draftsmith_home
 from draftsmith.models.rope import rope_inv_freq
 
 
@@ -65,9 +66,6 @@ def same_weights(stored: str | None, current: str | None, legacy: str | None = N
 
 
 def _file_sha256(f: Path) -> str:
-    from draftsmith.fileio import write_json_atomic
-    from draftsmith.models.registry import draftsmith_home
-
     st = f.stat()
     key = f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
     memo_file = draftsmith_home() / "weights-sha256.json"
@@ -79,11 +77,7 @@ def _file_sha256(f: Path) -> str:
         memo = {}
     if key in memo:
         return memo[key]
-    h = hashlib.sha256()
-    with open(f, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 22), b""):
-            h.update(chunk)
-    memo[key] = h.hexdigest()
+    memo[key] = file_sha256(f)
     try:
         memo_file.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(memo_file, {k: v for k, v in memo.items() if Path(k.split("|")[0]).exists()})
