@@ -23,22 +23,16 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import sections
+from bench_drafters import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- bench_builtin:begin -->", "<!-- bench_builtin:end -->"
 WORKLOADS = ("humaneval", "mtbench")
-
-
-def cli(*argv: str) -> None:
-    print("$ draftsmith " + " ".join(argv), flush=True)
-    if subprocess.call([sys.executable, "-m", "draftsmith", *argv], cwd=ROOT) != 0:
-        raise SystemExit(f"stage failed: draftsmith {' '.join(argv)}")
 
 
 def _f(x, nd=2) -> str:

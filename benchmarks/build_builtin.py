@@ -27,6 +27,7 @@ from pathlib import Path
 import draftsmith  # noqa: F401  (OpenMP settings before torch)
 import torch
 
+from draftsmith.data.regen_records import iter_records
 from draftsmith.drafters.builtin import BUILTIN_ROOT
 from draftsmith.fileio import file_sha256
 from draftsmith.tensorfile import load_tensors, save_tensors
@@ -39,16 +40,12 @@ def describe_jsonl(path: Path) -> dict:
     records = tokens = answer = 0
     sources: collections.Counter = collections.Counter()
     splits: collections.Counter = collections.Counter()
-    with open(path) as f:
-        for line in f:
-            if not line.strip():
-                continue
-            r = json.loads(line)
-            records += 1
-            tokens += len(r["input_ids"])
-            answer += sum(r["loss_mask"])
-            sources[r.get("source", "?")] += 1
-            splits[r.get("split", "?")] += 1
+    for r in iter_records(path):
+        records += 1
+        tokens += len(r["input_ids"])
+        answer += sum(r["loss_mask"])
+        sources[r.get("source", "?")] += 1
+        splits[r.get("split", "?")] += 1
     return {"file": path.name, "sha256": file_sha256(path), "bytes": path.stat().st_size, "records": records,
             "tokens": tokens, "answer_tokens": answer, "sources": dict(sorted(sources.items())),
             "splits": dict(splits)}

@@ -22,11 +22,11 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 from pathlib import Path
 
 import sections
+from bench_drafters import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- probe_builtin:begin -->", "<!-- probe_builtin:end -->"
@@ -52,11 +52,8 @@ def main() -> int:
     for name, extra in VARIANTS.items():
         out = args.work / name
         if not (out / "heldout.jsonl").is_file():
-            cmd = [sys.executable, "-m", "draftsmith", "train", "--config", "recipes/smollm2-135m-dspark.yaml",
-                   "--budget", f"{args.minutes:g}", f"out={out}", *common, *extra, "--overwrite"]
-            print("$ " + " ".join(cmd[2:]), flush=True)
-            if subprocess.call(cmd, cwd=ROOT) != 0:
-                raise SystemExit(f"probe {name} failed")
+            cli("train", "--config", "recipes/smollm2-135m-dspark.yaml", "--budget", f"{args.minutes:g}",
+                f"out={out}", *common, *extra, "--overwrite")
         rows = [json.loads(x) for x in (out / "heldout.jsonl").read_text().splitlines() if x.strip()]
         info = json.loads((out / "train_info.json").read_text())
         res[name] = {"steps": info["step"], "heldout": rows[-1], "overrides": extra}

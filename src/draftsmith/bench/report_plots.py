@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from draftsmith.eval.plots import color_for, plt_agg
+from draftsmith.eval.plots import color_for, conditional_acceptance, plt_agg
 
 
 def _labels(tiers: list[dict]) -> list[str]:
@@ -82,25 +82,6 @@ def plot_latency(tiers: list[dict], path: Path) -> Path:
 
 
 def plot_acceptance(curves: dict[str, list[float | None]], path: Path) -> Path:
-    plt = plt_agg()
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=110)
-    for lab, ys in curves.items():
-        pts = [(k + 1, y) for k, y in enumerate(ys) if y is not None]
-        if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=lab, color=color_for(lab))
-    if not curves:
-        ax.text(0.5, 0.5, "no draft tokens were proposed", ha="center", va="center", transform=ax.transAxes)
-    from matplotlib.ticker import MaxNLocator
-
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("draft position k")
-    ax.set_ylabel("rounds accepting ≥ k / rounds proposing ≥ k")
-    ax.set_ylim(0, 1.02)
-    ax.set_title("Per-position acceptance (all tiers pooled)")
-    ax.grid(alpha=0.3)
-    if curves:
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return conditional_acceptance(curves, path, title="Per-position acceptance (all tiers pooled)",
+                                  ylabel="rounds accepting ≥ k / rounds proposing ≥ k",
+                                  empty="no draft tokens were proposed")

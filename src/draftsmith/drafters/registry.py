@@ -140,15 +140,18 @@ def parse_spec(spec: str) -> tuple[DrafterKind, str]:
     """`KIND[:ARG]` -> (kind, arg), with a clear error for an unknown kind or a missing ARG."""
     name, _, arg = spec.partition(":")
     kind = get(name)
-    shipped = builtin.builtin_specs(name) if kind.trainable else []
-    also = f" (built-in: {', '.join(shipped)})" if shipped else ""
+
+    def shipped() -> str:
+        specs = builtin.builtin_specs(name) if kind.trainable else []
+        return f" (built-in: {', '.join(specs)})" if specs else ""
+
     if kind.needs_arg and not arg:
-        raise DraftsmithError(f"drafter {name} needs an argument: --drafter {kind.usage}{also}")
+        raise DraftsmithError(f"drafter {name} needs an argument: --drafter {kind.usage}{shipped()}")
     if kind.trainable:
         arg = builtin.resolve(name, arg)
         if not Path(arg).exists():
             raise DraftsmithError(f"drafter {spec}: no checkpoint directory {arg!r} and no built-in drafter of that "
-                                  f"name{also}; train one with `draftsmith train`")
+                                  f"name{shipped()}; train one with `draftsmith train`")
     return kind, arg
 
 

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -33,29 +34,33 @@ _OTHER = ("#ff7f0e", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
 
 def color_for(label: str) -> str:
     """A stable colour for a drafter label (KIND or KIND:ARG): by kind, then a shade by ARG."""
-    import zlib
-
     kind, _, arg = label.partition(":")
     shades = _KIND_COLORS.get(kind)
-    h = zlib.crc32(label.encode())
     if shades is None:
-        return _OTHER[h % len(_OTHER)]
-    return shades[1] if "builtin" in arg or (arg and "/" not in arg and "\\" not in arg) else shades[0]
+        return _OTHER[zlib.crc32(label.encode()) % len(_OTHER)]
+    named = arg and "/" not in arg and "\\" not in arg  # a built-in name, not a run directory
+    return shades[1] if named else shades[0]
 
 
 def conditional_acceptance(curves: Mapping[str, Sequence[float | None]], path: Path,
-                           title: str = "Conditional acceptance per position") -> Path:
+                           title: str = "Conditional acceptance per position",
+                           ylabel: str = "P(draft k accepted | drafts 1..k−1 accepted)",
+                           empty: str | None = None) -> Path:
+    """One line per drafter over draft positions k = 1..; `empty`: the text shown when no
+    drafter has a curve (None: an empty frame)."""
     plt = plt_agg()
     fig, ax = plt.subplots(figsize=(6, 4), dpi=110)
     for label, ys in curves.items():
         pts = [(k + 1, y) for k, y in enumerate(ys) if y is not None]
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label, color=color_for(label))
+    if not curves and empty:
+        ax.text(0.5, 0.5, empty, ha="center", va="center", transform=ax.transAxes)
     from matplotlib.ticker import MaxNLocator
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("draft position k")
-    ax.set_ylabel("P(draft k accepted | drafts 1..k−1 accepted)")
+    ax.set_ylabel(ylabel)
     ax.set_ylim(0, 1.02)
     ax.grid(alpha=0.3)
     ax.set_title(title)

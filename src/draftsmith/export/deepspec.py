@@ -290,7 +290,8 @@ def _check_copies(tensors: dict[str, torch.Tensor], target, src, names: Sequence
                 "DeepSpec trained it against other weights, so import it with the target it was trained for")
 
 
-def _zero_bias(tensors: dict[str, torch.Tensor], name: str, src) -> None:
+def drop_zero_bias(tensors: dict[str, torch.Tensor], name: str, src) -> None:
+    """Remove an o_proj bias that is all zeros (engines write one for biased targets); refuse any other."""
     b = tensors.pop(name, None)
     if b is not None and bool(b.ne(0).any()):
         raise DraftsmithError(f"{src}: {name} is not zero; Draftsmith's attention has no output bias")
@@ -318,7 +319,7 @@ def _dspark_in(cfg, tensors, target, src):
     n = int(cfg["num_hidden_layers"])
     _check_copies(tensors, target, src, _COPIES)
     for i in range(n):
-        _zero_bias(tensors, f"layers.{i}.self_attn.o_proj.bias", src)
+        drop_zero_bias(tensors, f"layers.{i}.self_attn.o_proj.bias", src)
     state = _rename_all(tensors, _DSPARK_NAMES, src)
     if n < 1 or f"backbone.layers.{n - 1}.self_attn.q_norm.weight" not in state:
         raise DraftsmithError(f"{src}: no draft layer tensors with q/k norms (layers.*); not a DeepSpec DSpark file")
@@ -378,7 +379,7 @@ def _eagle3_in(cfg, tensors, target, src):
                               f"for Qwen3 targets, not this {tc.model_type} one")
     ids = _ids_in(cfg["target_layer_ids"], tc.num_layers, src)
     _check_copies(tensors, target, src, ("embed_tokens.weight",))  # lm_head is the drafter's own head
-    _zero_bias(tensors, "layers.0.self_attn.o_proj.bias", src)
+    drop_zero_bias(tensors, "layers.0.self_attn.o_proj.bias", src)
     state = _rename_all(tensors, _EAGLE3_NAMES, src)
     head = state.get("lm_head.weight")
     if head is None or tuple(head.shape) != (V, tc.hidden_size) or "layer.mlp.gate_proj.weight" not in state:

@@ -93,12 +93,6 @@ def _layer_ids(cfg: dict[str, Any], key: str, src: Path) -> list[int]:
     return [i - 1 for i in ids]  # speculators / vLLM number the layer a state feeds
 
 
-def _zero_bias(tensors: dict[str, torch.Tensor], name: str, src: Path) -> None:
-    b = tensors.pop(name, None)
-    if b is not None and bool(b.ne(0).any()):
-        raise DraftsmithError(f"{src}: {name} is not zero; our attention has no output bias")
-
-
 def _vocab(tensors: dict[str, torch.Tensor], V: int, Vd: int, src: Path) -> tuple[torch.Tensor, torch.Tensor]:
     """(d2t, t2d): the files' for a reduced vocabulary, identity maps for a full one."""
     if Vd >= V:
@@ -133,7 +127,7 @@ def _eagle3(cfg, tensors, target, src):
     tensors = dict(tensors)
     tensors.pop("embed_tokens.weight", None)  # ours shares the target's embedding
     prefix = "layers.0." if any(k.startswith("layers.0.") for k in tensors) else "midlayer."
-    _zero_bias(tensors, prefix + "self_attn.o_proj.bias", src)
+    deepspec.drop_zero_bias(tensors, prefix + "self_attn.o_proj.bias", src)
     V = target.model.config.vocab_size
     Vd = int(cfg.get("draft_vocab_size") or V)
     d2t, t2d = _vocab(tensors, V, Vd, src)
@@ -169,7 +163,7 @@ def _block(kind, cfg, tensors, target, src):
     n = int(layer.get("num_hidden_layers") or 0)
     tensors = dict(tensors)
     for i in range(n):
-        _zero_bias(tensors, f"layers.{i}.self_attn.o_proj.bias", src)
+        deepspec.drop_zero_bias(tensors, f"layers.{i}.self_attn.o_proj.bias", src)
     head = tensors.pop("lm_head.weight", None)
     tensors.pop("embed_tokens.weight", None)
     d2t, t2d = _vocab(tensors, V, Vd, src)
