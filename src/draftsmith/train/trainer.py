@@ -15,6 +15,7 @@ from a short timing probe (whose effects are undone) and stops at the deadline r
 from __future__ import annotations
 
 import dataclasses
+import gc
 import hashlib
 import json
 import math
@@ -397,8 +398,11 @@ class Trainer:
     def fit(self) -> TrainResult:
         threads = torch.get_num_threads()
         created = not self.out.exists()
+        ok = False
         try:
-            return self._fit()
+            result = self._fit()
+            ok = True
+            return result
         except BaseException:
             # a run that failed before writing anything leaves no empty run directory behind
             if created and self.out.is_dir() and not any(self.out.iterdir()):
@@ -407,6 +411,13 @@ class Trainer:
         finally:
             torch.set_num_threads(threads)  # train.threads applies to this run only
             if self.info is not None:
+                if self.info.enabled:
+                    if ok:  # every rank is here: none is left inside a collective when the group goes
+                        dist_util.barrier(self.info)
+                    # DDP's reducer holds the process group (and gloo work) alive past destroy_process_group;
+                    # freed at interpreter exit instead, gloo's threads abort the process (SIGABRT)
+                    self.wrapped = None
+                    gc.collect()
                 shutdown(self.info)
 
     def _fit(self) -> TrainResult:
