@@ -19,11 +19,11 @@ import struct
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from waiting import wait_until  # tests/waiting.py
 
 from draftsmith.bench import BenchConfig, run_bench
 from draftsmith.bench.config import parse_endpoint
@@ -166,10 +166,9 @@ class _ThreadServer:
 
     def __enter__(self) -> str:
         self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
-            time.sleep(0.05)
+        wait_until(lambda: self.server.started or not self.thread.is_alive(), timeout=60,
+                   message="the server did not start")
+        assert self.server.started, "the server thread ended before the server started"
         return f"http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}"
 
     def __exit__(self, *exc) -> None:
@@ -230,10 +229,13 @@ def test_bench_sigkill_then_resume(tiny_model_dir, tmp_path, capsys):
     args = ["--target", str(tiny), "--drafter", "ngram", "--workload", str(_prompts(tmp_path)), "--concurrency",
             "1,2,4", "--requests", "4", "--max-tokens", "24", "--warmup", "0", "--out", str(out), "--no-progress"]
     proc = subprocess.Popen(_cli(*args), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 300
-    while "c1" not in _phases_on_disk(results) and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.005)
-    proc.send_signal(signal.SIGKILL)
+    try:
+        # polled every 5 ms: the kill must land while later tiers are still running (an early
+        # exit is reported by the returncode check below, with the bench's stderr)
+        wait_until(lambda: "c1" in _phases_on_disk(results) or proc.poll() is not None, timeout=300,
+                   interval=0.005, message="the bench wrote no finished c1 tier")
+    finally:
+        proc.send_signal(signal.SIGKILL)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == -signal.SIGKILL, f"bench ended before it could be killed: {err.decode()[-2000:]}"
     kept = {k for k, v in _phases_on_disk(results).items() if v == {"none", "ngram"}}

@@ -14,11 +14,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from waiting import wait_until  # tests/waiting.py
 
 from draftsmith.data.cache import FeatureCache, directory_bytes
 from draftsmith.data.regen import errors_path, load_records
@@ -60,10 +60,13 @@ def test_regen_sigkill_then_resume(tiny_model_dir, tmp_path):
     huge_id = next(i for i in expected if i.endswith("/huge"))
 
     proc = subprocess.Popen(_cli(*args), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 120
-    while len(_lines(out)) < 4 and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
+    try:
+        # polled every 10 ms: the kill must land mid-run (an early exit is reported by the
+        # returncode check below, with regen's stderr)
+        wait_until(lambda: len(_lines(out)) >= 4 or proc.poll() is not None, timeout=120, interval=0.01,
+                   message=lambda: f"regen wrote {len(_lines(out))} line(s) of the 4 wanted before the kill")
+    finally:
+        proc.send_signal(signal.SIGKILL)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == -signal.SIGKILL, f"regen ended before it could be killed: {err.decode()[-2000:]}"
     before = [ln for ln in _lines(out) if ln.endswith(b"\n")]
@@ -115,9 +118,8 @@ def test_endpoint_against_draftsmith_server(tiny_model_dir, tmp_path):
     th = threading.Thread(target=server.run, daemon=True)
     th.start()
     try:
-        deadline = time.monotonic() + 60
-        while not server.started and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: server.started or not th.is_alive(), timeout=60, message="the server did not start")
+        assert server.started, "the server thread ended before the server started"
         url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}/v1"
         cfg = RegenConfig(target=str(tiny), endpoint=url, concurrency=3, max_new_tokens=8, max_len=256,
                           retries=0, out=tmp_path / "e.jsonl", overwrite=True)

@@ -24,6 +24,7 @@ import httpx
 import openai
 import pytest
 from openai import AsyncOpenAI, OpenAI
+from waiting import wait_until  # tests/waiting.py
 
 from draftsmith.api import LLM
 from draftsmith.core.sampling import SamplingParams
@@ -50,17 +51,15 @@ def _free_port() -> int:
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen | None, log_path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
+    def healthy() -> bool:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}:\n{open(log_path).read()[-3000:]}")
         try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
+            return httpx.get(f"{url}/health", timeout=2).status_code == 200
         except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"server at {url} not healthy after {START_TIMEOUT_S}s")
+            return False
+
+    wait_until(healthy, timeout=START_TIMEOUT_S, interval=0.1, message=f"server at {url} not healthy")
 
 
 class _ThreadServer:
@@ -74,11 +73,10 @@ class _ThreadServer:
 
     def start(self) -> str:
         self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("in-process server did not start")
-            time.sleep(0.05)
+        wait_until(lambda: self.server.started or not self.thread.is_alive(), timeout=60,
+                   message="in-process server did not start")
+        if not self.server.started:
+            raise RuntimeError("in-process server thread ended before the server started")
         port = self.server.servers[0].sockets[0].getsockname()[1]
         return f"http://127.0.0.1:{port}"
 
@@ -383,16 +381,18 @@ def test_client_disconnect_aborts_and_frees_rows(env):
                                  temperature=0, stream=True, extra_body={"ignore_eos": True})
         next(iter(s))  # the request is running once its first chunk arrives
         streams.append(s)
-    deadline = time.monotonic() + 10  # the engine thread publishes its load right after the step
-    while _metrics(url)["draftsmith_kv_rows_in_use"] != 3:
-        assert time.monotonic() < deadline, _metrics(url)["draftsmith_kv_rows_in_use"]
-        time.sleep(0.05)
+    # the engine thread publishes its load right after the step
+    wait_until(lambda: _metrics(url)["draftsmith_kv_rows_in_use"] == 3, interval=0.05,
+               message=lambda: f"rows in use: {_metrics(url)['draftsmith_kv_rows_in_use']}, want 3")
     for s in streams:
         s.close()
-    deadline = time.monotonic() + 30
-    while (m := _metrics(url))["draftsmith_kv_rows_in_use"] != 0:
-        assert time.monotonic() < deadline, f"rows still in use: {m['draftsmith_kv_rows_in_use']}"
-        time.sleep(0.2)
+
+    def rows_freed() -> dict | None:
+        m = _metrics(url)
+        return m if m["draftsmith_kv_rows_in_use"] == 0 else None
+
+    m = wait_until(rows_freed, interval=0.05,
+                   message=lambda: f"rows still in use: {_metrics(url)['draftsmith_kv_rows_in_use']}")
     assert m['draftsmith_requests_finished_total{finish_reason="abort"}'] - before == 3
     assert m["draftsmith_num_requests_running"] == 0
     r = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2, temperature=0)

@@ -242,7 +242,7 @@ def test_resume_guards(tiny, tmp_path):
 
 class _FakeOpenAI(BaseHTTPRequestHandler):
     """Modes by path prefix: /ok, /flaky (500 on every first try), /broken (always 503),
-    /slow (sleeps past the client timeout), /bad (400)."""
+    /slow (answers only once the test is over: past any client timeout), /bad (400)."""
 
     state: dict = {}
 
@@ -271,8 +271,12 @@ class _FakeOpenAI(BaseHTTPRequestHandler):
             first = st["seen"][key] == 1
         try:
             if mode == "slow":
-                time.sleep(1.0)
+                # the stall is what is tested (the client's timeout): hold the answer until the
+                # fixture ends rather than for a fixed time the client might outlast on a slow machine
+                st["release"].wait(60)
             else:
+                # simulated service time, part of the test: requests overlap in flight, so the
+                # concurrency bound (max_inflight) is really exercised
                 time.sleep(0.02)
             if mode == "broken" or (mode == "flaky" and first):
                 return self._send(503 if mode == "broken" else 500, {"error": "overloaded"})
@@ -299,7 +303,8 @@ class _FakeOpenAI(BaseHTTPRequestHandler):
 
 @pytest.fixture()
 def fake_server():
-    _FakeOpenAI.state = {"lock": threading.Lock(), "requests": [], "inflight": 0, "max_inflight": 0, "seen": {}}
+    _FakeOpenAI.state = {"lock": threading.Lock(), "requests": [], "inflight": 0, "max_inflight": 0, "seen": {},
+                         "release": threading.Event()}
     srv = ThreadingHTTPServer(("127.0.0.1", 0), _FakeOpenAI)
     srv.daemon_threads = True
     th = threading.Thread(target=srv.serve_forever, daemon=True)
@@ -307,6 +312,7 @@ def fake_server():
     try:
         yield f"http://127.0.0.1:{srv.server_address[1]}", _FakeOpenAI.state
     finally:
+        _FakeOpenAI.state["release"].set()  # /slow handlers still stalled answer (to a client long gone)
         srv.shutdown()
         srv.server_close()
 

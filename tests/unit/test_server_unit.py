@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+import time
 
 import pytest
 from pydantic import ValidationError
+from waiting import wait_until  # tests/waiting.py
 
 from draftsmith.server.metrics import ServerMetrics, parse_metrics
 from draftsmith.server.protocol import ChatCompletionRequest, CompletionRequest, validation_error
@@ -119,6 +122,7 @@ class _FakeEngine:
         self.steps = 0
         self.polls = 0
         self.fail_next = False
+        self.idle = threading.Event()  # set by a poll that found nothing to do, cleared by a busy one
 
     def add_request(self, prompt_ids, params, request_id):
         from draftsmith.core.request import Request
@@ -132,7 +136,9 @@ class _FakeEngine:
 
     def has_unfinished(self):
         self.polls += 1
-        return bool(self.waiting or self.running)
+        busy = bool(self.waiting or self.running)
+        (self.idle.clear if busy else self.idle.set)()
+        return busy
 
     def _finish(self, s, reason):
         from draftsmith.core.request import Status
@@ -172,7 +178,6 @@ class _FakeEngine:
 
 def test_engine_loop_events_abort_failure_and_idle():
     import queue as q_
-    import time
 
     from draftsmith.core.sampling import SamplingParams
     from draftsmith.server.engine_loop import EngineLoop, SubRequest
@@ -190,8 +195,13 @@ def test_engine_loop_events_abort_failure_and_idle():
         got = [events.get(timeout=5) for _ in range(4)]
         assert [e.kind for e in got] == ["added", "tokens", "tokens", "finished"]
         assert got[-1].token_ids == [7, 7, 7] and got[-1].finish_reason == "length"
-        time.sleep(0.2)
+        # The poll before the last step cleared `idle` (and happened before "finished" was sent), so
+        # this waits for the loop's next poll, the one that finds nothing to do; right after it,
+        # the loop goes to sleep on its condition.
+        assert eng.idle.wait(30), "the engine loop never polled an idle engine after the request finished"
         steps, polls = eng.steps, eng.polls
+        # What is tested here is that nothing happens: a window in which a spinning loop would poll
+        # or step (it would do so thousands of times), so this sleep is the measurement itself.
         time.sleep(0.3)
         assert (eng.steps, eng.polls) == (steps, polls)  # asleep on the condition, not spinning
 
@@ -200,17 +210,13 @@ def test_engine_loop_events_abort_failure_and_idle():
 
         loop.add([sub("long", 10**6, stream=False)])
         assert events.get(timeout=5).kind == "added"
-        deadline = time.monotonic() + 5
-        while metrics.snapshot()["kv_rows_in_use"] != 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_until(lambda: metrics.snapshot()["kv_rows_in_use"] == 1, interval=0.01,
+                   message=lambda: f"the long request holds no row: {metrics.snapshot()['kv_rows_in_use']} in use")
         loop.abort(["long"])
         ev = events.get(timeout=5)
         assert (ev.kind, ev.finish_reason) == ("finished", "abort")
-        deadline = time.monotonic() + 5
-        while metrics.snapshot()["kv_rows_in_use"] != 0:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_until(lambda: metrics.snapshot()["kv_rows_in_use"] == 0, interval=0.01,
+                   message=lambda: f"the aborted request still holds a row: {metrics.snapshot()['kv_rows_in_use']} in use")
 
         eng.fail_next = True  # a failing step fails what is in flight; the loop keeps serving
         loop.add([sub("f", 5)])
@@ -226,27 +232,42 @@ def test_engine_loop_events_abort_failure_and_idle():
 # ---- the HTTP app over a tiny random model (no download; seconds) ---------------------
 
 
+class _CountingApp:
+    """The app, passed through untouched; counts the HTTP requests that reached it."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self.http_requests = 0
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            self.http_requests += 1
+        await self.app(scope, receive, send)
+
+
 class _ThreadServer:
     """uvicorn in a background thread on an ephemeral loopback port; its logs go to caplog."""
 
     def __init__(self, app) -> None:
-        import threading
-
         import uvicorn
 
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", log_config=None))
+        self.app = _CountingApp(app)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning",
+                                                    log_config=None))
         self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
 
     def start(self) -> str:
-        import time
-
         self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
-            time.sleep(0.02)
+        wait_until(lambda: self.server.started or not self.thread.is_alive(), timeout=60,
+                   message="the server did not start")
+        assert self.server.started, "the server thread ended before the server started"
         self.port = self.server.servers[0].sockets[0].getsockname()[1]
         return f"http://127.0.0.1:{self.port}"
+
+    def handled(self, n: int) -> bool:
+        """`n` HTTP requests reached the app and uvicorn is done with every request: each one's
+        task has ended, after the app returned and after uvicorn logged anything about it."""
+        return self.app.http_requests >= n and not self.server.server_state.tasks
 
     def stop(self) -> None:
         self.server.should_exit = True
@@ -270,6 +291,7 @@ def tiny_server(tiny_dir):
         servers.append(_ThreadServer(create_app(LLM(str(tiny_dir), max_batch=2, max_len=256), "tiny", **kw)))
         return servers[-1].start()
 
+    start.servers = servers  # the _ThreadServer objects, for tests that watch the server itself
     yield start
     for s in servers:
         s.stop()
@@ -279,17 +301,6 @@ def _metrics(url: str) -> dict[str, float]:
     import httpx
 
     return parse_metrics(httpx.get(f"{url}/metrics", timeout=10).text)
-
-
-def _wait_for(cond, timeout: float, what: str) -> float:
-    """Poll `cond()` every 20 ms; return the seconds it took, or fail after `timeout`."""
-    import time
-
-    t0 = time.monotonic()
-    while not cond():
-        assert time.monotonic() - t0 < timeout, f"{what}: not within {timeout}s"
-        time.sleep(0.02)
-    return time.monotonic() - t0
 
 
 def _raw_post(port: int, path: str, body: bytes, content_length: int | None = None):
@@ -333,12 +344,16 @@ def test_abandoned_fanout_is_cancelled_within_a_second(tiny_server):
                        "ignore_eos": True}).encode()
     sock = _raw_post(port, "/v1/completions", body)
     try:
-        _wait_for(lambda: _metrics(url).get('draftsmith_requests_finished_total{finish_reason="length"}', 0) >= 2,
-                  60, "the fan-out did not start")
+        wait_until(lambda: _metrics(url).get('draftsmith_requests_finished_total{finish_reason="length"}', 0) >= 2,
+                   timeout=60, message="the fan-out did not start")
     finally:
         sock.close()
-    took = _wait_for(lambda: (m := _metrics(url))["draftsmith_kv_rows_in_use"] == 0
-                     and m["draftsmith_num_requests_waiting"] == 0, 3.0, "the abandoned fan-out still runs")
+    t0 = time.monotonic()
+    # the 3 s deadline is part of the claim (with the 1.5 s bound below), not a safety margin
+    wait_until(lambda: (m := _metrics(url))["draftsmith_kv_rows_in_use"] == 0
+               and m["draftsmith_num_requests_waiting"] == 0, timeout=3.0,
+               message="the abandoned fan-out still runs")
+    took = time.monotonic() - t0
     print(f"abandoned fan-out cancelled {took:.2f}s after the disconnect")
     assert took < 1.5
     m = _metrics(url)
@@ -373,7 +388,7 @@ def test_request_limits_give_openai_errors(tiny_server, caplog):
         c.completions.create(model="tiny", prompt="x", max_tokens=150)
     assert e.value.body["code"] == "too_many_queued_tokens" and "retry" in e.value.body["message"]
     stream.close()  # the closed stream gives its tokens back
-    _wait_for(lambda: _metrics(url)["draftsmith_kv_rows_in_use"] == 0, 10, "the closed stream still runs")
+    wait_until(lambda: _metrics(url)["draftsmith_kv_rows_in_use"] == 0, message="the closed stream still runs")
     assert c.completions.create(model="tiny", prompt="x", max_tokens=150).usage.completion_tokens >= 1
     _no_server_errors(url, caplog)
 
@@ -429,12 +444,13 @@ def test_malformed_requests_get_a_clear_400_never_a_500(tiny_server, caplog):
 
 
 def test_client_gone_mid_body_is_not_a_server_error(tiny_server, caplog):
-    import time
-
     url = tiny_server()
+    server = tiny_server.servers[-1]
     port = int(url.rsplit(":", 1)[1])
     _raw_post(port, "/v1/completions", b'{"prompt": "half a bo', content_length=1000).close()
-    time.sleep(1.0)  # the handler has read what came and seen the disconnect
+    # the handler has read what came and seen the disconnect: the request reached the app and
+    # uvicorn's task for it has ended (so anything logged about it is in caplog by now)
+    wait_until(lambda: server.handled(1), message="the half-sent request is still being handled (or never arrived)")
     _no_server_errors(url, caplog)
     import httpx
 

@@ -79,6 +79,12 @@ class DraftModelDrafter:
         # First pass catches the draft cache up with everything committed since last round.
         idx = active
         feeds = [seqs[i].all_ids[int(self.cache.lengths[seqs[i].row]) :] for i in idx]
+        for i, f in zip(idx, feeds):
+            if not f:  # the cache holds more than was committed: a rollback was missed
+                raise RuntimeError(
+                    f"draft model: row {seqs[i].row} caches {int(self.cache.lengths[seqs[i].row])} tokens but "
+                    f"request {seqs[i].request_id!r} has committed only {seqs[i].num_tokens} (the drafter's "
+                    "rollback invariant is broken)")
         logits = self._forward_last([seqs[i] for i in idx], feeds)  # [B', V]
         while True:
             # q is the draft distribution actually sampled from (one-hot when greedy).
