@@ -315,3 +315,30 @@ def test_diverged_replicas_are_refused_at_the_checkpoint(target_dir, cache_dir, 
     Trainer(make_cfg(target_dir, cache_dir, tmp_path / "ok", max_steps=3), CATALOGUE).fit()
     meta = json.loads((tmp_path / "ok" / "checkpoint-00000003" / "train_state" / "meta.json").read_text())
     assert len(meta["rank_weight_digests"]) == 1
+
+
+def test_init_from_a_trained_drafter_starts_from_its_weights(target_dir, cache_dir, tmp_path):
+    """train.init_from: fine-tuning starts from another run's weights (fresh optimizer and
+    schedule); a fresh run is the control; a different architecture or a missing path is refused."""
+    first = Trainer(make_cfg(target_dir, cache_dir, tmp_path / "a", max_steps=6, lr=1e-2), CATALOGUE)
+    first.fit()
+    start = trained_params(first)
+    tiny_lr = {"max_steps": 1, "lr": 1e-9, "warmup_ratio": 0.0}  # one step that moves nothing measurable
+    for source in (tmp_path / "a", ckpt_io.list_checkpoints(tmp_path / "a")[-1][1]):  # run dir or checkpoint
+        tuned = Trainer(make_cfg(target_dir, cache_dir, tmp_path / f"b-{source.name}", init_from=str(source),
+                                 **tiny_lr), CATALOGUE)
+        tuned.fit()
+        for n, w in trained_params(tuned).items():
+            torch.testing.assert_close(w, start[n], atol=1e-6, rtol=0)
+        assert json.loads((tmp_path / f"b-{source.name}" / "train_config.json").read_text())["train"]["init_from"] \
+            == str(source)
+    fresh = Trainer(make_cfg(target_dir, cache_dir, tmp_path / "c", **tiny_lr), CATALOGUE)
+    fresh.fit()
+    assert any((w - start[n]).abs().max() > 1e-3 for n, w in trained_params(fresh).items())
+    cfg = make_cfg(target_dir, cache_dir, tmp_path / "d", init_from=str(tmp_path / "a"), **tiny_lr)
+    other = dataclasses.replace(cfg, drafter=dataclasses.replace(cfg.drafter, layer_ids=(1,)))
+    with pytest.raises(DraftsmithError, match="differs in \\['layer_ids'\\]"):
+        Trainer(other, CATALOGUE).fit()
+    with pytest.raises(DraftsmithError, match="no such directory"):
+        Trainer(make_cfg(target_dir, cache_dir, tmp_path / "e", init_from=str(tmp_path / "nope"), **tiny_lr),
+                CATALOGUE).fit()

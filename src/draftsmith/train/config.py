@@ -89,6 +89,7 @@ class OptimConfig:
     progress: Literal["auto", "on", "off"]
     ddp_find_unused: bool
     threads: int | None
+    init_from: str | None = None  # start from a trained drafter's weights (a directory or KIND:NAME)
 
 
 @dataclass(frozen=True)
@@ -159,6 +160,9 @@ class _TrainSection(_Strict):
     progress: Literal["auto", "on", "off"] = "auto"
     ddp_find_unused: bool = False
     threads: int | None = Field(None, ge=1, description="CPU threads per process (None: torch's default)")
+    init_from: str | None = Field(None, description="start from this trained drafter's weights (a run or checkpoint "
+                                  "directory, or a built-in KIND:NAME) with a fresh optimizer and schedule: "
+                                  "fine-tune on more or other data")
 
 
 class _Root(_Strict):

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from draftsmith.drafters.builtin import builtin_specs, resolve as builtin_resolve
 from draftsmith.drafters.kind_config import resolve_for_target
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.target import cpu_has_fast_bf16, load_target
@@ -152,7 +153,8 @@ class Trainer:
                               info.rank, info.world_size, info.device)
         self.heldout = (HeldoutEval(self.cfg.data, self.target, self.layer_ids, self.data.per_rank, info.device)
                         if self.cfg.data.eval_cache is not None and info.is_main else None)
-        if not self.resume and hasattr(self.model, "init_draft_vocab") and getattr(
+        self.init_from = None if self.resume or t.init_from is None else self._init_from(t.init_from)
+        if not self.resume and self.init_from is None and hasattr(self.model, "init_draft_vocab") and getattr(
                 getattr(self.model, "config", None), "draft_vocab_size", None):
             # EAGLE-3's reduced vocabulary: the most frequent drafted tokens of the training data
             self.model.init_draft_vocab(self.data.token_counts(self.target.model.config.vocab_size))
@@ -162,6 +164,38 @@ class Trainer:
         resolved = resolved if dataclasses.is_dataclass(resolved) else self.cfg.drafter
         self.ckpt_config = ckpt_io.checkpoint_config(self.cfg.kind, resolved, self.target.target_id,
                                                      self.target.weights_hash)
+
+    # what must agree between a drafter and the checkpoint it starts from, beyond tensor names and shapes
+    _STRUCTURAL = ("layer_ids", "block_size", "mask_token_id", "head", "num_layers", "rank", "draft_vocab_size",
+                   "qk_norm", "norm_before_residual")
+
+    def _init_from(self, spec: str) -> Path:
+        """Load a trained drafter's weights (and vocabulary maps) into the fresh model: fine-tuning.
+        Loss weights and other training-only settings may differ; the architecture may not."""
+        kind = self.cfg.kind
+        arg = spec[len(kind) + 1:] if spec.startswith(f"{kind}:") and not Path(spec).exists() else spec
+        d = Path(builtin_resolve(kind, arg))
+        if not d.is_dir():
+            raise DraftsmithError(f"train.init_from={spec!r}: no such directory and no built-in {kind} drafter of "
+                                  f"that name (built-ins: {', '.join(builtin_specs(kind)) or 'none'})")
+        if not (d / "config.json").is_file() and ckpt_io.list_checkpoints(d):
+            d = ckpt_io.list_checkpoints(d)[-1][1]  # a run directory that has no inference files yet
+        raw = ckpt_io.read_checkpoint_config(d)
+        if raw["kind"] != kind:
+            raise DraftsmithError(f"train.init_from={spec!r} is a {raw['kind']} drafter; this recipe trains {kind}")
+        ckpt_io.check_target(raw, self.target.target_id, self.target.weights_hash, str(d), kind=kind,
+                             legacy_hash=self.target.legacy_weights_hash)
+        mine = dataclasses.asdict(getattr(self.model, "config", None) or self.cfg.drafter)
+        diff = [k for k in self._STRUCTURAL if k in mine and k in raw
+                and ckpt_io.jsonable(mine[k]) != ckpt_io.jsonable(raw[k])]
+        if diff:
+            raise DraftsmithError(f"train.init_from={spec!r}: the drafter differs in {diff} (checkpoint: "
+                                  f"{[raw[k] for k in diff]}, recipe: {[mine[k] for k in diff]}); set them as the "
+                                  "checkpoint has them")
+        ckpt_io.restore_state(self.model, ckpt_io.load_model_state(d), d)
+        if self.info.is_main:
+            print(f"[draftsmith] starting from the weights of {d}", file=sys.stderr)
+        return d
 
     def _prepare_out_dir(self) -> None:
         if not self.info.is_main:
