@@ -34,6 +34,19 @@ _TINY_DEFAULTS: dict[str, dict[str, Any]] = {
         hidden_size=96, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
     ),
+    "qwen3_moe": dict(  # Qwen3 attention + 4 experts, top-2 (renormalised); layer 1 dense
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=48, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
+        norm_topk_prob=True, mlp_only_layers=[1], decoder_sparse_step=1, tie_word_embeddings=False,
+    ),
+    "gemma3_text": dict(  # window 4 on layers 0, 1, 3; layer 2 global with a linearly scaled RoPE
+        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24, sliding_window=4,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100_000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1_000.0}},
+        tie_word_embeddings=True,
+    ),
 }
 TINY_VOCAB = 272
 _CHATML = (

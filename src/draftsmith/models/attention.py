@@ -29,14 +29,16 @@ def use_grouped(q: torch.Tensor) -> bool:
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                      causal: bool) -> torch.Tensor:
+                      causal: bool, scale: float | None = None) -> torch.Tensor:
     """q [B, H, S, D], k / v [B, KV, T, D], mask [B or 1, 1, S, T] bool (True = attend) or None;
-    causal: the S queries are the last S positions of T with a lower-triangular mask.
+    causal: the S queries are the last S positions of T with a lower-triangular mask;
+    scale: of the scores, default D ** -0.5.
     Returns [B, H, S, D] like SDPA (HF's head h reads kv head h // G)."""
     B, H, S, D = q.shape
     KV, T = k.shape[1], k.shape[2]
     G = H // KV
-    scores = torch.matmul((q * D ** -0.5).reshape(B, KV, G * S, D), k.transpose(-1, -2)).float()
+    scale = D ** -0.5 if scale is None else scale
+    scores = torch.matmul((q * scale).reshape(B, KV, G * S, D), k.transpose(-1, -2)).float()
     if causal and mask is None:
         q_pos = torch.arange(T - S, T, device=q.device)
         mask = (torch.arange(T, device=q.device)[None, :] <= q_pos[:, None])[None, None]
@@ -47,12 +49,13 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-           causal: bool, kernel: str = "auto") -> torch.Tensor:
+           causal: bool, kernel: str = "auto", scale: float | None = None) -> torch.Tensor:
     """Softmax attention of q [B, H, S, D] over k / v [B, KV, T, D] (GQA when KV < H).
-    kernel: "auto" (grouped where `use_grouped`, else SDPA), "sdpa" or "grouped" (benchmarks)."""
+    kernel: "auto" (grouped where `use_grouped`, else SDPA), "sdpa" or "grouped" (benchmarks).
+    scale: of the scores, default D ** -0.5 (Gemma 3: query_pre_attn_scalar ** -0.5)."""
     if kernel == "grouped" or (kernel == "auto" and use_grouped(q)):
-        return grouped_attention(q, k, v, mask, causal)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+        return grouped_attention(q, k, v, mask, causal, scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
                                           enable_gqa=q.shape[1] != k.shape[1])
 
 

