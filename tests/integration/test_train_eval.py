@@ -89,7 +89,12 @@ def test_calibrate_then_eval(trained, capsys, tiny_model_dir):
     for f in ("report.json", "report.md", "conditional_acceptance.png", "reliability-dspark_dspark.png",
               "threshold-dspark_dspark.png", "rounds-dspark_dspark.jsonl"):
         assert (out / f).is_file(), f
-    assert "| dspark:dspark | all |" in (out / "report.md").read_text()
+    md = (out / "report.md").read_text()
+    assert "| dspark:dspark | all |" in md and "## Summary" in md
+    width = None  # every table row has as many cells as its header (issue 15: 5 cells under 7 columns)
+    for ln in md.splitlines():
+        width = (ln.count("|") - 1 if width is None else width) if ln.startswith("|") else None
+        assert width is None or ln.count("|") - 1 == width, ln
 
     # a checkpoint for another target is refused with one clear line
     other = tiny_model_dir("llama", seed=7)

@@ -126,6 +126,63 @@ def test_verdict_flags_what_cannot_be_trusted():
     assert verdict({"acceptance_rate": None, "draft_proposed": None, "speedup": 1.1}, base)["decision"] == "go"
 
 
+def _row(label, speedup, decision, n, per_request=None, flags=()):
+    return {"label": label, "kind": "baseline" if label == "none" else "inprocess", "system_tokens_per_s": 10 * speedup,
+            "speedup": speedup, "acceptance_rate": None, "tau": None,
+            "speedup_spread": {"n": n, "median": speedup, "min": speedup * 0.9 if n > 1 else speedup,
+                               "max": speedup * 1.2 if n > 1 else speedup},
+            "per_request_speedup": per_request, "verdict": {"decision": decision, "reason": "r", "flags": list(flags)}}
+
+
+def _tiers(rows_by_c):
+    return [{"concurrency": c, "arrival": "closed", "results": [_row("none", 1.0, "baseline", 0), *rows]}
+            for c, rows in rows_by_c.items()]
+
+
+def test_headline_cites_the_table_row_it_summarises():
+    """Issue 15: the headline said 2.42× (one run at c4) while the detail table showed 2.70× (the
+    per-request median of 4); the headline now quotes the row's own cell, its tier and n."""
+    from draftsmith.bench.report_markdown import headline_bullets, headline_table, speedup_cell
+
+    c4 = _row("ngram", 2.42, "go", 1, per_request={"n": 4, "median": 2.70, "min": 2.1, "max": 3.0},
+              flags=["noisy: load average 5.0 on 2 cores"])
+    tiers = _tiers({1: [_row("ngram", 1.5, "go", 4)], 4: [c4], 16: [_row("ngram", 0.8, "no-go", 1)]})
+    (bullet,) = headline_bullets(tiers, None)
+    assert speedup_cell(c4) == "2.42× (n=1)"
+    assert bullet == ("ngram: pays up to concurrency 4 (best: concurrency 4: 2.42× (n=1) [noisy: load average 5.0 "
+                      "on 2 cores]) and stops paying at concurrency 16: 0.80× (n=1)")
+    table = headline_table({"tiers": tiers})
+    for c, r in ((4, c4), (16, tiers[2]["results"][1])):  # each number cited is the table's cell for that row
+        (line,) = [ln for ln in table.splitlines() if ln.startswith(f"| {c} | ngram |")]
+        assert f"| {speedup_cell(r)} |" in line and f"concurrency {c}: {speedup_cell(r)}" in bullet
+    assert "2.70" not in bullet
+    (b,) = headline_bullets(_tiers({1: [_row("x", 0.7, "no-go", 4)], 4: [_row("x", 0.9, "no-go", 1)]}), None)
+    assert b == "x: does not pay at any measured tier; its best is concurrency 4: 0.90× (n=1)"
+    (b,) = headline_bullets(_tiers({1: [_row("x", 1.7, "go", 3)], 2: [_row("x", 1.1, "void", 1)]}), None)
+    assert b == "x: pays at every measured tier; its least is concurrency 1: 1.70× (1.53–2.04, n=3); VOID at concurrency 2: r"
+
+
+def test_report_markdown_tables_are_whole_and_the_speedup_cells_agree(tmp_path):
+    from draftsmith.bench.report_markdown import render_markdown
+
+    tiers = _tiers({1: [_row("ngram", 1.5, "go", 4, per_request={"n": 4, "median": 1.6, "min": 1.0, "max": 2.0})]})
+    for t in tiers:
+        for r in t["results"]:
+            r.update(per_user_tokens_per_s={"mean": 1.0, "min": 0.5}, cost_per_1m_output_tokens=None, memory={},
+                     bandwidth_bound_tokens_per_s=None, fraction_of_bound=None, equality={}, ttft_s=None, itl_s=None,
+                     tpot_s=None, e2e_s=None, target_forwards_per_token=None, engine_steps_per_token=None)
+    rep = {"setup": {"sampling": {"temperature": 0, "top_p": 1, "max_tokens": 8, "seed": 0}}, "tiers": tiers,
+           "headline": ["h"], "machine_load": {"loadavg_start": None, "loadavg_end": None}, "definitions": {},
+           "acceptance_per_position": {"ngram": [0.5, None]}, "plots": {"throughput": "t", "latency": "l",
+                                                                       "acceptance": "a"}}
+    md = render_markdown(rep)
+    width = None
+    for ln in md.splitlines():  # every table row has as many cells as its header
+        width = (ln.count("|") - 1 if width is None else width) if ln.startswith("|") else None
+        assert width is None or ln.count("|") - 1 == width, ln
+    assert md.count("| 1.50× (1.35–1.80, n=4) |") == 2  # headline table and the tier's table: the same cell
+
+
 # ---- parsing and config ------------------------------------------------------------------------
 
 
@@ -303,6 +360,22 @@ def test_endpoint_without_counters_reports_unavailable():
     assert v["summary"]["counts_source"].startswith("unavailable: the server exposes no draftsmith_")
     assert v["speedup"] == pytest.approx(1.5) and v["equality"]["mismatches"] == 0
     assert v["verdict"]["decision"] == "go"  # speed alone decides when acceptance is unknown
+
+
+def test_hf_peer_loads_without_a_progress_bar_in_a_log(tiny_model_dir, capsys):
+    """Issue 15: stderr not a terminal (capsys: a log file): transformers' "Loading weights"
+    bar would land there as `\r`-joined redraws; it is off, and its switch is restored."""
+    from transformers.utils import logging as hf_logging
+
+    from draftsmith.bench.peers import _load_hf
+
+    path = tiny_model_dir("llama", seed=7)
+    capsys.readouterr()  # (making the tiny model draws a bar of its own)
+    enabled = hf_logging.is_progress_bar_enabled()
+    _load_hf(path, torch.device("cpu"), torch.float32)
+    err = capsys.readouterr().err
+    assert "\r" not in err and "Loading weights" not in err, err[-300:]
+    assert hf_logging.is_progress_bar_enabled() == enabled
 
 
 def test_run_bench_poisson_tier(tiny_model_dir, tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from dataclasses import asdict
 from types import SimpleNamespace
 
 import pytest
@@ -184,25 +185,79 @@ def test_recording_policy_threshold_and_records():
     assert pol.records[0].committed == 3  # committed counts are per round (deltas)
 
 
-def test_report_markdown_opens_with_a_summary_and_ends_with_definitions():
-    from draftsmith.eval.jobs import render_markdown
+def _report(records, gamma=4, label="dspark:runs/x"):
+    """A report as eval/jobs.py builds it, from real metrics over `records` (confidences after
+    STS = the raw ones; the markdown only reads the numbers)."""
+    cal = {"source": "calibration.json", "temperatures": [1.0] * gamma,
+           "before": M.calibration_report(records, gamma), "after": M.calibration_report(records, gamma)}
+    d = {"label": label, "overall": M.acceptance_summary(records, gamma),
+         "tasks": {"humaneval": M.acceptance_summary(records, gamma)}, "skipped": [], "calibration": cal,
+         "threshold_sweep": {"points": [asdict(p) for p in M.threshold_sweep(records, M.default_thresholds())]}}
+    return {"target": "tiny", "prompts": {"humaneval": 2}, "temperature": 1.0, "max_new_tokens": 8, "max_turns": 1,
+            "drafters": [d], "plots": {"reliability:" + label: "/x/reliability-x.png"}}
 
-    s = {"rounds": 10, "tau": 2.5, "acceptance_rate": 0.3, "verify_rate": 1.0, "prefix_survival": [0.5, 0.2, 0.1],
-         "conditional_acceptance": [0.5, 0.4, 0.5]}
-    pos = lambda k, n: {"position": k, "cumulative": {"n": n, "ece": 0.0, "auroc": None, "brier": 0.0},  # noqa: E731
-                        "conditional": {"ece": 0.0}}
-    cal = {"before": {"positions": [pos(1, 10), pos(2, 0)]}, "after": {"positions": [pos(1, 10), pos(2, 0)]},
-           "source": "x"}
-    report = {"target": "t", "prompts": {"humaneval": 2}, "temperature": 0.0, "max_new_tokens": 8, "max_turns": 1,
-              "drafters": [{"label": "dspark:x", "tasks": {"humaneval": s}, "overall": s, "calibration": cal,
-                            "threshold_sweep": {"points": []}}],
-              "definitions": {"tau": "committed tokens per verification round"}}
-    md = render_markdown(report)
-    head = md.split("## Summary")[1].split("|")[0]
-    assert "dspark:x: each verification round committed 2.50 tokens on average of at most 4" in head
-    assert "30% of drafted tokens were accepted" in head
-    assert md.rstrip().endswith("- tau: committed tokens per verification round")
-    assert "| dspark:x | 2 | 0 | – | – |" in md  # a position no round reached shows no ECE of 0.000
+
+def markdown_tables(md: str) -> list[tuple[list[str], list[list[str]]]]:
+    """(header cells, row cells) of every table in a markdown text (`\\|` is not a separator)."""
+    import re
+
+    tables, cur = [], None
+    for ln in md.splitlines():
+        if not ln.startswith("|"):
+            cur = None
+            continue
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", ln.strip())[1:-1]]
+        if cur is None:
+            cur = (cells, [])
+            tables.append(cur)
+        elif not set("".join(cells)) <= set("-:"):
+            cur[1].append(cells)
+    return tables
+
+
+# Four rounds of γ = 4 where nobody ever accepted 3 drafts: positions 3 and 4 were verified
+# (n = 4) but never accepted, and their Π c is ~0, so their ECE would print as 0.000.
+NEVER_PAST_2 = [rec(4, 4, 2, 3, (0.9, 0.9, 0.001, 0.001)), rec(4, 4, 0, 1, (0.3, 0.2, 0.001, 0.001)),
+                rec(4, 4, 1, 2, (0.8, 0.4, 0.001, 0.001)), rec(4, 4, 2, 3, (0.9, 0.8, 0.001, 0.001), request="s")]
+
+
+def test_report_markdown_summary_defined_columns_and_whole_rows():
+    from draftsmith.eval.report import render_markdown
+
+    md = render_markdown(_report(NEVER_PAST_2))
+    summary = md.split("## Summary")[1].split("## Acceptance")[0]
+    assert "What was measured" in summary and "τ, the mean number of tokens committed per verification round" in summary
+    assert "runs/x: each verification round committed 2.25 tokens on average of at most 5" in summary
+    assert "31% of drafted tokens were accepted" in summary  # 5 of 16
+    assert "mean ECE over positions 1–2" in summary  # positions 3, 4: nothing accepted, nothing to average
+    tables = markdown_tables(md)
+    assert [h[:2] for h, _ in tables] == [["drafter", "task"], ["drafter", "k"], ["drafter", "threshold"]]
+    for header, rows in tables:
+        assert rows and all(len(r) == len(header) for r in rows), header  # issue 15: 5 cells under 7 columns
+        defined = md.split("| " + " | ".join(header) + " |")[1].split("\n\n", 2)[2].split("\n\n")[0]
+        for col in header:
+            assert f"- **{col}**: " in defined, col  # every column is defined under its table
+    cal_header, cal_rows = tables[1]
+    by_k = {r[1]: dict(zip(cal_header, r)) for r in cal_rows}
+    assert by_k["1"]["ECE raw"] != "–" and by_k["2"]["AUROC"] == "1.000"
+    for k in ("3", "4"):  # verified, never accepted: no "ECE 0.000", and the note says why
+        row = by_k[k]
+        assert (row["n"], row["accepted"]) == ("4", "0")
+        assert [row[c] for c in cal_header[4:]] == ["–"] * 7
+    assert "where `accepted` is 0 every outcome at that position was a rejection" in md
+    assert "![reliability:dspark:runs/x](reliability-x.png)" in md
+
+
+def test_report_markdown_position_never_reached_and_a_pipe_in_a_label():
+    from draftsmith.eval.report import _table, render_markdown
+
+    recs = [rec(2, 2, 1, 2, (0.9, 0.5)), rec(2, 2, 2, 3, (0.9, 0.9))]
+    md = render_markdown(_report(recs, gamma=3, label="dspark:a|b"))  # position 3: never verified
+    for header, rows in markdown_tables(md):
+        assert all(len(r) == len(header) for r in rows), header
+    assert "| dspark:a\\|b | 3 | 0 | 0 | – | – | – | – | – | – | – |" in md
+    with pytest.raises(ValueError, match="5 cells under 7 columns"):
+        _table({str(i): "" for i in range(7)}, [["x"] * 5])
 
 
 def test_plot_colours_follow_the_drafter_and_empty_positions_get_no_panel(tmp_path):
@@ -210,7 +265,13 @@ def test_plot_colours_follow_the_drafter_and_empty_positions_get_no_panel(tmp_pa
 
     assert plots.color_for("dspark:runs/a") == plots.color_for("dspark:runs/b") != plots.color_for("ngram")
     assert plots.color_for("dspark:smollm2-135m") != plots.color_for("dspark:runs/a")  # built-in: its own shade
+    # one trained checkpoint is `dspark:dspark` in eval (its directory's name) and `dspark:runs/demo/dspark`
+    # in bench (the spec): one colour, not the built-in's shade
+    assert plots.color_for("dspark:dspark") == plots.color_for("dspark:runs/demo/dspark")
     assert plots.color_for("x:y") == plots.color_for("x:y")  # unknown kinds: stable too
+    labels = ("none", "ngram", "dspark:runs/a", "dspark:smollm2-135m", "eagle3:e", "hf:generate", "hf:prompt-lookup",
+              "hf:assistant")
+    assert len({plots.color_for(x) for x in labels}) == len(labels)  # what one bench plot shows: all distinct
     full = [{"confidence": 0.5, "accuracy": 0.4, "count": 3}]
     empty = [{"confidence": 0.5, "accuracy": 0.0, "count": 0}]
     import matplotlib.pyplot as plt
@@ -225,3 +286,57 @@ def test_plot_colours_follow_the_drafter_and_empty_positions_get_no_panel(tmp_pa
         plt.subplots = real
     assert made[0][:2] == (1, 1)  # one panel: positions 2 and 3 were never reached
     assert (tmp_path / "r.png").stat().st_size > 0 and (tmp_path / "none.png").stat().st_size > 0
+
+
+def test_plots_label_every_axis_and_keep_legends_off_the_data(tmp_path, monkeypatch):
+    """Issue 15: no axis without a label, no legend over a plotting area, no empty panel; the
+    eval and bench plots are drawn and then measured as rendered."""
+    from draftsmith.bench import report_plots
+    from draftsmith.eval import plots
+
+    figs = []
+    real = plots.save
+
+    def keep(fig, path):
+        figs.append(fig)
+        return real(fig, path)
+
+    monkeypatch.setattr(plots, "save", keep)
+    monkeypatch.setattr(report_plots, "save", keep)
+    recs = synthetic_rounds(400, gamma=7, seed=3)
+    recs = [RoundRecord(r.task, r.request, 3, 3, min(r.accepted, 3), min(r.committed, 4), r.confidences[:3])
+            for r in recs]  # γ = 7 asked, 3 verified: positions 4..7 never reached
+    bins = [p["cumulative"]["bins"] for p in M.calibration_report(recs, 7)["positions"]]
+    plots.reliability(bins, bins, tmp_path / "rel.png")
+    curves = {"dspark:runs/a": [0.7, 0.6, 0.5, 0.5, 0.4], "dspark:smollm2-135m": [0.8, 0.7, 0.6],
+              "ngram": [0.3, 0.2, None], "eagle3:runs/e": [0.6, 0.5, 0.4]}
+    plots.conditional_acceptance(curves, tmp_path / "cond.png")
+    plots.threshold_sweep([asdict(p) for p in M.threshold_sweep(recs, M.default_thresholds())], tmp_path / "th.png")
+    dist = {"p50": 0.1, "p95": 0.2, "p99": 0.3}
+    tiers = [{"concurrency": c, "results": [{"label": lab, "system_tokens_per_s": tps * c, "void": False,
+                                             "ttft_s": dist, "itl_s": dist, "e2e_s": dist}
+                                            for lab, tps in (("none", 10.0), ("ngram", 14.0), ("dspark:runs/a", 8.0))]}
+             for c in (1, 4, 16)]
+    peers = {"peers": [{"label": "hf:generate", "system_tokens_per_s": 12.0}]}
+    report_plots.plot_throughput(tiers, peers, tmp_path / "tp.png")
+    report_plots.plot_latency(tiers, tmp_path / "lat.png")
+    report_plots.plot_acceptance(curves, tmp_path / "acc.png")
+    assert len(figs) == 6
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    for fig in figs:
+        canvas = FigureCanvasAgg(fig)  # (a closed figure has lost its pyplot canvas)
+        canvas.draw()
+        r = canvas.get_renderer()
+        shown = [ax for ax in fig.axes if ax.axison]
+        by_place: dict = {}  # a twin y axis shares its panel (and x label) with the first
+        for ax in shown:
+            by_place.setdefault(ax.get_position().bounds, []).append(ax)
+        for group in by_place.values():
+            assert any(ax.get_xlabel() for ax in group) and all(ax.get_ylabel() for ax in group)
+        legends = [ax.get_legend() for ax in fig.axes if ax.get_legend()] + list(fig.legends)
+        assert legends
+        for leg in legends:
+            for ax in shown:
+                assert not leg.get_window_extent(r).overlaps(ax.get_window_extent(r))
+    assert len([ax for ax in figs[0].axes if ax.axison]) == 3  # reliability: only the 3 verified positions

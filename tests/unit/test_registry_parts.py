@@ -259,6 +259,24 @@ def test_parts_are_reassembled_in_declared_order_and_converted(fake_home, make_p
     assert text.endswith("<|im_start|>assistant\n")
 
 
+def test_conversion_draws_no_progress_bar_into_a_log(tmp_path, tiny_gguf, capsys):
+    """Issue 15: with stderr not a terminal (capsys: a log file), transformers' "Converting and
+    de-quantizing GGUF tensors" bar ended up in logs as one `\r`-joined line; now only the
+    plain stage lines remain, and transformers' own bar switch is as it was."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    data, _ = tiny_gguf
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "tiny.gguf").write_bytes(data)
+    (tmp_path / "out").mkdir()
+    bar = gguf_utils.tqdm
+    registry._convert_gguf(tmp_path / "pkg", "tiny.gguf", tmp_path / "out")
+    err = capsys.readouterr().err
+    assert "\r" not in err and "Converting" not in err, err[-300:]
+    assert "dequantizing the weights to float32" in err  # the stage line says what happened
+    assert gguf_utils.tqdm is bar and (tmp_path / "out" / "model.safetensors").is_file()
+
+
 def test_reassembly_streams_into_a_temp_file_under_home(fake_home, make_parts, recording_converter):
     seen, _ = recording_converter
     data = b"GGUF" + os.urandom(3 * registry._CHUNK + 12345)  # several chunks per run

@@ -154,11 +154,28 @@ def test_a_known_cut_is_not_reported_as_damage(tmp_path: Path, caplog) -> None:
     import logging
 
     text, _ = _array_text([_record(i) for i in range(3)])
-    path = tmp_path / "cut.json"
-    path.write_bytes(text[: text.index("answer 2") + 3].encode("utf-8"))
+    known, other = tmp_path / "known.json", tmp_path / "other.json"
+    for path in (known, other):
+        path.write_bytes(text[: text.index("answer 2") + 3].encode("utf-8"))
     with caplog.at_level(logging.DEBUG, logger="draftsmith.data.sharegpt"):
-        assert len(list(iter_sharegpt(path, known_truncated=True))) == 2
+        assert len(list(iter_sharegpt(known, known_truncated=True))) == 2
         assert [r.levelno for r in caplog.records] == [logging.DEBUG]
         caplog.clear()
-        assert len(list(iter_sharegpt(path))) == 2
+        assert len(list(iter_sharegpt(other))) == 2
         assert [r.levelno for r in caplog.records] == [logging.WARNING]
+
+
+def test_a_cut_is_one_calm_line_once_per_file_and_process(tmp_path: Path, caplog) -> None:
+    """Issue 15: the truncated ShareGPT file was reported twice (it is read once per split / mix
+    refill), in words that read like corruption; now once per file, saying what is used."""
+    import logging
+
+    text, _ = _array_text([_record(i) for i in range(3)])
+    path = tmp_path / "cut-once.json"
+    path.write_bytes(text[: text.index("answer 2") + 3].encode("utf-8"))
+    with caplog.at_level(logging.DEBUG, logger="draftsmith.data.sharegpt"):
+        for _ in range(3):
+            assert len(list(iter_sharegpt(path))) == 2
+    (msg,) = [r.getMessage() for r in caplog.records]
+    assert msg.startswith(f"{path} ends in the middle of a record (character ")
+    assert msg.endswith("; using the 2 complete records before it") and "\n" not in msg

@@ -49,7 +49,10 @@ def _load_hf(path, device: torch.device, dtype: torch.dtype):
     # `--peers hf` needs them.
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
+    from draftsmith.progress import hf_bars_on_terminal_only
+
+    with hf_bars_on_terminal_only():  # its "Loading weights" bar: not in log files
+        return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
 
 
 class HFPeer:

@@ -12,7 +12,31 @@ def _x(v: float | None) -> str:
     return "–" if v is None else f"{v:.2f}×"
 
 
+def speedup_cell(r: dict) -> str:
+    """A row's speedup as every report prints it: the ratio of system tokens/s to the baseline's
+    at that tier, then its spread over the n interleaved units it was measured in (a unit is
+    one request at concurrency 1, else one run of the whole request list)."""
+    sp = r.get("speedup_spread") or {}
+    if r.get("speedup") is None or not sp.get("n"):
+        return _x(r.get("speedup"))
+    if sp["n"] == 1:
+        return f"{_x(r['speedup'])} (n=1)"
+    return f"{_x(r['speedup'])} ({_f(sp.get('min'), 2)}–{_f(sp.get('max'), 2)}, n={sp['n']})"
+
+
+def _speed(point: tuple[int, dict]) -> float:
+    return point[1]["speedup"]
+
+
+def _at(c: int, r: dict) -> str:
+    """One table row cited in a headline: its tier, speedup cell and flags."""
+    flags = r["verdict"].get("flags") or []
+    return f"concurrency {c}: {speedup_cell(r)}" + (f" [{'; '.join(flags)}]" if flags else "")
+
+
 def headline_bullets(tiers: list[dict], peers: dict | None) -> list[str]:
+    """One line per speculative configuration: whether it pays, citing the table row(s) that
+    say so (the same numbers, tier and n as the table), then one per peer."""
     out: list[str] = []
     labels: list[str] = []
     for t in tiers:
@@ -21,16 +45,24 @@ def headline_bullets(tiers: list[dict], peers: dict | None) -> list[str]:
                 labels.append(r["label"])
     for lab in labels:
         pts = [(t["concurrency"], r) for t in tiers for r in t["results"] if r["label"] == lab]
-        parts = [f"c{c} {_x(r['speedup'])} {r['verdict']['decision']}" for c, r in pts]
-        stops = next((c for c, r in pts if r["verdict"]["decision"] in ("no-go", "void")), None)
-        goes = [c for c, r in pts if r["verdict"]["decision"] == "go"]
-        if not goes:
-            tail = "does not pay at any measured tier"
-        elif stops is None:
-            tail = "pays at every measured tier"
+        rated = [(c, r) for c, r in pts if r["verdict"]["decision"] in ("go", "no-go") and r["speedup"] is not None]
+        goes = [(c, r) for c, r in rated if r["verdict"]["decision"] == "go"]
+        stops = [(c, r) for c, r in rated if r["verdict"]["decision"] == "no-go"]
+        if not rated:
+            text = "not compared with plain decoding at any tier"
+        elif not goes:
+            text = f"does not pay at any measured tier; its best is {_at(*max(rated, key=_speed))}"
+        elif not stops:
+            text = f"pays at every measured tier; its least is {_at(*min(goes, key=_speed))}"
+        elif goes[-1][0] < stops[0][0]:
+            text = (f"pays up to concurrency {goes[-1][0]} (best: {_at(*max(goes, key=_speed))}) and stops paying "
+                    f"at {_at(*stops[0])}")
         else:
-            tail = f"stops paying at concurrency {stops}"
-        out.append(f"{lab}: {tail} ({'; '.join(parts)})")
+            text = f"pays at {_at(*max(goes, key=_speed))}, not at {_at(*stops[0])}"
+        voids = [(c, r) for c, r in pts if r["verdict"]["decision"] == "void"]
+        if voids:
+            text += f"; VOID at concurrency {', '.join(str(c) for c, _ in voids)}: {voids[0][1]['verdict']['reason']}"
+        out.append(f"{lab}: {text}")
     if peers:
         for p in peers["peers"]:
             ratios = ", ".join(f"{lab} {_x(v)}" for lab, v in p["ours_vs_peer"].items())
@@ -69,14 +101,12 @@ def _mb(v) -> str:
 
 def headline_table(report: dict) -> str:
     """A compact markdown table: tokens/s, speedup and verdict per tier and configuration."""
-    lines = ["| concurrency | config | tokens/s | speedup (spread) | acceptance | τ | verdict |",
+    lines = ["| concurrency | config | tokens/s | speedup (min–max, n) | acceptance | τ | verdict |",
              "|---|---|---|---|---|---|---|"]
     for t in report["tiers"]:
         for r in t["results"]:
-            sp = r.get("speedup_spread") or {}
-            spread = f" ({_f(sp.get('min'), 2)}–{_f(sp.get('max'), 2)}, n={sp.get('n')})" if sp.get("n") else ""
             lines.append(f"| {t['concurrency']} | {r['label']} | {_f(r['system_tokens_per_s'])} | "
-                         f"{_x(r['speedup'])}{spread} | {_f(r['acceptance_rate'], 2)} | {_f(r['tau'], 2)} | "
+                         f"{speedup_cell(r)} | {_f(r['acceptance_rate'], 2)} | {_f(r['tau'], 2)} | "
                          f"**{r['verdict']['decision']}**: {r['verdict']['reason']} |")
     return "\n".join(lines)
 
@@ -114,7 +144,8 @@ def render_markdown(rep: dict) -> str:
                "'bound' column is the tokens/s that floor allows for each run's forward count.", ""]
     for t in rep["tiers"]:
         md += [f"## Concurrency {t['concurrency']} ({t['arrival']})", "",
-               "| config | tokens/s (system) | per-user tok/s (mean / worst) | speedup | per-request speedup (median, min–max) "
+               "| config | tokens/s (system) | per-user tok/s (mean / worst) | speedup (min–max, n) "
+               "| per-request speedup (median, min–max, n requests) "
                "| $/1M tok | bound tok/s (fraction) | outputs ≠ baseline | verdict |",
                "|---|---|---|---|---|---|---|---|---|"]
         for r in t["results"]:
@@ -126,7 +157,7 @@ def render_markdown(rep: dict) -> str:
             void = " (VOID)" if r.get("void") else ""
             md.append(
                 f"| {r['label']} | {_f(r['system_tokens_per_s'])}{void} | {_f(pu['mean'])} / {_f(pu['min'])} | "
-                f"{_x(r['speedup'])} | {_ratio_spread(pr)} | "
+                f"{speedup_cell(r)} | {_ratio_spread(pr)} | "
                 f"{_f(r['cost_per_1m_output_tokens'], 2)} | {_f(r['bandwidth_bound_tokens_per_s'])} "
                 f"({_f(r['fraction_of_bound'], 2)}) | {mism} | **{r['verdict']['decision']}**: {r['verdict']['reason']} |")
         md += ["", "| config | TTFT ms P50/P95/P99 | ITL ms P50/P95/P99 | TPOT ms P50 | E2E ms P50/P95/P99 | "

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from draftsmith.eval.plots import color_for, conditional_acceptance, plt_agg
+from draftsmith.eval.plots import color_for, conditional_acceptance, legend_below, plt_agg, save
 
 
 def _labels(tiers: list[dict]) -> list[str]:
@@ -32,18 +32,17 @@ def plot_throughput(tiers: list[dict], peers: dict | None, path: Path) -> Path:
         void = [(c, r["system_tokens_per_s"]) for c, r in pts if r.get("void") and r["system_tokens_per_s"]]
         if void:
             ax.scatter([v[0] for v in void], [v[1] for v in void], s=120, facecolors="none",
-                       edgecolors="red", zorder=3, label=f"{lab} (void)")
+                       edgecolors="red", zorder=3, label=f"{lab} (void: outputs differ)")
     for e in (peers or {}).get("peers", []):
         if e["system_tokens_per_s"]:
-            ax.scatter([1], [e["system_tokens_per_s"]], marker="x", s=60, label=e["label"], zorder=3)
+            ax.scatter([1], [e["system_tokens_per_s"]], marker="x", s=60, label=f"{e['label']} (concurrency 1)",
+                       color=color_for(e["label"]), zorder=3)
     _concurrency_axis(ax, sorted({t["concurrency"] for t in tiers}) or [1])
     ax.set_ylabel("system output tokens/s")
     ax.set_title("Throughput vs concurrency")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    legend_below(ax, ncol=2)
+    save(fig, path)
     return path
 
 
@@ -62,22 +61,24 @@ def plot_latency(tiers: list[dict], path: Path) -> Path:
     metrics = (("ttft_s", "TTFT"), ("itl_s", "inter-token latency"), ("e2e_s", "end-to-end latency"))
     styles = (("p50", "-"), ("p95", "--"), ("p99", ":"))
     concs = sorted({t["concurrency"] for t in tiers}) or [1]
+    handles: dict = {}  # one legend entry per configuration (its colour); the line style is the percentile
     for ax, (key, title) in zip(axes, metrics):
         for lab in _labels(tiers):
             for q, ls in styles:
                 pts = [(t["concurrency"], (r[key] or {}).get(q)) for t in tiers for r in t["results"] if r["label"] == lab]
                 pts = [(c, v * 1000) for c, v in pts if v is not None]
                 if pts:
-                    ax.plot([p[0] for p in pts], [p[1] for p in pts], ls=ls, marker="o", ms=3,
-                            color=color_for(lab), label=f"{lab} {q.upper()}")
+                    line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], ls=ls, marker="o", ms=3,
+                                    color=color_for(lab))
+                    if q == "p50":
+                        handles.setdefault(lab, line)
         _concurrency_axis(ax, concs)
-        ax.set_ylabel("ms")
-        ax.set_title(f"{title} (P50 solid, P95 dashed, P99 dotted)", fontsize=9)
+        ax.set_ylabel(f"{title} (ms)")
+        ax.set_title(f"{title}: P50 solid, P95 dashed, P99 dotted", fontsize=9)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=6)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    legend_below(fig, list(handles.values()), list(handles), ncol=4, fontsize=9)
+    save(fig, path)
     return path
 
 

@@ -31,6 +31,7 @@ _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "ass
 # A decode error this close to the end of the buffer may just be a value cut by the chunk
 # boundary (`tru`, `\u00`, `1.`); further in, it is a real syntax error.
 _TAIL_SLACK = 8
+_CUTS_REPORTED: set[str] = set()  # files whose cut was reported in this process
 
 
 class JsonArrayReader:
@@ -38,8 +39,9 @@ class JsonArrayReader:
 
     After iteration, `records` is how many elements were yielded, `complete` says the closing
     `]` was seen and `truncated` says the stream ended inside the array (the tail after the
-    last complete element is dropped, with a warning). Syntax errors before the end, and
-    single records longer than `max_record_chars`, raise `DraftsmithError`.
+    last complete element is dropped, with a warning: one per named file and process, since
+    a file is often read more than once). Syntax errors before the end, and single records
+    longer than `max_record_chars`, raise `DraftsmithError`.
     """
 
     def __init__(self, stream: IO[bytes], *, name: str = "<stream>",
@@ -138,8 +140,12 @@ class JsonArrayReader:
 
     def _stop_truncated(self, at_char: int) -> None:
         self.truncated = True
+        if self._name in _CUTS_REPORTED:  # a file read again (another split, a mix refill): said once
+            return
+        if self._name != "<stream>":
+            _CUTS_REPORTED.add(self._name)
         log.log(logging.DEBUG if self._known_truncated else logging.WARNING,
-                "%s: file ends inside the JSON array at char %d; kept the %d complete records before it",
+                "%s ends in the middle of a record (character %d); using the %d complete records before it",
                 self._name, at_char, self.records)
 
 

@@ -3,7 +3,7 @@
 eval writes into --out:
     report.json        every number (per drafter: per task and overall acceptance, calibration
                        before / after STS, threshold sweep)
-    report.md          the same as tables
+    report.md          a summary, then the same as tables with every column defined (eval/report.py)
     rounds-<label>.jsonl   every recorded round (re-analysable without re-running)
     conditional_acceptance.png, reliability-<label>.png, threshold-<label>.png
 
@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +23,7 @@ from typing import Any
 from draftsmith.drafters.builtin import is_builtin
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval import metrics as M, plots, sts
+from draftsmith.eval.report import print_summary, render_markdown, summary_lines
 from draftsmith.eval.runner import (
     DEFAULT_TASKS,
     LoadedDrafter,
@@ -36,6 +35,9 @@ from draftsmith.eval.runner import (
     run_rounds,
 )
 from draftsmith.models.target import load_target
+
+__all__ = ["CalibrateOptions", "EvalOptions", "print_summary", "render_markdown", "run_calibrate", "run_eval",
+           "summary_lines"]  # the text helpers live in eval/report.py; callers import them from here
 
 
 @dataclass(frozen=True)
@@ -197,92 +199,3 @@ def run_calibrate(opt: CalibrateOptions) -> dict:
     path = sts.write_calibration(loaded.checkpoint, temps, before, after, fitted_on, opt.n_bins)
     return {"calibration": str(path), "temperatures": temps, "ece_before": before, "ece_after": after,
             "rounds": len(recs), "requests": run.requests}
-
-
-# ---- markdown -----------------------------------------------------------------------------------
-
-
-def _f(x: Any, nd: int = 3) -> str:
-    return "–" if x is None else (f"{x:.{nd}f}" if isinstance(x, float) else str(x))
-
-
-def _series(xs: Sequence[float | None]) -> str:
-    return " ".join(_f(x, 2) for x in xs)
-
-
-def summary_lines(report: dict) -> list[str]:
-    """One plain-language line per drafter: how many tokens a verification round commits."""
-    out = []
-    for d in report["drafters"]:
-        o = d["overall"]
-        tau, acc = o.get("tau"), o.get("acceptance_rate")
-        if tau is None:
-            out.append(f"- {d['label']}: no verification round ran (no prompt reached the drafter).")
-            continue
-        gamma = len(o.get("conditional_acceptance") or ()) or None
-        ceiling = f" of at most {gamma + 1}" if gamma else ""
-        out.append(f"- {d['label']}: each verification round committed {tau:.2f} tokens on average{ceiling} "
-                   f"(1.00 = no gain over plain decoding); {100 * (acc or 0):.0f}% of drafted tokens were accepted.")
-    return out
-
-
-def render_markdown(report: dict) -> str:
-    lines = [f"# Drafter evaluation: {report['target']}", "",
-             f"Held-out prompts ({', '.join(f'{t}: {n}' for t, n in report['prompts'].items())}), "
-             f"temperature {report['temperature']:g}, up to {report['max_new_tokens']} new tokens per turn, "
-             f"{report['max_turns']} turn(s). τ counts the bonus token.", "",
-             "## Summary", "", *summary_lines(report), "",
-             "τ is what a drafter can buy: wall-clock speed also depends on what drafting and a K-token "
-             "verification cost on this machine (`draftsmith bench` measures that side by side with plain "
-             "decoding).", "",
-             "| drafter | task | rounds | τ | acceptance | verify rate | prefix survival k=1.. | conditional acceptance k=1.. |",
-             "|---|---|---|---|---|---|---|---|"]
-    for d in report["drafters"]:
-        for task, s in [*d["tasks"].items(), ("all", d["overall"])]:
-            lines.append(f"| {d['label']} | {task} | {s['rounds']} | {_f(s['tau'], 2)} | {_f(s['acceptance_rate'])} | "
-                         f"{_f(s['verify_rate'], 2)} | {_series(s['prefix_survival'])} | "
-                         f"{_series(s['conditional_acceptance'])} |")
-    cal = [d for d in report["drafters"] if d["calibration"]]
-    if cal:
-        lines += ["", "## Calibration (per position; cumulative Π c_i vs prefix survival)", "",
-                  "| drafter | k | n | ECE raw | ECE STS | AUROC | Brier raw | Brier STS | cond. ECE raw | cond. ECE STS |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
-        for d in cal:
-            b, a = d["calibration"]["before"]["positions"], d["calibration"]["after"]["positions"]
-            for pb, pa in zip(b, a):
-                if not pb["cumulative"]["n"]:  # no round reached this position: nothing to score
-                    lines.append(f"| {d['label']} | {pb['position']} | 0 | – | – | – | – | – | – | – |")
-                    continue
-                lines.append(f"| {d['label']} | {pb['position']} | {pb['cumulative']['n']} | "
-                             f"{_f(pb['cumulative']['ece'])} | {_f(pa['cumulative']['ece'])} | "
-                             f"{_f(pb['cumulative']['auroc'])} | {_f(pb['cumulative']['brier'])} | "
-                             f"{_f(pa['cumulative']['brier'])} | {_f(pb['conditional']['ece'])} | "
-                             f"{_f(pa['conditional']['ece'])} |")
-            lines.append("")
-            lines.append(f"{d['label']}: STS source: {d['calibration']['source']}.")
-        lines += ["", "## Static threshold sweep (on STS confidences)", "",
-                  "| drafter | threshold | tokens per step | acceptance | verify tokens / round | verify rate |",
-                  "|---|---|---|---|---|---|"]
-        for d in cal:
-            for p in d["threshold_sweep"]["points"]:
-                if round(p["threshold"] * 20) % 2 == 0:  # every 0.1
-                    lines.append(f"| {d['label']} | {p['threshold']:.2f} | {_f(p['tokens_per_step'], 2)} | "
-                                 f"{_f(p['acceptance_rate'])} | {_f(p['verify_tokens_per_round'], 2)} | "
-                                 f"{_f(p['verify_rate'], 2)} |")
-    if report.get("plots"):
-        lines += ["", "## Plots", ""] + [f"- {k}: `{Path(v).name}`" for k, v in report["plots"].items()]
-    if report.get("definitions"):
-        lines += ["", "## Definitions", ""] + [f"- {k}: {v}" for k, v in report["definitions"].items()]
-    return "\n".join(lines) + "\n"
-
-
-def print_summary(report: dict, file=None) -> None:
-    file = file or sys.stderr  # looked up per call: a default bound at import outlives a swapped stderr
-    for d in report["drafters"]:
-        o = d["overall"]
-        msg = (f"[{d['label']}] τ {_f(o['tau'], 2)} | acceptance {_f(o['acceptance_rate'])} | "
-               f"prefix survival {_series(o['prefix_survival'])} | conditional {_series(o['conditional_acceptance'])}")
-        if d["calibration"]:
-            msg += (f" | mean ECE (cumulative) {_f(d['calibration']['before']['mean_ece_cumulative'])} -> "
-                    f"{_f(d['calibration']['after']['mean_ece_cumulative'])}")
-        print(msg, file=file)

@@ -298,14 +298,18 @@ def _convert_gguf(pkg_dir: Path, gguf_file: str, out: Path) -> None:
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
     from transformers.utils import logging as hf_logging
+
+    from draftsmith.progress import hf_bars_on_terminal_only
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     _say(f"  {gguf_file}: reading the tokenizer ...")
-    tok = AutoTokenizer.from_pretrained(str(pkg_dir), gguf_file=gguf_file)
-    _say(f"  {gguf_file}: dequantizing the weights to float32 ...")
-    model = AutoModelForCausalLM.from_pretrained(str(pkg_dir), gguf_file=gguf_file, dtype=torch.float32)
+    with hf_bars_on_terminal_only(gguf_utils):  # its "Converting and de-quantizing" bar: not in log files
+        tok = AutoTokenizer.from_pretrained(str(pkg_dir), gguf_file=gguf_file)
+        _say(f"  {gguf_file}: dequantizing the weights to float32 ...")
+        model = AutoModelForCausalLM.from_pretrained(str(pkg_dir), gguf_file=gguf_file, dtype=torch.float32)
     cfg = model.config.to_dict()
     cfg.pop("quantization_config", None)
     cfg["_name_or_path"] = gguf_file
