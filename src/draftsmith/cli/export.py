@@ -1,4 +1,5 @@
-"""`draftsmith export`: a trained drafter in the formats vLLM, SGLang and DeepSpec load (docs/FORMATS.md)."""
+"""`draftsmith export`: a trained drafter in the formats vLLM, SGLang, DeepSpec and z-lab DFlash load
+(docs/FORMATS.md)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,10 @@ from pathlib import Path
 from draftsmith.cli.options import add_job, add_target_args, opt_auto
 from draftsmith.errors import DraftsmithError
 
-HELP = "write a trained drafter in the format vLLM (speculators), SGLang or DeepSpec loads"
+HELP = "write a trained drafter in the format vLLM (speculators), SGLang, DeepSpec or z-lab DFlash loads"
 EXAMPLE = ("draftsmith export --drafter eagle3:runs/smollm2-135m-eagle3 --format speculators "
            "--out exports/smollm2-135m-eagle3")
-FORMATS = ("speculators", "sglang", "deepspec")
+FORMATS = ("speculators", "sglang", "deepspec", "dflash-native")  # export/formats.py, without importing torch here
 
 
 def add_parser(sub) -> None:
@@ -19,7 +20,8 @@ def add_parser(sub) -> None:
     e.add_argument("--drafter", required=True, help="KIND:CHECKPOINT of a trained drafter (eagle3, dflash, dspark)")
     e.add_argument("--format", required=True, choices=FORMATS,
                    help="speculators: vLLM --speculative-config (eagle3, dflash, dspark); sglang: EAGLE-3 drafts; "
-                        "deepspec: a DeepSpec step directory (full-vocabulary dspark; eagle3 on Qwen3 targets)")
+                        "deepspec: a DeepSpec step directory (full-vocabulary dspark; eagle3 on Qwen3 targets); "
+                        "dflash-native: z-lab's DFlashDraftModel layout (full-vocabulary dflash)")
     e.add_argument("--out", type=Path, required=True, help="output directory (config.json + model.safetensors)")
     e.set_defaults(func=cmd_export)
 

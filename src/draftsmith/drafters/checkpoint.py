@@ -11,6 +11,10 @@ eval, bench, calibrate, train --resume): **the weights decide.** When both the c
 the target carry a weights hash (a content hash of the target's tensors), they must be equal:
 the same weights under another directory name or alias pass, and a model changed in place
 under the same name is refused. Only when either side has no hash do the target ids decide.
+
+A foreign drafter directory (speculators, DeepSpec, z-lab DFlash; export/detect.py) given as
+`KIND:DIR` is imported in memory (export/importing.py checks it against the target instead),
+and `read_checkpoint_config` describes it by its kind and draft length.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from torch import nn
 
 from draftsmith.drafters.kind_config import config_from_dict, config_to_dict
 from draftsmith.errors import DraftsmithError
+from draftsmith.export.detect import foreign_format, foreign_summary
 from draftsmith.fileio import atomic_write
 from draftsmith.models.loading import same_weights
 from draftsmith.tensorfile import load_tensors, save_tensors
@@ -57,8 +62,12 @@ def jsonable(x: Any) -> Any:
 
 
 def read_checkpoint_config(ckpt_dir: str | Path) -> dict[str, Any]:
-    """config.json of a checkpoint, checked for the fields every reader relies on."""
+    """config.json of a checkpoint, checked for the fields every reader relies on; for a
+    foreign directory, {"kind", "block_size" or "ttt_steps", "format"} read from its own."""
     d = Path(ckpt_dir)
+    fmt = foreign_format(d)
+    if fmt is not None:
+        return foreign_summary(d, fmt)
     f = d / CONFIG_FILE
     if not f.is_file():
         raise DraftsmithError(f"{d} is not a drafter checkpoint: it has no {CONFIG_FILE}; "
@@ -151,14 +160,30 @@ def load_trained_model(ckpt_dir: str | Path, target, kind) -> nn.Module:
     """Rebuild a trained model of `kind` (a registry.DrafterKind) on a LoadedTarget,
     refusing other targets and kinds, and load its weights."""
     d = Path(ckpt_dir)
-    raw = read_checkpoint_config(d)
-    check_target(raw, target.target_id, getattr(target, "weights_hash", None), str(d), kind=kind.name,
-                 legacy_hash=getattr(target, "legacy_weights_hash", None))
-    fields = {f.name for f in dataclasses.fields(kind.config_cls)}
-    config = config_from_dict({k: v for k, v in raw.items() if k in fields}, kind.config_cls, kind.name)
-    model = kind.build(target.model, config)
-    restore_state(model, load_model_state(d), d)
+    fmt = foreign_format(d)
+    if fmt is not None:
+        model = _import_foreign(d, target, kind, fmt)
+    else:
+        raw = read_checkpoint_config(d)
+        check_target(raw, target.target_id, getattr(target, "weights_hash", None), str(d), kind=kind.name,
+                     legacy_hash=getattr(target, "legacy_weights_hash", None))
+        fields = {f.name for f in dataclasses.fields(kind.config_cls)}
+        config = config_from_dict({k: v for k, v in raw.items() if k in fields}, kind.config_cls, kind.name)
+        model = kind.build(target.model, config)
+        restore_state(model, load_model_state(d), d)
     return model.to(device=target.model.device, dtype=target.model.dtype).eval()
+
+
+def _import_foreign(d: Path, target, kind, fmt: str) -> nn.Module:
+    """A speculators / DeepSpec / z-lab DFlash directory given as KIND:DIR, imported in memory;
+    it must import as that kind (DeepSpec's DFlash baseline, for one, is our DSpark)."""
+    from draftsmith.export.importing import import_model  # here: the importer builds through the registry
+
+    model = import_model(d, target, fmt)
+    if model.config.kind != kind.name:
+        raise DraftsmithError(f"{d} is a {fmt} directory that imports as a {model.config.kind} drafter, not "
+                              f"{kind.name}; use --drafter {model.config.kind}:{d}")
+    return model
 
 
 def load_trained_drafter(ckpt_dir: str | Path, target, max_rows: int, max_len: int, kind):

@@ -38,7 +38,7 @@ EAGLE3_ARCH = "Qwen3Eagle3Model"
 EAGLE3_NUM_LAYER_IDS = 5  # deepspec/modeling/eagle3/common.py: validate_eagle3_target_layer_ids
 _HEADS_OUT = {"markov": "vanilla", "gated": "gated", "rnn": "rnn"}
 _HEADS_IN = {v: k for k, v in _HEADS_OUT.items()}
-_COPIES = ("embed_tokens.weight", "lm_head.weight")  # the target's, frozen, in every DeepSpec file
+COPIES = ("embed_tokens.weight", "lm_head.weight")  # the target's, frozen, in every DeepSpec file
 # Our DSpark-only fields that change training, not what the drafter computes: kept in the
 # "draftsmith" block so that export -> import gives back the same config.
 _TRAIN_FIELDS = ("ce_weight", "tv_weight", "kl_weight", "conf_weight", "position_decay", "init_from_target")
@@ -53,7 +53,7 @@ _DSPARK_NAMES = (
 _EAGLE3_NAMES = (("fc.", "fc."), ("layer.", "layers.0."), ("norm.", "norm."), ("lm_head.", "lm_head."))
 
 
-def _rename(name: str, pairs: Sequence[tuple[str, str]], inverse: bool = False) -> str | None:
+def rename(name: str, pairs: Sequence[tuple[str, str]], inverse: bool = False) -> str | None:
     for ours, theirs in pairs:
         a, b = (theirs, ours) if inverse else (ours, theirs)
         if name.startswith(a):
@@ -80,18 +80,18 @@ def to_deepspec(model, target, hf: dict[str, Any]) -> tuple[dict[str, Any], dict
     raise DraftsmithError(f"the deepspec format holds DSpark and EAGLE-3 drafters, not {kind}")
 
 
-def _ids_out(layer_ids: Sequence[int], num_layers: int) -> list[int]:
-    """Ours unchanged (both number the producing layer), without L−1: DeepSpec's evaluators
-    assert it away, as HF's last hidden state there is post-norm and ours is not."""
+def ids_out(layer_ids: Sequence[int], num_layers: int, who: str = "DeepSpec") -> list[int]:
+    """Ours unchanged (DeepSpec and z-lab DFlash number the producing layer too), without L−1:
+    their inference reads HF's hidden states, whose last entry is post-norm, and ours is not."""
     if num_layers - 1 in layer_ids:
         raise DraftsmithError(
-            f"this drafter reads the last target layer ({num_layers - 1}), which DeepSpec refuses (its evaluators "
-            "read HF hidden states, and HF stores the final-normed state there); train it with layer_ids that stop "
-            f"at {num_layers - 2} or lower to export it to DeepSpec")
+            f"this drafter reads the last target layer ({num_layers - 1}), which {who} does not read as we do (its "
+            "inference takes HF hidden states, and HF stores the final-normed state there); train it with layer_ids "
+            f"that stop at {num_layers - 2} or lower to export it to {who}")
     return [int(i) for i in layer_ids]
 
 
-def _base_config(hf: dict[str, Any], target, arch: str, num_layers: int, intermediate: int,
+def base_config(hf: dict[str, Any], target, arch: str, num_layers: int, intermediate: int,
                  dtype: torch.dtype) -> dict[str, Any]:
     """The target's HF config with DeepSpec's own entries, as its build_draft_config writes
     them (Qwen3 attention: model_type qwen3; geometry written out where a default differs)."""
@@ -114,14 +114,14 @@ def _target_tensor(target, name: str) -> torch.Tensor:
     return w.detach()
 
 
-def _target_copies(target, dtype: torch.dtype, names: Sequence[str] = _COPIES) -> dict[str, torch.Tensor]:
+def _target_copies(target, dtype: torch.dtype, names: Sequence[str] = COPIES) -> dict[str, torch.Tensor]:
     """The target's embedding / lm_head as DeepSpec stores them: in the drafter's dtype (its
     files hold one dtype; DeepSpec copies the target after casting it to its precision). Own
     storage each: a tied target's two would otherwise share one, which safetensors refuses."""
     return {n: _target_tensor(target, n).cpu().to(dtype).clone() for n in names}
 
 
-def _ours_block(target, kind: str, **extra: Any) -> dict[str, Any]:
+def ours_block(target, kind: str, **extra: Any) -> dict[str, Any]:
     return {"kind": kind, "target_id": target.target_id, "target_weights_hash": target.weights_hash, **extra}
 
 
@@ -137,11 +137,11 @@ def _dspark_out(model, target, hf):
         raise DraftsmithError(
             f"DeepSpec's DSpark layers (Qwen3) have q/k norms and this drafter's have none (they follow its "
             f"{tc.model_type} target); train it with drafter.qk_norm=true to export it")
-    ids = _ids_out(c.layer_ids, tc.num_layers)
+    ids = ids_out(c.layer_ids, tc.num_layers)
     state = model.state_dict()
     tensors: dict[str, torch.Tensor] = {}
     for k, v in state.items():
-        name = _rename(k, _DSPARK_NAMES)
+        name = rename(k, _DSPARK_NAMES)
         if name is None:
             raise DraftsmithError(f"DSpark tensor {k} has no DeepSpec name")
         tensors[name] = v
@@ -151,14 +151,14 @@ def _dspark_out(model, target, hf):
             tensors[f"layers.{i}.self_attn.o_proj.bias"] = torch.zeros(tc.hidden_size, dtype=dtype)
     tensors.update(_target_copies(target, dtype))
     inter = int(state["backbone.layers.0.mlp.gate_proj.weight"].shape[0])
-    config = _base_config(hf, target, DSPARK_ARCH, c.num_layers, inter, dtype)
+    config = base_config(hf, target, DSPARK_ARCH, c.num_layers, inter, dtype)
     config.update(
         block_size=c.block_size,  # anchor first: γ slots, slot k predicts a+k+1 (as ours)
         mask_token_id=c.mask_token_id, target_layer_ids=ids, num_anchors=c.max_anchors,
         markov_rank=c.rank, markov_head_type=_HEADS_OUT[c.head],
         enable_confidence_head=True, confidence_head_with_markov=True,  # ours reads [h ; W1[x_{k-1}]]
         sample_from_anchor=True,  # DeepSpec ignores it; engines that read it must not assume mask-first
-        draftsmith=_ours_block(target, "dspark", train={f: getattr(c, f) for f in _TRAIN_FIELDS}),
+        draftsmith=ours_block(target, "dspark", train={f: getattr(c, f) for f in _TRAIN_FIELDS}),
     )
     return config, tensors
 
@@ -179,12 +179,12 @@ def _eagle3_out(model, target, hf):
         raise DraftsmithError(
             f"DeepSpec's EAGLE-3 takes exactly {EAGLE3_NUM_LAYER_IDS} target layers and this drafter reads "
             f"{len(c.layer_ids)} ({list(c.layer_ids)}); train it with {EAGLE3_NUM_LAYER_IDS} layer_ids to export it")
-    ids = _ids_out(c.layer_ids, tc.num_layers)
+    ids = ids_out(c.layer_ids, tc.num_layers)
     tensors: dict[str, torch.Tensor] = {}
     for k, v in state.items():
         if k in ("d2t", "t2d"):  # identity maps for a full vocabulary
             continue
-        name = _rename(k, _EAGLE3_NAMES)
+        name = rename(k, _EAGLE3_NAMES)
         if name is None:
             raise DraftsmithError(f"EAGLE-3 tensor {k} has no DeepSpec name")
         tensors[name] = v
@@ -193,10 +193,10 @@ def _eagle3_out(model, target, hf):
         tensors["layers.0.self_attn.o_proj.bias"] = torch.zeros(tc.hidden_size, dtype=dtype)
     tensors.update(_target_copies(target, dtype, ("embed_tokens.weight",)))  # lm_head: the drafter's own
     inter = int(state["layer.mlp.gate_proj.weight"].shape[0])
-    config = _base_config(hf, target, EAGLE3_ARCH, 1, inter, dtype)
+    config = base_config(hf, target, EAGLE3_ARCH, 1, inter, dtype)
     config.update(
         target_layer_ids=ids, ttt_length=c.ttt_steps, step_loss_decay=c.ttt_decay, draft_num_hidden_layers=1,
-        target_model_name_or_path=str(target.path), draftsmith=_ours_block(target, "eagle3"),
+        target_model_name_or_path=str(target.path), draftsmith=ours_block(target, "eagle3"),
     )
     return config, tensors
 
@@ -204,16 +204,16 @@ def _eagle3_out(model, target, hf):
 # ---------------------------------------------------------------------------- import
 
 
-def read_dir(src: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """config.json and all tensors of a DeepSpec checkpoint: a `step_N` directory (or a run
-    directory with a `step_latest` link), one safetensors file or HF shards with an index."""
+def read_dir(src: str | Path, what: str = "DeepSpec") -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """config.json and all tensors of an HF `save_pretrained` directory (a DeepSpec `step_N`,
+    or a run directory with a `step_latest` link): one safetensors file or shards with an index."""
     d = Path(src)
     if not (d / "config.json").is_file() and (d / "step_latest").exists():
         d = d / "step_latest"
-    cfg = read_json(d / "config.json", "DeepSpec config")
+    cfg = read_json(d / "config.json", f"{what} config")
     index = d / "model.safetensors.index.json"
     if (d / "model.safetensors").is_file() or not index.is_file():
-        return cfg, load_tensors(d / "model.safetensors", "DeepSpec drafter")
+        return cfg, load_tensors(d / "model.safetensors", f"{what} drafter")
     try:
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
     except (json.JSONDecodeError, KeyError, AttributeError, TypeError):
@@ -221,7 +221,7 @@ def read_dir(src: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
                               "damaged") from None
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
-        tensors.update(load_tensors(d / f, "DeepSpec drafter shard"))
+        tensors.update(load_tensors(d / f, f"{what} drafter shard"))
     return cfg, tensors
 
 
@@ -234,7 +234,7 @@ def from_deepspec(cfg: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], t
         raise DraftsmithError(
             f"{src}: architectures {arch} is not a DeepSpec drafter Draftsmith runs ({DSPARK_ARCH}, {EAGLE3_ARCH}; "
             "the Gemma4 ones are outside Draftsmith's model families)")
-    _check_target(cfg, target, src)
+    check_target(cfg, target, src)
     tensors = dict(tensors)
     if arch == [DSPARK_ARCH]:
         return _dspark_in(cfg, tensors, target, src)
@@ -248,7 +248,7 @@ def _require(cfg: Mapping[str, Any], keys: Sequence[str], src) -> None:
                               "not a complete DeepSpec checkpoint")
 
 
-def _check_target(cfg: Mapping[str, Any], target, src) -> None:
+def check_target(cfg: Mapping[str, Any], target, src) -> None:
     """The draft layers use the target's geometry, RoPE and norm eps (DeepSpec copies the
     target's config): a difference means it was trained for another target."""
     tc = target.model.config
@@ -265,7 +265,7 @@ def _check_target(cfg: Mapping[str, Any], target, src) -> None:
                               "drafts for (--target)")
 
 
-def _ids_in(raw: Any, num_layers: int, src) -> tuple[int, ...]:
+def ids_in(raw: Any, num_layers: int, src) -> tuple[int, ...]:
     if not isinstance(raw, list) or not raw or not all(isinstance(i, int) and not isinstance(i, bool) for i in raw):
         raise DraftsmithError(f"{src}: target_layer_ids must list the target layers the drafter reads, got {raw!r}")
     if -1 in raw:
@@ -276,7 +276,7 @@ def _ids_in(raw: Any, num_layers: int, src) -> tuple[int, ...]:
     return tuple(raw)  # both number the producing layer (DeepSpec's cache hooks the raw layer output)
 
 
-def _check_copies(tensors: dict[str, torch.Tensor], target, src, names: Sequence[str]) -> None:
+def check_copies(tensors: dict[str, torch.Tensor], target, src, names: Sequence[str]) -> None:
     """DeepSpec's frozen embed_tokens / lm_head copies must be the target's (in the file's
     dtype); ours are the target's own tensors, so they are dropped after the check."""
     for name in names:
@@ -297,10 +297,10 @@ def drop_zero_bias(tensors: dict[str, torch.Tensor], name: str, src) -> None:
         raise DraftsmithError(f"{src}: {name} is not zero; Draftsmith's attention has no output bias")
 
 
-def _rename_all(tensors: Mapping[str, torch.Tensor], pairs, src) -> dict[str, torch.Tensor]:
+def rename_all(tensors: Mapping[str, torch.Tensor], pairs, src) -> dict[str, torch.Tensor]:
     state = {}
     for k, v in tensors.items():
-        ours = _rename(k, pairs, inverse=True)
+        ours = rename(k, pairs, inverse=True)
         if ours is None:
             raise DraftsmithError(f"{src}: unexpected tensor {k}; Draftsmith's drafter has no such weight")
         state[ours] = v
@@ -315,12 +315,12 @@ def _dspark_in(cfg, tensors, target, src):
     if cfg.get("sample_from_anchor", True) is not True:
         raise DraftsmithError(f"{src}: sample_from_anchor is {cfg.get('sample_from_anchor')!r}; DeepSpec's DSpark and "
                               "Draftsmith's draft from the anchor, and a mask-first block is not this layout")
-    ids = _ids_in(cfg["target_layer_ids"], tc.num_layers, src)
+    ids = ids_in(cfg["target_layer_ids"], tc.num_layers, src)
     n = int(cfg["num_hidden_layers"])
-    _check_copies(tensors, target, src, _COPIES)
+    check_copies(tensors, target, src, COPIES)
     for i in range(n):
         drop_zero_bias(tensors, f"layers.{i}.self_attn.o_proj.bias", src)
-    state = _rename_all(tensors, _DSPARK_NAMES, src)
+    state = rename_all(tensors, _DSPARK_NAMES, src)
     if n < 1 or f"backbone.layers.{n - 1}.self_attn.q_norm.weight" not in state:
         raise DraftsmithError(f"{src}: no draft layer tensors with q/k norms (layers.*); not a DeepSpec DSpark file")
     r = int(cfg["markov_rank"])
@@ -377,10 +377,10 @@ def _eagle3_in(cfg, tensors, target, src):
     if not tc.qk_norm:
         raise DraftsmithError(f"{src}: DeepSpec's EAGLE-3 layer has q/k norms, and Draftsmith's EAGLE-3 has them only "
                               f"for Qwen3 targets, not this {tc.model_type} one")
-    ids = _ids_in(cfg["target_layer_ids"], tc.num_layers, src)
-    _check_copies(tensors, target, src, ("embed_tokens.weight",))  # lm_head is the drafter's own head
+    ids = ids_in(cfg["target_layer_ids"], tc.num_layers, src)
+    check_copies(tensors, target, src, ("embed_tokens.weight",))  # lm_head is the drafter's own head
     drop_zero_bias(tensors, "layers.0.self_attn.o_proj.bias", src)
-    state = _rename_all(tensors, _EAGLE3_NAMES, src)
+    state = rename_all(tensors, _EAGLE3_NAMES, src)
     head = state.get("lm_head.weight")
     if head is None or tuple(head.shape) != (V, tc.hidden_size) or "layer.mlp.gate_proj.weight" not in state:
         raise DraftsmithError(f"{src}: no EAGLE-3 layer tensors (layers.0.*) or no full-vocabulary lm_head [{V}, "

@@ -6,6 +6,9 @@
                   without q/k norms or attention biases (SGLang drops both silently)
     deepspec      DeepSpec's step_N layout (Qwen3DSparkModel / Qwen3Eagle3Model, export/deepspec.py):
                   full-vocabulary dspark with q/k-norm layers, and eagle3 on Qwen3 targets
+    dflash-native z-lab's DFlashDraftModel layout (export/dflash_native.py), what z-lab's code,
+                  SGLang (--speculative-algorithm DFLASH) and vLLM ("method": "dflash") load:
+                  full-vocabulary dflash with q/k-norm layers
 
 Every engine reads a missing field differently from what our drafters compute, so every field
 that matters is written explicitly (norm_before_residual, sliding_window_non_causal,
@@ -24,10 +27,11 @@ import torch
 from draftsmith.drafters import registry
 from draftsmith.errors import DraftsmithError
 from draftsmith.export.deepspec import to_deepspec
+from draftsmith.export.dflash_native import to_dflash_native
 from draftsmith.fileio import atomic_write, read_json
 from draftsmith.tensorfile import save_tensors
 
-FORMATS = ("speculators", "sglang", "deepspec")
+FORMATS = ("speculators", "sglang", "deepspec", "dflash-native")
 _MARKOV_HEAD = {"markov": "vanilla", "gated": "gated", "rnn": "rnn"}
 
 
@@ -40,6 +44,8 @@ def export_drafter(ckpt: str | Path, target, fmt: str, out: str | Path) -> Path:
     hf = read_json(Path(target.path) / "config.json", "target config")
     if fmt == "deepspec":
         config, tensors = to_deepspec(model, target, hf)
+    elif fmt == "dflash-native":
+        config, tensors = to_dflash_native(model, target, hf)
     elif fmt == "sglang":
         if kind != "eagle3":
             raise DraftsmithError(f"the sglang format holds EAGLE-3 drafters only, not {kind}; "

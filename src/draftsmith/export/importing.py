@@ -1,6 +1,8 @@
-"""Import a drafter written in the speculators format (what vLLM serves) or in DeepSpec's
-layout (export/deepspec.py) as a Draftsmith checkpoint, so `eval`, `bench`, `generate`,
-`serve` and the prefix scheduler can measure it.
+"""Import a drafter written in the speculators format (what vLLM serves), DeepSpec's layout
+(export/deepspec.py) or z-lab's DFlash layout (export/dflash_native.py) as a Draftsmith
+checkpoint, so `eval`, `bench`, `generate`, `serve` and the prefix scheduler can measure it.
+The layout is detected from config.json unless given (export/detect.py); `--drafter KIND:DIR`
+imports such a directory in memory (drafters/checkpoint.py).
 
 The maps are the inverse of export/formats.py (docs/FORMATS.md §3). Only what our drafters
 compute exactly is accepted; every other setting is a DraftsmithError that names it, because
@@ -23,35 +25,45 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from draftsmith.drafters import registry
 from draftsmith.drafters.checkpoint import restore_state, save_trained_drafter
 from draftsmith.drafters.kind_config import config_from_dict
 from draftsmith.errors import DraftsmithError
-from draftsmith.export import deepspec
+from draftsmith.export import deepspec, dflash_native
+from draftsmith.export.detect import IMPORT_FORMATS, detect_foreign
 from draftsmith.fileio import read_json
 from draftsmith.tensorfile import load_tensors
 
 _HEADS = {"vanilla": "markov", "gated": "gated", "rnn": "rnn"}
-IMPORT_FORMATS = ("speculators", "deepspec")
 
 
-def import_drafter(src: str | Path, target, out: str | Path, fmt: str = "speculators") -> Path:
-    """Read the `fmt` directory `src` (speculators, or a DeepSpec step_N / run directory) for
-    the LoadedTarget `target`; write our checkpoint to `out`."""
+def import_model(src: str | Path, target, fmt: str | None = None) -> nn.Module:
+    """Our drafter model of the `fmt` directory `src` (speculators; a DeepSpec step_N or run
+    directory; z-lab DFlash) for the LoadedTarget `target`. fmt None: detected from config.json."""
+    src = Path(src)
+    fmt = fmt or detect_foreign(src)
     if fmt not in IMPORT_FORMATS:
         raise DraftsmithError(f"unknown import format {fmt!r}; choose one of {', '.join(IMPORT_FORMATS)}")
-    src = Path(src)
     if fmt == "deepspec":
         cfg, tensors = deepspec.read_dir(src)
         config, state = deepspec.from_deepspec(cfg, tensors, target, src)
+    elif fmt == "dflash-native":
+        cfg, tensors = deepspec.read_dir(src, "z-lab DFlash")  # the same HF save_pretrained files
+        config, state = dflash_native.from_dflash_native(cfg, tensors, target, src)
     else:
         config, state = _speculators(src, target)
     kind = config["kind"]
     entry = registry.get(kind, trainable=True)
     model = entry.build(target.model, config_from_dict(config, entry.config_cls, kind))
     restore_state(model, state, src)
-    return save_trained_drafter(model, out, target.target_id, target.weights_hash)
+    return model
+
+
+def import_drafter(src: str | Path, target, out: str | Path, fmt: str | None = None) -> Path:
+    """`import_model`, written to `out` as our checkpoint."""
+    return save_trained_drafter(import_model(src, target, fmt), out, target.target_id, target.weights_hash)
 
 
 def _speculators(src: Path, target) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
