@@ -4,6 +4,7 @@ re-imported drafter proposes exactly what the built-in does on the real default 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -30,7 +31,12 @@ def test_builtin_exports_to_speculators_and_imports_back(default_target_dir, tmp
     target = load_target(str(default_target_dir))
     shipped = load_checkpoint_model(builtin.builtin_dir("dspark", "smollm2-135m"), target)
     again = load_checkpoint_model(back, target)
-    assert again.config == shipped.config
+    # the speculators config carries what inference needs; training-only settings (loss weights,
+    # anchors per sample, init) do not travel and come back as defaults
+    training_only = {"max_anchors", "kl_weight", "init_from_target", "position_decay", "ce_weight", "tv_weight",
+                     "conf_weight"}
+    a, b = dataclasses.asdict(again.config), dataclasses.asdict(shipped.config)
+    assert {k: v for k, v in a.items() if k not in training_only} == {k: v for k, v in b.items() if k not in training_only}
     for k, v in shipped.state_dict().items():
         assert torch.equal(again.state_dict()[k], v), k
     p = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
