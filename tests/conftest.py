@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import pytest
@@ -106,6 +107,16 @@ def make_tiny_model(out: Path, model_type: str = "llama", seed: int = 0, **overr
     model.save_pretrained(str(out))
     tok.save_pretrained(str(out))
     return out
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Tiny tensors: on a shared 2-core box extra intra-op threads only spin. Use with
+    `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
 
 
 @pytest.fixture(scope="session")

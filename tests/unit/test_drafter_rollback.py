@@ -88,12 +88,7 @@ TRAINED = ["eagle3", "dflash", "dspark"]
 TRAIN_STEPS = 30
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------------------- fixtures

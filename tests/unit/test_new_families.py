@@ -30,13 +30,7 @@ TOL = 1e-4
 CONTROL = 100 * TOL  # what a switched-off feature must move the logits by, at least
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: on a shared 2-core box extra intra-op threads only spin."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _legacy_gemma3_config(path) -> None:
