@@ -30,6 +30,8 @@ TOL = 1e-4
 CONTROL = 100 * TOL  # what a switched-off feature must move the logits by, at least
 
 
+from test_decoder import _hf, _hf_reference, _ids, _maxdiff  # tests/unit/test_decoder.py: the HF parity helpers
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -71,35 +73,6 @@ def _make(tiny_model_dir, variant: str, seed: int = 0):
     if rewrite is not None:
         rewrite(path)
     return path
-
-
-def _hf(path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-
-
-@torch.no_grad()
-def _hf_reference(hf, ids: torch.Tensor):
-    """Logits, hidden_states and the raw output of the last layer (HF's hidden_states[-1] is normed)."""
-    seen = {}
-    hook = hf.model.layers[-1].register_forward_hook(
-        lambda m, a, out: seen.__setitem__("last", out[0] if isinstance(out, tuple) else out)
-    )
-    try:
-        out = hf(ids, output_hidden_states=True)
-    finally:
-        hook.remove()
-    return out.logits, out.hidden_states, seen["last"]
-
-
-def _ids(n: int, vocab: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (1, n), generator=g)
-
-
-def _maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.float() - b.float()).abs().max().item()
 
 
 # prefill 9 (past the window of 4), 4 decode steps, a 5-token verify (longer than the window)
