@@ -111,7 +111,7 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--load", type=int, default=2, help="busy processes for the loaded wait-policy runs")
     ap.add_argument("--child-decode", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
+    ap.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md and results/runtime.json alone")
     ap.add_argument("--wait-policy-only", action="store_true", help="only the OpenMP wait-policy runs")
     args = ap.parse_args()
     if args.child_decode:
@@ -155,11 +155,11 @@ def main() -> None:
             }
         result["threads"][threads] = out
     result["wait_policy_ms"] = wait_policy(max(1, args.rounds - 1), args.load, args.repeats)
-    (HERE / "results").mkdir(exist_ok=True)
-    (HERE / "results" / "runtime.json").write_text(json.dumps(result, indent=1))
     md = render(result, args)
     print(md)
     if not args.no_write:
+        (HERE / "results").mkdir(exist_ok=True)
+        (HERE / "results" / "runtime.json").write_text(json.dumps(result, indent=1))
         sys.path.insert(0, str(HERE))
         from sections import write_section
 

@@ -23,7 +23,7 @@ from typing import Literal
 from draftsmith.errors import DraftsmithError
 
 BASELINE = "none"
-PEER_KINDS = ("hf",)
+PEER_KINDS = ("hf", "llamacpp")  # bench/peers.py, bench/llamacpp.py
 SPLITS = ("heldout", "train", "all")
 
 
@@ -105,9 +105,10 @@ class BenchConfig:
     endpoints: tuple[EndpointSpec, ...] = ()
     endpoint_model: str | None = None
     request_timeout: float = 600.0
-    peers: tuple[str, ...] = ()  # ("hf",)
+    peers: tuple[str, ...] = ()  # ("hf",), ("llamacpp",) or both
     peer_assistant: str | None = None  # HF assistant_model directory / alias
-    peer_lookup_tokens: int = 10  # HF prompt_lookup_num_tokens
+    peer_lookup_tokens: int = 10  # prompt-lookup draft length of the HF and llama.cpp peers
+    peer_gguf: str | None = None  # llama.cpp peer: a GGUF (default: the built-in target at the engine dtype)
     dollars_per_hour: float | None = None
     mem_bandwidth_gbs: float | None = None  # default: measured after the run (docs/MEASURING.md #8)
     max_prompt_tokens: int | None = None  # longer prompts are skipped (default: what fits the context)
@@ -145,11 +146,16 @@ class BenchConfig:
         bad = [p for p in self.peers if p not in PEER_KINDS]
         if bad:
             raise DraftsmithError(f"unknown peer {bad[0]!r}; known: {', '.join(PEER_KINDS)}")
+        if len(set(self.peers)) != len(self.peers):
+            raise DraftsmithError(f"a peer is given twice: {', '.join(self.peers)}")
         if self.peer_assistant and "hf" not in self.peers:
             raise DraftsmithError("--peer-assistant needs --peers hf")
+        if self.peer_gguf and "llamacpp" not in self.peers:
+            raise DraftsmithError("--peer-gguf needs --peers llamacpp")
         if self.endpoints:
             if self.peers:
-                raise DraftsmithError("--peers runs HF transformers in this process; it cannot be combined with --endpoint")
+                raise DraftsmithError("--peers runs HF transformers / llama.cpp in this process; it cannot be "
+                                      "combined with --endpoint")
             labels = [e.label for e in self.endpoints]
             if len(set(labels)) != len(labels):
                 raise DraftsmithError(f"--endpoint labels must be unique (LABEL=URL), got {', '.join(labels)}")
@@ -183,5 +189,5 @@ class BenchConfig:
             "max_tokens": self.max_tokens, "arrival": self.arrival.label, "warmup": self.warmup,
             "repeats": self.repeats, "seed": self.seed, "num_speculative_tokens": self.num_speculative_tokens,
             "policy": self.policy, "peers": list(self.peers), "peer_assistant": self.peer_assistant,
-            "peer_lookup_tokens": self.peer_lookup_tokens, "device": self.device, "dtype": self.dtype,
+            "peer_lookup_tokens": self.peer_lookup_tokens, "peer_gguf": self.peer_gguf, "device": self.device, "dtype": self.dtype,
         }

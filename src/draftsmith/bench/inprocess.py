@@ -1,5 +1,5 @@
 """The in-process backend: the target loaded here once, each configuration (the no-drafter
-baseline and every drafter) an Engine over it, HF peers beside them when asked for."""
+baseline and every drafter) an Engine over it, peers (HF transformers, llama.cpp) beside them when asked for."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from draftsmith.bench.config import BASELINE, BenchConfig
 from draftsmith.bench.loadgen import run_engine
 from draftsmith.bench.machine import proc_bytes
 from draftsmith.bench.metrics import RunResult
+from draftsmith.bench.llamacpp import build_llamacpp_peers
 from draftsmith.bench.peers import build_hf_peers
 from draftsmith.bench.phases import Phase
 from draftsmith.engine.builder import build_engine
@@ -91,7 +92,13 @@ class InProcessBackend:
             out.append(EngineRunner(label, kind, engine, info))
         if phase.with_peers:
             if self.peers is None:
-                self.peers = build_hf_peers(self.target, self.eos, self.cfg.peer_lookup_tokens, self.cfg.peer_assistant)
+                self.peers = []
+                if "hf" in self.cfg.peers:
+                    self.peers += build_hf_peers(self.target, self.eos, self.cfg.peer_lookup_tokens,
+                                                 self.cfg.peer_assistant)
+                if "llamacpp" in self.cfg.peers:
+                    self.peers += build_llamacpp_peers(self.target, self.eos, self.cfg.peer_lookup_tokens,
+                                                       self.cfg.peer_gguf)
             out.extend(self.peers)
         return out
 

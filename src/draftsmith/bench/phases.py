@@ -1,11 +1,12 @@
 """The phases of a bench: one per concurrency tier, plus a `peers` phase (concurrency 1, closed
-loop) when HF peers are asked for and no tier is a concurrency-1 closed loop to join."""
+loop) when peers (HF transformers, llama.cpp) are asked for and no tier is a concurrency-1 closed loop to join."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from draftsmith.bench.config import Arrival, BenchConfig
+from draftsmith.bench.llamacpp import LLAMACPP_GENERATE, LLAMACPP_LOOKUP
 from draftsmith.bench.peers import HF_ASSISTANT, HF_GENERATE, HF_LOOKUP
 
 
@@ -30,5 +31,8 @@ def phase_labels(cfg: BenchConfig, phase: Phase) -> set[str]:
     """The configurations a finished `phase` has a results line for."""
     labels = list(cfg.config_labels)
     if phase.with_peers:
-        labels += [HF_GENERATE, HF_LOOKUP] + ([HF_ASSISTANT] if cfg.peer_assistant else [])
+        if "hf" in cfg.peers:
+            labels += [HF_GENERATE, HF_LOOKUP] + ([HF_ASSISTANT] if cfg.peer_assistant else [])
+        if "llamacpp" in cfg.peers:
+            labels += [LLAMACPP_GENERATE, LLAMACPP_LOOKUP]
     return set(labels)

@@ -141,7 +141,8 @@ def _peers_section(lines: list[dict], rows_by_phase: dict[str, list[dict]]) -> d
         peers.append(entry)
     return {"phase": phase, "concurrency": 1, "arrival": "closed", "peers": peers,
             "ours": [{"label": o["label"], "system_tokens_per_s": o["system_tokens_per_s"]} for o in ours],
-            "timing_note": "HF end-to-end times are exact; TTFT / inter-token come from streamer callbacks"}
+            "timing_note": "end-to-end times are exact; HF's TTFT / inter-token come from streamer callbacks "
+                           "(up to one step late), llama.cpp's from each yielded token"}
 
 
 def write_report(out: Path, setup: dict, lines: list[dict], cfg, *, weights_bytes: int | None,

@@ -3,8 +3,8 @@ results to disk, write the report.
 
 Within a tier every configuration runs the same requests (same prompts, same seeds, same
 arrival schedule) back to back, in alternating order per interleaving unit (bench/tier.py;
-docs/MEASURING.md #1). HF peers (`--peers hf`) join the concurrency-1 closed-loop tier as extra
-configurations; if there is no such tier, a `peers` phase (concurrency 1, closed loop) runs
+docs/MEASURING.md #1). Peers (`--peers hf,llamacpp`: HF transformers, llama.cpp) join the
+concurrency-1 closed-loop tier as extra configurations; if there is no such tier, a `peers` phase (concurrency 1, closed loop) runs
 ours and theirs (bench/phases.py).
 
 Files in `out`:

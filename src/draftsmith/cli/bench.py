@@ -39,11 +39,16 @@ def add_parser(sub) -> None:
                    help="benchmark an OpenAI-compatible server instead (repeatable; label `none` = the baseline)")
     b.add_argument("--endpoint-model", default=None, help="model name to send (default: the server's first)")
     b.add_argument("--request-timeout", type=float, default=600.0, help="--endpoint: seconds per request")
-    b.add_argument("--peers", default=None, choices=["hf"],
-                   help="also run HF transformers at batch 1 on the same prompts (default: off)")
+    b.add_argument("--peers", default=None, metavar="hf,llamacpp",
+                   help="also run HF transformers and/or llama.cpp (llama-cpp-python, an optional extra) at batch 1 "
+                        "on the same prompts, comma-separated (default: off)")
     b.add_argument("--peer-assistant", default=None, metavar="PATH",
                    help="--peers hf: a draft model for HF assisted generation (assistant_model)")
-    b.add_argument("--peer-lookup-tokens", type=positive_int, default=10, help="--peers hf: prompt_lookup_num_tokens")
+    b.add_argument("--peer-lookup-tokens", type=positive_int, default=10, help="--peers: the peers' prompt-lookup draft length (HF prompt_lookup_num_tokens, llama.cpp "
+                        "num_pred_tokens)")
+    b.add_argument("--peer-gguf", default=None, metavar="FILE",
+                   help="--peers llamacpp: the GGUF to run (default: a built-in target's GGUF rewritten at the engine "
+                        "dtype, the same weights)")
     b.add_argument("--dollars-per-hour", type=float, default=None,
                    help="machine price, for cost per 1M output tokens (default: unset: no cost figures)")
     b.add_argument("--mem-bandwidth-gbs", type=float, default=None,
@@ -71,8 +76,8 @@ def cmd_bench(args) -> int:
         repeats=args.repeats, seed=args.seed, num_speculative_tokens=args.num_speculative_tokens,
         policy=args.policy, endpoints=tuple(parse_endpoint(e, i) for i, e in enumerate(args.endpoint)),
         endpoint_model=args.endpoint_model, request_timeout=args.request_timeout,
-        peers=(args.peers,) if args.peers else (), peer_assistant=args.peer_assistant,
-        peer_lookup_tokens=args.peer_lookup_tokens, dollars_per_hour=args.dollars_per_hour,
+        peers=tuple(p.strip() for p in args.peers.split(',') if p.strip()) if args.peers else (), peer_assistant=args.peer_assistant,
+        peer_lookup_tokens=args.peer_lookup_tokens, peer_gguf=args.peer_gguf, dollars_per_hour=args.dollars_per_hour,
         mem_bandwidth_gbs=args.mem_bandwidth_gbs, max_prompt_tokens=args.max_prompt_tokens, out=args.out,
         resume=args.resume, overwrite=args.overwrite, device=opt_auto(args.device), dtype=opt_auto(args.dtype),
         progress=args.progress,
