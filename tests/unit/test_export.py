@@ -156,22 +156,57 @@ def _round_trip(tmp_path, target, model):
     return src, back
 
 
+# Non-default values for every training-only field (export/formats.py speculators_train_fields):
+# what the speculators config has no place for travels in the "draftsmith" block.
+_TRAIN = {
+    "eagle3": dict(ttt_decay=0.6),
+    "dflash": dict(max_anchors=64, ce_weight=0.7, tv_weight=0.3, kl_weight=0.2, init_from_target=True,
+                   position_decay=2.5),
+    "dspark": dict(max_anchors=32, ce_weight=0.3, tv_weight=0.6, kl_weight=0.1, conf_weight=0.5,
+                   init_from_target=True, position_decay=4.0),
+}
+
+
+def test_every_training_only_field_is_exercised():
+    """A new config field that speculators cannot express must get a non-default value in _TRAIN,
+    so that the round trip below checks that it survives."""
+    import dataclasses
+
+    from draftsmith.drafters.registry import get
+    from draftsmith.export.formats import SPECULATORS_CARRIES, speculators_train_fields
+
+    for kind, values in _TRAIN.items():
+        cls = get(kind, trainable=True).config_cls
+        names = {f.name for f in dataclasses.fields(cls)}
+        assert SPECULATORS_CARRIES[kind] <= names, kind
+        assert set(speculators_train_fields(kind)) == set(values) == names - SPECULATORS_CARRIES[kind], kind
+        default = cls()
+        assert all(getattr(default, k) != v for k, v in values.items()), kind
+
+
 @pytest.mark.parametrize("which", ["eagle3-full", "eagle3-small", "dflash", "dspark-small", "dspark-rnn-qk"])
 def test_speculators_import_inverts_export(tmp_path, llama, qwen3, which):
-    """export -> import gives the same config and bit-equal weights, and the imported drafter
-    proposes exactly what the original does (greedy outputs equal, same acceptance)."""
+    """export -> import gives the same config, training-only fields included (they travel in
+    the "draftsmith" block), and bit-equal weights, and the imported drafter proposes exactly
+    what the original does (greedy outputs equal, same acceptance). A speculators directory
+    without that block (another tool's) imports with our defaults for those fields."""
+    import dataclasses
+
     from draftsmith import LLM, SamplingParams
     from draftsmith.drafters.registry import load_checkpoint_model
+    from draftsmith.export.importing import import_drafter
 
     V = llama.model.config.vocab_size
     target = qwen3 if which == "dflash" else llama
     torch.manual_seed(3)
     model = {
-        "eagle3-full": lambda: eagle3.build(llama.model, eagle3.Eagle3Config(ttt_steps=3)),
+        "eagle3-full": lambda: eagle3.build(llama.model, eagle3.Eagle3Config(ttt_steps=3, **_TRAIN["eagle3"])),
         "eagle3-small": lambda: eagle3.build(llama.model, eagle3.Eagle3Config(ttt_steps=3, draft_vocab_size=100)),
-        "dflash": lambda: dflash.build(qwen3.model, dflash.DFlashConfig(block_size=3, num_layers=2)),
+        "dflash": lambda: dflash.build(qwen3.model, dflash.DFlashConfig(block_size=3, num_layers=2,
+                                                                         **_TRAIN["dflash"])),
         "dspark-small": lambda: dspark.build(llama.model, dspark.DSparkConfig(block_size=3, num_layers=1, rank=8,
-                                                                              draft_vocab_size=100, qk_norm=True)),
+                                                                              draft_vocab_size=100, qk_norm=True,
+                                                                              **_TRAIN["dspark"])),
         "dspark-rnn-qk": lambda: dspark.build(llama.model, dspark.DSparkConfig(block_size=3, num_layers=1, rank=8,
                                                                                head="rnn", qk_norm=True)),
     }[which]()
@@ -182,9 +217,12 @@ def test_speculators_import_inverts_export(tmp_path, llama, qwen3, which):
             if p.requires_grad:
                 p.add_(torch.randn_like(p) * 0.05)
     src, back = _round_trip(tmp_path, target, model)
+    kind = model.config.kind
+    block = json.loads((src / "config.json").read_text())["draftsmith"]
+    assert block["train"] == {f: getattr(model.config, f) for f in _TRAIN[kind]}
     loaded = load_checkpoint_model(back, target)
     ours = model.state_dict()
-    assert loaded.config == model.config
+    assert loaded.config == model.config  # the whole config, training-only fields included
     assert set(loaded.state_dict()) == set(ours)
     for k, v in ours.items():
         assert torch.equal(loaded.state_dict()[k].cpu(), v.cpu()), k
@@ -194,6 +232,12 @@ def test_speculators_import_inverts_export(tmp_path, llama, qwen3, which):
         llm = LLM(str(target.path), drafter=f"{model.config.kind}:{ckpt}", max_len=64)
         runs.append((llm.generate(["abc abc abc", "hello"], p)[1].token_ids, llm.last_stats.draft_accepted))
     assert runs[0] == runs[1]
+    cfg = json.loads((src / "config.json").read_text())
+    del cfg["draftsmith"]  # as another tool writes it
+    (src / "config.json").write_text(json.dumps(cfg))
+    foreign = load_checkpoint_model(import_drafter(src, target, tmp_path / "foreign"), target)
+    defaults = type(model.config)()
+    assert foreign.config == dataclasses.replace(model.config, **{f: getattr(defaults, f) for f in _TRAIN[kind]})
 
 
 def test_speculators_import_refuses_what_it_cannot_compute(tmp_path, llama, tiny_model_dir):
@@ -232,9 +276,9 @@ def test_speculators_import_refuses_what_it_cannot_compute(tmp_path, llama, tiny
 def test_import_cli_round_trip_and_one_line_errors(tmp_path, llama, capsys):
     model = eagle3.build(llama.model, eagle3.Eagle3Config(ttt_steps=2))
     src = export_drafter(_ckpt(tmp_path, llama, model), llama, "speculators", tmp_path / "spec")
-    assert main(["import", "--target", str(llama.path), "--src", str(src), "--out", str(tmp_path / "imp")]) == 0
+    assert main(["import", str(src), "--target", str(llama.path), "--out", str(tmp_path / "imp")]) == 0
     assert f"--drafter eagle3:{tmp_path / 'imp'}" in capsys.readouterr().out
-    assert main(["import", "--target", str(llama.path), "--src", str(tmp_path / "nowhere"),
+    assert main(["import", str(tmp_path / "nowhere"), "--target", str(llama.path),
                  "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "does not exist" in err[0], err

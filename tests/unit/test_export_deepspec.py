@@ -198,6 +198,56 @@ def test_deepspec_import_inverts_export(tmp_path, qwen3, llama, qwen3_deep, whic
     assert _greedy(target, f"{kind}:{tmp_path / 'ckpt'}") == _greedy(target, f"{kind}:{back}")
 
 
+_GEMMA6 = dict(num_hidden_layers=6, layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2)
+
+
+@pytest.mark.parametrize("which", ["gemma3-dspark", "gemma3-4x-config-dspark", "gemma3-eagle3", "qwen3_moe-dspark"])
+def test_gemma3_and_qwen3_moe_targets_export_their_global_rope(tmp_path, tiny_model_dir, which):
+    """The draft layers are Qwen3 layers for any target, with the target's *global* RoPE. For a
+    Gemma 3 target (transformers 5 spelling: rope_parameters per layer type) the exports used to
+    copy Gemma's RoPE entry, which HF's Qwen3 rotary embedding (DeepSpec's, vLLM's config) cannot
+    read and our importer refused ("made for another target"). Now: the RoPE a Qwen3 reader
+    builds from the DeepSpec and speculators configs is bit-equal to the drafter's, and export ->
+    import gives the same config, weights and greedy drafts (the 4.x Gemma spelling and
+    Qwen3-MoE, whose draft layers are dense Qwen3 layers, too)."""
+    from test_new_families import _make  # the tiny Gemma 3 / Qwen3-MoE targets and their variants
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+    from draftsmith.drafters.registry import load_checkpoint_model
+
+    family, kind = which.rsplit("-", 1)
+    if family == "gemma3" and kind == "eagle3":
+        path = tiny_model_dir("gemma3_text", seed=0, **_GEMMA6)  # five feature layers, not the last
+    else:
+        path = _make(tiny_model_dir, {"gemma3": "gemma3_text", "gemma3-4x-config": "gemma3_text-4x-config-softcap",
+                                      "qwen3_moe": "qwen3_moe"}[family])
+    target = load_target(str(path))
+    tc = target.model.config
+    assert tc.local_rope is not None if family.startswith("gemma3") else tc.moe_layers
+    model = _eagle3(target) if kind == "eagle3" else _dspark(target, ce_weight=0.4)
+    rope = (model.inv_freq, model.rope_scale) if kind == "eagle3" else (model.backbone.inv_freq,
+                                                                        model.backbone.rope_scale)
+    src, cfg, _ = _export(tmp_path, target, model)
+    spec = export_drafter(tmp_path / "ckpt", target, "speculators", tmp_path / "spec")
+    layer = json.loads((spec / "config.json").read_text())["transformer_layer_config"]
+    for written in (cfg, layer):
+        theirs = Qwen3Config(**{k: v for k, v in written.items() if k != "architectures"})
+        rotary = Qwen3RotaryEmbedding(theirs)
+        assert torch.equal(rotary.inv_freq, rope[0]) and rotary.attention_scaling == rope[1]
+        assert theirs.hidden_act == "silu"  # the draft MLP is SwiGLU whatever the target's activation
+        assert not {"rope_local_base_freq", "query_pre_attn_scalar", "final_logit_softcapping",
+                    "hidden_activation"} & set(written)
+    back = import_drafter(src, target, tmp_path / "imported", fmt="deepspec")
+    loaded = load_checkpoint_model(back, target)
+    assert loaded.config == model.config
+    ours = model.state_dict()
+    assert set(loaded.state_dict()) == set(ours)
+    for k, v in ours.items():
+        assert torch.equal(loaded.state_dict()[k].cpu(), v.cpu()), k
+    assert _greedy(target, f"{kind}:{tmp_path / 'ckpt'}") == _greedy(target, f"{kind}:{back}")
+
+
 def _rewrite(src, cfg_change=None, drop=(), **tensor_change):
     cfg = json.loads((src / "config.json").read_text())
     cfg.update(cfg_change or {})
@@ -289,10 +339,10 @@ def test_cli_and_sharded_run_directory(tmp_path, qwen3, capsys):
         json.dumps({"metadata": {}, "weight_map": {k: f for f, keys in shards.items() for k in keys}}))
     (tmp_path / "run" / "step_latest").symlink_to(step)
     capsys.readouterr()
-    assert main(["import", "--format", "deepspec", "--target", str(qwen3.path), "--src", str(tmp_path / "run"),
+    assert main(["import", str(tmp_path / "run"), "--format", "deepspec", "--target", str(qwen3.path),
                  "--out", str(tmp_path / "imp")]) == 0
     assert f"--drafter dspark:{tmp_path / 'imp'}" in capsys.readouterr().out
-    assert main(["import", "--format", "deepspec", "--target", str(qwen3.path), "--src", str(tmp_path / "nowhere"),
+    assert main(["import", str(tmp_path / "nowhere"), "--format", "deepspec", "--target", str(qwen3.path),
                  "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "does not exist" in err[0], err

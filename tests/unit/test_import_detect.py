@@ -73,7 +73,7 @@ def test_detect_format_by_markers(exports, tmp_path):
 def test_import_cli_detects_the_format(exports, qwen3, tmp_path, capsys, fmt, kind):
     """No --format: detected, and the import equals the original checkpoint bit for bit."""
     out = tmp_path / "imp"
-    assert main(["import", "--target", str(qwen3.path), "--src", str(exports[fmt]), "--out", str(out)]) == 0
+    assert main(["import", str(exports[fmt]), "--target", str(qwen3.path), "--out", str(out)]) == 0
     said = capsys.readouterr().out
     assert "format, detected" in said and f"--drafter {kind}:{out}" in said
     a = registry.load_checkpoint_model(out, qwen3).state_dict()
@@ -88,9 +88,37 @@ def test_import_cli_one_line_errors(exports, qwen3, tmp_path, capsys):
     ours = exports["dflash"]
     for src, says in ((unknown, "cannot tell the format"), (tmp_path / "nowhere", "does not exist"),
                       (ours, f"already a Draftsmith checkpoint; use it as --drafter dflash:{ours}")):
-        assert main(["import", "--target", str(qwen3.path), "--src", str(src), "--out", str(tmp_path / "x")]) == 2
+        assert main(["import", str(src), "--target", str(qwen3.path), "--out", str(tmp_path / "x")]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and says in err[0], err
+
+
+def test_import_takes_the_directory_as_dir_and_src_as_its_old_spelling(exports, qwen3, tmp_path, capsys):
+    """`draftsmith import DIR --out CKPT`; `--src DIR` is still accepted (the same directory twice
+    too). Two different directories: a one-line error; none: argparse's usage error naming DIR."""
+    from pathlib import Path
+
+    from draftsmith.cli import build_parser
+    from draftsmith.cli.imports import source_dir
+
+    parser = build_parser()
+    for argv in (["import", "D", "--out", "O"], ["import", "--target", "T", "D", "--out", "O"],
+                 ["import", "--out", "O", "--format", "deepspec", "D"], ["import", "--src", "D", "--out", "O"],
+                 ["import", "D", "--src", "D", "--out", "O"]):
+        assert source_dir(parser.parse_args(argv)) == Path("D"), argv
+    src, out = exports["speculators"], tmp_path / "imp"
+    assert main(["import", "--target", str(qwen3.path), "--src", str(src), "--out", str(out)]) == 0  # the old form
+    assert f"--drafter eagle3:{out}" in capsys.readouterr().out
+    assert main(["import", str(src), "--src", str(tmp_path / "other"), "--target", str(qwen3.path),
+                 "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "two source directories" in err[0], err
+    with pytest.raises(SystemExit) as e:
+        main(["import", "--target", str(qwen3.path), "--out", str(tmp_path / "x")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: draftsmith import" in err and "required: DIR" in err, err
+    assert not (tmp_path / "x").exists()
 
 
 @pytest.mark.parametrize("fmt,kind", [("speculators", "eagle3"), ("deepspec", "dspark"), ("deepspec-run", "dspark"),

@@ -30,7 +30,7 @@ import torch
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.fileio import read_json
-from draftsmith.models.decoder import DecoderConfig
+from draftsmith.models.decoder import GEMMA3_ROPE_THETA, DecoderConfig
 from draftsmith.tensorfile import load_tensors
 
 DSPARK_ARCH = "Qwen3DSparkModel"
@@ -91,13 +91,41 @@ def ids_out(layer_ids: Sequence[int], num_layers: int, who: str = "DeepSpec") ->
     return [int(i) for i in layer_ids]
 
 
+# Gemma 3 keys for what its own layers compute and the draft layers do not (those are Qwen3
+# layers: plain RMSNorm, SwiGLU, head_dim ** -0.5, no soft-capping, one RoPE)
+_TARGET_ONLY = ("hidden_activation", "query_pre_attn_scalar", "final_logit_softcapping", "attn_logit_softcapping",
+                "rope_local_base_freq", "sliding_window_pattern", "_sliding_window_pattern",
+                "use_bidirectional_attention")
+
+
+def draft_layer_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    """The target's HF config `hf` as the config of the draft layers, which are plain pre-norm
+    SwiGLU layers with the target's geometry and *global* RoPE whatever the target family
+    (drafters/block_attention.py, eagle3.py), read as Qwen3 / Llama layers by every engine.
+    For a Gemma 3 target: its global RoPE spelled as such a reader takes it (transformers 5
+    writes Gemma's per layer type, {"full_attention": .., "sliding_attention": ..}, which HF's
+    Qwen3 rotary embedding cannot read, KeyError 'rope_type', and our importer reads as the
+    default θ 10000; an old Gemma file without rope_theta means θ 1e6 to Gemma, 1e4 to Qwen3),
+    and none of Gemma's keys for what only its own layers do."""
+    cfg = {k: v for k, v in hf.items() if k not in _TARGET_ONLY}
+    if hf.get("model_type") == "gemma3_text":
+        params = hf.get("rope_parameters") or {}
+        if "full_attention" in params or "sliding_attention" in params:
+            cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": GEMMA3_ROPE_THETA["full_attention"],
+                                      **(params.get("full_attention") or {})}
+        elif hf.get("rope_theta") is None and "rope_theta" not in params:
+            cfg["rope_theta"] = GEMMA3_ROPE_THETA["full_attention"]
+    cfg["hidden_act"] = "silu"
+    return cfg
+
+
 def base_config(hf: dict[str, Any], target, arch: str, num_layers: int, intermediate: int,
                  dtype: torch.dtype) -> dict[str, Any]:
     """The target's HF config with DeepSpec's own entries, as its build_draft_config writes
     them (Qwen3 attention: model_type qwen3; geometry written out where a default differs)."""
     tc = target.model.config
     drop = ("architectures", "auto_map", "quantization_config", "torch_dtype", "dtype")
-    cfg = {k: v for k, v in hf.items() if k not in drop}
+    cfg = {k: v for k, v in draft_layer_hf(hf).items() if k not in drop}
     cfg.update(
         architectures=[arch], model_type="qwen3", num_target_layers=tc.num_layers, num_hidden_layers=num_layers,
         intermediate_size=intermediate, head_dim=tc.head_dim, attention_bias=bool(tc.attention_bias),

@@ -18,6 +18,7 @@ A combination a format cannot express is a DraftsmithError that says why.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -26,13 +27,37 @@ import torch
 
 from draftsmith.drafters import registry
 from draftsmith.errors import DraftsmithError
-from draftsmith.export.deepspec import to_deepspec
+from draftsmith.export.deepspec import draft_layer_hf, ours_block, to_deepspec
 from draftsmith.export.dflash_native import to_dflash_native
 from draftsmith.fileio import atomic_write, read_json
 from draftsmith.tensorfile import save_tensors
 
 FORMATS = ("speculators", "sglang", "deepspec", "dflash-native")
 _MARKOV_HEAD = {"markov": "vanilla", "gated": "gated", "rnn": "rnn"}
+# The fields of our drafter configs that a speculators config.json itself expresses (and
+# export/importing.py reads back). Every other field shapes training only (loss weights,
+# max_anchors, ttt_decay, init_from_target, position_decay, ...): it travels in the
+# "draftsmith" block's "train", so that export -> import gives back the same config.
+_BLOCK_CARRIES = frozenset({"kind", "block_size", "num_layers", "layer_ids", "mask_token_id", "intermediate_size",
+                            "draft_vocab_size", "qk_norm"})
+SPECULATORS_CARRIES = {
+    "eagle3": frozenset({"kind", "layer_ids", "ttt_steps", "draft_vocab_size", "intermediate_size"}),
+    "dflash": _BLOCK_CARRIES,
+    "dspark": _BLOCK_CARRIES | {"rank", "head"},
+}
+
+
+def speculators_train_fields(kind: str) -> tuple[str, ...]:
+    """The fields of `kind`'s config that the speculators format has no place for."""
+    cls = registry.get(kind, trainable=True).config_cls
+    return tuple(f.name for f in dataclasses.fields(cls) if f.name not in SPECULATORS_CARRIES[kind])
+
+
+def _speculators_ours(target, config) -> dict[str, Any]:
+    """The "draftsmith" block of a speculators export: who made it, for which target, and the
+    training-only config fields (speculators keeps extra top-level keys; vLLM ignores them)."""
+    train = {f: getattr(config, f) for f in speculators_train_fields(config.kind)}
+    return ours_block(target, config.kind, layer_ids=list(config.layer_ids), train=train)
 
 
 def export_drafter(ckpt: str | Path, target, fmt: str, out: str | Path) -> Path:
@@ -68,7 +93,7 @@ def export_drafter(ckpt: str | Path, target, fmt: str, out: str | Path) -> Path:
 
 def _layer_config(hf: dict[str, Any], model_type: str, num_layers: int, intermediate: int) -> dict[str, Any]:
     """The draft layers' HF config: the target's geometry and RoPE, the draft's depth and width."""
-    cfg = {k: v for k, v in hf.items() if k not in ("architectures", "auto_map", "quantization_config")}
+    cfg = {k: v for k, v in draft_layer_hf(hf).items() if k not in ("architectures", "auto_map", "quantization_config")}
     cfg.update(model_type=model_type, num_hidden_layers=num_layers, intermediate_size=intermediate,
                tie_word_embeddings=False, layer_types=["full_attention"] * num_layers)
     cfg.setdefault("head_dim", hf["hidden_size"] // hf["num_attention_heads"])
@@ -135,7 +160,7 @@ def _speculators_eagle3(model, target, hf):
         "eagle_aux_hidden_state_layer_ids": ids,
         "norm_before_residual": False,  # ours adds the un-normed fc output; vLLM assumes True if absent
         "norm_before_fc": False, "fc_norm": False, "norm_output": False, "target_hidden_size": None,
-        "draftsmith": {"kind": "eagle3", **_ours(target), "layer_ids": list(model.config.layer_ids)},
+        "draftsmith": _speculators_ours(target, model.config),
     }
     tensors = _eagle3_names(state, "layers.0.", dec.hidden_size, dec.attention_bias)
     tensors.update(_vocab(state, "", V, Vd))
@@ -198,7 +223,7 @@ def _speculators_block(model, target, hf):
         "aux_hidden_state_layer_ids": [i + 1 for i in c.layer_ids],
         "mask_token_id": c.mask_token_id,
         "sliding_window_non_causal": True,  # our block attends both ways; vLLM runs causal when False
-        "draftsmith": {"kind": kind, **_ours(target), "layer_ids": list(c.layer_ids)},
+        "draftsmith": _speculators_ours(target, c),
     }
     if kind == "dflash":
         config.update(block_size=c.block_size + 1, sample_from_anchor=False)

@@ -33,6 +33,7 @@ from draftsmith.drafters.kind_config import config_from_dict
 from draftsmith.errors import DraftsmithError
 from draftsmith.export import deepspec, dflash_native
 from draftsmith.export.detect import IMPORT_FORMATS, detect_foreign
+from draftsmith.export.formats import speculators_train_fields
 from draftsmith.fileio import read_json
 from draftsmith.tensorfile import load_tensors
 
@@ -91,6 +92,15 @@ def _check_geometry(cfg: dict[str, Any], target, src: Path) -> None:
     if bad:
         raise DraftsmithError(f"{src} was made for another target: {', '.join(bad)}; import it with the target "
                               "it drafts for (--target)")
+
+
+def _train_fields(cfg: dict[str, Any], kind: str) -> dict[str, Any]:
+    """The training-only config fields our own exports keep in the "draftsmith" block
+    (export/formats.py); a directory another tool wrote has none, and gets our defaults."""
+    ours = cfg.get("draftsmith")
+    train = ours.get("train") if isinstance(ours, dict) and isinstance(ours.get("train"), dict) else {}
+    keep = speculators_train_fields(kind)
+    return {k: v for k, v in train.items() if k in keep}
 
 
 def _layer_ids(cfg: dict[str, Any], key: str, src: Path) -> list[int]:
@@ -153,7 +163,8 @@ def _eagle3(cfg, tensors, target, src):
     config = {"kind": "eagle3", "layer_ids": _layer_ids(cfg, "eagle_aux_hidden_state_layer_ids", src),
               "ttt_steps": int(methods[0].get("speculative_tokens") or 7),
               "draft_vocab_size": Vd if Vd < V else None,
-              "intermediate_size": None if inter == target.model.config.intermediate_size else inter}
+              "intermediate_size": None if inter == target.model.config.intermediate_size else inter,
+              **_train_fields(cfg, "eagle3")}
     return config, state
 
 
@@ -203,6 +214,7 @@ def _block(kind, cfg, tensors, target, src):
         "intermediate_size": None if inter == tc.intermediate_size else inter,
         "qk_norm": None if q_norm == tc.qk_norm else q_norm,
         "block_size": int(cfg["block_size"]) - (1 if kind == "dflash" else 0),
+        **_train_fields(cfg, kind),
     }
     if kind == "dspark":
         config.update(_markov(cfg, seq, config, V, Vd, d2t, tc.hidden_size, src, state))
