@@ -82,7 +82,8 @@ def collect(rep: dict) -> dict:
     for p in rep["peers"]["peers"]:
         peers[p["label"]] = {"tokens_per_s": p["system_tokens_per_s"], "ours_vs_peer": p["ours_vs_peer"],
                              "ours_vs_peer_per_request": p["ours_vs_peer_per_request"],
-                             "same_output_as_our_plain": p.get("same_output_as_our_baseline"), "info": p["info"]}
+                             "same_output_as_our_plain": p.get("same_output_as_our_baseline"),
+                             "info": {**p["info"], "gguf": Path(p["info"]["gguf"]).name}}  # no machine paths
     return {"ours": ours, "peers": peers, "bandwidth": rep.get("machine", {}).get("mem_bandwidth_gbs")}
 
 

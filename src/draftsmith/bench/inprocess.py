@@ -97,8 +97,10 @@ class InProcessBackend:
                     self.peers += build_hf_peers(self.target, self.eos, self.cfg.peer_lookup_tokens,
                                                  self.cfg.peer_assistant)
                 if "llamacpp" in self.cfg.peers:
+                    ctx = self.model.config.max_position_embeddings  # room for the longest admitted request
+                    n_ctx = min(ctx, self.max_prompt_tokens + self.cfg.max_tokens + self.cfg.peer_lookup_tokens + 1)
                     self.peers += build_llamacpp_peers(self.target, self.eos, self.cfg.peer_lookup_tokens,
-                                                       self.cfg.peer_gguf)
+                                                       self.cfg.peer_gguf, n_ctx=n_ctx)
             out.extend(self.peers)
         return out
 

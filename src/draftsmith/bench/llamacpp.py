@@ -42,11 +42,16 @@ class LlamaCppPeer:
 
     kind = "peer"
 
-    def __init__(self, label: str, llm, eos_ids: Sequence[int], info: dict) -> None:
+    def __init__(self, label: str, llm, eos_ids: Sequence[int], info: dict, n_ctx: int, extra: int = 0) -> None:
         self.label, self.llm, self.eos_ids, self.info = label, llm, list(eos_ids), info
+        self.n_ctx, self.extra = n_ctx, extra  # context, and tokens a round may look past the output (drafts)
 
     def _one(self, req: BenchRequest, t0: float) -> RequestRecord:
         p = req.params
+        if len(req.token_ids) + p.max_tokens + self.extra > self.n_ctx:
+            raise DraftsmithError(f"{self.label}: prompt {req.prompt_id} ({len(req.token_ids)} tokens) + max_tokens "
+                                  f"{p.max_tokens} does not fit llama.cpp's context of {self.n_ctx}; lower "
+                                  "--max-prompt-tokens")
         greedy = p.temperature <= 0
         if not greedy and p.seed is not None:
             self.llm.set_seed(int(p.seed))
@@ -103,7 +108,11 @@ def peer_gguf(target, gguf: str | None, home: Path) -> Path:
 
 def build_llamacpp_peers(target, eos_ids: Sequence[int], lookup_tokens: int = 10, gguf: str | None = None,
                          threads: int | None = None, n_ctx: int = 4096) -> list[LlamaCppPeer]:
-    """llama.cpp plain and prompt-lookup peers for a LoadedTarget on the CPU."""
+    """llama.cpp plain and prompt-lookup peers for a LoadedTarget on the CPU.
+
+    The prompt-lookup one keeps logits for every position (llama-cpp-python verifies drafts
+    from them; its score buffer is n_ctx x vocabulary floats, and it must be asked for with
+    logits_all=True or a draft batch overflows it)."""
     from draftsmith.models.registry import draftsmith_home
 
     if target.model.device.type != "cpu":
@@ -118,9 +127,10 @@ def build_llamacpp_peers(target, eos_ids: Sequence[int], lookup_tokens: int = 10
             "gguf_bytes": os.path.getsize(path), "threads": n_threads}
     try:
         plain = llama_cpp.Llama(**kw)
-        lookup = llama_cpp.Llama(**kw, draft_model=llama_cpp.llama_speculative.LlamaPromptLookupDecoding(
+        lookup = llama_cpp.Llama(**kw, logits_all=True, draft_model=llama_cpp.llama_speculative.LlamaPromptLookupDecoding(
             num_pred_tokens=lookup_tokens))
     except Exception as e:  # noqa: BLE001 - llama-cpp-python raises ValueError / RuntimeError
         raise DraftsmithError(f"--peers llamacpp: llama.cpp cannot load {path}: {e}") from None
-    return [LlamaCppPeer(LLAMACPP_GENERATE, plain, eos_ids, {**info, "draft": None}),
-            LlamaCppPeer(LLAMACPP_LOOKUP, lookup, eos_ids, {**info, "draft": f"prompt lookup, {lookup_tokens} tokens"})]
+    return [LlamaCppPeer(LLAMACPP_GENERATE, plain, eos_ids, {**info, "draft": None}, n_ctx),
+            LlamaCppPeer(LLAMACPP_LOOKUP, lookup, eos_ids, {**info, "draft": f"prompt lookup, {lookup_tokens} tokens"},
+                         n_ctx, extra=lookup_tokens + 1)]
