@@ -8,11 +8,12 @@ STAMP  := $(VENV)/.draftsmith-installed
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml requirements-data.txt
+$(STAMP): pyproject.toml requirements-data.txt requirements-interop.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -m pip install -q --no-deps -r requirements-data.txt
+	$(PY) -m pip install -q --no-deps -r requirements-interop.txt
 	touch $(STAMP)
 
 demo: $(STAMP)

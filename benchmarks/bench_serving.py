@@ -5,7 +5,7 @@
         [--budget-s 1100] [--out benchmarks/results/bench_serving.json]
 
 In-process engine on the default target (smollm2-135m, fp32), greedy, chat-templated first
-user turns of HumanEval and MT-Bench (alternating). Four configurations share one loaded
+user turns of HumanEval and MT-Bench (alternating). Five configurations share one loaded
 target (one Engine and drafter instance each, same KV budget):
 
     plain             no drafter (FixedK(0)): the baseline
@@ -17,6 +17,8 @@ target (one Engine and drafter instance each, same KV budget):
                       from measured rounds, the drafter's time per round), a 3% minimum
                       predicted gain, the server's pooled acceptance as a new request's prior,
                       cheap drafts scored even when not verified, and periodic probing
+    prefix-calibrated the same with `realized_check` (off by default): predicted gains scaled
+                      by the measured realized / predicted gain of earlier drafting rounds
 
 Closed loop per tier C: C requests always in flight; a finished one is replaced at once by
 the next prompt (the same prompt sequence for every configuration). The configurations
@@ -63,7 +65,9 @@ def markers(drafter: str) -> tuple[str, str]:
     kind = drafter.partition(":")[0]
     tag = "" if kind == "ngram" else f":{kind}"
     return f"<!-- bench_serving{tag}:begin -->", f"<!-- bench_serving{tag}:end -->"
-CONFIGS = ("plain", "fixed-k", "prefix-static", "prefix-scheduler")
+
+
+CONFIGS = ("plain", "fixed-k", "prefix-static", "prefix-scheduler", "prefix-calibrated")
 
 
 def load_prompts(tokenizer_llm, n: int, max_prompt: int) -> list[tuple[str, list[int]]]:
@@ -250,7 +254,8 @@ def build_engines(llm, k: int, max_batch: int, max_len: int, sps, drafter: str =
     from draftsmith.policy.prefix_scheduler import PrefixScheduler, static_prefix_scheduler
 
     policies = {"fixed-k": FixedK(k), "prefix-static": static_prefix_scheduler(sps, max_k=k),
-                "prefix-scheduler": PrefixScheduler(sps, max_k=k)}
+                "prefix-scheduler": PrefixScheduler(sps, max_k=k),
+                "prefix-calibrated": PrefixScheduler(sps, max_k=k, realized_check=True)}
     engines = {"plain": llm.engine}
     for name, pol in policies.items():  # one drafter instance per engine: drafters keep per-row state
         engines[name] = build_engine(llm.target, drafter, pol, k, max_batch, max_len)
@@ -273,6 +278,7 @@ def main() -> int:
     ap.add_argument("--reuse-profile", action="store_true",
                     help="use a cached SPS(B) table if present (default: profile now, under this run's load)")
     args = ap.parse_args()
+    args.out = args.out.resolve()  # the report names it relative to the repository
 
     torch.set_num_threads(args.threads)
     from draftsmith import LLM

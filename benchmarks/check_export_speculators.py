@@ -1,7 +1,10 @@
 """Load `draftsmith export --format speculators` directories with the real speculators package.
 
-    pip install speculators==0.9.0          # not a Draftsmith dependency (heavy: datasets, openai, ...)
-    .venv/bin/python benchmarks/check_export_speculators.py
+    .venv/bin/python -m pytest -q tests/integration/test_speculators_load.py
+
+`make test` installs speculators without its dependencies (requirements-interop.txt) and runs
+this script through that test, which stands in empty modules for `datasets` / `hs_connectors`
+(named by speculators' import chain, unused for loading).
 
 Builds tiny Qwen3-style and Llama-style targets (tests/conftest.py), an EAGLE-3 drafter (full
 and reduced vocabulary) for both and DFlash / DSpark drafters for the Qwen3 one, exports each,

@@ -348,3 +348,31 @@ def test_llm_generate_returns_vllm_shaped_outputs_with_n_samples(tiny_model_dir)
         first.outputs[0].text, first.outputs[0].token_ids, first.outputs[0].finish_reason)
     with pytest.raises(DraftsmithError, match="n must be a positive integer"):
         SamplingParams(n=0)
+
+
+class _ConsumingDrafter(ForwardingDrafter):
+    """n-gram drafts after 50 ms of work; `consumes` says whether that work is reported as
+    consuming context features (a queue-fed drafter's flush), which is not drafting time."""
+
+    def __init__(self, inner, consumes: bool) -> None:
+        super().__init__(inner)
+        self.consumes, self.consumed_s = consumes, 0.0
+
+    def propose(self, seqs, max_lengths):
+        import time
+
+        time.sleep(0.05)
+        if self.consumes:
+            self.consumed_s += 0.05
+        return self.inner.propose(seqs, max_lengths)
+
+
+@pytest.mark.parametrize("consumes", [False, True])
+def test_drafting_time_excludes_consumed_context_features(tiny, consumes):
+    llm = LLM(str(tiny), drafter="ngram", num_speculative_tokens=3)
+    llm.engine.drafter = _ConsumingDrafter(llm.engine.drafter, consumes)
+    seq = llm.engine.add_request(llm.tokenizer.encode(PROMPTS[0]), greedy(4, ignore_eos=True))
+    llm.engine.step()
+    assert llm.engine.last_step.drafted and seq.stats.rounds == 1
+    d = llm.engine.last_step.draft_s
+    assert (d < 0.04) if consumes else (d >= 0.05)

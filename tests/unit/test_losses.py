@@ -14,12 +14,7 @@ from draftsmith.drafters.losses import (
 )
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _softmax(xs: list[float]) -> list[float]:

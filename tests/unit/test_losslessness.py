@@ -36,13 +36,7 @@ V = 12
 BOS = 0
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """These tensors are small; on a shared 2-core box extra intra-op threads only spin."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 # ----------------------------------------------------------------------------- models

@@ -27,13 +27,7 @@ from draftsmith.policy.profile import ProfileConfig, SPSTable, load_or_profile
 from draftsmith.policy.threshold import ConfidenceThreshold
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: on a shared 2-core box extra intra-op threads only spin."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def sps_from_times(tokens, times) -> SPSTable:

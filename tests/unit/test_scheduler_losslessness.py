@@ -46,12 +46,7 @@ CLASS_OF = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
 HEAD_C = torch.tensor([0.95, 0.7, 0.35])  # c of the next draft, by class of the previous token
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 # ----------------------------------------------------------------------------- models

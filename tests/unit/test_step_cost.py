@@ -20,9 +20,9 @@ from draftsmith.policy.profile import SPSTable
 PROFILE = SPSTable.from_step_times((1, 2, 4, 8, 16), (1.0, 1.0, 1.2, 1.6, 2.4))
 
 
-def info(rows, width, forward_s, draft_s=0.0, drafted=False) -> StepInfo:
+def info(rows, width, forward_s, draft_s=0.0, drafted=False, accepted=None) -> StepInfo:
     return StepInfo(rows=rows, block_len=width, useful_tokens=rows * width, drafted=drafted,
-                    draft_s=draft_s, forward_s=forward_s)
+                    draft_s=draft_s, forward_s=forward_s, accepted=accepted)
 
 
 def seqs(n: int) -> list[Request]:
@@ -171,3 +171,93 @@ def test_pooled_prior_moves_a_new_request_towards_the_servers_acceptance():
     assert c[2] == pytest.approx(prior.mean)  # position 3 never reached: the fixed prior
     pool.add(reached=1, accepted=0)
     assert pool.mean(0, 0.5) == pytest.approx(pool.accepted[0] / pool.reached[0]) and pool.mean(0, 0.5) < 0.99
+
+
+def test_realized_gain_of_drafting_rounds_per_row_count():
+    cost = StepCost(PROFILE, alpha=1.0, min_samples=2)
+    cost.observe(info(1, 2, forward_s=1.0, draft_s=0.2, drafted=True, accepted=1))
+    assert cost.realized_gain(1) is None  # one round is not enough
+    cost.observe(info(1, 2, forward_s=1.0, draft_s=0.2, drafted=True, accepted=1))
+    # 2 tokens in 1.2 s against plain's 1 token per 1.0 s (profile at B = 1)
+    assert cost.realized_gain(1) == pytest.approx(2 / 1.2)
+    for _ in range(2):  # 4 rows, 2 drafts accepted in all, 2.5 s (a forward as profiled): plain takes 1.2 s
+        cost.observe(info(4, 3, forward_s=2.0, draft_s=0.5, drafted=True, accepted=2))
+    assert cost.correction(4) == pytest.approx(1.0)
+    assert cost.realized_gain(4) == pytest.approx(6 * 1.2 / (4 * 2.5))
+    assert cost.realized_gain(3) == pytest.approx(cost.realized_gain(4))  # nearest row count
+    cost.observe(info(2, 1, forward_s=1.0, drafted=False, accepted=0))  # plain rounds do not count
+    cost.observe(info(2, 3, forward_s=1.0, drafted=True))  # nor rounds that report no acceptance
+    assert set(cost.summary()["realized_gain"]) == {1, 4}
+
+
+def test_predictions_are_scaled_by_what_drafting_rounds_realized():
+    assert PrefixScheduler(PROFILE).realized_check is False  # an option: measured, it did not pay
+    pol = PrefixScheduler(PROFILE, max_k=1, min_gain=0.0, probe_every=0, realized_check=True)
+    ss = seqs(1)
+    # prior acceptance 0.5, free drafting: predicted (1 + 0.5) / 1.0 = 1.5x
+    for _ in range(pol.cost.min_samples):  # measured: nothing accepted, 1.1 s per round
+        assert pol.choose(ss) == [1]
+        pol.observe(info(1, 2, forward_s=1.0, draft_s=0.1, drafted=True, accepted=0))
+    assert pol.cost.realized_gain(1) == pytest.approx(1 / 1.1)
+    # realized / predicted, averaged over the rounds (their predictions counted 0.1 s of drafting
+    # from the second round on): well below 1, and the corrected gain does not pay
+    assert pol.cost.calibration(1) < 0.7
+    assert pol.choose(ss) == [0]
+    unchecked = PrefixScheduler(PROFILE, max_k=1, min_gain=0.0, probe_every=0, realized_check=False, cost=pol.cost)
+    assert unchecked.choose(ss) == [1]  # the prediction alone still says 1.36x
+    # rounds that realize more than predicted (probes, another scheduler sharing the cost model)
+    # raise it again; only rounds drafted on a prediction are counted
+    for _ in range(30):
+        unchecked.choose(ss)
+        pol._predicted = 1.36  # as choose() records it when it drafts on a prediction
+        pol.observe(info(1, 2, forward_s=1.0, draft_s=0.1, drafted=True, accepted=1))
+    assert pol.cost.calibration(1) > 1.0 and pol.choose(ss) == [1]
+    pol.observe(info(1, 1, forward_s=1.0))  # a plain round after a drafting choice: not a sample
+    assert set(pol.cost.summary()["calibration"]) == {1}
+
+
+def test_a_probe_that_verifies_but_does_not_pay_backs_off_too():
+    dear = SPSTable.from_step_times((1, 2, 4), (1.0, 3.0, 3.2))
+    pol = PrefixScheduler(dear, max_k=3, probe_every=4, probe_backoff_max=16)
+    for _ in range(4):
+        pol.observe(info(1, 4, forward_s=3.2, draft_s=0.5, drafted=True))  # drafting = half a step
+    ss = seqs(1)
+    one = VerifyResult(torch.zeros(1, 2, dtype=torch.long), torch.tensor([1]))
+
+    def run(n, accepted):
+        picks = []
+        for _ in range(n):
+            k = pol.choose(ss)[0]
+            picks.append(k)
+            if k:  # the probe verifies one draft; the round takes 2.0 s for 1 + accepted tokens
+                pol.update(ss, proposal([1], 1), one)
+                pol.observe(info(1, 2, forward_s=1.5, draft_s=0.5, drafted=True, accepted=accepted))
+            else:
+                pol.update(ss, proposal([0], 0), VerifyResult(torch.zeros(1, 1, dtype=torch.long), torch.tensor([0])))
+                pol.observe(info(1, 1, forward_s=1.0))
+        return [i for i, k in enumerate(picks, 1) if k]
+
+    # 2 tokens in 2.0 s = plain's rate: break-even is not a loss, the interval stays at 4
+    assert run(12, accepted=1) == [4, 8, 12]
+    # 1 token in 2.0 s: the probes verified a draft but lost; probe after 8, then 16 rounds
+    assert run(28, accepted=0) == [4, 12, 28]
+
+
+def test_can_gain_padded_shortcut_matches_every_draft_count():
+    """Padded: a verify width costs the same however full its column, so only full columns can
+    win; the shortcut must agree with trying every number of admitted drafts."""
+    import random
+
+    from draftsmith.policy.prefix_scheduler import can_gain
+
+    rng = random.Random(0)
+    for _ in range(200):
+        xs = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+        times, t = [], 1.0
+        for _ in xs:
+            t *= 1.0 + rng.random() * rng.choice((0.05, 0.5, 1.5))
+            times.append(t)
+        sps = SPSTable.from_step_times(xs, times)
+        R, k = rng.randint(1, 32), rng.randint(1, 7)
+        brute = any((R + n) * sps(R * (1 + -(-n // R))) > R * sps(R) for n in range(1, R * k + 1))
+        assert can_gain(R, k, sps, "padded") == brute

@@ -62,13 +62,7 @@ CONFIGS = {
 BUILD = {"eagle3": eagle3.build, "dflash": dflash.build, "dspark": dspark.build}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: on a shared 2-core box extra intra-op threads only spin."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 # ---------------------------------------------------------------------------- fixtures

@@ -13,6 +13,7 @@ and rounds a load-aware policy does not draft pay no drafter upkeep.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -23,7 +24,14 @@ from draftsmith.drafters.base import DrafterRequestState, RequestStates, TargetF
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.kv_cache import KVCache
 
-FLUSH_TOKENS = 64  # consume a row's queued positions once this many have gathered (bounds memory)
+# Consume a row's queued positions once this many have gathered (bounds memory: ~7 KB per
+# position for three 576-wide float32 layers). Until then a row that never drafts costs its
+# drafter nothing: at high concurrency the scheduler keeps drafting off, and a flush per new
+# request (its prompt) cost a batch-32 server ~3% of its decode rate at 64. Consuming is a
+# per-token cost, not a per-round one: `consumed_s` lets the engine keep it out of the
+# drafting time the prefix scheduler's cost model learns (a prompt's worth of context inside
+# one round's draft time made drafting look dear and switched it off at batch 1).
+FLUSH_TOKENS = 256
 
 
 @dataclass
@@ -32,6 +40,7 @@ class QueuedFeatures:
 
     prefill: dict[int, torch.Tensor] | None = None  # the prompt's: layer id → [1, S, H]
     rounds: list[dict[int, torch.Tensor]] = field(default_factory=list)  # committed: {layer id: [n, H]} per round
+    n: int = 0  # positions queued (prompt + rounds), kept as they come: count() is asked every round
 
     @staticmethod
     def of_prompt(features: TargetFeatures | None) -> "QueuedFeatures":
@@ -40,17 +49,17 @@ class QueuedFeatures:
         if features is not None and features.hidden:
             n = int(next(iter(features.hidden.values())).shape[1])
             if n:
-                q.prefill = features.hidden
+                q.prefill, q.n = features.hidden, n
         return q
 
     def count(self) -> int:
         """Context positions queued."""
-        n = int(next(iter(self.prefill.values())).shape[1]) if self.prefill is not None else 0
-        return n + sum(int(next(iter(x.values())).shape[0]) for x in self.rounds)
+        return self.n
 
     def push(self, hidden: dict[int, torch.Tensor]) -> None:
         """Queue one round's committed positions ({layer id: [n, H]})."""
         self.rounds.append(hidden)
+        self.n += int(next(iter(hidden.values())).shape[0])
 
     def take(self) -> dict[int, torch.Tensor] | None:
         """Empty the queue: layer id → [n, H], prompt then rounds in order (the layers every
@@ -59,7 +68,7 @@ class QueuedFeatures:
         if self.prefill is not None:
             parts.append({i: h[0] for i, h in self.prefill.items()})
         parts += self.rounds
-        self.prefill, self.rounds = None, []
+        self.prefill, self.rounds, self.n = None, [], 0
         if not parts:
             return None
         keys = set(parts[0]).intersection(*parts[1:])
@@ -139,8 +148,17 @@ class FeatureQueueDrafter:
                 self.states[s].queue.push({i: features.hidden[i][b, :n] for i in self.feature_layers})
         self._flush([s for s in seqs if self.pending_count(s) >= self.flush_tokens])
 
+    consumed_s: float = 0.0  # wall seconds spent consuming queued features, cumulative
+
     def _flush(self, seqs: Sequence[Request]) -> None:
         """Consume every given row's queued positions (prompt, then committed rounds), in one batch."""
+        t0 = time.perf_counter()
+        try:
+            self._flush_rows(seqs)
+        finally:
+            self.consumed_s += time.perf_counter() - t0
+
+    def _flush_rows(self, seqs: Sequence[Request]) -> None:
         rows, chunks = [], []
         for s in seqs:
             c = self.states[s].queue.take()

@@ -203,6 +203,7 @@ class Engine:
         # row: the forward pads all rows to the widest block, so a row near its context limit
         # bounds the drafts of the whole batch for its last rounds.
         t0 = time.perf_counter()
+        consumed0 = getattr(self.drafter, "consumed_s", 0.0)  # context features consumed: not drafting time
         wanted = self.policy.choose(seqs)
         room = min(self.max_len - s.num_tokens for s in seqs)
         caps = [max(0, min(k, s.remaining - 1, room)) for k, s in zip(wanted, seqs)]
@@ -253,7 +254,9 @@ class Engine:
         finished: list[Request] = []
         committed_tokens = result.tokens.tolist()  # waits for the device: timings end here
         self.last_step = StepInfo(rows=len(seqs), block_len=1 + K, useful_tokens=len(seqs) + sum(lengths),
-                                  drafted=drafted, draft_s=t1 - t0, forward_s=time.perf_counter() - t1)
+                                  drafted=drafted, forward_s=time.perf_counter() - t1,
+                                  draft_s=max(0.0, t1 - t0 - (getattr(self.drafter, "consumed_s", 0.0) - consumed0)),
+                                  accepted=int(result.num_accepted.sum()) if K else 0)
         for b, s in enumerate(seqs):
             m = int(result.num_accepted[b])
             # KV of the pending token and the m accepted drafts is now committed;

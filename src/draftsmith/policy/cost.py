@@ -12,8 +12,15 @@ the target forward only. A serving process sees two things the profile cannot:
 StepCost keeps, per B, an exponential moving average of measured / profiled forward time
 (used once a size has `min_samples` measurements; between measured sizes the ratio is
 interpolated, outside them the nearest one is used), and per row count the moving average
-of the drafting time (choose + propose + trim). Nothing here looks at tokens, so decisions
-made from it are non-anticipating like the profile itself (see prefix_scheduler.py).
+of the drafting time (choose + propose + trim).
+
+It also keeps, per row count, the moving average of the *realized* gain of rounds that
+drafted: tokens committed per second of that round (drafting included) over what plain
+decoding of the same rows commits per second (its corrected forward time); and, fed by the
+scheduler, the moving average of realized / predicted gain of the rounds it drafted on a
+prediction (`calibration`). The planner's predicted gain rests on estimates (acceptance,
+confidences, the SPS(B) curve); the calibration is the check on all of them at once. Everything here comes from finished rounds, so
+decisions made from it are non-anticipating like the profile itself (see prefix_scheduler.py).
 """
 
 from __future__ import annotations
@@ -42,6 +49,8 @@ class StepCost:
     min_samples: int = 4  # measurements of a forward size before its correction is used
     _ratio: dict[int, _Ewma] = field(default_factory=dict)  # B -> measured / profiled time
     _draft: dict[int, _Ewma] = field(default_factory=dict)  # rows -> seconds of drafting
+    _gain: dict[int, _Ewma] = field(default_factory=dict)  # rows -> realized gain of drafting rounds
+    _calib: dict[int, _Ewma] = field(default_factory=dict)  # rows -> realized / predicted gain
     _known: list[tuple[int, float]] | None = field(default=None, repr=False)  # usable ratios, sorted by B
 
     def __post_init__(self) -> None:
@@ -68,6 +77,12 @@ class StepCost:
                 self._draft[t.rows].add(t.draft_s, self.alpha)
             else:
                 self._draft[t.rows] = _Ewma(t.draft_s)
+        g = self.round_gain(t)
+        if g is not None:
+            if t.rows in self._gain:
+                self._gain[t.rows].add(g, self.alpha)
+            else:
+                self._gain[t.rows] = _Ewma(g)
 
     # ---- predicting -------------------------------------------------------------------
 
@@ -105,6 +120,39 @@ class StepCost:
         nearest = min(self._draft, key=lambda r: (abs(r - rows), r))
         return self._draft[nearest].value
 
+    def round_gain(self, t: "StepInfo") -> float | None:
+        """What one drafting round gained over plain decoding of its rows: (rows + accepted)
+        tokens in draft_s + forward_s seconds, against rows tokens per plain forward (None for
+        a round that did not draft or reported no acceptance)."""
+        if not t.drafted or t.accepted is None or t.rows < 1 or t.draft_s + t.forward_s <= 0:
+            return None
+        return (t.rows + t.accepted) * self.target_time(t.rows) / (t.rows * (t.draft_s + t.forward_s))
+
+    def realized_gain(self, rows: int) -> float | None:
+        """Moving average of the realized gain of drafting rounds at this many rows (the
+        nearest measured row count stands in); None until `min_samples` such rounds."""
+        return self._nearest(self._gain, rows)
+
+    def add_calibration(self, rows: int, ratio: float) -> None:
+        """One drafting round's realized / predicted gain (the scheduler's prediction)."""
+        if rows in self._calib:
+            self._calib[rows].add(ratio, self.alpha)
+        else:
+            self._calib[rows] = _Ewma(ratio)
+
+    def calibration(self, rows: int) -> float | None:
+        """Moving average of realized / predicted gain at this many rows (nearest measured row
+        count); None until `min_samples` rounds."""
+        return self._nearest(self._calib, rows)
+
+    def _nearest(self, table: dict[int, _Ewma], rows: int) -> float | None:
+        known = {r: e for r, e in table.items() if e.count >= self.min_samples}
+        if not known:
+            return None
+        return known[min(known, key=lambda r: (abs(r - rows), r))].value
+
     def summary(self) -> dict:
         return {"correction": {b: round(e.value, 4) for b, e in sorted(self._ratio.items())},
-                "draft_s": {r: round(e.value, 6) for r, e in sorted(self._draft.items())}}
+                "draft_s": {r: round(e.value, 6) for r, e in sorted(self._draft.items())},
+                "realized_gain": {r: round(e.value, 4) for r, e in sorted(self._gain.items())},
+                "calibration": {r: round(e.value, 4) for r, e in sorted(self._calib.items())}}

@@ -49,6 +49,17 @@ dear one drafts once per `probe_every` rounds, so estimates made under other con
 revisited (a probe that verifies nothing doubles the interval, up to `probe_backoff_max`:
 a drafter that never pays on this machine costs next to nothing). All of this uses past
 rounds and timings only: lossless whatever it decides.
+
+An optional check on the prediction (`realized_check`, off by default: measured, it did not
+pay; see the field): after every round drafted on a predicted
+gain, the cost model records what it actually gained (tokens committed per second of the
+round, drafting included, over plain decoding's rate for the same rows) divided by what was
+predicted, a moving average per row count. Predictions are scaled by it before the
+`min_gain` test. They lean on estimates that can be wrong in the same direction for a while
+(confidences trimmed by Algorithm 1 after drafting, acceptance that differs between the
+requests in flight, a slower machine than the profile's); measured, a drafter whose
+predictions keep overshooting at this load drafts only where the corrected gain still pays,
+while a request whose own acceptance predicts a large gain still drafts.
 `static_prefix_scheduler()` is Algorithm 1 on the start-up profile alone, for comparison.
 """
 
@@ -141,6 +152,8 @@ def can_gain(R: int, max_k: int, sps: Callable[[float], float], batch_tokens: Ba
     if R == 0 or max_k == 0:
         return False
     base = R * sps(R)
+    if batch_tokens == "padded":  # a width costs the same however full: only full columns can win
+        return any((R + R * (w - 1)) * sps(R * w) > base for w in range(2, max_k + 2))
     for n in range(1, R * max_k + 1):  # n admitted drafts, spread column by column
         width = 1 + -(-n // R)
         if (R + n) * sps(_tokens(R, width, n, batch_tokens)) > base:
@@ -165,6 +178,12 @@ class PrefixScheduler:
     # server does not pay for speculation that the cost model only barely favours.
     min_gain: float = 0.03
     adapt: bool = True  # correct SPS(B) online from measured rounds and learn the drafting time
+    # adapt: scale predicted gains by the measured realized / predicted gain of earlier
+    # drafting rounds at this row count (a moving average: see the module doc). Off by default:
+    # measured side by side (BENCHMARKS.md, serving with the built-in DSpark drafter) it did not
+    # lift the tiers where the scheduler loses (its loss there is the idle cost of a drafter
+    # that is not drafting) and at batch 1 it sometimes cost the speedup
+    realized_check: bool = False
     pooled_prior: bool = True  # a new request's prior = this server's pooled acceptance (else prior.mean)
     # When the estimates say "do not draft": draft anyway if drafting costs at most this share
     # of a plain step (evidence for free), else once per `probe_every` rounds (0 = never), so
@@ -178,6 +197,7 @@ class PrefixScheduler:
     _idle: int = field(default=0, init=False, repr=False)  # rounds since the last drafting round
     _interval: int = field(default=0, init=False, repr=False)  # current probe interval (backs off)
     _probing: bool = field(default=False, init=False, repr=False)  # this round is a probe
+    _predicted: float | None = field(default=None, init=False, repr=False)  # this round's planned gain
 
     def __post_init__(self) -> None:
         if self.max_k < 0:
@@ -209,6 +229,7 @@ class PrefixScheduler:
 
     def choose(self, seqs: list[Request]) -> list[int]:
         R = len(seqs)
+        self._predicted = None
         sps = self._sps()
         # Batch size only: skip drafting when no verify length could pay off at this load.
         if not can_gain(R, self.max_k, sps, self.batch_tokens):
@@ -220,8 +241,14 @@ class PrefixScheduler:
         draft_time = self.cost.draft_time(R) if self.adapt else 0.0
         ell, gain = plan_best_prefix(conf, self._step_time(), self.batch_tokens, draft_time)
         full = [self.max_k] * R
+        if self._probing:  # the last probe verified drafts and no timing came (no observe()): it counts as paid
+            self._interval = self.probe_every
         self._probing = False
-        if any(ell) and gain >= 1.0 + self.min_gain:
+        checked = self.adapt and self.realized_check
+        calib = self.cost.calibration(R) if checked else None
+        if checked and any(ell) and gain > 1.0:
+            self._predicted = gain  # observe() compares the round's measured gain with it
+        if any(ell) and gain * (1.0 if calib is None else calib) >= 1.0 + self.min_gain:
             self._idle = 0
             if self.running_at == "trim" or all(drafter_has_confidences(s) for s in seqs):
                 return full  # draft fully; trim() schedules
@@ -262,13 +289,25 @@ class PrefixScheduler:
         record_round(seqs, proposal, result, self.prior, self.pool)
         if self._probing:  # a probe that verified nothing was wasted: probe half as often
             verified = bool(proposal.max_len) and int(proposal.lengths.sum()) > 0
-            self._interval = self.probe_every if verified else min(2 * self._interval, self.probe_backoff_max)
-            self._probing = False
+            if not verified:
+                self._interval = min(2 * self._interval, self.probe_backoff_max)
+            self._probing = verified  # verified something: observe() judges it by its measured gain
 
     def observe(self, info) -> None:
-        """Engine hook: one round's forward shape and timings (engine.StepInfo)."""
+        """Engine hook: one round's forward shape and timings (engine.StepInfo). A probe that
+        verified drafts but measured below plain decoding's rate did not pay either: back off."""
         if self.adapt:
             self.cost.observe(info)
+        if self._predicted is not None:
+            gain = self.cost.round_gain(info)
+            if gain is not None:
+                self.cost.add_calibration(info.rows, gain / self._predicted)
+            self._predicted = None
+        if self._probing:
+            gain = self.cost.round_gain(info)
+            paid = gain is None or gain >= 1.0  # None: no acceptance reported, it verified drafts
+            self._interval = self.probe_every if paid else min(2 * self._interval, self.probe_backoff_max)
+            self._probing = False
 
 
 def static_prefix_scheduler(sps: SPSTable, max_k: int = 5, **kw) -> PrefixScheduler:
