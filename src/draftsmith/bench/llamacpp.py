@@ -22,6 +22,7 @@ from pathlib import Path
 
 from draftsmith.bench.loadgen import BenchRequest
 from draftsmith.bench.metrics import RequestRecord, RunResult, sha_of_ids
+from draftsmith.bench.peers import run_one_at_a_time
 from draftsmith.errors import DraftsmithError
 
 LLAMACPP_GENERATE = "llamacpp:generate"
@@ -78,14 +79,7 @@ class LlamaCppPeer:
 
     def run(self, requests: Sequence[BenchRequest], concurrency: int, offsets=None,
             on_done: Callable[[RequestRecord], None] = lambda r: None) -> RunResult:
-        if concurrency != 1 or offsets is not None:
-            raise DraftsmithError("llama.cpp peers run at batch 1 in a closed loop only")
-        t0 = time.perf_counter()
-        recs = []
-        for req in requests:
-            recs.append(self._one(req, t0))
-            on_done(recs[-1])
-        return RunResult(recs, wall_s=time.perf_counter() - t0)
+        return run_one_at_a_time("llama.cpp", self._one, requests, concurrency, offsets, on_done)
 
 
 def peer_gguf(target, gguf: str | None, home: Path) -> Path:

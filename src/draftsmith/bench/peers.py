@@ -108,14 +108,21 @@ class HFPeer:
 
     def run(self, requests: Sequence[BenchRequest], concurrency: int, offsets=None,
             on_done: Callable[[RequestRecord], None] = lambda r: None) -> RunResult:
-        if concurrency != 1 or offsets is not None:
-            raise DraftsmithError("HF peers run at batch 1 in a closed loop only")
-        t0 = time.perf_counter()
-        recs = []
-        for req in requests:
-            recs.append(self._one(req, t0))
-            on_done(recs[-1])
-        return RunResult(recs, wall_s=time.perf_counter() - t0)
+        return run_one_at_a_time("HF", self._one, requests, concurrency, offsets, on_done)
+
+
+def run_one_at_a_time(who: str, one: Callable[[BenchRequest, float], RequestRecord], requests: Sequence[BenchRequest],
+                      concurrency: int, offsets, on_done: Callable[[RequestRecord], None]) -> RunResult:
+    """A peer's tier: the requests one after another (batch 1, closed loop), `one(request, t0)`
+    timing each; any other concurrency or an arrival schedule is refused."""
+    if concurrency != 1 or offsets is not None:
+        raise DraftsmithError(f"{who} peers run at batch 1 in a closed loop only")
+    t0 = time.perf_counter()
+    recs = []
+    for req in requests:
+        recs.append(one(req, t0))
+        on_done(recs[-1])
+    return RunResult(recs, wall_s=time.perf_counter() - t0)
 
 
 def build_hf_peers(target, eos_ids: Sequence[int], lookup_tokens: int = 10,
