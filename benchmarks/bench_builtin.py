@@ -75,7 +75,7 @@ def main() -> int:
     stage("tiers", w / "tiers", "bench", "--drafter", args.drafter, "--policy", "prefix-scheduler",
           "--workload", "humaneval", "--concurrency", args.tiers,
           "--requests", str(args.tier_requests * max(tiers)), "--max-tokens", str(args.tier_tokens),
-          "--warmup", "1", "--temperature", "0")
+          "--warmup", "1", "--temperature", "0", "--repeats", "2")  # n = 1 cannot tell drift from a loss
 
     res = collect(w, args)
     res["setup"] = {"drafter": args.drafter, "eval_prompts": args.eval_prompts, "tokens": args.tokens,
