@@ -53,7 +53,7 @@ class InProcessBackend:
             }
             del loaded
         self.max_k = max([d["num_speculative_tokens"] for d in self.drafters.values()] + [0])
-        ctx = self.model.config.max_position_embeddings
+        self.context_len = ctx = self.model.config.max_position_embeddings
         self.max_prompt_tokens = cfg.max_prompt_tokens or max(1, ctx - cfg.max_tokens - self.max_k - 2)
         params = sum(p.numel() for p in self.model.parameters())
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -97,8 +97,9 @@ class InProcessBackend:
                     self.peers += build_hf_peers(self.target, self.eos, self.cfg.peer_lookup_tokens,
                                                  self.cfg.peer_assistant)
                 if "llamacpp" in self.cfg.peers:
-                    ctx = self.model.config.max_position_embeddings  # room for the longest admitted request
-                    n_ctx = min(ctx, self.max_prompt_tokens + self.cfg.max_tokens + self.cfg.peer_lookup_tokens + 1)
+                    # room for the longest admitted request
+                    n_ctx = min(self.context_len,
+                                self.max_prompt_tokens + self.cfg.max_tokens + self.cfg.peer_lookup_tokens + 1)
                     self.peers += build_llamacpp_peers(self.target, self.eos, self.cfg.peer_lookup_tokens,
                                                        self.cfg.peer_gguf, n_ctx=n_ctx)
             out.extend(self.peers)

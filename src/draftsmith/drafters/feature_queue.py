@@ -118,6 +118,7 @@ class FeatureQueueDrafter:
     feature_layers: tuple[int, ...]
     flush_tokens: int
     states: RequestStates[FeatureRequestState]
+    consumed_s: float = 0.0  # wall seconds spent consuming queued features, cumulative (the engine reads it)
 
     def _consume(self, rows: list[Request], hidden: dict[int, torch.Tensor], counts: list[int]) -> None:
         """Append the first counts[b] positions of hidden (layer id → [B, S, H]) to row b's context."""
@@ -147,8 +148,6 @@ class FeatureQueueDrafter:
             if n > 0:
                 self.states[s].queue.push({i: features.hidden[i][b, :n] for i in self.feature_layers})
         self._flush([s for s in seqs if self.pending_count(s) >= self.flush_tokens])
-
-    consumed_s: float = 0.0  # wall seconds spent consuming queued features, cumulative
 
     def _flush(self, seqs: Sequence[Request]) -> None:
         """Consume every given row's queued positions (prompt, then committed rounds), in one batch."""

@@ -229,6 +229,7 @@ class Engine:
         K = proposal.max_len
         drafted = any(c > 0 for c in caps)
         t1 = time.perf_counter()
+        draft_s = max(0.0, t1 - t0 - (getattr(self.drafter, "consumed_s", 0.0) - consumed0))
         if K:
             V = self.model.config.vocab_size
             valid = torch.arange(K)[None, :] < proposal.lengths[:, None]  # [B, K]
@@ -255,7 +256,7 @@ class Engine:
         committed_tokens = result.tokens.tolist()  # waits for the device: timings end here
         self.last_step = StepInfo(rows=len(seqs), block_len=1 + K, useful_tokens=len(seqs) + sum(lengths),
                                   drafted=drafted, forward_s=time.perf_counter() - t1,
-                                  draft_s=max(0.0, t1 - t0 - (getattr(self.drafter, "consumed_s", 0.0) - consumed0)),
+                                  draft_s=draft_s,
                                   accepted=int(result.num_accepted.sum()) if K else 0)
         for b, s in enumerate(seqs):
             m = int(result.num_accepted[b])

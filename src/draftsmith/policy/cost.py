@@ -19,8 +19,9 @@ drafted: tokens committed per second of that round (drafting included) over what
 decoding of the same rows commits per second (its corrected forward time); and, fed by the
 scheduler, the moving average of realized / predicted gain of the rounds it drafted on a
 prediction (`calibration`). The planner's predicted gain rests on estimates (acceptance,
-confidences, the SPS(B) curve); the calibration is the check on all of them at once. Everything here comes from finished rounds, so
-decisions made from it are non-anticipating like the profile itself (see prefix_scheduler.py).
+confidences, the SPS(B) curve); the calibration is the check on all of them at once.
+Everything here comes from finished rounds, so decisions made from it are non-anticipating
+like the profile itself (see prefix_scheduler.py).
 """
 
 from __future__ import annotations
@@ -67,22 +68,19 @@ class StepCost:
         b = t.rows * t.block_len
         if t.forward_s > 0:
             self._known = None  # re-derived on the next prediction
-            r = t.forward_s / self.profile.step_time(b)
-            if b in self._ratio:
-                self._ratio[b].add(r, self.alpha)
-            else:
-                self._ratio[b] = _Ewma(r)
+            self._add(self._ratio, b, t.forward_s / self.profile.step_time(b))
         if t.drafted and t.draft_s >= 0:
-            if t.rows in self._draft:
-                self._draft[t.rows].add(t.draft_s, self.alpha)
-            else:
-                self._draft[t.rows] = _Ewma(t.draft_s)
+            self._add(self._draft, t.rows, t.draft_s)
         g = self.round_gain(t)
         if g is not None:
-            if t.rows in self._gain:
-                self._gain[t.rows].add(g, self.alpha)
-            else:
-                self._gain[t.rows] = _Ewma(g)
+            self._add(self._gain, t.rows, g)
+
+    def _add(self, table: dict[int, _Ewma], key: int, x: float) -> None:
+        """One measurement into a table of moving averages."""
+        if key in table:
+            table[key].add(x, self.alpha)
+        else:
+            table[key] = _Ewma(x)
 
     # ---- predicting -------------------------------------------------------------------
 
@@ -113,12 +111,8 @@ class StepCost:
     def draft_time(self, rows: int) -> float:
         """Seconds the drafter takes per round for this many rows (0 until measured;
         the nearest measured row count stands in for an unmeasured one)."""
-        if not self._draft:
-            return 0.0
-        if rows in self._draft:
-            return self._draft[rows].value
-        nearest = min(self._draft, key=lambda r: (abs(r - rows), r))
-        return self._draft[nearest].value
+        t = self._nearest(self._draft, rows, min_count=1)
+        return 0.0 if t is None else t
 
     def round_gain(self, t: "StepInfo") -> float | None:
         """What one drafting round gained over plain decoding of its rows: (rows + accepted)
@@ -135,18 +129,18 @@ class StepCost:
 
     def add_calibration(self, rows: int, ratio: float) -> None:
         """One drafting round's realized / predicted gain (the scheduler's prediction)."""
-        if rows in self._calib:
-            self._calib[rows].add(ratio, self.alpha)
-        else:
-            self._calib[rows] = _Ewma(ratio)
+        self._add(self._calib, rows, ratio)
 
     def calibration(self, rows: int) -> float | None:
         """Moving average of realized / predicted gain at this many rows (nearest measured row
         count); None until `min_samples` rounds."""
         return self._nearest(self._calib, rows)
 
-    def _nearest(self, table: dict[int, _Ewma], rows: int) -> float | None:
-        known = {r: e for r, e in table.items() if e.count >= self.min_samples}
+    def _nearest(self, table: dict[int, _Ewma], rows: int, min_count: int | None = None) -> float | None:
+        """The moving average at `rows`, else at the nearest row count (ties: the smaller),
+        among those with enough measurements (`min_samples` unless given); None if none."""
+        need = self.min_samples if min_count is None else min_count
+        known = {r: e for r, e in table.items() if e.count >= need}
         if not known:
             return None
         return known[min(known, key=lambda r: (abs(r - rows), r))].value

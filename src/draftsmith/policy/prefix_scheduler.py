@@ -153,7 +153,7 @@ def can_gain(R: int, max_k: int, sps: Callable[[float], float], batch_tokens: Ba
         return False
     base = R * sps(R)
     if batch_tokens == "padded":  # a width costs the same however full: only full columns can win
-        return any((R + R * (w - 1)) * sps(R * w) > base for w in range(2, max_k + 2))
+        return any(R * w * sps(R * w) > base for w in range(2, max_k + 2))
     for n in range(1, R * max_k + 1):  # n admitted drafts, spread column by column
         width = 1 + -(-n // R)
         if (R + n) * sps(_tokens(R, width, n, batch_tokens)) > base:
@@ -298,13 +298,14 @@ class PrefixScheduler:
         verified drafts but measured below plain decoding's rate did not pay either: back off."""
         if self.adapt:
             self.cost.observe(info)
+        if self._predicted is None and not self._probing:
+            return
+        gain = self.cost.round_gain(info)
         if self._predicted is not None:
-            gain = self.cost.round_gain(info)
             if gain is not None:
                 self.cost.add_calibration(info.rows, gain / self._predicted)
             self._predicted = None
         if self._probing:
-            gain = self.cost.round_gain(info)
             paid = gain is None or gain >= 1.0  # None: no acceptance reported, it verified drafts
             self._interval = self.probe_every if paid else min(2 * self._interval, self.probe_backoff_max)
             self._probing = False
