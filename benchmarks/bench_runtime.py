@@ -1,9 +1,10 @@
 """Runtime benchmark (issue 11): what a target forward costs, before and after the linear-backend
 change, in float32 and bfloat16, at 1 and 2 threads; and the OpenMP wait policy idle vs loaded.
 
-Side by side in one process (docs/MEASURING.md): the "mkl" backend (the earlier path: fused [in, out]
-weights through torch.matmul) and "onednn" (weights prepacked once, models/linear.py) are loaded
-together and measured interleaved, round by round; each number is the median over rounds of a
+Side by side in one process (docs/MEASURING.md): the "mkl" backend (the first path: fused [in, out]
+weights through torch.matmul), "onednn" (weights prepacked once for oneDNN) and "avx512" (Draftsmith's
+own few-row kernel, kernels/gemv.cpp; the default where it builds) are loaded together and measured
+interleaved, round by round; each number is the median over rounds of a
 per-round median. Per configuration:
   - decode ms/token at batch 1 (one forward of one token after 200 cached, greedy warp included)
     and its ratio to the floor = weight bytes / read bandwidth (a torch `sum` over 256 MB, measured
@@ -11,7 +12,7 @@ per-round median. Per configuration:
   - verify(K) = one forward of K tokens on one row, in decode steps, K = 2, 4, 8, 16;
   - steps/s at B = 1..64 rows of one token (decode batches, as a serving engine runs them).
 Wait policy: child processes with each OpenMP setting (set before torch loads OpenMP) time
-onednn fp32 decode at 2 threads: alone, beside N busy processes, and two decoding at once.
+the default backend's fp32 decode at 2 threads: alone, beside N busy processes, and two decoding at once.
 
 Writes benchmarks/results/runtime.json and the "Runtime" section of BENCHMARKS.md.
 
@@ -40,16 +41,16 @@ from draftsmith.policy.roofline import measure_bandwidth, step_time, weight_byte
 HERE = Path(__file__).resolve().parent
 VERIFY = (2, 4, 8, 16)
 ROWS = (1, 2, 4, 8, 16, 32, 64)
-# (linear backend, dtype, attention kernel); "sdpa" in bfloat16 is the attention before grouped matmuls
-CONFIGS = [("mkl", "float32", "auto"), ("onednn", "float32", "auto"), ("mkl", "bfloat16", "auto"),
-           ("onednn", "bfloat16", "sdpa"), ("onednn", "bfloat16", "auto")]
+# (linear backend, dtype, attention kernel)
+CONFIGS = [("mkl", "float32", "auto"), ("onednn", "float32", "auto"), ("avx512", "float32", "auto"),
+           ("onednn", "bfloat16", "auto"), ("avx512", "bfloat16", "auto")]
 
 
 def child_decode(repeats: int) -> None:
-    """Print the median decode seconds of the default target (onednn, fp32, 2 threads)."""
+    """Print the median decode seconds of the default target (default backend, fp32, 2 threads)."""
     torch.set_num_threads(2)
     _, path = resolve_target("smollm2-135m")
-    m = load_decoder(path, linear_backend="onednn")
+    m = load_decoder(path, linear_backend="auto")
     t = [step_time(m, 1, 1, repeats=repeats) for _ in range(3)]
     print(json.dumps({"decode_s": statistics.median(t), "wait_policy": os.environ.get("OMP_WAIT_POLICY")}))
 
@@ -172,9 +173,9 @@ def render(res: dict, args) -> str:
         "",
         f"`benchmarks/bench_runtime.py --rounds {args.rounds} --repeats {args.repeats}` on {time.strftime('%Y-%m-%d')}, "
         f"smollm2-135m, {res['machine']['cores']} cores, torch {res['machine']['torch']}, idle machine. "
-        "\"mkl\" is the earlier path (fused weights through torch.matmul), \"onednn\" the new default "
-        "(weights prepacked once at load); \"/sdpa\" is bfloat16 with torch's SDPA for attention, the kernel "
-        "before 16-bit decode / verify attention moved to grouped matmuls (models/attention.py). "
+        "\"mkl\" is the first path (fused weights through torch.matmul), \"onednn\" the weights prepacked "
+        "once for oneDNN (the default until 2026-12-01), \"avx512\" Draftsmith's own few-row kernel "
+        "(kernels/gemv.cpp, compiled once per machine; the default where it builds). "
         "Interleaved in one process, medians over rounds. Floor = weight "
         "bytes read per step / read bandwidth measured in the same run at the same thread count.",
         "",
@@ -194,7 +195,7 @@ def render(res: dict, args) -> str:
             lines.append(f"| {key} | " + " | ".join(f"{c['steps_per_s'][n]:.1f}" for n in ROWS) + " |")
         lines.append("")
     w = res["wait_policy_ms"]
-    lines += ["OpenMP wait policy, onednn fp32 decode at 2 threads, ms/token (child processes): alone; "
+    lines += ["OpenMP wait policy, default-backend fp32 decode at 2 threads, ms/token (child processes): alone; "
               f"beside {args.load} busy Python loops; two decoding processes at once (their mean).", "",
               "| policy | alone | busy machine | two processes |", "|---|---|---|---|"]
     for pol in WAIT_POLICIES:

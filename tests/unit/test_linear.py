@@ -8,11 +8,13 @@ import torch
 import torch.nn.functional as F
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.kernels.build import cpu_flags, cpu_kernels
 from draftsmith.models.linear import FastLinear, choose_backend
 from draftsmith.models.loading import load_decoder
 from draftsmith.models.threads import configure_threads, physical_cores
 
-CPU_BACKENDS = ["torch", "mkl"] + (["onednn"] if torch.backends.mkldnn.is_available() else [])
+CPU_BACKENDS = (["torch", "mkl"] + (["onednn"] if torch.backends.mkldnn.is_available() else [])
+                + (["avx512"] if cpu_kernels().ok else []))
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
@@ -37,7 +39,9 @@ def test_fast_linear_equals_f_linear(backend, dtype, bias):
 
 
 def test_choose_backend():
-    assert choose_backend("auto", "cpu") == ("onednn" if torch.backends.mkldnn.is_available() else "torch")
+    expected = "avx512" if cpu_kernels().ok else "onednn" if torch.backends.mkldnn.is_available() else "torch"
+    assert choose_backend("auto", "cpu") == expected
+    assert choose_backend("auto", "meta") == "torch"
     assert choose_backend("torch", "cpu") == "torch"
     with pytest.raises(DraftsmithError, match="unknown linear backend"):
         choose_backend("fastest", "cpu")
@@ -94,8 +98,8 @@ def test_packed_linears_infer_like_f_linear_and_still_train():
         torch.testing.assert_close(net(x), ref(x), atol=1e-5, rtol=1e-5)
     with torch.inference_mode():
         torch.testing.assert_close(net(x), ref(x), atol=1e-5, rtol=1e-5)
-    if torch.backends.mkldnn.is_available():
-        assert net[0].inference_pack._fast.backend == "onednn"  # the packed path really ran
+    if torch.backends.mkldnn.is_available():  # the packed path really ran
+        assert net[0].inference_pack._fast.backend == ("avx512" if cpu_kernels().ok else "onednn")
     for m in (net, ref):  # one identical SGD step on both
         loss = m(x).square().sum()
         loss.backward()
@@ -109,3 +113,54 @@ def test_packed_linears_infer_like_f_linear_and_still_train():
         twin[2].weight.zero_()
         assert float(twin(x).abs().max()) == 0.0
         torch.testing.assert_close(net(x), ref(x), atol=1e-5, rtol=1e-5)  # the original is untouched
+
+
+def test_cpu_kernels_build_where_the_cpu_can_run_them():
+    """On an x86-64 CPU with AVX-512 and a C++ compiler the kernel must build and load: a broken
+    build would otherwise fall back to oneDNN silently and only the speed would tell."""
+    import platform
+    import shutil
+
+    status = cpu_kernels()
+    can = platform.machine() == "x86_64" and "avx512f" in cpu_flags() and bool(shutil.which("c++") or shutil.which("g++"))
+    assert status.ok == can, status.reason
+    if not can:
+        pytest.skip(f"no AVX-512 kernels here: {status.reason}")
+    assert status.bf16 == ("avx512_bf16" in cpu_flags())
+
+
+@pytest.mark.skipif(not cpu_kernels().ok, reason="the avx512 kernels do not run here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(1, 1), (31, 7), (33, 65), (100, 576), (64, 3)])
+def test_avx512_kernel_shapes_bias_and_batch_invariance(dtype, n, k):
+    """Odd shapes (a partial 32-column block, an odd K in bfloat16), bias, 0..19 rows (every
+    row-tile size), and the property the kernel is built for: a row's output is bit-identical
+    whatever the number of rows computed with it, so verifying K drafts gives exactly the
+    logits decoding them one by one would."""
+    if dtype == torch.bfloat16 and not cpu_kernels().bf16:
+        pytest.skip("no AVX512-BF16")
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    for bias in (None, b):
+        lin = FastLinear.build(w, bias, "avx512")
+        assert lin.backend == "avx512"
+        x = torch.randn(19, k, generator=g).to(dtype)
+        ref = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+        full = lin(x)
+        assert full.shape == (19, n) and full.dtype == dtype
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(full.float(), ref, atol=tol * 10, rtol=tol)
+        for m in range(0, 19):
+            assert torch.equal(lin(x[: m + 1]), full[: m + 1]), m
+            assert torch.equal(lin(x[m : m + 1]), full[m : m + 1]), m
+        assert lin(x[:0]).shape == (0, n)
+
+
+@pytest.mark.skipif(not cpu_kernels().ok, reason="the avx512 kernels do not run here")
+def test_avx512_float16_falls_back_per_linear_and_wrong_width_is_an_error():
+    w = torch.randn(40, 24).half()
+    assert FastLinear.build(w, None, "avx512").backend == "torch"
+    lin = FastLinear.build(torch.randn(40, 24), None, "avx512")
+    with pytest.raises(RuntimeError, match="features"):
+        lin(torch.randn(2, 23))

@@ -494,7 +494,8 @@ class Decoder(nn.Module):
 
         One larger product instead of 2-3 saves dispatch overhead. The original parameters
         stay usable (names, shapes, `state_dict`): with "mkl" and "torch" they become views of
-        the fused matrices (no memory duplicated); "onednn" keeps them and adds blocked copies.
+        the fused matrices (no memory duplicated); "avx512" and "onednn" keep them and add
+        copies in their own layouts.
         Numerics change only in summation order (~1e-6 relative). Idempotent; call again after
         moving the model to another device or dtype, or changing weights in place (a
         `load_state_dict` re-prepares by itself)."""
@@ -663,13 +664,13 @@ def _reprepare_after_load(module: "Decoder", incompatible_keys) -> None:
 
 def _fuse(linears: list[nn.Linear], name: str, backend: str) -> torch.Tensor:
     """Concatenate `name` ("weight" [out, in] or "bias" [out]) of Linears along the output dim
-    → [sum(out), in] (or [sum(out)]). Except for "onednn" (which copies the result into its own
+    → [sum(out), in] (or [sum(out)]). Except for "avx512" / "onednn" (which copy the result into their own
     layout), the Linears' parameters are re-pointed at views of the fused tensor; "mkl" stores
     it [in, out] underneath, as its kernel wants, and returns the [out, in] view of that."""
     params = [getattr(m, name) for m in linears]
     if name == "bias" or backend != "mkl":
         fused = torch.cat([p.detach() for p in params], dim=0)
-        if backend == "onednn":
+        if backend in ("avx512", "onednn"):
             return fused
         views, start = [], 0
         for p in params:

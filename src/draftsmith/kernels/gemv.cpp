@@ -1,0 +1,240 @@
+// Few-row linears for memory-bound decoding and verification on x86-64 CPUs with AVX-512.
+//
+// y[m, n] = sum_k x[m, k] * W[n, k] (+ b[n]) for a few rows m (1 + K draft tokens per request).
+// A decode step streams every weight once, so the kernel is a weight stream: W is packed once,
+// at load, into blocks of BLOCK = 32 output columns, each block contiguous in memory:
+//   float32:  [N/32][K][32]          (one k: 32 outputs, two 64-byte lines)
+//   bfloat16: [N/32][K/2][32][2]     (one k pair: 32 outputs x 2 k, for vdpbf16ps)
+// and every thread reads one contiguous run of blocks front to back. Per block the rows of x are
+// taken MT at a time (2 x MT accumulators in registers); the block, at most 32 x K x 4 bytes,
+// stays in L2 for the next MT rows. Each output is summed in the same k order whatever the
+// number of rows, so a row's result does not depend on the batch it was computed in.
+//
+// Registered as torch.ops.draftsmith.{pack_f32, pack_bf16, gemv_f32, gemv_bf16}; built on first
+// use by models/gemv.py with -march=native.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t BLOCK = 32;
+constexpr int MT = 8;  // rows of x per pass over a block
+
+int64_t pad_to(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+at::Tensor pack_f32(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat, "pack_f32: weight must be a 2-D float32 tensor");
+  auto wc = w.contiguous();
+  const int64_t N = wc.size(0), K = wc.size(1), NB = pad_to(N, BLOCK) / BLOCK;
+  auto out = at::zeros({NB, K, BLOCK}, wc.options());
+  const float* src = wc.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t j = 0; j < BLOCK && b * BLOCK + j < N; ++j) {
+        const float* row = src + (b * BLOCK + j) * K;
+        float* d = dst + b * K * BLOCK + j;
+        for (int64_t k = 0; k < K; ++k) d[k * BLOCK] = row[k];
+      }
+  });
+  return out;
+}
+
+at::Tensor pack_bf16(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "pack_bf16: weight must be a 2-D bfloat16 tensor");
+  auto wc = w.contiguous();
+  const int64_t N = wc.size(0), K = wc.size(1), NB = pad_to(N, BLOCK) / BLOCK, KP = pad_to(K, 2) / 2;
+  auto out = at::zeros({NB, KP, BLOCK, 2}, wc.options());
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(wc.data_ptr());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr());
+  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t j = 0; j < BLOCK && b * BLOCK + j < N; ++j) {
+        const uint16_t* row = src + (b * BLOCK + j) * K;
+        uint16_t* d = dst + b * KP * BLOCK * 2 + j * 2;
+        for (int64_t k = 0; k < K; ++k) d[(k / 2) * BLOCK * 2 + (k & 1)] = row[k];
+      }
+  });
+  return out;
+}
+
+// Store 32 fp32 sums (+ bias) of one block into y's row, n0 = first column, n = valid columns.
+inline void store_f32(float* y, const float* bias, int64_t n0, int64_t n, __m512 lo, __m512 hi) {
+  if (bias) {
+    alignas(64) float bb[BLOCK] = {0};
+    std::memcpy(bb, bias + n0, n * sizeof(float));
+    lo = _mm512_add_ps(lo, _mm512_load_ps(bb));
+    hi = _mm512_add_ps(hi, _mm512_load_ps(bb + 16));
+  }
+  if (n == BLOCK) {
+    _mm512_storeu_ps(y + n0, lo);
+    _mm512_storeu_ps(y + n0 + 16, hi);
+  } else {
+    alignas(64) float tmp[BLOCK];
+    _mm512_store_ps(tmp, lo);
+    _mm512_store_ps(tmp + 16, hi);
+    std::memcpy(y + n0, tmp, n * sizeof(float));
+  }
+}
+
+// Sums run over chunks of KC steps of k in registers, each chunk then added to a running total
+// (blocked summation: the rounding error of a 1,536-term dot product stays near the other
+// backends' instead of growing with K).
+constexpr int64_t KC = 32;
+
+template <int R>
+inline void block_f32(const float* wb, const float* x, int64_t K, float* y, int64_t ldy, const float* bias,
+                      int64_t n0, int64_t n) {
+  alignas(64) float tot[R][BLOCK] = {};
+  for (int64_t k0 = 0; k0 < K; k0 += KC) {
+    const int64_t k1 = std::min(K, k0 + KC);
+    __m512 lo[R], hi[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
+    for (int64_t k = k0; k < k1; ++k) {
+      const __m512 w0 = _mm512_load_ps(wb + k * BLOCK), w1 = _mm512_load_ps(wb + k * BLOCK + 16);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m512 xv = _mm512_set1_ps(x[r * K + k]);
+        lo[r] = _mm512_fmadd_ps(w0, xv, lo[r]);
+        hi[r] = _mm512_fmadd_ps(w1, xv, hi[r]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      _mm512_store_ps(tot[r], _mm512_add_ps(_mm512_load_ps(tot[r]), lo[r]));
+      _mm512_store_ps(tot[r] + 16, _mm512_add_ps(_mm512_load_ps(tot[r] + 16), hi[r]));
+    }
+  }
+  for (int r = 0; r < R; ++r) store_f32(y + r * ldy, bias, n0, n, _mm512_load_ps(tot[r]), _mm512_load_ps(tot[r] + 16));
+}
+
+#ifdef __AVX512BF16__
+template <int R>
+inline void block_bf16(const uint16_t* wb, const uint16_t* x, int64_t KP, float* y, int64_t ldy,
+                       const float* bias, int64_t n0, int64_t n) {
+  alignas(64) float tot[R][BLOCK] = {};
+  for (int64_t p0 = 0; p0 < KP; p0 += KC / 2) {
+    const int64_t p1 = std::min(KP, p0 + KC / 2);
+    __m512 lo[R], hi[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
+    for (int64_t p = p0; p < p1; ++p) {
+      const __m512bh w0 = (__m512bh)_mm512_load_si512(wb + p * BLOCK * 2);
+      const __m512bh w1 = (__m512bh)_mm512_load_si512(wb + p * BLOCK * 2 + 32);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, x + r * KP * 2 + p * 2, 4);
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+        lo[r] = _mm512_dpbf16_ps(lo[r], w0, xv);
+        hi[r] = _mm512_dpbf16_ps(hi[r], w1, xv);
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      _mm512_store_ps(tot[r], _mm512_add_ps(_mm512_load_ps(tot[r]), lo[r]));
+      _mm512_store_ps(tot[r] + 16, _mm512_add_ps(_mm512_load_ps(tot[r] + 16), hi[r]));
+    }
+  }
+  for (int r = 0; r < R; ++r) store_f32(y + r * ldy, bias, n0, n, _mm512_load_ps(tot[r]), _mm512_load_ps(tot[r] + 16));
+}
+
+#endif
+
+template <typename F>
+inline void by_rows(int64_t M, F&& f) {
+  int64_t m = 0;
+  for (; m + 8 <= M; m += 8) f(m, std::integral_constant<int, 8>{});
+  switch (M - m) {
+    case 7: f(m, std::integral_constant<int, 7>{}); break;
+    case 6: f(m, std::integral_constant<int, 6>{}); break;
+    case 5: f(m, std::integral_constant<int, 5>{}); break;
+    case 4: f(m, std::integral_constant<int, 4>{}); break;
+    case 3: f(m, std::integral_constant<int, 3>{}); break;
+    case 2: f(m, std::integral_constant<int, 2>{}); break;
+    case 1: f(m, std::integral_constant<int, 1>{}); break;
+    default: break;
+  }
+}
+
+// Grain: blocks per task, so that a thread's share is at least ~64 KB of weight (fork cost).
+int64_t grain(int64_t bytes_per_block) { return std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, bytes_per_block)); }
+
+at::Tensor gemv_f32(const at::Tensor& x, const at::Tensor& wp, int64_t N, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && wp.scalar_type() == at::kFloat && wp.dim() == 3,
+              "gemv_f32: float32 input and a pack_f32 weight expected");
+  const int64_t K = wp.size(1), NB = wp.size(0);
+  TORCH_CHECK(x.size(-1) == K, "gemv_f32: input has ", x.size(-1), " features, the weight ", K);
+  auto x2 = x.reshape({-1, K}).contiguous();
+  const int64_t M = x2.size(0);
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  auto y = at::empty({M, N}, x.options());
+  const float* xp = x2.data_ptr<float>();
+  const float* w = wp.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::Tensor bc;
+  const float* bp = nullptr;
+  if (bias && bias->defined()) {
+    bc = bias->to(at::kFloat).contiguous();
+    bp = bc.data_ptr<float>();
+  }
+  at::parallel_for(0, NB, grain(K * BLOCK * 4), [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * BLOCK, n = std::min<int64_t>(BLOCK, N - n0);
+      by_rows(M, [&](int64_t m, auto R) { block_f32<decltype(R)::value>(w + b * K * BLOCK, xp + m * K, K, yp + m * N, N, bp, n0, n); });
+    }
+  });
+  return y.view(sizes);
+}
+
+at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& wp, int64_t N, int64_t K, const std::optional<at::Tensor>& bias) {
+#ifndef __AVX512BF16__
+  TORCH_CHECK(false, "gemv_bf16: this CPU has no AVX512-BF16");
+#else
+  TORCH_CHECK(wp.scalar_type() == at::kBFloat16 && wp.dim() == 4, "gemv_bf16: a pack_bf16 weight expected");
+  const int64_t NB = wp.size(0), KP = wp.size(1);
+  TORCH_CHECK(x.size(-1) == K, "gemv_bf16: input has ", x.size(-1), " features, the weight ", K);
+  auto x2 = x.reshape({-1, K}).to(at::kBFloat16);
+  if (KP * 2 != K) x2 = at::constant_pad_nd(x2, {0, KP * 2 - K});
+  x2 = x2.contiguous();
+  const int64_t M = x2.size(0);
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x2.data_ptr());
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(wp.data_ptr());
+  float* yp = y.data_ptr<float>();
+  at::Tensor bc;
+  const float* bp = nullptr;
+  if (bias && bias->defined()) {
+    bc = bias->to(at::kFloat).contiguous();
+    bp = bc.data_ptr<float>();
+  }
+  at::parallel_for(0, NB, grain(KP * BLOCK * 4), [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * BLOCK, n = std::min<int64_t>(BLOCK, N - n0);
+      by_rows(M, [&](int64_t m, auto R) {
+        block_bf16<decltype(R)::value>(w + b * KP * BLOCK * 2, xp + m * KP * 2, KP, yp + m * N, N, bp, n0, n);
+      });
+    }
+  });
+  return y.view(sizes).to(x.scalar_type());
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY(draftsmith, m) {
+  m.def("pack_f32(Tensor w) -> Tensor", &pack_f32);
+  m.def("pack_bf16(Tensor w) -> Tensor", &pack_bf16);
+  m.def("gemv_f32(Tensor x, Tensor wp, int n, Tensor? bias) -> Tensor", &gemv_f32);
+  m.def("gemv_bf16(Tensor x, Tensor wp, int n, int k, Tensor? bias) -> Tensor", &gemv_bf16);
+}
