@@ -164,3 +164,26 @@ def test_avx512_float16_falls_back_per_linear_and_wrong_width_is_an_error():
     lin = FastLinear.build(torch.randn(40, 24), None, "avx512")
     with pytest.raises(RuntimeError, match="features"):
         lin(torch.randn(2, 23))
+
+
+@pytest.mark.skipif(not cpu_kernels().ok, reason="the avx512 kernels do not run here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_kernel_matches_the_composite(dtype):
+    """The decode-step RMSNorm (kernels/gemv.cpp) against the decoder's torch composite: float32
+    to a few ulps, bfloat16 to one bf16 ulp on the rare element where the float32 sums round
+    differently; shapes [B, S, H] with H not a multiple of 16, outlier features like SmolLM2's."""
+    from draftsmith.models.decoder import rms_norm, rms_norm_kernel
+
+    g = torch.Generator().manual_seed(5)
+    for shape in [(1, 1, 576), (3, 8, 576), (2, 1, 37), (0, 1, 64)]:
+        x = torch.randn(*shape, generator=g)
+        if x.numel():
+            x[..., 3] *= 2e4
+        x, w = x.to(dtype), (torch.rand(shape[-1], generator=g) + 0.5).to(dtype)
+        ref, got = rms_norm(x, w, 1e-5), rms_norm_kernel(x, w, 1e-5)
+        assert got.shape == ref.shape and got.dtype == dtype
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, ref, rtol=4e-7, atol=1e-7)
+        else:
+            close = (got.float() - ref.float()).abs() <= ref.float().abs() * 2**-7
+            assert bool(close.all()) and float((got != ref).float().mean() if x.numel() else 0) < 0.01

@@ -53,7 +53,7 @@ def _command(compiler: str, out: Path) -> list[str]:
     lib = Path(torch.__file__).parent / "lib"
     abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", 1))
     incs = [f"-isystem{p}" for p in include_paths()]
-    return [compiler, "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17",
+    return [compiler, "-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++17",
             f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *incs, str(SOURCE), "-o", str(out),
             f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu"]
 
@@ -63,7 +63,7 @@ def _key(cmd: list[str], flags: frozenset[str]) -> str:
 
     h = hashlib.sha256()
     h.update(SOURCE.read_bytes())
-    h.update(" ".join(cmd[:7]).encode())  # the flags, not the paths
+    h.update(" ".join(cmd[:8]).encode())  # the flags, not the paths
     h.update(torch.__version__.encode())
     h.update(" ".join(sorted(f for f in flags if f.startswith(("avx", "fma", "amx", "f16c")))).encode())
     return h.hexdigest()[:16]

@@ -10,7 +10,7 @@
 // stays in L2 for the next MT rows. Each output is summed in the same k order whatever the
 // number of rows, so a row's result does not depend on the batch it was computed in.
 //
-// Registered as torch.ops.draftsmith.{pack_f32, pack_bf16, gemv_f32, gemv_bf16}; built on first
+// Registered as torch.ops.draftsmith.{pack_f32, pack_bf16, gemv_f32, gemv_bf16, rms_norm}; built on first
 // use by models/gemv.py with -march=native.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -19,7 +19,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cmath>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -230,6 +232,69 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& wp, int64_t N, int64
 #endif
 }
 
+inline float bf16_to_f32(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch does
+  if (std::isnan(f)) return 0x7FC0;
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7FFF + ((u >> 16) & 1);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// HF's RMSNorm for decode / verify steps, one pass per row instead of torch's composite:
+// float32: y = w * (x * r); bfloat16: y = bf16(w * bf16(x * r)) (normalised in float32, rounded,
+// then scaled), r = 1 / sqrt(mean(x^2) + eps) in float32.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  const int64_t H = x.size(-1);
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == H && w.scalar_type() == x.scalar_type(),
+              "rms_norm: weight [", H, "] of the input's dtype expected");
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || x.scalar_type() == at::kFloat, "rms_norm: float32 or bfloat16 input expected");
+  auto xc = x.contiguous();
+  auto wc = w.contiguous();
+  auto y = at::empty_like(xc);
+  const int64_t rows = H ? xc.numel() / H : 0;
+  const float eps_f = static_cast<float>(eps);
+  at::parallel_for(0, rows, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(H, 1)), [&](int64_t r0, int64_t r1) {
+    std::vector<float> buf(bf16 ? H : 0);
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr;
+      if (bf16) {
+        const uint16_t* src = reinterpret_cast<const uint16_t*>(xc.data_ptr()) + r * H;
+        for (int64_t h = 0; h < H; ++h) buf[h] = bf16_to_f32(src[h]);
+        xr = buf.data();
+      } else {
+        xr = xc.data_ptr<float>() + r * H;
+      }
+      __m512 acc = _mm512_setzero_ps();
+      int64_t h = 0;
+      for (; h + 16 <= H; h += 16) {
+        const __m512 v = _mm512_loadu_ps(xr + h);
+        acc = _mm512_fmadd_ps(v, v, acc);
+      }
+      float ss = _mm512_reduce_add_ps(acc);
+      for (; h < H; ++h) ss += xr[h] * xr[h];
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps_f);
+      if (bf16) {
+        const uint16_t* wr = reinterpret_cast<const uint16_t*>(wc.data_ptr());
+        uint16_t* yr = reinterpret_cast<uint16_t*>(y.data_ptr()) + r * H;
+        for (h = 0; h < H; ++h) yr[h] = f32_to_bf16(bf16_to_f32(wr[h]) * bf16_to_f32(f32_to_bf16(xr[h] * inv)));
+      } else {
+        const float* wr = wc.data_ptr<float>();
+        float* yr = y.data_ptr<float>() + r * H;
+        for (h = 0; h < H; ++h) yr[h] = wr[h] * (xr[h] * inv);
+      }
+    }
+  });
+  return y.view(x.sizes());
+}
+
 }  // namespace
 
 TORCH_LIBRARY(draftsmith, m) {
@@ -237,4 +302,5 @@ TORCH_LIBRARY(draftsmith, m) {
   m.def("pack_bf16(Tensor w) -> Tensor", &pack_bf16);
   m.def("gemv_f32(Tensor x, Tensor wp, int n, Tensor? bias) -> Tensor", &gemv_f32);
   m.def("gemv_bf16(Tensor x, Tensor wp, int n, int k, Tensor? bias) -> Tensor", &gemv_bf16);
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &rms_norm);
 }
