@@ -26,6 +26,11 @@ def test_device_check_dry_run(tmp_path, default_target_dir):
     assert prof["floor_ms"] == pytest.approx(1e3 * prof["weight_bytes"] / (prof["bandwidth_gbs"] * 1e9))
     assert 4e8 < prof["weight_bytes"] < 7e8  # smollm2-135m in float32: ~0.54 GB read per step
     assert prof["sps"]["tokens"][-1] == 64
+    from draftsmith.kernels.build import cpu_kernels
+
+    st = cpu_kernels()  # the CPU profile says which linears ran and whether our kernels could
+    assert prof["linear_backend"] == ("avx512" if st.ok else "onednn")
+    assert prof["cpu_kernels"].startswith("loaded" if st.ok else "not available") and st.reason in prof["cpu_kernels"]
     quick = json.loads((tmp_path / "quick_bench.json").read_text())
     assert quick["all_identical"] and len(quick["rows"]) == 2
     assert "skipped" in (tmp_path / "gpu_tests.txt").read_text() or "passed" in (tmp_path / "gpu_tests.txt").read_text()

@@ -39,3 +39,54 @@ def test_dispatch_keeps_sdpa_for_float32_and_long_prefill():
     # and a wrong grouping (kv head h % KV instead of h // G) is caught at this tolerance
     wrong = F.scaled_dot_product_attention(q, k.repeat(1, 3, 1, 1), v.repeat(1, 3, 1, 1))
     assert (got - wrong).abs().max() > 0.05
+
+
+def _step_kernel_or_skip():
+    from draftsmith.kernels.build import cpu_kernels
+
+    if not cpu_kernels().ok:
+        pytest.skip(f"Draftsmith's CPU kernels do not run here: {cpu_kernels().reason}")
+
+
+@pytest.mark.parametrize("H,KV,D", [(4, 4, 16), (9, 3, 64), (6, 2, 128)])
+def test_step_kernel_matches_sdpa_under_every_mask_kind(H, KV, D):
+    """torch.ops.draftsmith.attention (kernels/gemv.cpp) against SDPA: ragged per-row masks, a
+    shared mask, none, causal, GQA, k / v as strided views of a larger cache, bfloat16."""
+    _step_kernel_or_skip()
+    B, S, T = 3, 5, 40
+    g = torch.Generator().manual_seed(D)
+    q = torch.randn(B, H, S, D, generator=g)
+    cache_k, cache_v = (torch.randn(B + 1, KV, T + 9, D, generator=g) for _ in range(2))
+    k, v = cache_k[1:, :, 2 : T + 2], cache_v[1:, :, 2 : T + 2]  # views, as the decoder passes them
+    pos = torch.tensor([[27], [2], [T - S]]) + torch.arange(S)[None]
+    row_mask = (torch.arange(T)[None, None, :] <= pos[:, :, None])[:, None]
+    shared = (torch.arange(T)[None, :] <= torch.arange(T - S, T)[:, None])[None, None]
+    for dtype, tol in ((torch.float32, 2e-6), (torch.bfloat16, 3e-2)):
+        qd, kd, vd = q.to(dtype), k.to(dtype), v.to(dtype)
+        # causal = the S queries are the last S positions (the decoder's meaning; SDPA's is_causal
+        # aligns top-left, the same only when S == T): compared with the equivalent shared mask
+        for mask, causal in ((row_mask, False), (shared, False), (None, False), (None, True)):
+            want = F.scaled_dot_product_attention(qd.float(), kd.float(), vd.float(),
+                                                  attn_mask=shared if causal else mask, enable_gqa=H != KV)
+            got = attend(qd, kd, vd, mask, causal, kernel="step")
+            assert got.shape == want.shape and got.dtype == dtype
+            torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+        assert attend(qd, kd, vd, None, False, kernel="auto").equal(attend(qd, kd, vd, None, False, kernel="step"))
+
+
+def test_step_kernel_is_query_count_invariant():
+    """A verify block's attention equals that of its queries one at a time, bit for bit (what lets
+    a bfloat16 target's greedy speculative output equal its plain decoding), and a query that
+    sees no key gets zeros, not NaN."""
+    _step_kernel_or_skip()
+    g = torch.Generator().manual_seed(3)
+    T, S, H, KV, D = 57, 8, 9, 3, 64
+    for dtype in (torch.float32, torch.bfloat16):
+        q = torch.randn(1, H, S, D, generator=g).to(dtype)
+        k, v = (torch.randn(1, KV, T, D, generator=g).to(dtype) for _ in range(2))
+        block = attend(q, k, v, None, True, kernel="step")
+        for i in range(S):
+            one = attend(q[:, :, i : i + 1], k[:, :, : T - S + i + 1], v[:, :, : T - S + i + 1], None, False, kernel="step")
+            assert torch.equal(one, block[:, :, i : i + 1]), (dtype, i)
+        none = torch.zeros(1, 1, S, T, dtype=torch.bool)
+        assert torch.equal(attend(q, k, v, none, False, kernel="step"), torch.zeros_like(q))

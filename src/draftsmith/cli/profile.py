@@ -45,6 +45,8 @@ def cmd_profile(args) -> int:
     print(f"{doc['target']} on {doc['device']} ({doc['dtype']}, {doc['threads']} threads, "
           f"{doc['linear_backend']} linears): {doc['weight_bytes'] / 1e6:.0f} MB of weights per step, "
           f"read bandwidth {doc['bandwidth_gbs']:.1f} GB/s -> floor {doc['floor_ms']:.2f} ms/token")
+    if "cpu_kernels" in doc:
+        print(f"Draftsmith CPU kernels: {doc['cpu_kernels']}")
     print(f"decode {doc['decode_ms']:.2f} ms/token = {doc['decode_over_floor']:.2f}x the floor")
     print("tokens per forward  " + " ".join(f"{t:>6d}" for t in doc["tokens"]))
     print("step ms             " + " ".join(f"{t:6.2f}" for t in doc["step_ms"]))

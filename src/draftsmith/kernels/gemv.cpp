@@ -10,7 +10,7 @@
 // stays in L2 for the next MT rows. Each output is summed in the same k order whatever the
 // number of rows, so a row's result does not depend on the batch it was computed in.
 //
-// Registered as torch.ops.draftsmith.{pack_f32, pack_bf16, gemv_f32, gemv_bf16, rms_norm}; built on first
+// Registered as torch.ops.draftsmith.{pack_f32, pack_bf16, gemv_f32, gemv_bf16, rms_norm, attention}; built on first
 // use by models/gemv.py with -march=native.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -172,7 +173,10 @@ int64_t grain(int64_t bytes_per_block) { return std::max<int64_t>(1, (64 << 10) 
 at::Tensor gemv_f32(const at::Tensor& x, const at::Tensor& wp, int64_t N, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && wp.scalar_type() == at::kFloat && wp.dim() == 3,
               "gemv_f32: float32 input and a pack_f32 weight expected");
+  TORCH_CHECK(x.device().is_cpu() && wp.device().is_cpu(), "gemv_f32: CPU tensors expected");
   const int64_t K = wp.size(1), NB = wp.size(0);
+  TORCH_CHECK(N > (NB - 1) * BLOCK && N <= NB * BLOCK, "gemv_f32: ", N, " outputs do not fit ", NB, " blocks");
+  TORCH_CHECK(!bias || !bias->defined() || bias->numel() == N, "gemv_f32: bias of ", N, " values expected");
   TORCH_CHECK(x.size(-1) == K, "gemv_f32: input has ", x.size(-1), " features, the weight ", K);
   auto x2 = x.reshape({-1, K}).contiguous();
   const int64_t M = x2.size(0);
@@ -202,7 +206,11 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& wp, int64_t N, int64
   TORCH_CHECK(false, "gemv_bf16: this CPU has no AVX512-BF16");
 #else
   TORCH_CHECK(wp.scalar_type() == at::kBFloat16 && wp.dim() == 4, "gemv_bf16: a pack_bf16 weight expected");
+  TORCH_CHECK(x.device().is_cpu() && wp.device().is_cpu(), "gemv_bf16: CPU tensors expected");
   const int64_t NB = wp.size(0), KP = wp.size(1);
+  TORCH_CHECK(N > (NB - 1) * BLOCK && N <= NB * BLOCK && (K + 1) / 2 == KP, "gemv_bf16: [", N, ", ", K,
+              "] does not fit the packed weight");
+  TORCH_CHECK(!bias || !bias->defined() || bias->numel() == N, "gemv_bf16: bias of ", N, " values expected");
   TORCH_CHECK(x.size(-1) == K, "gemv_bf16: input has ", x.size(-1), " features, the weight ", K);
   auto x2 = x.reshape({-1, K}).to(at::kBFloat16);
   if (KP * 2 != K) x2 = at::constant_pad_nd(x2, {0, KP * 2 - K});
@@ -256,6 +264,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
               "rms_norm: weight [", H, "] of the input's dtype expected");
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16 || x.scalar_type() == at::kFloat, "rms_norm: float32 or bfloat16 input expected");
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "rms_norm: CPU tensors expected");
   auto xc = x.contiguous();
   auto wc = w.contiguous();
   auto y = at::empty_like(xc);
@@ -295,6 +304,202 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   return y.view(x.sizes());
 }
 
+// ---- attention of a decode / verify step over the KV cache ----------------------------------
+// out[b, s, h] = softmax_j(scale * q[b, h, s] . k[b, h / G, j]) v[b, h / G, j] over the keys j the
+// query sees (causal: j <= T - S + s; a bool mask [B or 1, 1, S, T]: where it is true). Each query
+// is computed on its own with the same order of operations whatever S is, so a verify block's
+// attention equals that of decoding its tokens one by one (torch's SDPA blocks by query length).
+// Scores, softmax and the weighted sum in float32; the output rounded once to the input dtype.
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+// exp for x <= 0 (softmax after subtracting the max): 2^n * p(r), |r| <= ln2 / 2, degree-7 Taylor
+// polynomial (relative error < 3e-8 before rounding); x < -87 gives 0.
+inline __m512 exp_nonpositive(__m512 x) {
+  const __m512 tiny = _mm512_set1_ps(-87.0f);
+  const __mmask16 zero = _mm512_cmp_ps_mask(x, tiny, _CMP_LT_OQ);
+  x = _mm512_max_ps(x, tiny);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~zero), _mm512_scalef_ps(p, n));
+}
+
+// The 16 lane sums of a[0..15] as one vector (lane i = sum of a[i]): a fixed tree of unpacks,
+// shuffles and adds, the same for every position i, so a key's score does not depend on where
+// its tile starts or how many keys it holds.
+inline __m512 hsum16(const __m512* a) {
+  __m512 b[8], c[4], d[2];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+#pragma GCC unroll 2
+  for (int i = 0; i < 2; ++i)
+    d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88), _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88), _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
+}
+
+template <typename E, int DV>
+void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const bool* mask,
+                    int64_t mask_b, bool causal, float scale, at::Tensor& out) {
+  const int64_t B = q.size(0), H = q.size(1), S = q.size(2), D = q.size(3), KV = k.size(1), T = k.size(2);
+  const int64_t G = H / KV;
+  const E* qp = reinterpret_cast<const E*>(q.data_ptr());
+  const E* kp = reinterpret_cast<const E*>(k.data_ptr());
+  const E* vp = reinterpret_cast<const E*>(v.data_ptr());
+  const int64_t ksb = k.stride(0), ksh = k.stride(1), kst = k.stride(2);
+  const int64_t vsb = v.stride(0), vsh = v.stride(1), vst = v.stride(2);
+  E* op = reinterpret_cast<E*>(out.data_ptr());  // [B, S, H, D]
+  const int64_t tasks = B * H * S;
+  at::parallel_for(0, tasks, std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(1, T * D)), [&](int64_t t0, int64_t t1) {
+    std::vector<float> sc(T + 16);
+    __m512 acc[DV];
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / (H * S), h = (t / S) % H, s = t % S, g = h / G;
+      const E* qr = qp + ((b * H + h) * S + s) * D;
+      __m512 qv[DV];
+#pragma GCC unroll 16
+      for (int d = 0; d < DV; ++d) qv[d] = _mm512_mul_ps(load16(qr + d * 16), _mm512_set1_ps(scale));
+      const int64_t hi = causal ? T - S + s + 1 : T;
+      const bool* mr = mask ? mask + ((mask_b == 1 ? 0 : b) * S + s) * T : nullptr;
+      const E* kb = kp + b * ksb + g * ksh;
+      const E* vb = vp + b * vsb + g * vsh;
+      for (int64_t j0 = 0; j0 < hi; j0 += 16) {  // scores of 16 keys at a time
+        const int64_t nj = std::min<int64_t>(16, hi - j0);
+        __m512 a[16];
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i) {
+          if (i < nj) {
+            const E* kr = kb + (j0 + i) * kst;
+            a[i] = _mm512_mul_ps(qv[0], load16(kr));
+#pragma GCC unroll 16
+            for (int d = 1; d < DV; ++d) a[i] = _mm512_fmadd_ps(qv[d], load16(kr + d * 16), a[i]);
+          } else {
+            a[i] = _mm512_setzero_ps();
+          }
+        }
+        _mm512_mask_storeu_ps(sc.data() + j0, static_cast<__mmask16>((1u << nj) - 1), hsum16(a));
+      }
+      float mx = -INFINITY;
+      for (int64_t j = 0; j < hi; ++j) {
+        if (mr && !mr[j]) sc[j] = -INFINITY;
+        mx = std::max(mx, sc[j]);
+      }
+      E* orow = op + ((b * S + s) * H + h) * D;
+      if (mx == -INFINITY) {  // no key visible (a padding query): zeros, not NaN
+        std::memset(orow, 0, D * sizeof(E));
+        continue;
+      }
+      int64_t j = 0;
+      const __m512 mv = _mm512_set1_ps(mx);
+      for (; j + 16 <= hi; j += 16) _mm512_storeu_ps(sc.data() + j, exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sc.data() + j), mv)));
+      if (j < hi) {
+        const __mmask16 m = static_cast<__mmask16>((1u << (hi - j)) - 1);
+        _mm512_mask_storeu_ps(sc.data() + j, m, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc.data() + j), mv)));
+      }
+      __m512 lv = _mm512_setzero_ps();  // the softmax denominator, 16 lanes then one fixed reduction
+      for (j = 0; j < hi; j += 16)
+        lv = _mm512_add_ps(lv, _mm512_maskz_loadu_ps(static_cast<__mmask16>(hi - j >= 16 ? 0xFFFF : (1u << (hi - j)) - 1), sc.data() + j));
+      const float l = _mm512_reduce_add_ps(lv);
+      // the weighted sum of values: even keys into acc, odd keys into acc2 (two chains, not one)
+      __m512 acc2[DV];
+#pragma GCC unroll 16
+      for (int d = 0; d < DV; ++d) acc[d] = acc2[d] = _mm512_setzero_ps();
+      for (j = 0; j < hi; ++j) {
+        const float pj = sc[j];
+        if (pj == 0.0f) continue;  // a masked key (its value may be an unwritten cache slot)
+        const __m512 pv = _mm512_set1_ps(pj);
+        const E* vr = vb + j * vst;
+        if (j & 1) {
+#pragma GCC unroll 16
+          for (int d = 0; d < DV; ++d) acc2[d] = _mm512_fmadd_ps(pv, load16(vr + d * 16), acc2[d]);
+        } else {
+#pragma GCC unroll 16
+          for (int d = 0; d < DV; ++d) acc[d] = _mm512_fmadd_ps(pv, load16(vr + d * 16), acc[d]);
+        }
+      }
+#pragma GCC unroll 16
+      for (int d = 0; d < DV; ++d) acc[d] = _mm512_add_ps(acc[d], acc2[d]);
+      const __m512 inv = _mm512_set1_ps(1.0f / l);
+      alignas(64) float tmp[16];
+#pragma GCC unroll 16
+      for (int d = 0; d < DV; ++d) {
+        const __m512 o = _mm512_mul_ps(acc[d], inv);
+        if constexpr (std::is_same_v<E, float>) {
+          _mm512_storeu_ps(orow + d * 16, o);
+        } else {
+          _mm512_store_ps(tmp, o);
+          for (int i = 0; i < 16; ++i) orow[d * 16 + i] = f32_to_bf16(tmp[i]);
+        }
+      }
+    }
+  });
+}
+
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask,
+                     bool causal, double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "attention: q [B, H, S, D], k / v [B, KV, T, D] expected");
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "attention: CPU tensors expected");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
+              (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16), "attention: float32 or bfloat16, one dtype");
+  const int64_t B = q.size(0), H = q.size(1), S = q.size(2), D = q.size(3), KV = k.size(1), T = k.size(2);
+  TORCH_CHECK(D % 16 == 0 && D <= 256 && D != 144 && D != 160 && D != 176 && D != 208 && D != 224 && D != 240,
+              "attention: head_dim must be 16, 32, ..., 128, 192 or 256");
+  TORCH_CHECK(k.size(0) == B && v.size(0) == B && KV > 0 && H % KV == 0 && v.size(1) == KV && v.size(2) == T &&
+              k.size(3) == D && v.size(3) == D && k.stride(3) == 1 && v.stride(3) == 1, "attention: k / v shapes");
+  TORCH_CHECK(!causal || T >= S, "attention: causal needs at least S keys");
+  auto qc = q.contiguous();
+  auto out = at::empty({B, S, H, D}, q.options());
+  at::Tensor mc;
+  const bool* mp = nullptr;
+  int64_t mb = 1;
+  if (mask && mask->defined()) {
+    TORCH_CHECK(mask->scalar_type() == at::kBool && mask->dim() == 4 && mask->size(1) == 1 && mask->size(2) == S &&
+                mask->size(3) == T && (mask->size(0) == 1 || mask->size(0) == B), "attention: bool mask [B or 1, 1, S, T] expected");
+    mc = mask->contiguous();
+    mp = mc.data_ptr<bool>();
+    mb = mc.size(0);
+  }
+  auto run = [&](auto dv) {
+    constexpr int DV = decltype(dv)::value;
+    if (q.scalar_type() == at::kFloat) {
+      attention_impl<float, DV>(qc, k, v, mp, mb, causal, static_cast<float>(scale), out);
+    } else {
+      attention_impl<uint16_t, DV>(qc, k, v, mp, mb, causal, static_cast<float>(scale), out);
+    }
+  };
+  switch (D / 16) {  // head_dim as a compile-time constant: the accumulators stay in registers
+    case 1: run(std::integral_constant<int, 1>{}); break;
+    case 2: run(std::integral_constant<int, 2>{}); break;
+    case 3: run(std::integral_constant<int, 3>{}); break;
+    case 4: run(std::integral_constant<int, 4>{}); break;
+    case 5: run(std::integral_constant<int, 5>{}); break;
+    case 6: run(std::integral_constant<int, 6>{}); break;
+    case 7: run(std::integral_constant<int, 7>{}); break;
+    case 8: run(std::integral_constant<int, 8>{}); break;
+    case 12: run(std::integral_constant<int, 12>{}); break;
+    default: run(std::integral_constant<int, 16>{}); break;
+  }
+  return out.transpose(1, 2);  // [B, H, S, D] like SDPA, a view of [B, S, H, D]
+}
+
 }  // namespace
 
 TORCH_LIBRARY(draftsmith, m) {
@@ -303,4 +508,5 @@ TORCH_LIBRARY(draftsmith, m) {
   m.def("gemv_f32(Tensor x, Tensor wp, int n, Tensor? bias) -> Tensor", &gemv_f32);
   m.def("gemv_bf16(Tensor x, Tensor wp, int n, int k, Tensor? bias) -> Tensor", &gemv_bf16);
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &rms_norm);
+  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, bool causal, float scale) -> Tensor", &attention);
 }

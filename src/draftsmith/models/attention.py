@@ -1,4 +1,13 @@
-"""Attention over the KV cache: torch's SDPA, or grouped matmuls where SDPA is slow.
+"""Attention over the KV cache: Draftsmith's CPU kernel for decode / verify steps, torch's SDPA,
+or grouped matmuls where SDPA is slow.
+
+On a CPU where Draftsmith's kernels load (kernels/build.py), steps of up to 64 query tokens
+(decode, verify blocks, batched decode) run `torch.ops.draftsmith.attention` (kernels/gemv.cpp):
+each query on its own, float32 softmax, the same order of operations whatever the number of
+queries, so the logits of a verify block equal those of decoding its tokens one at a time. With
+the batch-invariant "avx512" linears that makes a bfloat16 target's greedy speculative output
+equal its plain decoding (SDPA picks its blocking by query length, and bf16 rounds the
+difference into every later layer). Prefill chunks and tensors that need gradients keep SDPA.
 
 PyTorch's CPU `scaled_dot_product_attention` has no fast kernel for batches of 16-bit
 queries of a few tokens against a long cache: in bfloat16 a batch-32 decode step with a
@@ -48,11 +57,36 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     return torch.matmul(p, v).view(B, H, S, D)
 
 
+STEP_HEAD_DIMS = (16, 32, 48, 64, 80, 96, 112, 128, 192, 256)  # compiled into the step kernel
+
+
+def use_step_kernel(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Draftsmith's CPU attention kernel for this step: a CPU, float32 / bfloat16, no gradient,
+    at most GROUPED_MAX_QUERY queries, a head_dim of STEP_HEAD_DIMS, and the kernels load."""
+    if not (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and k.dtype == q.dtype
+            and q.shape[2] <= GROUPED_MAX_QUERY and q.shape[-1] in STEP_HEAD_DIMS
+            and k.stride(-1) == 1 and not (torch.is_grad_enabled() and q.requires_grad)):
+        return False
+    from draftsmith.kernels.build import cpu_kernels
+
+    return cpu_kernels().ok
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
            causal: bool, kernel: str = "auto", scale: float | None = None) -> torch.Tensor:
     """Softmax attention of q [B, H, S, D] over k / v [B, KV, T, D] (GQA when KV < H).
-    kernel: "auto" (grouped where `use_grouped`, else SDPA), "sdpa" or "grouped" (benchmarks).
+    kernel: "auto" (Draftsmith's step kernel where `use_step_kernel`, else grouped where
+    `use_grouped`, else SDPA), "step", "sdpa" or "grouped" (benchmarks, tests).
     scale: of the scores, default D ** -0.5 (Gemma 3: query_pre_attn_scalar ** -0.5)."""
+    if kernel == "step" or (kernel == "auto" and use_step_kernel(q, k)):
+        if kernel == "step":  # asked for by name: load it, or say why not
+            from draftsmith.kernels.build import cpu_kernels
+
+            if not (status := cpu_kernels()).ok:
+                raise RuntimeError(f"Draftsmith's attention kernel is not available: {status.reason}")
+        if mask is not None and mask.shape[-1] != k.shape[2]:
+            mask = mask[..., : k.shape[2]]
+        return torch.ops.draftsmith.attention(q, k, v, mask, causal, q.shape[-1] ** -0.5 if scale is None else scale)
     if kernel == "grouped" or (kernel == "auto" and use_grouped(q)):
         return grouped_attention(q, k, v, mask, causal, scale)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,

@@ -474,6 +474,7 @@ class Decoder(nn.Module):
         self._local_rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # of cfg.local_rope
         self.head: FastLinear | None = None  # lm_head, set by prepare_inference_()
         self.linear_backend: str | None = None  # resolved backend of prepare_inference_()
+        self.final_norm_fn = None  # set by prepare_inference_() (None: the RMSNorm module)
         self.attention_kernel = "auto"  # models/attention.attend: auto, sdpa or grouped
         # New weights through load_state_dict reach the prepared linears (oneDNN holds copies).
         self.register_load_state_dict_post_hook(_reprepare_after_load)
@@ -513,12 +514,19 @@ class Decoder(nn.Module):
             a.qkv = FastLinear.build(w, b, backend)
             a.o = FastLinear.build(_fuse([a.o_proj], "weight", backend), a.o_proj.bias, backend)
             layer.mlp.prepare_inference_(backend)  # an MLP, or every expert of a SparseMoE
-            if not self.config.norm_unit_offset:  # torch's composite costs ~25 us a call on a CPU
-                layer.norm_fn = rms_norm_kernel if backend == "avx512" and self.dtype in _KERNEL_DTYPES else rms_norm
+            layer.norm_fn = self._norm_fn(backend)
         # "mkl" (the earlier path) kept down_proj and the lm_head [out, in]: faster there.
         self.head = FastLinear.build(self.lm_head.weight, None, "torch" if backend == "mkl" else backend)
+        self.final_norm_fn = None if self.config.norm_unit_offset else self._norm_fn(backend)
         self.linear_backend = backend
         return self
+
+    def _norm_fn(self, backend: str):
+        """The layers' RMSNorm for `backend`: with the avx512 linears, the one-pass kernel (torch's
+        composite costs ~25 us a call on a CPU; a row's result does not depend on the batch)."""
+        if self.config.norm_unit_offset:
+            return rms_norm_unit_offset
+        return rms_norm_kernel if backend == "avx512" and self.dtype in _KERNEL_DTYPES else rms_norm
 
     def _rope_tables(self, n: int, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """cos / signed sin for positions 0..n-1, computed once with the same ops (hence the same
@@ -651,7 +659,8 @@ class Decoder(nn.Module):
             x = layer.forward(x, ctx, cache)
             if i in wanted:
                 hidden[i] = x
-        final = self.model.norm.forward(x)
+        final = self.model.norm.forward(x) if self.final_norm_fn is None else \
+            self.final_norm_fn(x, self.model.norm.weight, self.model.norm.eps)
         logits = None
         if compute_logits:
             h = final

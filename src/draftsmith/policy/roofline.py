@@ -91,7 +91,17 @@ def runtime_profile(model, tokens: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), c
         "decode_over_floor": decode_ms / floor_ms, "context_len": context_len,
         "dtype": str(model.dtype).removeprefix("torch."), "device": model.device.type,
         "linear_backend": model.linear_backend, "threads": torch.get_num_threads(),
+        **({"cpu_kernels": _kernel_note()} if model.device.type == "cpu" else {}),
     }
+
+
+def _kernel_note() -> str:
+    """Whether Draftsmith's CPU kernels run here, and where they are or why not."""
+    from draftsmith.kernels.build import cpu_kernels
+
+    st = cpu_kernels()
+    return (f"loaded ({'float32 + bfloat16' if st.bf16 else 'float32'}): {st.reason}" if st.ok
+            else f"not available: {st.reason}")
 
 
 def _sync(dev: torch.device) -> None:
