@@ -2,6 +2,12 @@
 
     .venv/bin/python benchmarks/bench_regen.py [--samples 128] [--serial-samples 16]
         [--max-new-tokens 128] [--batch-sizes 1,8,32,64] [--dtypes float32,bfloat16] [--no-write]
+        [--compare-torch]
+
+--compare-torch runs every batch size twice, back to back: the default runtime (Draftsmith's CPU
+kernels) and the path before them (oneDNN-prepacked linears, torch's attention and RMSNorm), so
+the speedup is measured side by side in one run (this machine's absolute speed drifts between
+days); outputs of the two are compared too.
 
 The same train-split conversations of `code:0.4,chat:0.6` (first two user turns each) are
 regenerated with `--batch-size` 1, 8, 32 and 64 (conversations in flight; continuous
@@ -60,33 +66,45 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="1,8,32,64")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--compare-torch", action="store_true", help="also the runtime before Draftsmith's CPU kernels")
     args = ap.parse_args()
+    runtimes = ["kernels", "torch"] if args.compare_torch else ["kernels"]
     convs = first_turns(args.samples)
     load0, t0 = os.getloadavg(), time.time()
     rows, outputs = [], {}
     with tempfile.TemporaryDirectory(prefix="bench-regen-") as d:
         for dtype in args.dtypes.split(","):
-            target = load_target("smollm2-135m", device="cpu", dtype=dtype)
+            targets = {"kernels": load_target("smollm2-135m", device="cpu", dtype=dtype)}
+            if args.compare_torch:
+                targets["torch"] = load_target("smollm2-135m", device="cpu", dtype=dtype, linear_backend="onednn")
+                targets["torch"].model.attention_kernel = "torch"
             for bs in [int(x) for x in args.batch_sizes.split(",")]:
                 todo = convs[: args.serial_samples] if bs == 1 else convs
-                cfg = RegenConfig(target="smollm2-135m", out=Path(d) / f"{dtype}-b{bs}.jsonl",
-                                  max_new_tokens=args.max_new_tokens, batch_size=bs, max_len=2048, overwrite=True,
-                                  progress=False, dtype=dtype)
-                s = run_regen(cfg, conversations=todo, backend=EngineBackend(cfg, target=target))
-                recs = load_records(cfg.out)
-                outputs[(dtype, bs)] = {r["id"]: r["input_ids"] for r in recs}
-                row = {"dtype": dtype, "batch_size": bs, "conversations": s.written, "errors": s.errors,
-                       "generated_tokens": s.generated_tokens,
-                       "prompt_tokens": sum(t["prompt_tokens"] for r in recs for t in r["turns"]),
-                       "wall_s": round(s.wall_s, 1), "tokens_per_s": round(s.tokens_per_s, 1)}
-                rows.append(row)
-                print(json.dumps(row), file=sys.stderr)
-            del target
+                for rt in runtimes:
+                    cfg = RegenConfig(target="smollm2-135m", out=Path(d) / f"{dtype}-b{bs}-{rt}.jsonl",
+                                      max_new_tokens=args.max_new_tokens, batch_size=bs, max_len=2048, overwrite=True,
+                                      progress=False, dtype=dtype)
+                    s = run_regen(cfg, conversations=todo, backend=EngineBackend(cfg, target=targets[rt]))
+                    recs = load_records(cfg.out)
+                    outputs[(dtype, bs, rt)] = {r["id"]: r["input_ids"] for r in recs}
+                    row = {"dtype": dtype, "batch_size": bs, "runtime": rt, "conversations": s.written,
+                           "errors": s.errors, "generated_tokens": s.generated_tokens,
+                           "prompt_tokens": sum(t["prompt_tokens"] for r in recs for t in r["turns"]),
+                           "wall_s": round(s.wall_s, 1), "tokens_per_s": round(s.tokens_per_s, 1)}
+                    rows.append(row)
+                    print(json.dumps(row), file=sys.stderr)
+            del targets
     common = [c.id for c in convs[: args.serial_samples]]
-    identical = {dt: all(len({json.dumps(o.get(i)) for (t, _), o in outputs.items() if t == dt}) == 1 for i in common)
-                 for dt in args.dtypes.split(",")}
+    identical = {dt: all(len({json.dumps(o.get(i)) for (t, _, rt), o in outputs.items() if t == dt and rt == "kernels"}) == 1
+                         for i in common) for dt in args.dtypes.split(",")}
+    same_as_torch: dict[str, list[int]] = {}  # dtype -> [answers equal to the torch path's, compared]
+    for (dt, bs, rt), o in outputs.items():
+        if rt == "torch":
+            eq = same_as_torch.setdefault(dt, [0, 0])
+            eq[0] += sum(outputs[(dt, bs, "kernels")].get(i) == ids for i, ids in o.items())
+            eq[1] += len(o)
     load1 = os.getloadavg()
-    result = {"rows": rows, "identical_on_common": identical, "dtypes": args.dtypes,
+    result = {"rows": rows, "identical_on_common": identical, "same_as_torch_path": same_as_torch, "dtypes": args.dtypes,
               "threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens,
               "load_before": load0[0], "load_after": load1[0], "wall_s": round(time.time() - t0)}
     (ROOT / "benchmarks/results").mkdir(exist_ok=True)
@@ -94,7 +112,8 @@ def main() -> None:
     if args.no_write:
         print(json.dumps(result, indent=1))
         return
-    best = max(rows, key=lambda r: r["tokens_per_s"])
+    best = max((r for r in rows if r["runtime"] == "kernels"), key=lambda r: r["tokens_per_s"])
+    by = {(r["dtype"], r["batch_size"], r["runtime"]): r for r in rows}
     lines = [
         "## Regeneration throughput by batch size (issue 12)",
         "",
@@ -105,12 +124,14 @@ def main() -> None:
         f"{load1[0]:.1f} after; {result['wall_s']} s in all. Batch 1 regenerates the first {args.serial_samples} "
         "conversations only.",
         "",
-        "| dtype | batch size | conversations | generated tokens | prompt tokens | wall s | generated tok/s |",
-        "|---|---|---|---|---|---|---|",
+        "| dtype | batch size | runtime | conversations | generated tokens | prompt tokens | wall s | generated tok/s | ÷ torch path |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        lines.append(f"| {r['dtype']} | {r['batch_size']} | {r['conversations']} | {r['generated_tokens']} | {r['prompt_tokens']} | "
-                     f"{r['wall_s']} | {r['tokens_per_s']} |")
+        base = by.get((r["dtype"], r["batch_size"], "torch"))
+        ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base and r["runtime"] == "kernels" else "–"
+        lines.append(f"| {r['dtype']} | {r['batch_size']} | {r['runtime']} | {r['conversations']} | {r['generated_tokens']} | "
+                     f"{r['prompt_tokens']} | {r['wall_s']} | {r['tokens_per_s']} | {ratio} |")
     lines += [
         "",
         f"Best: **{best['tokens_per_s']} tok/s at batch {best['batch_size']} in {best['dtype']}** "
@@ -119,7 +140,9 @@ def main() -> None:
                    if same else f"{dt}: **outputs differ between batch sizes on some common conversations.**"
                    for dt, same in identical.items())
         + " (bfloat16 regenerates the bf16 target's answers: the same distribution up to bf16 rounding,"
-        " not the float32 target's tokens.)",
+        " not the float32 target's tokens.)"
+        + "".join(f" {dt}: {e} of {n} conversations token-for-token equal between the two runtimes."
+                  for dt, (e, n) in same_as_torch.items()),
     ]
     sections.write_section(BEGIN, END, "\n".join(lines))
 

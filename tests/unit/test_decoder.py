@@ -338,3 +338,29 @@ def test_attention_segments_follow_row_runs_and_bound_padding():
         real = sum(s + 1 for s in [100, 120, 2100, 90][b0:b1])
         assert (b1 - b0) * keys - real <= SEGMENT_WASTE_KEYS
     assert _row_runs(list(range(0, 2 * (MAX_ROW_RUNS + 1), 2)), [5] * (MAX_ROW_RUNS + 1), 1) is None
+
+
+@pytest.mark.skipif(not cpu_kernels().ok, reason="Draftsmith's CPU kernels do not run here")
+@pytest.mark.parametrize("model_type,dtype", [("llama", torch.float32), ("gemma3_text", torch.float32),
+                                              ("gemma3_text", torch.bfloat16), ("qwen2", torch.bfloat16)])
+def test_verify_block_logits_equal_one_token_steps_bit_for_bit(tiny_model_dir, model_type, dtype):
+    """With Draftsmith's CPU kernels every op computes a token's row the same way whatever the
+    number of tokens in the step: a verify block's logits equal decoding its tokens one by one,
+    bit for bit, in bf16 too. Gemma's sliding layers (window 21 here) start their keys at a
+    position that is not a multiple of the kernel's 16-key tile (the decoder aligns kv_lo down to one)."""
+    path = tiny_model_dir(model_type, seed=21, **({"sliding_window": 21} if model_type == "gemma3_text" else {}))
+    dec = load_decoder(path, dtype=dtype)
+    assert dec.linear_backend == "avx512"
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, dec.config.vocab_size, (1, 53), generator=g)
+    P = 45
+    caches = [dec.new_cache(1, 64) for _ in range(2)]
+    for c in caches:
+        dec(ids[:, :P], c)
+        c.lengths[0] = P
+    block = dec(ids[:, P:], caches[0]).logits
+    steps = []
+    for t in range(P, ids.shape[1]):
+        steps.append(dec(ids[:, t : t + 1], caches[1]).logits)
+        caches[1].lengths[0] += 1
+    assert torch.equal(block, torch.cat(steps, dim=1))

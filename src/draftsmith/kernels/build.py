@@ -21,11 +21,14 @@ import platform
 import shutil
 import subprocess
 import sys
+import threading
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("gemv.cpp")
 BUILD_TIMEOUT_S = 600
+_BUILD_LOCK = threading.Lock()  # one build per process at a time (threads of a server)
 
 
 @dataclass(frozen=True)
@@ -58,12 +61,19 @@ def _command(compiler: str, out: Path) -> list[str]:
             f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu"]
 
 
-def _key(cmd: list[str], flags: frozenset[str]) -> str:
+def _key(compiler: str, cmd: list[str], flags: frozenset[str]) -> str:
+    """Source, every compile flag (not the paths), the compiler's version, torch's version and the
+    CPU's instruction-set flags."""
     import torch
 
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        version = ""
     h = hashlib.sha256()
     h.update(SOURCE.read_bytes())
-    h.update(" ".join(cmd[:8]).encode())  # the flags, not the paths
+    h.update(" ".join(c for c in cmd if c.startswith("-") and not c.startswith(("-isystem", "-L", "-Wl,-rpath"))).encode())
+    h.update(version.encode())
     h.update(torch.__version__.encode())
     h.update(" ".join(sorted(f for f in flags if f.startswith(("avx", "fma", "amx", "f16c")))).encode())
     return h.hexdigest()[:16]
@@ -71,7 +81,15 @@ def _key(cmd: list[str], flags: frozenset[str]) -> str:
 
 @functools.cache
 def cpu_kernels() -> KernelStatus:
-    """Build (once per machine) and load the kernels; never raises."""
+    """Build (once per machine) and load the kernels; never raises: a failure is a status."""
+    with _BUILD_LOCK:
+        try:
+            return _build_and_load()
+        except Exception as e:  # noqa: BLE001 (a read-only home, a full disk...: fall back, say why)
+            return KernelStatus(False, False, f"building or loading {SOURCE.name} failed: {type(e).__name__}: {e}")
+
+
+def _build_and_load() -> KernelStatus:
     import torch
 
     flags = cpu_flags()
@@ -82,24 +100,24 @@ def cpu_kernels() -> KernelStatus:
         return KernelStatus(False, False, "no C++ compiler (set CXX or install g++)")
     from draftsmith.models.registry import draftsmith_home
 
-    probe = _command(compiler, Path("lib.so"))
-    out_dir = draftsmith_home() / "kernels" / _key(probe, flags)
+    out_dir = draftsmith_home() / "kernels" / _key(compiler, _command(compiler, Path("lib.so")), flags)
     lib = out_dir / "draftsmith_kernels.so"
     if not lib.is_file():
         out_dir.mkdir(parents=True, exist_ok=True)
-        tmp = out_dir / f".draftsmith_kernels.{os.getpid()}.so"
+        tmp = out_dir / f".draftsmith_kernels.{os.getpid()}.{uuid.uuid4().hex[:8]}.so"
         print("draftsmith: compiling the CPU decode kernels for this machine (once, ~10 s)...", file=sys.stderr)
         try:
             done = subprocess.run(_command(compiler, tmp), capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+            if done.returncode != 0:
+                tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-8:])
+                return KernelStatus(False, False, f"compiling {SOURCE.name} failed:\n{tail}")
+            os.replace(tmp, lib)
         except (OSError, subprocess.TimeoutExpired) as e:
             return KernelStatus(False, False, f"compiling {SOURCE.name} failed: {e}")
-        if done.returncode != 0:
+        finally:
             tmp.unlink(missing_ok=True)
-            tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-8:])
-            return KernelStatus(False, False, f"compiling {SOURCE.name} failed:\n{tail}")
-        os.replace(tmp, lib)
     try:
         torch.ops.load_library(str(lib))
     except (OSError, RuntimeError) as e:
         return KernelStatus(False, False, f"loading {lib} failed: {e}")
-    return KernelStatus(True, "avx512_bf16" in flags, str(lib))
+    return KernelStatus(True, bool(torch.ops.draftsmith.has_bf16()), str(lib))

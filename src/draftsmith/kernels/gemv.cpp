@@ -174,9 +174,11 @@ at::Tensor gemv_f32(const at::Tensor& x, const at::Tensor& wp, int64_t N, const 
   TORCH_CHECK(x.scalar_type() == at::kFloat && wp.scalar_type() == at::kFloat && wp.dim() == 3,
               "gemv_f32: float32 input and a pack_f32 weight expected");
   TORCH_CHECK(x.device().is_cpu() && wp.device().is_cpu(), "gemv_f32: CPU tensors expected");
+  TORCH_CHECK(wp.is_contiguous() && wp.size(2) == BLOCK, "gemv_f32: a pack_f32 weight expected");
   const int64_t K = wp.size(1), NB = wp.size(0);
   TORCH_CHECK(N > (NB - 1) * BLOCK && N <= NB * BLOCK, "gemv_f32: ", N, " outputs do not fit ", NB, " blocks");
-  TORCH_CHECK(!bias || !bias->defined() || bias->numel() == N, "gemv_f32: bias of ", N, " values expected");
+  TORCH_CHECK(!bias || !bias->defined() || (bias->numel() == N && bias->device().is_cpu()),
+              "gemv_f32: a CPU bias of ", N, " values expected");
   TORCH_CHECK(x.size(-1) == K, "gemv_f32: input has ", x.size(-1), " features, the weight ", K);
   auto x2 = x.reshape({-1, K}).contiguous();
   const int64_t M = x2.size(0);
@@ -207,10 +209,12 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& wp, int64_t N, int64
 #else
   TORCH_CHECK(wp.scalar_type() == at::kBFloat16 && wp.dim() == 4, "gemv_bf16: a pack_bf16 weight expected");
   TORCH_CHECK(x.device().is_cpu() && wp.device().is_cpu(), "gemv_bf16: CPU tensors expected");
+  TORCH_CHECK(wp.is_contiguous() && wp.size(2) == BLOCK && wp.size(3) == 2, "gemv_bf16: a pack_bf16 weight expected");
   const int64_t NB = wp.size(0), KP = wp.size(1);
   TORCH_CHECK(N > (NB - 1) * BLOCK && N <= NB * BLOCK && (K + 1) / 2 == KP, "gemv_bf16: [", N, ", ", K,
               "] does not fit the packed weight");
-  TORCH_CHECK(!bias || !bias->defined() || bias->numel() == N, "gemv_bf16: bias of ", N, " values expected");
+  TORCH_CHECK(!bias || !bias->defined() || (bias->numel() == N && bias->device().is_cpu()),
+              "gemv_bf16: a CPU bias of ", N, " values expected");
   TORCH_CHECK(x.size(-1) == K, "gemv_bf16: input has ", x.size(-1), " features, the weight ", K);
   auto x2 = x.reshape({-1, K}).to(at::kBFloat16);
   if (KP * 2 != K) x2 = at::constant_pad_nd(x2, {0, KP * 2 - K});
@@ -460,7 +464,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
               (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16), "attention: float32 or bfloat16, one dtype");
   const int64_t B = q.size(0), H = q.size(1), S = q.size(2), D = q.size(3), KV = k.size(1), T = k.size(2);
-  TORCH_CHECK(D % 16 == 0 && D <= 256 && D != 144 && D != 160 && D != 176 && D != 208 && D != 224 && D != 240,
+  TORCH_CHECK(D > 0 && D % 16 == 0 && (D <= 128 || D == 192 || D == 256),
               "attention: head_dim must be 16, 32, ..., 128, 192 or 256");
   TORCH_CHECK(k.size(0) == B && v.size(0) == B && KV > 0 && H % KV == 0 && v.size(1) == KV && v.size(2) == T &&
               k.size(3) == D && v.size(3) == D && k.stride(3) == 1 && v.stride(3) == 1, "attention: k / v shapes");
@@ -473,6 +477,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   if (mask && mask->defined()) {
     TORCH_CHECK(mask->scalar_type() == at::kBool && mask->dim() == 4 && mask->size(1) == 1 && mask->size(2) == S &&
                 mask->size(3) == T && (mask->size(0) == 1 || mask->size(0) == B), "attention: bool mask [B or 1, 1, S, T] expected");
+    TORCH_CHECK(mask->device().is_cpu(), "attention: CPU mask expected");
     mc = mask->contiguous();
     mp = mc.data_ptr<bool>();
     mb = mc.size(0);
@@ -495,9 +500,18 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     case 7: run(std::integral_constant<int, 7>{}); break;
     case 8: run(std::integral_constant<int, 8>{}); break;
     case 12: run(std::integral_constant<int, 12>{}); break;
-    default: run(std::integral_constant<int, 16>{}); break;
+    case 16: run(std::integral_constant<int, 16>{}); break;
+    default: TORCH_CHECK(false, "attention: head_dim ", D, " is not compiled in");
   }
   return out.transpose(1, 2);  // [B, H, S, D] like SDPA, a view of [B, S, H, D]
+}
+
+bool has_bf16() {  // whether this build has the AVX512-BF16 kernel (the compiler's -march=native)
+#ifdef __AVX512BF16__
+  return true;
+#else
+  return false;
+#endif
 }
 
 }  // namespace
@@ -508,5 +522,6 @@ TORCH_LIBRARY(draftsmith, m) {
   m.def("gemv_f32(Tensor x, Tensor wp, int n, Tensor? bias) -> Tensor", &gemv_f32);
   m.def("gemv_bf16(Tensor x, Tensor wp, int n, int k, Tensor? bias) -> Tensor", &gemv_bf16);
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &rms_norm);
+  m.def("has_bf16() -> bool", &has_bf16);
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, bool causal, float scale) -> Tensor", &attention);
 }

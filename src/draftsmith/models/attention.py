@@ -76,7 +76,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
            causal: bool, kernel: str = "auto", scale: float | None = None) -> torch.Tensor:
     """Softmax attention of q [B, H, S, D] over k / v [B, KV, T, D] (GQA when KV < H).
     kernel: "auto" (Draftsmith's step kernel where `use_step_kernel`, else grouped where
-    `use_grouped`, else SDPA), "step", "sdpa" or "grouped" (benchmarks, tests).
+    `use_grouped`, else SDPA), "torch" ("auto" without the step kernel: the path before it),
+    "step", "sdpa" or "grouped" (benchmarks, tests).
     scale: of the scores, default D ** -0.5 (Gemma 3: query_pre_attn_scalar ** -0.5)."""
     if kernel == "step" or (kernel == "auto" and use_step_kernel(q, k)):
         if kernel == "step":  # asked for by name: load it, or say why not
@@ -87,7 +88,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         if mask is not None and mask.shape[-1] != k.shape[2]:
             mask = mask[..., : k.shape[2]]
         return torch.ops.draftsmith.attention(q, k, v, mask, causal, q.shape[-1] ** -0.5 if scale is None else scale)
-    if kernel == "grouped" or (kernel == "auto" and use_grouped(q)):
+    if kernel == "grouped" or (kernel in ("auto", "torch") and use_grouped(q)):
         return grouped_attention(q, k, v, mask, causal, scale)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
                                           enable_gqa=q.shape[1] != k.shape[1])

@@ -475,7 +475,7 @@ class Decoder(nn.Module):
         self.head: FastLinear | None = None  # lm_head, set by prepare_inference_()
         self.linear_backend: str | None = None  # resolved backend of prepare_inference_()
         self.final_norm_fn = None  # set by prepare_inference_() (None: the RMSNorm module)
-        self.attention_kernel = "auto"  # models/attention.attend: auto, sdpa or grouped
+        self.attention_kernel = "auto"  # models/attention.attend: auto, torch, step, sdpa or grouped
         # New weights through load_state_dict reach the prepared linears (oneDNN holds copies).
         self.register_load_state_dict_post_hook(_reprepare_after_load)
 
@@ -619,8 +619,12 @@ class Decoder(nn.Module):
         if W is None or ctx.kv_len <= W:  # every visible key lies in every query's window
             return replace(ctx, cos=cos, sin_signed=sin_signed, sliding=None)
         lo = max(0, min(ctx.starts_list) - W + 1)
+        # The step attention kernel sums keys in tiles of 16 counted from the first key it is
+        # given: start at a multiple of 16 so a key lands in the same tile in a verify block as
+        # in a one-token step (the keys it adds are masked out).
+        exact_lo, lo = lo, lo - lo % KEY_TILE
         mask = None
-        if not (same_start and S == 1):
+        if not (same_start and S == 1 and lo == exact_lo):
             dev = self.device
             if ctx.positions is not None:
                 q_pos = ctx.positions[:, :, None]  # [B, S, 1]
@@ -675,6 +679,7 @@ class Decoder(nn.Module):
 
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+KEY_TILE = 16  # keys per score tile of the step attention kernel (kernels/gemv.cpp)
 
 
 def _reprepare_after_load(module: "Decoder", incompatible_keys) -> None:

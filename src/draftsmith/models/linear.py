@@ -29,6 +29,7 @@ sizes speculative verification uses (1 + K tokens per row):
 from __future__ import annotations
 
 import types
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -120,22 +121,23 @@ class PackedWeight:
     def __init__(self, backend: str = "auto") -> None:
         self.backend = backend
         self._key: tuple | None = None
+        self._src: weakref.ref | None = None  # the weight the layout was made from
         self._fast: FastLinear | None = None
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if weight.device.type != "cpu" or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
             return F.linear(x, weight, bias)
         key = (_tensor_key(weight), None if bias is None else _tensor_key(bias))
-        if key != self._key:
+        if key != self._key or self._src is None or self._src() is not weight:  # a new tensor at the same address too
             self._fast = FastLinear.build(weight, bias, choose_backend(self.backend, weight.device))
-            self._key = key
+            self._key, self._src = key, weakref.ref(weight)
         return self._fast(x.to(weight.dtype))
 
     def __deepcopy__(self, memo) -> "PackedWeight":  # a copy lays out its own weights
         return PackedWeight(self.backend)
 
     def __getstate__(self) -> dict:
-        return {"backend": self.backend, "_key": None, "_fast": None}
+        return {"backend": self.backend, "_key": None, "_src": None, "_fast": None}
 
 
 def _tensor_key(t: torch.Tensor) -> tuple:
