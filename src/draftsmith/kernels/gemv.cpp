@@ -170,6 +170,13 @@ inline void by_rows(int64_t M, F&& f) {
 // Grain: blocks per task, so that a thread's share is at least ~64 KB of weight (fork cost).
 int64_t grain(int64_t bytes_per_block) { return std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, bytes_per_block)); }
 
+// The bias as float32 (kept alive by `keep`), or nullptr.
+const float* bias_f32(const std::optional<at::Tensor>& bias, at::Tensor& keep) {
+  if (!bias || !bias->defined()) return nullptr;
+  keep = bias->to(at::kFloat).contiguous();
+  return keep.data_ptr<float>();
+}
+
 at::Tensor gemv_f32(const at::Tensor& x, const at::Tensor& wp, int64_t N, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && wp.scalar_type() == at::kFloat && wp.dim() == 3,
               "gemv_f32: float32 input and a pack_f32 weight expected");
@@ -189,11 +196,7 @@ at::Tensor gemv_f32(const at::Tensor& x, const at::Tensor& wp, int64_t N, const 
   const float* w = wp.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::Tensor bc;
-  const float* bp = nullptr;
-  if (bias && bias->defined()) {
-    bc = bias->to(at::kFloat).contiguous();
-    bp = bc.data_ptr<float>();
-  }
+  const float* bp = bias_f32(bias, bc);
   at::parallel_for(0, NB, grain(K * BLOCK * 4), [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * BLOCK, n = std::min<int64_t>(BLOCK, N - n0);
@@ -227,11 +230,7 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& wp, int64_t N, int64
   const uint16_t* w = reinterpret_cast<const uint16_t*>(wp.data_ptr());
   float* yp = y.data_ptr<float>();
   at::Tensor bc;
-  const float* bp = nullptr;
-  if (bias && bias->defined()) {
-    bc = bias->to(at::kFloat).contiguous();
-    bp = bc.data_ptr<float>();
-  }
+  const float* bp = bias_f32(bias, bc);
   at::parallel_for(0, NB, grain(KP * BLOCK * 4), [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * BLOCK, n = std::min<int64_t>(BLOCK, N - n0);
