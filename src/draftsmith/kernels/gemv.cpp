@@ -170,6 +170,18 @@ inline void by_rows(int64_t M, F&& f) {
 // Grain: blocks per task, so that a thread's share is at least ~64 KB of weight (fork cost).
 int64_t grain(int64_t bytes_per_block) { return std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, bytes_per_block)); }
 
+// Every (block of 32 output columns, tile of up to 8 rows) pair, the blocks split over torch's
+// threads: f(block, first column, columns, first row, rows as an integral_constant).
+template <typename F>
+void over_blocks(int64_t NB, int64_t N, int64_t M, int64_t bytes_per_block, F&& f) {
+  at::parallel_for(0, NB, grain(bytes_per_block), [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * BLOCK, n = std::min<int64_t>(BLOCK, N - n0);
+      by_rows(M, [&](int64_t m, auto R) { f(b, n0, n, m, R); });
+    }
+  });
+}
+
 // The bias as float32 (kept alive by `keep`), or nullptr.
 const float* bias_f32(const std::optional<at::Tensor>& bias, at::Tensor& keep) {
   if (!bias || !bias->defined()) return nullptr;
@@ -197,11 +209,8 @@ at::Tensor gemv_f32(const at::Tensor& x, const at::Tensor& wp, int64_t N, const 
   float* yp = y.data_ptr<float>();
   at::Tensor bc;
   const float* bp = bias_f32(bias, bc);
-  at::parallel_for(0, NB, grain(K * BLOCK * 4), [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = b * BLOCK, n = std::min<int64_t>(BLOCK, N - n0);
-      by_rows(M, [&](int64_t m, auto R) { block_f32<decltype(R)::value>(w + b * K * BLOCK, xp + m * K, K, yp + m * N, N, bp, n0, n); });
-    }
+  over_blocks(NB, N, M, K * BLOCK * 4, [&](int64_t b, int64_t n0, int64_t n, int64_t m, auto R) {
+    block_f32<decltype(R)::value>(w + b * K * BLOCK, xp + m * K, K, yp + m * N, N, bp, n0, n);
   });
   return y.view(sizes);
 }
@@ -231,13 +240,8 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& wp, int64_t N, int64
   float* yp = y.data_ptr<float>();
   at::Tensor bc;
   const float* bp = bias_f32(bias, bc);
-  at::parallel_for(0, NB, grain(KP * BLOCK * 4), [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = b * BLOCK, n = std::min<int64_t>(BLOCK, N - n0);
-      by_rows(M, [&](int64_t m, auto R) {
-        block_bf16<decltype(R)::value>(w + b * KP * BLOCK * 2, xp + m * KP * 2, KP, yp + m * N, N, bp, n0, n);
-      });
-    }
+  over_blocks(NB, N, M, KP * BLOCK * 4, [&](int64_t b, int64_t n0, int64_t n, int64_t m, auto R) {
+    block_bf16<decltype(R)::value>(w + b * KP * BLOCK * 2, xp + m * KP * 2, KP, yp + m * N, N, bp, n0, n);
   });
   return y.view(sizes).to(x.scalar_type());
 #endif
