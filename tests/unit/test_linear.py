@@ -187,3 +187,66 @@ def test_rms_norm_kernel_matches_the_composite(dtype):
         else:
             close = (got.float() - ref.float()).abs() <= ref.float().abs() * 2**-7
             assert bool(close.all()) and float((got != ref).float().mean() if x.numel() else 0) < 0.01
+
+
+@pytest.mark.skipif(not cpu_kernels().ok, reason="the avx512 kernels do not run here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_layer_ops_match_the_torch_ops_they_replace(dtype):
+    """The fused small ops of a decoder layer (kernels/gemv.cpp) against the torch ops the
+    decoder runs without them: RoPE (cos per step or per row, D with and without whole 16-lane
+    halves) and the residual add + RMSNorm bit-identical; SwiGLU's silu(gate) * up to a few
+    float32 ulps (its exp is our own), inf / -inf / huge gates as torch gives them; and each
+    token's row the same whatever the rows computed with it."""
+    from draftsmith.models.decoder import rms_norm_kernel, rope_composite, rope_kernel
+
+    g = torch.Generator().manual_seed(11)
+    ops = torch.ops.draftsmith
+    for B, S, heads, D, n, per_row in [(1, 1, 15, 64, 12, False), (3, 5, 15, 64, 15, True), (2, 3, 4, 6, 3, False)]:
+        x = torch.randn(B, S, heads, D, generator=g).to(dtype)
+        cos, sin = (torch.randn(B if per_row else 1, S, 1, D, generator=g).to(dtype) for _ in range(2))
+        got = rope_kernel(x, cos, sin, n)
+        assert got.shape == (B, S, n, D) and torch.equal(got, rope_composite(x, cos, sin, n))
+    with pytest.raises(RuntimeError, match="rope"):
+        ops.rope(x, cos[:, :1], sin[:, :1], 1)  # cos for 1 position, x has 3
+
+    gu = (torch.randn(3, 4, 2 * 1536 + 2 * 5, generator=g) * 4).to(dtype)  # I = 1541: a tail past 16 lanes
+    gu[0, 0, :5] = torch.tensor([-100.0, 100.0, 0.0, float("inf"), -float("inf")]).to(dtype)
+    gate, up = gu.chunk(2, dim=-1)
+    ref, got = F.silu(gate) * up, ops.silu_mul(gu)
+    assert got.shape == ref.shape and got.dtype == dtype
+    assert torch.equal(ref.isnan(), got.isnan()) and torch.equal(ref.isinf(), got.isinf())
+    assert torch.equal(ref[ref.isinf()], got[got.isinf()])
+    ok = ref.isfinite()
+    if dtype == torch.float32:
+        torch.testing.assert_close(got[ok], ref[ok], rtol=1e-6, atol=1e-30)
+    else:  # one bf16 ulp where the float32 silu rounds the other way
+        assert bool(((got[ok].float() - ref[ok].float()).abs() <= ref[ok].float().abs() * 2**-7).all())
+    for m in range(1, 4):
+        assert torch.equal(ops.silu_mul(gu[:, m - 1 : m]).nan_to_num(), got[:, m - 1 : m].nan_to_num())
+
+    x, a = (torch.randn(2, 3, 576, generator=g).to(dtype) for _ in range(2))
+    w = (torch.rand(576, generator=g) + 0.5).to(dtype)
+    s, h = ops.add_rms_norm(x, a, w, 1e-5)
+    assert torch.equal(s, x + a) and torch.equal(h, rms_norm_kernel(x + a, w, 1e-5))
+    with pytest.raises(RuntimeError, match="one shape"):
+        ops.add_rms_norm(x, a[:, :1], w, 1e-5)
+
+
+@pytest.mark.skipif(not cpu_kernels().ok, reason="the avx512 kernels do not run here")
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])  # qwen3: q/k norms before RoPE
+def test_prepared_decoder_uses_the_fused_ops_and_matches_the_unfused_path(tiny_model_dir, model_type):
+    """With the avx512 linears a float32 decoder runs RoPE, SwiGLU and add + norm as kernels;
+    its logits equal the composite path's up to silu's few ulps (the oneDNN-free reference is
+    the same model with the fused ops switched back to torch's)."""
+    from draftsmith.models.decoder import rms_norm_kernel, rope_composite, rope_kernel
+
+    m = load_decoder(tiny_model_dir(model_type), linear_backend="avx512")
+    layer = m.model.layers[0]
+    assert layer.self_attn.rope_fn is rope_kernel and layer.add_norm_fn is not None
+    assert layer.mlp.glu is torch.ops.draftsmith.silu_mul and layer.norm_fn is rms_norm_kernel
+    ids = torch.randint(0, m.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    fused = m(ids, m.new_cache(2, 16)).logits
+    for layer in m.model.layers:
+        layer.self_attn.rope_fn, layer.add_norm_fn, layer.mlp.glu = rope_composite, None, layer.mlp._glu
+    plain = m(ids, m.new_cache(2, 16)).logits
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)

@@ -10,8 +10,8 @@
 // stays in L2 for the next MT rows. Each output is summed in the same k order whatever the
 // number of rows, so a row's result does not depend on the batch it was computed in.
 //
-// Registered as torch.ops.draftsmith.{pack_f32, pack_bf16, gemv_f32, gemv_bf16, rms_norm, attention}; built on first
-// use by models/gemv.py with -march=native.
+// Registered as torch.ops.draftsmith.{pack_f32, pack_bf16, gemv_f32, gemv_bf16, rms_norm, add_rms_norm,
+// attention, rope, silu_mul}; built on first use by kernels/build.py with -march=native.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -30,6 +30,15 @@ constexpr int64_t BLOCK = 32;
 constexpr int MT = 8;  // rows of x per pass over a block
 
 int64_t pad_to(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+// float32 -> bfloat16 of 16 values with torch's rounding (to nearest even; NaN -> 0x7FC0).
+inline __m256i bf16x16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
 
 at::Tensor pack_f32(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat, "pack_f32: weight must be a 2-D float32 tensor");
@@ -67,15 +76,22 @@ at::Tensor pack_bf16(const at::Tensor& w) {
   return out;
 }
 
-// Store 32 fp32 sums (+ bias) of one block into y's row, n0 = first column, n = valid columns.
-inline void store_f32(float* y, const float* bias, int64_t n0, int64_t n, __m512 lo, __m512 hi) {
+// Store 32 fp32 sums (+ bias) of one block into y's row (float32, or rounded once to bfloat16),
+// n0 = first column, n = valid columns.
+template <typename O>
+inline void store_row(O* y, const float* bias, int64_t n0, int64_t n, __m512 lo, __m512 hi) {
   if (bias) {
     alignas(64) float bb[BLOCK] = {0};
     std::memcpy(bb, bias + n0, n * sizeof(float));
     lo = _mm512_add_ps(lo, _mm512_load_ps(bb));
     hi = _mm512_add_ps(hi, _mm512_load_ps(bb + 16));
   }
-  if (n == BLOCK) {
+  if constexpr (!std::is_same_v<O, float>) {
+    alignas(32) uint16_t tmp[BLOCK];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(tmp), bf16x16(lo));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(tmp + 16), bf16x16(hi));
+    std::memcpy(y + n0, tmp, n * sizeof(uint16_t));
+  } else if (n == BLOCK) {
     _mm512_storeu_ps(y + n0, lo);
     _mm512_storeu_ps(y + n0 + 16, hi);
   } else {
@@ -91,8 +107,8 @@ inline void store_f32(float* y, const float* bias, int64_t n0, int64_t n, __m512
 // backends' instead of growing with K).
 constexpr int64_t KC = 32;
 
-template <int R>
-inline void block_f32(const float* wb, const float* x, int64_t K, float* y, int64_t ldy, const float* bias,
+template <int R, typename O>
+inline void block_f32(const float* wb, const float* x, int64_t K, O* y, int64_t ldy, const float* bias,
                       int64_t n0, int64_t n) {
   alignas(64) float tot[R][BLOCK] = {};
   for (int64_t k0 = 0; k0 < K; k0 += KC) {
@@ -115,12 +131,12 @@ inline void block_f32(const float* wb, const float* x, int64_t K, float* y, int6
       _mm512_store_ps(tot[r] + 16, _mm512_add_ps(_mm512_load_ps(tot[r] + 16), hi[r]));
     }
   }
-  for (int r = 0; r < R; ++r) store_f32(y + r * ldy, bias, n0, n, _mm512_load_ps(tot[r]), _mm512_load_ps(tot[r] + 16));
+  for (int r = 0; r < R; ++r) store_row(y + r * ldy, bias, n0, n, _mm512_load_ps(tot[r]), _mm512_load_ps(tot[r] + 16));
 }
 
 #ifdef __AVX512BF16__
-template <int R>
-inline void block_bf16(const uint16_t* wb, const uint16_t* x, int64_t KP, float* y, int64_t ldy,
+template <int R, typename O>
+inline void block_bf16(const uint16_t* wb, const uint16_t* x, int64_t KP, O* y, int64_t ldy,
                        const float* bias, int64_t n0, int64_t n) {
   alignas(64) float tot[R][BLOCK] = {};
   for (int64_t p0 = 0; p0 < KP; p0 += KC / 2) {
@@ -146,7 +162,7 @@ inline void block_bf16(const uint16_t* wb, const uint16_t* x, int64_t KP, float*
       _mm512_store_ps(tot[r] + 16, _mm512_add_ps(_mm512_load_ps(tot[r] + 16), hi[r]));
     }
   }
-  for (int r = 0; r < R; ++r) store_f32(y + r * ldy, bias, n0, n, _mm512_load_ps(tot[r]), _mm512_load_ps(tot[r] + 16));
+  for (int r = 0; r < R; ++r) store_row(y + r * ldy, bias, n0, n, _mm512_load_ps(tot[r]), _mm512_load_ps(tot[r] + 16));
 }
 
 #endif
@@ -210,7 +226,7 @@ at::Tensor gemv_f32(const at::Tensor& x, const at::Tensor& wp, int64_t N, const 
   at::Tensor bc;
   const float* bp = bias_f32(bias, bc);
   over_blocks(NB, N, M, K * BLOCK * 4, [&](int64_t b, int64_t n0, int64_t n, int64_t m, auto R) {
-    block_f32<decltype(R)::value>(w + b * K * BLOCK, xp + m * K, K, yp + m * N, N, bp, n0, n);
+    block_f32<decltype(R)::value, float>(w + b * K * BLOCK, xp + m * K, K, yp + m * N, N, bp, n0, n);
   });
   return y.view(sizes);
 }
@@ -228,21 +244,30 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& wp, int64_t N, int64
   TORCH_CHECK(!bias || !bias->defined() || (bias->numel() == N && bias->device().is_cpu()),
               "gemv_bf16: a CPU bias of ", N, " values expected");
   TORCH_CHECK(x.size(-1) == K, "gemv_bf16: input has ", x.size(-1), " features, the weight ", K);
-  auto x2 = x.reshape({-1, K}).to(at::kBFloat16);
+  const bool direct = x.scalar_type() == at::kBFloat16;  // bfloat16 in: the sums rounded to bfloat16 in the store
+  auto x2 = x.reshape({-1, K});
+  if (!direct) x2 = x2.to(at::kBFloat16);
   if (KP * 2 != K) x2 = at::constant_pad_nd(x2, {0, KP * 2 - K});
   x2 = x2.contiguous();
   const int64_t M = x2.size(0);
   auto sizes = x.sizes().vec();
   sizes.back() = N;
-  auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  auto y = at::empty({M, N}, x.options().dtype(direct ? at::kBFloat16 : at::kFloat));
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x2.data_ptr());
   const uint16_t* w = reinterpret_cast<const uint16_t*>(wp.data_ptr());
-  float* yp = y.data_ptr<float>();
   at::Tensor bc;
   const float* bp = bias_f32(bias, bc);
-  over_blocks(NB, N, M, KP * BLOCK * 4, [&](int64_t b, int64_t n0, int64_t n, int64_t m, auto R) {
-    block_bf16<decltype(R)::value>(w + b * KP * BLOCK * 2, xp + m * KP * 2, KP, yp + m * N, N, bp, n0, n);
-  });
+  auto run = [&](auto* yp) {
+    using O = std::remove_pointer_t<decltype(yp)>;
+    over_blocks(NB, N, M, KP * BLOCK * 4, [&](int64_t b, int64_t n0, int64_t n, int64_t m, auto R) {
+      block_bf16<decltype(R)::value, O>(w + b * KP * BLOCK * 2, xp + m * KP * 2, KP, yp + m * N, N, bp, n0, n);
+    });
+  };
+  if (direct) {
+    run(reinterpret_cast<uint16_t*>(y.data_ptr()));
+    return y.view(sizes);
+  }
+  run(y.data_ptr<float>());
   return y.view(sizes).to(x.scalar_type());
 #endif
 }
@@ -264,51 +289,88 @@ inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch does
 
 // HF's RMSNorm for decode / verify steps, one pass per row instead of torch's composite:
 // float32: y = w * (x * r); bfloat16: y = bf16(w * bf16(x * r)) (normalised in float32, rounded,
-// then scaled), r = 1 / sqrt(mean(x^2) + eps) in float32.
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+// then scaled), r = 1 / sqrt(mean(x^2) + eps) in float32. xr: the row in float32.
+inline void norm_row(const float* xr, const at::Tensor& wc, bool bf16, int64_t H, float eps, void* out) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t h = 0;
+  for (; h + 16 <= H; h += 16) {
+    const __m512 v = _mm512_loadu_ps(xr + h);
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  float ss = _mm512_reduce_add_ps(acc);
+  for (; h < H; ++h) ss += xr[h] * xr[h];
+  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
+  if (bf16) {
+    const uint16_t* wr = reinterpret_cast<const uint16_t*>(wc.data_ptr());
+    uint16_t* yr = static_cast<uint16_t*>(out);
+    for (h = 0; h < H; ++h) yr[h] = f32_to_bf16(bf16_to_f32(wr[h]) * bf16_to_f32(f32_to_bf16(xr[h] * inv)));
+  } else {
+    const float* wr = wc.data_ptr<float>();
+    float* yr = static_cast<float*>(out);
+    for (h = 0; h < H; ++h) yr[h] = wr[h] * (xr[h] * inv);
+  }
+}
+
+// The residual add before a norm too (add_rms_norm): s = x + a rounded to the dtype, y = rms_norm(s).
+std::vector<at::Tensor> norm_impl(const at::Tensor& x, const at::Tensor* a, const at::Tensor& w, double eps,
+                                  const char* name) {
   const int64_t H = x.size(-1);
-  TORCH_CHECK(w.dim() == 1 && w.size(0) == H && w.scalar_type() == x.scalar_type(),
-              "rms_norm: weight [", H, "] of the input's dtype expected");
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == H && w.scalar_type() == x.scalar_type(), name, ": weight [", H,
+              "] of the input's dtype expected");
   const bool bf16 = x.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(bf16 || x.scalar_type() == at::kFloat, "rms_norm: float32 or bfloat16 input expected");
-  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "rms_norm: CPU tensors expected");
+  TORCH_CHECK(bf16 || x.scalar_type() == at::kFloat, name, ": float32 or bfloat16 input expected");
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), name, ": CPU tensors expected");
+  TORCH_CHECK(!a || (a->sizes() == x.sizes() && a->scalar_type() == x.scalar_type() && a->device().is_cpu()), name,
+              ": the residual and the addend must have one shape and dtype");
   auto xc = x.contiguous();
+  auto ac = a ? a->contiguous() : at::Tensor();
   auto wc = w.contiguous();
   auto y = at::empty_like(xc);
-  const int64_t rows = H ? xc.numel() / H : 0;
+  auto s = a ? at::empty_like(xc) : at::Tensor();
+  const int64_t rows = H ? xc.numel() / H : 0, es = xc.element_size();
   const float eps_f = static_cast<float>(eps);
+  const char* xp = static_cast<const char*>(xc.data_ptr());
   at::parallel_for(0, rows, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(H, 1)), [&](int64_t r0, int64_t r1) {
-    std::vector<float> buf(bf16 ? H : 0);
+    std::vector<float> buf(bf16 || a ? H : 0);
     for (int64_t r = r0; r < r1; ++r) {
       const float* xr;
-      if (bf16) {
-        const uint16_t* src = reinterpret_cast<const uint16_t*>(xc.data_ptr()) + r * H;
+      if (a && bf16) {
+        const uint16_t* x0 = reinterpret_cast<const uint16_t*>(xp) + r * H;
+        const uint16_t* a0 = reinterpret_cast<const uint16_t*>(ac.data_ptr()) + r * H;
+        uint16_t* s0 = reinterpret_cast<uint16_t*>(s.data_ptr()) + r * H;
+        for (int64_t h = 0; h < H; ++h) {
+          s0[h] = f32_to_bf16(bf16_to_f32(x0[h]) + bf16_to_f32(a0[h]));
+          buf[h] = bf16_to_f32(s0[h]);
+        }
+        xr = buf.data();
+      } else if (a) {
+        const float* x0 = reinterpret_cast<const float*>(xp) + r * H;
+        const float* a0 = ac.data_ptr<float>() + r * H;
+        float* s0 = s.data_ptr<float>() + r * H;
+        for (int64_t h = 0; h < H; ++h) s0[h] = x0[h] + a0[h];
+        xr = s0;
+      } else if (bf16) {
+        const uint16_t* src = reinterpret_cast<const uint16_t*>(xp) + r * H;
         for (int64_t h = 0; h < H; ++h) buf[h] = bf16_to_f32(src[h]);
         xr = buf.data();
       } else {
-        xr = xc.data_ptr<float>() + r * H;
+        xr = reinterpret_cast<const float*>(xp) + r * H;
       }
-      __m512 acc = _mm512_setzero_ps();
-      int64_t h = 0;
-      for (; h + 16 <= H; h += 16) {
-        const __m512 v = _mm512_loadu_ps(xr + h);
-        acc = _mm512_fmadd_ps(v, v, acc);
-      }
-      float ss = _mm512_reduce_add_ps(acc);
-      for (; h < H; ++h) ss += xr[h] * xr[h];
-      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps_f);
-      if (bf16) {
-        const uint16_t* wr = reinterpret_cast<const uint16_t*>(wc.data_ptr());
-        uint16_t* yr = reinterpret_cast<uint16_t*>(y.data_ptr()) + r * H;
-        for (h = 0; h < H; ++h) yr[h] = f32_to_bf16(bf16_to_f32(wr[h]) * bf16_to_f32(f32_to_bf16(xr[h] * inv)));
-      } else {
-        const float* wr = wc.data_ptr<float>();
-        float* yr = y.data_ptr<float>() + r * H;
-        for (h = 0; h < H; ++h) yr[h] = wr[h] * (xr[h] * inv);
-      }
+      norm_row(xr, wc, bf16, H, eps_f, static_cast<char*>(y.data_ptr()) + r * H * es);
     }
   });
-  return y.view(x.sizes());
+  if (!a) return {y.view(x.sizes())};
+  return {s.view(x.sizes()), y.view(x.sizes())};
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  return norm_impl(x, nullptr, w, eps, "rms_norm")[0];
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& a, const at::Tensor& w,
+                                                double eps) {
+  auto r = norm_impl(x, &a, w, eps, "add_rms_norm");
+  return {r[0], r[1]};
 }
 
 // ---- attention of a decode / verify step over the KV cache ----------------------------------
@@ -509,6 +571,144 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   return out.transpose(1, 2);  // [B, H, S, D] like SDPA, a view of [B, S, H, D]
 }
 
+// ---- the elementwise ops of a layer, fused: RoPE and SwiGLU's silu(gate) * up ------------------
+// Each computes what the torch ops it replaces compute, in the same order, every intermediate
+// rounded to the dtype where torch rounds it (only silu's exp is our own: a few float32 ulp from
+// torch's); each token's row on its own, so batch-invariant.
+
+inline float ld(const float* p) { return *p; }
+inline float ld(const uint16_t* p) { return bf16_to_f32(*p); }
+inline void st(float* p, float v) { *p = v; }
+inline void st(uint16_t* p, float v) { *p = f32_to_bf16(v); }
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(uint16_t* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16x16(v)); }
+template <typename E>
+inline float rnd(float v) {  // v as an op producing dtype E leaves it
+  if constexpr (std::is_same_v<E, float>) return v; else return bf16_to_f32(f32_to_bf16(v));
+}
+template <typename E>
+inline __m512 rnd(__m512 v) {
+  if constexpr (std::is_same_v<E, float>) {
+    return v;
+  } else {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16x16(v)), 16));
+  }
+}
+
+// exp over all floats: 2^n * p(r) as exp_nonpositive; overflows to inf, underflows to 0, NaN stays.
+inline __m512 exp_ps(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// RoPE in HF's rotate-half convention on the first n heads of x [B, S, heads, D] (the fused q/k/v
+// linear's output per head): y = x * cos + roll(x, D / 2) * sin_signed, cos / sin_signed
+// [B or 1, S, 1, D] (models/rope.py): two products, each rounded, then their sum. y [B, S, n, D].
+template <typename E>
+void rope_impl(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t n, at::Tensor& y) {
+  const int64_t B = x.size(0), S = x.size(1), D = x.size(3), half = D / 2;
+  const int64_t sb = x.stride(0), ss = x.stride(1), sh = x.stride(2);
+  const int64_t cb = cos.size(0) == 1 ? 0 : cos.stride(0), cs = cos.stride(1);
+  const E* xp = reinterpret_cast<const E*>(x.data_ptr());
+  const E* cp = reinterpret_cast<const E*>(cos.data_ptr());
+  const E* sp = reinterpret_cast<const E*>(sin.data_ptr());
+  E* yp = reinterpret_cast<E*>(y.data_ptr());
+  at::parallel_for(0, B * S, std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, n * D)), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / S, i = t % S;
+      const E* cr = cp + b * cb + i * cs;
+      const E* sr = sp + b * cb + i * cs;
+      for (int64_t h = 0; h < n; ++h) {
+        const E* xr = xp + b * sb + i * ss + h * sh;
+        E* yr = yp + (t * n + h) * D;
+        int64_t d = 0;
+        if (half % 16 == 0) {
+          for (; d < D; d += 16) {
+            const int64_t e = d < half ? d + half : d - half;
+            const __m512 u = rnd<E>(_mm512_mul_ps(load16(xr + d), load16(cr + d)));
+            const __m512 v = rnd<E>(_mm512_mul_ps(load16(xr + e), load16(sr + d)));
+            store16(yr + d, _mm512_add_ps(u, v));
+          }
+        }
+        for (; d < D; ++d) {
+          const int64_t e = d < half ? d + half : d - half;
+          st(yr + d, rnd<E>(ld(xr + d) * ld(cr + d)) + rnd<E>(ld(xr + e) * ld(sr + d)));
+        }
+      }
+    }
+  });
+}
+
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin_signed, int64_t n) {
+  TORCH_CHECK(x.dim() == 4 && x.stride(3) == 1 && x.size(3) % 2 == 0 && n >= 0 && n <= x.size(2),
+              "rope: x [B, S, heads, D] with unit stride in D (D even) and n <= heads expected");
+  TORCH_CHECK(x.device().is_cpu() && cos.device().is_cpu() && sin_signed.device().is_cpu(), "rope: CPU tensors expected");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "rope: float32 or bfloat16 expected");
+  const int64_t B = x.size(0), S = x.size(1), D = x.size(3);
+  for (const at::Tensor* t : {&cos, &sin_signed})
+    TORCH_CHECK(t->scalar_type() == x.scalar_type() && t->dim() == 4 && (t->size(0) == 1 || t->size(0) == B) &&
+                    t->size(1) == S && t->size(2) == 1 && t->size(3) == D && t->stride(3) == 1,
+                "rope: cos / sin [B or 1, S, 1, D] of x's dtype expected");
+  TORCH_CHECK(cos.sizes() == sin_signed.sizes() && cos.strides() == sin_signed.strides(), "rope: cos and sin differ in layout");
+  auto y = at::empty({B, S, n, D}, x.options());
+  if (x.scalar_type() == at::kFloat) rope_impl<float>(x, cos, sin_signed, n, y);
+  else rope_impl<uint16_t>(x, cos, sin_signed, n, y);
+  return y;
+}
+
+// SwiGLU: y[..., i] = silu(g[..., i]) * u[..., i] for gu = [g | u] [..., 2I] (the fused gate / up
+// linear's output); silu(g) = g / (1 + exp(-g)) in float32, rounded, then the product, rounded.
+template <typename E>
+void silu_mul_impl(const E* gu, E* y, int64_t rows, int64_t I) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, I)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const E* g = gu + r * 2 * I;
+      const E* u = g + I;
+      E* yr = y + r * I;
+      int64_t i = 0;
+      for (; i + 16 <= I; i += 16) {
+        const __m512 gv = load16(g + i);
+        const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+        const __m512 sv = rnd<E>(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+        store16(yr + i, _mm512_mul_ps(sv, load16(u + i)));
+      }
+      for (; i < I; ++i) {
+        const float gv = ld(g + i);
+        st(yr + i, rnd<E>(gv / (1.0f + std::exp(-gv))) * ld(u + i));
+      }
+    }
+  });
+}
+
+at::Tensor silu_mul(const at::Tensor& gu) {
+  TORCH_CHECK(gu.dim() >= 1 && gu.size(-1) % 2 == 0, "silu_mul: [..., 2 x I] expected (gate, then up)");
+  TORCH_CHECK(gu.device().is_cpu(), "silu_mul: a CPU tensor expected");
+  TORCH_CHECK(gu.scalar_type() == at::kFloat || gu.scalar_type() == at::kBFloat16, "silu_mul: float32 or bfloat16 expected");
+  auto c = gu.contiguous();
+  const int64_t I = c.size(-1) / 2, rows = I ? c.numel() / (2 * I) : 0;
+  auto sizes = c.sizes().vec();
+  sizes.back() = I;
+  auto y = at::empty(sizes, c.options());
+  if (c.scalar_type() == at::kFloat) {
+    silu_mul_impl<float>(c.data_ptr<float>(), y.data_ptr<float>(), rows, I);
+  } else {
+    silu_mul_impl<uint16_t>(reinterpret_cast<const uint16_t*>(c.data_ptr()), reinterpret_cast<uint16_t*>(y.data_ptr()),
+                            rows, I);
+  }
+  return y;
+}
+
 bool has_bf16() {  // whether this build has the AVX512-BF16 kernel (the compiler's -march=native)
 #ifdef __AVX512BF16__
   return true;
@@ -525,6 +725,9 @@ TORCH_LIBRARY(draftsmith, m) {
   m.def("gemv_f32(Tensor x, Tensor wp, int n, Tensor? bias) -> Tensor", &gemv_f32);
   m.def("gemv_bf16(Tensor x, Tensor wp, int n, int k, Tensor? bias) -> Tensor", &gemv_bf16);
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &rms_norm);
+  m.def("add_rms_norm(Tensor x, Tensor a, Tensor w, float eps) -> (Tensor, Tensor)", &add_rms_norm);
+  m.def("rope(Tensor x, Tensor cos, Tensor sin_signed, int n) -> Tensor", &rope);
+  m.def("silu_mul(Tensor gu) -> Tensor", &silu_mul);
   m.def("has_bf16() -> bool", &has_bf16);
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, bool causal, float scale) -> Tensor", &attention);
 }

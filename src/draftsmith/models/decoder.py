@@ -248,6 +248,16 @@ def rms_norm_kernel(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     return torch.ops.draftsmith.rms_norm(x, weight, eps)
 
 
+def rope_composite(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, n: int) -> torch.Tensor:
+    """RoPE of the first n heads of x [B, S, heads, D] (models/rope.py)."""
+    return _rope_signed(x[:, :, :n], cos, sin_signed)
+
+
+def rope_kernel(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, n: int) -> torch.Tensor:
+    """`rope_composite` as one op (kernels/gemv.cpp): the same products and sum, bit-identical."""
+    return torch.ops.draftsmith.rope(x, cos, sin_signed, n)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
         super().__init__()
@@ -276,9 +286,11 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
         self.sliding = layer_idx in cfg.sliding_layers  # reads `ctx.sliding`, its window and RoPE
         self.scale = cfg.attn_scale  # None: SDPA's default head_dim ** -0.5
-        # Set by `Decoder.prepare_inference_()`: [q; k; v] as one linear, and o_proj.
+        # Set by `Decoder.prepare_inference_()`: [q; k; v] as one linear, and o_proj; RoPE of the
+        # first n heads of x [B, S, heads, D] (the one-op kernel with the "avx512" linears).
         self.qkv: FastLinear | None = None
         self.o: FastLinear | None = None
+        self.rope_fn = rope_composite
 
     def _qkv(self, x: torch.Tensor) -> torch.Tensor:
         if self.qkv is not None:
@@ -293,11 +305,12 @@ class Attention(nn.Module):
         if self.sliding:
             ctx = ctx.sliding
         qkv = self._qkv(x).view(B, S, nh + 2 * nkv, self.hd)  # [B, S, heads, D]
+        rope = self.rope_fn
         if self.qk_norm:
-            q = _rope_signed(self.q_norm(qkv[:, :, :nh]), ctx.cos, ctx.sin_signed)
-            k = _rope_signed(self.k_norm(qkv[:, :, nh : nh + nkv]), ctx.cos, ctx.sin_signed)
+            q = rope(self.q_norm(qkv[:, :, :nh]), ctx.cos, ctx.sin_signed, nh)
+            k = rope(self.k_norm(qkv[:, :, nh : nh + nkv]), ctx.cos, ctx.sin_signed, nkv)
         else:  # rotate q and k together: one set of elementwise ops instead of two
-            qk = _rope_signed(qkv[:, :, : nh + nkv], ctx.cos, ctx.sin_signed)
+            qk = rope(qkv, ctx.cos, ctx.sin_signed, nh + nkv)
             q, k = qk[:, :, :nh], qk[:, :, nh:]
         v = qkv[:, :, nh + nkv :]
         kc, vc = cache.k[self.layer_idx], cache.v[self.layer_idx]  # [rows, kv_heads, T, D]
@@ -337,18 +350,26 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, inter, bias=False)
         self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)
         self.act = ACTIVATIONS[act]
-        # Set by `Decoder.prepare_inference_()` (inference only): [gate; up] as one linear, down.
+        self.fused_act = act == "silu"  # SwiGLU: silu(gate) * up as one kernel with the "avx512" linears
+        # Set by `Decoder.prepare_inference_()` (inference only): [gate; up] as one linear, down, and
+        # the product act(gate) * up of the fused output.
         self.gate_up: FastLinear | None = None
         self.down: FastLinear | None = None
+        self.glu: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
-            gate, up = self.gate_up(x).chunk(2, dim=-1)
-            return self.down(self.act(gate) * up)
+            return self.down(self.glu(self.gate_up(x)))
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+    def _glu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act(gate) * up
 
     def prepare_inference_(self, backend: str) -> None:
         self.gate_up = FastLinear.build(_fuse([self.gate_proj, self.up_proj], "weight", backend), None, backend)
+        kernel = backend == "avx512" and self.fused_act and self.gate_proj.weight.dtype in _KERNEL_DTYPES
+        self.glu = torch.ops.draftsmith.silu_mul if kernel else self._glu
         # "mkl" (the earlier path) kept down_proj [out, in]: faster there.
         self.down = FastLinear.build(self.down_proj.weight, None, "torch" if backend == "mkl" else backend)
 
@@ -416,6 +437,8 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(H, eps, unit)
         self.eps = eps
         self.norm_fn = rms_norm_unit_offset if unit else rms_norm
+        # The residual add and the post-attention norm as one kernel (set with the "avx512" linears).
+        self.add_norm_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def forward(self, x: torch.Tensor, ctx: "_StepContext", cache: KVCache) -> torch.Tensor:
         # Functional calls (not module __call__): ~10 fewer Python dispatches per layer.
@@ -425,7 +448,11 @@ class DecoderLayer(nn.Module):
             x = x + norm(a, self.post_attention_layernorm.weight, eps)
             m = self.mlp.forward(norm(x, self.pre_feedforward_layernorm.weight, eps))
             return x + norm(m, self.post_feedforward_layernorm.weight, eps)
-        x = x + self.self_attn.forward(norm(x, self.input_layernorm.weight, eps), ctx, cache)
+        a = self.self_attn.forward(norm(x, self.input_layernorm.weight, eps), ctx, cache)
+        if self.add_norm_fn is not None:
+            x, h = self.add_norm_fn(x, a, self.post_attention_layernorm.weight, eps)
+            return x + self.mlp.forward(h)
+        x = x + a
         return x + self.mlp.forward(norm(x, self.post_attention_layernorm.weight, eps))
 
 
@@ -515,6 +542,9 @@ class Decoder(nn.Module):
             a.o = FastLinear.build(_fuse([a.o_proj], "weight", backend), a.o_proj.bias, backend)
             layer.mlp.prepare_inference_(backend)  # an MLP, or every expert of a SparseMoE
             layer.norm_fn = self._norm_fn(backend)
+            kernels = layer.norm_fn is rms_norm_kernel  # the "avx512" linears, float32 / bfloat16
+            a.rope_fn = rope_kernel if kernels and self.config.head_dim % 2 == 0 else rope_composite
+            layer.add_norm_fn = torch.ops.draftsmith.add_rms_norm if kernels else None
         # "mkl" (the earlier path) kept down_proj and the lm_head [out, in]: faster there.
         self.head = FastLinear.build(self.lm_head.weight, None, "torch" if backend == "mkl" else backend)
         self.final_norm_fn = None if self.config.norm_unit_offset else self._norm_fn(backend)
