@@ -41,9 +41,11 @@ from draftsmith.policy.roofline import measure_bandwidth, step_time, weight_byte
 HERE = Path(__file__).resolve().parent
 VERIFY = (2, 4, 8, 16)
 ROWS = (1, 2, 4, 8, 16, 32, 64)
-# (linear backend, dtype, attention kernel)
-CONFIGS = [("mkl", "float32", "auto"), ("onednn", "float32", "auto"), ("avx512", "float32", "auto"),
-           ("onednn", "bfloat16", "auto"), ("avx512", "bfloat16", "auto")]
+# (linear backend, dtype, variant): variant "auto" = the defaults, "unfused" = the avx512 path with
+# RoPE, SwiGLU and add + norm as torch's ops (Decoder.set_fused_ops_(False): the path before them)
+CONFIGS = [("mkl", "float32", "auto"), ("onednn", "float32", "auto"), ("avx512", "float32", "unfused"),
+           ("avx512", "float32", "auto"), ("onednn", "bfloat16", "auto"), ("avx512", "bfloat16", "unfused"),
+           ("avx512", "bfloat16", "auto")]
 
 
 def child_decode(repeats: int) -> None:
@@ -101,7 +103,7 @@ def wait_policy(rounds: int, load: int, repeats: int) -> dict:
 
 
 def _key(c: tuple[str, str, str]) -> str:
-    """backend/dtype, plus /attention when it is not the default."""
+    """backend/dtype, plus /variant when it is not the default."""
     return "/".join(c if c[2] != "auto" else c[:2])
 
 
@@ -114,6 +116,8 @@ def main() -> None:
     ap.add_argument("--child-decode", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md and results/runtime.json alone")
     ap.add_argument("--wait-policy-only", action="store_true", help="only the OpenMP wait-policy runs")
+    ap.add_argument("--keep-wait-policy", action="store_true",
+                    help="reuse the wait-policy table of the last written run (results/runtime.json), labelled as such")
     args = ap.parse_args()
     if args.child_decode:
         return child_decode(args.repeats)
@@ -124,8 +128,9 @@ def main() -> None:
         return
     _, path = resolve_target("smollm2-135m")
     models = {c: load_decoder(path, dtype=getattr(torch, c[1]), linear_backend=c[0]) for c in CONFIGS}
-    for (_, _, kernel), m in models.items():
-        m.attention_kernel = kernel
+    for (_, _, variant), m in models.items():
+        if variant == "unfused":
+            m.set_fused_ops_(False)
     result: dict = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                                 "torch": torch.__version__, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")},
                     "weight_bytes": {c[1]: weight_bytes(models[c]) for c in CONFIGS}, "threads": {}}
@@ -155,7 +160,13 @@ def main() -> None:
                 "steps_per_s": {n: 1 / statistics.median(v) for n, v in r["rows"].items()},
             }
         result["threads"][threads] = out
-    result["wait_policy_ms"] = wait_policy(max(1, args.rounds - 1), args.load, args.repeats)
+    result["date"] = time.strftime("%Y-%m-%d")
+    previous = HERE / "results" / "runtime.json"
+    if args.keep_wait_policy and previous.is_file() and "wait_policy_ms" in (old := json.loads(previous.read_text())):
+        result["wait_policy_ms"] = old["wait_policy_ms"]
+        result["wait_policy_from"] = old.get("wait_policy_from") or f"the run of {old.get('date', 'an earlier day')}"
+    else:
+        result["wait_policy_ms"] = wait_policy(max(1, args.rounds - 1), args.load, args.repeats)
     md = render(result, args)
     print(md)
     if not args.no_write:
@@ -175,7 +186,8 @@ def render(res: dict, args) -> str:
         f"smollm2-135m, {res['machine']['cores']} cores, torch {res['machine']['torch']}, idle machine. "
         "\"mkl\" is the first path (fused weights through torch.matmul), \"onednn\" the weights prepacked "
         "once for oneDNN (the default until 2026-12-01), \"avx512\" Draftsmith's own few-row kernel "
-        "(kernels/gemv.cpp, compiled once per machine; the default where it builds). "
+        "(kernels/gemv.cpp, compiled once per machine; the default where it builds); \"avx512/…/unfused\" "
+        "the same with RoPE, SwiGLU and the residual add + norm as torch's ops (the path before the fused kernels). "
         "Interleaved in one process, medians over rounds. Floor = weight "
         "bytes read per step / read bandwidth measured in the same run at the same thread count.",
         "",
@@ -195,7 +207,8 @@ def render(res: dict, args) -> str:
             lines.append(f"| {key} | " + " | ".join(f"{c['steps_per_s'][n]:.1f}" for n in ROWS) + " |")
         lines.append("")
     w = res["wait_policy_ms"]
-    lines += ["OpenMP wait policy, default-backend fp32 decode at 2 threads, ms/token (child processes): alone; "
+    when = f" (from {res['wait_policy_from']}, not rerun)" if res.get("wait_policy_from") else ""
+    lines += [f"OpenMP wait policy{when}, default-backend fp32 decode at 2 threads, ms/token (child processes): alone; "
               f"beside {args.load} busy Python loops; two decoding processes at once (their mean).", "",
               "| policy | alone | busy machine | two processes |", "|---|---|---|---|"]
     for pol in WAIT_POLICIES:

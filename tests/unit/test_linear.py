@@ -236,8 +236,8 @@ def test_fused_layer_ops_match_the_torch_ops_they_replace(dtype):
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])  # qwen3: q/k norms before RoPE
 def test_prepared_decoder_uses_the_fused_ops_and_matches_the_unfused_path(tiny_model_dir, model_type):
     """With the avx512 linears a float32 decoder runs RoPE, SwiGLU and add + norm as kernels;
-    its logits equal the composite path's up to silu's few ulps (the oneDNN-free reference is
-    the same model with the fused ops switched back to torch's)."""
+    its logits equal the composite path's up to silu's few ulps (the reference: the same model
+    with the fused ops switched off, `set_fused_ops_(False)`)."""
     from draftsmith.models.decoder import rms_norm_kernel, rope_composite, rope_kernel
 
     m = load_decoder(tiny_model_dir(model_type), linear_backend="avx512")
@@ -246,7 +246,7 @@ def test_prepared_decoder_uses_the_fused_ops_and_matches_the_unfused_path(tiny_m
     assert layer.mlp.glu is torch.ops.draftsmith.silu_mul and layer.norm_fn is rms_norm_kernel
     ids = torch.randint(0, m.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
     fused = m(ids, m.new_cache(2, 16)).logits
-    for layer in m.model.layers:
-        layer.self_attn.rope_fn, layer.add_norm_fn, layer.mlp.glu = rope_composite, None, layer.mlp._glu
+    m.set_fused_ops_(False)
+    assert layer.self_attn.rope_fn is rope_composite and layer.add_norm_fn is None and layer.mlp.glu == layer.mlp._glu
     plain = m(ids, m.new_cache(2, 16)).logits
     torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)

@@ -368,10 +368,14 @@ class MLP(nn.Module):
 
     def prepare_inference_(self, backend: str) -> None:
         self.gate_up = FastLinear.build(_fuse([self.gate_proj, self.up_proj], "weight", backend), None, backend)
-        kernel = backend == "avx512" and self.fused_act and self.gate_proj.weight.dtype in _KERNEL_DTYPES
-        self.glu = torch.ops.draftsmith.silu_mul if kernel else self._glu
         # "mkl" (the earlier path) kept down_proj [out, in]: faster there.
         self.down = FastLinear.build(self.down_proj.weight, None, "torch" if backend == "mkl" else backend)
+        self.set_fused_act_(backend == "avx512")
+
+    def set_fused_act_(self, enabled: bool) -> None:
+        """silu(gate) * up as one kernel (SwiGLU, float32 / bfloat16 on the "avx512" path) or torch's ops."""
+        kernel = enabled and self.fused_act and self.gate_proj.weight.dtype in _KERNEL_DTYPES
+        self.glu = torch.ops.draftsmith.silu_mul if kernel else self._glu
 
 
 class SparseMoE(nn.Module):
@@ -542,13 +546,24 @@ class Decoder(nn.Module):
             a.o = FastLinear.build(_fuse([a.o_proj], "weight", backend), a.o_proj.bias, backend)
             layer.mlp.prepare_inference_(backend)  # an MLP, or every expert of a SparseMoE
             layer.norm_fn = self._norm_fn(backend)
-            kernels = layer.norm_fn is rms_norm_kernel  # the "avx512" linears, float32 / bfloat16
-            a.rope_fn = rope_kernel if kernels and self.config.head_dim % 2 == 0 else rope_composite
-            layer.add_norm_fn = torch.ops.draftsmith.add_rms_norm if kernels else None
         # "mkl" (the earlier path) kept down_proj and the lm_head [out, in]: faster there.
         self.head = FastLinear.build(self.lm_head.weight, None, "torch" if backend == "mkl" else backend)
         self.final_norm_fn = None if self.config.norm_unit_offset else self._norm_fn(backend)
         self.linear_backend = backend
+        return self.set_fused_ops_(True)
+
+    def set_fused_ops_(self, enabled: bool = True) -> "Decoder":
+        """RoPE, SwiGLU's silu(gate) * up and the residual add + RMSNorm each as one kernel
+        (kernels/gemv.cpp; the default with the "avx512" linears, float32 / bfloat16), or as torch's
+        ops (`enabled=False`: the benchmarks' before / after). The same numerics but for silu's
+        exp (a few float32 ulps). A no-op for other backends; call after `prepare_inference_`."""
+        for layer in self.model.layers:
+            on = enabled and layer.norm_fn is rms_norm_kernel
+            layer.self_attn.rope_fn = rope_kernel if on and self.config.head_dim % 2 == 0 else rope_composite
+            layer.add_norm_fn = torch.ops.draftsmith.add_rms_norm if on else None
+            for mlp in getattr(layer.mlp, "experts", [layer.mlp]):  # an MLP, or a SparseMoE's experts
+                if mlp.gate_up is not None:
+                    mlp.set_fused_act_(on)
         return self
 
     def _norm_fn(self, backend: str):
