@@ -2,8 +2,9 @@
 change, in float32 and bfloat16, at 1 and 2 threads; and the OpenMP wait policy idle vs loaded.
 
 Side by side in one process (docs/MEASURING.md): the "mkl" backend (the first path: fused [in, out]
-weights through torch.matmul), "onednn" (weights prepacked once for oneDNN) and "avx512" (Draftsmith's
-own few-row kernel, kernels/gemv.cpp; the default where it builds) are loaded together and measured
+weights through torch.matmul), "onednn" (weights prepacked once for oneDNN) and "kernels" (Draftsmith's
+own few-row kernel, kernels/gemv.cpp, for the CPU's AVX-512 or AVX2; the default where it builds) are
+loaded together and measured
 interleaved, round by round; each number is the median over rounds of a
 per-round median. Per configuration:
   - decode ms/token at batch 1 (one forward of one token after 200 cached, greedy warp included)
@@ -34,6 +35,7 @@ from pathlib import Path
 import draftsmith  # noqa: F401  (OpenMP settings: must come before torch)
 import torch
 
+from draftsmith.kernels.build import cpu_kernels
 from draftsmith.models.loading import load_decoder
 from draftsmith.models.registry import resolve_target
 from draftsmith.policy.roofline import measure_bandwidth, step_time, weight_bytes
@@ -41,11 +43,11 @@ from draftsmith.policy.roofline import measure_bandwidth, step_time, weight_byte
 HERE = Path(__file__).resolve().parent
 VERIFY = (2, 4, 8, 16)
 ROWS = (1, 2, 4, 8, 16, 32, 64)
-# (linear backend, dtype, variant): variant "auto" = the defaults, "unfused" = the avx512 path with
+# (linear backend, dtype, variant): variant "auto" = the defaults, "unfused" = the "kernels" path with
 # RoPE, SwiGLU and add + norm as torch's ops (Decoder.set_fused_ops_(False): the path before them)
-CONFIGS = [("mkl", "float32", "auto"), ("onednn", "float32", "auto"), ("avx512", "float32", "unfused"),
-           ("avx512", "float32", "auto"), ("onednn", "bfloat16", "auto"), ("avx512", "bfloat16", "unfused"),
-           ("avx512", "bfloat16", "auto")]
+CONFIGS = [("mkl", "float32", "auto"), ("onednn", "float32", "auto"), ("kernels", "float32", "unfused"),
+           ("kernels", "float32", "auto"), ("onednn", "bfloat16", "auto"), ("kernels", "bfloat16", "unfused"),
+           ("kernels", "bfloat16", "auto")]
 
 
 def child_decode(repeats: int) -> None:
@@ -102,6 +104,26 @@ def wait_policy(rounds: int, load: int, repeats: int) -> dict:
     return {k: 1e3 * statistics.median(v) for k, v in res.items()}
 
 
+def available_configs() -> list[tuple[str, str, str]]:
+    """CONFIGS this machine runs: "kernels" where they build, bfloat16 on oneDNN where it takes it."""
+    from draftsmith.models.linear import onednn_bf16
+
+    st = cpu_kernels()
+    return [c for c in CONFIGS if (c[0] != "kernels" or st.ok) and (c[1] != "bfloat16" or
+            (st.bf16 if c[0] == "kernels" else onednn_bf16() if c[0] == "onednn" else True))]
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else the machine type."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def _key(c: tuple[str, str, str]) -> str:
     """backend/dtype, plus /variant when it is not the default."""
     return "/".join(c if c[2] != "auto" else c[:2])
@@ -127,18 +149,18 @@ def main() -> None:
             print(f"{k}: {v:.1f} ms")
         return
     _, path = resolve_target("smollm2-135m")
-    models = {c: load_decoder(path, dtype=getattr(torch, c[1]), linear_backend=c[0]) for c in CONFIGS}
+    models = {c: load_decoder(path, dtype=getattr(torch, c[1]), linear_backend=c[0]) for c in available_configs()}
     for (_, _, variant), m in models.items():
         if variant == "unfused":
             m.set_fused_ops_(False)
-    result: dict = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+    result: dict = {"machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "kernels": cpu_kernels().isa or None,
                                 "torch": torch.__version__, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")},
-                    "weight_bytes": {c[1]: weight_bytes(models[c]) for c in CONFIGS}, "threads": {}}
+                    "weight_bytes": {c[1]: weight_bytes(m) for c, m in models.items()}, "threads": {}}
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
         bw: list[float] = []
         raw: dict = {_key(c): {"decode": [], "verify": {k: [] for k in VERIFY}, "rows": {r: [] for r in ROWS}}
-                     for c in CONFIGS}
+                     for c in models}
         for rnd in range(args.rounds):
             bw.append(measure_bandwidth("cpu"))
             for c, m in models.items():
@@ -183,10 +205,11 @@ def render(res: dict, args) -> str:
         "## Runtime: what a target forward costs (issue 11)",
         "",
         f"`benchmarks/bench_runtime.py --rounds {args.rounds} --repeats {args.repeats}` on {time.strftime('%Y-%m-%d')}, "
-        f"smollm2-135m, {res['machine']['cores']} cores, torch {res['machine']['torch']}, idle machine. "
+        f"smollm2-135m, {res['machine']['cpu']} ({res['machine']['cores']} cores; Draftsmith's kernels built for "
+        f"{res['machine'].get('kernels') or 'none: they did not build'}), torch {res['machine']['torch']}, idle machine. "
         "\"mkl\" is the first path (fused weights through torch.matmul), \"onednn\" the weights prepacked "
-        "once for oneDNN (the default until 2026-12-01), \"avx512\" Draftsmith's own few-row kernel "
-        "(kernels/gemv.cpp, compiled once per machine; the default where it builds); \"avx512/…/unfused\" "
+        "once for oneDNN (the default until 2026-12-01), \"kernels\" Draftsmith's own few-row kernel "
+        "(kernels/gemv.cpp, compiled once per machine; the default where it builds); \"kernels/…/unfused\" "
         "the same with RoPE, SwiGLU and the residual add + norm as torch's ops (the path before the fused kernels). "
         "Interleaved in one process, medians over rounds. Floor = weight "
         "bytes read per step / read bandwidth measured in the same run at the same thread count.",

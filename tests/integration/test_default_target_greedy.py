@@ -58,7 +58,7 @@ def test_plain_greedy_equals_hf_transformers(default_target_dir, prompts, plain_
 
 def test_bfloat16_speculative_equals_bfloat16_plain_greedy(default_target_dir, prompts):
     """bfloat16 rounds every activation, so a verify block and a one-token step agree only if
-    every op computes a token's row the same way whatever the number of tokens: the avx512
+    every op computes a token's row the same way whatever the number of tokens: the "kernels"
     linears, the step attention and the one-pass RMSNorm (kernels/gemv.cpp) do. Where those
     kernels do not load (torch's SDPA and oneDNN block by size) bf16 near-ties can differ."""
     from draftsmith.kernels.build import cpu_kernels

@@ -90,3 +90,13 @@ def test_step_kernel_is_query_count_invariant():
             assert torch.equal(one, block[:, :, i : i + 1]), (dtype, i)
         none = torch.zeros(1, 1, S, T, dtype=torch.bool)
         assert torch.equal(attend(q, k, v, none, False, kernel="step"), torch.zeros_like(q))
+        # a batch of rows (bfloat16: one task per kv head converts its keys once for the G heads)
+        # equals each row alone (one task per head reading the cache), one and many threads
+        qb = torch.randn(6, H, 2, D, generator=g).to(dtype)
+        kb, vb = (torch.randn(6, KV, T, D, generator=g).to(dtype) for _ in range(2))
+        batch = attend(qb, kb, vb, None, True, kernel="step")
+        for b in range(6):
+            for i in range(2):
+                one = attend(qb[b : b + 1, :, i : i + 1], kb[b : b + 1, :, : T - 1 + i], vb[b : b + 1, :, : T - 1 + i],
+                             None, False, kernel="step")
+                assert torch.equal(one, batch[b : b + 1, :, i : i + 1]), (dtype, b, i)

@@ -289,12 +289,12 @@ def test_positions_past_the_first_rope_table(tiny_model_dir):
 
 
 @pytest.mark.parametrize("backend", ["torch", "mkl"] + (["onednn"] if torch.backends.mkldnn.is_available() else [])
-                         + (["avx512"] if cpu_kernels().ok else []))
+                         + (["kernels"] if cpu_kernels().ok else []))
 def test_fused_layout_keeps_checkpoint_names_and_numbers(tiny_model_dir, backend):
     """load_decoder fuses q/k/v and gate/up and lays the linears out for `backend`; the state
     dict still has the checkpoint's names and shapes, a plain (unprepared) Decoder gives the same
     logits, and new weights loaded through load_state_dict reach the prepared linears (views of
-    the fused weights for "torch" / "mkl"; "onednn" / "avx512" re-pack after the load)."""
+    the fused weights for "torch" / "mkl"; "onednn" / "kernels" re-pack after the load)."""
     from safetensors.torch import load_file
 
     from draftsmith.models.decoder import Decoder
@@ -350,7 +350,7 @@ def test_verify_block_logits_equal_one_token_steps_bit_for_bit(tiny_model_dir, m
     position that is not a multiple of the kernel's 16-key tile (the decoder aligns kv_lo down to one)."""
     path = tiny_model_dir(model_type, seed=21, **({"sliding_window": 21} if model_type == "gemma3_text" else {}))
     dec = load_decoder(path, dtype=dtype)
-    assert dec.linear_backend == "avx512"
+    assert dec.linear_backend == "kernels"
     g = torch.Generator().manual_seed(4)
     ids = torch.randint(0, dec.config.vocab_size, (1, 53), generator=g)
     P = 45

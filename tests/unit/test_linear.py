@@ -14,7 +14,7 @@ from draftsmith.models.loading import load_decoder
 from draftsmith.models.threads import configure_threads, physical_cores
 
 CPU_BACKENDS = (["torch", "mkl"] + (["onednn"] if torch.backends.mkldnn.is_available() else [])
-                + (["avx512"] if cpu_kernels().ok else []))
+                + (["kernels"] if cpu_kernels().ok else []))
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
@@ -39,7 +39,7 @@ def test_fast_linear_equals_f_linear(backend, dtype, bias):
 
 
 def test_choose_backend():
-    expected = "avx512" if cpu_kernels().ok else "onednn" if torch.backends.mkldnn.is_available() else "torch"
+    expected = "kernels" if cpu_kernels().ok else "onednn" if torch.backends.mkldnn.is_available() else "torch"
     assert choose_backend("auto", "cpu") == expected
     assert choose_backend("auto", "meta") == "torch"
     assert choose_backend("torch", "cpu") == "torch"
@@ -99,7 +99,7 @@ def test_packed_linears_infer_like_f_linear_and_still_train():
     with torch.inference_mode():
         torch.testing.assert_close(net(x), ref(x), atol=1e-5, rtol=1e-5)
     if torch.backends.mkldnn.is_available():  # the packed path really ran
-        assert net[0].inference_pack._fast.backend == ("avx512" if cpu_kernels().ok else "onednn")
+        assert net[0].inference_pack._fast.backend == ("kernels" if cpu_kernels().ok else "onednn")
     for m in (net, ref):  # one identical SGD step on both
         loss = m(x).square().sum()
         loss.backward()
@@ -116,35 +116,41 @@ def test_packed_linears_infer_like_f_linear_and_still_train():
 
 
 def test_cpu_kernels_build_where_the_cpu_can_run_them():
-    """On an x86-64 CPU with AVX-512 and a C++ compiler the kernel must build and load: a broken
-    build would otherwise fall back to oneDNN silently and only the speed would tell."""
+    """On an x86-64 CPU with AVX-512, or AVX2 + FMA, and a C++ compiler the kernels must build and
+    load: a broken build would otherwise fall back to oneDNN silently and only the speed would tell."""
     import platform
     import shutil
 
     status = cpu_kernels()
-    can = platform.machine() == "x86_64" and "avx512f" in cpu_flags() and bool(shutil.which("c++") or shutil.which("g++"))
+    flags = cpu_flags()
+    can = (platform.machine() == "x86_64" and ("avx512f" in flags or {"avx2", "fma"} <= flags)
+           and bool(shutil.which("c++") or shutil.which("g++")))
     assert status.ok == can, status.reason
     if not can:
-        pytest.skip(f"no AVX-512 kernels here: {status.reason}")
-    assert status.bf16 == ("avx512_bf16" in cpu_flags())
+        pytest.skip(f"no CPU kernels here: {status.reason}")
+    if "avx512f" in flags:
+        assert status.isa == ("avx512-bf16" if "avx512_bf16" in flags else "avx512")
+        assert status.bf16 == ("avx512_bf16" in flags)
+    else:  # AVX2: bfloat16 weights widened to float32 in registers
+        assert (status.isa, status.bf16) == ("avx2", True)
 
 
-@pytest.mark.skipif(not cpu_kernels().ok, reason="the avx512 kernels do not run here")
+@pytest.mark.skipif(not cpu_kernels().ok, reason="Draftsmith's CPU kernels do not run here")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,k", [(1, 1), (31, 7), (33, 65), (100, 576), (64, 3)])
-def test_avx512_kernel_shapes_bias_and_batch_invariance(dtype, n, k):
+def test_kernels_kernel_shapes_bias_and_batch_invariance(dtype, n, k):
     """Odd shapes (a partial 32-column block, an odd K in bfloat16), bias, 0..19 rows (every
     row-tile size), and the property the kernel is built for: a row's output is bit-identical
     whatever the number of rows computed with it, so verifying K drafts gives exactly the
     logits decoding them one by one would."""
     if dtype == torch.bfloat16 and not cpu_kernels().bf16:
-        pytest.skip("no AVX512-BF16")
+        pytest.skip("no bfloat16 kernel (an AVX-512 CPU without AVX512-BF16)")
     g = torch.Generator().manual_seed(n * 1000 + k)
     w = torch.randn(n, k, generator=g).to(dtype)
     b = torch.randn(n, generator=g).to(dtype)
     for bias in (None, b):
-        lin = FastLinear.build(w, bias, "avx512")
-        assert lin.backend == "avx512"
+        lin = FastLinear.build(w, bias, "kernels")
+        assert lin.backend == "kernels"
         x = torch.randn(19, k, generator=g).to(dtype)
         ref = F.linear(x.float(), w.float(), None if bias is None else bias.float())
         full = lin(x)
@@ -157,16 +163,16 @@ def test_avx512_kernel_shapes_bias_and_batch_invariance(dtype, n, k):
         assert lin(x[:0]).shape == (0, n)
 
 
-@pytest.mark.skipif(not cpu_kernels().ok, reason="the avx512 kernels do not run here")
-def test_avx512_float16_falls_back_per_linear_and_wrong_width_is_an_error():
+@pytest.mark.skipif(not cpu_kernels().ok, reason="Draftsmith's CPU kernels do not run here")
+def test_kernels_float16_falls_back_per_linear_and_wrong_width_is_an_error():
     w = torch.randn(40, 24).half()
-    assert FastLinear.build(w, None, "avx512").backend == "torch"
-    lin = FastLinear.build(torch.randn(40, 24), None, "avx512")
+    assert FastLinear.build(w, None, "kernels").backend == "torch"
+    lin = FastLinear.build(torch.randn(40, 24), None, "kernels")
     with pytest.raises(RuntimeError, match="features"):
         lin(torch.randn(2, 23))
 
 
-@pytest.mark.skipif(not cpu_kernels().ok, reason="the avx512 kernels do not run here")
+@pytest.mark.skipif(not cpu_kernels().ok, reason="Draftsmith's CPU kernels do not run here")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_kernel_matches_the_composite(dtype):
     """The decode-step RMSNorm (kernels/gemv.cpp) against the decoder's torch composite: float32
@@ -189,7 +195,7 @@ def test_rms_norm_kernel_matches_the_composite(dtype):
             assert bool(close.all()) and float((got != ref).float().mean() if x.numel() else 0) < 0.01
 
 
-@pytest.mark.skipif(not cpu_kernels().ok, reason="the avx512 kernels do not run here")
+@pytest.mark.skipif(not cpu_kernels().ok, reason="Draftsmith's CPU kernels do not run here")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_layer_ops_match_the_torch_ops_they_replace(dtype):
     """The fused small ops of a decoder layer (kernels/gemv.cpp) against the torch ops the
@@ -232,15 +238,15 @@ def test_fused_layer_ops_match_the_torch_ops_they_replace(dtype):
         ops.add_rms_norm(x, a[:, :1], w, 1e-5)
 
 
-@pytest.mark.skipif(not cpu_kernels().ok, reason="the avx512 kernels do not run here")
+@pytest.mark.skipif(not cpu_kernels().ok, reason="Draftsmith's CPU kernels do not run here")
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])  # qwen3: q/k norms before RoPE
 def test_prepared_decoder_uses_the_fused_ops_and_matches_the_unfused_path(tiny_model_dir, model_type):
-    """With the avx512 linears a float32 decoder runs RoPE, SwiGLU and add + norm as kernels;
+    """With the "kernels" linears a float32 decoder runs RoPE, SwiGLU and add + norm as kernels;
     its logits equal the composite path's up to silu's few ulps (the reference: the same model
     with the fused ops switched off, `set_fused_ops_(False)`)."""
     from draftsmith.models.decoder import rms_norm_kernel, rope_composite, rope_kernel
 
-    m = load_decoder(tiny_model_dir(model_type), linear_backend="avx512")
+    m = load_decoder(tiny_model_dir(model_type), linear_backend="kernels")
     layer = m.model.layers[0]
     assert layer.self_attn.rope_fn is rope_kernel and layer.add_norm_fn is not None
     assert layer.mlp.glu is torch.ops.draftsmith.silu_mul and layer.norm_fn is rms_norm_kernel

@@ -7,8 +7,10 @@ torch version and the CPU's instruction-set flags (a home shared by different ma
 one build per kind of CPU). The build is ~10 s on 2 cores, written to a temporary file and
 renamed, so processes that build at once cannot load half a library.
 
+They run on x86-64 CPUs with AVX-512 (one zmm register per 16 floats) or with AVX2 + FMA (two ymm
+registers: AMD Zen 1-3, Intel client CPUs without AVX-512); `-march=native` picks which (simd.h).
 `cpu_kernels()` answers whether the kernels can run here; when they cannot it says why
-(not an x86-64 CPU with AVX-512, no compiler, the compile failed), and the linear backend
+(not an x86-64 CPU with AVX2 + FMA, no compiler, the compile failed), and the linear backend
 "auto" falls back to oneDNN (models/linear.py). Nothing here runs at import.
 """
 
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("gemv.cpp")
+HEADERS = (Path(__file__).with_name("simd.h"),)
 BUILD_TIMEOUT_S = 600
 _BUILD_LOCK = threading.Lock()  # one build per process at a time (threads of a server)
 
@@ -34,8 +37,9 @@ _BUILD_LOCK = threading.Lock()  # one build per process at a time (threads of a 
 @dataclass(frozen=True)
 class KernelStatus:
     ok: bool  # float32 kernels loaded (torch.ops.draftsmith.*)
-    bf16: bool  # the bfloat16 kernel too (the CPU has AVX512-BF16)
+    bf16: bool  # the bfloat16 linear kernel too (AVX512-BF16 dot products, or AVX2 widening to float32)
     reason: str  # why not, or where the library is
+    isa: str = ""  # "avx512-bf16", "avx512" or "avx2" when ok
 
 
 def cpu_flags() -> frozenset[str]:
@@ -71,7 +75,8 @@ def _key(compiler: str, cmd: list[str], flags: frozenset[str]) -> str:
     except (OSError, subprocess.TimeoutExpired):
         version = ""
     h = hashlib.sha256()
-    h.update(SOURCE.read_bytes())
+    for f in (SOURCE, *HEADERS):
+        h.update(f.read_bytes())
     h.update(" ".join(c for c in cmd if c.startswith("-") and not c.startswith(("-isystem", "-L", "-Wl,-rpath"))).encode())
     h.update(version.encode())
     h.update(torch.__version__.encode())
@@ -93,8 +98,8 @@ def _build_and_load() -> KernelStatus:
     import torch
 
     flags = cpu_flags()
-    if platform.machine() not in ("x86_64", "AMD64") or "avx512f" not in flags:
-        return KernelStatus(False, False, "the CPU has no AVX-512 (x86-64 avx512f)")
+    if platform.machine() not in ("x86_64", "AMD64") or not ("avx512f" in flags or {"avx2", "fma"} <= flags):
+        return KernelStatus(False, False, "the CPU has neither AVX-512 nor AVX2 + FMA (x86-64 avx512f, or avx2 and fma)")
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if not compiler:
         return KernelStatus(False, False, "no C++ compiler (set CXX or install g++)")
@@ -120,4 +125,5 @@ def _build_and_load() -> KernelStatus:
         torch.ops.load_library(str(lib))
     except (OSError, RuntimeError) as e:
         return KernelStatus(False, False, f"loading {lib} failed: {e}")
-    return KernelStatus(True, bool(torch.ops.draftsmith.has_bf16()), str(lib))
+    ops = torch.ops.draftsmith
+    return KernelStatus(True, bool(ops.has_bf16()), str(lib), str(ops.isa()))

@@ -1,4 +1,4 @@
-// Few-row linears for memory-bound decoding and verification on x86-64 CPUs with AVX-512.
+// Few-row linears for memory-bound decoding and verification on x86-64 CPUs with AVX-512 or AVX2.
 //
 // y[m, n] = sum_k x[m, k] * W[n, k] (+ b[n]) for a few rows m (1 + K draft tokens per request).
 // A decode step streams every weight once, so the kernel is a weight stream: W is packed once,
@@ -6,12 +6,15 @@
 //   float32:  [N/32][K][32]          (one k: 32 outputs, two 64-byte lines)
 //   bfloat16: [N/32][K/2][32][2]     (one k pair: 32 outputs x 2 k, for vdpbf16ps)
 // and every thread reads one contiguous run of blocks front to back. Per block the rows of x are
-// taken MT at a time (2 x MT accumulators in registers); the block, at most 32 x K x 4 bytes,
-// stays in L2 for the next MT rows. Each output is summed in the same k order whatever the
-// number of rows, so a row's result does not depend on the batch it was computed in.
+// taken MT at a time (their sums in registers); the block, at most 32 x K x 4 bytes, stays in L2
+// for the next MT rows. Each output is summed in the same k order whatever the number of rows, so
+// a row's result does not depend on the batch it was computed in.
+//
+// The rest (RMSNorm, attention of decode / verify steps, RoPE, SwiGLU) is written once over V16
+// (simd.h: one zmm, or two ymm on AVX2); only the linears' register tiles are per ISA.
 //
 // Registered as torch.ops.draftsmith.{pack_f32, pack_bf16, gemv_f32, gemv_bf16, rms_norm, add_rms_norm,
-// attention, rope, silu_mul}; built on first use by kernels/build.py with -march=native.
+// attention, rope, silu_mul, has_bf16, isa}; built on first use by kernels/build.py with -march=native.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -21,24 +24,19 @@
 #include <cstdint>
 #include <cmath>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
 
+using v16::V16;
+
 constexpr int64_t BLOCK = 32;
-constexpr int MT = 8;  // rows of x per pass over a block
 
 int64_t pad_to(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
-
-// float32 -> bfloat16 of 16 values with torch's rounding (to nearest even; NaN -> 0x7FC0).
-inline __m256i bf16x16(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-  return _mm512_cvtepi32_epi16(r);
-}
 
 at::Tensor pack_f32(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat, "pack_f32: weight must be a 2-D float32 tensor");
@@ -76,36 +74,42 @@ at::Tensor pack_bf16(const at::Tensor& w) {
   return out;
 }
 
-// Store 32 fp32 sums (+ bias) of one block into y's row (float32, or rounded once to bfloat16),
-// n0 = first column, n = valid columns.
+// Store 32 fp32 sums (+ bias) of one block, tot[0..32), into y's row (float32, or rounded once to
+// bfloat16), n0 = first column, n = valid columns.
 template <typename O>
-inline void store_row(O* y, const float* bias, int64_t n0, int64_t n, __m512 lo, __m512 hi) {
+inline void store_row(O* y, const float* bias, int64_t n0, int64_t n, const float* tot) {
+  V16 lo = v16::load(tot), hi = v16::load(tot + 16);
   if (bias) {
     alignas(64) float bb[BLOCK] = {0};
     std::memcpy(bb, bias + n0, n * sizeof(float));
-    lo = _mm512_add_ps(lo, _mm512_load_ps(bb));
-    hi = _mm512_add_ps(hi, _mm512_load_ps(bb + 16));
+    lo = v16::add(lo, v16::load(bb));
+    hi = v16::add(hi, v16::load(bb + 16));
   }
   if constexpr (!std::is_same_v<O, float>) {
     alignas(32) uint16_t tmp[BLOCK];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(tmp), bf16x16(lo));
-    _mm256_store_si256(reinterpret_cast<__m256i*>(tmp + 16), bf16x16(hi));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(tmp), v16::to_bf16(lo));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(tmp + 16), v16::to_bf16(hi));
     std::memcpy(y + n0, tmp, n * sizeof(uint16_t));
   } else if (n == BLOCK) {
-    _mm512_storeu_ps(y + n0, lo);
-    _mm512_storeu_ps(y + n0 + 16, hi);
+    v16::store(y + n0, lo);
+    v16::store(y + n0 + 16, hi);
   } else {
     alignas(64) float tmp[BLOCK];
-    _mm512_store_ps(tmp, lo);
-    _mm512_store_ps(tmp + 16, hi);
+    v16::store(tmp, lo);
+    v16::store(tmp + 16, hi);
     std::memcpy(y + n0, tmp, n * sizeof(float));
   }
 }
 
 // Sums run over chunks of KC steps of k in registers, each chunk then added to a running total
 // (blocked summation: the rounding error of a 1,536-term dot product stays near the other
-// backends' instead of growing with K).
+// backends' instead of growing with K). Every ISA's tile sums an output in this same order.
 constexpr int64_t KC = 32;
+
+#if defined(__AVX512F__)
+
+// AVX-512: a tile is R <= 8 rows x the block's 32 columns, 2 x R zmm sums.
+constexpr int MT_F32 = 8, MT_BF16 = 8;
 
 template <int R, typename O>
 inline void block_f32(const float* wb, const float* x, int64_t K, O* y, int64_t ldy, const float* bias,
@@ -131,10 +135,13 @@ inline void block_f32(const float* wb, const float* x, int64_t K, O* y, int64_t 
       _mm512_store_ps(tot[r] + 16, _mm512_add_ps(_mm512_load_ps(tot[r] + 16), hi[r]));
     }
   }
-  for (int r = 0; r < R; ++r) store_row(y + r * ldy, bias, n0, n, _mm512_load_ps(tot[r]), _mm512_load_ps(tot[r] + 16));
+  for (int r = 0; r < R; ++r) store_row(y + r * ldy, bias, n0, n, tot[r]);
 }
 
 #ifdef __AVX512BF16__
+constexpr bool BF16_KERNEL = true;
+
+// x: bfloat16 rows of KP pairs.
 template <int R, typename O>
 inline void block_bf16(const uint16_t* wb, const uint16_t* x, int64_t KP, O* y, int64_t ldy,
                        const float* bias, int64_t n0, int64_t n) {
@@ -162,38 +169,183 @@ inline void block_bf16(const uint16_t* wb, const uint16_t* x, int64_t KP, O* y, 
       _mm512_store_ps(tot[r] + 16, _mm512_add_ps(_mm512_load_ps(tot[r] + 16), hi[r]));
     }
   }
-  for (int r = 0; r < R; ++r) store_row(y + r * ldy, bias, n0, n, _mm512_load_ps(tot[r]), _mm512_load_ps(tot[r] + 16));
+  for (int r = 0; r < R; ++r) store_row(y + r * ldy, bias, n0, n, tot[r]);
+}
+#else
+constexpr bool BF16_KERNEL = false;
+template <int R, typename O>  // never called: gemv_bf16 refuses first
+inline void block_bf16(const uint16_t*, const uint16_t*, int64_t, O*, int64_t, const float*, int64_t, int64_t) {}
+#endif
+
+#else  // AVX2 + FMA: 16 ymm registers
+
+// A tile is R rows x C 8-column vectors of the block: C = 4 (the whole block) for up to 2 rows,
+// else the block in two halves of C = 2, up to 6 rows (float32) / 4 rows (bfloat16). 16 registers
+// hold few sums, so a block's rows take several tiles; to keep the weights in L1 for all of them,
+// the loop runs chunk by chunk (KC k at a time: 4 KB of a float32 block), every tile of the rows
+// over one chunk before the next (rows_f32). An output's sum is the same either way.
+constexpr int MT_F32 = 6, MT_BF16 = 4;
+constexpr int64_t ROW_GROUP = 48;  // rows whose running totals live on the stack at once
+constexpr bool BF16_KERNEL = true;  // bfloat16 weights widened to float32 in registers, float32 FMAs
+
+// Chunk [k0, k1) of R rows x C vectors from column c0, added to tot (rows BLOCK apart).
+template <int R, int C>
+inline void chunk_f32(const float* wb, const float* x, int64_t K, int64_t k0, int64_t k1, int c0, float* tot) {
+  __m256 acc[R][C];
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t k = k0; k < k1; ++k) {
+    __m256 w[C];
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) w[c] = _mm256_load_ps(wb + k * BLOCK + c0 + 8 * c);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_broadcast_ss(x + r * K + k);
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(w[c], xv, acc[r][c]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      float* t = tot + r * BLOCK + c0 + 8 * c;
+      _mm256_store_ps(t, _mm256_add_ps(_mm256_load_ps(t), acc[r][c]));
+    }
+}
+
+// bfloat16: one 32-byte load is 8 columns x a k pair; the even k are the low 16 bits of each 32-bit
+// lane, the odd the high. x: float32 rows of 2 x KP values (widened once per call); p = k pairs.
+template <int R, int C>
+inline void chunk_bf16(const uint16_t* wb, const float* x, int64_t KP, int64_t p0, int64_t p1, int c0, float* tot) {
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m256 acc[R][C];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t p = p0; p < p1; ++p) {
+    __m256 xe[R], xo[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      xe[r] = _mm256_broadcast_ss(x + r * KP * 2 + 2 * p);
+      xo[r] = _mm256_broadcast_ss(x + r * KP * 2 + 2 * p + 1);
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      const __m256i raw = _mm256_load_si256(reinterpret_cast<const __m256i*>(wb + p * BLOCK * 2 + 2 * (c0 + 8 * c)));
+      const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+      const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(raw, high));
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(wo, xo[r], _mm256_fmadd_ps(we, xe[r], acc[r][c]));
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      float* t = tot + r * BLOCK + c0 + 8 * c;
+      _mm256_store_ps(t, _mm256_add_ps(_mm256_load_ps(t), acc[r][c]));
+    }
 }
 
 #endif
 
-template <typename F>
-inline void by_rows(int64_t M, F&& f) {
-  int64_t m = 0;
-  for (; m + 8 <= M; m += 8) f(m, std::integral_constant<int, 8>{});
-  switch (M - m) {
-    case 7: f(m, std::integral_constant<int, 7>{}); break;
-    case 6: f(m, std::integral_constant<int, 6>{}); break;
-    case 5: f(m, std::integral_constant<int, 5>{}); break;
-    case 4: f(m, std::integral_constant<int, 4>{}); break;
-    case 3: f(m, std::integral_constant<int, 3>{}); break;
-    case 2: f(m, std::integral_constant<int, 2>{}); break;
-    case 1: f(m, std::integral_constant<int, 1>{}); break;
-    default: break;
+// f(first row, rows as an integral_constant) over tiles of MT rows, then one tile of the rest.
+template <int R, typename F>
+inline void rest_rows(int64_t left, int64_t m, F& f) {
+  if constexpr (R > 0) {
+    if (left == R) f(m, std::integral_constant<int, R>{});
+    else rest_rows<R - 1>(left, m, f);
   }
 }
+
+template <int MT, typename F>
+inline void by_rows(int64_t M, F&& f) {
+  int64_t m = 0;
+  for (; m + MT <= M; m += MT) f(m, std::integral_constant<int, MT>{});
+  rest_rows<MT - 1>(M - m, m, f);
+}
+
+#if defined(__AVX512F__)
+
+// All M rows of x through one block: tiles of up to 8 rows, each over the whole of K.
+template <typename O>
+inline void rows_f32(const float* wb, const float* x, int64_t K, int64_t M, O* y, int64_t ldy, const float* bias,
+                     int64_t n0, int64_t n) {
+  by_rows<MT_F32>(M, [&](int64_t m, auto R) { block_f32<decltype(R)::value, O>(wb, x + m * K, K, y + m * ldy, ldy, bias, n0, n); });
+}
+
+template <typename O>
+inline void rows_bf16(const uint16_t* wb, const uint16_t* x, int64_t KP, int64_t M, O* y, int64_t ldy,
+                      const float* bias, int64_t n0, int64_t n) {
+  by_rows<MT_BF16>(M, [&](int64_t m, auto R) {
+    block_bf16<decltype(R)::value, O>(wb, x + m * KP * 2, KP, y + m * ldy, ldy, bias, n0, n);
+  });
+}
+
+#else
+
+// All M rows of x through one block, ROW_GROUP rows at a time: per chunk of k, every row tile.
+// S = k steps per chunk (KC k of float32, KC / 2 pairs of bfloat16); tile(R, m, s0, s1, tot) sums
+// rows m.. over steps [s0, s1).
+template <int MT, typename O, typename Tile>
+inline void rows_by_chunk(int64_t steps, int64_t S, int64_t M, O* y, int64_t ldy, const float* bias, int64_t n0,
+                          int64_t n, Tile&& tile) {
+  alignas(64) float tot[ROW_GROUP][BLOCK];
+  for (int64_t g0 = 0; g0 < M; g0 += ROW_GROUP) {
+    const int64_t mg = std::min(ROW_GROUP, M - g0);
+    std::memset(tot, 0, sizeof(float) * BLOCK * mg);
+    for (int64_t s0 = 0; s0 < steps; s0 += S) {
+      const int64_t s1 = std::min(steps, s0 + S);
+      by_rows<MT>(mg, [&](int64_t m, auto R) { tile(R, g0 + m, s0, s1, tot[m]); });
+    }
+    for (int64_t m = 0; m < mg; ++m) store_row(y + (g0 + m) * ldy, bias, n0, n, tot[m]);
+  }
+}
+
+template <typename O>
+inline void rows_f32(const float* wb, const float* x, int64_t K, int64_t M, O* y, int64_t ldy, const float* bias,
+                     int64_t n0, int64_t n) {
+  rows_by_chunk<MT_F32>(K, KC, M, y, ldy, bias, n0, n, [&](auto R, int64_t m, int64_t k0, int64_t k1, float* t) {
+    constexpr int r = decltype(R)::value;
+    if constexpr (r <= 2) {
+      chunk_f32<r, 4>(wb, x + m * K, K, k0, k1, 0, t);
+    } else {
+      chunk_f32<r, 2>(wb, x + m * K, K, k0, k1, 0, t);
+      chunk_f32<r, 2>(wb, x + m * K, K, k0, k1, 16, t);
+    }
+  });
+}
+
+template <typename O>
+inline void rows_bf16(const uint16_t* wb, const float* x, int64_t KP, int64_t M, O* y, int64_t ldy, const float* bias,
+                      int64_t n0, int64_t n) {
+  rows_by_chunk<MT_BF16>(KP, KC / 2, M, y, ldy, bias, n0, n, [&](auto R, int64_t m, int64_t p0, int64_t p1, float* t) {
+    constexpr int r = decltype(R)::value;
+    if constexpr (r <= 2) {
+      chunk_bf16<r, 4>(wb, x + m * KP * 2, KP, p0, p1, 0, t);
+    } else {
+      chunk_bf16<r, 2>(wb, x + m * KP * 2, KP, p0, p1, 0, t);
+      chunk_bf16<r, 2>(wb, x + m * KP * 2, KP, p0, p1, 16, t);
+    }
+  });
+}
+
+#endif
 
 // Grain: blocks per task, so that a thread's share is at least ~64 KB of weight (fork cost).
 int64_t grain(int64_t bytes_per_block) { return std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, bytes_per_block)); }
 
-// Every (block of 32 output columns, tile of up to 8 rows) pair, the blocks split over torch's
-// threads: f(block, first column, columns, first row, rows as an integral_constant).
+// Every block of 32 output columns, the blocks split over torch's threads: f(block, first column, columns).
 template <typename F>
-void over_blocks(int64_t NB, int64_t N, int64_t M, int64_t bytes_per_block, F&& f) {
+void over_blocks(int64_t NB, int64_t N, int64_t bytes_per_block, F&& f) {
   at::parallel_for(0, NB, grain(bytes_per_block), [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = b * BLOCK, n = std::min<int64_t>(BLOCK, N - n0);
-      by_rows(M, [&](int64_t m, auto R) { f(b, n0, n, m, R); });
+      const int64_t n0 = b * BLOCK;
+      f(b, n0, std::min<int64_t>(BLOCK, N - n0));
     }
   });
 }
@@ -225,16 +377,14 @@ at::Tensor gemv_f32(const at::Tensor& x, const at::Tensor& wp, int64_t N, const 
   float* yp = y.data_ptr<float>();
   at::Tensor bc;
   const float* bp = bias_f32(bias, bc);
-  over_blocks(NB, N, M, K * BLOCK * 4, [&](int64_t b, int64_t n0, int64_t n, int64_t m, auto R) {
-    block_f32<decltype(R)::value, float>(w + b * K * BLOCK, xp + m * K, K, yp + m * N, N, bp, n0, n);
+  over_blocks(NB, N, K * BLOCK * 4, [&](int64_t b, int64_t n0, int64_t n) {
+    rows_f32(w + b * K * BLOCK, xp, K, M, yp, N, bp, n0, n);
   });
   return y.view(sizes);
 }
 
 at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& wp, int64_t N, int64_t K, const std::optional<at::Tensor>& bias) {
-#ifndef __AVX512BF16__
-  TORCH_CHECK(false, "gemv_bf16: this CPU has no AVX512-BF16");
-#else
+  TORCH_CHECK(BF16_KERNEL, "gemv_bf16: this build has no bfloat16 kernel (an AVX-512 CPU without AVX512-BF16)");
   TORCH_CHECK(wp.scalar_type() == at::kBFloat16 && wp.dim() == 4, "gemv_bf16: a pack_bf16 weight expected");
   TORCH_CHECK(x.device().is_cpu() && wp.device().is_cpu(), "gemv_bf16: CPU tensors expected");
   TORCH_CHECK(wp.is_contiguous() && wp.size(2) == BLOCK && wp.size(3) == 2, "gemv_bf16: a pack_bf16 weight expected");
@@ -253,14 +403,19 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& wp, int64_t N, int64
   auto sizes = x.sizes().vec();
   sizes.back() = N;
   auto y = at::empty({M, N}, x.options().dtype(direct ? at::kBFloat16 : at::kFloat));
+#if defined(__AVX512F__)
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x2.data_ptr());
+#else
+  auto xf = x2.to(at::kFloat);  // exact: the AVX2 tile multiplies in float32
+  const float* xp = xf.data_ptr<float>();
+#endif
   const uint16_t* w = reinterpret_cast<const uint16_t*>(wp.data_ptr());
   at::Tensor bc;
   const float* bp = bias_f32(bias, bc);
   auto run = [&](auto* yp) {
     using O = std::remove_pointer_t<decltype(yp)>;
-    over_blocks(NB, N, M, KP * BLOCK * 4, [&](int64_t b, int64_t n0, int64_t n, int64_t m, auto R) {
-      block_bf16<decltype(R)::value, O>(w + b * KP * BLOCK * 2, xp + m * KP * 2, KP, yp + m * N, N, bp, n0, n);
+    over_blocks(NB, N, KP * BLOCK * 4, [&](int64_t b, int64_t n0, int64_t n) {
+      rows_bf16(w + b * KP * BLOCK * 2, xp, KP, M, yp, N, bp, n0, n);
     });
   };
   if (direct) {
@@ -269,7 +424,6 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& wp, int64_t N, int64
   }
   run(y.data_ptr<float>());
   return y.view(sizes).to(x.scalar_type());
-#endif
 }
 
 inline float bf16_to_f32(uint16_t b) {
@@ -287,17 +441,20 @@ inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch does
   return static_cast<uint16_t>(u >> 16);
 }
 
+inline void store16(float* p, V16 v) { v16::store(p, v); }
+inline void store16(uint16_t* p, V16 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v16::to_bf16(v)); }
+
 // HF's RMSNorm for decode / verify steps, one pass per row instead of torch's composite:
 // float32: y = w * (x * r); bfloat16: y = bf16(w * bf16(x * r)) (normalised in float32, rounded,
 // then scaled), r = 1 / sqrt(mean(x^2) + eps) in float32. xr: the row in float32.
 inline void norm_row(const float* xr, const at::Tensor& wc, bool bf16, int64_t H, float eps, void* out) {
-  __m512 acc = _mm512_setzero_ps();
+  V16 acc = v16::zero();
   int64_t h = 0;
   for (; h + 16 <= H; h += 16) {
-    const __m512 v = _mm512_loadu_ps(xr + h);
-    acc = _mm512_fmadd_ps(v, v, acc);
+    const V16 v = v16::load(xr + h);
+    acc = v16::fmadd(v, v, acc);
   }
-  float ss = _mm512_reduce_add_ps(acc);
+  float ss = v16::reduce_add(acc);
   for (; h < H; ++h) ss += xr[h] * xr[h];
   const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
   if (bf16) {
@@ -380,49 +537,82 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 // attention equals that of decoding its tokens one by one (torch's SDPA blocks by query length).
 // Scores, softmax and the weighted sum in float32; the output rounded once to the input dtype.
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
-
 // exp for x <= 0 (softmax after subtracting the max): 2^n * p(r), |r| <= ln2 / 2, degree-7 Taylor
 // polynomial (relative error < 3e-8 before rounding); x < -87 gives 0.
-inline __m512 exp_nonpositive(__m512 x) {
-  const __m512 tiny = _mm512_set1_ps(-87.0f);
-  const __mmask16 zero = _mm512_cmp_ps_mask(x, tiny, _CMP_LT_OQ);
-  x = _mm512_max_ps(x, tiny);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~zero), _mm512_scalef_ps(p, n));
+inline V16 exp_nonpositive(V16 x) {
+  const V16 tiny = v16::set1(-87.0f);
+  const V16 xc = v16::max(x, tiny);
+  const V16 n = v16::round_nearest(v16::mul(xc, v16::set1(1.44269504088896341f)));
+  V16 r = v16::fnmadd(n, v16::set1(0.693145751953125f), xc);
+  r = v16::fnmadd(n, v16::set1(1.428606765330187045e-06f), r);
+  V16 p = v16::set1(1.0f / 5040);
+  p = v16::fmadd(p, r, v16::set1(1.0f / 720));
+  p = v16::fmadd(p, r, v16::set1(1.0f / 120));
+  p = v16::fmadd(p, r, v16::set1(1.0f / 24));
+  p = v16::fmadd(p, r, v16::set1(1.0f / 6));
+  p = v16::fmadd(p, r, v16::set1(0.5f));
+  p = v16::fmadd(p, r, v16::set1(1.0f));
+  p = v16::fmadd(p, r, v16::set1(1.0f));
+  return v16::zero_where_less(v16::scale2(p, n), x, tiny);
 }
 
-// The 16 lane sums of a[0..15] as one vector (lane i = sum of a[i]): a fixed tree of unpacks,
-// shuffles and adds, the same for every position i, so a key's score does not depend on where
-// its tile starts or how many keys it holds.
-inline __m512 hsum16(const __m512* a) {
-  __m512 b[8], c[4], d[2];
-#pragma GCC unroll 8
-  for (int i = 0; i < 8; ++i) b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-#pragma GCC unroll 4
-  for (int i = 0; i < 4; ++i) {
-    const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
-    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+// One query's attention over keys [0, hi) (keys / values rows kst / vst elements apart): scores 16
+// keys at a time through a fixed tree, float32 softmax, the weighted sum of values, written to orow.
+template <typename E, int DV, typename O>
+inline void attend_query(const V16* qv, const E* kb, int64_t kst, const E* vb, int64_t vst, int64_t hi,
+                         const bool* mr, float* sc, O* orow) {
+  for (int64_t j0 = 0; j0 < hi; j0 += 16) {  // scores of 16 keys at a time
+    const int64_t nj = std::min<int64_t>(16, hi - j0);
+    V16 a[16];
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) {
+      if (i < nj) {
+        const E* kr = kb + (j0 + i) * kst;
+        a[i] = v16::mul(qv[0], v16::load(kr));
+#pragma GCC unroll 16
+        for (int d = 1; d < DV; ++d) a[i] = v16::fmadd(qv[d], v16::load(kr + d * 16), a[i]);
+      } else {
+        a[i] = v16::zero();
+      }
+    }
+    v16::store_first(sc + j0, v16::hsum16(a), nj);
   }
-#pragma GCC unroll 2
-  for (int i = 0; i < 2; ++i)
-    d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88), _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88), _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
+  float mx = -INFINITY;
+  for (int64_t j = 0; j < hi; ++j) {
+    if (mr && !mr[j]) sc[j] = -INFINITY;
+    mx = std::max(mx, sc[j]);
+  }
+  if (mx == -INFINITY) {  // no key visible (a padding query): zeros, not NaN
+    std::memset(orow, 0, DV * 16 * sizeof(O));
+    return;
+  }
+  int64_t j = 0;
+  const V16 mv = v16::set1(mx);
+  for (; j + 16 <= hi; j += 16) v16::store(sc + j, exp_nonpositive(v16::sub(v16::load(sc + j), mv)));
+  if (j < hi) v16::store_first(sc + j, exp_nonpositive(v16::sub(v16::load_first(sc + j, hi - j), mv)), hi - j);
+  V16 lv = v16::zero();  // the softmax denominator, 16 lanes then one fixed reduction
+  for (j = 0; j < hi; j += 16) lv = v16::add(lv, v16::load_first(sc + j, hi - j));
+  const float l = v16::reduce_add(lv);
+  // the weighted sum of values: even keys into acc, odd keys into acc2 (two chains, not one)
+  V16 acc[DV], acc2[DV];
+#pragma GCC unroll 16
+  for (int d = 0; d < DV; ++d) acc[d] = acc2[d] = v16::zero();
+  for (j = 0; j < hi; ++j) {
+    const float pj = sc[j];
+    if (pj == 0.0f) continue;  // a masked key (its value may be an unwritten cache slot)
+    const V16 pv = v16::set1(pj);
+    const E* vr = vb + j * vst;
+    if (j & 1) {
+#pragma GCC unroll 16
+      for (int d = 0; d < DV; ++d) acc2[d] = v16::fmadd(pv, v16::load(vr + d * 16), acc2[d]);
+    } else {
+#pragma GCC unroll 16
+      for (int d = 0; d < DV; ++d) acc[d] = v16::fmadd(pv, v16::load(vr + d * 16), acc[d]);
+    }
+  }
+  const V16 inv = v16::set1(1.0f / l);
+#pragma GCC unroll 16
+  for (int d = 0; d < DV; ++d) store16(orow + d * 16, v16::mul(v16::add(acc[d], acc2[d]), inv));
 }
 
 template <typename E, int DV>
@@ -436,86 +626,40 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   const int64_t ksb = k.stride(0), ksh = k.stride(1), kst = k.stride(2);
   const int64_t vsb = v.stride(0), vsh = v.stride(1), vst = v.stride(2);
   E* op = reinterpret_cast<E*>(out.data_ptr());  // [B, S, H, D]
-  const int64_t tasks = B * H * S;
-  at::parallel_for(0, tasks, std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(1, T * D)), [&](int64_t t0, int64_t t1) {
+  // bfloat16 with grouped-query heads and work for every thread: one task per (row, kv head, query)
+  // converts the keys / values its G heads read to float32 once (the very floats v16::load gives, so
+  // the same results); otherwise one task per (row, head, query), reading the cache directly.
+  const bool grouped = !std::is_same_v<E, float> && G > 1 && B * KV * S >= 4 * at::get_num_threads();
+  const int64_t per = grouped ? G : 1, tasks = B * H * S / per;
+  at::parallel_for(0, tasks, std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(1, per * T * D)), [&](int64_t t0, int64_t t1) {
     std::vector<float> sc(T + 16);
-    __m512 acc[DV];
+    std::vector<float> kvf(grouped ? 2 * T * D : 0);  // a group's keys, then its values, float32 [T, D]
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = t / (H * S), h = (t / S) % H, s = t % S, g = h / G;
-      const E* qr = qp + ((b * H + h) * S + s) * D;
-      __m512 qv[DV];
-#pragma GCC unroll 16
-      for (int d = 0; d < DV; ++d) qv[d] = _mm512_mul_ps(load16(qr + d * 16), _mm512_set1_ps(scale));
+      // t runs over (b, h, s), s fastest; grouped: over (b, g, s), each task all G heads of group g
+      const int64_t b = t / (tasks / B), s = t % S, h0 = grouped ? ((t / S) % KV) * G : (t / S) % H;
+      const int64_t g = h0 / G;
       const int64_t hi = causal ? T - S + s + 1 : T;
       const bool* mr = mask ? mask + ((mask_b == 1 ? 0 : b) * S + s) * T : nullptr;
       const E* kb = kp + b * ksb + g * ksh;
       const E* vb = vp + b * vsb + g * vsh;
-      for (int64_t j0 = 0; j0 < hi; j0 += 16) {  // scores of 16 keys at a time
-        const int64_t nj = std::min<int64_t>(16, hi - j0);
-        __m512 a[16];
-#pragma GCC unroll 16
-        for (int i = 0; i < 16; ++i) {
-          if (i < nj) {
-            const E* kr = kb + (j0 + i) * kst;
-            a[i] = _mm512_mul_ps(qv[0], load16(kr));
-#pragma GCC unroll 16
-            for (int d = 1; d < DV; ++d) a[i] = _mm512_fmadd_ps(qv[d], load16(kr + d * 16), a[i]);
-          } else {
-            a[i] = _mm512_setzero_ps();
+      if (grouped) {
+        for (int64_t j = 0; j < hi; ++j) {
+          for (int64_t d = 0; d < D; d += 16) {
+            v16::store(kvf.data() + j * D + d, v16::load(kb + j * kst + d));
+            v16::store(kvf.data() + (T + j) * D + d, v16::load(vb + j * vst + d));
           }
         }
-        _mm512_mask_storeu_ps(sc.data() + j0, static_cast<__mmask16>((1u << nj) - 1), hsum16(a));
       }
-      float mx = -INFINITY;
-      for (int64_t j = 0; j < hi; ++j) {
-        if (mr && !mr[j]) sc[j] = -INFINITY;
-        mx = std::max(mx, sc[j]);
-      }
-      E* orow = op + ((b * S + s) * H + h) * D;
-      if (mx == -INFINITY) {  // no key visible (a padding query): zeros, not NaN
-        std::memset(orow, 0, D * sizeof(E));
-        continue;
-      }
-      int64_t j = 0;
-      const __m512 mv = _mm512_set1_ps(mx);
-      for (; j + 16 <= hi; j += 16) _mm512_storeu_ps(sc.data() + j, exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sc.data() + j), mv)));
-      if (j < hi) {
-        const __mmask16 m = static_cast<__mmask16>((1u << (hi - j)) - 1);
-        _mm512_mask_storeu_ps(sc.data() + j, m, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc.data() + j), mv)));
-      }
-      __m512 lv = _mm512_setzero_ps();  // the softmax denominator, 16 lanes then one fixed reduction
-      for (j = 0; j < hi; j += 16)
-        lv = _mm512_add_ps(lv, _mm512_maskz_loadu_ps(static_cast<__mmask16>(hi - j >= 16 ? 0xFFFF : (1u << (hi - j)) - 1), sc.data() + j));
-      const float l = _mm512_reduce_add_ps(lv);
-      // the weighted sum of values: even keys into acc, odd keys into acc2 (two chains, not one)
-      __m512 acc2[DV];
+      for (int64_t h = h0; h < h0 + per; ++h) {
+        const E* qr = qp + ((b * H + h) * S + s) * D;
+        V16 qv[DV];
 #pragma GCC unroll 16
-      for (int d = 0; d < DV; ++d) acc[d] = acc2[d] = _mm512_setzero_ps();
-      for (j = 0; j < hi; ++j) {
-        const float pj = sc[j];
-        if (pj == 0.0f) continue;  // a masked key (its value may be an unwritten cache slot)
-        const __m512 pv = _mm512_set1_ps(pj);
-        const E* vr = vb + j * vst;
-        if (j & 1) {
-#pragma GCC unroll 16
-          for (int d = 0; d < DV; ++d) acc2[d] = _mm512_fmadd_ps(pv, load16(vr + d * 16), acc2[d]);
+        for (int d = 0; d < DV; ++d) qv[d] = v16::mul(v16::load(qr + d * 16), v16::set1(scale));
+        E* orow = op + ((b * S + s) * H + h) * D;
+        if (grouped) {
+          attend_query<float, DV, E>(qv, kvf.data(), D, kvf.data() + T * D, D, hi, mr, sc.data(), orow);
         } else {
-#pragma GCC unroll 16
-          for (int d = 0; d < DV; ++d) acc[d] = _mm512_fmadd_ps(pv, load16(vr + d * 16), acc[d]);
-        }
-      }
-#pragma GCC unroll 16
-      for (int d = 0; d < DV; ++d) acc[d] = _mm512_add_ps(acc[d], acc2[d]);
-      const __m512 inv = _mm512_set1_ps(1.0f / l);
-      alignas(64) float tmp[16];
-#pragma GCC unroll 16
-      for (int d = 0; d < DV; ++d) {
-        const __m512 o = _mm512_mul_ps(acc[d], inv);
-        if constexpr (std::is_same_v<E, float>) {
-          _mm512_storeu_ps(orow + d * 16, o);
-        } else {
-          _mm512_store_ps(tmp, o);
-          for (int i = 0; i < 16; ++i) orow[d * 16 + i] = f32_to_bf16(tmp[i]);
+          attend_query<E, DV, E>(qv, kb, kst, vb, vst, hi, mr, sc.data(), orow);
         }
       }
     }
@@ -580,36 +724,33 @@ inline float ld(const float* p) { return *p; }
 inline float ld(const uint16_t* p) { return bf16_to_f32(*p); }
 inline void st(float* p, float v) { *p = v; }
 inline void st(uint16_t* p, float v) { *p = f32_to_bf16(v); }
-inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store16(uint16_t* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16x16(v)); }
+
 template <typename E>
 inline float rnd(float v) {  // v as an op producing dtype E leaves it
   if constexpr (std::is_same_v<E, float>) return v; else return bf16_to_f32(f32_to_bf16(v));
 }
 template <typename E>
-inline __m512 rnd(__m512 v) {
-  if constexpr (std::is_same_v<E, float>) {
-    return v;
-  } else {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16x16(v)), 16));
-  }
+inline V16 rnd(V16 v) {
+  if constexpr (std::is_same_v<E, float>) return v; else return v16::round_bf16(v);
 }
 
-// exp over all floats: 2^n * p(r) as exp_nonpositive; overflows to inf, underflows to 0, NaN stays.
-inline __m512 exp_ps(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
+// exp over all floats, for silu: x clamped to [-104, 89] first (below, exp rounds to 0 or a few
+// subnormal ulps; above, to inf), so -inf gives 0 and +inf gives inf; NaN gives 0 (silu's NaN comes
+// from its numerator). Then 2^n * p(r) as exp_nonpositive.
+inline V16 exp_ps(V16 x) {
+  x = v16::min(v16::max(x, v16::set1(-104.0f)), v16::set1(89.0f));
+  const V16 n = v16::round_nearest(v16::mul(x, v16::set1(1.44269504088896341f)));
+  V16 r = v16::fnmadd(n, v16::set1(0.693145751953125f), x);
+  r = v16::fnmadd(n, v16::set1(1.428606765330187045e-06f), r);
+  V16 p = v16::set1(1.0f / 5040);
+  p = v16::fmadd(p, r, v16::set1(1.0f / 720));
+  p = v16::fmadd(p, r, v16::set1(1.0f / 120));
+  p = v16::fmadd(p, r, v16::set1(1.0f / 24));
+  p = v16::fmadd(p, r, v16::set1(1.0f / 6));
+  p = v16::fmadd(p, r, v16::set1(0.5f));
+  p = v16::fmadd(p, r, v16::set1(1.0f));
+  p = v16::fmadd(p, r, v16::set1(1.0f));
+  return v16::scale2(p, n);
 }
 
 // RoPE in HF's rotate-half convention on the first n heads of x [B, S, heads, D] (the fused q/k/v
@@ -636,9 +777,9 @@ void rope_impl(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin
         if (half % 16 == 0) {
           for (; d < D; d += 16) {
             const int64_t e = d < half ? d + half : d - half;
-            const __m512 u = rnd<E>(_mm512_mul_ps(load16(xr + d), load16(cr + d)));
-            const __m512 v = rnd<E>(_mm512_mul_ps(load16(xr + e), load16(sr + d)));
-            store16(yr + d, _mm512_add_ps(u, v));
+            const V16 u = rnd<E>(v16::mul(v16::load(xr + d), v16::load(cr + d)));
+            const V16 v = rnd<E>(v16::mul(v16::load(xr + e), v16::load(sr + d)));
+            store16(yr + d, v16::add(u, v));
           }
         }
         for (; d < D; ++d) {
@@ -678,10 +819,10 @@ void silu_mul_impl(const E* gu, E* y, int64_t rows, int64_t I) {
       E* yr = y + r * I;
       int64_t i = 0;
       for (; i + 16 <= I; i += 16) {
-        const __m512 gv = load16(g + i);
-        const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-        const __m512 sv = rnd<E>(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
-        store16(yr + i, _mm512_mul_ps(sv, load16(u + i)));
+        const V16 gv = v16::load(g + i);
+        const V16 e = exp_ps(v16::sub(v16::zero(), gv));
+        const V16 sv = rnd<E>(v16::div(gv, v16::add(v16::set1(1.0f), e)));
+        store16(yr + i, v16::mul(sv, v16::load(u + i)));
       }
       for (; i < I; ++i) {
         const float gv = ld(g + i);
@@ -709,11 +850,13 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   return y;
 }
 
-bool has_bf16() {  // whether this build has the AVX512-BF16 kernel (the compiler's -march=native)
-#ifdef __AVX512BF16__
-  return true;
+bool has_bf16() { return BF16_KERNEL; }  // whether this build has a bfloat16 linear kernel
+
+std::string isa() {  // the instruction set this build's kernels use
+#if defined(__AVX512F__)
+  return BF16_KERNEL ? "avx512-bf16" : "avx512";
 #else
-  return false;
+  return "avx2";
 #endif
 }
 
@@ -729,5 +872,6 @@ TORCH_LIBRARY(draftsmith, m) {
   m.def("rope(Tensor x, Tensor cos, Tensor sin_signed, int n) -> Tensor", &rope);
   m.def("silu_mul(Tensor gu) -> Tensor", &silu_mul);
   m.def("has_bf16() -> bool", &has_bf16);
+  m.def("isa() -> str", &isa);
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, bool causal, float scale) -> Tensor", &attention);
 }

@@ -5,7 +5,7 @@ On a CPU where Draftsmith's kernels load (kernels/build.py), steps of up to 64 q
 (decode, verify blocks, batched decode) run `torch.ops.draftsmith.attention` (kernels/gemv.cpp):
 each query on its own, float32 softmax, the same order of operations whatever the number of
 queries, so the logits of a verify block equal those of decoding its tokens one at a time. With
-the batch-invariant "avx512" linears that makes a bfloat16 target's greedy speculative output
+the batch-invariant "kernels" linears that makes a bfloat16 target's greedy speculative output
 equal its plain decoding (SDPA picks its blocking by query length, and bf16 rounds the
 difference into every later layer). Prefill chunks and tensors that need gradients keep SDPA.
 

@@ -243,7 +243,7 @@ def rms_norm_unit_offset(x: torch.Tensor, weight: torch.Tensor, eps: float) -> t
 
 
 def rms_norm_kernel(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`rms_norm` in one pass per row (kernels/gemv.cpp; inference on a CPU with the "avx512"
+    """`rms_norm` in one pass per row (kernels/gemv.cpp; inference on a CPU with the "kernels"
     linears): the same order of operations, the sum of squares in another order (~1 ulp)."""
     return torch.ops.draftsmith.rms_norm(x, weight, eps)
 
@@ -287,7 +287,7 @@ class Attention(nn.Module):
         self.sliding = layer_idx in cfg.sliding_layers  # reads `ctx.sliding`, its window and RoPE
         self.scale = cfg.attn_scale  # None: SDPA's default head_dim ** -0.5
         # Set by `Decoder.prepare_inference_()`: [q; k; v] as one linear, and o_proj; RoPE of the
-        # first n heads of x [B, S, heads, D] (the one-op kernel with the "avx512" linears).
+        # first n heads of x [B, S, heads, D] (the one-op kernel with the "kernels" linears).
         self.qkv: FastLinear | None = None
         self.o: FastLinear | None = None
         self.rope_fn = rope_composite
@@ -350,7 +350,7 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, inter, bias=False)
         self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)
         self.act = ACTIVATIONS[act]
-        self.fused_act = act == "silu"  # SwiGLU: silu(gate) * up as one kernel with the "avx512" linears
+        self.fused_act = act == "silu"  # SwiGLU: silu(gate) * up as one kernel with the "kernels" linears
         # Set by `Decoder.prepare_inference_()` (inference only): [gate; up] as one linear, down, and
         # the product act(gate) * up of the fused output.
         self.gate_up: FastLinear | None = None
@@ -370,10 +370,10 @@ class MLP(nn.Module):
         self.gate_up = FastLinear.build(_fuse([self.gate_proj, self.up_proj], "weight", backend), None, backend)
         # "mkl" (the earlier path) kept down_proj [out, in]: faster there.
         self.down = FastLinear.build(self.down_proj.weight, None, "torch" if backend == "mkl" else backend)
-        self.set_fused_act_(backend == "avx512")
+        self.set_fused_act_(backend == "kernels")
 
     def set_fused_act_(self, enabled: bool) -> None:
-        """silu(gate) * up as one kernel (SwiGLU, float32 / bfloat16 on the "avx512" path) or torch's ops."""
+        """silu(gate) * up as one kernel (SwiGLU, float32 / bfloat16 on the "kernels" path) or torch's ops."""
         kernel = enabled and self.fused_act and self.gate_proj.weight.dtype in _KERNEL_DTYPES
         self.glu = torch.ops.draftsmith.silu_mul if kernel else self._glu
 
@@ -441,7 +441,7 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(H, eps, unit)
         self.eps = eps
         self.norm_fn = rms_norm_unit_offset if unit else rms_norm
-        # The residual add and the post-attention norm as one kernel (set with the "avx512" linears).
+        # The residual add and the post-attention norm as one kernel (set with the "kernels" linears).
         self.add_norm_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def forward(self, x: torch.Tensor, ctx: "_StepContext", cache: KVCache) -> torch.Tensor:
@@ -532,7 +532,7 @@ class Decoder(nn.Module):
 
         One larger product instead of 2-3 saves dispatch overhead. The original parameters
         stay usable (names, shapes, `state_dict`): with "mkl" and "torch" they become views of
-        the fused matrices (no memory duplicated); "avx512" and "onednn" keep them and add
+        the fused matrices (no memory duplicated); "kernels" and "onednn" keep them and add
         copies in their own layouts.
         Numerics change only in summation order (~1e-6 relative). Idempotent; call again after
         moving the model to another device or dtype, or changing weights in place (a
@@ -554,7 +554,7 @@ class Decoder(nn.Module):
 
     def set_fused_ops_(self, enabled: bool = True) -> "Decoder":
         """RoPE, SwiGLU's silu(gate) * up and the residual add + RMSNorm each as one kernel
-        (kernels/gemv.cpp; the default with the "avx512" linears, float32 / bfloat16), or as torch's
+        (kernels/gemv.cpp; the default with the "kernels" linears, float32 / bfloat16), or as torch's
         ops (`enabled=False`: the benchmarks' before / after). The same numerics but for silu's
         exp (a few float32 ulps). A no-op for other backends; call after `prepare_inference_`."""
         for layer in self.model.layers:
@@ -567,11 +567,11 @@ class Decoder(nn.Module):
         return self
 
     def _norm_fn(self, backend: str):
-        """The layers' RMSNorm for `backend`: with the avx512 linears, the one-pass kernel (torch's
+        """The layers' RMSNorm for `backend`: with the "kernels" linears, the one-pass kernel (torch's
         composite costs ~25 us a call on a CPU; a row's result does not depend on the batch)."""
         if self.config.norm_unit_offset:
             return rms_norm_unit_offset
-        return rms_norm_kernel if backend == "avx512" and self.dtype in _KERNEL_DTYPES else rms_norm
+        return rms_norm_kernel if backend == "kernels" and self.dtype in _KERNEL_DTYPES else rms_norm
 
     def _rope_tables(self, n: int, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """cos / signed sin for positions 0..n-1, computed once with the same ops (hence the same
@@ -734,13 +734,13 @@ def _reprepare_after_load(module: "Decoder", incompatible_keys) -> None:
 
 def _fuse(linears: list[nn.Linear], name: str, backend: str) -> torch.Tensor:
     """Concatenate `name` ("weight" [out, in] or "bias" [out]) of Linears along the output dim
-    → [sum(out), in] (or [sum(out)]). Except for "avx512" / "onednn" (which copy the result into their own
+    → [sum(out), in] (or [sum(out)]). Except for "kernels" / "onednn" (which copy the result into their own
     layout), the Linears' parameters are re-pointed at views of the fused tensor; "mkl" stores
     it [in, out] underneath, as its kernel wants, and returns the [out, in] view of that."""
     params = [getattr(m, name) for m in linears]
     if name == "bias" or backend != "mkl":
         fused = torch.cat([p.detach() for p in params], dim=0)
-        if backend in ("avx512", "onednn"):
+        if backend in ("kernels", "onednn"):
             return fused
         views, start = [], 0
         for p in params:

@@ -4,12 +4,14 @@ Decode on a CPU is memory-bound: a step streams every weight once. How fast a li
 its weight depends on the kernel and the weight's layout, and differs most at the few-row
 sizes speculative verification uses (1 + K tokens per row):
 
-- "avx512": Draftsmith's own kernel (kernels/gemv.cpp, compiled once per machine): the weight
-  packed once into 32-column blocks that each thread streams front to back, every row of x
-  applied to a block while it is in cache. float32 and bfloat16 (AVX512-BF16 dot products);
-  other dtypes fall back to F.linear per linear. Measured on the 2-core Zen 4 over smollm2-135m's
-  linears (BENCHMARKS.md, Runtime): ~1.5x oneDNN's throughput at 1 to 8 rows. A row's result
-  does not depend on how many rows are computed with it (same summation order).
+- "kernels": Draftsmith's own kernel (kernels/gemv.cpp, compiled once per machine for its
+  AVX-512 or AVX2 + FMA): the weight packed once into 32-column blocks that each thread streams
+  front to back, every row of x applied to a block while it is in cache. float32 and bfloat16
+  (AVX512-BF16 dot products, or on AVX2 bfloat16 weights widened to float32 in registers: half the
+  bytes streamed, float32 arithmetic); other dtypes fall back to F.linear per linear. Measured on
+  2-core machines over smollm2-135m's linears (BENCHMARKS.md, Runtime): ~1.5x oneDNN's throughput
+  at 1 to 8 rows on a Zen 4. A row's result does not depend on how many rows are computed with it
+  (same summation order). "avx512", its first name, is still accepted.
 - "onednn": the weight reordered once into oneDNN's blocked layout
   (`torch.ops.mkldnn._reorder_linear_weight`, the same op torch.compile's CPU freezing
   uses) and applied with `torch.ops.mkldnn._linear_pointwise`. Measured on a 2-core Zen 4
@@ -22,12 +24,13 @@ sizes speculative verification uses (1 + K tokens per row):
   The parameters become views of the fused matrix, nothing is duplicated.
 - "torch": `F.linear` on the [out, in] weight (CUDA, and CPUs without oneDNN).
 
-`choose_backend("auto", device)` picks "avx512" on a CPU where the kernel builds and loads
+`choose_backend("auto", device)` picks "kernels" on a CPU where the kernel builds and loads
 (kernels/build.py says why not), else "onednn" where torch has oneDNN, else "torch". Numerics differ between backends only in summation order (~1e-6 relative).
 """
 
 from __future__ import annotations
 
+import functools
 import types
 import weakref
 from dataclasses import dataclass
@@ -38,34 +41,42 @@ import torch.nn.functional as F
 from draftsmith.errors import DraftsmithError
 from draftsmith.kernels.build import cpu_kernels
 
-BACKENDS = ("auto", "avx512", "onednn", "mkl", "torch")
+BACKENDS = ("auto", "kernels", "onednn", "mkl", "torch")
+ALIASES = {"avx512": "kernels"}  # the name before the kernels also ran on AVX2
 
 
 def choose_backend(backend: str, device: torch.device | str) -> str:
     """Resolve "auto" for a device; refuse a CPU-only backend on another device."""
     dev = torch.device(device)
+    backend = ALIASES.get(backend, backend)
     if backend not in BACKENDS:
         raise DraftsmithError(f"unknown linear backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if backend == "auto":
         if dev.type != "cpu":
             return "torch"
         if cpu_kernels().ok:
-            return "avx512"
+            return "kernels"
         return "onednn" if torch.backends.mkldnn.is_available() else "torch"
-    if backend in ("avx512", "onednn", "mkl") and dev.type != "cpu":
+    if backend in ("kernels", "onednn", "mkl") and dev.type != "cpu":
         raise DraftsmithError(f"linear backend {backend!r} runs on the CPU only; use 'torch' or 'auto' on {dev}")
     if backend == "onednn" and not torch.backends.mkldnn.is_available():
         raise DraftsmithError("this torch build has no oneDNN (mkldnn); use linear backend 'torch' or 'mkl'")
-    if backend == "avx512" and not (status := cpu_kernels()).ok:
-        raise DraftsmithError(f"linear backend 'avx512' is not available here: {status.reason}; use 'auto'")
+    if backend == "kernels" and not (status := cpu_kernels()).ok:
+        raise DraftsmithError(f"linear backend 'kernels' is not available here: {status.reason}; use 'auto'")
     return backend
+
+
+@functools.cache
+def onednn_bf16() -> bool:
+    """Whether oneDNN's linears take bfloat16 on this CPU."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 @dataclass(frozen=True)
 class FastLinear:
-    """One prepared linear. `weight` is backend-specific: 32-column blocks ("avx512"),
+    """One prepared linear. `weight` is backend-specific: 32-column blocks ("kernels"),
     oneDNN-blocked ("onednn"), [in, out] ("mkl") or [out, in] ("torch"); bias [out] or None.
-    in_features is the checkpoint's (the "avx512" bfloat16 layout pads it to even)."""
+    in_features is the checkpoint's (the "kernels" bfloat16 layout pads it to even)."""
 
     backend: str
     weight: torch.Tensor
@@ -78,13 +89,15 @@ class FastLinear:
         """weight [out, in] (a checkpoint layout); `backend` already resolved."""
         w = weight.detach()
         b = None if bias is None else bias.detach()
-        if backend == "avx512":
+        if backend == "kernels":
             if w.dtype == torch.float32:
                 w = torch.ops.draftsmith.pack_f32(w)
             elif w.dtype == torch.bfloat16 and cpu_kernels().bf16:
                 w = torch.ops.draftsmith.pack_bf16(w)
-            else:  # float16, or bfloat16 without AVX512-BF16: F.linear for this one
+            else:  # float16, or bfloat16 on an AVX-512 CPU without AVX512-BF16: F.linear for this one
                 backend = "torch"
+        if backend == "onednn" and w.dtype == torch.bfloat16 and not onednn_bf16():
+            backend = "torch"  # oneDNN refuses bfloat16 on CPUs without avx512bw/vl/dq or avx_ne_convert
         if backend == "onednn":
             w = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None)
         elif backend == "mkl":
@@ -92,7 +105,7 @@ class FastLinear:
         return FastLinear(backend, w, b, int(weight.shape[0]), int(weight.shape[1]))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.backend == "avx512":
+        if self.backend == "kernels":
             if self.weight.dtype == torch.float32:
                 return torch.ops.draftsmith.gemv_f32(x, self.weight, self.out_features, self.bias)
             return torch.ops.draftsmith.gemv_bf16(x, self.weight, self.out_features, self.in_features, self.bias)
