@@ -15,7 +15,8 @@ per-round median. Per configuration:
 Wait policy: child processes with each OpenMP setting (set before torch loads OpenMP) time
 the default backend's fp32 decode at 2 threads: alone, beside N busy processes, and two decoding at once.
 
-Writes benchmarks/results/runtime.json and the "Runtime" section of BENCHMARKS.md.
+Writes benchmarks/results/runtime.json and the "Runtime" section of BENCHMARKS.md (on a CPU whose kernels
+are built for AVX2: runtime-avx2.json and its own section, so both kinds of machine stay on record).
 
     .venv/bin/python benchmarks/bench_runtime.py [--rounds 3] [--repeats 5] [--load 2]
 """
@@ -183,7 +184,9 @@ def main() -> None:
             }
         result["threads"][threads] = out
     result["date"] = time.strftime("%Y-%m-%d")
-    previous = HERE / "results" / "runtime.json"
+    # one section and one JSON per kind of CPU kernel, so an AVX2 machine's run keeps the AVX-512 one
+    tag = "" if (cpu_kernels().isa or "avx512").startswith("avx512") else f"-{cpu_kernels().isa or 'none'}"
+    previous = HERE / "results" / f"runtime{tag}.json"
     if args.keep_wait_policy and previous.is_file() and "wait_policy_ms" in (old := json.loads(previous.read_text())):
         result["wait_policy_ms"] = old["wait_policy_ms"]
         result["wait_policy_from"] = old.get("wait_policy_from") or f"the run of {old.get('date', 'an earlier day')}"
@@ -193,16 +196,19 @@ def main() -> None:
     print(md)
     if not args.no_write:
         (HERE / "results").mkdir(exist_ok=True)
-        (HERE / "results" / "runtime.json").write_text(json.dumps(result, indent=1))
+        previous.write_text(json.dumps(result, indent=1))
         sys.path.insert(0, str(HERE))
         from sections import write_section
 
-        write_section("<!-- runtime:begin -->", "<!-- runtime:end -->", md)
+        marker = f"runtime{tag.replace('-', ':')}"
+        write_section(f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->", md)
 
 
 def render(res: dict, args) -> str:
     lines = [
-        "## Runtime: what a target forward costs (issue 11)",
+        "## Runtime: what a target forward costs (issue 11)" + ("" if not res["machine"].get("kernels") or
+                                                                res["machine"]["kernels"].startswith("avx512")
+                                                                else f", {res['machine']['kernels'].upper()} CPU"),
         "",
         f"`benchmarks/bench_runtime.py --rounds {args.rounds} --repeats {args.repeats}` on {time.strftime('%Y-%m-%d')}, "
         f"smollm2-135m, {res['machine']['cpu']} ({res['machine']['cores']} cores; Draftsmith's kernels built for "
