@@ -47,7 +47,9 @@ class LlamaCppPeer:
         self.label, self.llm, self.eos_ids, self.info = label, llm, list(eos_ids), info
         self.n_ctx, self.extra = n_ctx, extra  # context, and tokens a round may look past the output (drafts)
 
-    def _one(self, req: BenchRequest, t0: float) -> RequestRecord:
+    def one(self, req: BenchRequest, t0: float) -> RequestRecord:
+        """One request on its own (times relative to t0): what run() does per request, and what a
+        script interleaving configurations prompt by prompt calls (benchmarks/bench_foundation.py)."""
         p = req.params
         if len(req.token_ids) + p.max_tokens + self.extra > self.n_ctx:
             raise DraftsmithError(f"{self.label}: prompt {req.prompt_id} ({len(req.token_ids)} tokens) + max_tokens "
@@ -79,7 +81,7 @@ class LlamaCppPeer:
 
     def run(self, requests: Sequence[BenchRequest], concurrency: int, offsets=None,
             on_done: Callable[[RequestRecord], None] = lambda r: None) -> RunResult:
-        return run_one_at_a_time("llama.cpp", self._one, requests, concurrency, offsets, on_done)
+        return run_one_at_a_time("llama.cpp", self.one, requests, concurrency, offsets, on_done)
 
 
 def peer_gguf(target, gguf: str | None, home: Path) -> Path:

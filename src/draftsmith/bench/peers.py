@@ -69,7 +69,9 @@ class HFPeer:
         self.pad_id = pad_id if pad_id is not None else (self.eos_ids[0] if self.eos_ids else None)
         self.info = info
 
-    def _one(self, req: BenchRequest, t0: float) -> RequestRecord:
+    def one(self, req: BenchRequest, t0: float) -> RequestRecord:
+        """One request on its own (times relative to t0): what run() does per request, and what a
+        script interleaving configurations prompt by prompt calls (benchmarks/bench_foundation.py)."""
         p = req.params
         device = self.model.device
         x = torch.tensor([list(req.token_ids)], device=device)
@@ -108,7 +110,7 @@ class HFPeer:
 
     def run(self, requests: Sequence[BenchRequest], concurrency: int, offsets=None,
             on_done: Callable[[RequestRecord], None] = lambda r: None) -> RunResult:
-        return run_one_at_a_time("HF", self._one, requests, concurrency, offsets, on_done)
+        return run_one_at_a_time("HF", self.one, requests, concurrency, offsets, on_done)
 
 
 def run_one_at_a_time(who: str, one: Callable[[BenchRequest, float], RequestRecord], requests: Sequence[BenchRequest],
