@@ -36,7 +36,7 @@ inline V16 min(V16 a, V16 b) { return {_mm512_min_ps(a.v, b.v)}; }
 inline V16 fmadd(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }   // a * b + c
 inline V16 fnmadd(V16 a, V16 b, V16 c) { return {_mm512_fnmadd_ps(a.v, b.v, c.v)}; }  // c - a * b
 inline V16 round_nearest(V16 a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
-// a * 2^n for integral n (one rounding; AVX2: n <= -127 gives 0, as a subnormal would nearly be)
+// a * 2^n for integral n (one rounding)
 inline V16 scale2(V16 a, V16 n) { return {_mm512_scalef_ps(a.v, n.v)}; }
 inline float reduce_add(V16 a) { return _mm512_reduce_add_ps(a.v); }
 inline Mask first(int64_t n) { return static_cast<Mask>(n >= 16 ? 0xFFFF : (1u << n) - 1); }  // lanes [0, n)
@@ -104,11 +104,18 @@ inline V16 round_nearest(V16 x) {
   constexpr int r = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   return {_mm256_round_ps(x.a, r), _mm256_round_ps(x.b, r)};
 }
-inline __m256 pow2(__m256 n) {  // 2^n for integral n, from its exponent bits: n <= -127 gives 0, n >= 128 inf
-  n = _mm256_min_ps(_mm256_max_ps(n, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(128.0f));
+inline __m256 pow2(__m256 n) {  // 2^n for integral n in [-127, 127] from its exponent bits (-127 gives 0)
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
 }
-inline V16 scale2(V16 x, V16 n) { return {_mm256_mul_ps(x.a, pow2(n.a)), _mm256_mul_ps(x.b, pow2(n.b))}; }
+// x * 2^n as two exact-power steps, n = n1 + n2 with |n1|, |n2| <= 127: for the kernels' x (the exp
+// polynomial, 0.7 < x < 1.5) and n >= -150 the first product is exact and the second rounds once, as
+// scalef does (results in the subnormal range included)
+inline __m256 scale2_8(__m256 x, __m256 n) {
+  n = _mm256_min_ps(_mm256_max_ps(n, _mm256_set1_ps(-252.0f)), _mm256_set1_ps(254.0f));
+  const __m256 n1 = _mm256_floor_ps(_mm256_mul_ps(n, _mm256_set1_ps(0.5f)));
+  return _mm256_mul_ps(_mm256_mul_ps(x, pow2(n1)), pow2(_mm256_sub_ps(n, n1)));
+}
+inline V16 scale2(V16 x, V16 n) { return {scale2_8(x.a, n.a), scale2_8(x.b, n.b)}; }
 inline float reduce_add(V16 x) {  // halves, then quarters, ...: one fixed order
   __m256 s = _mm256_add_ps(x.a, x.b);
   __m128 t = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));

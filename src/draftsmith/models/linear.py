@@ -87,6 +87,7 @@ class FastLinear:
     @staticmethod
     def build(weight: torch.Tensor, bias: torch.Tensor | None, backend: str) -> "FastLinear":
         """weight [out, in] (a checkpoint layout); `backend` already resolved."""
+        backend = ALIASES.get(backend, backend)
         w = weight.detach()
         b = None if bias is None else bias.detach()
         if backend == "kernels":
