@@ -111,9 +111,12 @@ def test_dspark_to_speculators(tmp_path, qwen3):
 
 
 def test_dflash_to_speculators_and_the_cli(tmp_path, qwen3, capsys):
+    mask_first = dflash.build(qwen3.model, dflash.DFlashConfig(block_size=4, num_layers=1, layout="mask-first"))
+    cfg, _ = _export(tmp_path / "mask-first", qwen3, mask_first, "speculators")
+    assert cfg["block_size"] == 5 and cfg["sample_from_anchor"] is False  # anchor + γ masks
     model = dflash.build(qwen3.model, dflash.DFlashConfig(block_size=4, num_layers=1))
     cfg, t = _export(tmp_path, qwen3, model, "speculators")
-    assert cfg["block_size"] == 5 and cfg["sample_from_anchor"] is False  # anchor + γ masks
+    assert cfg["block_size"] == 4 and cfg["sample_from_anchor"] is True  # anchor + γ-1 masks (vLLM's anchor-as-first)
     assert "d2t" not in t and "lm_head.weight" not in t  # full vocabulary: the verifier's own head
     ckpt = tmp_path / "ckpt"
     assert main(["export", "--target", str(qwen3.path), "--drafter", f"dflash:{ckpt}", "--format", "speculators",
@@ -184,7 +187,8 @@ def test_every_training_only_field_is_exercised():
         assert all(getattr(default, k) != v for k, v in values.items()), kind
 
 
-@pytest.mark.parametrize("which", ["eagle3-full", "eagle3-small", "dflash", "dspark-small", "dspark-rnn-qk"])
+@pytest.mark.parametrize("which", ["eagle3-full", "eagle3-small", "dflash", "dflash-mask-first", "dspark-small",
+                                   "dspark-rnn-qk"])
 def test_speculators_import_inverts_export(tmp_path, llama, qwen3, which):
     """export -> import gives the same config, training-only fields included (they travel in
     the "draftsmith" block), and bit-equal weights, and the imported drafter proposes exactly
@@ -197,13 +201,15 @@ def test_speculators_import_inverts_export(tmp_path, llama, qwen3, which):
     from draftsmith.export.importing import import_drafter
 
     V = llama.model.config.vocab_size
-    target = qwen3 if which == "dflash" else llama
+    target = qwen3 if which.startswith("dflash") else llama
     torch.manual_seed(3)
     model = {
         "eagle3-full": lambda: eagle3.build(llama.model, eagle3.Eagle3Config(ttt_steps=3, **_TRAIN["eagle3"])),
         "eagle3-small": lambda: eagle3.build(llama.model, eagle3.Eagle3Config(ttt_steps=3, draft_vocab_size=100)),
         "dflash": lambda: dflash.build(qwen3.model, dflash.DFlashConfig(block_size=3, num_layers=2,
                                                                          **_TRAIN["dflash"])),
+        "dflash-mask-first": lambda: dflash.build(qwen3.model, dflash.DFlashConfig(block_size=3, num_layers=1,
+                                                                                    layout="mask-first")),
         "dspark-small": lambda: dspark.build(llama.model, dspark.DSparkConfig(block_size=3, num_layers=1, rank=8,
                                                                               draft_vocab_size=100, qk_norm=True,
                                                                               **_TRAIN["dspark"])),

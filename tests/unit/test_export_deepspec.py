@@ -144,8 +144,8 @@ def test_export_refuses_what_deepspec_cannot_express(tmp_path, qwen3, llama, qwe
         with pytest.raises(DraftsmithError, match=match):
             _export(tmp_path / str(len(list(tmp_path.iterdir()))), target, model)
 
-    refused(qwen3, dflash.build(qwen3.model, dflash.DFlashConfig(block_size=3, num_layers=1, layer_ids=(0, 1))),
-            "mask-first")
+    refused(qwen3, dflash.build(qwen3.model, dflash.DFlashConfig(block_size=3, num_layers=1, layer_ids=(0, 1),
+                                                                 layout="mask-first")), "mask-first")
     small = _dspark(qwen3, draft_vocab_size=100)
     small.init_draft_vocab(torch.arange(qwen3.model.config.vocab_size, 0, -1) % 37)
     refused(qwen3, small, "reduced draft vocabulary")
@@ -175,7 +175,8 @@ def _greedy(target, spec):
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("which", ["dspark-qwen3", "dspark-gated-qwen3", "dspark-rnn-llama-qk", "eagle3-qwen3"])
+@pytest.mark.parametrize("which", ["dspark-qwen3", "dspark-gated-qwen3", "dspark-rnn-llama-qk", "eagle3-qwen3",
+                                   "dflash-qwen3"])
 def test_deepspec_import_inverts_export(tmp_path, qwen3, llama, qwen3_deep, which):
     """export -> import gives the same config, bit-equal weights and the same greedy drafts."""
     from draftsmith.drafters.registry import load_checkpoint_model
@@ -185,6 +186,8 @@ def test_deepspec_import_inverts_export(tmp_path, qwen3, llama, qwen3_deep, whic
         "dspark-gated-qwen3": lambda: (qwen3, _dspark(qwen3, head="gated", intermediate_size=64)),
         "dspark-rnn-llama-qk": lambda: (llama, _dspark(llama, head="rnn", qk_norm=True)),
         "eagle3-qwen3": lambda: (qwen3_deep, _eagle3(qwen3_deep, ttt_decay=0.7)),
+        "dflash-qwen3": lambda: (qwen3, _perturb(dflash.build(qwen3.model, dflash.DFlashConfig(
+            block_size=3, num_layers=2, layer_ids=(0, 1), position_decay=4.0)))),  # anchor-first: the baseline
     }[which]()
     src, _, _ = _export(tmp_path, target, model)
     back = import_drafter(src, target, tmp_path / "imported", fmt="deepspec")
@@ -258,27 +261,71 @@ def _rewrite(src, cfg_change=None, drop=(), **tensor_change):
     save_file(t, str(src / "model.safetensors"), metadata={"format": "pt"})
 
 
-@pytest.mark.parametrize("confidence", [False, True])
-def test_deepspec_dflash_baseline_imports_as_rank_one_dspark(tmp_path, qwen3, confidence):
-    """DeepSpec's DFlash (Qwen3DSparkModel, markov_rank 0, anchor-first) is our DSpark with rank 1
-    and W1 = W2 = 0: the Markov bias is exactly zero, so it drafts what the backbone alone does."""
+def test_dflash_exports_as_deepspecs_dflash_baseline(tmp_path, qwen3):
+    """An anchor-first DFlash is DeepSpec's DFlash baseline: Qwen3DSparkModel with markov_rank 0
+    and no confidence head (config/dflash/*.py), the backbone tensors only."""
+    model = _perturb(dflash.build(qwen3.model, dflash.DFlashConfig(block_size=3, num_layers=1, layer_ids=(0, 1))))
+    _, cfg, t = _export(tmp_path, qwen3, model)
+    assert cfg["architectures"] == ["Qwen3DSparkModel"] and cfg["block_size"] == 3
+    assert cfg["markov_rank"] == 0 and cfg["enable_confidence_head"] is False
+    assert "markov_head_type" not in cfg and "confidence_head_with_markov" not in cfg
+    assert not any(k.startswith(("markov_head.", "confidence_head.")) for k in t)
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight"} | _layer_names("layers.", 1) <= set(t)
+
+
+def test_deepspec_dflash_baseline_imports_as_our_dflash(tmp_path, qwen3):
+    """A DeepSpec DSpark file rewritten to the baseline (markov_rank 0, no confidence head)
+    imports as our anchor-first DFlash with the same backbone, and drafts what the DSpark's
+    backbone alone drafts (W2 = 0): same tokens and q for the same uniforms."""
+    from draftsmith.core.sampling import SamplingParams
+    from draftsmith.drafters.registry import load_checkpoint_model
+
+    model = _dspark(qwen3)
+    src, _, _ = _export(tmp_path, qwen3, model)
+    _rewrite(src, {"markov_rank": 0, "markov_head_type": None, "enable_confidence_head": False,
+                   "confidence_head_with_markov": None}, drop=("markov_head.", "confidence_head."))
+    back = import_drafter(src, qwen3, tmp_path / "imported", fmt="deepspec")
+    loaded = load_checkpoint_model(back, qwen3)
+    assert loaded.config.kind == "dflash" and loaded.config.layout == "anchor-first"
+    assert loaded.config.block_size == model.config.block_size
+    ours = {k: v for k, v in model.state_dict().items() if k.startswith("backbone.")}
+    assert set(loaded.state_dict()) == set(ours)
+    for k, v in ours.items():
+        assert torch.equal(loaded.state_dict()[k], v), k
+    H = qwen3.model.config.hidden_size
+    with torch.no_grad():
+        model.seq_head.w2.weight.zero_()
+        torch.manual_seed(5)
+        h, anchors, u = torch.randn(2, 3, H), torch.randint(0, 200, (2,)), torch.rand(2, 3)
+        params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.0)]
+        tok_ref, q_ref, _ = model.draft(h, anchors, params, u)
+        tok_in, q_in, _ = loaded.draft(h, anchors, params, u)
+    assert torch.equal(tok_ref, tok_in) and torch.allclose(q_ref, q_in, atol=1e-7)
+    with pytest.raises(DraftsmithError, match="imports as a dflash drafter, not dspark; use --drafter dflash:"):
+        _greedy(qwen3, f"dspark:{src}")
+    ref = tmp_path / "ref"
+    save_trained_drafter(model, ref, qwen3.target_id, qwen3.weights_hash)
+    assert _greedy(qwen3, f"dspark:{ref}") == _greedy(qwen3, f"dflash:{back}")  # same drafts: same acceptance
+
+
+def test_deepspec_rank_zero_with_a_confidence_head_imports_as_rank_one_dspark(tmp_path, qwen3):
+    """markov_rank 0 with a confidence head is our DSpark with rank 1 and W1 = W2 = 0: the Markov
+    bias is exactly zero, so it drafts what the backbone alone does."""
     from draftsmith.drafters.registry import load_checkpoint_model
 
     model = _dspark(qwen3)
     src, _, t = _export(tmp_path, qwen3, model)
     H = qwen3.model.config.hidden_size
     conf_w = t["confidence_head.proj.weight"][:, :H].clone()
-    _rewrite(src, {"markov_rank": 0, "markov_head_type": None, "enable_confidence_head": confidence,
-                   "confidence_head_with_markov": False if confidence else None},
-             drop=("markov_head.",) if confidence else ("markov_head.", "confidence_head."),
-             **({"confidence_head.proj.weight": conf_w} if confidence else {}))
+    _rewrite(src, {"markov_rank": 0, "markov_head_type": None, "enable_confidence_head": True,
+                   "confidence_head_with_markov": False}, drop=("markov_head.",),
+             **{"confidence_head.proj.weight": conf_w})
     back = import_drafter(src, qwen3, tmp_path / "imported", fmt="deepspec")
     loaded = load_checkpoint_model(back, qwen3).state_dict()
     ours = model.state_dict()
     assert loaded["seq_head.w1.weight"].shape == (qwen3.model.config.vocab_size, 1)
     assert not loaded["seq_head.w1.weight"].any() and not loaded["seq_head.w2.weight"].any()
-    want_conf = torch.cat([conf_w, torch.zeros(1, 1)], 1) if confidence else torch.zeros(1, H + 1)
-    assert torch.equal(loaded["seq_head.conf.weight"], want_conf)
+    assert torch.equal(loaded["seq_head.conf.weight"], torch.cat([conf_w, torch.zeros(1, 1)], 1))
     for k, v in ours.items():
         if k.startswith("backbone."):
             assert torch.equal(loaded[k], v), k

@@ -48,7 +48,7 @@ def _perturb(model):
 
 
 def _dflash(target, **kw):
-    kw = {"block_size": 3, "num_layers": 2, "layer_ids": (0, 1, 2), **kw}
+    kw = {"block_size": 3, "num_layers": 2, "layer_ids": (0, 1, 2), "layout": "mask-first", **kw}  # z-lab's
     return _perturb(dflash.build(target.model, dflash.DFlashConfig(**kw)))
 
 
@@ -123,6 +123,7 @@ def test_export_refuses_what_zlab_cannot_express(tmp_path, qwen3, llama, tiny_mo
 
     refused(qwen3, dspark.build(qwen3.model, dspark.DSparkConfig(block_size=3, num_layers=1, rank=4)), "anchor-first")
     refused(qwen3, eagle3.build(qwen3.model, eagle3.Eagle3Config(ttt_steps=2)), "DFlash drafters only")
+    refused(qwen3, _dflash(qwen3, layout="anchor-first"), "drafter.layout=mask-first")  # the default layout
     small = _dflash(qwen3, draft_vocab_size=100)
     small.init_draft_vocab(torch.arange(qwen3.model.config.vocab_size, 0, -1) % 37)
     refused(qwen3, small, "reduced draft vocabulary")
@@ -229,7 +230,8 @@ def test_a_zlab_shaped_checkpoint_imports(tmp_path, qwen3):
              {"block_size": None, "target_layer_ids": None}, **bf16)
     back = import_drafter(src, qwen3, tmp_path / "imported")
     loaded = load_checkpoint_model(back, qwen3)
-    want = dflash.DFlashConfig(block_size=3, num_layers=1, layer_ids=(2,), mask_token_id=model.config.mask_token_id)
+    want = dflash.DFlashConfig(block_size=3, num_layers=1, layer_ids=(2,), mask_token_id=model.config.mask_token_id,
+                               layout="mask-first")
     assert loaded.config == want  # training-only fields at their defaults
     for k, v in loaded.state_dict().items():
         assert torch.equal(v, model.state_dict()[k].to(torch.bfloat16).float()), k

@@ -30,7 +30,8 @@ def exports(qwen3, tmp_path_factory):
     root = tmp_path_factory.mktemp("exports")
     torch.manual_seed(3)
     models = {
-        "dflash": dflash.build(qwen3.model, dflash.DFlashConfig(block_size=3, num_layers=1, layer_ids=(0, 2))),
+        "dflash": dflash.build(qwen3.model, dflash.DFlashConfig(block_size=3, num_layers=1, layer_ids=(0, 2),
+                                                                layout="mask-first")),  # z-lab's layout
         "dspark": dspark.build(qwen3.model, dspark.DSparkConfig(block_size=4, num_layers=1, rank=4, layer_ids=(0, 2))),
         "eagle3": eagle3.build(qwen3.model, eagle3.Eagle3Config(ttt_steps=2, layer_ids=(0, 1, 2, 3, 4))),
     }

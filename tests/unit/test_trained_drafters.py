@@ -56,6 +56,7 @@ CONFIGS = {
     "dspark-gated": dspark.DSparkConfig(block_size=4, num_layers=1, rank=32, max_anchors=16, head="gated"),
     "dspark-rnn": dspark.DSparkConfig(block_size=4, num_layers=1, rank=32, max_anchors=16, head="rnn"),
     "dflash-small-vocab": dflash.DFlashConfig(block_size=4, num_layers=1, max_anchors=16, draft_vocab_size=160),
+    "dflash-mask-first": dflash.DFlashConfig(block_size=4, num_layers=1, max_anchors=16, layout="mask-first"),
     "dspark-small-vocab": dspark.DSparkConfig(block_size=4, num_layers=1, rank=32, max_anchors=16,
                                               draft_vocab_size=160),
 }
@@ -276,8 +277,8 @@ def _row(batch: TrainBatch, b: int) -> TrainBatch:
                       {i: h[b : b + 1] for i, h in batch.hidden.items()}, batch.final_hidden[b : b + 1])
 
 
-@pytest.mark.parametrize("name", ["dflash", "dspark", "dspark-gated", "dspark-rnn", "dflash-small-vocab",
-                                  "dspark-small-vocab"])
+@pytest.mark.parametrize("name", ["dflash", "dflash-mask-first", "dspark", "dspark-gated", "dspark-rnn",
+                                  "dflash-small-vocab", "dspark-small-vocab"])
 def test_block_drafter_proposes_what_training_scores(name, target, train_batch, trained):
     """The inference round at anchor n computes the distributions the packed training
     forward computes for a block anchored at n (with the drafted prefix as x_<k)."""
@@ -287,12 +288,12 @@ def test_block_drafter_proposes_what_training_scores(name, target, train_batch, 
     drafter = model.make_drafter(target.model, 1, 64)
     drafter.start(seq, TargetFeatures(hidden={i: h[:, :n] for i, h in row.hidden.items()}))
     prop = drafter.propose([seq], [gamma])
-    first = model.config.kind == "dspark"
+    first = model.config.anchor_first
     bb = model.backbone
     with torch.no_grad():
         pf = packed_forward(bb, row, gamma, first, torch.tensor([[n]]), torch.tensor([[True]]))
         logits = bb.draft_logits(pf.hidden[0, 0])  # [γ, Vd]
-        if first:
+        if model.config.kind == "dspark":
             prev = torch.cat([row.input_ids[0, n : n + 1], prop.tokens[0, :-1]])[None, None]  # x_0, d_1..
             o, z = model.seq_head.teacher_forced(pf.hidden, bb.to_draft(prev))
             logits = logits + model.seq_head.w2(o[0, 0]).float()
@@ -351,7 +352,8 @@ def _greedy_rounds_every_third(model, target_dir, target, k: int):
     return [p + o for p, o in zip(prompts, outs)], made
 
 
-@pytest.mark.parametrize("name", ["dflash-small-vocab", "dspark", "eagle3", "eagle3-small-vocab"])
+@pytest.mark.parametrize("name", ["dflash-small-vocab", "dflash-mask-first", "dspark", "eagle3",
+                                  "eagle3-small-vocab"])
 def test_lazy_context_upkeep_drafts_what_training_scores(name, target_dir, target, trained):
     """Rounds without drafts only queue the committed features (a full queue is projected
     early): every greedy proposal still equals the training forward at its anchor, computed
@@ -369,7 +371,7 @@ def test_lazy_context_upkeep_drafts_what_training_scores(name, target_dir, targe
             assert picks == tokens.tolist()
         return
     full = _batch(target, seqs, prompt_len=0)
-    first = model.config.kind == "dspark"
+    first = model.config.anchor_first
     bb, gamma = model.backbone, model.config.block_size
     for prefix, tokens in made:
         b = next(i for i, sq in enumerate(seqs) if sq[: len(prefix)] == prefix)
@@ -377,7 +379,7 @@ def test_lazy_context_upkeep_drafts_what_training_scores(name, target_dir, targe
         with torch.no_grad():
             pf = packed_forward(bb, _row(full, b), gamma, first, torch.tensor([[anchor]]), torch.tensor([[True]]))
             logits = bb.draft_logits(pf.hidden[0, 0])[: len(tokens)]
-            if first:
+            if model.config.kind == "dspark":
                 prev = torch.cat([torch.tensor([prefix[anchor]]), tokens[:-1]])
                 o, _ = model.seq_head.teacher_forced(pf.hidden[:, :, : len(tokens)], bb.to_draft(prev)[None, None])
                 logits = logits + model.seq_head.w2(o[0, 0]).float()
@@ -484,6 +486,25 @@ def test_checkpoint_round_trip(name, tmp_path, target_dir, target, trained):
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["kind"] == model.config.kind and saved["target_id"] == target.target_id
     assert saved["target_weights_hash"] == target.weights_hash and saved["format_version"] == 1
+
+
+def test_dflash_checkpoint_from_before_the_layout_field_is_mask_first(tmp_path, target, trained):
+    """DFlash was mask-first before `layout` existed (its default is now anchor-first): a
+    config.json without the field loads as mask-first and drafts what that model drafts."""
+    model, _ = trained("dflash-mask-first")
+    save_trained_drafter(model, tmp_path, target.target_id, target.weights_hash)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg.pop("layout") == "mask-first"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    loaded = load_trained_model(tmp_path, target)
+    assert loaded.config == model.config and loaded.config.layout == "mask-first"
+    torch.manual_seed(0)
+    h = torch.randn(2, model.config.block_size + 1, target.model.config.hidden_size)
+    with torch.no_grad():  # the drafted slots are 1..γ of the anchor + γ masks
+        assert loaded.make_drafter(target.model, 1, 64).offset == 1
+        ref = model.draft(h[:, 1:], torch.tensor([3, 4]), [SamplingParams(temperature=0.0)] * 2, torch.rand(2, 4))
+        got = loaded.draft(h[:, 1:], torch.tensor([3, 4]), [SamplingParams(temperature=0.0)] * 2, torch.rand(2, 4))
+    assert torch.equal(ref[0], got[0])
 
 
 def test_flipped_byte_in_checkpoint_weights_is_refused(tmp_path, target, trained):

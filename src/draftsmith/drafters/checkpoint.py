@@ -40,6 +40,9 @@ FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 CALIBRATION_FILE = "calibration.json"
+# Config fields added after format 1 changed a default: what a checkpoint written without
+# the field meant (read_checkpoint_config fills it in, so loading and resuming see it).
+LEGACY_FIELDS: dict[str, dict[str, Any]] = {"dflash": {"layout": "mask-first"}}
 
 
 def checkpoint_config(kind: str, drafter_config: Any, target_id: str, weights_hash: str) -> dict[str, Any]:
@@ -84,6 +87,8 @@ def read_checkpoint_config(ckpt_dir: str | Path) -> dict[str, Any]:
     version = raw.get("format_version", FORMAT_VERSION)
     if version != FORMAT_VERSION:
         raise DraftsmithError(f"{f} has format_version {version}; this Draftsmith reads version {FORMAT_VERSION}")
+    for k, v in LEGACY_FIELDS.get(raw["kind"], {}).items():
+        raw.setdefault(k, v)
     return raw
 
 

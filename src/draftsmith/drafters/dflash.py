@@ -1,9 +1,21 @@
 """DFlash: a block-parallel drafter (block diffusion style), one forward per block.
 
-Block = the anchor (last committed token) followed by γ mask tokens at positions
-a .. a+γ; the hidden states at block positions 1..γ give the γ draft logits through the
-target's frozen lm_head, and every position is sampled independently (q_k = the request's
-warp of those logits). Backbone and context injection: drafters/block.py; inference
+Two layouts of the block (`layout`), both drafting the tokens at a+1 .. a+γ after the
+anchor a (the last committed token):
+
+- "anchor-first" (the default; DeepSpec's DFlash baseline, our DSpark backbone, vLLM's
+  sample_from_anchor=true): inputs = the anchor + γ−1 masks at positions a .. a+γ−1, and
+  block position k−1 predicts a+k — the first draft comes from the anchor's own slot, as a
+  plain language model's next token does.
+- "mask-first" (z-lab's released DFlash models, sample_from_anchor=false): inputs = the
+  anchor + γ masks at a .. a+γ, and the mask at a+k predicts a+k, so the first draft must
+  fetch the anchor through attention (first-position acceptance 0.05-0.07 in issue 4's
+  runs). Checkpoints written before `layout` existed are mask-first
+  (drafters/checkpoint.py).
+
+The hidden states at the drafted slots give the γ draft logits through the target's frozen
+lm_head, and every position is sampled independently (q_k = the request's warp of those
+logits). Backbone and context injection: drafters/block.py; inference
 state: drafters/block_drafter.py. Loss: position-weighted CE (optionally + TV),
 drafters/losses.py.
 """
@@ -22,16 +34,29 @@ from draftsmith.drafters.block import BlockBackbone, BlockConfig, BlockModel, re
 from draftsmith.drafters.block_drafter import BlockDrafter
 from draftsmith.drafters.losses import BlockLossWeights, block_loss
 from draftsmith.drafters.protocol import LossOutput, TrainBatch
+from draftsmith.errors import DraftsmithError
 from draftsmith.models.decoder import Decoder
+
+LAYOUTS = ("anchor-first", "mask-first")
 
 
 @dataclass(frozen=True)
 class DFlashConfig(BlockConfig):
-    """DFlash drafter (defaults: docs/ALGORITHMS.md / the DFlash paper). γ = block_size: the block
-    is the anchor + γ mask tokens. DFlash trains with CE only (ce_weight 1, tv_weight 0); an
-    L1/TV term is available for ablations."""
+    """DFlash drafter (defaults: docs/ALGORITHMS.md / the DFlash paper). γ = block_size drafts
+    per block; `layout` as the module docstring. DFlash trains with CE only (ce_weight 1,
+    tv_weight 0); an L1/TV term is available for ablations."""
 
     kind: Literal["dflash"] = "dflash"
+    layout: Literal["anchor-first", "mask-first"] = "anchor-first"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.layout not in LAYOUTS:
+            raise DraftsmithError(f"dflash config: layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+
+    @property
+    def anchor_first(self) -> bool:
+        return self.layout == "anchor-first"
 
 
 class DFlashModel(BlockModel):
@@ -44,7 +69,7 @@ class DFlashModel(BlockModel):
 
     def training_loss(self, batch: TrainBatch, generator: torch.Generator | None = None) -> LossOutput:
         c = self.config
-        pf, sel = self.packed_training_forward(batch, generator, False)  # sel [B, A, γ]
+        pf, sel = self.packed_training_forward(batch, generator, c.anchor_first)  # sel [B, A, γ]
         logits = self.backbone.draft_logits(pf.hidden[sel])  # [N, Vd]
         targets = self.backbone.to_draft(pf.targets[sel])
         position = torch.arange(c.block_size, device=sel.device).expand_as(sel)[sel]
@@ -70,7 +95,8 @@ class DFlashModel(BlockModel):
         return bb.to_target(tokens), bb.to_target_q(q), None
 
     def make_drafter(self, target: Decoder, max_rows: int, max_len: int, temperatures=None) -> BlockDrafter:
-        return BlockDrafter("dflash", self.backbone, self, self.config.block_size, False, max_rows, max_len)
+        return BlockDrafter("dflash", self.backbone, self, self.config.block_size, self.config.anchor_first,
+                            max_rows, max_len)
 
 
 def build(target: Decoder, config: DFlashConfig) -> DFlashModel:

@@ -56,6 +56,7 @@ class DSparkConfig(BlockConfig):
     ce_weight: float = 0.1  # L = 0.1 L_ce + 0.9 L_tv + 1.0 L_conf
     tv_weight: float = 0.9
     conf_weight: float = 1.0
+    anchor_first = True  # the only DSpark layout (a class constant, not a field)
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -7,15 +7,16 @@ state dict with **frozen copies of the target's `embed_tokens` / `lm_head`** in 
     Qwen3DSparkModel   DSpark: anchor-first block of `block_size` = γ slots (slot k predicts
                        a+k+1), Markov head (vanilla / gated / rnn), confidence head. DeepSpec's
                        "DFlash" baseline is the same class with markov_rank 0 and no
-                       confidence head: it imports as our DSpark with rank 1, W2 = 0 and a
-                       zero confidence head, which drafts exactly the same tokens.
+                       confidence head: our anchor-first DFlash, both ways. A rank-0 file
+                       *with* a confidence head imports as our DSpark with rank 1, W2 = 0,
+                       which drafts exactly the same tokens.
     Qwen3Eagle3Model   EAGLE-3: one layer; its trainer accepts exactly 5 feature layers.
 
 Feature ids (`target_layer_ids`) number the layer that *produced* a state, as ours do, so
 they are written unchanged. DeepSpec's evaluators refuse the last layer L−1 (they read HF's
 `output_hidden_states`, whose last entry is after the final norm), so we never export it;
-−1 (the embeddings) is refused on import. Our DFlash is mask-first (anchor + γ masks) and has
-no DeepSpec form. Everything a DeepSpec file could hold that our drafters do not compute
+−1 (the embeddings) is refused on import. A mask-first DFlash (anchor + γ masks) has no
+DeepSpec form. Everything a DeepSpec file could hold that our drafters do not compute
 exactly is a DraftsmithError naming it: a loader that guesses would only lose acceptance.
 """
 
@@ -72,11 +73,13 @@ def to_deepspec(model, target, hf: dict[str, Any]) -> tuple[dict[str, Any], dict
         return _dspark_out(model, target, hf)
     if kind == "eagle3":
         return _eagle3_out(model, target, hf)
+    if kind == "dflash" and model.config.anchor_first:
+        return _dspark_out(model, target, hf)
     if kind == "dflash":
         raise DraftsmithError(
-            "DeepSpec has no form for Draftsmith's DFlash: ours is mask-first (anchor + γ masks), DeepSpec's "
-            "DFlash baseline (Qwen3DSparkModel, markov_rank 0) drafts from the anchor; export it with --format "
-            "speculators, or train a DSpark drafter for DeepSpec")
+            "DeepSpec has no form for a mask-first DFlash (anchor + γ masks): DeepSpec's DFlash baseline "
+            "(Qwen3DSparkModel, markov_rank 0) drafts from the anchor; export it with --format speculators or "
+            "dflash-native, or train an anchor-first one (drafter.layout=anchor-first, the default)")
     raise DraftsmithError(f"the deepspec format holds DSpark and EAGLE-3 drafters, not {kind}")
 
 
@@ -154,25 +157,28 @@ def ours_block(target, kind: str, **extra: Any) -> dict[str, Any]:
 
 
 def _dspark_out(model, target, hf):
+    """DSpark, or an anchor-first DFlash as DeepSpec's DFlash baseline (markov_rank 0, no
+    confidence head): the same class and backbone tensors."""
     c, tc = model.config, target.model.config
+    kind, name = c.kind, "DSpark" if c.kind == "dspark" else "DFlash"
     V = tc.vocab_size
     if c.draft_vocab_size is not None and c.draft_vocab_size < V:
         raise DraftsmithError(
-            f"this DSpark drafter has a reduced draft vocabulary ({c.draft_vocab_size} of {V}); DeepSpec's holds the "
+            f"this {name} drafter has a reduced draft vocabulary ({c.draft_vocab_size} of {V}); DeepSpec's holds the "
             "full vocabulary only (no d2t / t2d); retrain with draft_vocab_size=null, or export with --format "
             "speculators")
     if not model.backbone.cfg.qk_norm:
         raise DraftsmithError(
-            f"DeepSpec's DSpark layers (Qwen3) have q/k norms and this drafter's have none (they follow its "
+            f"DeepSpec's {name} layers (Qwen3) have q/k norms and this drafter's have none (they follow its "
             f"{tc.model_type} target); train it with drafter.qk_norm=true to export it")
     ids = ids_out(c.layer_ids, tc.num_layers)
     state = model.state_dict()
     tensors: dict[str, torch.Tensor] = {}
     for k, v in state.items():
-        name = rename(k, _DSPARK_NAMES)
-        if name is None:
-            raise DraftsmithError(f"DSpark tensor {k} has no DeepSpec name")
-        tensors[name] = v
+        theirs = rename(k, _DSPARK_NAMES)
+        if theirs is None:
+            raise DraftsmithError(f"{name} tensor {k} has no DeepSpec name")
+        tensors[theirs] = v
     dtype = state["backbone.fc.weight"].dtype
     if tc.attention_bias:  # DeepSpec's o_proj has a bias whenever q/k/v do; ours is zero
         for i in range(c.num_layers):
@@ -183,11 +189,14 @@ def _dspark_out(model, target, hf):
     config.update(
         block_size=c.block_size,  # anchor first: γ slots, slot k predicts a+k+1 (as ours)
         mask_token_id=c.mask_token_id, target_layer_ids=ids, num_anchors=c.max_anchors,
-        markov_rank=c.rank, markov_head_type=_HEADS_OUT[c.head],
-        enable_confidence_head=True, confidence_head_with_markov=True,  # ours reads [h ; W1[x_{k-1}]]
         sample_from_anchor=True,  # DeepSpec ignores it; engines that read it must not assume mask-first
-        draftsmith=ours_block(target, "dspark", train={f: getattr(c, f) for f in _TRAIN_FIELDS}),
+        draftsmith=ours_block(target, kind, train={f: getattr(c, f) for f in _TRAIN_FIELDS if hasattr(c, f)}),
     )
+    if kind == "dspark":
+        config.update(markov_rank=c.rank, markov_head_type=_HEADS_OUT[c.head],
+                      enable_confidence_head=True, confidence_head_with_markov=True)  # ours reads [h ; W1[x_{k-1}]]
+    else:  # what DeepSpec's config/dflash/*.py build: no Markov head, no confidence head
+        config.update(markov_rank=0, enable_confidence_head=False)
     return config, tensors
 
 
@@ -359,7 +368,12 @@ def _dspark_in(cfg, tensors, target, src):
     dtype = state["backbone.fc.weight"].dtype if "backbone.fc.weight" in state else torch.float32
     if r < 0:
         raise DraftsmithError(f"{src}: markov_rank {r} is negative")
-    if r == 0:  # DeepSpec's DFlash baseline: no sequential stage; rank 1 with W1 = W2 = 0 adds exactly 0
+    if r == 0 and not conf:  # DeepSpec's DFlash baseline: our anchor-first DFlash
+        if any(k.startswith("seq_head.") for k in state):
+            raise DraftsmithError(f"{src}: Markov or confidence tensors in a checkpoint with markov_rank 0 and "
+                                  "enable_confidence_head false")
+        return _block_config(cfg, state, tc, n, ids, {"kind": "dflash", "layout": "anchor-first"}), state
+    if r == 0:  # no sequential stage but a confidence head: rank 1 with W1 = W2 = 0 adds exactly 0
         if any(k.startswith("seq_head.") and not k.startswith("seq_head.conf.") for k in state):
             raise DraftsmithError(f"{src}: Markov tensors in a checkpoint with markov_rank 0")
         if with_markov:
@@ -381,18 +395,22 @@ def _dspark_in(cfg, tensors, target, src):
     elif not with_markov and "seq_head.conf.weight" in state:  # reads h only: zero columns for W1[x_{k-1}]
         w = state["seq_head.conf.weight"]
         state["seq_head.conf.weight"] = torch.cat([w, torch.zeros(1, rank, dtype=w.dtype)], 1)
+    return _block_config(cfg, state, tc, n, ids, {"kind": "dspark", "rank": rank, "head": head}), state
+
+
+def _block_config(cfg, state, tc, n: int, ids, kind_fields: dict[str, Any]) -> dict[str, Any]:
+    """Our DSpark / DFlash config dict of a Qwen3DSparkModel file (`kind_fields`: the kind's own)."""
     inter = int(state["backbone.layers.0.mlp.gate_proj.weight"].shape[0])
     ours = cfg.get("draftsmith")
     train = ours.get("train") if isinstance(ours, dict) and isinstance(ours.get("train"), dict) else {}
-    config: dict[str, Any] = {
-        "kind": "dspark", "num_layers": n, "layer_ids": list(ids), "mask_token_id": int(cfg["mask_token_id"]),
+    keep = _TRAIN_FIELDS if kind_fields["kind"] == "dspark" else tuple(f for f in _TRAIN_FIELDS if f != "conf_weight")
+    return {
+        **kind_fields, "num_layers": n, "layer_ids": list(ids), "mask_token_id": int(cfg["mask_token_id"]),
         "block_size": int(cfg["block_size"]), "max_anchors": int(cfg["num_anchors"]), "draft_vocab_size": None,
         "intermediate_size": None if inter == tc.intermediate_size else inter,
         "qk_norm": None if tc.qk_norm else True,  # DeepSpec's layers always have q/k norms
-        "rank": rank, "head": head,
-        **{k: v for k, v in train.items() if k in _TRAIN_FIELDS},
+        **{k: v for k, v in train.items() if k in keep},
     }
-    return config, state
 
 
 def _eagle3_in(cfg, tensors, target, src):

@@ -99,12 +99,14 @@ def foreign_summary(src: str | Path, fmt: str) -> dict[str, Any]:
         methods = (cfg.get("speculators_config") or {}).get("proposal_methods") or [{}]
         if kind == "eagle3":
             return {"kind": kind, "ttt_steps": _count(methods[0].get("speculative_tokens")) or 7, "format": fmt}
-        slots = _count(cfg.get("block_size"))  # DFlash: the anchor + γ masks; DSpark: γ
-        return {"kind": kind, "block_size": max(slots - 1, 0) if kind == "dflash" else slots, "format": fmt}
+        slots = _count(cfg.get("block_size"))  # mask-first DFlash: the anchor + γ masks; anchor-first: γ
+        mask_first = kind == "dflash" and cfg.get("sample_from_anchor") is not True
+        return {"kind": kind, "block_size": max(slots - 1, 0) if mask_first else slots, "format": fmt}
     if fmt == "deepspec":
         if any(str(a).endswith("Eagle3Model") for a in cfg.get("architectures") or []):
             return {"kind": "eagle3", "ttt_steps": _count(cfg.get("ttt_length")), "format": fmt}
-        return {"kind": "dspark", "block_size": _count(cfg.get("block_size")), "format": fmt}
+        baseline = cfg.get("markov_rank") == 0 and cfg.get("enable_confidence_head") is False  # DeepSpec's DFlash
+        return {"kind": "dflash" if baseline else "dspark", "block_size": _count(cfg.get("block_size")), "format": fmt}
     dc = cfg.get("dflash_config") if isinstance(cfg.get("dflash_config"), dict) else {}
     slots = _count(dc.get("block_size")) or _count(cfg.get("block_size"))
     return {"kind": "dflash", "block_size": max(slots - 1, 0), "format": fmt}

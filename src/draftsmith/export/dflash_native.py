@@ -46,6 +46,11 @@ def to_dflash_native(model, target, hf: dict[str, Any]) -> tuple[dict[str, Any],
                 "--format deepspec or speculators" if kind == "dspark" else "export it with --format speculators")
         raise DraftsmithError(f"the dflash-native format holds DFlash drafters only, not {kind}; {hint}")
     c, tc = model.config, target.model.config
+    if c.anchor_first:
+        raise DraftsmithError(
+            "z-lab's DFlash is mask-first (the anchor + γ masks, the mask at a+k predicts a+k) and this drafter is "
+            "anchor-first (the default layout); export it with --format speculators (sample_from_anchor=true) or "
+            "deepspec, or train one with drafter.layout=mask-first for this format")
     if c.draft_vocab_size is not None and c.draft_vocab_size < tc.vocab_size:
         raise DraftsmithError(
             f"this DFlash drafter has a reduced draft vocabulary ({c.draft_vocab_size} of {tc.vocab_size}); z-lab's "
@@ -130,7 +135,8 @@ def from_dflash_native(cfg: Mapping[str, Any], tensors: Mapping[str, torch.Tenso
     ours = cfg.get("draftsmith")
     train = ours.get("train") if isinstance(ours, dict) and isinstance(ours.get("train"), dict) else {}
     config: dict[str, Any] = {
-        "kind": "dflash", "num_layers": n, "layer_ids": list(ids), "mask_token_id": mask, "block_size": gamma,
+        "kind": "dflash", "layout": "mask-first", "num_layers": n, "layer_ids": list(ids), "mask_token_id": mask,
+        "block_size": gamma,
         "draft_vocab_size": None, "intermediate_size": None if inter == tc.intermediate_size else inter,
         "qk_norm": None if tc.qk_norm else True,  # z-lab's layers always have q/k norms
         **{k: v for k, v in train.items() if k in _TRAIN_FIELDS},

@@ -42,7 +42,7 @@ _BLOCK_CARRIES = frozenset({"kind", "block_size", "num_layers", "layer_ids", "ma
                             "draft_vocab_size", "qk_norm"})
 SPECULATORS_CARRIES = {
     "eagle3": frozenset({"kind", "layer_ids", "ttt_steps", "draft_vocab_size", "intermediate_size"}),
-    "dflash": _BLOCK_CARRIES,
+    "dflash": _BLOCK_CARRIES | {"layout"},  # as sample_from_anchor
     "dspark": _BLOCK_CARRIES | {"rank", "head"},
 }
 
@@ -225,8 +225,10 @@ def _speculators_block(model, target, hf):
         "sliding_window_non_causal": True,  # our block attends both ways; vLLM runs causal when False
         "draftsmith": _speculators_ours(target, c),
     }
-    if kind == "dflash":
+    if kind == "dflash" and not c.anchor_first:  # the anchor + γ masks, mask k predicts a+k
         config.update(block_size=c.block_size + 1, sample_from_anchor=False)
+    elif kind == "dflash":  # the anchor + γ−1 masks, slot k predicts a+k+1 (vLLM's anchor-as-first)
+        config.update(block_size=c.block_size, sample_from_anchor=True)
     else:
         config.update(block_size=c.block_size, sample_from_anchor=True,  # vLLM assumes False if absent
                       markov_rank=c.rank, markov_head_type=_MARKOV_HEAD[c.head],

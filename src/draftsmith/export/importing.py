@@ -12,7 +12,8 @@ verifier stays lossless, acceptance just collapses):
 - feature ids are speculators' consumer ids (ours + 1); id 0 (the embeddings) cannot be read;
 - EAGLE-3: one layer, norm_before_residual / norm_before_fc / fc_norm / norm_output false,
   target_hidden_size null or H, a zero (or absent) o_proj bias;
-- DFlash: sample_from_anchor false (mask-first); DSpark: sample_from_anchor true, a confidence
+- DFlash: sample_from_anchor true (anchor-first, our default layout) or false / absent
+  (mask-first, vLLM's reading of an absent key); DSpark: sample_from_anchor true, a confidence
   head that reads the Markov embedding (or none: a zero head), and a W1 [V, r] whose rows
   outside a reduced draft vocabulary are all equal (our table shares one such row);
 - the geometry (hidden size, vocabulary, heads) must be the target's, and a shipped lm_head of
@@ -176,9 +177,6 @@ def _block(kind, cfg, tensors, target, src):
     V = tc.vocab_size
     Vd = int(cfg.get("draft_vocab_size") or V)
     anchor_first = bool(cfg.get("sample_from_anchor", False))  # vLLM's reading of an absent key
-    if kind == "dflash" and anchor_first:
-        raise DraftsmithError(f"{src}: a DFlash drafter with sample_from_anchor=true (anchor-first) has no "
-                              "Draftsmith counterpart yet")
     if kind == "dspark" and not anchor_first:
         raise DraftsmithError(f"{src}: DSpark with sample_from_anchor false or absent (vLLM reads absent as "
                               "false); Draftsmith's DSpark drafts from the anchor")
@@ -213,9 +211,11 @@ def _block(kind, cfg, tensors, target, src):
         "draft_vocab_size": Vd if Vd < V else None,
         "intermediate_size": None if inter == tc.intermediate_size else inter,
         "qk_norm": None if q_norm == tc.qk_norm else q_norm,
-        "block_size": int(cfg["block_size"]) - (1 if kind == "dflash" else 0),
+        "block_size": int(cfg["block_size"]) - (0 if anchor_first else 1),
         **_train_fields(cfg, kind),
     }
+    if kind == "dflash":
+        config["layout"] = "anchor-first" if anchor_first else "mask-first"
     if kind == "dspark":
         config.update(_markov(cfg, seq, config, V, Vd, d2t, tc.hidden_size, src, state))
     elif seq:
