@@ -140,7 +140,7 @@ class DSparkModel(BlockModel):
 
     def training_loss(self, batch: TrainBatch, generator: torch.Generator | None = None) -> LossOutput:
         c = self.config
-        pf, sel = self.packed_training_forward(batch, generator, True)  # sel [B, A, γ]
+        pf, sel = self.packed_training_forward(batch, generator, c.anchor_first)  # sel [B, A, γ]
         bb = self.backbone
         o, conf = self.seq_head.teacher_forced(pf.hidden, bb.to_draft(pf.prev))
         logits = bb.draft_logits(pf.hidden[sel]) + self.seq_head.w2(o[sel]).float()  # [N, Vd]
@@ -184,7 +184,7 @@ class DSparkModel(BlockModel):
         return bb.to_target(torch.stack(toks, 1)), bb.to_target_q(torch.stack(qs, 1)), torch.stack(confs, 1)
 
     def make_drafter(self, target: Decoder, max_rows: int, max_len: int, temperatures=None) -> BlockDrafter:
-        return BlockDrafter("dspark", self.backbone, self, self.config.block_size, True, max_rows, max_len,
+        return BlockDrafter("dspark", self.backbone, self, self.config.block_size, self.config.anchor_first, max_rows, max_len,
                             temperatures=temperatures)
 
 
