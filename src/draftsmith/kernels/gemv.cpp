@@ -5,7 +5,11 @@
 // at load, into blocks of BLOCK = 32 output columns, each block contiguous in memory:
 //   float32:  [N/32][K][32]          (one k: 32 outputs, two 64-byte lines)
 //   bfloat16: [N/32][K/2][32][2]     (one k pair: 32 outputs x 2 k, for vdpbf16ps)
-// and every thread reads one contiguous run of blocks front to back. Per block the rows of x are
+// On AVX2 a block is two halves of 16 columns one after the other ([N/32][2][K][16], bfloat16
+// [N/32][2][K/2][16][2]): its tiles are 16 columns wide, and each half is then one 64-byte line
+// per k, read front to back (the interleaved order read every other line per pass and ran the
+// 8-row verify ~1.5x slower from DRAM). The tensors' shapes are the same on both ISAs.
+// Every thread reads one contiguous run of blocks front to back. Per block the rows of x are
 // taken MT at a time (their sums in registers); the block, at most 32 x K x 4 bytes, stays in L2
 // for the next MT rows. Each output is summed in the same k order whatever the number of rows, so
 // a row's result does not depend on the batch it was computed in.
@@ -35,6 +39,7 @@ namespace {
 using v16::V16;
 
 constexpr int64_t BLOCK = 32;
+constexpr int64_t HALF = 16;  // AVX2: a block's two 16-column halves are stored one after the other
 
 int64_t pad_to(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
@@ -49,8 +54,13 @@ at::Tensor pack_f32(const at::Tensor& w) {
     for (int64_t b = b0; b < b1; ++b)
       for (int64_t j = 0; j < BLOCK && b * BLOCK + j < N; ++j) {
         const float* row = src + (b * BLOCK + j) * K;
+#if defined(__AVX512F__)
         float* d = dst + b * K * BLOCK + j;
         for (int64_t k = 0; k < K; ++k) d[k * BLOCK] = row[k];
+#else
+        float* d = dst + b * K * BLOCK + (j / HALF) * K * HALF + j % HALF;
+        for (int64_t k = 0; k < K; ++k) d[k * HALF] = row[k];
+#endif
       }
   });
   return out;
@@ -67,8 +77,13 @@ at::Tensor pack_bf16(const at::Tensor& w) {
     for (int64_t b = b0; b < b1; ++b)
       for (int64_t j = 0; j < BLOCK && b * BLOCK + j < N; ++j) {
         const uint16_t* row = src + (b * BLOCK + j) * K;
+#if defined(__AVX512F__)
         uint16_t* d = dst + b * KP * BLOCK * 2 + j * 2;
         for (int64_t k = 0; k < K; ++k) d[(k / 2) * BLOCK * 2 + (k & 1)] = row[k];
+#else
+        uint16_t* d = dst + b * KP * BLOCK * 2 + (j / HALF) * KP * HALF * 2 + (j % HALF) * 2;
+        for (int64_t k = 0; k < K; ++k) d[(k / 2) * HALF * 2 + (k & 1)] = row[k];
+#endif
       }
   });
   return out;
@@ -179,27 +194,35 @@ inline void block_bf16(const uint16_t*, const uint16_t*, int64_t, O*, int64_t, c
 
 #else  // AVX2 + FMA: 16 ymm registers
 
-// A tile is R rows x C 8-column vectors of the block: C = 4 (the whole block) for up to 2 rows,
-// else the block in two halves of C = 2, up to 6 rows (float32) / 4 rows (bfloat16). 16 registers
-// hold few sums, so a block's rows take several tiles; to keep the weights in L1 for all of them,
-// the loop runs chunk by chunk (KC k at a time: 4 KB of a float32 block), every tile of the rows
-// over one chunk before the next (rows_f32). An output's sum is the same either way.
+// A tile is R rows x one or both 16-column halves of the block (2 or 4 8-column vectors): both for
+// up to 2 rows (4R sums), else one half at a time, up to 6 rows (float32) / 4 rows (bfloat16).
+// 16 registers hold few sums, so a block's rows take several tiles; to keep the weights in L1 for
+// all of them, the loop runs chunk by chunk (KC k at a time: 2 KB of a float32 half), every tile of
+// the rows over one chunk before the next (rows_by_chunk), and the first tile over a chunk asks for
+// the lines PREFETCH_K k ahead in each half it reads (the hardware prefetcher alone left the 8-row
+// pass waiting on DRAM). An output's sum is the same whatever the tile.
 constexpr int MT_F32 = 6, MT_BF16 = 4;
 constexpr int64_t ROW_GROUP = 48;  // rows whose running totals live on the stack at once
+constexpr int64_t PREFETCH_K = 128;  // 8 KB ahead in a half's stream (one 64-byte line per k)
 constexpr bool BF16_KERNEL = true;  // bfloat16 weights widened to float32 in registers, float32 FMAs
 
-// Chunk [k0, k1) of R rows x C vectors from column c0, added to tot (rows BLOCK apart).
-template <int R, int C>
-inline void chunk_f32(const float* wb, const float* x, int64_t K, int64_t k0, int64_t k1, int c0, float* tot) {
+// Chunk [k0, k1) of R rows x H halves (from the half at wh; the next half K * HALF floats on), added
+// to tot (rows BLOCK apart; the half's columns at tot + HALF * h of the first half's).
+template <int R, int H>
+inline void chunk_f32(const float* wh, const float* x, int64_t K, int64_t k0, int64_t k1, float* tot, bool prefetch) {
+  constexpr int C = 2 * H;
   __m256 acc[R][C];
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
   for (int64_t k = k0; k < k1; ++k) {
+    if (prefetch)
+#pragma GCC unroll 2
+      for (int h = 0; h < H; ++h) _mm_prefetch(reinterpret_cast<const char*>(wh + h * K * HALF + (k + PREFETCH_K) * HALF), _MM_HINT_T0);
     __m256 w[C];
 #pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) w[c] = _mm256_load_ps(wb + k * BLOCK + c0 + 8 * c);
+    for (int c = 0; c < C; ++c) w[c] = _mm256_load_ps(wh + (c / 2) * K * HALF + k * HALF + 8 * (c % 2));
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
       const __m256 xv = _mm256_broadcast_ss(x + r * K + k);
@@ -211,15 +234,17 @@ inline void chunk_f32(const float* wb, const float* x, int64_t K, int64_t k0, in
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
     for (int c = 0; c < C; ++c) {
-      float* t = tot + r * BLOCK + c0 + 8 * c;
+      float* t = tot + r * BLOCK + 8 * c;
       _mm256_store_ps(t, _mm256_add_ps(_mm256_load_ps(t), acc[r][c]));
     }
 }
 
 // bfloat16: one 32-byte load is 8 columns x a k pair; the even k are the low 16 bits of each 32-bit
-// lane, the odd the high. x: float32 rows of 2 x KP values (widened once per call); p = k pairs.
-template <int R, int C>
-inline void chunk_bf16(const uint16_t* wb, const float* x, int64_t KP, int64_t p0, int64_t p1, int c0, float* tot) {
+// lane, the odd the high. x: float32 rows of 2 x KP values (widened once per call); p = k pairs, a
+// half's pair p one 64-byte line at wh + p * HALF * 2, the next half KP * HALF * 2 values on.
+template <int R, int H>
+inline void chunk_bf16(const uint16_t* wh, const float* x, int64_t KP, int64_t p0, int64_t p1, float* tot, bool prefetch) {
+  constexpr int C = 2 * H;
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   __m256 acc[R][C];
 #pragma GCC unroll 4
@@ -227,6 +252,10 @@ inline void chunk_bf16(const uint16_t* wb, const float* x, int64_t KP, int64_t p
 #pragma GCC unroll 4
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
   for (int64_t p = p0; p < p1; ++p) {
+    if (prefetch)
+#pragma GCC unroll 2
+      for (int h = 0; h < H; ++h)
+        _mm_prefetch(reinterpret_cast<const char*>(wh + h * KP * HALF * 2 + (p + PREFETCH_K) * HALF * 2), _MM_HINT_T0);
     __m256 xe[R], xo[R];
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
@@ -235,7 +264,8 @@ inline void chunk_bf16(const uint16_t* wb, const float* x, int64_t KP, int64_t p
     }
 #pragma GCC unroll 4
     for (int c = 0; c < C; ++c) {
-      const __m256i raw = _mm256_load_si256(reinterpret_cast<const __m256i*>(wb + p * BLOCK * 2 + 2 * (c0 + 8 * c)));
+      const __m256i raw = _mm256_load_si256(
+          reinterpret_cast<const __m256i*>(wh + (c / 2) * KP * HALF * 2 + p * HALF * 2 + 16 * (c % 2)));
       const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
       const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(raw, high));
 #pragma GCC unroll 4
@@ -246,7 +276,7 @@ inline void chunk_bf16(const uint16_t* wb, const float* x, int64_t KP, int64_t p
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
     for (int c = 0; c < C; ++c) {
-      float* t = tot + r * BLOCK + c0 + 8 * c;
+      float* t = tot + r * BLOCK + 8 * c;
       _mm256_store_ps(t, _mm256_add_ps(_mm256_load_ps(t), acc[r][c]));
     }
 }
@@ -288,9 +318,21 @@ inline void rows_bf16(const uint16_t* wb, const uint16_t* x, int64_t KP, int64_t
 
 #else
 
+// Tiles of at most MT rows, as even as they come (8 rows: 4 + 4, not 6 + 2: a 2-row tile of one
+// half has 4 sums, too few to cover the FMA latency). f(first row, rows as an integral_constant).
+template <int MT, typename F>
+inline void by_even_rows(int64_t M, F&& f) {
+  const int64_t tiles = (M + MT - 1) / MT;
+  for (int64_t t = 0, m = 0; t < tiles; ++t) {
+    const int64_t r = M / tiles + (t < M % tiles ? 1 : 0);
+    rest_rows<MT>(r, m, f);
+    m += r;
+  }
+}
+
 // All M rows of x through one block, ROW_GROUP rows at a time: per chunk of k, every row tile.
-// S = k steps per chunk (KC k of float32, KC / 2 pairs of bfloat16); tile(R, m, s0, s1, tot) sums
-// rows m.. over steps [s0, s1).
+// S = k steps per chunk (KC k of float32, KC / 2 pairs of bfloat16); tile(R, H, m, half, s0, s1,
+// tot, prefetch) sums rows m.. of H halves from `half` over steps [s0, s1).
 template <int MT, typename O, typename Tile>
 inline void rows_by_chunk(int64_t steps, int64_t S, int64_t M, O* y, int64_t ldy, const float* bias, int64_t n0,
                           int64_t n, Tile&& tile) {
@@ -300,7 +342,18 @@ inline void rows_by_chunk(int64_t steps, int64_t S, int64_t M, O* y, int64_t ldy
     std::memset(tot, 0, sizeof(float) * BLOCK * mg);
     for (int64_t s0 = 0; s0 < steps; s0 += S) {
       const int64_t s1 = std::min(steps, s0 + S);
-      by_rows<MT>(mg, [&](int64_t m, auto R) { tile(R, g0 + m, s0, s1, tot[m]); });
+      if (mg <= 2) {  // both halves in one tile
+        auto both = [&](int64_t, auto R) { tile(R, std::integral_constant<int, 2>{}, g0, 0, s0, s1, tot[0], true); };
+        rest_rows<2>(mg, 0, both);
+        continue;
+      }
+      for (int h = 0; h < 2; ++h) {
+        bool first = true;
+        by_even_rows<MT>(mg, [&](int64_t m, auto R) {
+          tile(R, std::integral_constant<int, 1>{}, g0 + m, h, s0, s1, tot[m] + HALF * h, first);
+          first = false;
+        });
+      }
     }
     for (int64_t m = 0; m < mg; ++m) store_row(y + (g0 + m) * ldy, bias, n0, n, tot[m]);
   }
@@ -309,29 +362,20 @@ inline void rows_by_chunk(int64_t steps, int64_t S, int64_t M, O* y, int64_t ldy
 template <typename O>
 inline void rows_f32(const float* wb, const float* x, int64_t K, int64_t M, O* y, int64_t ldy, const float* bias,
                      int64_t n0, int64_t n) {
-  rows_by_chunk<MT_F32>(K, KC, M, y, ldy, bias, n0, n, [&](auto R, int64_t m, int64_t k0, int64_t k1, float* t) {
-    constexpr int r = decltype(R)::value;
-    if constexpr (r <= 2) {
-      chunk_f32<r, 4>(wb, x + m * K, K, k0, k1, 0, t);
-    } else {
-      chunk_f32<r, 2>(wb, x + m * K, K, k0, k1, 0, t);
-      chunk_f32<r, 2>(wb, x + m * K, K, k0, k1, 16, t);
-    }
-  });
+  rows_by_chunk<MT_F32>(K, KC, M, y, ldy, bias, n0, n,
+                        [&](auto R, auto H, int64_t m, int h, int64_t k0, int64_t k1, float* t, bool pf) {
+                          chunk_f32<decltype(R)::value, decltype(H)::value>(wb + h * K * HALF, x + m * K, K, k0, k1, t, pf);
+                        });
 }
 
 template <typename O>
 inline void rows_bf16(const uint16_t* wb, const float* x, int64_t KP, int64_t M, O* y, int64_t ldy, const float* bias,
                       int64_t n0, int64_t n) {
-  rows_by_chunk<MT_BF16>(KP, KC / 2, M, y, ldy, bias, n0, n, [&](auto R, int64_t m, int64_t p0, int64_t p1, float* t) {
-    constexpr int r = decltype(R)::value;
-    if constexpr (r <= 2) {
-      chunk_bf16<r, 4>(wb, x + m * KP * 2, KP, p0, p1, 0, t);
-    } else {
-      chunk_bf16<r, 2>(wb, x + m * KP * 2, KP, p0, p1, 0, t);
-      chunk_bf16<r, 2>(wb, x + m * KP * 2, KP, p0, p1, 16, t);
-    }
-  });
+  rows_by_chunk<MT_BF16>(KP, KC / 2, M, y, ldy, bias, n0, n,
+                         [&](auto R, auto H, int64_t m, int h, int64_t p0, int64_t p1, float* t, bool pf) {
+                           chunk_bf16<decltype(R)::value, decltype(H)::value>(wb + h * KP * HALF * 2, x + m * KP * 2, KP,
+                                                                              p0, p1, t, pf);
+                         });
 }
 
 #endif
