@@ -256,3 +256,48 @@ def test_prepared_decoder_uses_the_fused_ops_and_matches_the_unfused_path(tiny_m
     assert layer.self_attn.rope_fn is rope_composite and layer.add_norm_fn is None and layer.mlp.glu == layer.mlp._glu
     plain = m(ids, m.new_cache(2, 16)).logits
     torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not cpu_kernels().ok, reason="Draftsmith's CPU kernels do not run here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])  # qwen2: q/k/v biases
+def test_layer_as_one_kernel_call_gives_the_same_bits_as_op_by_op(tiny_model_dir, model_type, dtype, monkeypatch):
+    """DecoderLayer.forward_step (kernels/gemv.cpp `layer`) against the op-by-op forward of the same
+    prepared model: prefill from 0 (causal), a verify block after a cached prefix (mask), decode
+    of two rows at one start, and rows 1-2 of a 3-row cache; logits, every layer's output and the
+    KV cache bit-identical. Layers it cannot run (q/k norms) keep step_args None."""
+    if dtype == torch.bfloat16 and not cpu_kernels().bf16:
+        pytest.skip("no bfloat16 kernel here")
+    m = load_decoder(tiny_model_dir(model_type), dtype=dtype, linear_backend="kernels")
+    args = [layer.step_args for layer in m.model.layers]
+    assert all(a is not None for a in args)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, m.config.vocab_size, (3, 12), generator=g)
+    layers = tuple(range(m.config.num_layers))
+
+    def run(one_call: bool):
+        for layer, a in zip(m.model.layers, args):
+            layer.step_args = a if one_call else None
+        cache, outs = m.new_cache(3, 32), []
+        steps = [(ids[:2, :6], None, 0), (ids[:2, 6:10], None, 6), (ids[:2, 10:11], None, 10),
+                 (ids[1:3, :5], torch.tensor([1, 2]), 0)]
+        for x, rows, start in steps:
+            r = torch.arange(x.shape[0]) if rows is None else rows
+            cache.lengths[r] = start
+            o = m(x, cache, rows=rows, layer_ids=layers)
+            outs += [o.logits, *o.hidden.values(), o.final_hidden]
+            cache.lengths[r] = start + x.shape[1]
+        return outs + cache.k + cache.v
+
+    from draftsmith.models.decoder import DecoderLayer
+
+    calls = []
+    step = DecoderLayer.forward_step
+    monkeypatch.setattr(DecoderLayer, "forward_step", lambda self, *a: calls.append(1) or step(self, *a))
+    fused = run(True)
+    assert len(calls) == 4 * m.config.num_layers  # every layer of every step took the one call
+    plain = run(False)
+    assert len(calls) == 4 * m.config.num_layers and len(fused) == len(plain)
+    for a, b in zip(fused, plain):
+        assert torch.equal(a, b)
+    assert load_decoder(tiny_model_dir("qwen3"), linear_backend="kernels").model.layers[0].step_args is None
