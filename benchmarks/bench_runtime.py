@@ -45,10 +45,11 @@ HERE = Path(__file__).resolve().parent
 VERIFY = (2, 4, 8, 16)
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 # (linear backend, dtype, variant): variant "auto" = the defaults, "unfused" = the "kernels" path with
-# RoPE, SwiGLU and add + norm as torch's ops (Decoder.set_fused_ops_(False): the path before them)
+# RoPE, SwiGLU and add + norm as torch's ops (Decoder.set_fused_ops_(False): the path before them),
+# "per-op" = the fused ops called one by one from Python (no one-call layer: the path before it)
 CONFIGS = [("mkl", "float32", "auto"), ("onednn", "float32", "auto"), ("kernels", "float32", "unfused"),
-           ("kernels", "float32", "auto"), ("onednn", "bfloat16", "auto"), ("kernels", "bfloat16", "unfused"),
-           ("kernels", "bfloat16", "auto")]
+           ("kernels", "float32", "per-op"), ("kernels", "float32", "auto"), ("onednn", "bfloat16", "auto"),
+           ("kernels", "bfloat16", "unfused"), ("kernels", "bfloat16", "per-op"), ("kernels", "bfloat16", "auto")]
 
 
 def child_decode(repeats: int) -> None:
@@ -154,21 +155,26 @@ def main() -> None:
     for (_, _, variant), m in models.items():
         if variant == "unfused":
             m.set_fused_ops_(False)
+        if variant == "per-op":
+            for layer in m.model.layers:
+                layer.step_args = None
     result: dict = {"machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "kernels": cpu_kernels().isa or None,
                                 "torch": torch.__version__, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")},
                     "weight_bytes": {c[1]: weight_bytes(m) for c, m in models.items()}, "threads": {}}
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
         bw: list[float] = []
-        raw: dict = {_key(c): {"decode": [], "verify": {k: [] for k in VERIFY}, "rows": {r: [] for r in ROWS}}
-                     for c in models}
+        raw: dict = {_key(c): {"decode": [], "verify": {k: [] for k in VERIFY}, "ratio": {k: [] for k in VERIFY},
+                               "rows": {r: [] for r in ROWS}} for c in models}
         for rnd in range(args.rounds):
             bw.append(measure_bandwidth("cpu"))
             for c, m in models.items():
                 r = raw[_key(c)]
                 r["decode"].append(step_time(m, 1, 1, repeats=args.repeats))
-                for k in VERIFY:
-                    r["verify"][k].append(step_time(m, 1, k, repeats=args.repeats))
+                for k in VERIFY:  # each verify paired with a decode measured just before it
+                    d, v = step_time(m, 1, 1, repeats=args.repeats), step_time(m, 1, k, repeats=args.repeats)
+                    r["verify"][k].append(v)
+                    r["ratio"][k].append(v / d)
                 for n in ROWS:
                     r["rows"][n].append(step_time(m, n, 1, repeats=args.repeats))
                 print(f"threads {threads} round {rnd + 1}: {_key(c)} decode {1e3 * r['decode'][-1]:.1f} ms", flush=True)
@@ -179,8 +185,11 @@ def main() -> None:
             floor = result["weight_bytes"][key.split("/")[1]] / (gbs * 1e9)
             out["configs"][key] = {
                 "decode_ms": 1e3 * dec, "floor_ms": 1e3 * floor, "over_floor": dec / floor,
-                "verify_steps": {k: statistics.median(v) / dec for k, v in r["verify"].items()},
+                "verify_ms": {k: 1e3 * statistics.median(v) for k, v in r["verify"].items()},
+                # median of paired ratios: the machine's drift between measurements cancels
+                "verify_steps": {k: statistics.median(v) for k, v in r["ratio"].items()},
                 "steps_per_s": {n: 1 / statistics.median(v) for n, v in r["rows"].items()},
+                "raw_s": {"decode": r["decode"], "verify": r["verify"]},
             }
         result["threads"][threads] = out
     result["date"] = time.strftime("%Y-%m-%d")
@@ -216,8 +225,11 @@ def render(res: dict, args) -> str:
         "\"mkl\" is the first path (fused weights through torch.matmul), \"onednn\" the weights prepacked "
         "once for oneDNN (the default until 2026-12-01), \"kernels\" Draftsmith's own few-row kernel "
         "(kernels/gemv.cpp, compiled once per machine; the default where it builds); \"kernels/…/unfused\" "
-        "the same with RoPE, SwiGLU and the residual add + norm as torch's ops (the path before the fused kernels). "
-        "Interleaved in one process, medians over rounds. Floor = weight "
+        "the same with RoPE, SwiGLU and the residual add + norm as torch's ops (the path before the fused kernels), "
+        "\"kernels/…/per-op\" with the fused kernels called one by one from Python (the path before a layer's step "
+        "became one kernel call). "
+        "Interleaved in one process, medians over rounds; verify(K) in decode steps = the median of per-round "
+        "ratios, each verify timed right after a decode step of its own. Floor = weight "
         "bytes read per step / read bandwidth measured in the same run at the same thread count.",
         "",
     ]
