@@ -153,11 +153,8 @@ def main() -> None:
     _, path = resolve_target("smollm2-135m")
     models = {c: load_decoder(path, dtype=getattr(torch, c[1]), linear_backend=c[0]) for c in available_configs()}
     for (_, _, variant), m in models.items():
-        if variant == "unfused":
-            m.set_fused_ops_(False)
-        if variant == "per-op":
-            for layer in m.model.layers:
-                layer.step_args = None
+        if variant in ("unfused", "per-op"):
+            m.set_fused_ops_(variant == "per-op", one_call_layers=False)
     result: dict = {"machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "kernels": cpu_kernels().isa or None,
                                 "torch": torch.__version__, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")},
                     "weight_bytes": {c[1]: weight_bytes(m) for c, m in models.items()}, "threads": {}}

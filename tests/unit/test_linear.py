@@ -269,15 +269,13 @@ def test_layer_as_one_kernel_call_gives_the_same_bits_as_op_by_op(tiny_model_dir
     if dtype == torch.bfloat16 and not cpu_kernels().bf16:
         pytest.skip("no bfloat16 kernel here")
     m = load_decoder(tiny_model_dir(model_type), dtype=dtype, linear_backend="kernels")
-    args = [layer.step_args for layer in m.model.layers]
-    assert all(a is not None for a in args)
+    assert all(layer.step_args is not None for layer in m.model.layers)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, m.config.vocab_size, (3, 12), generator=g)
     layers = tuple(range(m.config.num_layers))
 
     def run(one_call: bool):
-        for layer, a in zip(m.model.layers, args):
-            layer.step_args = a if one_call else None
+        m.set_fused_ops_(True, one_call_layers=one_call)
         cache, outs = m.new_cache(3, 32), []
         steps = [(ids[:2, :6], None, 0), (ids[:2, 6:10], None, 6), (ids[:2, 10:11], None, 10),
                  (ids[1:3, :5], torch.tensor([1, 2]), 0)]

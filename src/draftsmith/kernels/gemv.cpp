@@ -18,7 +18,8 @@
 // (simd.h: one zmm, or two ymm on AVX2); only the linears' register tiles are per ISA.
 //
 // Registered as torch.ops.draftsmith.{pack_f32, pack_bf16, gemv_f32, gemv_bf16, rms_norm, add_rms_norm,
-// attention, rope, silu_mul, layer (all of a plain decoder layer's step in one call), has_bf16, isa}; built on first use by kernels/build.py with -march=native.
+// attention, rope, silu_mul, layer (a plain decoder layer's step in one call), has_bf16, isa}; built on
+// first use by kernels/build.py with -march=native.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -898,7 +899,7 @@ at::Tensor silu_mul(const at::Tensor& gu) {
 // Llama / Qwen2-style layer (pre-norm, fused q/k/v with optional bias, RoPE, GQA attention over the
 // cache, fused gate/up SwiGLU) for rows row0 .. row0 + B - 1 of the cache that all start at `start`:
 // the ops above in the order models/decoder.py calls them one by one, so the same bits, without ~20
-// Python-level dispatches per layer (~7 ms of a 40 ms smollm2-135m decode step on 2 cores).
+// Python-level dispatches per layer (~3 ms of a ~40 ms smollm2-135m decode step on 2 Zen 3 cores).
 // lin: {weight, n, k} of a pack_f32 / pack_bf16 linear (gemv_f32 / gemv_bf16 by the weight's dtype).
 at::Tensor lin(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t k, const std::optional<at::Tensor>& b) {
   return w.scalar_type() == at::kFloat ? gemv_f32(x, w, n, b) : gemv_bf16(x, w, n, k, b);

@@ -22,8 +22,8 @@ cos/sin come from a table indexed by position, single-length batches skip the at
 and layers call functional ops directly. With the "kernels" linears a plain pre-norm SwiGLU layer
 (Llama, Qwen2, Mistral) runs a step whose rows are one run of the cache at one start as ONE kernel
 call (`DecoderLayer.forward_step`, the same ops in the same order: the same bits), which saves the
-~20 Python dispatches per layer that were ~7% of a smollm2-135m decode step. Logits differ from HF transformers only in summation
-order (~1e-5 on smollm2-135m).
+~20 Python dispatches per layer that were ~7% of a smollm2-135m decode step. Logits differ from HF
+transformers only in summation order (~1e-5 on smollm2-135m).
 """
 
 from __future__ import annotations
@@ -584,11 +584,13 @@ class Decoder(nn.Module):
         self.linear_backend = backend
         return self.set_fused_ops_(True)
 
-    def set_fused_ops_(self, enabled: bool = True) -> "Decoder":
+    def set_fused_ops_(self, enabled: bool = True, one_call_layers: bool = True) -> "Decoder":
         """RoPE, SwiGLU's silu(gate) * up and the residual add + RMSNorm each as one kernel
         (kernels/gemv.cpp; the default with the "kernels" linears, float32 / bfloat16), or as torch's
         ops (`enabled=False`: the benchmarks' before / after). The same numerics but for silu's
-        exp (a few float32 ulps). A no-op for other backends; call after `prepare_inference_`."""
+        exp (a few float32 ulps). `one_call_layers`: plain layers run a step as one kernel call
+        (`DecoderLayer.forward_step`, the same bits); False calls the fused kernels one by one.
+        A no-op for other backends; call after `prepare_inference_`."""
         for layer in self.model.layers:
             on = enabled and layer.norm_fn is rms_norm_kernel
             layer.self_attn.rope_fn = rope_kernel if on and self.config.head_dim % 2 == 0 else rope_composite
@@ -596,7 +598,7 @@ class Decoder(nn.Module):
             for mlp in getattr(layer.mlp, "experts", [layer.mlp]):  # an MLP, or a SparseMoE's experts
                 if mlp.gate_up is not None:
                     mlp.set_fused_act_(on)
-            layer.step_args = layer._step_args() if on else None
+            layer.step_args = layer._step_args() if on and one_call_layers else None
         return self
 
     def _norm_fn(self, backend: str):
