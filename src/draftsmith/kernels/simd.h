@@ -39,6 +39,7 @@ inline V16 round_nearest(V16 a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_T
 // a * 2^n for integral n (one rounding)
 inline V16 scale2(V16 a, V16 n) { return {_mm512_scalef_ps(a.v, n.v)}; }
 inline float reduce_add(V16 a) { return _mm512_reduce_add_ps(a.v); }
+inline float reduce_max(V16 a) { return _mm512_reduce_max_ps(a.v); }
 inline Mask first(int64_t n) { return static_cast<Mask>(n >= 16 ? 0xFFFF : (1u << n) - 1); }  // lanes [0, n)
 inline V16 load_first(const float* p, int64_t n) { return {_mm512_maskz_loadu_ps(first(n), p)}; }  // others 0
 inline void store_first(float* p, V16 a, int64_t n) { _mm512_mask_storeu_ps(p, first(n), a.v); }
@@ -121,6 +122,13 @@ inline float reduce_add(V16 x) {  // halves, then quarters, ...: one fixed order
   __m128 t = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
   t = _mm_add_ps(t, _mm_movehl_ps(t, t));
   t = _mm_add_ss(t, _mm_movehdup_ps(t));
+  return _mm_cvtss_f32(t);
+}
+inline float reduce_max(V16 x) {
+  __m256 s = _mm256_max_ps(x.a, x.b);
+  __m128 t = _mm_max_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+  t = _mm_max_ss(t, _mm_movehdup_ps(t));
   return _mm_cvtss_f32(t);
 }
 inline __m256i first8(int64_t n) {  // lanes [0, n) of 8 set

@@ -73,18 +73,23 @@ def use_step_kernel(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-           causal: bool, kernel: str = "auto", scale: float | None = None) -> torch.Tensor:
+           causal: bool, kernel: str = "auto", scale: float | None = None,
+           suffix_causal: bool = False) -> torch.Tensor:
     """Softmax attention of q [B, H, S, D] over k / v [B, KV, T, D] (GQA when KV < H).
     kernel: "auto" (Draftsmith's step kernel where `use_step_kernel`, else grouped where
     `use_grouped`, else SDPA), "torch" ("auto" without the step kernel: the path before it),
     "step", "sdpa" or "grouped" (benchmarks, tests).
-    scale: of the scores, default D ** -0.5 (Gemma 3: query_pre_attn_scalar ** -0.5)."""
+    scale: of the scores, default D ** -0.5 (Gemma 3: query_pre_attn_scalar ** -0.5).
+    suffix_causal: `mask` is the causal mask of S queries at the end of the T keys (query s sees
+    keys up to T - S + s), which the step kernel computes without reading it (the same result)."""
     if kernel == "step" or (kernel == "auto" and use_step_kernel(q, k)):
         if kernel == "step":  # asked for by name: load it, or say why not
             from draftsmith.kernels.build import cpu_kernels
 
             if not (status := cpu_kernels()).ok:
                 raise RuntimeError(f"Draftsmith's attention kernel is not available: {status.reason}")
+        if suffix_causal:
+            mask, causal = None, True
         if mask is not None and mask.shape[-1] != k.shape[2]:
             mask = mask[..., : k.shape[2]]
         return torch.ops.draftsmith.attention(q, k, v, mask, causal, q.shape[-1] ** -0.5 if scale is None else scale)

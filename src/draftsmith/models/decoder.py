@@ -328,14 +328,14 @@ class Attention(nn.Module):
         lo = ctx.kv_lo  # keys before it are outside every query's window (0 but in sliding layers)
         if ctx.row_runs is None:  # rows in no useful order: gather their keys (a copy)
             out = attend(q, kc[ctx.rows, :, lo : ctx.kv_len], vc[ctx.rows, :, lo : ctx.kv_len], ctx.mask,
-                         ctx.causal, ctx.attention, self.scale)
+                         ctx.causal, ctx.attention, self.scale, ctx.suffix_causal)
         else:  # runs of consecutive rows (one run always for batch 1): views of the cache
             outs = []
             for b0, b1, r0, kv in ctx.row_runs:
                 m = ctx.mask if ctx.mask is None or ctx.mask.shape[0] == 1 else ctx.mask[b0:b1, :, :, : kv - lo]
                 r = slice(r0, r0 + b1 - b0)
                 outs.append(attend(q[b0:b1], kc[r, :, lo:kv], vc[r, :, lo:kv], m, ctx.causal, ctx.attention,
-                                   self.scale))
+                                   self.scale, ctx.suffix_causal))
             out = outs[0] if len(outs) == 1 else torch.cat(outs)
         out = out.transpose(1, 2).reshape(B, S, nh * self.hd)
         if self.o is not None:
@@ -475,8 +475,9 @@ class DecoderLayer(nn.Module):
         i = a.layer_idx
         return torch.ops.draftsmith.layer(
             x, ln1, ln2, eps, qkv.weight, qkv.bias, o.weight, o.bias, gu.weight, down.weight, dims,
-            cache.k[i], cache.v[i], ctx.row_runs[0][2], ctx.starts_list[0], ctx.cos, ctx.sin_signed, ctx.mask,
-            ctx.causal, a.hd ** -0.5 if a.scale is None else a.scale)
+            cache.k[i], cache.v[i], ctx.row_runs[0][2], ctx.starts_list[0], ctx.cos, ctx.sin_signed,
+            None if ctx.suffix_causal else ctx.mask, ctx.causal or ctx.suffix_causal,
+            a.hd ** -0.5 if a.scale is None else a.scale)
 
     def _step_args(self) -> tuple | None:
         """What `forward_step` needs, or None where this layer is not the plain kind it runs."""
@@ -507,6 +508,9 @@ class _StepContext:
     sin_signed: torch.Tensor  # [B or 1, S, 1, D], first half negated (see _rope_signed)
     kv_lo: int = 0  # first key attended (sliding layers: keys before it are outside every window)
     sliding: "_StepContext | None" = None  # the step as sliding-window layers see it (_window_context)
+    # `mask` is the causal mask of rows that all start at one position: query s sees keys up to
+    # kv_len - S + s, which Draftsmith's step kernel computes without reading a mask (the same result)
+    suffix_causal: bool = False
 
 
 @dataclass
@@ -654,13 +658,14 @@ class Decoder(nn.Module):
             cos, sin_signed = cos_t[positions][:, :, None], sin_t[positions][:, :, None]
         # Masks: none for one new token per row when all rows see the same keys (every key
         # is visible), SDPA's causal mask when all rows start at 0, an explicit one otherwise.
-        mask, causal = None, False
+        mask, causal, suffix_causal = None, False, False
         if same_start and S > 1:
             if starts_list[0] == 0:
                 causal = True
             else:
                 q_pos = torch.arange(starts_list[0], kv_len, device=dev)
                 mask = (torch.arange(kv_len, device=dev)[None, :] <= q_pos[:, None])[None, None]
+                suffix_causal = True
         elif not same_start:
             key_pos = torch.arange(kv_len, device=dev)
             mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, S, kv_len]
@@ -674,6 +679,7 @@ class Decoder(nn.Module):
             kv_len=kv_len,
             mask=mask,
             causal=causal,
+            suffix_causal=suffix_causal,
             attention=self.attention_kernel,
             cos=cos,
             sin_signed=sin_signed,
@@ -712,7 +718,8 @@ class Decoder(nn.Module):
                 q_pos = (torch.arange(S, device=dev) + ctx.starts_list[0])[None, :, None]  # [1, S, 1]
             key_pos = torch.arange(lo, ctx.kv_len, device=dev)
             mask = ((key_pos <= q_pos) & (key_pos > q_pos - W))[:, None]  # [B or 1, 1, S, kv_len - lo]
-        return replace(ctx, cos=cos, sin_signed=sin_signed, mask=mask, causal=False, kv_lo=lo, sliding=None)
+        return replace(ctx, cos=cos, sin_signed=sin_signed, mask=mask, causal=False, suffix_causal=False, kv_lo=lo,
+                       sliding=None)
 
     @torch.inference_mode()
     def forward(
