@@ -90,8 +90,8 @@ def test_step_kernel_is_query_count_invariant():
             assert torch.equal(one, block[:, :, i : i + 1]), (dtype, i)
         none = torch.zeros(1, 1, S, T, dtype=torch.bool)
         assert torch.equal(attend(q, k, v, none, False, kernel="step"), torch.zeros_like(q))
-        # a batch of rows (bfloat16: one task per kv head converts its keys once for the G heads)
-        # equals each row alone (one task per head reading the cache), one and many threads
+        # a batch of rows (attended with the other rows of their kv head, tasks split by thread
+        # count) equals each row alone
         qb = torch.randn(6, H, 2, D, generator=g).to(dtype)
         kb, vb = (torch.randn(6, KV, T, D, generator=g).to(dtype) for _ in range(2))
         batch = attend(qb, kb, vb, None, True, kernel="step")
@@ -100,3 +100,27 @@ def test_step_kernel_is_query_count_invariant():
                 one = attend(qb[b : b + 1, :, i : i + 1], kb[b : b + 1, :, : T - 1 + i], vb[b : b + 1, :, : T - 1 + i],
                              None, False, kernel="step")
                 assert torch.equal(one, batch[b : b + 1, :, i : i + 1]), (dtype, b, i)
+
+
+def test_step_kernel_suffix_causal_equals_its_mask_and_any_thread_count():
+    """Same-start verify rows pass `suffix_causal` (the kernel's bottom-right causal instead of
+    reading the mask): bit-identical to the explicit mask; and the split of a kv head's query rows
+    into tasks (by thread count) does not change a bit."""
+    _step_kernel_or_skip()
+    g = torch.Generator().manual_seed(5)
+    H, KV, D = 9, 3, 64
+    threads = torch.get_num_threads()
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            for S, T in ((16, 216), (8, 37), (3, 16)):
+                q = torch.randn(2, H, S, D, generator=g).to(dtype)
+                k, v = (torch.randn(2, KV, T, D, generator=g).to(dtype) for _ in range(2))
+                mask = (torch.arange(T)[None, :] <= torch.arange(T - S, T)[:, None])[None, None]
+                want = attend(q, k, v, mask, False, kernel="step")
+                assert torch.equal(attend(q, k, v, mask, False, kernel="step", suffix_causal=True), want)
+                assert torch.equal(attend(q, k, v, None, True, kernel="step"), want)
+                torch.set_num_threads(1)
+                assert torch.equal(attend(q, k, v, mask, False, kernel="step"), want)
+                torch.set_num_threads(threads)
+    finally:
+        torch.set_num_threads(threads)
