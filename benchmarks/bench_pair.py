@@ -3,7 +3,7 @@
 
 Side by side in one process, interleaved per prompt (docs/MEASURING.md), one loaded copy of each
 model shared by our configurations:
-  ours:  plain, n-gram (fixed K), draft-model 0.5B (fixed K)
+  ours:  plain, n-gram (fixed K, and fixed K = 10 like HF's lookup), draft-model 0.5B (fixed K)
   HF transformers: `generate` plain, prompt lookup (`prompt_lookup_num_tokens`), assisted
   generation (`assistant_model` = the 0.5B)
 Both sides in the same dtype (default bfloat16: the 1.5B in float32 with oneDNN's blocked copy
@@ -39,6 +39,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=5, help="drafts per round for our n-gram and draft-model")
+    ap.add_argument("--ngram-k-extra", type=int, default=10,
+                    help="one more n-gram configuration with this many drafts per round (HF's lookup uses 10); 0: none")
     ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
@@ -46,6 +48,11 @@ def main() -> None:
     plain = LLM("qwen2.5-coder-1.5b", dtype=args.dtype, max_batch=1)
     ngram = LLM(plain.target, drafter="ngram", num_speculative_tokens=args.k, max_batch=1)
     draft = LLM(plain.target, drafter="draft-model:qwen2.5-coder-0.5b", num_speculative_tokens=args.k, max_batch=1)
+    ours_cfg = [("plain", plain), ("ngram", ngram), ("draft-model", draft)]
+    if args.ngram_k_extra:
+        ours_cfg.insert(2, (f"ngram-k{args.ngram_k_extra}",
+                            LLM(plain.target, drafter="ngram", num_speculative_tokens=args.ngram_k_extra, max_batch=1)))
+    ours_names = [n for n, _ in ours_cfg]
     dt = getattr(torch, args.dtype)
     hf = AutoModelForCausalLM.from_pretrained(str(plain.target.path), dtype=dt).eval()
     hf_draft = AutoModelForCausalLM.from_pretrained(str(_draft_dir()), dtype=dt).eval()
@@ -68,7 +75,7 @@ def main() -> None:
         return y[0, x.shape[1]:].tolist(), time.perf_counter() - t
 
     hf_kw = {"hf plain": {}, "hf lookup": {"prompt_lookup_num_tokens": 10}, "hf assisted": {"assistant_model": hf_draft}}
-    for llm in (plain, ngram, draft):  # warm-up
+    for _, llm in ours_cfg:  # warm-up
         ours(llm, prompts[0], 8)
     for kw in hf_kw.values():
         theirs(prompts[0], 8, **kw)
@@ -76,7 +83,7 @@ def main() -> None:
     for i, ids in enumerate(prompts):
         r: dict = {"prompt": convs[i].id}
         ref = None
-        for name, llm in (("plain", plain), ("ngram", ngram), ("draft-model", draft)):
+        for name, llm in ours_cfg:
             toks, wall, tau, fpt = ours(llm, ids)
             ref = toks if ref is None else ref
             r[name] = {"ms_per_token": 1e3 * wall / len(toks), "tau": tau, "forwards_per_token": fpt,
@@ -88,17 +95,17 @@ def main() -> None:
         rows.append(r)
         print(f"[{i + 1}/{len(prompts)}] " + ", ".join(f"{k} {v['ms_per_token']:.1f}" for k, v in r.items() if k != "prompt"),
               flush=True)
-    names = ["plain", "ngram", "draft-model", *hf_kw]
+    names = [*ours_names, *hf_kw]
     best_hf = [min(r[n]["ms_per_token"] for n in hf_kw) for r in rows]
     summary = {
         "setup": {"target": "qwen2.5-coder-1.5b", "draft": "qwen2.5-coder-0.5b", "dtype": args.dtype, "batch": 1,
                   "temperature": 0, "prompts": f"HumanEval held-out ×{len(rows)}", "max_new_tokens": args.max_new_tokens,
-                  "k": args.k, "threads": torch.get_num_threads(), "loadavg_end": os.getloadavg()},
+                  "k": args.k, "ngram_k_extra": args.ngram_k_extra, "threads": torch.get_num_threads(), "loadavg_end": os.getloadavg()},
         "median_ms_per_token": {n: statistics.median(r[n]["ms_per_token"] for r in rows) for n in names},
         "speedup_vs_our_plain": {n: spread([r["plain"]["ms_per_token"] / r[n]["ms_per_token"] for r in rows]) for n in names},
-        "ours_best_vs_hf_best": spread([b / min(r[n]["ms_per_token"] for n in ("plain", "ngram", "draft-model"))
+        "ours_best_vs_hf_best": spread([b / min(r[n]["ms_per_token"] for n in ours_names)
                                         for r, b in zip(rows, best_hf)]),
-        "tau": {n: statistics.median(r[n]["tau"] for r in rows) for n in ("ngram", "draft-model")},
+        "tau": {n: statistics.median(r[n]["tau"] for r in rows) for n in ours_names[1:]},
         "all_same_as_plain": {n: all(r[n]["same_as_plain"] for r in rows) for n in names},
         "rows": rows,
     }
