@@ -727,7 +727,9 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   const int64_t want = std::max<int64_t>(1, (8 * at::get_num_threads() + B * KV - 1) / (B * KV));
   const int64_t chunks = std::min(want, (NQ + QT - 1) / QT);
   const int64_t QC = ((NQ + chunks - 1) / chunks + QT - 1) / QT * QT, per_group = (NQ + QC - 1) / QC;
-  at::parallel_for(0, B * KV * per_group, 1, [&](int64_t t0, int64_t t1) {
+  // grain: a thread's share at least ~32k key-dimension products (a short step stays on one thread)
+  const int64_t grain = std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(1, QC * T * D));
+  at::parallel_for(0, B * KV * per_group, grain, [&](int64_t t0, int64_t t1) {
     std::vector<float> scores(QC * (T + 16));
     std::vector<V16> qs(QC * DV);
     std::vector<int64_t> hi(QC);
