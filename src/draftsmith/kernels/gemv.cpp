@@ -136,6 +136,17 @@ constexpr int64_t PREFETCH_K = 128;  // k ahead in a block's stream (AVX-512: 8 
 // one-row time in float32 and 1.32 / 1.53x in bfloat16; chunk by chunk 1.03 / 1.35x and 0.97 / 1.15x.
 constexpr int MT_F32 = 8, MT_BF16 = 8;
 
+// A chunk's register sums of R rows (32 columns each: lo, hi) added to their running totals.
+template <int R>
+inline void add_sums(float* tot, const __m512* lo, const __m512* hi) {
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    float* t = tot + r * BLOCK;
+    _mm512_store_ps(t, _mm512_add_ps(_mm512_load_ps(t), lo[r]));
+    _mm512_store_ps(t + 16, _mm512_add_ps(_mm512_load_ps(t + 16), hi[r]));
+  }
+}
+
 // Chunk [k0, k1) of R rows (x rows K apart) over one block, added to tot (rows BLOCK apart).
 template <int R>
 inline void chunk_f32(const float* wb, const float* x, int64_t K, int64_t k0, int64_t k1, float* tot, bool prefetch) {
@@ -155,12 +166,7 @@ inline void chunk_f32(const float* wb, const float* x, int64_t K, int64_t k0, in
       hi[r] = _mm512_fmadd_ps(w1, xv, hi[r]);
     }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    float* t = tot + r * BLOCK;
-    _mm512_store_ps(t, _mm512_add_ps(_mm512_load_ps(t), lo[r]));
-    _mm512_store_ps(t + 16, _mm512_add_ps(_mm512_load_ps(t + 16), hi[r]));
-  }
+  add_sums<R>(tot, lo, hi);
 }
 
 #ifdef __AVX512BF16__
@@ -188,12 +194,7 @@ inline void chunk_bf16(const uint16_t* wb, const uint16_t* x, int64_t KP, int64_
       hi[r] = _mm512_dpbf16_ps(hi[r], w1, xv);
     }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    float* t = tot + r * BLOCK;
-    _mm512_store_ps(t, _mm512_add_ps(_mm512_load_ps(t), lo[r]));
-    _mm512_store_ps(t + 16, _mm512_add_ps(_mm512_load_ps(t + 16), hi[r]));
-  }
+  add_sums<R>(tot, lo, hi);
 }
 #else
 constexpr bool BF16_KERNEL = false;
