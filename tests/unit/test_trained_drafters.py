@@ -31,6 +31,7 @@ from draftsmith.data.features import FeatureExtractor
 from draftsmith.drafters import dflash, dspark, eagle3
 from draftsmith.drafters.base import TargetFeatures
 from draftsmith.drafters.block import choose_mask_token_id, packed_forward
+from draftsmith.drafters.block_step import one_call_reason
 from draftsmith.drafters.vocab import build_vocab_map
 from draftsmith.drafters.checkpoint import save_trained_drafter
 from draftsmith.drafters.registry import config_for as config_from_dict
@@ -57,6 +58,7 @@ CONFIGS = {
     "dspark-rnn": dspark.DSparkConfig(block_size=4, num_layers=1, rank=32, max_anchors=16, head="rnn"),
     "dflash-small-vocab": dflash.DFlashConfig(block_size=4, num_layers=1, max_anchors=16, draft_vocab_size=160),
     "dflash-mask-first": dflash.DFlashConfig(block_size=4, num_layers=1, max_anchors=16, layout="mask-first"),
+    "dspark-qk-norm": dspark.DSparkConfig(block_size=4, num_layers=2, rank=32, max_anchors=16, qk_norm=True),
     "dspark-small-vocab": dspark.DSparkConfig(block_size=4, num_layers=1, rank=32, max_anchors=16,
                                               draft_vocab_size=160),
 }
@@ -304,6 +306,93 @@ def test_block_drafter_proposes_what_training_scores(name, target, train_batch, 
         assert bool(bb.vocab.t2d[prop.tokens[0]].all())
         q = torch.zeros(gamma, bb.head.vocab_size).index_copy_(1, bb.draft_ids, q)
     torch.testing.assert_close(prop.q[0], q, atol=1e-5, rtol=1e-4)
+
+
+class _RecordingSampler:
+    def __init__(self, model, hidden: list) -> None:
+        self.model, self.hidden = model, hidden
+
+    def draft(self, h, *args):
+        self.hidden.append(h.float().clone())
+        return self.model.draft(h, *args)
+
+
+@pytest.mark.parametrize("name,dtype", [("dflash", torch.float32), ("dspark", torch.float32),
+                                        ("dspark-qk-norm", torch.float32), ("dspark-qk-norm", torch.bfloat16)])
+def test_one_call_draft_layers_equal_the_layer_by_layer_forward(name, dtype, target, train_batch):
+    """The block's draft layers as one kernel call each (drafters/block_step.py: the block's K/V
+    written past the context, every key visible) compute what the two-part attention layers
+    compute: for one row and for a run of rows at one context length, fp32 and bf16, with q/k norm."""
+    if one_call_reason(_build(target, name).backbone) is not None:
+        pytest.skip(f"no one-call draft layers here: {one_call_reason(_build(target, name).backbone)}")
+    if dtype == torch.bfloat16 and not torch.ops.draftsmith.has_bf16():
+        pytest.skip("this CPU's kernels have no bfloat16 linear")
+    model = _build(target, name)
+    with torch.no_grad():  # norms not at their initial ones, so that a swapped or dropped norm shows
+        for pname, p in model.backbone.named_parameters():
+            if pname.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    model = model.to(dtype)
+    gamma = model.config.block_size
+    runs = {}
+    for one_call in (True, False):
+        drafter = model.make_drafter(target.model, 3, 64)
+        assert drafter.step is not None
+        if not one_call:
+            drafter.step = None
+        calls, hidden = [], []
+        if one_call:
+            inner = drafter.step.forward
+            drafter.step.forward = lambda *a, **k: calls.append(1) or inner(*a, **k)
+        # the sampler is the model itself (shared by both drafters): record on this drafter's object only
+        drafter.sampler = _RecordingSampler(model, hidden)
+        seqs = []
+        for r, (b, n) in enumerate([(3, 12), (4, 9), (5, 9)]):  # rows 1 and 2: one run at one length
+            row = _row(train_batch, b)
+            seq = _sequence(row.input_ids[0, : n + 1].tolist(), SamplingParams(temperature=0.0))
+            seq.row = r
+            drafter.start(seq, TargetFeatures(hidden={i: h[:, :n].to(dtype) for i, h in row.hidden.items()}))
+            seqs.append(seq)
+        props = [drafter.propose(seqs[:1], [gamma]), drafter.propose(seqs[1:], [gamma, gamma])]
+        runs[one_call] = (props, hidden, len(calls))
+    (fast, h_fast, n_calls), (ref, h_ref, _) = runs[True], runs[False]
+    assert n_calls == 2  # both rounds took the one-call layers
+    tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=0.02)
+    for a, b in zip(h_fast, h_ref):
+        torch.testing.assert_close(a, b, **tol)
+    if dtype == torch.float32:
+        for a, b in zip(fast, ref):
+            assert torch.equal(a.tokens, b.tokens)
+
+
+def test_one_call_draft_layers_follow_weights_changed_in_place(target, train_batch):
+    """A drafter that is also trained: the one-call layers lay their weights out again after an
+    in-place update, as the layer-by-layer path's linears do."""
+    model = _build(target, "dspark")
+    if one_call_reason(model.backbone) is not None:
+        pytest.skip(f"no one-call draft layers here: {one_call_reason(model.backbone)}")
+    row, n = _row(train_batch, 3), 12
+    feats = TargetFeatures(hidden={i: h[:, :n] for i, h in row.hidden.items()})
+
+    def hidden_of(drafter):
+        got = []
+        drafter.sampler = _RecordingSampler(model, got)
+        seq = _sequence(row.input_ids[0, : n + 1].tolist(), SamplingParams(temperature=0.0))
+        drafter.start(seq, feats)
+        drafter.propose([seq], [model.config.block_size])
+        return got[0]
+
+    fast = model.make_drafter(target.model, 1, 64)
+    before = hidden_of(fast)
+    with torch.no_grad():
+        for layer in model.backbone.layers:
+            layer.mlp.down_proj.weight.mul_(3.0)
+            layer.self_attn.k_proj.weight.mul_(-1.0)
+    after = hidden_of(fast)
+    slow = model.make_drafter(target.model, 1, 64)
+    slow.step = None
+    torch.testing.assert_close(after, hidden_of(slow), atol=1e-5, rtol=1e-4)
+    assert not torch.allclose(before, after, atol=1e-3)
 
 
 class _EveryThirdRound:

@@ -20,6 +20,7 @@ from draftsmith.core.sampling import SamplingParams
 from draftsmith.core.types import Proposal
 from draftsmith.drafters.base import FeatureSpec, RequestStates, row_uniforms
 from draftsmith.drafters.block import BlockBackbone
+from draftsmith.drafters.block_step import BlockStep, one_call_reason
 from draftsmith.drafters.feature_queue import FLUSH_TOKENS, FeatureQueueDrafter, FeatureRequestState
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.kv_cache import KVCache
@@ -38,7 +39,8 @@ class BlockSampler(Protocol):
         uniforms: torch.Tensor,  # [B, n] one uniform per drafted position
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """→ tokens [B, n], q [B, n, V] (the warped distributions sampled from; one-hot on
-        greedy rows), confidence logits [B, n] or None."""
+        greedy rows; None when every row is greedy: the proposal then carries no q),
+        confidence logits [B, n] or None."""
         ...
 
 
@@ -81,6 +83,8 @@ class BlockDrafter(FeatureQueueDrafter):
         self.device = backbone.fc.weight.device
         self.cache = KVCache(c.num_layers, max_rows, c.num_kv_heads, max_len, c.head_dim,
                              dtype=backbone.dtype, device=self.device)
+        # the draft layers as one kernel call each where the CPU kernels run them (block_step.py)
+        self.step: BlockStep | None = BlockStep(backbone) if one_call_reason(backbone) is None else None
 
     # -- context cache
 
@@ -130,13 +134,19 @@ class BlockDrafter(FeatureQueueDrafter):
                 )
         dev = self.device
         L = int(ctx_len.max())
-        ctx_kv = [(self.cache.k[i][rows, :, :L], self.cache.v[i][rows, :, :L]) for i in range(len(self.cache.k))]
-        ctx_len_d = ctx_len.to(dev)
-        ctx_mask = (torch.arange(L, device=dev)[None, :] < ctx_len_d[:, None])[:, None, :]  # [B', 1, L]
         anchors = torch.tensor([s.all_ids[-1] for s in act], dtype=torch.long, device=dev)  # [B']
         ids = self.backbone.block_inputs(anchors[:, None], self.n_in)  # [B', 1, n_in]
-        pos = ctx_len_d[:, None, None] + torch.arange(self.n_in, device=dev)  # anchor at index ctx_len
-        h = self.backbone.blocks(ids, pos, ctx_kv, ctx_mask)[:, 0]  # [B', n_in, H]
+        row0 = act[0].row
+        if (self.step is not None and L + self.n_in <= self.cache.max_len and int(ctx_len.min()) == L
+                and [s.row for s in act] == list(range(row0, row0 + len(act)))):
+            # one run of cache rows at one context length: one kernel call per draft layer
+            h = self.step.forward(ids[:, 0], row0, L, self.cache.k, self.cache.v)  # [B', n_in, H]
+        else:
+            ctx_kv = [(self.cache.k[i][rows, :, :L], self.cache.v[i][rows, :, :L]) for i in range(len(self.cache.k))]
+            ctx_len_d = ctx_len.to(dev)
+            ctx_mask = (torch.arange(L, device=dev)[None, :] < ctx_len_d[:, None])[:, None, :]  # [B', 1, L]
+            pos = ctx_len_d[:, None, None] + torch.arange(self.n_in, device=dev)  # anchor at index ctx_len
+            h = self.backbone.blocks(ids, pos, ctx_kv, ctx_mask)[:, 0]  # [B', n_in, H]
         h = h[:, self.offset : self.offset + n]  # [B', n, H]
         u = row_uniforms(act, [self.states[s].drafter_gen for s in act], caps, n, dev)
         params = [s.params for s in act]

@@ -89,6 +89,8 @@ class DFlashModel(BlockModel):
         With a reduced vocabulary q is scattered back into target ids (zero outside)."""
         bb = self.backbone
         logits = bb.draft_logits(hidden)  # [B, n, Vd]
+        if all(p.greedy for p in params):  # the argmax is what inverse_cdf draws from the one-hot q
+            return bb.to_target(logits.argmax(-1)), None, None
         q = target_probs(logits, list(params))  # [B, n, Vd]; one-hot rows for greedy requests
         B, n, Vd = q.shape
         tokens = inverse_cdf(q.reshape(B * n, Vd), uniforms.reshape(-1)).view(B, n)

@@ -174,6 +174,13 @@ class DSparkModel(BlockModel):
         prev = bb.to_draft(anchors)
         state = self.seq_head.init_state((B,), hidden)
         toks, qs, confs = [], [], []
+        if all(p.greedy for p in plist):  # the argmax is what inverse_cdf draws from the one-hot q; q is not needed
+            for k in range(n):
+                logits, z, state = self.sequential_logits(U[:, k], hidden[:, k], prev, state)
+                prev = logits.argmax(-1)
+                toks.append(prev)
+                confs.append(z)
+            return bb.to_target(torch.stack(toks, 1)), None, torch.stack(confs, 1)
         for k in range(n):
             logits, z, state = self.sequential_logits(U[:, k], hidden[:, k], prev, state)
             q = target_probs(logits[:, None], plist)[:, 0]  # [B, V]; one-hot on greedy rows

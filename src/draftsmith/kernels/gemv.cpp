@@ -951,8 +951,9 @@ at::Tensor silu_mul(const at::Tensor& gu) {
 }
 
 // ---- a whole decoder layer of a decode / verify step in one call -------------------------------
-// Llama / Qwen2-style layer (pre-norm, fused q/k/v with optional bias, RoPE, GQA attention over the
-// cache, fused gate/up SwiGLU) for rows row0 .. row0 + B - 1 of the cache that all start at `start`:
+// Llama / Qwen2-style layer (pre-norm, fused q/k/v with optional bias, optional Qwen3-style q / k norm,
+// RoPE, GQA attention over the cache, fused gate/up SwiGLU; also the block drafters' KV-injected
+// layer, drafters/block_step.py) for rows row0 .. row0 + B - 1 of the cache that all start at `start`:
 // the ops above in the order models/decoder.py calls them one by one, so the same bits, without ~20
 // Python-level dispatches per layer (~3 ms of a ~40 ms smollm2-135m decode step on 2 Zen 3 cores).
 // lin: {weight, n, k} of a pack_f32 / pack_bf16 linear (gemv_f32 / gemv_bf16 by the weight's dtype).
@@ -965,7 +966,7 @@ at::Tensor layer(const at::Tensor& x, const at::Tensor& ln1, const at::Tensor& l
                  const std::optional<at::Tensor>& o_b, const at::Tensor& gu_w, const at::Tensor& down_w,
                  at::IntArrayRef dims, const at::Tensor& kc, const at::Tensor& vc, int64_t row0, int64_t start,
                  const at::Tensor& cos, const at::Tensor& sin_signed, const std::optional<at::Tensor>& mask, bool causal,
-                 double scale) {
+                 double scale, const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm) {
   // dims: hidden, heads, kv heads, head_dim, intermediate
   TORCH_CHECK(dims.size() == 5, "layer: dims = (hidden, heads, kv_heads, head_dim, intermediate) expected");
   const int64_t Hd = dims[0], nh = dims[1], nkv = dims[2], D = dims[3], I = dims[4];
@@ -977,7 +978,13 @@ at::Tensor layer(const at::Tensor& x, const at::Tensor& ln1, const at::Tensor& l
   const int64_t nq = (nh + 2 * nkv) * D;
   auto h = rms_norm(x, ln1, eps);
   auto qkv = lin(h, qkv_w, nq, Hd, qkv_b).view({B, S, nh + 2 * nkv, D});
-  auto qk = rope(qkv, cos, sin_signed, nh + nkv);
+  const bool qk_norm = q_norm && q_norm->defined();
+  TORCH_CHECK(qk_norm == (k_norm && k_norm->defined()), "layer: q_norm and k_norm come together");
+  // Qwen3-style q / k RMSNorm over each head's D values, before RoPE
+  auto qk = qk_norm ? rope(at::cat({rms_norm(qkv.narrow(2, 0, nh), *q_norm, eps),
+                                    rms_norm(qkv.narrow(2, nh, nkv), *k_norm, eps)}, 2),
+                           cos, sin_signed, nh + nkv)
+                    : rope(qkv, cos, sin_signed, nh + nkv);
   auto rows_k = kc.narrow(0, row0, B), rows_v = vc.narrow(0, row0, B);
   rows_k.narrow(2, start, S).copy_(qk.narrow(2, nh, nkv).transpose(1, 2));
   rows_v.narrow(2, start, S).copy_(qkv.narrow(2, nh + nkv, nkv).transpose(1, 2));
@@ -1015,5 +1022,6 @@ TORCH_LIBRARY(draftsmith, m) {
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, bool causal, float scale) -> Tensor", &attention);
   m.def("layer(Tensor x, Tensor ln1, Tensor ln2, float eps, Tensor qkv_w, Tensor? qkv_b, Tensor o_w, Tensor? o_b, "
         "Tensor gu_w, Tensor down_w, int[] dims, Tensor(a!) kc, Tensor(b!) vc, int row0, int start, Tensor cos, "
-        "Tensor sin_signed, Tensor? mask, bool causal, float scale) -> Tensor", &layer);
+        "Tensor sin_signed, Tensor? mask, bool causal, float scale, Tensor? q_norm=None, Tensor? k_norm=None) -> Tensor",
+        &layer);
 }

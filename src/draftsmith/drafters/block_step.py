@@ -1,0 +1,97 @@
+"""A block drafter's inference forward as one kernel call per draft layer (CPU kernels).
+
+The KV-injected layer (drafters/block_attention.py) attends over [context keys ; the block's own
+keys], bidirectionally inside the block. At inference a row's context keys are already in the
+drafter's cache at positions 0 .. L − 1 (L = its context length) and the block sits at positions
+L .. L + n − 1, so writing the block's keys and values there and letting every block query see
+every key up to L + n (no mask, not causal) is the same attention. That is the target's one-call
+decoder layer (kernels/gemv.cpp `layer`, with the drafter's q / k norm): RMSNorm, fused q/k/v,
+q / k norm, RoPE, the K/V write, attention, o, add + RMSNorm, fused gate/up SwiGLU and down in
+one C++ call instead of ~40 torch ops. The block's keys land past the context length, where the
+next context append overwrites them.
+
+Same math as the op-by-op path in another summation order (~1e-6 relative): drafts may differ
+on near-ties, never losslessness — q is computed from the logits the drafts are sampled from.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftsmith.drafters.block_attention import rope_cos_sin
+from draftsmith.kernels.build import cpu_kernels
+from draftsmith.models.attention import STEP_HEAD_DIMS
+from draftsmith.models.linear import FastLinear, _tensor_key
+
+
+def one_call_reason(backbone) -> str | None:
+    """Why this backbone's layers cannot run as one kernel call each (None: they can)."""
+    c = backbone.cfg
+    if backbone.fc.weight.device.type != "cpu":
+        return "not on the CPU"
+    status = cpu_kernels()
+    if not status.ok:
+        return f"no CPU kernels ({status.reason})"
+    if backbone.dtype not in (torch.float32, torch.bfloat16) or (backbone.dtype == torch.bfloat16 and not status.bf16):
+        return f"no kernel for {backbone.dtype}"
+    if c.head_dim not in STEP_HEAD_DIMS or c.head_dim % 2:
+        return f"head_dim {c.head_dim} is not compiled into the step kernel"
+    if any(not layer.mlp.fused_act for layer in backbone.layers):
+        return "the MLP is not SwiGLU"
+    return None
+
+
+class BlockStep:
+    """The draft layers' `torch.ops.draftsmith.layer` arguments: q/k/v and gate/up fused, every
+    linear laid out for the CPU kernel; laid out again whenever a weight changes (a drafter that
+    is also trained, load_state_dict)."""
+
+    def __init__(self, backbone) -> None:
+        self.backbone = backbone
+        self._key: tuple | None = None
+        self._layers: list[tuple] = []
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for layer in self.backbone.layers for p in layer.parameters()]
+
+    def _lay_out(self) -> None:
+        c = self.backbone.cfg
+        out = []
+        for layer in self.backbone.layers:
+            a, m = layer.self_attn, layer.mlp
+            qkv_b = None
+            if a.q_proj.bias is not None:
+                qkv_b = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+            qkv = FastLinear.build(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), qkv_b, "kernels")
+            o = FastLinear.build(a.o_proj.weight, a.o_proj.bias, "kernels")
+            gu = FastLinear.build(torch.cat([m.gate_proj.weight, m.up_proj.weight]), None, "kernels")
+            down = FastLinear.build(m.down_proj.weight, None, "kernels")
+            dims = [c.hidden_size, a.n_heads, a.n_kv, a.hd, down.in_features]
+            norms = (a.q_norm.weight, a.k_norm.weight) if a.qk_norm else (None, None)
+            out.append((layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                        float(layer.input_layernorm.eps), qkv, o, gu, down, dims, *norms))
+        self._layers = out
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, row0: int, start: int, kc: list[torch.Tensor],
+                vc: list[torch.Tensor]) -> torch.Tensor:
+        """Block ids [B, n] of cache rows row0 .. row0 + B − 1, whose contexts all hold `start`
+        positions → final-normed hidden [B, n, H]; writes the block's keys / values at positions
+        start .. start + n − 1 of those rows (past the context: overwritten by the next append)."""
+        bb = self.backbone
+        with torch.no_grad():
+            key = tuple(_tensor_key(p) for p in self._params())
+            if key != self._key:
+                self._lay_out()
+                self._key = key
+        n = ids.shape[1]
+        x = bb.head.embed_ids(ids, bb.dtype)
+        cos, sin = rope_cos_sin(bb.inv_freq, torch.arange(start, start + n), bb.rope_scale, x.dtype)
+        half = cos.shape[-1] // 2
+        sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), -1)[None, :, None]
+        cos = cos[None, :, None].contiguous()
+        for i, (ln1, ln2, eps, qkv, o, gu, down, dims, qn, kn) in enumerate(self._layers):
+            x = torch.ops.draftsmith.layer(
+                x, ln1, ln2, eps, qkv.weight, qkv.bias, o.weight, o.bias, gu.weight, down.weight, dims,
+                kc[i], vc[i], row0, start, cos, sin_signed, None, False, dims[3] ** -0.5, qn, kn)
+        return bb.norm(x)
