@@ -129,7 +129,9 @@ def test_cpu_kernels_build_where_the_cpu_can_run_them():
     if not can:
         pytest.skip(f"no CPU kernels here: {status.reason}")
     if "avx512f" in flags:
-        assert status.isa == ("avx512-bf16" if "avx512_bf16" in flags else "avx512")
+        isa = "avx512-bf16" if "avx512_bf16" in flags else "avx512"
+        # "+amx": bfloat16 linears on the tile unit (CPU flags and the OS's grant of the tile state)
+        assert status.isa in (isa, isa + "+amx") and ("+amx" not in status.isa or "amx_bf16" in flags)
         assert status.bf16 == ("avx512_bf16" in flags)
     else:  # AVX2: bfloat16 weights widened to float32 in registers
         assert (status.isa, status.bf16) == ("avx2", True)

@@ -14,6 +14,11 @@
 // for the next MT rows. Each output is summed in the same k order whatever the number of rows, so
 // a row's result does not depend on the batch it was computed in.
 //
+// On CPUs with AMX (Intel Sapphire Rapids and later) the bfloat16 linears run on the tile unit
+// instead, for every number of rows: the same packed blocks are its B operand, and a verify block of
+// 8-16 rows costs about what one row does (the AVX512-BF16 dot products made 16 rows ~1.9x one row on
+// 2 such cores; see amx_ready, rows_bf16_amx).
+//
 // The rest (RMSNorm, attention of decode / verify steps, RoPE, SwiGLU) is written once over V16
 // (simd.h: one zmm, or two ymm on AVX2); only the linears' register tiles are per ISA.
 //
@@ -34,6 +39,12 @@
 #include <vector>
 
 #include "simd.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define DS_AMX 1
+#endif
 
 namespace {
 
@@ -67,10 +78,28 @@ at::Tensor pack_f32(const at::Tensor& w) {
   return out;
 }
 
+// AMX (Intel Sapphire Rapids and later): the bfloat16 linears run on the tile unit, for every number
+// of rows (so a row's result still does not depend on its batch). The OS must grant the process the
+// tile state once (Linux >= 5.16: arch_prctl ARCH_REQ_XCOMP_PERM); where it does not, the AVX512-BF16
+// tiles run instead.
+constexpr int64_t AMX_PAIRS = 16;  // k pairs per tile step: one 64-byte tile row of bfloat16
+
+bool amx_ready() {
+#ifdef DS_AMX
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+  return ok;
+#else
+  return false;
+#endif
+}
+
+// k pairs of a packed bfloat16 weight of K inputs: ceil(K / 2), whole tile steps on AMX (zero pairs)
+int64_t bf16_pairs(int64_t K) { return amx_ready() ? pad_to(pad_to(K, 2) / 2, AMX_PAIRS) : pad_to(K, 2) / 2; }
+
 at::Tensor pack_bf16(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "pack_bf16: weight must be a 2-D bfloat16 tensor");
   auto wc = w.contiguous();
-  const int64_t N = wc.size(0), K = wc.size(1), NB = pad_to(N, BLOCK) / BLOCK, KP = pad_to(K, 2) / 2;
+  const int64_t N = wc.size(0), K = wc.size(1), NB = pad_to(N, BLOCK) / BLOCK, KP = bf16_pairs(K);
   auto out = at::zeros({NB, KP, BLOCK, 2}, wc.options());
   const uint16_t* src = reinterpret_cast<const uint16_t*>(wc.data_ptr());
   uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr());
@@ -378,6 +407,48 @@ inline void rows_bf16(const uint16_t* wb, const uint16_t* x, int64_t KP, int64_t
                          });
 }
 
+#ifdef DS_AMX
+// The tile configuration of R <= 16 rows: tiles 0 / 1 = the fp32 sums of the block's columns 0-15 /
+// 16-31 (R rows x 64 bytes), 2 = R rows of x over 16 k pairs, 3 / 4 = the block's 16 pairs of
+// columns 0-15 / 16-31 (the packed [KP][32][2] layout is the tile unit's pair-interleaved B layout:
+// 16 rows of 64 bytes, 128 bytes apart). Per thread: each parallel task loads it.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  explicit TileConfig(int64_t R) {
+    for (int t : {0, 1, 2}) rows[t] = static_cast<uint8_t>(R), colsb[t] = 64;
+    for (int t : {3, 4}) rows[t] = AMX_PAIRS, colsb[t] = 64;
+  }
+};
+
+// All M rows of x (padded with zero rows to a multiple of R; KP pairs each) through one block: per
+// tile of R rows, two R x 16 fp32 accumulators over every k pair in order, then stored (+ bias).
+template <typename O>
+inline void rows_bf16_amx(const uint16_t* wb, const uint16_t* x, int64_t KP, int64_t M, int64_t R, O* y, int64_t ldy,
+                          const float* bias, int64_t n0, int64_t n) {
+  alignas(64) float tot[AMX_PAIRS][BLOCK];
+  for (int64_t m0 = 0; m0 < M; m0 += R) {
+    _tile_zero(0);
+    _tile_zero(1);
+    const uint16_t* xr = x + m0 * KP * 2;
+    for (int64_t p = 0; p < KP; p += AMX_PAIRS) {
+      const char* ahead = reinterpret_cast<const char*>(wb + (p + PREFETCH_K) * BLOCK * 2);
+#pragma GCC unroll 32
+      for (int l = 0; l < 32; ++l) _mm_prefetch(ahead + l * 64, _MM_HINT_T0);  // the 2 KB of a step, PREFETCH_K pairs ahead
+      _tile_loadd(2, xr + p * 2, KP * 4);
+      _tile_loadd(3, wb + p * BLOCK * 2, BLOCK * 4);
+      _tile_loadd(4, wb + p * BLOCK * 2 + 32, BLOCK * 4);
+      _tile_dpbf16ps(0, 2, 3);
+      _tile_dpbf16ps(1, 2, 4);
+    }
+    _tile_stored(0, tot[0], BLOCK * 4);
+    _tile_stored(1, tot[0] + 16, BLOCK * 4);
+    for (int64_t m = 0; m < R && m0 + m < M; ++m) store_row(y + (m0 + m) * ldy, bias, n0, n, tot[m]);
+  }
+}
+#endif
+
 #else
 
 template <typename O>
@@ -454,7 +525,7 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& wp, int64_t N, int64
   TORCH_CHECK(x.device().is_cpu() && wp.device().is_cpu(), "gemv_bf16: CPU tensors expected");
   TORCH_CHECK(wp.is_contiguous() && wp.size(2) == BLOCK && wp.size(3) == 2, "gemv_bf16: a pack_bf16 weight expected");
   const int64_t NB = wp.size(0), KP = wp.size(1);
-  TORCH_CHECK(N > (NB - 1) * BLOCK && N <= NB * BLOCK && (K + 1) / 2 == KP, "gemv_bf16: [", N, ", ", K,
+  TORCH_CHECK(N > (NB - 1) * BLOCK && N <= NB * BLOCK && bf16_pairs(K) == KP, "gemv_bf16: [", N, ", ", K,
               "] does not fit the packed weight");
   TORCH_CHECK(!bias || !bias->defined() || (bias->numel() == N && bias->device().is_cpu()),
               "gemv_bf16: a CPU bias of ", N, " values expected");
@@ -477,8 +548,29 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& wp, int64_t N, int64
   const uint16_t* w = reinterpret_cast<const uint16_t*>(wp.data_ptr());
   at::Tensor bc;
   const float* bp = bias_f32(bias, bc);
+#ifdef DS_AMX
+  const int64_t R = std::max<int64_t>(1, std::min<int64_t>(M, AMX_PAIRS));  // rows per tile; x padded to whole tiles
+  at::Tensor xpad;
+  if (amx_ready() && M % R) {
+    xpad = at::constant_pad_nd(x2, {0, 0, 0, R - M % R});
+    xp = reinterpret_cast<const uint16_t*>(xpad.data_ptr());
+  }
+#endif
   auto run = [&](auto* yp) {
     using O = std::remove_pointer_t<decltype(yp)>;
+#ifdef DS_AMX
+    if (amx_ready() && M > 0) {
+      at::parallel_for(0, NB, grain(KP * BLOCK * 4), [&](int64_t b0, int64_t b1) {
+        const TileConfig cfg(R);
+        _tile_loadconfig(&cfg);
+        for (int64_t b = b0; b < b1; ++b) {
+          const int64_t n0 = b * BLOCK;
+          rows_bf16_amx(w + b * KP * BLOCK * 2, xp, KP, M, R, yp, N, bp, n0, std::min<int64_t>(BLOCK, N - n0));
+        }
+      });
+      return;
+    }
+#endif
     over_blocks(NB, N, KP * BLOCK * 4, [&](int64_t b, int64_t n0, int64_t n) {
       rows_bf16(w + b * KP * BLOCK * 2, xp, KP, M, yp, N, bp, n0, n);
     });
@@ -1000,6 +1092,7 @@ bool has_bf16() { return BF16_KERNEL; }  // whether this build has a bfloat16 li
 
 std::string isa() {  // the instruction set this build's kernels use
 #if defined(__AVX512F__)
+  if (amx_ready()) return "avx512-bf16+amx";
   return BF16_KERNEL ? "avx512-bf16" : "avx512";
 #else
   return "avx2";

@@ -8,7 +8,8 @@ sizes speculative verification uses (1 + K tokens per row):
   AVX-512 or AVX2 + FMA): the weight packed once into 32-column blocks that each thread streams
   front to back, every row of x applied to a block while it is in cache. float32 and bfloat16
   (AVX512-BF16 dot products, or on AVX2 bfloat16 weights widened to float32 in registers: half the
-  bytes streamed, float32 arithmetic); other dtypes fall back to F.linear per linear. Measured on
+  bytes streamed, float32 arithmetic; on CPUs with AMX, bfloat16 on the tile unit, where 8-16 rows
+  cost about what one does); other dtypes fall back to F.linear per linear. Measured on
   2-core machines over smollm2-135m's linears (BENCHMARKS.md, Runtime): ~1.5x oneDNN's throughput
   at 1 to 8 rows on a Zen 4. A row's result does not depend on how many rows are computed with it
   (same summation order). "avx512", its first name, is still accepted.
