@@ -191,7 +191,9 @@ def main() -> None:
         result["threads"][threads] = out
     result["date"] = time.strftime("%Y-%m-%d")
     # one section and one JSON per kind of CPU kernel, so an AVX2 machine's run keeps the AVX-512 one
-    tag = "" if (cpu_kernels().isa or "avx512").startswith("avx512") else f"-{cpu_kernels().isa or 'none'}"
+    # (AVX-512 with AMX: its own too; the bfloat16 linears run on another unit)
+    isa = cpu_kernels().isa or "avx512"
+    tag = "-amx" if isa.endswith("+amx") else "" if isa.startswith("avx512") else f"-{isa}"
     previous = HERE / "results" / f"runtime{tag}.json"
     if args.keep_wait_policy and previous.is_file() and "wait_policy_ms" in (old := json.loads(previous.read_text())):
         result["wait_policy_ms"] = old["wait_policy_ms"]
@@ -212,7 +214,8 @@ def main() -> None:
 
 def render(res: dict, args) -> str:
     lines = [
-        "## Runtime: what a target forward costs (issue 11)" + ("" if not res["machine"].get("kernels") or
+        "## Runtime: what a target forward costs (issue 11)" + (", AVX-512 + AMX CPU" if (res["machine"].get("kernels") or "").endswith("+amx")
+                                                                else "" if not res["machine"].get("kernels") or
                                                                 res["machine"]["kernels"].startswith("avx512")
                                                                 else f", {res['machine']['kernels'].upper()} CPU"),
         "",

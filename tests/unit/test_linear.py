@@ -262,12 +262,12 @@ def test_prepared_decoder_uses_the_fused_ops_and_matches_the_unfused_path(tiny_m
 
 @pytest.mark.skipif(not cpu_kernels().ok, reason="Draftsmith's CPU kernels do not run here")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("model_type", ["llama", "qwen2"])  # qwen2: q/k/v biases
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])  # qwen2: q/k/v biases; qwen3: q/k norms
 def test_layer_as_one_kernel_call_gives_the_same_bits_as_op_by_op(tiny_model_dir, model_type, dtype, monkeypatch):
     """DecoderLayer.forward_step (kernels/gemv.cpp `layer`) against the op-by-op forward of the same
     prepared model: prefill from 0 (causal), a verify block after a cached prefix (mask), decode
     of two rows at one start, and rows 1-2 of a 3-row cache; logits, every layer's output and the
-    KV cache bit-identical. Layers it cannot run (q/k norms) keep step_args None."""
+    KV cache bit-identical; Qwen3's q / k norms included (the kernel norm on both paths)."""
     if dtype == torch.bfloat16 and not cpu_kernels().bf16:
         pytest.skip("no bfloat16 kernel here")
     m = load_decoder(tiny_model_dir(model_type), dtype=dtype, linear_backend="kernels")
@@ -300,4 +300,5 @@ def test_layer_as_one_kernel_call_gives_the_same_bits_as_op_by_op(tiny_model_dir
     assert len(calls) == 4 * m.config.num_layers and len(fused) == len(plain)
     for a, b in zip(fused, plain):
         assert torch.equal(a, b)
-    assert load_decoder(tiny_model_dir("qwen3"), linear_backend="kernels").model.layers[0].step_args is None
+    gemma = load_decoder(tiny_model_dir("gemma3_text"), linear_backend="kernels")  # sandwich norms, sliding
+    assert all(layer.step_args is None for layer in gemma.model.layers)

@@ -152,6 +152,7 @@ def _moe_no_renormalisation(dec):
 def _moe_dense_layer_sparse(dec):
     """Layer 1 (dense per mlp_only_layers) run with layer 0's experts instead."""
     dec.model.layers[1].mlp = dec.model.layers[0].mlp
+    dec.set_fused_ops_(True)  # a swapped module is re-prepared (the one-call layer holds its weights)
 
 
 def _gemma_no_window(dec):

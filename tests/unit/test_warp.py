@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from draftsmith.core.sampling import SamplingParams
-from draftsmith.core.warp import inverse_cdf, sample_from, target_probs
+from draftsmith.core.warp import argmax_rows, inverse_cdf, sample_from, target_probs
+from draftsmith.kernels.build import cpu_kernels
 from draftsmith.errors import DraftsmithError
 
 
@@ -86,6 +87,37 @@ def test_greedy_is_one_hot_lowest_index_on_ties() -> None:
     logits = torch.tensor([[[0.0, 2.0, 2.0, 1.0], [5.0, 5.0, 5.0, 5.0]]])  # [1, 2, 4]
     probs = target_probs(logits, [SamplingParams(temperature=0.0)])
     assert probs.tolist() == [[[0.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]]]
+
+
+@pytest.mark.skipif(not cpu_kernels().ok, reason="Draftsmith's CPU kernels do not run here")
+def test_argmax_kernel_gives_torch_argmax() -> None:
+    """The greedy argmax kernel (kernels/gemv.cpp) against torch.argmax: widths with and without
+    whole 16-lane chunks, the vocabulary's width, ties (first index), NaN (counts as the largest),
+    infinities, a row of -inf; and the greedy warp goes through it."""
+    g = torch.Generator().manual_seed(3)
+    for V in (1, 7, 16, 17, 100, 49152):
+        for N in (1, 3, 16):
+            x = torch.randn(N, V, generator=g)
+            assert torch.equal(argmax_rows(x), x.argmax(-1)), (N, V)
+            ties = torch.randint(0, 3, (N, V), generator=g).float()
+            assert torch.equal(argmax_rows(ties), ties.argmax(-1)), (N, V)
+    x = torch.randn(5, 1000, generator=g)
+    x[0, 5] = x[0, 7] = float("nan")
+    x[1, 3] = float("inf")
+    x[2, 9] = -float("inf")
+    x[3] = -float("inf")
+    x[3, 500] = float("nan")
+    x[4] = -float("inf")
+    got = argmax_rows(x)
+    assert torch.equal(got, x.argmax(-1)) and got.tolist() == [5, 3, int(x[2].argmax()), 500, 0]
+    calls = []
+    real = torch.ops.draftsmith.argmax
+    try:
+        torch.ops.draftsmith.argmax = lambda t: calls.append(t.shape) or real(t)
+        p = target_probs(x[1:3, None], [SamplingParams(temperature=0.0)] * 2)
+    finally:
+        torch.ops.draftsmith.argmax = real
+    assert calls and torch.equal(p[:, 0].argmax(-1), x[1:3].argmax(-1))
 
 
 def test_top_k_keeps_ties_at_the_boundary() -> None:

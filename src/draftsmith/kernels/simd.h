@@ -40,6 +40,9 @@ inline V16 round_nearest(V16 a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_T
 inline V16 scale2(V16 a, V16 n) { return {_mm512_scalef_ps(a.v, n.v)}; }
 inline float reduce_add(V16 a) { return _mm512_reduce_add_ps(a.v); }
 inline float reduce_max(V16 a) { return _mm512_reduce_max_ps(a.v); }
+inline int equal_lanes(V16 a, float m) {  // bit i set where lane i == m
+  return static_cast<int>(_mm512_cmp_ps_mask(a.v, _mm512_set1_ps(m), _CMP_EQ_OQ));
+}
 inline Mask first(int64_t n) { return static_cast<Mask>(n >= 16 ? 0xFFFF : (1u << n) - 1); }  // lanes [0, n)
 inline V16 load_first(const float* p, int64_t n) { return {_mm512_maskz_loadu_ps(first(n), p)}; }  // others 0
 inline void store_first(float* p, V16 a, int64_t n) { _mm512_mask_storeu_ps(p, first(n), a.v); }
@@ -130,6 +133,10 @@ inline float reduce_max(V16 x) {
   t = _mm_max_ps(t, _mm_movehl_ps(t, t));
   t = _mm_max_ss(t, _mm_movehdup_ps(t));
   return _mm_cvtss_f32(t);
+}
+inline int equal_lanes(V16 x, float m) {  // bit i set where lane i == m
+  const __m256 v = _mm256_set1_ps(m);
+  return _mm256_movemask_ps(_mm256_cmp_ps(x.a, v, _CMP_EQ_OQ)) | (_mm256_movemask_ps(_mm256_cmp_ps(x.b, v, _CMP_EQ_OQ)) << 8);
 }
 inline __m256i first8(int64_t n) {  // lanes [0, n) of 8 set
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n < 0 ? 0 : n > 8 ? 8 : n)),

@@ -294,6 +294,9 @@ class Attention(nn.Module):
         self.qkv: FastLinear | None = None
         self.o: FastLinear | None = None
         self.rope_fn = rope_composite
+        # q / k RMSNorm as the one-pass kernel with the fused ops (what the one-call layer runs); None:
+        # the modules
+        self.qk_norm_fn: Callable[..., torch.Tensor] | None = None
 
     def _qkv(self, x: torch.Tensor) -> torch.Tensor:
         if self.qkv is not None:
@@ -310,8 +313,13 @@ class Attention(nn.Module):
         qkv = self._qkv(x).view(B, S, nh + 2 * nkv, self.hd)  # [B, S, heads, D]
         rope = self.rope_fn
         if self.qk_norm:
-            q = rope(self.q_norm(qkv[:, :, :nh]), ctx.cos, ctx.sin_signed, nh)
-            k = rope(self.k_norm(qkv[:, :, nh : nh + nkv]), ctx.cos, ctx.sin_signed, nkv)
+            qs, ks = qkv[:, :, :nh], qkv[:, :, nh : nh + nkv]
+            if self.qk_norm_fn is not None:
+                qs, ks = self.qk_norm_fn(qs, self.q_norm.weight, self.q_norm.eps), self.qk_norm_fn(ks, self.k_norm.weight, self.k_norm.eps)
+            else:
+                qs, ks = self.q_norm(qs), self.k_norm(ks)
+            q = rope(qs, ctx.cos, ctx.sin_signed, nh)
+            k = rope(ks, ctx.cos, ctx.sin_signed, nkv)
         else:  # rotate q and k together: one set of elementwise ops instead of two
             qk = rope(qkv, ctx.cos, ctx.sin_signed, nh + nkv)
             q, k = qk[:, :, :nh], qk[:, :, nh:]
@@ -471,18 +479,20 @@ class DecoderLayer(nn.Module):
         the same bits) for a step `Decoder.forward` found eligible: `step_args` set, the rows one
         run of consecutive cache rows at one start, keys from 0."""
         a = self.self_attn
-        ln1, ln2, eps, qkv, o, gu, down, dims = self.step_args
+        ln1, ln2, eps, qkv, o, gu, down, dims, qn, kn = self.step_args
         i = a.layer_idx
         return torch.ops.draftsmith.layer(
             x, ln1, ln2, eps, qkv.weight, qkv.bias, o.weight, o.bias, gu.weight, down.weight, dims,
             cache.k[i], cache.v[i], ctx.row_runs[0][2], ctx.starts_list[0], ctx.cos, ctx.sin_signed,
             None if ctx.suffix_causal else ctx.mask, ctx.causal or ctx.suffix_causal,
-            a.hd ** -0.5 if a.scale is None else a.scale)
+            a.hd ** -0.5 if a.scale is None else a.scale, qn, kn)
 
     def _step_args(self) -> tuple | None:
         """What `forward_step` needs, or None where this layer is not the plain kind it runs."""
         a, mlp = self.self_attn, self.mlp
-        if (self.sandwich or a.sliding or a.qk_norm or not isinstance(mlp, MLP) or a.qkv is None
+        if a.qk_norm and (a.qk_norm_fn is not rms_norm_kernel or a.q_norm.eps != self.eps or a.k_norm.eps != self.eps):
+            return None
+        if (self.sandwich or a.sliding or not isinstance(mlp, MLP) or a.qkv is None
                 or a.rope_fn is not rope_kernel or self.add_norm_fn is None
                 or mlp.glu is not torch.ops.draftsmith.silu_mul or a.hd not in STEP_HEAD_DIMS):
             return None
@@ -490,7 +500,8 @@ class DecoderLayer(nn.Module):
         if any(f.backend != "kernels" for f in lins) or mlp.gate_up.bias is not None or mlp.down.bias is not None:
             return None
         dims = [a.o.out_features, a.n_heads, a.n_kv, a.hd, mlp.down.in_features]
-        return (self.input_layernorm.weight, self.post_attention_layernorm.weight, self.eps, *lins, dims)
+        norms = (a.q_norm.weight, a.k_norm.weight) if a.qk_norm else (None, None)
+        return (self.input_layernorm.weight, self.post_attention_layernorm.weight, self.eps, *lins, dims, *norms)
 
 
 @dataclass
@@ -599,6 +610,7 @@ class Decoder(nn.Module):
             on = enabled and layer.norm_fn is rms_norm_kernel
             layer.self_attn.rope_fn = rope_kernel if on and self.config.head_dim % 2 == 0 else rope_composite
             layer.add_norm_fn = torch.ops.draftsmith.add_rms_norm if on else None
+            layer.self_attn.qk_norm_fn = rms_norm_kernel if on and layer.self_attn.qk_norm else None
             for mlp in getattr(layer.mlp, "experts", [layer.mlp]):  # an MLP, or a SparseMoE's experts
                 if mlp.gate_up is not None:
                     mlp.set_fused_act_(on)
