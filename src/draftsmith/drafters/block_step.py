@@ -79,11 +79,10 @@ class BlockStep:
         positions → final-normed hidden [B, n, H]; writes the block's keys / values at positions
         start .. start + n − 1 of those rows (past the context: overwritten by the next append)."""
         bb = self.backbone
-        with torch.no_grad():
-            key = tuple(_tensor_key(p) for p in self._params())
-            if key != self._key:
-                self._lay_out()
-                self._key = key
+        key = tuple(_tensor_key(p) for p in self._params())
+        if key != self._key:
+            self._lay_out()
+            self._key = key
         n = ids.shape[1]
         x = bb.head.embed_ids(ids, bb.dtype)
         cos, sin = rope_cos_sin(bb.inv_freq, torch.arange(start, start + n), bb.rope_scale, x.dtype)
