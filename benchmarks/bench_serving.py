@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_serving.py [--drafter ngram | dspark:CKPT ...]
         [--tiers 1,2,4,8,16,32] [--max-tokens 48] [--k 5] [--scale 1] [--threads 1]
-        [--budget-s 1100] [--out benchmarks/results/bench_serving.json]
+        [--budget-s 1100] [--out benchmarks/results/bench_serving[_KIND].json]
 
 In-process engine on the default target (smollm2-135m, fp32), greedy, chat-templated first
 user turns of HumanEval and MT-Bench (alternating). Five configurations share one loaded
@@ -273,11 +273,15 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     ap.add_argument("--max-len", type=int, default=512)
     ap.add_argument("--budget-s", type=float, default=1100.0, help="skip tiers that would pass this wall time")
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "bench_serving.json")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="JSON path (default benchmarks/results/bench_serving.json, bench_serving_KIND.json for a trained drafter)")
     ap.add_argument("--no-md", action="store_true", help="do not touch BENCHMARKS.md")
     ap.add_argument("--reuse-profile", action="store_true",
                     help="use a cached SPS(B) table if present (default: profile now, under this run's load)")
     args = ap.parse_args()
+    if args.out is None:  # one JSON per drafter kind, like the BENCHMARKS.md sections
+        kind = args.drafter.split(":")[0]
+        args.out = ROOT / "benchmarks" / "results" / ("bench_serving.json" if kind == "ngram" else f"bench_serving_{kind}.json")
     args.out = args.out.resolve()  # the report names it relative to the repository
 
     torch.set_num_threads(args.threads)

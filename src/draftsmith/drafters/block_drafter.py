@@ -24,7 +24,7 @@ from draftsmith.drafters.block_step import BlockStep, one_call_reason
 from draftsmith.drafters.feature_queue import FLUSH_TOKENS, FeatureQueueDrafter, FeatureRequestState
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.kv_cache import KVCache
-from draftsmith.models.linear import pack_linears_for_inference_
+from draftsmith.models.linear import pack_linears_for_inference_, warm_packed_linears_
 
 
 class BlockSampler(Protocol):
@@ -76,6 +76,10 @@ class BlockDrafter(FeatureQueueDrafter):
         pack_linears_for_inference_(backbone)
         if isinstance(sampler, torch.nn.Module):
             pack_linears_for_inference_(sampler)
+            warm_packed_linears_(sampler)
+        warm_packed_linears_(backbone)  # laid out now, not in the first round (see the policy's draft cost)
+        with torch.inference_mode():
+            backbone.draft_logits(backbone.fc.weight.new_zeros(1, backbone.cfg.hidden_size))  # its draft-vocabulary rows
         self.temperatures = tuple(float(t) for t in temperatures) if temperatures else None
         self.flush_tokens = FLUSH_TOKENS
         self.states: RequestStates[FeatureRequestState] = RequestStates(name)

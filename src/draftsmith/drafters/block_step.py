@@ -50,6 +50,14 @@ class BlockStep:
         self.backbone = backbone
         self._key: tuple | None = None
         self._layers: list[tuple] = []
+        self._refresh()  # now, not in the first round (a load-aware policy would count it as drafting time)
+
+    @torch.no_grad()
+    def _refresh(self) -> None:
+        key = tuple(_tensor_key(p) for p in self._params())
+        if key != self._key:
+            self._lay_out()
+            self._key = key
 
     def _params(self) -> list[torch.Tensor]:
         return [p for layer in self.backbone.layers for p in layer.parameters()]
@@ -79,10 +87,7 @@ class BlockStep:
         positions → final-normed hidden [B, n, H]; writes the block's keys / values at positions
         start .. start + n − 1 of those rows (past the context: overwritten by the next append)."""
         bb = self.backbone
-        key = tuple(_tensor_key(p) for p in self._params())
-        if key != self._key:
-            self._lay_out()
-            self._key = key
+        self._refresh()
         n = ids.shape[1]
         x = bb.head.embed_ids(ids, bb.dtype)
         cos, sin = rope_cos_sin(bb.inv_freq, torch.arange(start, start + n), bb.rope_scale, x.dtype)

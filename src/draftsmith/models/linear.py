@@ -174,5 +174,17 @@ def pack_linears_for_inference_(module: torch.nn.Module, backend: str = "auto") 
     return module
 
 
+@torch.inference_mode()
+def warm_packed_linears_(module: torch.nn.Module) -> torch.nn.Module:
+    """Lay out now every weight `pack_linears_for_inference_` gave a `PackedWeight`, instead of on
+    first use (a drafter's first round would otherwise carry it, and a load-aware policy would count
+    it as drafting time)."""
+    for lin in module.modules():
+        pack = getattr(lin, "inference_pack", None)
+        if isinstance(pack, PackedWeight) and lin.weight.device.type == "cpu":
+            pack(lin.weight.new_zeros(1, lin.in_features), lin.weight, lin.bias)
+    return module
+
+
 def _packed_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return self.inference_pack(x, self.weight, self.bias)
