@@ -315,7 +315,8 @@ class Attention(nn.Module):
         if self.qk_norm:
             qs, ks = qkv[:, :, :nh], qkv[:, :, nh : nh + nkv]
             if self.qk_norm_fn is not None:
-                qs, ks = self.qk_norm_fn(qs, self.q_norm.weight, self.q_norm.eps), self.qk_norm_fn(ks, self.k_norm.weight, self.k_norm.eps)
+                qs = self.qk_norm_fn(qs, self.q_norm.weight, self.q_norm.eps)
+                ks = self.qk_norm_fn(ks, self.k_norm.weight, self.k_norm.eps)
             else:
                 qs, ks = self.q_norm(qs), self.k_norm(ks)
             q = rope(qs, ctx.cos, ctx.sin_signed, nh)
