@@ -21,6 +21,7 @@ import torch
 from draftsmith.drafters.block_attention import rope_cos_sin
 from draftsmith.kernels.build import cpu_kernels
 from draftsmith.models.attention import STEP_HEAD_DIMS
+from draftsmith.models.decoder import _fuse
 from draftsmith.models.linear import FastLinear, _tensor_key
 
 
@@ -34,7 +35,7 @@ def one_call_reason(backbone) -> str | None:
         return f"no CPU kernels ({status.reason})"
     if backbone.dtype not in (torch.float32, torch.bfloat16) or (backbone.dtype == torch.bfloat16 and not status.bf16):
         return f"no kernel for {backbone.dtype}"
-    if c.head_dim not in STEP_HEAD_DIMS or c.head_dim % 2:
+    if c.head_dim not in STEP_HEAD_DIMS:
         return f"head_dim {c.head_dim} is not compiled into the step kernel"
     if any(not layer.mlp.fused_act for layer in backbone.layers):
         return "the MLP is not SwiGLU"
@@ -67,12 +68,11 @@ class BlockStep:
         out = []
         for layer in self.backbone.layers:
             a, m = layer.self_attn, layer.mlp
-            qkv_b = None
-            if a.q_proj.bias is not None:
-                qkv_b = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
-            qkv = FastLinear.build(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), qkv_b, "kernels")
+            qkv_lins = [a.q_proj, a.k_proj, a.v_proj]
+            qkv_b = _fuse(qkv_lins, "bias", "kernels") if a.q_proj.bias is not None else None
+            qkv = FastLinear.build(_fuse(qkv_lins, "weight", "kernels"), qkv_b, "kernels")
             o = FastLinear.build(a.o_proj.weight, a.o_proj.bias, "kernels")
-            gu = FastLinear.build(torch.cat([m.gate_proj.weight, m.up_proj.weight]), None, "kernels")
+            gu = FastLinear.build(_fuse([m.gate_proj, m.up_proj], "weight", "kernels"), None, "kernels")
             down = FastLinear.build(m.down_proj.weight, None, "kernels")
             dims = [c.hidden_size, a.n_heads, a.n_kv, a.hd, down.in_features]
             norms = (a.q_norm.weight, a.k_norm.weight) if a.qk_norm else (None, None)

@@ -174,20 +174,19 @@ class DSparkModel(BlockModel):
         prev = bb.to_draft(anchors)
         state = self.seq_head.init_state((B,), hidden)
         toks, qs, confs = [], [], []
-        if all(p.greedy for p in plist):  # the argmax is what inverse_cdf draws from the one-hot q; q is not needed
-            for k in range(n):
-                logits, z, state = self.sequential_logits(U[:, k], hidden[:, k], prev, state)
-                prev = logits.argmax(-1)
-                toks.append(prev)
-                confs.append(z)
-            return bb.to_target(torch.stack(toks, 1)), None, torch.stack(confs, 1)
+        greedy = all(p.greedy for p in plist)  # argmax = what inverse_cdf draws from the one-hot q; no q needed
         for k in range(n):
             logits, z, state = self.sequential_logits(U[:, k], hidden[:, k], prev, state)
-            q = target_probs(logits[:, None], plist)[:, 0]  # [B, V]; one-hot on greedy rows
-            prev = inverse_cdf(q, uniforms[:, k])
+            if greedy:
+                prev = logits.argmax(-1)
+            else:
+                q = target_probs(logits[:, None], plist)[:, 0]  # [B, V]; one-hot on greedy rows
+                prev = inverse_cdf(q, uniforms[:, k])
+                qs.append(q)
             toks.append(prev)
-            qs.append(q)
             confs.append(z)
+        if greedy:
+            return bb.to_target(torch.stack(toks, 1)), None, torch.stack(confs, 1)
         return bb.to_target(torch.stack(toks, 1)), bb.to_target_q(torch.stack(qs, 1)), torch.stack(confs, 1)
 
     def make_drafter(self, target: Decoder, max_rows: int, max_len: int, temperatures=None) -> BlockDrafter:

@@ -553,24 +553,19 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& wp, int64_t N, int64
   const uint16_t* w = reinterpret_cast<const uint16_t*>(wp.data_ptr());
   at::Tensor bc;
   const float* bp = bias_f32(bias, bc);
-#ifdef DS_AMX
-  const int64_t R = std::max<int64_t>(1, std::min<int64_t>(M, AMX_PAIRS));  // rows per tile; x padded to whole tiles
-  at::Tensor xpad;
-  if (amx_ready() && M % R) {
-    xpad = at::constant_pad_nd(x2, {0, 0, 0, R - M % R});
-    xp = reinterpret_cast<const uint16_t*>(xpad.data_ptr());
-  }
-#endif
   auto run = [&](auto* yp) {
     using O = std::remove_pointer_t<decltype(yp)>;
 #ifdef DS_AMX
     if (amx_ready() && M > 0) {
+      const int64_t R = std::min<int64_t>(M, AMX_PAIRS);  // rows per tile; x padded to whole tiles
+      const at::Tensor xpad = M % R ? at::constant_pad_nd(x2, {0, 0, 0, R - M % R}) : x2;
+      const uint16_t* xa = reinterpret_cast<const uint16_t*>(xpad.data_ptr());
       at::parallel_for(0, NB, grain(KP * BLOCK * 4), [&](int64_t b0, int64_t b1) {
         const TileConfig cfg(R);
         _tile_loadconfig(&cfg);
         for (int64_t b = b0; b < b1; ++b) {
           const int64_t n0 = b * BLOCK;
-          rows_bf16_amx(w + b * KP * BLOCK * 2, xp, KP, M, R, yp, N, bp, n0, std::min<int64_t>(BLOCK, N - n0));
+          rows_bf16_amx(w + b * KP * BLOCK * 2, xa, KP, M, R, yp, N, bp, n0, std::min<int64_t>(BLOCK, N - n0));
         }
       });
       return;
