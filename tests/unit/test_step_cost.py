@@ -70,6 +70,32 @@ def test_drafting_time_is_learned_per_row_count_only_from_rounds_that_drafted():
     assert cost.draft_time(2) == pytest.approx(0.2)  # tie 1 vs 3 away: 1 is nearer
 
 
+def test_one_inflated_first_timing_does_not_stop_drafting_for_good():
+    """A drafter's first round can carry a one-time cost (a weight layout, page faults, a
+    compile) many times its real drafting time. Timings start from the smallest of their first
+    min_samples measurements, so the next measured round (a probe) corrects it at once; a plain
+    moving average would keep believing drafting dear (here 5.0 -> 4.51 s) and never draft."""
+    pol = PrefixScheduler(PROFILE, max_k=1, min_gain=0.0)
+    pol.observe(info(1, 2, forward_s=1.0, draft_s=5.0, drafted=True))  # first round: one-time cost
+    assert pol.cost.draft_time(1) == pytest.approx(5.0)
+    assert pol.choose(seqs(1)) == [0]  # believed: drafting costs 5 plain steps
+    pol.observe(info(1, 2, forward_s=1.0, draft_s=0.1, drafted=True))  # the next (probe) round
+    assert pol.cost.draft_time(1) == pytest.approx(0.1)
+    assert pol.choose(seqs(1)) == [1]  # (1 + 0.5) / (1.0 + 0.1) pays again
+    # Past warm-up the estimate is the moving average: a later slow round moves it, not resets it.
+    for _ in range(pol.cost.min_samples):
+        pol.observe(info(1, 2, forward_s=1.0, draft_s=0.1, drafted=True))
+    pol.observe(info(1, 2, forward_s=1.0, draft_s=1.1, drafted=True))
+    assert pol.cost.draft_time(1) == pytest.approx(0.1 + pol.cost.alpha * 1.0)
+    # The forward-time correction starts from its smallest warm-up sample too.
+    cost = StepCost(PROFILE, alpha=0.5, min_samples=2)
+    cost.observe(info(1, 1, forward_s=9.0))
+    cost.observe(info(1, 1, forward_s=2.0))
+    assert cost.correction(1) == pytest.approx(2.0)
+    cost.observe(info(1, 1, forward_s=4.0))
+    assert cost.correction(1) == pytest.approx(3.0)
+
+
 def test_bad_settings_are_refused():
     with pytest.raises(DraftsmithError, match="alpha"):
         StepCost(PROFILE, alpha=0.0)

@@ -12,7 +12,11 @@ the target forward only. A serving process sees two things the profile cannot:
 StepCost keeps, per B, an exponential moving average of measured / profiled forward time
 (used once a size has `min_samples` measurements; between measured sizes the ratio is
 interpolated, outside them the nearest one is used), and per row count the moving average
-of the drafting time (choose + propose + trim).
+of the drafting time (choose + propose + trim). A timing is only ever inflated by what
+happens once (a first-use weight layout, page faults, a kernel compiled on first call), and one
+inflated first sample must not stop a drafter for good: a scheduler that believes drafting is
+dear stops drafting, and then learns nothing more. So a timing average starts from the smallest
+of its first `min_samples` measurements and moves as an average from there.
 
 It also keeps, per row count, the moving average of the *realized* gain of rounds that
 drafted: tokens committed per second of that round (drafting included) over what plain
@@ -38,8 +42,13 @@ class _Ewma:
     value: float
     count: int = 1
 
-    def add(self, x: float, alpha: float) -> None:
-        self.value += alpha * (x - self.value)
+    def add(self, x: float, alpha: float, warmup: int = 0) -> None:
+        """One measurement: the moving average, or while fewer than `warmup` measurements have
+        come, the smallest so far (for timings, which one-time costs only ever inflate)."""
+        if self.count < warmup:
+            self.value = min(self.value, x)
+        else:
+            self.value += alpha * (x - self.value)
         self.count += 1
 
 
@@ -68,17 +77,17 @@ class StepCost:
         b = t.rows * t.block_len
         if t.forward_s > 0:
             self._known = None  # re-derived on the next prediction
-            self._add(self._ratio, b, t.forward_s / self.profile.step_time(b))
+            self._add(self._ratio, b, t.forward_s / self.profile.step_time(b), timing=True)
         if t.drafted and t.draft_s >= 0:
-            self._add(self._draft, t.rows, t.draft_s)
+            self._add(self._draft, t.rows, t.draft_s, timing=True)
         g = self.round_gain(t)
         if g is not None:
             self._add(self._gain, t.rows, g)
 
-    def _add(self, table: dict[int, _Ewma], key: int, x: float) -> None:
-        """One measurement into a table of moving averages."""
+    def _add(self, table: dict[int, _Ewma], key: int, x: float, timing: bool = False) -> None:
+        """One measurement into a table of moving averages (a timing: see the module's note)."""
         if key in table:
-            table[key].add(x, self.alpha)
+            table[key].add(x, self.alpha, self.min_samples if timing else 0)
         else:
             table[key] = _Ewma(x)
 
