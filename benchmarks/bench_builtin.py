@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_builtin.py [--work runs/bench-builtin] [--drafter dspark:smollm2-135m]
         [--eval-prompts 12] [--tokens 128] [--requests 8] [--tiers 1,4,16,32] [--tier-requests 2]
+        [--compare dspark:runs/builtin/dspark-v2 ...]
 
 Every stage is a plain `draftsmith` CLI call, skipped when its report exists (delete it to redo):
 
@@ -9,7 +10,8 @@ Every stage is a plain `draftsmith` CLI call, skipped when its report exists (de
           acceptance per position; n-gram prompt lookup as the training-free reference
 2. bench  batch 1 (concurrency 1), the default policy (fixed K = γ), T = 0, --tokens new tokens:
           plain vs the drafter vs n-gram stepped side by side on held-out HumanEval, then MT-Bench;
-          every speculative output is compared with plain decoding's (a difference voids it)
+          every speculative output is compared with plain decoding's (a difference voids it);
+          --compare drafters (e.g. the previous built-in) join these two stages, side by side
 3. tiers  the prefix scheduler at each serving tier (--tiers), held-out HumanEval prompts:
           the speedup must never fall below ~1 (it turns speculation off where it does not pay)
 
@@ -49,6 +51,8 @@ def main() -> int:
     ap.add_argument("--tiers", default="1,4,16,32")
     ap.add_argument("--tier-requests", type=int, default=2, help="requests per tier = this x concurrency")
     ap.add_argument("--tier-tokens", type=int, default=64)
+    ap.add_argument("--compare", action="append", default=[], metavar="DRAFTER",
+                    help="another drafter for the eval and batch-1 stages (repeatable), e.g. a previous built-in")
     ap.add_argument("--no-md", action="store_true")
     args = ap.parse_args()
     w = args.work
@@ -64,11 +68,12 @@ def main() -> int:
         cli(*argv, "--out", str(out))
         stage_s[name] = round(time.perf_counter() - t0, 1)
 
-    stage("eval-T0", w / "eval-T0", "eval", "--drafter", args.drafter, "--drafter", "ngram",
+    extra = [a for d in args.compare for a in ("--drafter", d)]
+    stage("eval-T0", w / "eval-T0", "eval", "--drafter", args.drafter, *extra, "--drafter", "ngram",
           "--tasks", ",".join(WORKLOADS), "--max-prompts", str(args.eval_prompts),
           "--max-tokens", str(args.tokens), "--temperature", "0")
     for wl in WORKLOADS:
-        stage(f"bench-{wl}", w / f"bench-{wl}", "bench", "--drafter", args.drafter, "--drafter", "ngram",
+        stage(f"bench-{wl}", w / f"bench-{wl}", "bench", "--drafter", args.drafter, *extra, "--drafter", "ngram",
               "--workload", wl, "--concurrency", "1", "--requests", str(args.requests),
               "--max-tokens", str(args.tokens), "--warmup", "1", "--temperature", "0")
     tiers = [int(c) for c in args.tiers.split(",")]
@@ -78,7 +83,7 @@ def main() -> int:
           "--warmup", "1", "--temperature", "0", "--repeats", "2")  # n = 1 cannot tell drift from a loss
 
     res = collect(w, args)
-    res["setup"] = {"drafter": args.drafter, "eval_prompts": args.eval_prompts, "tokens": args.tokens,
+    res["setup"] = {"drafter": args.drafter, "compare": args.compare, "eval_prompts": args.eval_prompts, "tokens": args.tokens,
                     "requests": args.requests, "tiers": tiers, "tier_requests": args.tier_requests,
                     "tier_tokens": args.tier_tokens, "machine": f"{platform.machine()} {os.cpu_count()} CPUs",
                     "stage_s": stage_s, "wall_s": round(time.perf_counter() - t_all, 1),
