@@ -29,6 +29,7 @@ class HeadConfig:
     block_size: int = 1
     dropout: float = 0.1
     keep: float = 0.8  # fraction of loss positions used per step
+    stats: bool = False  # provide target_stats (the protocol's optional per-position statistics)
 
 
 class HeadModel(nn.Module):
@@ -40,12 +41,22 @@ class HeadModel(nn.Module):
         self.proj = nn.Linear(H * (len(cfg.layer_ids) + 1), H)
         self.norm = nn.LayerNorm(H)
         self.drop = nn.Dropout(cfg.dropout)
+        self.seen: list[TrainBatch] = []  # batches that carried target statistics (tests read them)
 
     @property
     def feature_spec(self) -> FeatureSpec:
         return FeatureSpec(layer_ids=tuple(self.cfg.layer_ids), final_hidden=True)
 
+    def target_stats(self, final_hidden: torch.Tensor):
+        """The full-vocabulary log-sum-exp and argmax of the target's logits (None when off)."""
+        if not self.cfg.stats:
+            return None
+        logits = F.linear(final_hidden.float(), self.lm_head.float())
+        return torch.logsumexp(logits, -1), logits.argmax(-1)
+
     def training_loss(self, batch: TrainBatch, generator: torch.Generator | None) -> LossOutput:
+        if batch.target_rest_lse is not None:
+            self.seen.append(batch)
         x = torch.cat([batch.hidden[i] for i in self.cfg.layer_ids] + [batch.final_hidden], dim=-1)
         h = self.drop(self.norm(self.proj(x)))
         logits = F.linear(h, self.lm_head)[:, :-1]  # [B, T-1, V]

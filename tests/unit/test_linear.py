@@ -199,6 +199,29 @@ def test_rms_norm_kernel_matches_the_composite(dtype):
 
 @pytest.mark.skipif(not cpu_kernels().ok, reason="Draftsmith's CPU kernels do not run here")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lse_argmax_kernel_matches_logsumexp_and_argmax(dtype):
+    """torch.ops.draftsmith.lse_argmax (the training statistics of drafters/block.py): the
+    log-sum-exp of x + add against torch's (float32 sums: to a few ulps) and exactly torch's argmax
+    of x, ties to the first index; widths off the vector size; a row where no column counts gives
+    -inf; a mask of the wrong size is refused."""
+    g = torch.Generator().manual_seed(9)
+    for V in (49152, 1000, 37, 1):
+        x = (torch.randn(5, V, generator=g) * 6).to(dtype)
+        add = torch.zeros(V)
+        add[torch.randperm(V, generator=g)[: V // 3]] = -torch.inf
+        x[2, V // 2] = x[2].max() + 1  # a tie at the maximum: the first index wins
+        x[2, V - 1] = x[2, V // 2]
+        lse, top = torch.ops.draftsmith.lse_argmax(x, add)
+        torch.testing.assert_close(lse, torch.logsumexp(x.float() + add, -1), rtol=1e-6, atol=1e-5)
+        assert torch.equal(top, x.float().argmax(-1))
+    lse, top = torch.ops.draftsmith.lse_argmax(torch.randn(2, 20, generator=g).to(dtype), torch.full((20,), -torch.inf))
+    assert bool(torch.isinf(lse).all()) and bool((lse < 0).all())
+    with pytest.raises(RuntimeError, match="add must be float32"):
+        torch.ops.draftsmith.lse_argmax(torch.zeros(2, 20, dtype=dtype), torch.zeros(19))
+
+
+@pytest.mark.skipif(not cpu_kernels().ok, reason="Draftsmith's CPU kernels do not run here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_layer_ops_match_the_torch_ops_they_replace(dtype):
     """The fused small ops of a decoder layer (kernels/gemv.cpp) against the torch ops the
     decoder runs without them: RoPE (cos per step or per row, D with and without whole 16-lane

@@ -134,6 +134,34 @@ def test_block_loss_with_a_reduced_draft_vocabulary():
     assert out.parts["ce"] == pytest.approx(ce_num / ce_den, rel=1e-5)
 
 
+def test_block_loss_from_draft_vocabulary_logits_and_the_rest_equals_the_full_vocabulary():
+    """The target's distribution as its logits over the draft vocabulary + the log-sum-exp of the
+    other logits + its argmax (BlockBackbone.target_stats) gives the loss of the full logits, every
+    term and metric; a wrong rest log-sum-exp (the mass outside the draft vocabulary) changes it."""
+    g = torch.Generator().manual_seed(5)
+    N, V, K = 11, 12, 3
+    draft_ids = torch.tensor([0, 2, 3, 7, 8, 11])
+    outside = torch.ones(V, dtype=torch.bool)
+    outside[draft_ids] = False
+    index = torch.full((V,), len(draft_ids))
+    index[draft_ids] = torch.arange(len(draft_ids))
+    dl = torch.randn(N, len(draft_ids), generator=g) * 2
+    tl = torch.randn(N, V, generator=g) * 2
+    tl[1, 5] = 9.0  # the target's argmax outside the draft vocabulary
+    x = torch.randint(0, V, (N,), generator=g)
+    z = torch.randn(N, generator=g)
+    position = torch.arange(N) % K
+    coef = BlockLossWeights(ce=0.1, tv=0.9, conf=1.0, kl=0.5)
+    full = block_loss(dl, index[x], position, K, coef, tl, z, None, draft_ids)
+    rest = torch.logsumexp(tl[:, outside], -1)
+    split = block_loss(dl, index[x], position, K, coef, tl[:, draft_ids], z, None, draft_ids, rest, tl.argmax(-1))
+    assert float(split.total) == pytest.approx(float(full.total), rel=1e-6)
+    assert split.parts == pytest.approx(full.parts, rel=1e-6)
+    wrong = block_loss(dl, index[x], position, K, coef, tl[:, draft_ids], z, None, draft_ids, rest + 1.0,
+                       tl.argmax(-1))
+    assert abs(float(wrong.total) - float(full.total)) > 1e-3
+
+
 def test_confidence_label_carries_no_gradient():
     g = torch.Generator().manual_seed(2)
     dl = torch.randn(6, 8, generator=g, requires_grad=True)

@@ -499,6 +499,30 @@ def test_eagle_drafts_what_training_time_test_scores(name, target, train_batch, 
         assert float(prop.q[0][:, ~model.t2d].abs().max()) == 0.0
 
 
+def test_target_statistics_give_the_full_vocabulary_loss(target, train_batch):
+    """With a reduced draft vocabulary, DSpark's loss from the batch's target statistics (the
+    log-sum-exp outside the draft vocabulary and the argmax, target_stats) and the lm_head rows
+    of the draft ids equals its loss from the full lm_head (every term, float32); statistics of
+    the full vocabulary (a rest that double-counts the draft ids) do not."""
+    model = _build(target, "dspark-small-vocab")
+    model.init_draft_vocab(torch.bincount(train_batch.input_ids.flatten(), minlength=272))
+    B, T, H = train_batch.final_hidden.shape
+    rest, top = model.target_stats(train_batch.final_hidden.reshape(-1, H))
+    with_stats = dataclasses.replace(train_batch, target_rest_lse=rest.view(B, T), target_top1=top.view(B, T))
+
+    def loss(batch):
+        out = model.training_loss(batch, torch.Generator().manual_seed(3))
+        return float(out.total), out.parts
+
+    full, split = loss(train_batch), loss(with_stats)
+    assert split[0] == pytest.approx(full[0], rel=1e-5) and split[1] == pytest.approx(full[1], rel=1e-5)
+    lg = train_batch.final_hidden.reshape(-1, H) @ target.model.lm_head.weight.T
+    assert torch.equal(top, lg.argmax(-1))
+    wrong = dataclasses.replace(with_stats, target_rest_lse=torch.logsumexp(lg, -1).view(B, T))
+    assert abs(loss(wrong)[0] - full[0]) > 1e-3
+    assert _build(target, "dspark").target_stats(train_batch.final_hidden[0]) is None  # full vocabulary: none
+
+
 def test_packed_blocks_never_see_each_other(target, train_batch):
     model = _build(target, "dspark")
     row = _row(train_batch, 0)

@@ -342,3 +342,32 @@ def test_init_from_a_trained_drafter_starts_from_its_weights(target_dir, cache_d
     with pytest.raises(DraftsmithError, match="no such directory"):
         Trainer(make_cfg(target_dir, cache_dir, tmp_path / "e", init_from=str(tmp_path / "nope"), **tiny_lr),
                 CATALOGUE).fit()
+
+
+def test_target_statistics_are_computed_once_per_window_and_reach_every_batch(target_dir, cache_dir, tmp_path):
+    """A model with target_stats gets them in every batch: the trainer has the data compute them
+    for every window before the first step (each window once), each row padded with zeros; a
+    resumed run computes them again and equals a straight one; a model without them (stats off)
+    gets batches without them."""
+    cfg = make_cfg(target_dir, cache_dir, tmp_path / "a")
+    on = dataclasses.replace(cfg, drafter=dataclasses.replace(cfg.drafter, stats=True))
+    tr = Trainer(on, CATALOGUE)
+    tr.fit()
+    assert len(tr.data._stats) == len(tr.data.windows) and len(tr.model.seen) == on.train.max_steps
+    lm_head = tr.model.lm_head.float()
+    for batch in tr.model.seen[:3]:
+        for r, n in enumerate(batch.lengths.tolist()):
+            logits = torch.nn.functional.linear(batch.final_hidden[r, :n], lm_head)
+            torch.testing.assert_close(batch.target_rest_lse[r, :n], torch.logsumexp(logits, -1))
+            assert torch.equal(batch.target_top1[r, :n], logits.argmax(-1))
+            assert not batch.target_rest_lse[r, n:].any() and not batch.target_top1[r, n:].any()
+    straight = trained_params(tr)
+    _run_until_exception(dataclasses.replace(on, out=str(tmp_path / "b")), at_step=4)
+    resumed = Trainer(dataclasses.replace(on, out=str(tmp_path / "b")), CATALOGUE, resume=True)
+    resumed.fit()
+    assert resumed.model.seen and len(resumed.data._stats) == len(resumed.data.windows)
+    for n, w in trained_params(resumed).items():
+        assert torch.equal(w, straight[n]), n
+    off = Trainer(make_cfg(target_dir, cache_dir, tmp_path / "c"), CATALOGUE)
+    off.fit()
+    assert not off.model.seen and not off.data._stats

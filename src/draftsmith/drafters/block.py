@@ -32,6 +32,7 @@ from draftsmith.drafters.protocol import TrainBatch
 from draftsmith.drafters.target_head import TargetHead, concat_features, init_linear_
 from draftsmith.drafters.vocab import DraftVocab
 from draftsmith.errors import DraftsmithError
+from draftsmith.kernels.build import cpu_kernels
 from draftsmith.models.decoder import Decoder, RMSNorm
 from draftsmith.models.linear import PackedWeight
 from draftsmith.models.rope import rope_inv_freq
@@ -76,6 +77,7 @@ class BlockBackbone(nn.Module):
         self.vocab = DraftVocab(V, draft_vocab_size) if draft_vocab_size and draft_vocab_size < V else None
         self.lm_rows: torch.Tensor | None = None  # the target's lm_head rows of the draft ids (derived)
         self._lm_pack = PackedWeight()  # lm_rows laid out for the CPU kernel at inference (models/linear.py)
+        self._full_pack = PackedWeight()  # the whole lm_head, for target_stats
         init_linear_(self)
         if init_from_target:
             self.init_layers_from(target)
@@ -122,6 +124,34 @@ class BlockBackbone(nn.Module):
         if self.vocab is None:
             return self.head.logits(h)
         return self._lm_pack(h.to(self.lm_rows.dtype), self.head.autocast_weight(self.lm_rows)).float()
+
+    @torch.no_grad()
+    def target_stats(self, final_hidden: torch.Tensor, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Per position of `final_hidden` [T, H]: the log-sum-exp of the target's logits outside
+        the reduced draft vocabulary [T] and the target's argmax token [T] (None without a
+        reduced vocabulary). With them a training step needs the lm_head over the draft
+        vocabulary only: at every drafted position the full lm_head, its softmax and argmax
+        were ~40% of a DSpark step. Computed in the caller's precision (autocast or not), as
+        the step's own logits are, through the same packed-weight path (a row's logits do not
+        depend on the chunk it is computed in)."""
+        if self.vocab is None:
+            return None
+        dev = final_hidden.device
+        add = torch.zeros(self.head.vocab_size, dtype=torch.float32, device=dev)  # 0: counts in the rest
+        add[self.vocab.ids.to(dev)] = -torch.inf
+        w = self.head.autocast_weight(self.head.lm_head)
+        fused = dev.type == "cpu" and cpu_kernels().ok
+        lse, top = [], []
+        for i in range(0, final_hidden.shape[0], chunk):
+            lg = self._full_pack(final_hidden[i: i + chunk].to(w.dtype), w)
+            if fused and lg.dtype in (torch.float32, torch.bfloat16):
+                a, b = torch.ops.draftsmith.lse_argmax(lg, add)
+            else:
+                lg = lg.float()
+                a, b = torch.logsumexp(lg + add, -1), lg.argmax(-1)
+            lse.append(a)
+            top.append(b)
+        return torch.cat(lse), torch.cat(top)
 
     @property
     def draft_ids(self) -> torch.Tensor | None:
@@ -225,15 +255,21 @@ def packed_forward(
     )
 
 
-def target_logits_at(backbone: BlockBackbone, batch: TrainBatch, pack: BlockPack) -> torch.Tensor:
-    """Target logits for the valid drafted positions, [N, V]: the token at a+k is predicted
-    by lm_head(final_hidden[a+k−1]) (computed here; no logits cache)."""
-    B, T, H = batch.final_hidden.shape
+def target_logits_at(backbone: BlockBackbone, batch: TrainBatch, pack: BlockPack
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The target's distribution at the valid drafted positions: the token at a+k is predicted
+    by lm_head(final_hidden[a+k−1]). (logits [N, V], None, None); or, when the batch carries the
+    target's statistics outside a reduced draft vocabulary (`BlockBackbone.target_stats`),
+    (logits over the draft vocabulary [N, Vd], log-sum-exp of the rest [N], argmax [N]): the
+    same distribution from Vd of the V lm_head rows (8192 of 49152 for the built-in)."""
     idx = (pack.target_index - 1).clamp(min=0)[pack.target_mask]  # [N]
+    B = batch.final_hidden.shape[0]
     rows = torch.arange(B, device=idx.device)[:, None, None].expand_as(pack.target_index)[pack.target_mask]
     with torch.no_grad():
-        return backbone.head.logits(batch.final_hidden[rows, idx])
-
+        h = batch.final_hidden[rows, idx]
+        if batch.target_rest_lse is not None and backbone.vocab is not None:
+            return backbone.draft_logits(h), batch.target_rest_lse[rows, idx], batch.target_top1[rows, idx]
+        return backbone.head.logits(h), None, None
 
 
 # ---------------------------------------------------------------------------- config
@@ -358,6 +394,10 @@ class BlockModel(nn.Module):
     def init_draft_vocab(self, token_counts: torch.Tensor | Sequence[int]) -> None:
         """Choose the reduced vocabulary from training-data token counts [V] (before training)."""
         self.backbone.set_draft_vocab(token_counts)
+
+    def target_stats(self, final_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The protocol's per-position target statistics (BlockBackbone.target_stats)."""
+        return self.backbone.target_stats(final_hidden)
 
     @property
     def feature_spec(self) -> FeatureSpec:

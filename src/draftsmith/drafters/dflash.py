@@ -73,11 +73,12 @@ class DFlashModel(BlockModel):
         logits = self.backbone.draft_logits(pf.hidden[sel])  # [N, Vd]
         targets = self.backbone.to_draft(pf.targets[sel])
         position = torch.arange(c.block_size, device=sel.device).expand_as(sel)[sel]
-        tl = target_logits_at(self.backbone, batch, pf.pack) if c.tv_weight or c.kl_weight else None
+        need_pt = c.tv_weight or c.kl_weight
+        tl, rest, top1 = target_logits_at(self.backbone, batch, pf.pack) if need_pt else (None, None, None)
         terms = block_loss(
             logits, targets, position, c.block_size,
             BlockLossWeights(ce=c.ce_weight, tv=c.tv_weight, conf=0.0, kl=c.kl_weight), tl, None, c.position_decay,
-            self.backbone.draft_ids,
+            self.backbone.draft_ids, rest, top1,
         )
         parts = dict(terms.parts)
         parts.update(accuracy_parts(logits.detach(), targets, position))

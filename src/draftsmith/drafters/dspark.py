@@ -147,11 +147,11 @@ class DSparkModel(BlockModel):
         targets = bb.to_draft(pf.targets[sel])
         position = torch.arange(c.block_size, device=sel.device).expand_as(sel)[sel]
         need_pt = c.tv_weight > 0 or c.kl_weight > 0 or c.conf_weight > 0
-        tl = target_logits_at(bb, batch, pf.pack) if need_pt else None
+        tl, rest, top1 = target_logits_at(bb, batch, pf.pack) if need_pt else (None, None, None)
         terms = block_loss(
             logits, targets, position, c.block_size,
             BlockLossWeights(ce=c.ce_weight, tv=c.tv_weight, conf=c.conf_weight, kl=c.kl_weight), tl, conf[sel],
-            c.position_decay, bb.draft_ids,
+            c.position_decay, bb.draft_ids, rest, top1,
         )
         parts = dict(terms.parts)
         parts.update(accuracy_parts(logits.detach(), targets, position))

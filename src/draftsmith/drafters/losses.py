@@ -111,8 +111,13 @@ def block_loss(
     conf_logits: torch.Tensor | None = None,  # [N] confidence-head logits
     decay: float | None = None,
     draft_ids: torch.Tensor | None = None,  # [Vd] target id per draft id; None: Vd = V
+    target_rest_lse: torch.Tensor | None = None,  # [N]: target_logits are over the draft vocabulary only,
+    target_top1: torch.Tensor | None = None,  # [N]    this the log-sum-exp of the rest; the target's argmax
 ) -> LossTerms:
-    """The DFlash / DSpark objective over N valid (block, position) items."""
+    """The DFlash / DSpark objective over N valid (block, position) items. The target's
+    distribution comes as its full logits [N, V], or (with a reduced draft vocabulary) as its
+    logits over the draft vocabulary [N, Vd] with the log-sum-exp of the other logits and its
+    argmax token: the same numbers (BlockBackbone.target_stats)."""
     w = position_weights(gamma, decay, draft_logits.device)[position]  # [N]
     parts: dict[str, float] = {}
     total = draft_logits.new_zeros(())
@@ -127,12 +132,20 @@ def block_loss(
         if target_logits is None:
             raise ValueError("the TV and confidence terms need the target's logits")
         pd = torch.softmax(draft_logits.float(), -1)
-        pt = torch.softmax(target_logits.float(), -1)
-        if draft_ids is None:
-            l1 = l1_distance(pd, pt)  # [N]
+        if target_rest_lse is not None:  # logits over the draft vocabulary + the rest's log-sum-exp
+            if draft_ids is None or target_top1 is None:
+                raise ValueError("target_rest_lse needs draft_ids and target_top1")
+            tl = target_logits.float()
+            lse = torch.logaddexp(torch.logsumexp(tl, -1), target_rest_lse.float())  # [N]
+            pt = torch.exp(tl - lse[:, None])
+            l1 = l1_distance(pd, pt) + torch.exp(target_rest_lse.float() - lse)  # + the mass outside
         else:
-            pt = pt[:, draft_ids]
-            l1 = l1_distance(pd, pt) + (1.0 - pt.sum(-1)).clamp(min=0.0)
+            pt = torch.softmax(target_logits.float(), -1)
+            if draft_ids is None:
+                l1 = l1_distance(pd, pt)  # [N]
+            else:
+                pt = pt[:, draft_ids]
+                l1 = l1_distance(pd, pt) + (1.0 - pt.sum(-1)).clamp(min=0.0)
         if coef.kl:
             log_pd = torch.log_softmax(draft_logits.float(), -1)
             kl = weighted_mean((torch.xlogy(pt, pt) - pt * log_pd).sum(-1), w)
@@ -150,7 +163,8 @@ def block_loss(
         parts["accept"] = float(weighted_mean(1.0 - 0.5 * l1.detach(), torch.ones_like(w)))
         # T = 0 agreement: the draft's argmax is the target's (teacher-forced greedy acceptance)
         d_arg = draft_logits.detach().argmax(-1)
-        same = ((d_arg if draft_ids is None else draft_ids[d_arg]) == target_logits.argmax(-1)).float()
+        t_arg = target_logits.argmax(-1) if target_top1 is None else target_top1
+        same = ((d_arg if draft_ids is None else draft_ids[d_arg]) == t_arg).float()
         parts["greedy"] = float(same.mean())
         if bool((position == 0).any()):
             parts["greedy@1"] = float(same[position == 0].mean())

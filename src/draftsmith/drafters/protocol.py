@@ -8,6 +8,9 @@ A trainable drafter kind provides, in its own file:
                        embedding and lm_head (frozen, not saved); exposes
                          feature_spec -> FeatureSpec (which target layers it reads)
                          training_loss(batch: TrainBatch, generator) -> LossOutput
+                         target_stats(final_hidden [T, H]) -> (rest_lse [T], top1 [T]) | None
+                           (optional: per-position statistics of the frozen target that
+                           training would otherwise recompute at every step)
                          make_drafter(target: Decoder, max_rows, max_len) -> Drafter (inference)
     registered once in `drafters/registry.py` (the one registry of drafter kinds).
 
@@ -35,6 +38,10 @@ class TrainBatch:
     hidden:       layer id -> [B, T, H] target decoder-layer outputs (float32 on the device)
     final_hidden: [B, T, H] target's normed last hidden state; target logits at position t
                   (predicting token t+1) are lm_head(final_hidden[:, t])
+    target_rest_lse, target_top1: optional [B, T] float32 / int64, what a model's
+                  `target_stats(final_hidden)` returned for these positions (train/data.py
+                  computes them once per window): with a reduced draft vocabulary, the
+                  log-sum-exp of the target logits outside it and the target's argmax token
     """
 
     input_ids: torch.Tensor
@@ -42,6 +49,8 @@ class TrainBatch:
     lengths: torch.Tensor
     hidden: dict[int, torch.Tensor]
     final_hidden: torch.Tensor
+    target_rest_lse: torch.Tensor | None = None
+    target_top1: torch.Tensor | None = None
 
 
 @dataclass

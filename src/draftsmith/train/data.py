@@ -13,13 +13,17 @@ a function of the step and resuming at step s replays exactly what an unbroken r
 Each global batch of `batch_size` windows is split into equal contiguous parts, one per
 rank (the distributed sampler); the last incomplete batch of an epoch is dropped so every
 rank takes the same number of steps.
+
+A model may provide `target_stats` (drafters/protocol.py): per-position statistics of the frozen
+target that its loss would otherwise recompute at every step. The trainer hands it to TrainData,
+which computes them once per window, keeps them (12 bytes a token) and adds them to its batches.
 """
 
 from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,9 +72,14 @@ def sample_split(sample_id: str, stored_split: str | None) -> str:
     return "train" if is_training_sample(sample_id, stored_split) else "heldout"
 
 
+TargetStats = Callable[[torch.Tensor], "tuple[torch.Tensor, torch.Tensor] | None"]
+
+
 def collate(parts: Sequence[tuple[FeatureSample, int, int]], layer_ids: Sequence[int],
-            device: torch.device | str = "cpu") -> TrainBatch:
-    """Right-pad windows into a TrainBatch (fresh float32 tensors: safe for autograd)."""
+            device: torch.device | str = "cpu",
+            stats: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None) -> TrainBatch:
+    """Right-pad windows into a TrainBatch (fresh float32 tensors: safe for autograd); `stats`:
+    each window's target statistics (rest log-sum-exp [n], argmax [n]), if the model has them."""
     B = len(parts)
     T = max(b - a for _, a, b in parts)
     H = int(parts[0][0].final_hidden.shape[-1])
@@ -88,8 +97,17 @@ def collate(parts: Sequence[tuple[FeatureSample, int, int]], layer_ids: Sequence
             hidden[i][r, :n] = s.hidden[i][a:b]
         final[r, :n] = s.final_hidden[a:b]
     dev = torch.device(device)
+    rest = top1 = None
+    if stats is not None:
+        rest = torch.zeros(B, T, dtype=torch.float32)
+        top1 = torch.zeros(B, T, dtype=torch.long)
+        for r, (lse, top) in enumerate(stats):
+            rest[r, :lse.shape[0]] = lse
+            top1[r, :top.shape[0]] = top
+        rest, top1 = rest.to(dev), top1.to(dev)
     return TrainBatch(input_ids=ids.to(dev), loss_mask=mask.to(dev), lengths=lengths.to(dev),
-                      hidden={i: h.to(dev) for i, h in hidden.items()}, final_hidden=final.to(dev))
+                      hidden={i: h.to(dev) for i, h in hidden.items()}, final_hidden=final.to(dev),
+                      target_rest_lse=rest, target_top1=top1)
 
 
 class TrainData:
@@ -112,6 +130,9 @@ class TrainData:
         self.split = split
         self.excluded_heldout = 0  # samples of the other split skipped
         self._epoch_cache: tuple[int, list[Window]] | None = None
+        # the model's per-position target statistics (set by the trainer), kept per window
+        self.target_stats: TargetStats | None = None
+        self._stats: dict[Window, tuple[torch.Tensor, torch.Tensor] | None] = {}
         if cfg.online:
             self._init_online(target)
         else:
@@ -230,7 +251,42 @@ class TrainData:
             parts = [(feats[w.sample], w.start, w.end) for w in ws]
         else:
             parts = [(self.cache.features(self.samples[w.sample]), w.start, w.end) for w in ws]
-        return collate(parts, self.layer_ids, self.device)
+        stats = None
+        if self.target_stats is not None:
+            stats = [self._window_stats(w, fs) for w, (fs, _, _) in zip(ws, parts)]
+            stats = None if any(x is None for x in stats) else stats
+        return collate(parts, self.layer_ids, self.device, stats)
+
+    def prepare_stats(self, fn: TargetStats, windows: Sequence[Window] | None = None, every: int = 0,
+                      log_fn: Callable[[str], None] | None = None) -> int:
+        """Use `fn` as the model's target statistics and compute them now for `windows` (default:
+        all; a step then costs the same from the first one, so the trainer's budget probe times
+        steady steps). Returns the windows computed; `log_fn` hears every `every` windows."""
+        self.target_stats = fn
+        self._stats.clear()  # a new function (a restored draft vocabulary): nothing kept holds
+        todo = self.windows if windows is None else windows
+        done = 0
+        for w in todo:  # shard by shard, as they were listed
+            if w in self._stats:
+                continue
+            fs = self._features_of(w)
+            self._window_stats(w, fs)
+            done += 1
+            if log_fn is not None and every and done % every == 0:
+                log_fn(f"target statistics: {done}/{len(todo)} windows")
+        return done
+
+    def _features_of(self, w: Window) -> FeatureSample:
+        if self.cfg.online:
+            return self.online.batch([self.records[w.sample]])[0]
+        return self.cache.features(self.samples[w.sample])
+
+    def _window_stats(self, w: Window, fs: FeatureSample) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The model's target statistics of window `w`, computed on its first use."""
+        if w not in self._stats:
+            got = self.target_stats(fs.final_hidden[w.start:w.end].to(self.device, torch.float32))
+            self._stats[w] = None if got is None else (got[0].float().cpu(), got[1].long().cpu())
+        return self._stats[w]
 
     def token_counts(self, vocab_size: int) -> torch.Tensor:
         """[V] int64 counts of the tokens the drafter learns to predict (loss-masked positions)."""

@@ -229,6 +229,28 @@ class Trainer:
 
     # ---- one step ------------------------------------------------------------------------
 
+    def _share_target_stats(self) -> None:
+        """Give the data the model's per-position target statistics (drafters/protocol.py), all
+        computed now, in the precision each loss runs in: the training step's autocast, float32
+        for the held-out evaluation (run outside autocast)."""
+        fn = getattr(self.model, "target_stats", None)
+        if fn is None or fn(torch.zeros(1, self.target.model.config.hidden_size, device=self.info.device)) is None:
+            return
+        dev, bf16 = self.info.device.type, self.bf16
+
+        def train_stats(h: torch.Tensor):
+            with torch.autocast(device_type=dev, dtype=torch.bfloat16, enabled=bf16):
+                return fn(h)
+
+        t0 = time.perf_counter()
+        say = (lambda m: print(f"[draftsmith] {m}", file=sys.stderr)) if self.info.is_main else None
+        n = self.data.prepare_stats(train_stats, every=500, log_fn=say)
+        if self.heldout is not None:
+            n += self.heldout.data.prepare_stats(fn, self.heldout.windows)
+        if say:
+            say(f"target statistics of {n} windows in {time.perf_counter() - t0:.0f} s (the full-vocabulary "
+                "lm_head once per window, not at every step)")
+
     def _forward_backward(self, step: int) -> tuple[float, dict[str, float], int]:
         info, t = self.info, self.cfg.train
         batch = self.data.batch(step)
@@ -458,6 +480,8 @@ class Trainer:
         self._setup()
         t = self.cfg.train
         info = self.info
+        if not self.resume:  # a resumed run restores its draft vocabulary first (_restore)
+            self._share_target_stats()
         deadline = None
         self.total_steps = self._planned_steps()
         if t.budget_minutes is not None:
@@ -471,6 +495,7 @@ class Trainer:
                           f"{self.total_steps} steps", file=sys.stderr)
         if self.resume:
             self._restore()
+            self._share_target_stats()
         else:
             self._make_optimizer()
             torch.manual_seed(step_seed(t.seed, info.rank, -1))  # per-rank stream (dropout)
