@@ -132,12 +132,14 @@ def block_loss(
         if target_logits is None:
             raise ValueError("the TV and confidence terms need the target's logits")
         pd = torch.softmax(draft_logits.float(), -1)
+        log_pt = None
         if target_rest_lse is not None:  # logits over the draft vocabulary + the rest's log-sum-exp
             if draft_ids is None or target_top1 is None:
                 raise ValueError("target_rest_lse needs draft_ids and target_top1")
             tl = target_logits.float()
             lse = torch.logaddexp(torch.logsumexp(tl, -1), target_rest_lse.float())  # [N]
-            pt = torch.exp(tl - lse[:, None])
+            log_pt = tl - lse[:, None]
+            pt = torch.exp(log_pt)
             l1 = l1_distance(pd, pt) + torch.exp(target_rest_lse.float() - lse)  # + the mass outside
         else:
             pt = torch.softmax(target_logits.float(), -1)
@@ -148,7 +150,8 @@ def block_loss(
                 l1 = l1_distance(pd, pt) + (1.0 - pt.sum(-1)).clamp(min=0.0)
         if coef.kl:
             log_pd = torch.log_softmax(draft_logits.float(), -1)
-            kl = weighted_mean((torch.xlogy(pt, pt) - pt * log_pd).sum(-1), w)
+            neg_entropy = torch.xlogy(pt, pt) if log_pt is None else pt * log_pt  # (log_pt: no log pass)
+            kl = weighted_mean((neg_entropy - pt * log_pd).sum(-1), w)
             total = total + coef.kl * kl
             parts["kl"] = float(kl.detach())
         if coef.tv:
