@@ -521,6 +521,8 @@ def test_target_statistics_give_the_full_vocabulary_loss(target, train_batch):
     wrong = dataclasses.replace(with_stats, target_rest_lse=torch.logsumexp(lg, -1).view(B, T))
     assert abs(loss(wrong)[0] - full[0]) > 1e-3
     assert _build(target, "dspark").target_stats(train_batch.final_hidden[0]) is None  # full vocabulary: none
+    ce_only = dataclasses.replace(CONFIGS["dspark-small-vocab"], tv_weight=0.0, kl_weight=0.0, conf_weight=0.0)
+    assert dspark.build(target.model, ce_only).target_stats(train_batch.final_hidden[0]) is None  # not read
 
 
 def test_packed_blocks_never_see_each_other(target, train_batch):

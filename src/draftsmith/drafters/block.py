@@ -396,7 +396,11 @@ class BlockModel(nn.Module):
         self.backbone.set_draft_vocab(token_counts)
 
     def target_stats(self, final_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The protocol's per-position target statistics (BlockBackbone.target_stats)."""
+        """The protocol's per-position target statistics (BlockBackbone.target_stats); None when
+        the loss does not read the target's distribution (CE only)."""
+        c = self.config
+        if not (c.tv_weight or c.kl_weight or getattr(c, "conf_weight", 0.0)):
+            return None
         return self.backbone.target_stats(final_hidden)
 
     @property
