@@ -216,6 +216,11 @@ def test_online_features_equal_the_cache(target_dir, cache_dir, regen_file, tmp_
     raw["out"], raw["train"]["max_steps"] = str(tmp_path / "online"), 2
     res = Trainer(parse_config(raw, CATALOGUE, num_layers=3), CATALOGUE).fit()
     assert res.step == 2 and res.final_loss is not None
+    # online, target statistics come with each window's features on first use (none computed ahead)
+    raw["out"], raw["drafter"] = str(tmp_path / "online-stats"), {**raw["drafter"], "stats": True}
+    tr = Trainer(parse_config(raw, CATALOGUE, num_layers=3), CATALOGUE)
+    tr.fit()
+    assert len(tr.model.seen) == 2 and 0 < len(tr.data._stats) <= 2 * 4 < len(tr.data.windows)
 
 
 def test_resume_without_a_checkpoint(target_dir, cache_dir, tmp_path):

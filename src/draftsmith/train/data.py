@@ -261,25 +261,22 @@ class TrainData:
                       log_fn: Callable[[str], None] | None = None) -> int:
         """Use `fn` as the model's target statistics and compute them now for `windows` (default:
         all; a step then costs the same from the first one, so the trainer's budget probe times
-        steady steps). Returns the windows computed; `log_fn` hears every `every` windows."""
+        steady steps; online, each window's come with its features, on first use). Returns the
+        windows computed; `log_fn` hears every `every` windows."""
         self.target_stats = fn
         self._stats.clear()  # a new function (a restored draft vocabulary): nothing kept holds
+        if self.cfg.online:  # features come from a target forward per batch: computed with them, on first use
+            return 0
         todo = self.windows if windows is None else windows
         done = 0
         for w in todo:  # shard by shard, as they were listed
             if w in self._stats:
                 continue
-            fs = self._features_of(w)
-            self._window_stats(w, fs)
+            self._window_stats(w, self.cache.features(self.samples[w.sample]))
             done += 1
             if log_fn is not None and every and done % every == 0:
                 log_fn(f"target statistics: {done}/{len(todo)} windows")
         return done
-
-    def _features_of(self, w: Window) -> FeatureSample:
-        if self.cfg.online:
-            return self.online.batch([self.records[w.sample]])[0]
-        return self.cache.features(self.samples[w.sample])
 
     def _window_stats(self, w: Window, fs: FeatureSample) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The model's target statistics of window `w`, computed on its first use."""
