@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from draftsmith.kernels.build import cpu_kernels
 from draftsmith.models.attention import attend, grouped_attention, use_grouped
 
 
@@ -124,3 +125,33 @@ def test_step_kernel_suffix_causal_equals_its_mask_and_any_thread_count():
                 torch.set_num_threads(threads)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif(not cpu_kernels().ok, reason="Draftsmith's CPU kernels do not run here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_rows_equals_masked_attention_over_gathered_rows(dtype):
+    """attend_rows: query (b, s) over cache row rows[b]'s keys 0 .. positions[b, s], in one call:
+    the same bits as the masked kernel over the gathered rows, close to SDPA; rows or positions
+    outside the cache are refused with a clear error."""
+    from draftsmith.models.attention import attend_rows
+
+    g = torch.Generator().manual_seed(2)
+    R, KV, H, D, T = 7, 2, 6, 64, 200
+    kc, vc = (torch.randn(R, KV, T, D, generator=g).to(dtype) for _ in range(2))
+    rows = torch.tensor([6, 0, 3, 2])
+    for S in (1, 5):
+        pos = torch.tensor([[120], [0], [199 - S + 1], [33]]) + torch.arange(S)
+        q = torch.randn(4, H, S, D, generator=g).to(dtype)
+        got = attend_rows(q, kc, vc, rows, pos)
+        n = int(pos.max()) + 1
+        mask = (torch.arange(n)[None, None, :] <= pos[:, :, None])[:, None]
+        ref = torch.ops.draftsmith.attention(q, kc[rows, :, :n], vc[rows, :, :n], mask, False, D ** -0.5)
+        assert torch.equal(got, ref)
+        sdpa = F.scaled_dot_product_attention(q.float(), kc[rows, :, :n].float(), vc[rows, :, :n].float(),
+                                              attn_mask=mask, enable_gqa=True)
+        torch.testing.assert_close(got.float(), sdpa, atol=1e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)
+    q1 = torch.randn(1, H, 1, D).to(dtype)
+    with pytest.raises(RuntimeError, match="a row outside the cache"):
+        attend_rows(q1, kc, vc, torch.tensor([R]), torch.tensor([[0]]))
+    with pytest.raises(RuntimeError, match="a position outside the cache"):
+        attend_rows(q1, kc, vc, torch.tensor([0]), torch.tensor([[T]]))

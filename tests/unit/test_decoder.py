@@ -364,3 +364,32 @@ def test_verify_block_logits_equal_one_token_steps_bit_for_bit(tiny_model_dir, m
         steps.append(dec(ids[:, t : t + 1], caches[1]).logits)
         caches[1].lengths[0] += 1
     assert torch.equal(block, torch.cat(steps, dim=1))
+
+
+@pytest.mark.skipif(not cpu_kernels().ok, reason="Draftsmith's CPU kernels do not run here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_at_their_own_positions_attend_in_one_call_with_the_same_bits(tiny_model_dir, dtype, monkeypatch):
+    """A step over cache rows of mixed lengths, not one contiguous run: each layer's attention is
+    one kernel call (attend_rows) in which every row reads only its own keys, bit-identical to the
+    per-run masked calls it replaces; a single row's step does not take it."""
+    import draftsmith.models.decoder as decoder_module
+
+    dec = load_decoder(tiny_model_dir("qwen3", seed=3), dtype=dtype)
+    g = torch.Generator().manual_seed(8)
+    V = dec.config.vocab_size
+    cache = dec.new_cache(6, 96)
+    for r, n in enumerate([40, 3, 17, 0, 75, 9]):
+        if n:
+            dec(torch.randint(0, V, (1, n), generator=g), cache, rows=torch.tensor([r]), compute_logits=False)
+            cache.lengths[r] = n
+    rows, step = torch.tensor([4, 1, 2, 5]), torch.randint(0, V, (4, 3), generator=g)
+    calls = []
+    real = decoder_module.attend_rows
+    monkeypatch.setattr(decoder_module, "attend_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
+    one_call = dec(step, cache, rows=rows).logits
+    assert len(calls) == dec.config.num_layers
+    dec(step[:1], cache, rows=rows[:1])  # one row at its own start: the plain step path
+    assert len(calls) == dec.config.num_layers
+    monkeypatch.setattr(decoder_module, "use_step_kernel", lambda *a: False)  # the per-run masked calls
+    per_run = dec(step, cache, rows=rows).logits
+    assert torch.equal(one_call, per_run)

@@ -23,7 +23,7 @@
 // (simd.h: one zmm, or two ymm on AVX2); only the linears' register tiles are per ISA.
 //
 // Registered as torch.ops.draftsmith.{pack_f32, pack_bf16, gemv_f32, gemv_bf16, rms_norm, add_rms_norm,
-// attention, rope, silu_mul, layer (a plain decoder layer's step in one call), argmax, lse_argmax, has_bf16, isa}; built on
+// attention, attention_rows, rope, silu_mul, layer (a plain decoder layer's step in one call), argmax, lse_argmax, has_bf16, isa}; built on
 // first use by kernels/build.py with -march=native.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -804,9 +804,12 @@ inline void weighted_values(const E* vb, int64_t vst, float* const* sc, const in
   }
 }
 
+// rows / pos (attention_rows): query (b, s) reads cache row rows[b] of k / v and sees its keys
+// 0 .. pos[b, s] (mask and causal unused); otherwise batch row b reads k / v row b.
 template <typename E, int DV>
 void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const bool* mask,
-                    int64_t mask_b, bool causal, float scale, at::Tensor& out) {
+                    int64_t mask_b, bool causal, float scale, at::Tensor& out, const int64_t* rows = nullptr,
+                    const int64_t* pos = nullptr) {
   const int64_t B = q.size(0), H = q.size(1), S = q.size(2), D = q.size(3), KV = k.size(1), T = k.size(2);
   const int64_t G = H / KV, NQ = G * S;  // query rows of one (b, kv head), s-major: row i = (s, head i % G)
   constexpr int QT = DV <= 2 ? 4 : DV <= 4 ? 2 : 1;  // rows per weighted_values pass (its sums in registers)
@@ -835,20 +838,21 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
       int64_t hmax = 0;
       for (int64_t r = 0; r < nr; ++r) {
         const int64_t s = (i0 + r) / G, h = g * G + (i0 + r) % G;
-        hi[r] = causal ? T - S + s + 1 : T;
+        hi[r] = pos ? pos[b * S + s] + 1 : causal ? T - S + s + 1 : T;
         hmax = std::max(hmax, hi[r]);
         sc[r] = scores.data() + r * (T + 16);
         orow[r] = op + ((b * S + s) * H + h) * D;
         const E* qr = qp + ((b * H + h) * S + s) * D;
         for (int d = 0; d < DV; ++d) qs[r * DV + d] = v16::mul(v16::load(qr + d * 16), v16::set1(scale));
       }
-      const E* kb = kp + b * ksb + g * ksh;
-      const E* vb = vp + b * vsb + g * vsh;
+      const int64_t kr = rows ? rows[b] : b;
+      const E* kb = kp + kr * ksb + g * ksh;
+      const E* vb = vp + kr * vsb + g * vsh;
       for (int64_t j0 = 0; j0 < hmax; j0 += 16)  // key tile outer: its 16 keys stay in L1 for every row
         for (int64_t r = 0; r < nr; ++r)
           if (j0 < hi[r]) score_tile<DV>(qs.data() + r * DV, kb, kst, j0, std::min<int64_t>(16, hi[r] - j0), sc[r]);
       for (int64_t r = 0; r < nr; ++r) {
-        const bool* mr = mask ? mask + ((mask_b == 1 ? 0 : b) * S + (i0 + r) / G) * T : nullptr;
+        const bool* mr = mask && !pos ? mask + ((mask_b == 1 ? 0 : b) * S + (i0 + r) / G) * T : nullptr;
         l[r] = softmax_row(sc[r], hi[r], mr);
       }
       int64_t r = 0;
@@ -858,17 +862,49 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   });
 }
 
-at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask,
-                     bool causal, double scale) {
+// The head_dim as a compile-time constant (the accumulators stay in registers), then the dtype.
+void attention_dispatch(const at::Tensor& qc, const at::Tensor& k, const at::Tensor& v, const bool* mp, int64_t mb,
+                        bool causal, double scale, at::Tensor& out, const int64_t* rows, const int64_t* pos) {
+  auto run = [&](auto dv) {
+    constexpr int DV = decltype(dv)::value;
+    if (qc.scalar_type() == at::kFloat) {
+      attention_impl<float, DV>(qc, k, v, mp, mb, causal, static_cast<float>(scale), out, rows, pos);
+    } else {
+      attention_impl<uint16_t, DV>(qc, k, v, mp, mb, causal, static_cast<float>(scale), out, rows, pos);
+    }
+  };
+  switch (qc.size(3) / 16) {
+    case 1: run(std::integral_constant<int, 1>{}); break;
+    case 2: run(std::integral_constant<int, 2>{}); break;
+    case 3: run(std::integral_constant<int, 3>{}); break;
+    case 4: run(std::integral_constant<int, 4>{}); break;
+    case 5: run(std::integral_constant<int, 5>{}); break;
+    case 6: run(std::integral_constant<int, 6>{}); break;
+    case 7: run(std::integral_constant<int, 7>{}); break;
+    case 8: run(std::integral_constant<int, 8>{}); break;
+    case 12: run(std::integral_constant<int, 12>{}); break;
+    case 16: run(std::integral_constant<int, 16>{}); break;
+    default: TORCH_CHECK(false, "attention: head_dim ", qc.size(3), " is not compiled in");
+  }
+}
+
+void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "attention: q [B, H, S, D], k / v [B, KV, T, D] expected");
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "attention: CPU tensors expected");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
               (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16), "attention: float32 or bfloat16, one dtype");
-  const int64_t B = q.size(0), H = q.size(1), S = q.size(2), D = q.size(3), KV = k.size(1), T = k.size(2);
+  const int64_t H = q.size(1), D = q.size(3), KV = k.size(1), T = k.size(2);
   TORCH_CHECK(D > 0 && D % 16 == 0 && (D <= 128 || D == 192 || D == 256),
               "attention: head_dim must be 16, 32, ..., 128, 192 or 256");
-  TORCH_CHECK(k.size(0) == B && v.size(0) == B && KV > 0 && H % KV == 0 && v.size(1) == KV && v.size(2) == T &&
+  TORCH_CHECK(v.size(0) == k.size(0) && KV > 0 && H % KV == 0 && v.size(1) == KV && v.size(2) == T &&
               k.size(3) == D && v.size(3) == D && k.stride(3) == 1 && v.stride(3) == 1, "attention: k / v shapes");
+}
+
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask,
+                     bool causal, double scale) {
+  check_qkv(q, k, v);
+  const int64_t B = q.size(0), H = q.size(1), S = q.size(2), D = q.size(3), T = k.size(2);
+  TORCH_CHECK(k.size(0) == B, "attention: k / v need q's batch size");
   TORCH_CHECK(!causal || T >= S, "attention: causal needs at least S keys");
   auto qc = q.contiguous();
   auto out = at::empty({B, S, H, D}, q.options());
@@ -883,28 +919,32 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     mp = mc.data_ptr<bool>();
     mb = mc.size(0);
   }
-  auto run = [&](auto dv) {
-    constexpr int DV = decltype(dv)::value;
-    if (q.scalar_type() == at::kFloat) {
-      attention_impl<float, DV>(qc, k, v, mp, mb, causal, static_cast<float>(scale), out);
-    } else {
-      attention_impl<uint16_t, DV>(qc, k, v, mp, mb, causal, static_cast<float>(scale), out);
-    }
-  };
-  switch (D / 16) {  // head_dim as a compile-time constant: the accumulators stay in registers
-    case 1: run(std::integral_constant<int, 1>{}); break;
-    case 2: run(std::integral_constant<int, 2>{}); break;
-    case 3: run(std::integral_constant<int, 3>{}); break;
-    case 4: run(std::integral_constant<int, 4>{}); break;
-    case 5: run(std::integral_constant<int, 5>{}); break;
-    case 6: run(std::integral_constant<int, 6>{}); break;
-    case 7: run(std::integral_constant<int, 7>{}); break;
-    case 8: run(std::integral_constant<int, 8>{}); break;
-    case 12: run(std::integral_constant<int, 12>{}); break;
-    case 16: run(std::integral_constant<int, 16>{}); break;
-    default: TORCH_CHECK(false, "attention: head_dim ", D, " is not compiled in");
-  }
+  attention_dispatch(qc, k, v, mp, mb, causal, scale, out, nullptr, nullptr);
   return out.transpose(1, 2);  // [B, H, S, D] like SDPA, a view of [B, S, H, D]
+}
+
+// Attention of a step whose rows sit anywhere in the KV cache, at their own positions, in one call:
+// k / v [R, KV, Tmax, D] are a layer's whole cache, query (b, s) reads cache row rows[b] and sees
+// its keys 0 .. pos[b, s]. Each row reads only its own keys (no mask over the longest row's, no
+// call per run of rows); the same arithmetic as `attention`, so the same bits.
+at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& rows,
+                          const at::Tensor& pos, double scale) {
+  check_qkv(q, k, v);
+  const int64_t B = q.size(0), H = q.size(1), S = q.size(2), D = q.size(3), R = k.size(0), T = k.size(2);
+  TORCH_CHECK(rows.dim() == 1 && rows.size(0) == B && rows.scalar_type() == at::kLong && rows.device().is_cpu(),
+              "attention_rows: rows must be int64 [B] on the CPU");
+  TORCH_CHECK(pos.dim() == 2 && pos.size(0) == B && pos.size(1) == S && pos.scalar_type() == at::kLong &&
+                  pos.device().is_cpu(), "attention_rows: pos must be int64 [B, S] on the CPU");
+  auto rc = rows.contiguous();
+  auto pc = pos.contiguous();
+  TORCH_CHECK(B == 0 || (rc.min().item<int64_t>() >= 0 && rc.max().item<int64_t>() < R),
+              "attention_rows: a row outside the cache's ", R, " rows");
+  TORCH_CHECK(B == 0 || (pc.min().item<int64_t>() >= 0 && pc.max().item<int64_t>() < T),
+              "attention_rows: a position outside the cache's ", T, " positions");
+  auto qc = q.contiguous();
+  auto out = at::empty({B, S, H, D}, q.options());
+  attention_dispatch(qc, k, v, nullptr, 1, false, scale, out, rc.data_ptr<int64_t>(), pc.data_ptr<int64_t>());
+  return out.transpose(1, 2);
 }
 
 // ---- the elementwise ops of a layer, fused: RoPE and SwiGLU's silu(gate) * up ------------------
@@ -1242,6 +1282,7 @@ TORCH_LIBRARY(draftsmith, m) {
   m.def("lse_argmax(Tensor x, Tensor add) -> (Tensor, Tensor)", &lse_argmax);
   m.def("isa() -> str", &isa);
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, bool causal, float scale) -> Tensor", &attention);
+  m.def("attention_rows(Tensor q, Tensor k, Tensor v, Tensor rows, Tensor pos, float scale) -> Tensor", &attention_rows);
   m.def("layer(Tensor x, Tensor ln1, Tensor ln2, float eps, Tensor qkv_w, Tensor? qkv_b, Tensor o_w, Tensor? o_b, "
         "Tensor gu_w, Tensor down_w, int[] dims, Tensor(a!) kc, Tensor(b!) vc, int row0, int start, Tensor cos, "
         "Tensor sin_signed, Tensor? mask, bool causal, float scale, Tensor? q_norm=None, Tensor? k_norm=None) -> Tensor",

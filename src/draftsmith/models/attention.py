@@ -99,6 +99,18 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
                                           enable_gqa=q.shape[1] != k.shape[1])
 
 
+def attend_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
+                positions: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """A step's attention for rows anywhere in the cache, at their own positions, in one call of
+    Draftsmith's CPU kernel (where `use_step_kernel`): q [B, H, S, D]; k_cache / v_cache a layer's
+    whole cache [R, KV, T, D]; query (b, s) reads cache row rows[b] and sees its keys 0 ..
+    positions[b, s]. The same bits as `attend` with the equivalent mask over gathered rows, but each
+    row reads only its own keys: with rows of mixed lengths the masked path read the longest row's
+    keys for every row of a run, or cut the batch into one call per run of similar rows."""
+    return torch.ops.draftsmith.attention_rows(q, k_cache, v_cache, rows, positions,
+                                               q.shape[-1] ** -0.5 if scale is None else scale)
+
+
 MAX_ROW_RUNS = 8  # on GPUs, beyond this many runs of consecutive rows one gather is cheaper
 SEGMENT_WASTE_KEYS = 256  # padding keys worth one more attention call (~20 us on a CPU)
 

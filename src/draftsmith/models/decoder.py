@@ -38,7 +38,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.models.attention import GROUPED_MAX_QUERY, MAX_ROW_RUNS, STEP_HEAD_DIMS, _row_runs, attend
+from draftsmith.models.attention import (GROUPED_MAX_QUERY, MAX_ROW_RUNS, STEP_HEAD_DIMS, _row_runs, attend,
+                                         attend_rows, use_step_kernel)
 from draftsmith.models.kv_cache import KVCache
 from draftsmith.models.linear import FastLinear, choose_backend
 from draftsmith.models.rope import RopeConfig, _rope_from_hf, _rope_signed, rope_inv_freq
@@ -335,7 +336,9 @@ class Attention(nn.Module):
             vc[ctx.rows[:, None], :, ctx.positions] = v
         q = q.transpose(1, 2)  # [B, H, S, D]
         lo = ctx.kv_lo  # keys before it are outside every query's window (0 but in sliding layers)
-        if ctx.row_runs is None:  # rows in no useful order: gather their keys (a copy)
+        if ctx.rows_pos is not None and lo == 0 and ctx.attention == "auto" and use_step_kernel(q, kc):
+            out = attend_rows(q, kc, vc, *ctx.rows_pos, self.scale)  # every row over its own keys, one call
+        elif ctx.row_runs is None:  # rows in no useful order: gather their keys (a copy)
             out = attend(q, kc[ctx.rows, :, lo : ctx.kv_len], vc[ctx.rows, :, lo : ctx.kv_len], ctx.mask,
                          ctx.causal, ctx.attention, self.scale, ctx.suffix_causal)
         else:  # runs of consecutive rows (one run always for batch 1): views of the cache
@@ -523,6 +526,9 @@ class _StepContext:
     # `mask` is the causal mask of rows that all start at one position: query s sees keys up to
     # kv_len - S + s, which Draftsmith's step kernel computes without reading a mask (the same result)
     suffix_causal: bool = False
+    # CPU, rows not one contiguous run at one start: (rows [B], positions [B, S]) int64 for the
+    # kernel that attends every row over its own keys in one call (models/attention.attend_rows)
+    rows_pos: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -683,6 +689,9 @@ class Decoder(nn.Module):
             key_pos = torch.arange(kv_len, device=dev)
             mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, S, kv_len]
         runs = _row_runs(rows_list, starts_list, S, None if dev.type == "cpu" else MAX_ROW_RUNS)
+        rows_pos = None
+        if dev.type == "cpu" and positions is not None:
+            rows_pos = (torch.tensor(rows_list, dtype=torch.long), positions)
         ctx = _StepContext(
             rows=None if positions is None and runs is not None else torch.tensor(rows_list, device=dev),
             row_slice=slice(r0, r0 + B) if contiguous else None,
@@ -696,6 +705,7 @@ class Decoder(nn.Module):
             attention=self.attention_kernel,
             cos=cos,
             sin_signed=sin_signed,
+            rows_pos=rows_pos,
         )
         if self.config.sliding_layers:
             ctx.sliding = self._window_context(ctx, S, same_start)
@@ -732,6 +742,7 @@ class Decoder(nn.Module):
             key_pos = torch.arange(lo, ctx.kv_len, device=dev)
             mask = ((key_pos <= q_pos) & (key_pos > q_pos - W))[:, None]  # [B or 1, 1, S, kv_len - lo]
         return replace(ctx, cos=cos, sin_signed=sin_signed, mask=mask, causal=False, suffix_causal=False, kv_lo=lo,
+                       rows_pos=None,  # attend_rows knows no window: the masked path
                        sliding=None)
 
     @torch.inference_mode()
