@@ -812,7 +812,12 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
                     const int64_t* pos = nullptr) {
   const int64_t B = q.size(0), H = q.size(1), S = q.size(2), D = q.size(3), KV = k.size(1), T = k.size(2);
   const int64_t G = H / KV, NQ = G * S;  // query rows of one (b, kv head), s-major: row i = (s, head i % G)
-  constexpr int QT = DV <= 2 ? 4 : DV <= 4 ? 2 : 1;  // rows per weighted_values pass (its sums in registers)
+  // rows per weighted_values pass (their sums in registers; a row's sums are the same whatever QT is)
+#if defined(__AVX512F__)
+  constexpr int QT = DV <= 2 ? 4 : DV <= 4 ? 3 : 1;
+#else
+  constexpr int QT = DV <= 2 ? 4 : DV <= 4 ? 2 : 1;
+#endif
   const E* qp = reinterpret_cast<const E*>(q.data_ptr());
   const E* kp = reinterpret_cast<const E*>(k.data_ptr());
   const E* vp = reinterpret_cast<const E*>(v.data_ptr());
