@@ -71,9 +71,10 @@ def step_ms(dec, B: int, S: int, lengths: torch.Tensor, rounds: int) -> dict[str
     return {k: round(statistics.median(v) * 1e3, 2) for k, v in times.items()}
 
 
-def kernel_ms(dtype: torch.dtype, B: int, S: int, lengths: torch.Tensor, reps: int = 3) -> tuple[float, float]:
-    """The attention kernel alone (attend_rows geometry of smollm2-135m), LAYERS caches in turn."""
-    KV, H, D, T = 3, 9, 64, int(lengths.max()) + S + 1
+def kernel_ms(dec, B: int, S: int, lengths: torch.Tensor, reps: int = 3) -> tuple[float, float]:
+    """The attention kernel alone at the target's attention geometry, LAYERS caches in turn."""
+    c, dtype = dec.config, dec.dtype
+    KV, H, D, T = c.num_kv_heads, c.num_heads, c.head_dim, int(lengths.max()) + S + 1
     g = torch.Generator().manual_seed(2)
     ks = [torch.randn(B, KV, T, D, generator=g).to(dtype) for _ in range(LAYERS)]
     vs = [torch.randn(B, KV, T, D, generator=g).to(dtype) for _ in range(LAYERS)]
@@ -109,7 +110,7 @@ def main() -> int:
             lengths = torch.randint(lo, hi + 1, (B,), generator=torch.Generator().manual_seed(B))
             for S in (int(x) for x in args.tokens.split(",")):
                 ms = step_ms(dec, B, S, lengths, args.rounds)
-                k_ms, gbs = kernel_ms(dec.dtype, B, S, lengths)
+                k_ms, gbs = kernel_ms(dec, B, S, lengths)
                 row = {"dtype": dtype, "rows": B, "tokens": S, "mean_length": round(float(lengths.float().mean())),
                        **{f"step_ms {k}": v for k, v in ms.items()}, "kernel_ms_per_layer": k_ms, "kernel_gbs": gbs}
                 rows.append(row)

@@ -151,6 +151,8 @@ class BlockBackbone(nn.Module):
                 a, b = torch.logsumexp(lg + add, -1), lg.argmax(-1)
             lse.append(a)
             top.append(b)
+        if not lse:  # no positions (the trainer's "does this model have statistics?" probe)
+            return final_hidden.new_zeros(0, dtype=torch.float32), final_hidden.new_zeros(0, dtype=torch.long)
         return torch.cat(lse), torch.cat(top)
 
     @property

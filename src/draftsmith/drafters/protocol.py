@@ -10,7 +10,8 @@ A trainable drafter kind provides, in its own file:
                          training_loss(batch: TrainBatch, generator) -> LossOutput
                          target_stats(final_hidden [T, H]) -> (rest_lse [T], top1 [T]) | None
                            (optional: per-position statistics of the frozen target that
-                           training would otherwise recompute at every step)
+                           training would otherwise recompute at every step; asked first
+                           with T = 0 whether the model has them)
                          make_drafter(target: Decoder, max_rows, max_len) -> Drafter (inference)
     registered once in `drafters/registry.py` (the one registry of drafter kinds).
 

@@ -689,11 +689,9 @@ class Decoder(nn.Module):
             key_pos = torch.arange(kv_len, device=dev)
             mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, S, kv_len]
         runs = _row_runs(rows_list, starts_list, S, None if dev.type == "cpu" else MAX_ROW_RUNS)
-        rows_pos = None
-        if dev.type == "cpu" and positions is not None:
-            rows_pos = (torch.tensor(rows_list, dtype=torch.long), positions)
+        rows = None if positions is None and runs is not None else torch.tensor(rows_list, device=dev)
         ctx = _StepContext(
-            rows=None if positions is None and runs is not None else torch.tensor(rows_list, device=dev),
+            rows=rows,
             row_slice=slice(r0, r0 + B) if contiguous else None,
             row_runs=runs,
             starts_list=starts_list,
@@ -705,7 +703,7 @@ class Decoder(nn.Module):
             attention=self.attention_kernel,
             cos=cos,
             sin_signed=sin_signed,
-            rows_pos=rows_pos,
+            rows_pos=(rows, positions) if dev.type == "cpu" and positions is not None else None,
         )
         if self.config.sliding_layers:
             ctx.sliding = self._window_context(ctx, S, same_start)

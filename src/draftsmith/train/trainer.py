@@ -234,7 +234,7 @@ class Trainer:
         computed now, in the precision each loss runs in: the training step's autocast, float32
         for the held-out evaluation (run outside autocast)."""
         fn = getattr(self.model, "target_stats", None)
-        if fn is None or fn(torch.zeros(1, self.target.model.config.hidden_size, device=self.info.device)) is None:
+        if fn is None or fn(torch.zeros(0, self.target.model.config.hidden_size, device=self.info.device)) is None:
             return
         dev, bf16 = self.info.device.type, self.bf16
 
