@@ -337,6 +337,19 @@ def test_init_from_a_trained_drafter_starts_from_its_weights(target_dir, cache_d
             torch.testing.assert_close(w, start[n], atol=1e-6, rtol=0)
         assert json.loads((tmp_path / f"b-{source.name}" / "train_config.json").read_text())["train"]["init_from"] \
             == str(source)
+    # with held-out data, a fine-tune scores its starting weights at step 0 (the baseline it improves on)
+    held = make_cfg(target_dir, cache_dir, tmp_path / "h", init_from=str(tmp_path / "a"), **tiny_lr)
+    held = dataclasses.replace(held, data=dataclasses.replace(held.data, eval_cache=cache_dir, eval_samples=8))
+    ft = Trainer(held, CATALOGUE)
+    ft.fit()
+    rows = [json.loads(x) for x in (tmp_path / "h" / "heldout.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+    assert rows[0]["loss"] == pytest.approx(rows[1]["loss"], rel=1e-4)  # lr 1e-9: the same weights score the same
+    control = dataclasses.replace(held, out=tmp_path / "h0", train=dataclasses.replace(held.train, init_from=None))
+    Trainer(control, CATALOGUE).fit()
+    rows0 = [json.loads(x) for x in (tmp_path / "h0" / "heldout.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows0] == [1]  # a fresh run has no baseline to score
+    assert rows0[0]["loss"] > rows[0]["loss"]  # and scores worse than the trained start
     fresh = Trainer(make_cfg(target_dir, cache_dir, tmp_path / "c", **tiny_lr), CATALOGUE)
     fresh.fit()
     assert any((w - start[n]).abs().max() > 1e-3 for n, w in trained_params(fresh).items())

@@ -507,6 +507,8 @@ class Trainer:
                   f"from {d['source']} ({d['excluded_heldout']} held-out excluded), {self.total_steps} steps, "
                   f"{info.world_size} process(es)", file=sys.stderr)
         self._open_loggers()
+        if self.init_from is not None and self.heldout is not None:
+            self._evaluate()  # step 0: what the starting drafter scores, the baseline of a fine-tune
         acc: dict[str, float] = {}
         n_acc = 0
         last_loss: float | None = None
