@@ -63,6 +63,11 @@ def make_cfg(target_dir, cache_dir, out, **train):
     return parse_config(raw, CATALOGUE, num_layers=3)
 
 
+def heldout_rows(out) -> list[dict]:
+    """The held-out evaluation rows a run wrote (train/evaluate.py), one per scoring."""
+    return [json.loads(x) for x in (out / "heldout.jsonl").read_text().splitlines()]
+
+
 def test_lr_schedule_warmup_then_cosine():
     total = 100
     f = [lr_factor(s, total, 0.04, 0.0) for s in range(total)]
@@ -284,7 +289,7 @@ def test_heldout_evaluation_at_every_checkpoint(target_dir, cache_dir, tmp_path)
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, eval_cache=cache_dir, eval_samples=8))
     tr = Trainer(cfg, CATALOGUE)
     res = tr.fit()
-    rows = [json.loads(x) for x in (out / "heldout.jsonl").read_text().splitlines()]
+    rows = heldout_rows(out)
     assert [r["step"] for r in rows] == [3, 6]
     assert {"loss", "ce", "acc@1"} <= set(rows[0])
     assert rows[1]["loss"] < rows[0]["loss"]  # the chain is learnt on train samples, and holds out
@@ -342,12 +347,12 @@ def test_init_from_a_trained_drafter_starts_from_its_weights(target_dir, cache_d
     held = dataclasses.replace(held, data=dataclasses.replace(held.data, eval_cache=cache_dir, eval_samples=8))
     ft = Trainer(held, CATALOGUE)
     ft.fit()
-    rows = [json.loads(x) for x in (tmp_path / "h" / "heldout.jsonl").read_text().splitlines()]
+    rows = heldout_rows(tmp_path / "h")
     assert [r["step"] for r in rows] == [0, 1]
     assert rows[0]["loss"] == pytest.approx(rows[1]["loss"], rel=1e-4)  # lr 1e-9: the same weights score the same
     control = dataclasses.replace(held, out=tmp_path / "h0", train=dataclasses.replace(held.train, init_from=None))
     Trainer(control, CATALOGUE).fit()
-    rows0 = [json.loads(x) for x in (tmp_path / "h0" / "heldout.jsonl").read_text().splitlines()]
+    rows0 = heldout_rows(tmp_path / "h0")
     assert [r["step"] for r in rows0] == [1]  # a fresh run has no baseline to score
     assert rows0[0]["loss"] > rows[0]["loss"]  # and scores worse than the trained start
     fresh = Trainer(make_cfg(target_dir, cache_dir, tmp_path / "c", **tiny_lr), CATALOGUE)
