@@ -20,6 +20,21 @@ re-run resumes (delete a stage's output to redo it):
               concurrency 1, fixed K = γ and the prefix scheduler), code and chat prompts
 
 Writes <work>/results.json and a section between markers in BENCHMARKS.md.
+
+Issue 12's long comparison reuses a larger data set and asks for a curve of τ against training
+time (every stage still resumes):
+
+    .venv/bin/python benchmarks/bench_drafters.py --work runs/drafters-long --section long \
+        --regen runs/builtin/regen-v3.jsonl --cache runs/builtin/cache-v3 \
+        --heldout-cache runs/builtin/heldout-cache --budget 135 --parallel --save-every 500 \
+        --curve 15,45 --eval-tokens 128 --set dspark:drafter.rank=96 ...
+
+--regen/--cache skip stages 1-2; --set KIND:KEY=VALUE overrides one recipe's field (repeatable);
+--heldout-cache scores every checkpoint teacher-forced during training; --save-every N keeps
+every Nth-step checkpoint and --curve M,.. evaluates (T=0) the checkpoints nearest M minutes of
+training; each recipe's CPU time is measured (with --parallel, 3 processes share the cores).
+--section NAME writes benchmarks/results/bench_drafters-NAME.json and its own BENCHMARKS.md
+section, leaving issue 4's in place.
 """
 
 from __future__ import annotations
@@ -35,6 +50,7 @@ import time
 from pathlib import Path
 
 import sections
+from draftsmith.data.regen_records import scan_output
 
 ROOT = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- bench_drafters:begin -->", "<!-- bench_drafters:end -->"
@@ -76,8 +92,29 @@ def main() -> int:
     ap.add_argument("--eval-tokens", type=int, default=96, help="new tokens per turn in eval")
     ap.add_argument("--bench-requests", type=int, default=6)
     ap.add_argument("--bench-tokens", type=int, default=64)
+    ap.add_argument("--regen", type=Path, help="reuse this regenerated train set (skips the regen stage)")
+    ap.add_argument("--cache", type=Path, help="reuse this feature cache of --regen (skips the cache stage)")
+    ap.add_argument("--heldout-cache", type=Path,
+                    help="feature cache of held-out conversations: every checkpoint is scored on it, teacher-forced")
+    ap.add_argument("--set", action="append", default=[], metavar="KIND:KEY=VALUE",
+                    help="override one recipe's field, e.g. dspark:drafter.rank=96 (repeatable)")
+    ap.add_argument("--save-every", type=int, help="checkpoint every N steps and keep them all (for --curve)")
+    ap.add_argument("--curve", default="", help="also evaluate (T=0) the checkpoints nearest these training "
+                                                 "minutes, e.g. 15,45")
+    ap.add_argument("--section", default="", help="results under this name, in their own BENCHMARKS.md section")
     ap.add_argument("--no-md", action="store_true")
     args = ap.parse_args()
+    if (args.regen is None) != (args.cache is None):
+        raise SystemExit("--regen and --cache go together: the cache must hold that regen's features")
+    overrides: dict[str, list[str]] = {k: [] for k in KINDS}
+    for item in args.set:
+        kind, sep, kv = item.partition(":")
+        if not sep or kind not in KINDS or "=" not in kv:
+            raise SystemExit(f"--set {item!r}: expected KIND:KEY=VALUE with KIND one of {', '.join(KINDS)}")
+        overrides[kind].append(kv)
+    curve = [float(x) for x in args.curve.split(",") if x.strip()]
+    if curve and args.save_every is None:
+        raise SystemExit("--curve needs --save-every N (checkpoints to choose from)")
     w = args.work.resolve()
     w.mkdir(parents=True, exist_ok=True)
     t_all = time.perf_counter()
@@ -91,30 +128,36 @@ def main() -> int:
         fn()
         stage_s[name] = round(time.perf_counter() - t0, 1)
 
-    regen = w / "regen.jsonl"
-    stage("regen", w / ".regen.done", lambda: (cli(
+    regen = args.regen.resolve() if args.regen else w / "regen.jsonl"
+    if args.regen:
+        for f in (args.regen, args.cache):
+            if not f.exists():
+                raise SystemExit(f"{f} does not exist")
+    stage("regen", regen if args.regen else w / ".regen.done", lambda: (cli(
         "regen", "--mix", "code:0.4,chat:0.6", "--split", "train", "--max-samples", str(args.samples),
         "--max-tokens", "128", "--max-len", "1024", "--batch-size", "16", "--out", str(regen),
         *(["--resume"] if regen.exists() else [])), (w / ".regen.done").touch()))
-    cache = w / "cache"
-    stage("cache", w / ".cache.done", lambda: (cli(
+    cache = args.cache.resolve() if args.cache else w / "cache"
+    stage("cache", cache if args.cache else w / ".cache.done", lambda: (cli(
         "cache", "--data", str(regen), "--layers", "1,14,27", "--dtype", "fp16", "--out", str(cache),
         *(["--resume"] if cache.exists() else [])), (w / ".cache.done").touch()))
 
     def train_all() -> None:
         todo = [k for k in KINDS if not (w / f".train-{k}.done").exists()]
+        extra = ([f"data.eval_cache={args.heldout_cache.resolve()}", "data.eval_samples=24"]
+                 if args.heldout_cache else [])
+        if args.save_every:
+            extra += [f"train.save_every={args.save_every}", "train.keep_checkpoints=100000"]
         argv = {k: ("train", "--config", f"recipes/smollm2-135m-{k}.yaml", "--budget", f"{args.budget:g}",
-                    f"out={w / k}", f"data.cache={cache}") for k in todo}
+                    f"out={w / k}", f"data.cache={cache}", *extra, *overrides[k],
+                    *(["--resume"] if (w / k).is_dir() else [])) for k in todo}
         if args.parallel:
             procs = {k: cli(*argv[k], threads=1, log=w / f"train-{k}.log", wait=False) for k in todo}
             for k, p in procs.items():
-                if p.wait() != 0:
-                    raise SystemExit(f"training {k} failed: see {w / f'train-{k}.log'}")
-                (w / f".train-{k}.done").touch()
+                wait_measured(p, w, k)
         else:
             for k in todo:
-                cli(*argv[k], log=w / f"train-{k}.log")
-                (w / f".train-{k}.done").touch()
+                wait_measured(cli(*argv[k], log=w / f"train-{k}.log", wait=False), w, k)
         (w / ".train.done").touch()
 
     stage("train", w / ".train.done", train_all)
@@ -122,6 +165,12 @@ def main() -> int:
         "calibrate", "--drafter", f"dspark:{w / 'dspark'}", "--tasks", "sharegpt", "--max-prompts", "16",
         "--max-tokens", "64", "--temperature", "1", "--block-size", str(GAMMA)), (w / ".calibrate.done").touch()))
     specs = [f"{k}:{w / k}" for k in KINDS]
+    for minutes in curve:
+        out = w / f"curve-{minutes:g}min"
+        stage(f"curve-{minutes:g}min", out / "report.json", lambda out=out, minutes=minutes: cli(
+            "eval", *[x for k in KINDS for x in ("--drafter", f"{k}:{nearest_checkpoint(w / k, minutes)[0]}")],
+            "--tasks", ",".join(WORKLOADS), "--max-prompts", str(args.eval_prompts), "--max-tokens",
+            str(args.eval_tokens), "--temperature", "0", "--block-size", str(GAMMA), "--out", str(out)))
     for temp in ("0", "1"):
         out = w / f"eval-T{temp}"
         stage(f"eval-T{temp}", out / "report.json", lambda out=out, temp=temp: cli(
@@ -136,19 +185,22 @@ def main() -> int:
                 "--requests", str(args.bench_requests), "--max-tokens", str(args.bench_tokens), "--warmup", "1",
                 "--num-speculative-tokens", str(GAMMA), "--policy", policy, "--out", str(out)))
 
-    results = collect(w)
+    results = collect(w, regen, curve)
     prev = w / "results.json"
     if prev.is_file():  # keep the times of stages an earlier run did (this one reused them)
         stage_s = {**json.loads(prev.read_text()).get("setup", {}).get("stage_s", {}), **stage_s}
     results["setup"] = {"samples": args.samples, "budget_minutes": args.budget, "parallel": args.parallel,
+                        "regen": _rel(regen), "cache": _rel(cache), "overrides": overrides,
+                        "heldout_cache": _rel(args.heldout_cache.resolve()) if args.heldout_cache else None,
                         "eval_prompts": args.eval_prompts, "eval_tokens": args.eval_tokens, "gamma": GAMMA,
                         "bench_requests": args.bench_requests, "bench_tokens": args.bench_tokens,
                         "machine": f"{platform.machine()} {os.cpu_count()} CPUs", "stage_s": stage_s,
                         "wall_s": round(time.perf_counter() - t_all, 1), "loadavg_end": os.getloadavg()}
     (w / "results.json").write_text(json.dumps(results, indent=1))
-    dest = ROOT / "benchmarks" / "results" / "bench_drafters.json"
+    name = f"bench_drafters-{args.section}" if args.section else "bench_drafters"
+    dest = ROOT / "benchmarks" / "results" / f"{name}.json"
     dest.write_text(json.dumps(results, indent=1))
-    plots = ROOT / "benchmarks" / "results" / "drafters"
+    plots = ROOT / "benchmarks" / "results" / ("drafters-" + args.section if args.section else "drafters")
     plots.mkdir(parents=True, exist_ok=True)
     for src, name in ((w / "eval-T0" / "conditional_acceptance.png", "conditional_acceptance_T0.png"),
                       (w / "eval-T1" / "conditional_acceptance.png", "conditional_acceptance_T1.png"),
@@ -157,16 +209,69 @@ def main() -> int:
             shutil.copyfile(src, plots / name)
     print(f"wrote {dest}")
     if not args.no_md:
-        write_markdown(results)
+        write_markdown(results, args.section)
     return 0
 
 
-def collect(w: Path) -> dict:
-    regen = [json.loads(x) for x in (w / "regen.jsonl").read_text().splitlines() if x.strip()]
+def _rel(p: Path) -> str:
+    """A path as the results name it: relative to the repo (no machine paths in committed files)."""
+    try:
+        return str(p.resolve().relative_to(ROOT))
+    except ValueError:
+        return p.name
+
+
+def wait_measured(p, w: Path, kind: str) -> None:
+    """Wait for a training process; append its CPU and wall seconds to <w>/train-KIND.cpu.jsonl
+    (one row per attempt: a resumed run adds a row) and mark the kind done."""
+    t0 = time.perf_counter()
+    _, status, ru = os.wait4(p.pid, 0)
+    p.returncode = os.waitstatus_to_exitcode(status)
+    with open(w / f"train-{kind}.cpu.jsonl", "a") as f:
+        f.write(json.dumps({"cpu_s": round(ru.ru_utime + ru.ru_stime, 1),
+                            "wall_s": round(time.perf_counter() - t0, 1), "rc": p.returncode}) + "\n")
+    if p.returncode != 0:
+        raise SystemExit(f"training {kind} failed: see {w / f'train-{kind}.log'}")
+    (w / f".train-{kind}.done").touch()
+
+
+def nearest_checkpoint(run: Path, minutes: float) -> tuple[Path, dict]:
+    """The checkpoint of `run` whose training time (its meta's elapsed_s) is nearest `minutes`."""
+    best: tuple[float, Path, dict] | None = None
+    for d in sorted(run.glob("checkpoint-*")):
+        meta_f = d / "train_state" / "meta.json"
+        if not meta_f.is_file():
+            continue
+        meta = json.loads(meta_f.read_text())
+        gap = abs(float(meta["elapsed_s"]) - minutes * 60)
+        if best is None or gap < best[0]:
+            best = (gap, d, meta)
+    if best is None:
+        raise SystemExit(f"{run} has no checkpoints to take the {minutes:g}-minute point from")
+    return best[1], {"step": best[2]["step"], "elapsed_s": best[2]["elapsed_s"]}
+
+
+def collect(w: Path, regen_path: Path, curve: list[float] = ()) -> dict:
+    regen = list(scan_output(regen_path, repair=False)[0].values())  # a torn last line (a killed run) is skipped
     res: dict = {"data": {"conversations": len(regen), "tokens": sum(int(r.get("num_tokens", 0)) for r in regen),
                           "trained_tokens": sum(sum(r.get("loss_mask") or []) for r in regen)},
                  "train": {k: train_info(w / k) for k in KINDS if (w / k / "metrics.jsonl").is_file()},
-                 "eval": {}, "bench": {}}
+                 "eval": {}, "bench": {}, "curve": {}}
+    for k in res["train"]:
+        f = w / f"train-{k}.cpu.jsonl"
+        rows = [json.loads(x) for x in f.read_text().splitlines() if x.strip()] if f.is_file() else []
+        res["train"][k]["cpu_s"] = round(sum(r["cpu_s"] for r in rows), 1) if rows else None
+        res["train"][k]["wall_s"] = round(sum(r["wall_s"] for r in rows), 1) if rows else None
+        hf = w / k / "heldout.jsonl"
+        if hf.is_file():
+            res["train"][k]["heldout"] = [json.loads(x) for x in hf.read_text().splitlines() if x.strip()]
+    for minutes in curve:
+        p = w / f"curve-{minutes:g}min" / "report.json"
+        if p.is_file():
+            rep = json.loads(p.read_text())
+            res["curve"][f"{minutes:g}"] = {d["kind"]: {
+                **nearest_checkpoint(w / d["kind"], minutes)[1], "overall": _acc(d["overall"]),
+                "tasks": {t: _acc(v) for t, v in d["tasks"].items()}} for d in rep["drafters"]}
     for temp in ("0", "1"):
         p = w / f"eval-T{temp}" / "report.json"
         if p.is_file():
@@ -206,22 +311,40 @@ def _f(x, nd=2) -> str:
     return "–" if x is None else f"{x:.{nd}f}"
 
 
-def write_markdown(r: dict) -> None:
+def write_markdown(r: dict, section: str = "") -> None:
     s, d = r["setup"], r["data"]
     names = {"eagle3": "EAGLE-3", "dflash": "DFlash", "dspark": "DSpark", "ngram": "n-gram (reference)"}
-    lines = [BEGIN, "## Drafters: EAGLE-3 vs DFlash vs DSpark, same data and budget (issue 4)", "",
-             f"`benchmarks/bench_drafters.py --samples {s['samples']} --budget {s['budget_minutes']:g}"
-             + (" --parallel" if s["parallel"] else "") + f"` (JSON: `benchmarks/results/bench_drafters.json`). "
+    begin, end = (f"<!-- bench_drafters-{section}:begin -->", f"<!-- bench_drafters-{section}:end -->") if section \
+        else (BEGIN, END)
+    title = (f"## Drafters at equal long budgets: EAGLE-3 vs DFlash vs DSpark, {s['budget_minutes']:g} minutes each "
+             "(issue 12)" if section else "## Drafters: EAGLE-3 vs DFlash vs DSpark, same data and budget (issue 4)")
+    flags = "".join(f" --{k.replace('_', '-')} {s[k]}" for k in ("regen", "cache", "heldout_cache") if s.get(k)
+                    and section)
+    sets = "".join(f" --set {k}:{kv}" for k, kvs in (s.get("overrides") or {}).items() for kv in kvs)
+    lines = [begin, title, "",
+             "`benchmarks/bench_drafters.py" + ("" if s.get("regen") and section else f" --samples {s['samples']}")
+             + f" --budget {s['budget_minutes']:g}"
+             + (" --parallel" if s["parallel"] else "") + flags + sets + "` (JSON: `benchmarks/results/"
+             + (f"bench_drafters-{section}" if section else "bench_drafters") + ".json`). "
              f"Machine: {s['machine']}, no GPU. Data: {d['conversations']} regenerated train-split conversations "
              f"(code:0.4, chat:0.6; {d['tokens']} tokens, {d['trained_tokens']} of them target answers), one feature "
              f"cache (layers 1, 14, 27 + final) for all three. Training: each recipe for {s['budget_minutes']:g} "
              "minutes of wall clock" + (", the three at once with one torch thread each (identical conditions)"
                                          if s["parallel"] else ", one after the other") + ".", "",
-             "| drafter | steps | final loss | train acc@1 / expected acceptance |", "|---|---|---|---|"]
+             "| drafter | steps | CPU minutes | final loss | train acc@1 / expected acceptance "
+             "| held-out at the end (teacher-forced) |", "|---|---|---|---|---|---|"]
     for k, t in r["train"].items():
         last = t["last"]
         acc = next((last[x] for x in ("acc@1", "accept") if x in last), None)
-        lines.append(f"| {names[k]} | {t['steps']} | {_f(last.get('loss'), 3)} | {_f(acc, 3)} |")
+        ho = (t.get("heldout") or [{}])[-1]
+        held = ", ".join(f"{x} {ho[x]:.3f}" for x in ("greedy", "greedy@1", "accept", "acc@1", "acc") if x in ho) or "–"
+        cpu = _f(t["cpu_s"] / 60, 0) if t.get("cpu_s") else "–"
+        lines.append(f"| {names[k]} | {t['steps']} | {cpu} | {_f(last.get('loss'), 3)} | {_f(acc, 3)} | {held} |")
+    if any(t.get("heldout") for t in r["train"].values()):
+        lines += ["", "Held-out columns (train/evaluate.py, 24 held-out conversations, teacher-forced): `greedy` = the "
+                  "draft's argmax is the target's (T = 0 acceptance of a position whose prefix was accepted), "
+                  "`accept` = mean 1 − TV (the same at T = 1), `acc` = top-1 agreement with the data token; `@1` = "
+                  "the first draft position only. The per-checkpoint curves are in the JSON."]
     lines += ["", f"Held-out τ (tokens per verification round, bonus included; γ = {s['gamma']} drafts, fixed), "
               f"{s['eval_prompts']} held-out prompts per task, {s['eval_tokens']} new tokens per turn "
               "(MT-Bench: 2 turns):", "",
@@ -246,6 +369,19 @@ def write_markdown(r: dict) -> None:
                       f"({(t['dspark'] / t['dflash'] - 1) * 100:+.0f}%) vs EAGLE-3 {t['eagle3']:.2f} "
                       f"({(t['dspark'] / t['eagle3'] - 1) * 100:+.0f}%); paper: +16–18% over DFlash, +27–31% over "
                       "EAGLE-3."]
+    if r.get("curve"):
+        lines += ["", "τ at T = 0 against training time (the checkpoint nearest each point; held-out HumanEval / "
+                  "MT-Bench / all, same eval arguments as above):", "",
+                  "| minutes (wall) | " + " | ".join(names[k] for k in KINDS) + " |", "|---|" + "---|" * len(KINDS)]
+        final = (ev.get("0") or {"drafters": {}})["drafters"]
+        points = [(m, c) for m, c in r["curve"].items()] + ([(f"{s['budget_minutes']:g} (final)", final)] if final else [])
+        for m, c in points:
+            cells = []
+            for k in KINDS:
+                e = c.get(k)
+                cells.append("–" if not e else " / ".join(_f(e["tasks"].get(t, {}).get("tau")) for t in WORKLOADS)
+                             + f" / {_f(e['overall']['tau'])}" + (f" (step {e['step']})" if "step" in e else ""))
+            lines.append(f"| {m} | " + " | ".join(cells) + " |")
     e1 = (ev.get("1") or {"drafters": {}})["drafters"]
     if e1:
         lines += ["", "Conditional acceptance per position k = 1..γ at T=1 (P(draft k accepted | 1..k−1 accepted); "
@@ -275,7 +411,7 @@ def write_markdown(r: dict) -> None:
                 cells.append(f"{v['speedup']:.2f}× (τ {_f(v['tau'])})" if v and v["speedup"] is not None else "–")
             lines.append(f"| {policy} | {wl} | " + " | ".join(cells) + " |")
     lines += ["", f"Stage times (s): {s['stage_s']}; load average at the end {s['loadavg_end'][0]:.1f}."]
-    sections.write_section(BEGIN, END, "\n".join(lines[1:]))
+    sections.write_section(begin, end, "\n".join(lines[1:]))
 
 
 if __name__ == "__main__":
