@@ -4,6 +4,7 @@ batch-size policies, SPS(B) interpolation, the profile cache, and the engine run
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -20,8 +21,9 @@ from draftsmith.policy.acceptance import (
     AcceptancePrior, _Counts, record_round, remember_drafts, running_confidences,
 )
 from draftsmith.policy.batch_schedule import BatchSizeSchedule, default_schedule
+from draftsmith.policy.registry import parse_policy_spec
 from draftsmith.policy.prefix_scheduler import (
-    PrefixScheduler, admit, admit_best_prefix, can_gain, static_prefix_scheduler,
+    PrefixScheduler, admit, admit_best_prefix, admit_columns, can_gain, static_prefix_scheduler,
 )
 from draftsmith.policy.profile import ProfileConfig, SPSTable, load_or_profile
 from draftsmith.policy.threshold import ConfidenceThreshold
@@ -71,6 +73,41 @@ def test_algorithm1_padded_hand_worked():
     # Step time 2.0 at B = 6: (0,2) gives 3.62 / 2.0 = 1.81 < 2.231: break. (1,1) would have
     # been free inside width 2 (3.5 / 1.3 = 2.69), but it ranks below the break: not admitted.
     assert admit(conf, sps_from_times((2, 4, 6), (1.0, 1.3, 2.0)), "padded") == [1, 0]
+
+
+def test_admit_columns_padded_hand_worked():
+    # Four rows, padded; step times 1.0, 1.18, 1.34 at B = 4, 8, 12 (a 2-core CPU's shape).
+    # c = 0.45, 0.4 for every row: a = 0.45, 0.18. Theta_0 = 4 / 1.0 = 4.
+    sps = sps_from_times((4, 8, 12), (1.0, 1.18, 1.34))
+    conf = [[0.45, 0.4]] * 4
+    # Algorithm 1: (0,1) alone opens column 1: 4.45 / 1.18 = 3.77 < 4: stop, nothing verified.
+    assert admit(conf, sps, "padded") == [0, 0, 0, 0]
+    # By columns: column 1 together: (4 + 1.8) / 1.18 = 4.92 > 4: open, all four verify draft 1;
+    # column 2: (5.8 + 0.72) / 1.34 = 4.87 < 4.92: stop.
+    assert admit_columns(conf, sps) == [1, 1, 1, 1]
+    # A row with no drafts or a zero confidence stays out of the column and what follows.
+    assert admit_columns([[0.45, 0.4], [], [0.0, 0.9], [0.9, 0.9]], sps_from_times((4, 8, 12), (1.0, 1.1, 1.2))) \
+        == [2, 0, 0, 2]
+    assert admit_columns([], sps) == [] and admit_columns([[], []], sps) == [0, 0]
+
+
+def test_admit_columns_is_algorithm1_for_one_row():
+    sps = sps_from_times((1, 2, 3, 4, 5), (1.0, 1.6, 1.65, 1.7, 1.75))
+    g = torch.Generator().manual_seed(3)
+    for _ in range(200):
+        conf = [torch.rand(4, generator=g).tolist()]
+        assert admit_columns(conf, sps) == admit(conf, sps, "padded")
+
+
+def test_prefix_scheduler_trim_padded_search():
+    sps = sps_from_times((4, 8, 12), (1.0, 1.18, 1.34))
+    conf = [[0.45, 0.4]] * 4
+    pol = PrefixScheduler(sps, max_k=2, adapt=False)  # padded, the paper's early stop (the default)
+    assert pol.trim(seqs(4), proposal([2] * 4, 2, conf)) == [0, 0, 0, 0]
+    assert replace(pol, padded_search="columns").trim(seqs(4), proposal([2] * 4, 2, conf)) == [1, 1, 1, 1]
+    assert static_prefix_scheduler(sps, max_k=2).padded_search == "early-stop"  # the paper's
+    with pytest.raises(DraftsmithError, match="padded_search"):
+        PrefixScheduler(sps, padded_search="best")
 
 
 def test_algorithm1_break_vs_best_prefix_appendix_a():
@@ -281,6 +318,38 @@ def test_make_policy_registers_the_new_policies(tiny_model_dir, tmp_path, monkey
     pol = make_policy("prefix-scheduler", 2, target=target, max_batch=2)
     assert isinstance(pol, PrefixScheduler) and pol.max_k == 2 and pol.sps.max_tokens == 6
     assert len(list((tmp_path / "profiles").glob("*.json"))) == 1
+    # settings in the spec: typed, checked, passed to the scheduler (the profile is reused)
+    pol = make_policy("prefix-scheduler:min_gain=0.05,padded_search=columns,adapt=false,probe_every=0", 2,
+                      target=target, max_batch=2)
+    assert (pol.min_gain, pol.padded_search, pol.adapt, pol.probe_every) == (0.05, "columns", False, 0)
+    assert len(list((tmp_path / "profiles").glob("*.json"))) == 1
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("fixed:k=3", "takes no settings"),
+    ("prefix-scheduler:nope=1", "has no setting 'nope'; settings: min_gain"),
+    ("prefix-scheduler:min_gain", "expected prefix-scheduler:KEY=VALUE"),
+    ("prefix-scheduler:min_gain=", "expected prefix-scheduler:KEY=VALUE"),
+    ("prefix-scheduler:min_gain=a lot", "'min_gain' must be a number, got 'a lot'"),
+    ("prefix-scheduler:adapt=1", "'adapt' must be true or false"),
+    ("prefix-scheduler:probe_every=2.5", "'probe_every' must be an integer"),
+    ("prefix-scheduler:padded_search=best", "must be one of columns, early-stop, got 'best'"),
+    ("prefix-scheduler:min_gain=0.1,min_gain=0.2", "sets 'min_gain' twice"),
+    ("prefix-schedular:min_gain=0.1", "did you mean 'prefix-scheduler'"),
+])
+def test_policy_spec_errors_say_what_is_wrong(spec, message):
+    with pytest.raises(DraftsmithError, match=re.escape(message)):
+        parse_policy_spec(spec)
+
+
+def test_policy_spec_on_the_command_line(capsys):
+    from draftsmith.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--policy", "prefix-scheduler:min_gain=lots", "--prompt", "hi"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --policy" in err and "'min_gain' must be a number, got 'lots'" in err and "Traceback" not in err
 
 
 # ----------------------------------------------------------------------------- in the engine

@@ -12,6 +12,9 @@ Rows are served in groups of R requests (one engine step each): trim() sees a gr
 at once. Its decision depends only on the group's confidence pattern, so it is computed once
 per distinct pattern (exact, and fast).
 
+Padded cases run Algorithm 1 candidate by candidate and the default padded search, column by
+column (`admit_columns`).
+
 Check: Pearson chi-square of the first token, the first pair and the last pair against the
 exact target law; a check fails below ALPHA = 1e-4 (~20 checks: ~0.2% false failures for the
 file if the seeds were changed). Negative controls: the same pipeline with a scheduler
@@ -217,18 +220,23 @@ def _sps(tokens: tuple[int, ...], step_times: tuple[float, ...]) -> SPSTable:
 # nearly free. So Theta first dips, then rises: exactly where the early stop and a global
 # search disagree, and where the verify length depends on the drafts through c_k.
 CASES = {
-    "one-row": (1, 4, "packed", _sps((1, 2, 3, 4, 5), (1.0, 1.6, 1.65, 1.7, 1.75))),
-    "two-rows": (2, 3, "packed", _sps((1, 2, 3, 4, 5, 6, 7, 8), (0.8, 1.0, 1.3, 1.33, 1.36, 1.39, 1.42, 1.45))),
-    "two-rows-padded": (2, 3, "padded", _sps((2, 4, 6, 8), (1.0, 1.3, 1.36, 1.42))),
+    "one-row": (1, 4, "packed", _sps((1, 2, 3, 4, 5), (1.0, 1.6, 1.65, 1.7, 1.75)), "early-stop"),
+    "two-rows": (2, 3, "packed", _sps((1, 2, 3, 4, 5, 6, 7, 8), (0.8, 1.0, 1.3, 1.33, 1.36, 1.39, 1.42, 1.45)),
+                 "early-stop"),
+    "two-rows-padded": (2, 3, "padded", _sps((2, 4, 6, 8), (1.0, 1.3, 1.36, 1.42)), "early-stop"),
+    # the default padded search, column by column (admit_columns): a column opens on the drafts
+    # of all rows together, each row's length still fixed by its own earlier drafts
+    "two-rows-padded-columns": (2, 3, "padded", _sps((2, 4, 6, 8), (1.0, 1.5, 1.6, 1.7)), "columns"),
+    "four-rows-padded-columns": (4, 3, "padded", _sps((4, 8, 12, 16), (1.0, 1.4, 1.5, 1.6)), "columns"),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_prefix_scheduler_with_early_stop_is_lossless(case: str) -> None:
     """Varied lengths that depend on the drafts through c_k: still the target law."""
-    R, K, batch_tokens, sps = CASES[case]
+    R, K, batch_tokens, sps, search = CASES[case]
     P, Q = _models(K, seed=20 + R)
-    policy = PrefixScheduler(sps, max_k=K, batch_tokens=batch_tokens, adapt=False)
+    policy = PrefixScheduler(sps, max_k=K, batch_tokens=batch_tokens, adapt=False, padded_search=search)
     seq, seen = _generate(P, Q, HEAD_C, K, R, _policy_lengths(policy), seed=30 + R)
     assert seen[0] > 0 and seen[1:].sum() > 0 and (seen > 0).sum() >= 3, seen.tolist()
     for name, pv in _pvalues(P, seq).items():
@@ -237,7 +245,7 @@ def test_prefix_scheduler_with_early_stop_is_lossless(case: str) -> None:
 
 def test_one_row_case_without_early_stop_is_biased() -> None:
     """Negative control for the case above (the bias shows where a bonus/next round is seen)."""
-    R, K, _, sps = CASES["one-row"]
+    R, K, _, sps, _ = CASES["one-row"]
     P, Q = _models(K, seed=20 + R)
     seq, _ = _generate(P, Q, HEAD_C, K, R, _broken(sps), seed=30 + R)
     assert min(_pvalues(P, seq).values()) < ALPHA

@@ -5,10 +5,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from draftsmith.cli.options import (add_job, add_max_tokens, add_progress, add_target_args, opt_auto, policy_help,
-                                    positive_int)
+from draftsmith.cli.options import (add_job, add_max_tokens, add_progress, add_target_args, opt_auto, policy_arg,
+                                    policy_help, positive_int)
 from draftsmith.drafters import registry
-from draftsmith.policy.registry import policies
 
 HELP = "speedup / latency / cost report across concurrency tiers, go/no-go per tier"
 EXAMPLE = "draftsmith bench --drafter ngram --drafter dspark:runs/smollm2-135m-dspark --concurrency 1,4,16 --peers hf"
@@ -34,7 +33,8 @@ def add_parser(sub) -> None:
     b.add_argument("--seed", type=int, default=0, help="prompt-selection and sampling seed")
     b.add_argument("--num-speculative-tokens", "-k", type=positive_int, default=None,
                    help="draft length K (default: the checkpoint's block size, else 5)")
-    b.add_argument("--policy", default="fixed", choices=list(policies()), help=policy_help())
+    b.add_argument("--policy", default="fixed", type=policy_arg, metavar="POLICY[:KEY=VALUE,...]",
+                   help=policy_help())
     b.add_argument("--endpoint", action="append", default=[], metavar="[LABEL=]URL",
                    help="benchmark an OpenAI-compatible server instead (repeatable; label `none` = the baseline)")
     b.add_argument("--endpoint-model", default=None, help="model name to send (default: the server's first)")

@@ -10,7 +10,8 @@ import argparse
 import re
 
 from draftsmith.drafters import registry
-from draftsmith.policy.registry import policies
+from draftsmith.errors import DraftsmithError
+from draftsmith.policy.registry import parse_policy_spec, policies
 
 _SAYS_DEFAULT = re.compile(r"\(default|default:", re.IGNORECASE)
 
@@ -59,11 +60,22 @@ def policy_help() -> str:
     return "draft-length policy: " + "; ".join(f"{p.name} = {p.summary}" for p in policies().values())
 
 
+def policy_arg(text: str) -> str:
+    """argparse type of --policy: a name, or NAME:KEY=VALUE,... (policy/registry.py), checked
+    before anything loads; a bad one is a usage error that says what is wrong."""
+    try:
+        parse_policy_spec(text)
+    except DraftsmithError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def add_speculation_args(p: argparse.ArgumentParser) -> None:
     """--drafter / --num-speculative-tokens / --policy, from the registries (generate, serve)."""
     p.add_argument("--drafter", default="none", help=registry.usage())
     p.add_argument("--num-speculative-tokens", "-k", type=int, default=5, help="draft length K")
-    p.add_argument("--policy", default="fixed", choices=list(policies()), help=policy_help())
+    p.add_argument("--policy", default="fixed", type=policy_arg, metavar="POLICY[:KEY=VALUE,...]",
+                   help=policy_help())
     p.add_argument("--reproducible-seeds", action=argparse.BooleanOptionalAction, default=True,
                    help="a seeded request gives one output whatever K, policy, batch or load (position-keyed "
                         "coupling); --no-reproducible-seeds verifies seeded requests by the rejection rule "

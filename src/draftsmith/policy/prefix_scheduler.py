@@ -24,6 +24,19 @@ R * (1 + max_r l_r) tokens (`"padded"`, the default): admitting a draft inside t
 width costs nothing, widening the block costs a whole column. Any cost that depends only on
 the already-admitted set keeps the argument above intact.
 
+With padded forwards, Algorithm 1's one-candidate-at-a-time order is myopic: the candidate
+that would open column j must pay for the whole column alone, and the early stop at it also
+refuses the drafts of other rows that would have cost nothing once the column was open (at 4
+rows on a 2-core CPU a column costs ~18% of a step: a lone draft must be accepted with
+probability > 0.73 to open it, while four drafts at 0.4 each would pay). `admit_columns`
+(`padded_search="columns"`; not yet the default: its wall-clock effect on the serving tiers
+is still to be measured) decides column by column instead: column j opens when the
+drafts j of all rows still in play together pay for it, Theta = (tau* + sum_r a_{r,j}) *
+SPS(R (1 + j)) > Theta_best, and then every one of them is verified; otherwise stop. It is
+lossless by the same argument: whether row r verifies draft j depends on its own a_{r,1..j}
+(drafts before j) and on other rows' confidences, never on its own c_{r,j+1} or later; a
+row's verification is independent of other rows' drafts. One row: the same as Algorithm 1.
+
 Drafters without confidences (n-gram): c_{r,j} is the request's running conditional
 acceptance (policy/acceptance.py), computed from finished rounds only, with a prior that is
 this server's pooled acceptance per position. By default (`running_at="trim"`) such a drafter
@@ -113,6 +126,32 @@ def admit(conf: list[list[float]], sps: Callable[[float], float],
     return ell
 
 
+def admit_columns(conf: list[list[float]], sps: Callable[[float], float]) -> list[int]:
+    """Algorithm 1 by columns for padded forwards (module doc): column j opens when the j-th
+    drafts of the rows still in play pay for its width together; then all of them are
+    verified; the first column that does not pay stops the search. conf[r] = c_{r,1..n_r}."""
+    R = len(conf)
+    ell = [0] * R
+    if R == 0:
+        return ell
+    surv = [cumulative(c) for c in conf]
+    tau = float(R)
+    best = R * sps(R)
+    alive = list(range(R))
+    for j in range(1, max(len(a) for a in surv) + 1):
+        col = [r for r in alive if len(surv[r]) >= j and surv[r][j - 1] > 0.0]
+        if not col:
+            break
+        gain = sum(surv[r][j - 1] for r in col)
+        theta = (tau + gain) * sps(R * (1 + j))
+        if not theta > best:
+            break
+        for r in col:
+            ell[r] = j
+        tau, best, alive = tau + gain, theta, col
+    return ell
+
+
 def admit_best_prefix(conf: list[list[float]], sps: Callable[[float], float],
                       batch_tokens: BatchTokens = "padded") -> list[int]:
     """The best prefix of Algorithm 1's order (no early stop).
@@ -172,6 +211,10 @@ class PrefixScheduler:
     # forwards only the kept drafts) or schedule before drafting ("choose": only verified
     # drafts are drafted; for drafters too dear to run without verifying).
     running_at: Literal["choose", "trim"] = "trim"
+    # Drafters with confidences, padded forwards: decide column by column ("columns",
+    # admit_columns) or candidate by candidate with the paper's early stop ("early-stop",
+    # admit). Packed forwards always use the paper's.
+    padded_search: Literal["columns", "early-stop"] = "early-stop"
     prior: AcceptancePrior = field(default_factory=AcceptancePrior)  # running acceptance prior
     # Draft at all only when the predicted gain (running acceptance, measured drafting time)
     # beats plain decoding by this fraction: a margin for the model's error, so that a busy
@@ -206,6 +249,8 @@ class PrefixScheduler:
             raise DraftsmithError(f"batch_tokens must be 'padded' or 'packed', got {self.batch_tokens!r}")
         if self.running_at not in ("choose", "trim"):
             raise DraftsmithError(f"running_at must be 'choose' or 'trim', got {self.running_at!r}")
+        if self.padded_search not in ("columns", "early-stop"):
+            raise DraftsmithError(f"padded_search must be 'columns' or 'early-stop', got {self.padded_search!r}")
         if self.running_search not in ("best-prefix", "early-stop"):
             raise DraftsmithError(f"running_search must be 'best-prefix' or 'early-stop', got {self.running_search!r}")
         if not 0.0 <= self.min_gain < 1.0:
@@ -282,8 +327,11 @@ class PrefixScheduler:
             ell, gain = plan_best_prefix(conf, self._step_time(), self.batch_tokens)
             return ell if any(ell) and gain >= 1.0 + self.min_gain else [0] * len(seqs)
         raw = proposal.confidences.detach().float().cpu().tolist()
+        conf = [raw[b][:n] for b, n in enumerate(lengths)]
         # Drafting is paid by now: Algorithm 1 weighs only the forward's cost.
-        return admit([raw[b][:n] for b, n in enumerate(lengths)], sps, self.batch_tokens)
+        if self.batch_tokens == "padded" and self.padded_search == "columns":
+            return admit_columns(conf, sps)
+        return admit(conf, sps, self.batch_tokens)
 
     def update(self, seqs, proposal, result) -> None:
         record_round(seqs, proposal, result, self.prior, self.pool)
@@ -313,7 +361,8 @@ class PrefixScheduler:
 
 def static_prefix_scheduler(sps: SPSTable, max_k: int = 5, **kw) -> PrefixScheduler:
     """Algorithm 1 on the start-up SPS(B) profile alone, as in the paper: no online cost
-    model, no gain margin, no pooled prior, no probing; confidence-free drafters scheduled
-    before drafting. The baseline the adaptive scheduler is measured against."""
+    model, no gain margin, no pooled prior, no probing, the paper's candidate-by-candidate
+    early stop; confidence-free drafters scheduled before drafting. The baseline the adaptive
+    scheduler is measured against."""
     return PrefixScheduler(sps, max_k=max_k, running_at="choose", min_gain=0.0, adapt=False, pooled_prior=False,
                            probe_every=0, **kw)
