@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_builtin.py [--work runs/bench-builtin] [--drafter dspark:smollm2-135m]
         [--eval-prompts 12] [--tokens 128] [--requests 8] [--tiers 1,4,16,32] [--tier-requests 2]
-        [--compare dspark:runs/builtin/dspark-v2 ...]
+        [--compare dspark:runs/builtin/dspark-v2 ...] [--tier-policy prefix-scheduler:padded_search=columns ...]
 
 Every stage is a plain `draftsmith` CLI call, skipped when its report exists (delete it to redo):
 
@@ -13,7 +13,9 @@ Every stage is a plain `draftsmith` CLI call, skipped when its report exists (de
           every speculative output is compared with plain decoding's (a difference voids it);
           --compare drafters (e.g. the previous built-in) join these two stages, side by side
 3. tiers  the prefix scheduler at each serving tier (--tiers), held-out HumanEval prompts:
-          the speedup must never fall below ~1 (it turns speculation off where it does not pay)
+          the speedup must never fall below ~1 (it turns speculation off where it does not pay);
+          --tier-policy SPEC (repeatable) runs the tiers once per policy spec instead, each with
+          plain stepped side by side (default: prefix-scheduler)
 
 Writes <work>/results.json, benchmarks/results/bench_builtin.json and its BENCHMARKS.md section.
 Run on an idle machine: every number here is a ratio measured in one run.
@@ -53,6 +55,8 @@ def main() -> int:
     ap.add_argument("--tier-tokens", type=int, default=64)
     ap.add_argument("--compare", action="append", default=[], metavar="DRAFTER",
                     help="another drafter for the eval and batch-1 stages (repeatable), e.g. a previous built-in")
+    ap.add_argument("--tier-policy", action="append", default=[], metavar="SPEC",
+                    help="policy of the tiers stage (repeatable; default prefix-scheduler)")
     ap.add_argument("--no-md", action="store_true")
     args = ap.parse_args()
     w = args.work
@@ -77,14 +81,18 @@ def main() -> int:
               "--workload", wl, "--concurrency", "1", "--requests", str(args.requests),
               "--max-tokens", str(args.tokens), "--warmup", "1", "--temperature", "0")
     tiers = [int(c) for c in args.tiers.split(",")]
-    stage("tiers", w / "tiers", "bench", "--drafter", args.drafter, "--policy", "prefix-scheduler",
-          "--workload", "humaneval", "--concurrency", args.tiers,
-          "--requests", str(args.tier_requests * max(tiers)), "--max-tokens", str(args.tier_tokens),
-          "--warmup", "1", "--temperature", "0", "--repeats", "2")  # n = 1 cannot tell drift from a loss
+    args.tier_policy = args.tier_policy or ["prefix-scheduler"]
+    for spec in args.tier_policy:
+        name = tier_stage(spec)
+        stage(name, w / name, "bench", "--drafter", args.drafter, "--policy", spec,
+              "--workload", "humaneval", "--concurrency", args.tiers,
+              "--requests", str(args.tier_requests * max(tiers)), "--max-tokens", str(args.tier_tokens),
+              "--warmup", "1", "--temperature", "0", "--repeats", "2")  # n = 1 cannot tell drift from a loss
 
     res = collect(w, args)
     res["setup"] = {"drafter": args.drafter, "compare": args.compare, "eval_prompts": args.eval_prompts, "tokens": args.tokens,
                     "requests": args.requests, "tiers": tiers, "tier_requests": args.tier_requests,
+                    "tier_policies": args.tier_policy,
                     "tier_tokens": args.tier_tokens, "machine": f"{platform.machine()} {os.cpu_count()} CPUs",
                     "stage_s": stage_s, "wall_s": round(time.perf_counter() - t_all, 1),
                     "loadavg_end": os.getloadavg()}
@@ -112,14 +120,23 @@ def collect(w: Path, args) -> dict:
                                          "tau": r["tau"], "acceptance": r["acceptance_rate"],
                                          "spread": r.get("speedup_spread"), "void": r.get("void")}
                             for r in rep["tiers"][0]["results"]}
-    rep = json.loads((w / "tiers" / "report.json").read_text())
-    for t in rep["tiers"]:
-        for r in t["results"]:
-            if r["label"] != "none":
-                res["tiers"].append({"concurrency": t["concurrency"], "label": r["label"], "speedup": r["speedup"],
-                                     "tau": r["tau"], "void": r.get("void"),
-                                     "requests": r.get("requests", r.get("n"))})
+    for spec in args.tier_policy:
+        rep = json.loads((w / tier_stage(spec) / "report.json").read_text())
+        for t in rep["tiers"]:
+            for r in t["results"]:
+                if r["label"] != "none":
+                    res["tiers"].append({"concurrency": t["concurrency"], "label": r["label"], "policy": spec,
+                                         "speedup": r["speedup"], "spread": r.get("speedup_spread"),
+                                         "tau": r["tau"], "void": r.get("void"),
+                                         "requests": r.get("requests", r.get("n"))})
     return res
+
+
+def tier_stage(spec: str) -> str:
+    """The tiers stage's directory for a policy spec ('tiers' for the default scheduler)."""
+    if spec == "prefix-scheduler":
+        return "tiers"
+    return "tiers-" + "".join(c if c.isalnum() or c in "-_" else "-" for c in spec)
 
 
 def markdown(r: dict) -> str:
@@ -151,10 +168,12 @@ def markdown(r: dict) -> str:
     lines += ["", f"Serving tiers with the prefix scheduler (held-out HumanEval, {s['tier_tokens']} tokens, "
               f"{s['tier_requests'] * max(s['tiers'])} requests per tier, closed loop; the scheduler verifies "
               "nothing where it predicts no gain, so τ 1.00 means it kept speculation off):", "",
-              "| concurrency | speedup vs plain | τ | outputs = plain |", "|---|---|---|---|"]
+              "| policy | concurrency | speedup vs plain (min–max, n) | τ | outputs = plain |", "|---|---|---|---|---|"]
     for t in r["tiers"]:
-        lines.append(f"| {t['concurrency']} | {_f(t['speedup'])} | {_f(t['tau'])} | "
-                     f"{'NO (void)' if t['void'] else 'yes'} |")
+        sp = t.get("spread") or {}
+        rng = f" ({_f(sp['min'])}–{_f(sp['max'])}, n = {sp.get('n')})" if sp.get("min") is not None else ""
+        lines.append(f"| `{t.get('policy', 'prefix-scheduler')}` | {t['concurrency']} | {_f(t['speedup'])}{rng} | "
+                     f"{_f(t['tau'])} | {'NO (void)' if t['void'] else 'yes'} |")
     lines += ["", f"Stage times (s): {s['stage_s']}; load average at the end {s['loadavg_end'][0]:.1f}."]
     return "\n".join(lines)
 
