@@ -60,6 +60,28 @@ def test_unknown_names_and_missing_arguments_list_the_builtins(fake_root):
         registry.parse_spec("eagle3:tiny")  # a DSpark built-in is not an EAGLE-3 one
 
 
+def test_lookup_wraps_a_builtin_by_its_spec(fake_root):
+    root, target_dir, target = fake_root
+    kind, arg = registry.parse_spec("lookup:dspark:tiny")
+    assert kind.name == "lookup" and arg == "dspark:tiny"
+    llm = LLM(str(target_dir), drafter="lookup:dspark:tiny", num_speculative_tokens=3, max_len=64)
+    assert llm.drafter.name == "lookup+dspark"
+    plain = LLM(str(target_dir), max_len=64)
+    p = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = ["hello hello hello", "xyz"]
+    assert [o.token_ids for o in llm.generate(prompts, p)] == [o.token_ids for o in plain.generate(prompts, p)]
+    from draftsmith.eval.runner import default_block_size, load_drafter
+
+    loaded = load_drafter("lookup:dspark:tiny", target, 1, 64)  # eval / bench: the inner checkpoint's config
+    assert loaded.checkpoint == root / "dspark" / "tiny" and default_block_size(loaded) == 3
+    assert loaded.label == "lookup:tiny"
+    for spec, message in (("lookup", "needs an argument"), ("lookup:none", "wraps a drafter"),
+                          ("lookup:lookup:ngram", "wraps a drafter"), ("lookup:dspark:nope", "no checkpoint directory"),
+                          ("lookup:nope", "unknown drafter kind 'nope'")):
+        with pytest.raises(DraftsmithError, match=message):
+            registry.parse_spec(spec)
+
+
 def test_damaged_builtin_is_refused(fake_root, tiny_model_dir):
     root, target_dir, target = fake_root
     f = root / "dspark" / "tiny" / "model.safetensors"

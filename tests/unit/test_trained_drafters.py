@@ -34,6 +34,7 @@ from draftsmith.drafters.block import choose_mask_token_id, packed_forward
 from draftsmith.drafters.block_step import one_call_reason
 from draftsmith.drafters.vocab import build_vocab_map
 from draftsmith.drafters.checkpoint import save_trained_drafter
+from draftsmith.drafters.lookup_first import LookupFirstConfig, LookupFirstDrafter
 from draftsmith.drafters.registry import config_for as config_from_dict
 from draftsmith.drafters.registry import load_checkpoint as load_trained_drafter
 from draftsmith.drafters.registry import load_checkpoint_model as load_trained_model
@@ -168,17 +169,18 @@ class Recorder(ForwardingDrafter):
         return p
 
 
-def _first_two_pvalues(target_dir, target, drafter, reproducible_seeds=False) -> tuple[dict[str, float], float]:
+def _first_two_pvalues(target_dir, target, drafter, reproducible_seeds=False,
+                       prompt: list[int] = PROMPT) -> tuple[dict[str, float], float]:
     # reproducible_seeds=False: seeded requests take the rejection rule (where q matters);
     # True: position-keyed coupling (q plays no part; tested below)
     llm = LLM(str(target_dir), drafter=drafter, num_speculative_tokens=4, max_batch=64, max_len=64,
               reproducible_seeds=reproducible_seeds)
     params = [SamplingParams(max_tokens=3, temperature=1.0, seed=i, ignore_eos=True) for i in range(N_SAMPLES)]
-    outs = llm.generate([PROMPT] * N_SAMPLES, params)
+    outs = llm.generate([prompt] * N_SAMPLES, params)
     first = torch.tensor([o.token_ids[0] for o in outs])
     second = torch.tensor([o.token_ids[1] for o in outs])
     V = target.model.config.vocab_size
-    p1, p2, pair = exact_first_two_laws(target.model, PROMPT)
+    p1, p2, pair = exact_first_two_laws(target.model, prompt)
     pv = {
         "first": chi2_pvalue(torch.bincount(first, minlength=V), p1),
         "second": chi2_pvalue(torch.bincount(second, minlength=V), p2),
@@ -579,6 +581,73 @@ def test_mixed_batch_confidences_and_one_hot_greedy_rows(target_dir, target, tra
                 one_hot = torch.zeros(n, p.q.shape[-1]).scatter_(1, p.tokens[b, :n, None], 1.0)
                 assert torch.equal(p.q[b, :n], one_hot)
             torch.testing.assert_close(p.q[b, :n].sum(-1), torch.ones(n))
+
+
+# ---------------------------------------------------------------------------- lookup first
+
+
+def test_lookup_first_greedy_equals_plain_and_mixes_both_sources(target_dir, target, trained):
+    model, _ = trained("dspark")
+    plain = LLM(str(target_dir), max_batch=4, max_len=128).generate(TEXT_PROMPTS, SamplingParams(max_tokens=32, temperature=0))
+    drafter = LookupFirstDrafter(model.make_drafter(target.model, 4, 128))
+    llm = LLM(str(target_dir), drafter=drafter, num_speculative_tokens=5, max_batch=4, max_len=128)
+    spec = llm.generate(TEXT_PROMPTS, SamplingParams(max_tokens=32, temperature=0))
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert drafter.lookup_rounds > 0 and drafter.model_rounds > 0  # both sources drafted
+    assert llm.last_stats.draft_accepted > 0
+
+
+def test_lookup_first_mixed_batch_q_and_confidences(target_dir, target, trained):
+    """Sampled rows: lookup drafts carry a one-hot q, model drafts the model's q; confidences
+    of lookup rows are the wrapper's running acceptance of its own lookup drafts."""
+    model, _ = trained("dspark")
+    rec = Recorder(LookupFirstDrafter(model.make_drafter(target.model, 4, 64), LookupFirstConfig(min_match=1)))
+    llm = LLM(str(target_dir), drafter=rec, num_speculative_tokens=4, max_batch=4, max_len=64)
+    llm.generate(TEXT_PROMPTS, SamplingParams(max_tokens=16, temperature=1.0, seed=3))
+    inner = rec.inner
+    mixed = 0
+    for params, p in rec.proposals:
+        if not p.max_len:
+            continue
+        assert p.q is not None and p.confidences is not None
+        for b in range(p.batch_size):
+            n = int(p.lengths[b])
+            torch.testing.assert_close(p.q[b, :n].sum(-1), torch.ones(n))
+            if n and bool((p.q[b, :n].max(-1).values == 1).all()) and bool((p.confidences[b, :n] >= 0).all()):
+                mixed += 1
+    assert inner.lookup_rounds > 0 and inner.model_rounds > 0
+    assert mixed > 0
+    ra = inner.running_acceptance(4)
+    assert all(0 < a < 1 for a in ra) and ra != [inner.config.prior_mean] * 4  # it learnt from its drafts
+
+
+def test_lookup_first_is_lossless_at_temperature_one(target_dir, target, trained):
+    model, _ = trained("dspark")
+    drafter = LookupFirstDrafter(model.make_drafter(target.model, 64, 64), LookupFirstConfig(min_match=1))
+    # "Hello Hello ": the first round's drafts come from lookup (" " occurred before), later
+    # rounds from either, depending on the sampled tokens: mixed batches at T = 1
+    pv, _ = _first_two_pvalues(target_dir, target, drafter, prompt=PROMPT + PROMPT)
+    assert min(pv.values()) >= ALPHA, pv
+    assert drafter.lookup_rounds > 0 and drafter.model_rounds > 0
+
+
+class _LookupWithUniformQ(LookupFirstDrafter):
+    """Negative control: lookup drafts claim to be drawn from a uniform q (they are not)."""
+
+    def propose(self, seqs, max_lengths):
+        p = super().propose(seqs, max_lengths)
+        if p.q is not None:
+            for b, n in enumerate(self._rows):
+                if n:
+                    p.q[b, :n] = 1.0 / p.q.shape[-1]
+        return p
+
+
+def test_negative_control_lookup_rows_with_a_wrong_q_fail_the_check(target_dir, target, trained):
+    model, _ = trained("dspark")
+    drafter = _LookupWithUniformQ(model.make_drafter(target.model, 64, 64), LookupFirstConfig(min_match=1))
+    pv, _ = _first_two_pvalues(target_dir, target, drafter, prompt=PROMPT + PROMPT)
+    assert min(pv.values()) < ALPHA, pv
 
 
 # ---------------------------------------------------------------------------- checkpoints

@@ -9,6 +9,8 @@ A drafter spec is `KIND` or `KIND:ARG`. Built-in kinds:
     eagle3:CKPT          trained kinds, from a checkpoint directory (drafters/checkpoint.py)
     dflash:CKPT          or a built-in drafter's name (drafters/builtin.py), e.g.
     dspark:CKPT          dspark:smollm2-135m
+    lookup:SPEC          prompt lookup where it finds a match, SPEC's drafter elsewhere
+                         (drafters/lookup_first.py), e.g. lookup:dspark:smollm2-135m
 
 A new trainable kind is one file: its config dataclass, `build(target, config) -> model`
 (drafters/protocol.py), and a `register(DrafterKind(...))` call; plus a recipe. `register`
@@ -30,6 +32,7 @@ from draftsmith.drafters.base import Drafter, NoDrafter
 from draftsmith.drafters.checkpoint import load_trained_drafter, load_trained_model, read_checkpoint_config
 from draftsmith.drafters.draft_model import DraftModelDrafter
 from draftsmith.drafters.kind_config import config_from_dict
+from draftsmith.drafters.lookup_first import LookupFirstDrafter
 from draftsmith.drafters.ngram import NgramConfig, NgramDrafter
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.target import load_target
@@ -50,6 +53,7 @@ class DrafterKind:
     config_cls: type | None = None  # trainable: the typed config a recipe's `drafter:` fills
     build: Callable[..., Any] | None = None  # trainable: build(target Decoder, config) -> model
     needs_arg: bool = False  # the spec must carry ":ARG"
+    wrap: Callable[[Drafter], Drafter] | None = None  # ARG is another drafter's spec; this wraps it
 
     @property
     def trainable(self) -> bool:
@@ -76,6 +80,17 @@ def _ngram(arg: str, target, max_rows: int, max_len: int) -> Drafter:
 def _draft_model(arg: str, target, max_rows: int, max_len: int) -> Drafter:
     draft = load_target(arg, device=str(target.model.device), dtype=str(target.model.dtype).removeprefix("torch."))
     return DraftModelDrafter(draft.model, target.model.config.vocab_size, max_rows, max_len)
+
+
+def _lookup_first(drafter: Drafter) -> Drafter:
+    return LookupFirstDrafter(drafter)
+
+
+def _wrapping(wrap: Callable[[Drafter], Drafter]) -> Loader:
+    """The loader of a wrapping kind: build the inner spec's drafter, then wrap it."""
+    def load(arg: str, target, max_rows: int, max_len: int) -> Drafter:
+        return wrap(build_drafter(arg, target, max_rows, max_len))
+    return load
 
 
 def checkpoint_loader(name: str) -> Loader:
@@ -113,6 +128,9 @@ for _k in (
                 dflash.DFlashConfig, dflash.build, needs_arg=True),
     DrafterKind("dspark", "dspark:CKPT", "DSpark block drafter + Markov head + confidence head", checkpoint_loader("dspark"),
                 dspark.DSparkConfig, dspark.build, needs_arg=True),
+    DrafterKind("lookup", "lookup:SPEC", "prompt lookup where the last 2-3 tokens occurred before, SPEC's drafter "
+                "elsewhere (e.g. lookup:dspark:smollm2-135m)", _wrapping(_lookup_first), needs_arg=True,
+                wrap=_lookup_first),
 ):
     register(_k)
 
@@ -147,6 +165,11 @@ def parse_spec(spec: str) -> tuple[DrafterKind, str]:
 
     if kind.needs_arg and not arg:
         raise DraftsmithError(f"drafter {name} needs an argument: --drafter {kind.usage}{shipped()}")
+    if kind.wrap is not None:
+        inner, _ = parse_spec(arg)  # checked now, with the inner kind's own errors
+        if inner.wrap is not None or inner.name == "none":
+            raise DraftsmithError(f"drafter {spec}: {name} wraps a drafter (e.g. {name}:dspark:smollm2-135m), "
+                                  f"not {inner.name!r}")
     if kind.trainable:
         arg = builtin.resolve(name, arg)
         if not Path(arg).exists():

@@ -114,6 +114,10 @@ class LoadedDrafter:
 def load_drafter(spec: str, target, max_rows: int, max_len: int) -> LoadedDrafter:
     """Any registered spec; a trained kind's checkpoint config and STS come along."""
     kind, arg = registry.parse_spec(spec)
+    if kind.wrap is not None:  # e.g. lookup:dspark:CKPT: the inner drafter's checkpoint, config and STS
+        inner = load_drafter(arg, target, max_rows, max_len)
+        return LoadedDrafter(kind.wrap(inner.drafter), spec, kind.name, inner.checkpoint, inner.temperatures,
+                             inner.config)
     drafter = kind.load(arg, target, max_rows, max_len)
     if not kind.trainable:
         return LoadedDrafter(drafter, spec, kind.name, None, None)

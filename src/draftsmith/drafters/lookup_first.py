@@ -1,0 +1,146 @@
+"""Prompt lookup first, a model drafter where the lookup finds no match (spec `lookup:SPEC`,
+e.g. `lookup:dspark:smollm2-135m`).
+
+Per row and round: when the sequence's trailing n-gram (n from `max_match` down to
+`min_match`) occurred earlier in prompt + output, the row proposes what followed it, as the
+`ngram` drafter does; otherwise the wrapped drafter proposes for it. A lookup draft costs no
+forward, and where text repeats its context (code that reuses its identifiers, answers that
+quote the question) it is often long and right; the trained drafter covers the rest. The
+wrapped drafter still sees every round's target features (start / on_verified are passed
+through), so its context stays complete for the rounds it drafts.
+
+Proposal of a mixed batch: lookup rows are deterministic, so where the wrapped drafter
+sampled (q given) their q is one-hot at the draft, which is exactly the law they were drawn
+from. Where it gives confidences (DSpark), lookup rows get this drafter's running
+conditional acceptance of its own lookup drafts per position (recency-weighted, pooled over
+requests, from finished rounds only: non-anticipating, so any verify-length rule built on it
+stays lossless), with prior `prior_mean`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from draftsmith.core.request import Request
+from draftsmith.core.types import Proposal
+from draftsmith.drafters.base import Drafter
+from draftsmith.drafters.ngram import lookup
+from draftsmith.errors import DraftsmithError
+
+
+@dataclass(frozen=True)
+class LookupFirstConfig:
+    min_match: int = 2  # shortest trailing n-gram whose earlier occurrence makes a lookup draft
+    max_match: int = 3  # longest tried first (the most specific context)
+    prior_mean: float = 0.5  # conditional acceptance assumed for lookup drafts before evidence
+    prior_strength: float = 4.0  # pseudo-drafts behind the prior
+    decay: float = 0.995  # weight of older evidence per scored lookup draft chain
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_match <= self.max_match:
+            raise DraftsmithError(f"lookup needs 1 <= min_match <= max_match, got {self.min_match}, {self.max_match}")
+        if not 0.0 < self.prior_mean < 1.0 or self.prior_strength <= 0 or not 0.0 < self.decay <= 1.0:
+            raise DraftsmithError(f"lookup prior needs 0 < mean < 1, strength > 0, 0 < decay <= 1, got {self}")
+
+
+class LookupFirstDrafter:
+    def __init__(self, model: Drafter, config: LookupFirstConfig | None = None) -> None:
+        self.model = model
+        self.config = config or LookupFirstConfig()
+        self.name = f"lookup+{model.name}"
+        self.needs = model.needs
+        self.temperatures = getattr(model, "temperatures", None)
+        self._reached: list[float] = []  # per position k: lookup chains that reached draft k+1
+        self._accepted: list[float] = []  # ... and had it accepted
+        self._rows: list[int] = []  # this round: drafts proposed by lookup per row (0 = the model's row)
+        self.lookup_rounds = 0  # row-rounds drafted by lookup / by the model (reported by bench / eval)
+        self.model_rounds = 0
+
+    @property
+    def consumed_s(self) -> float:
+        """The wrapped drafter's context-upkeep seconds (the engine keeps them out of drafting time)."""
+        return getattr(self.model, "consumed_s", 0.0)
+
+    # -- request lifecycle: the wrapped drafter's
+
+    def start(self, seq: Request, features) -> None:
+        self.model.start(seq, features)
+
+    def release(self, seq: Request) -> None:
+        self.model.release(seq)
+
+    def on_verified(self, seqs, proposal, result, features) -> None:
+        for n, m in zip(self._rows, result.num_accepted.tolist()):
+            if n:  # a lookup row: draft k was reached iff drafts 1..k-1 were accepted
+                self._score(reached=min(n, int(m) + 1), accepted=int(m))
+        self._rows = []
+        self.model.on_verified(seqs, proposal, result, features)
+
+    # -- one round
+
+    def propose(self, seqs: list[Request], max_lengths: list[int]) -> Proposal:
+        c = self.config
+        found = [lookup(s.all_ids, k, c.max_match, c.min_match) if k > 0 else [] for s, k in zip(seqs, max_lengths)]
+        rest = [0 if d else k for d, k in zip(found, max_lengths)]
+        mp = self.model.propose(seqs, rest) if any(rest) else Proposal.empty(len(seqs))
+        self._rows = [len(d) for d in found]
+        self.lookup_rounds += sum(1 for d in found if d)
+        self.model_rounds += sum(1 for k in rest if k)
+        if not any(found):
+            return mp
+        B = len(seqs)
+        K = max([len(d) for d in found] + [mp.max_len])
+        tokens = torch.zeros(B, K, dtype=torch.long)
+        lengths = torch.zeros(B, dtype=torch.long)
+        if mp.max_len:
+            tokens[:, : mp.max_len] = mp.tokens.cpu()
+            lengths[:] = mp.lengths.cpu()
+        for b, d in enumerate(found):
+            if d:
+                tokens[b, : len(d)] = torch.tensor(d, dtype=torch.long)
+                tokens[b, len(d):] = 0
+                lengths[b] = len(d)
+        q = None
+        if mp.q is not None:
+            q = torch.zeros(B, K, mp.q.shape[-1], dtype=mp.q.dtype, device=mp.q.device)
+            q[:, : mp.max_len] = mp.q
+            for b, d in enumerate(found):
+                if d:
+                    q[b] = 0
+                    q[b, torch.arange(len(d)), torch.tensor(d)] = 1
+        conf = None
+        if mp.confidences is not None:
+            conf = torch.zeros(B, K, dtype=torch.float32)
+            conf[:, : mp.max_len] = mp.confidences.float().cpu()
+            running = torch.tensor(self.running_acceptance(K), dtype=torch.float32)
+            for b, d in enumerate(found):
+                if d:
+                    conf[b] = 0
+                    conf[b, : len(d)] = running[: len(d)]
+        return Proposal(tokens=tokens, lengths=lengths, q=q, confidences=conf)
+
+    # -- the lookup drafts' track record
+
+    def _score(self, reached: int, accepted: int) -> None:
+        d = self.config.decay
+        self._reached = [x * d for x in self._reached]
+        self._accepted = [x * d for x in self._accepted]
+        while len(self._reached) < reached:
+            self._reached.append(0.0)
+            self._accepted.append(0.0)
+        for k in range(reached):
+            self._reached[k] += 1.0
+            if k < accepted:
+                self._accepted[k] += 1.0
+
+    def running_acceptance(self, k: int) -> list[float]:
+        """Posterior-mean conditional acceptance of lookup drafts at positions 1..k."""
+        c = self.config
+        out = []
+        for j in range(k):
+            n = self._reached[j] if j < len(self._reached) else 0.0
+            a = self._accepted[j] if j < len(self._accepted) else 0.0
+            out.append((a + c.prior_mean * c.prior_strength) / (n + c.prior_strength))
+        return out
