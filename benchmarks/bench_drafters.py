@@ -102,6 +102,7 @@ def main() -> int:
     ap.add_argument("--curve", default="", help="also evaluate (T=0) the checkpoints nearest these training "
                                                  "minutes, e.g. 15,45")
     ap.add_argument("--section", default="", help="results under this name, in their own BENCHMARKS.md section")
+    ap.add_argument("--no-bench", action="store_true", help="skip stage 6 (wall clock); τ stages only")
     ap.add_argument("--no-md", action="store_true")
     args = ap.parse_args()
     if (args.regen is None) != (args.cache is None):
@@ -177,7 +178,7 @@ def main() -> int:
             "eval", *[x for s in specs + ["ngram"] for x in ("--drafter", s)], "--tasks", ",".join(WORKLOADS),
             "--max-prompts", str(args.eval_prompts), "--max-tokens", str(args.eval_tokens),
             "--temperature", temp, "--block-size", str(GAMMA), "--out", str(out)))
-    for policy in POLICIES:
+    for policy in () if args.no_bench else POLICIES:
         for wl in WORKLOADS:
             out = w / f"bench-{policy}-{wl}"
             stage(f"bench-{policy}-{wl}", out / "report.json", lambda out=out, wl=wl, policy=policy: cli(
