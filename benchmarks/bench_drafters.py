@@ -263,6 +263,7 @@ def collect(w: Path, regen_path: Path, curve: list[float] = ()) -> dict:
         rows = [json.loads(x) for x in f.read_text().splitlines() if x.strip()] if f.is_file() else []
         res["train"][k]["cpu_s"] = round(sum(r["cpu_s"] for r in rows), 1) if rows else None
         res["train"][k]["wall_s"] = round(sum(r["wall_s"] for r in rows), 1) if rows else None
+        res["train"][k]["attempts"] = rows  # one per process: a resumed or relaunched run has several
         hf = w / k / "heldout.jsonl"
         if hf.is_file():
             res["train"][k]["heldout"] = [json.loads(x) for x in hf.read_text().splitlines() if x.strip()]
