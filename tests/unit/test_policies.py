@@ -102,9 +102,9 @@ def test_admit_columns_is_algorithm1_for_one_row():
 def test_prefix_scheduler_trim_padded_search():
     sps = sps_from_times((4, 8, 12), (1.0, 1.18, 1.34))
     conf = [[0.45, 0.4]] * 4
-    pol = PrefixScheduler(sps, max_k=2, adapt=False)  # padded, the paper's early stop (the default)
-    assert pol.trim(seqs(4), proposal([2] * 4, 2, conf)) == [0, 0, 0, 0]
-    assert replace(pol, padded_search="columns").trim(seqs(4), proposal([2] * 4, 2, conf)) == [1, 1, 1, 1]
+    pol = PrefixScheduler(sps, max_k=2, adapt=False)  # padded, by columns (the default)
+    assert pol.trim(seqs(4), proposal([2] * 4, 2, conf)) == [1, 1, 1, 1]
+    assert replace(pol, padded_search="early-stop").trim(seqs(4), proposal([2] * 4, 2, conf)) == [0, 0, 0, 0]
     assert static_prefix_scheduler(sps, max_k=2).padded_search == "early-stop"  # the paper's
     with pytest.raises(DraftsmithError, match="padded_search"):
         PrefixScheduler(sps, padded_search="best")
