@@ -20,10 +20,13 @@ def test_conclusion_reads_concurrency_one_and_says_when_outputs_differed(tmp_pat
             {"label": "ngram", "kind": "engine", "speedup": 1.3, "acceptance_rate": 0.4, "void": False},
             {"label": "dspark:runs/x", "kind": "engine", "speedup": 0.8, "acceptance_rate": 0.05, "void": False},
             {"label": "dspark:smollm2-135m", "kind": "engine", "speedup": 1.4, "acceptance_rate": 0.5, "void": False},
+            {"label": "lookup:dspark:smollm2-135m", "kind": "engine", "speedup": 1.7, "acceptance_rate": 0.3,
+             "void": False},
             {"label": "hf:generate", "kind": "peer", "speedup": 0.5}]
     text = conclusion({"humaneval": _report(tmp_path / "a.json", rows)})
     assert ("humaneval prompts, one request at a time: ngram 1.30× plain (acceptance 0.40); dspark trained here "
-            "0.80× plain (acceptance 0.05); built-in dspark 1.40× plain (acceptance 0.50)") in text
+            "0.80× plain (acceptance 0.05); built-in dspark 1.40× plain (acceptance 0.50); lookup + built-in dspark "
+            "1.70× plain (acceptance 0.30)") in text
     assert "9.00" not in text and "hf" not in text.split("one request at a time")[1].split("\n")[0]
     assert "identical to plain decoding" in text
     rows[2]["void"] = True
