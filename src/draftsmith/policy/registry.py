@@ -25,7 +25,7 @@ from draftsmith.policy.batch_schedule import BatchSizeSchedule, default_schedule
 from draftsmith.policy.fixed import FixedK
 from draftsmith.policy.heuristic import HeuristicK
 from draftsmith.policy.prefix_scheduler import PrefixScheduler
-from draftsmith.policy.profile import ProfileConfig, load_or_profile
+from draftsmith.policy.profile import ProfileConfig, SPSTable, load_or_profile
 from draftsmith.policy.threshold import ConfidenceThreshold
 
 # make(k, target: LoadedTarget | None, max_batch, **options) -> DraftLengthPolicy
@@ -39,12 +39,18 @@ class PolicyKind:
     make: Factory
     options: tuple[str, ...] = ()  # settings a spec may give (fields of `config`), passed to make
     config: type | None = None  # the dataclass whose type hints type the options
+    check: Callable[[dict], None] | None = None  # validates typed options before anything loads
 
 
 # The prefix scheduler's settings a user may tune from a spec (docs: policy/prefix_scheduler.py).
 PREFIX_SCHEDULER_OPTIONS = ("min_gain", "padded_search", "batch_tokens", "running_search", "running_at",
                             "adapt", "realized_check", "pooled_prior", "cheap_draft", "probe_every",
                             "probe_backoff_max")
+
+
+def _check_prefix_scheduler(options: dict) -> None:
+    """The scheduler's own checks of these settings, on a stand-in profile (no target needed)."""
+    PrefixScheduler(SPSTable((1,), (1.0,)), **options)
 
 
 def _prefix_scheduler(k: int, target, max_batch: int, **options) -> DraftLengthPolicy:
@@ -80,7 +86,7 @@ for _p in (
     PolicyKind("batch-schedule", "K by the number of running requests", lambda k, t, b: BatchSizeSchedule(default_schedule(k))),
     PolicyKind("prefix-scheduler", "DSpark's hardware-aware prefix scheduler (profiles SPS(B) once per machine; "
                "settings: prefix-scheduler:KEY=VALUE,... with KEY one of " + ", ".join(PREFIX_SCHEDULER_OPTIONS) + ")",
-               _prefix_scheduler, PREFIX_SCHEDULER_OPTIONS, PrefixScheduler),
+               _prefix_scheduler, PREFIX_SCHEDULER_OPTIONS, PrefixScheduler, _check_prefix_scheduler),
 ):
     register(_p)
 
@@ -115,6 +121,11 @@ def parse_policy_spec(spec: str) -> tuple[PolicyKind, dict[str, Any]]:
         if key in options:
             raise DraftsmithError(f"policy {spec!r} sets {key!r} twice")
         options[key] = _typed(f"policy {name!r} setting {key!r}", hints.get(key, str), raw)
+    if kind.check is not None:
+        try:
+            kind.check(options)
+        except DraftsmithError as e:
+            raise DraftsmithError(f"policy {spec!r}: {e}") from None
     return kind, options
 
 
