@@ -28,6 +28,7 @@ from draftsmith.core.types import Proposal
 from draftsmith.drafters.base import Drafter
 from draftsmith.drafters.ngram import lookup
 from draftsmith.errors import DraftsmithError
+from draftsmith.policy.acceptance import AcceptancePool
 
 
 @dataclass(frozen=True)
@@ -52,8 +53,7 @@ class LookupFirstDrafter:
         self.name = f"lookup+{model.name}"
         self.needs = model.needs
         self.temperatures = getattr(model, "temperatures", None)
-        self._reached: list[float] = []  # per position k: lookup chains that reached draft k+1
-        self._accepted: list[float] = []  # ... and had it accepted
+        self._pool = AcceptancePool(decay=self.config.decay)  # lookup chains: reached / accepted per position
         self._rows: list[int] = []  # this round: drafts proposed by lookup per row (0 = the model's row)
         self.lookup_rounds = 0  # row-rounds drafted by lookup / by the model (reported by bench / eval)
         self.model_rounds = 0
@@ -74,7 +74,7 @@ class LookupFirstDrafter:
     def on_verified(self, seqs, proposal, result, features) -> None:
         for n, m in zip(self._rows, result.num_accepted.tolist()):
             if n:  # a lookup row: draft k was reached iff drafts 1..k-1 were accepted
-                self._score(reached=min(n, int(m) + 1), accepted=int(m))
+                self._pool.add(reached=min(n, int(m) + 1), accepted=int(m))
         self._rows = []
         self.model.on_verified(seqs, proposal, result, features)
 
@@ -94,53 +94,39 @@ class LookupFirstDrafter:
         K = max([len(d) for d in found] + [mp.max_len])
         tokens = torch.zeros(B, K, dtype=torch.long)
         lengths = torch.zeros(B, dtype=torch.long)
-        if mp.max_len:
-            tokens[:, : mp.max_len] = mp.tokens.cpu()
-            lengths[:] = mp.lengths.cpu()
-        for b, d in enumerate(found):
-            if d:
-                tokens[b, : len(d)] = torch.tensor(d, dtype=torch.long)
-                tokens[b, len(d):] = 0
-                lengths[b] = len(d)
-        q = None
+        tokens[:, : mp.max_len] = mp.tokens.cpu()
+        lengths[:] = mp.lengths.cpu()
+        q = conf = None
         if mp.q is not None:
             q = torch.zeros(B, K, mp.q.shape[-1], dtype=mp.q.dtype, device=mp.q.device)
             q[:, : mp.max_len] = mp.q
-            for b, d in enumerate(found):
-                if d:
-                    q[b] = 0
-                    q[b, torch.arange(len(d)), torch.tensor(d)] = 1
-        conf = None
         if mp.confidences is not None:
             conf = torch.zeros(B, K, dtype=torch.float32)
             conf[:, : mp.max_len] = mp.confidences.float().cpu()
             running = torch.tensor(self.running_acceptance(K), dtype=torch.float32)
-            for b, d in enumerate(found):
-                if d:
-                    conf[b] = 0
-                    conf[b, : len(d)] = running[: len(d)]
+        for b, d in enumerate(found):  # lookup rows: their drafts, a one-hot q, the running acceptance
+            if not d:
+                continue
+            n = len(d)
+            tokens[b, :n] = torch.tensor(d, dtype=torch.long)
+            lengths[b] = n
+            if q is not None:
+                q[b] = 0
+                q[b, torch.arange(n), torch.tensor(d)] = 1
+            if conf is not None:
+                conf[b] = 0
+                conf[b, :n] = running[:n]
         return Proposal(tokens=tokens, lengths=lengths, q=q, confidences=conf)
 
     # -- the lookup drafts' track record
 
-    def _score(self, reached: int, accepted: int) -> None:
-        d = self.config.decay
-        self._reached = [x * d for x in self._reached]
-        self._accepted = [x * d for x in self._accepted]
-        while len(self._reached) < reached:
-            self._reached.append(0.0)
-            self._accepted.append(0.0)
-        for k in range(reached):
-            self._reached[k] += 1.0
-            if k < accepted:
-                self._accepted[k] += 1.0
-
     def running_acceptance(self, k: int) -> list[float]:
         """Posterior-mean conditional acceptance of lookup drafts at positions 1..k."""
         c = self.config
+        reached, accepted = self._pool.reached, self._pool.accepted
         out = []
         for j in range(k):
-            n = self._reached[j] if j < len(self._reached) else 0.0
-            a = self._accepted[j] if j < len(self._accepted) else 0.0
+            n = reached[j] if j < len(reached) else 0.0
+            a = accepted[j] if j < len(accepted) else 0.0
             out.append((a + c.prior_mean * c.prior_strength) / (n + c.prior_strength))
         return out

@@ -82,10 +82,6 @@ def _draft_model(arg: str, target, max_rows: int, max_len: int) -> Drafter:
     return DraftModelDrafter(draft.model, target.model.config.vocab_size, max_rows, max_len)
 
 
-def _lookup_first(drafter: Drafter) -> Drafter:
-    return LookupFirstDrafter(drafter)
-
-
 def _wrapping(wrap: Callable[[Drafter], Drafter]) -> Loader:
     """The loader of a wrapping kind: build the inner spec's drafter, then wrap it."""
     def load(arg: str, target, max_rows: int, max_len: int) -> Drafter:
@@ -129,8 +125,8 @@ for _k in (
     DrafterKind("dspark", "dspark:CKPT", "DSpark block drafter + Markov head + confidence head", checkpoint_loader("dspark"),
                 dspark.DSparkConfig, dspark.build, needs_arg=True),
     DrafterKind("lookup", "lookup:SPEC", "prompt lookup where the last 2-3 tokens occurred before, SPEC's drafter "
-                "elsewhere (e.g. lookup:dspark:smollm2-135m)", _wrapping(_lookup_first), needs_arg=True,
-                wrap=_lookup_first),
+                "elsewhere (e.g. lookup:dspark:smollm2-135m)", _wrapping(LookupFirstDrafter), needs_arg=True,
+                wrap=LookupFirstDrafter),
 ):
     register(_k)
 
