@@ -88,6 +88,9 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=320)
     ap.add_argument("--budget", type=float, default=20.0, help="training minutes per drafter")
     ap.add_argument("--parallel", action="store_true", help="train the three at once, one thread each")
+    ap.add_argument("--budget-clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: --budget counts each trainer's CPU minutes (equal work for recipes that share "
+                         "the machine; the curve's minutes are CPU minutes too)")
     ap.add_argument("--eval-prompts", type=int, default=12, help="held-out prompts per task")
     ap.add_argument("--eval-tokens", type=int, default=96, help="new tokens per turn in eval")
     ap.add_argument("--bench-requests", type=int, default=6)
@@ -150,6 +153,7 @@ def main() -> int:
         if args.save_every:
             extra += [f"train.save_every={args.save_every}", "train.keep_checkpoints=100000"]
         argv = {k: ("train", "--config", f"recipes/smollm2-135m-{k}.yaml", "--budget", f"{args.budget:g}",
+                    "--budget-clock", args.budget_clock,
                     f"out={w / k}", f"data.cache={cache}", *extra, *overrides[k],
                     *(["--resume"] if (w / k).is_dir() else [])) for k in todo}
         if args.parallel:
@@ -169,7 +173,7 @@ def main() -> int:
     for minutes in curve:
         out = w / f"curve-{minutes:g}min"
         stage(f"curve-{minutes:g}min", out / "report.json", lambda out=out, minutes=minutes: cli(
-            "eval", *[x for k in KINDS for x in ("--drafter", f"{k}:{nearest_checkpoint(w / k, minutes)[0]}")],
+            "eval", *[x for k in KINDS for x in ("--drafter", f"{k}:{nearest_checkpoint(w / k, minutes, args.budget_clock)[0]}")],
             "--tasks", ",".join(WORKLOADS), "--max-prompts", str(args.eval_prompts), "--max-tokens",
             str(args.eval_tokens), "--temperature", "0", "--block-size", str(GAMMA), "--out", str(out)))
     for temp in ("0", "1"):
@@ -186,11 +190,12 @@ def main() -> int:
                 "--requests", str(args.bench_requests), "--max-tokens", str(args.bench_tokens), "--warmup", "1",
                 "--num-speculative-tokens", str(GAMMA), "--policy", policy, "--out", str(out)))
 
-    results = collect(w, regen, curve)
+    results = collect(w, regen, curve, args.budget_clock)
     prev = w / "results.json"
     if prev.is_file():  # keep the times of stages an earlier run did (this one reused them)
         stage_s = {**json.loads(prev.read_text()).get("setup", {}).get("stage_s", {}), **stage_s}
     results["setup"] = {"samples": args.samples, "budget_minutes": args.budget, "parallel": args.parallel,
+                        "budget_clock": args.budget_clock,
                         "regen": _rel(regen), "cache": _rel(cache), "overrides": overrides,
                         "heldout_cache": _rel(args.heldout_cache.resolve()) if args.heldout_cache else None,
                         "eval_prompts": args.eval_prompts, "eval_tokens": args.eval_tokens, "gamma": GAMMA,
@@ -229,30 +234,31 @@ def wait_measured(p, w: Path, kind: str) -> None:
     _, status, ru = os.wait4(p.pid, 0)
     p.returncode = os.waitstatus_to_exitcode(status)
     with open(w / f"train-{kind}.cpu.jsonl", "a") as f:
-        f.write(json.dumps({"cpu_s": round(ru.ru_utime + ru.ru_stime, 1),
+        f.write(json.dumps({"cpu_s": round(ru.ru_utime + ru.ru_stime, 1), "max_rss_mb": round(ru.ru_maxrss / 1024),
                             "wall_s": round(time.perf_counter() - t0, 1), "rc": p.returncode}) + "\n")
     if p.returncode != 0:
         raise SystemExit(f"training {kind} failed: see {w / f'train-{kind}.log'}")
     (w / f".train-{kind}.done").touch()
 
 
-def nearest_checkpoint(run: Path, minutes: float) -> tuple[Path, dict]:
-    """The checkpoint of `run` whose training time (its meta's elapsed_s) is nearest `minutes`."""
+def nearest_checkpoint(run: Path, minutes: float, clock: str = "wall") -> tuple[Path, dict]:
+    """The checkpoint of `run` whose training time (its meta's elapsed_s, or cpu_s for a CPU
+    budget) is nearest `minutes`."""
     best: tuple[float, Path, dict] | None = None
     for d in sorted(run.glob("checkpoint-*")):
         meta_f = d / "train_state" / "meta.json"
         if not meta_f.is_file():
             continue
         meta = json.loads(meta_f.read_text())
-        gap = abs(float(meta["elapsed_s"]) - minutes * 60)
+        gap = abs(float(meta["cpu_s" if clock == "cpu" else "elapsed_s"]) - minutes * 60)
         if best is None or gap < best[0]:
             best = (gap, d, meta)
     if best is None:
         raise SystemExit(f"{run} has no checkpoints to take the {minutes:g}-minute point from")
-    return best[1], {"step": best[2]["step"], "elapsed_s": best[2]["elapsed_s"]}
+    return best[1], {k: best[2][k] for k in ("step", "elapsed_s", "cpu_s") if k in best[2]}
 
 
-def collect(w: Path, regen_path: Path, curve: list[float] = ()) -> dict:
+def collect(w: Path, regen_path: Path, curve: list[float] = (), clock: str = "wall") -> dict:
     regen = list(scan_output(regen_path, repair=False)[0].values())  # a torn last line (a killed run) is skipped
     res: dict = {"data": {"conversations": len(regen), "tokens": sum(int(r.get("num_tokens", 0)) for r in regen),
                           "trained_tokens": sum(sum(r.get("loss_mask") or []) for r in regen)},
@@ -272,7 +278,7 @@ def collect(w: Path, regen_path: Path, curve: list[float] = ()) -> dict:
         if p.is_file():
             rep = json.loads(p.read_text())
             res["curve"][f"{minutes:g}"] = {d["kind"]: {
-                **nearest_checkpoint(w / d["kind"], minutes)[1], "overall": _acc(d["overall"]),
+                **nearest_checkpoint(w / d["kind"], minutes, clock)[1], "overall": _acc(d["overall"]),
                 "tasks": {t: _acc(v) for t, v in d["tasks"].items()}} for d in rep["drafters"]}
     for temp in ("0", "1"):
         p = w / f"eval-T{temp}" / "report.json"
@@ -318,7 +324,9 @@ def write_markdown(r: dict, section: str = "") -> None:
     names = {"eagle3": "EAGLE-3", "dflash": "DFlash", "dspark": "DSpark", "ngram": "n-gram (reference)"}
     begin, end = (f"<!-- bench_drafters-{section}:begin -->", f"<!-- bench_drafters-{section}:end -->") if section \
         else (BEGIN, END)
-    title = (f"## Drafters at equal long budgets: EAGLE-3 vs DFlash vs DSpark, {s['budget_minutes']:g} minutes each "
+    cpu_clock = s.get("budget_clock") == "cpu"
+    unit = "CPU minutes" if cpu_clock else "minutes"
+    title = (f"## Drafters at equal long budgets: EAGLE-3 vs DFlash vs DSpark, {s['budget_minutes']:g} {unit} each "
              "(issue 12)" if section else "## Drafters: EAGLE-3 vs DFlash vs DSpark, same data and budget (issue 4)")
     flags = "".join(f" --{k.replace('_', '-')} {s[k]}" for k in ("regen", "cache", "heldout_cache") if s.get(k)
                     and section)
@@ -326,12 +334,13 @@ def write_markdown(r: dict, section: str = "") -> None:
     lines = [begin, title, "",
              "`benchmarks/bench_drafters.py" + ("" if s.get("regen") and section else f" --samples {s['samples']}")
              + f" --budget {s['budget_minutes']:g}"
-             + (" --parallel" if s["parallel"] else "") + flags + sets + "` (JSON: `benchmarks/results/"
+             + (" --parallel" if s["parallel"] else "") + (" --budget-clock cpu" if cpu_clock else "") + flags + sets + "` (JSON: `benchmarks/results/"
              + (f"bench_drafters-{section}" if section else "bench_drafters") + ".json`). "
              f"Machine: {s['machine']}, no GPU. Data: {d['conversations']} regenerated train-split conversations "
              f"(code:0.4, chat:0.6; {d['tokens']} tokens, {d['trained_tokens']} of them target answers), one feature "
              f"cache (layers 1, 14, 27 + final) for all three. Training: each recipe for {s['budget_minutes']:g} "
-             "minutes of wall clock" + (", the three at once with one torch thread each (identical conditions)"
+             + ("CPU minutes (its process's CPU time sets the step count and the stop)" if cpu_clock
+                else "minutes of wall clock") + (", the three at once with one torch thread each (identical conditions)"
                                          if s["parallel"] else ", one after the other") + ".", "",
              "| drafter | steps | CPU minutes | final loss | train acc@1 / expected acceptance "
              "| held-out at the end (teacher-forced) |", "|---|---|---|---|---|---|"]
@@ -374,7 +383,7 @@ def write_markdown(r: dict, section: str = "") -> None:
     if r.get("curve"):
         lines += ["", "τ at T = 0 against training time (the checkpoint nearest each point; held-out HumanEval / "
                   "MT-Bench / all, same eval arguments as above):", "",
-                  "| minutes (wall) | " + " | ".join(names[k] for k in KINDS) + " |", "|---|" + "---|" * len(KINDS)]
+                  f"| {'CPU minutes' if cpu_clock else 'minutes (wall)'} | " + " | ".join(names[k] for k in KINDS) + " |", "|---|" + "---|" * len(KINDS)]
         final = (ev.get("0") or {"drafters": {}})["drafters"]
         points = [(m, c) for m, c in r["curve"].items()] + ([(f"{s['budget_minutes']:g} (final)", final)] if final else [])
         for m, c in points:

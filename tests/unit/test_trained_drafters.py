@@ -53,6 +53,7 @@ TEXT_PROMPTS = ["hello world, hello world, hello", "def f(x):\n    return x + 1\
 CONFIGS = {
     "eagle3": eagle3.Eagle3Config(ttt_steps=3),
     "eagle3-small-vocab": eagle3.Eagle3Config(ttt_steps=3, draft_vocab_size=160),
+    "eagle3-frozen-head": eagle3.Eagle3Config(ttt_steps=3, draft_vocab_size=160, freeze_lm_head=True),
     "dflash": dflash.DFlashConfig(block_size=4, num_layers=1, max_anchors=16),
     "dspark": dspark.DSparkConfig(block_size=4, num_layers=1, rank=32, max_anchors=16),
     "dspark-gated": dspark.DSparkConfig(block_size=4, num_layers=1, rank=32, max_anchors=16, head="gated"),
@@ -204,6 +205,8 @@ def test_training_learns_and_leaves_the_target_alone(name, target, trained):
     assert not any("embed" in k for k in keys)  # the target's embedding is shared, never saved
     if model.config.kind != "eagle3":  # EAGLE-3 trains its own (draft-vocabulary) lm_head
         assert not any("lm_head" in k for k in keys)
+    elif model.config.freeze_lm_head:  # ... unless frozen: the target's rows of the draft vocabulary
+        assert torch.equal(model.lm_head.weight, target.model.lm_head.weight[model.draft_ids].to(model.lm_head.weight))
 
 
 # ---------------------------------------------------------------------------- losslessness
@@ -747,6 +750,7 @@ def test_checkpoint_for_another_target_is_refused(tmp_path, tiny_model_dir, targ
         ({"kind": "dspark", "block_size": 0}, "block_size must be an integer >= 1"),
         ({"kind": "dspark", "head": "lstm"}, "must be one of"),
         ({"kind": "eagle3", "ttt_steps": 0}, "ttt_steps"),
+        ({"kind": "eagle3", "freeze_lm_head": "yes"}, "freeze_lm_head. must be true or false"),
         ({"kind": "dflash", "layer_ids": [0, 0]}, "repeat"),
         ({"kind": "dflash", "draft_vocab_size": 0}, "draft_vocab_size must be a positive integer"),
         ({"kind": "medusa"}, "unknown trainable drafter kind"),

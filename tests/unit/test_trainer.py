@@ -245,6 +245,45 @@ def test_budget_sizes_the_run(target_dir, cache_dir, tmp_path):
     assert ckpt_io.list_checkpoints(tmp_path / "run")[-1][0] == res.step
 
 
+def test_cpu_budget_counts_cpu_seconds_across_resumes(target_dir, cache_dir, tmp_path, monkeypatch):
+    """`budget_clock: cpu` sizes and stops the run by this process's CPU time, summed over the
+    attempts a run resumes; wall time plays no part. A fake CPU clock spends 1 s per step."""
+    from draftsmith.train import trainer as trainer_mod
+
+    cpu = [100.0]
+    monkeypatch.setattr(trainer_mod.time, "process_time", lambda: cpu[0])
+    real_fb = Trainer._forward_backward
+
+    def costly(self, step):
+        cpu[0] += 1.0
+        return real_fb(self, step)
+
+    monkeypatch.setattr(Trainer, "_forward_backward", costly)
+    out = tmp_path / "run"
+
+    def cfg(minutes):
+        return make_cfg(target_dir, cache_dir, out, max_steps=None, epochs=100, budget_minutes=minutes,
+                        budget_clock="cpu", save_every=5)
+
+    class Crash(Exception):
+        pass
+
+    def crash_at_10(step, _trainer):
+        if step == 10:
+            raise Crash
+
+    with pytest.raises(Crash):  # 30 s: the probe spends 5, so 0.95 * 25 / 1 s -> 23 steps
+        Trainer(cfg(0.5), CATALOGUE, hooks=[crash_at_10]).fit()
+    meta = json.loads((out / "checkpoint-00000010" / "train_state" / "meta.json").read_text())
+    assert meta["total_steps"] == 23 and meta["cpu_s"] == pytest.approx(15.0)  # probe 5 + 10 steps
+    # resumed under an 18 s budget: 15 s were spent before, so it stops 4 steps later, not at 23
+    res = Trainer(cfg(0.3), CATALOGUE, resume=True).fit()
+    assert res.stopped_at_deadline and res.step == 14 and res.total_steps == 23
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 15))
+    assert rows[-1]["cpu_s"] == pytest.approx(19.0)
+
+
 def test_checkpoint_files_load_without_pickle(target_dir, cache_dir, tmp_path):
     out = tmp_path / "run"
     Trainer(make_cfg(target_dir, cache_dir, out, max_steps=3), CATALOGUE).fit()

@@ -21,6 +21,9 @@ def add_parser(sub) -> None:
     t.add_argument("--budget", type=float, default=None, metavar="MINUTES",
                    help="wall-clock budget: size the run from a timing probe and stop at the deadline "
                         "(default: the recipe's train.budget_minutes, if any)")
+    t.add_argument("--budget-clock", choices=("wall", "cpu"), default=None,
+                   help="what --budget counts: wall clock (default) or this process's CPU time, so runs that "
+                        "share a machine get equal work (the recipe's train.budget_clock)")
     t.add_argument("--resume", nargs="?", const=True, default=False, metavar="CHECKPOINT",
                    help="continue exactly from the newest checkpoint of the run dir (or the one given)")
     t.add_argument("--overwrite", action="store_true", help="discard the run dir's checkpoints and start again")
@@ -40,6 +43,8 @@ def cmd_train(args) -> int:
         raise DraftsmithError("--resume and --overwrite exclude each other")
     if args.budget is not None and args.budget <= 0:
         raise DraftsmithError(f"--budget must be a positive number of minutes, got {args.budget}")
+    if args.budget_clock is not None:
+        overrides.append(f"train.budget_clock={args.budget_clock}")
     cfg = load_train_config(args.config, overrides, budget_minutes=args.budget)
     trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite)
     res = trainer.fit()

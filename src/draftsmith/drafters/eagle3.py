@@ -64,6 +64,8 @@ class Eagle3Config:
     ttt_decay: float = 0.8  # step i loss weight decay^i
     draft_vocab_size: int | None = None  # reduced draft vocabulary; None = the full target vocab
     intermediate_size: int | None = None  # draft MLP width; None = the target's
+    freeze_lm_head: bool = False  # keep the target's lm_head rows (as DeepSpec does against DSpark, whose
+    # block drafters score with the target's frozen lm_head): the like-for-like comparison
 
     def __post_init__(self) -> None:
         if isinstance(self.layer_ids, list):
@@ -77,6 +79,8 @@ class Eagle3Config:
             problems.append(f"draft_vocab_size must be a positive integer or null, got {self.draft_vocab_size!r}")
         if self.intermediate_size is not None and (not isinstance(self.intermediate_size, int) or self.intermediate_size < 1):
             problems.append(f"intermediate_size must be a positive integer or null, got {self.intermediate_size!r}")
+        if not isinstance(self.freeze_lm_head, bool):
+            problems.append(f"freeze_lm_head must be true or false, got {self.freeze_lm_head!r}")
         if not all(isinstance(i, int) and not isinstance(i, bool) for i in self.layer_ids):
             problems.append(f"layer_ids must be integers, got {self.layer_ids!r}")
         elif len(set(self.layer_ids)) != len(self.layer_ids):
@@ -150,6 +154,7 @@ class Eagle3Model(nn.Module):
         self.head = TargetHead.of(target)
         init_linear_(self)
         self._init_lm_head()
+        self.lm_head.weight.requires_grad_(not config.freeze_lm_head)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -85,6 +85,7 @@ class OptimConfig:
     save_every: int
     keep_checkpoints: int
     budget_minutes: float | None
+    budget_clock: Literal["wall", "cpu"]
     tensorboard: Literal["auto", "on", "off"]
     progress: Literal["auto", "on", "off"]
     ddp_find_unused: bool
@@ -155,7 +156,10 @@ class _TrainSection(_Strict):
     log_every: int = Field(10, ge=1)
     save_every: int = Field(200, ge=1)
     keep_checkpoints: int = Field(2, ge=1)
-    budget_minutes: float | None = Field(None, gt=0, description="wall-clock budget (sets the step count)")
+    budget_minutes: float | None = Field(None, gt=0, description="training budget in minutes (sets the step count)")
+    budget_clock: Literal["wall", "cpu"] = Field(
+        "wall", description="what the budget counts: wall clock, or this process's CPU time (all its threads, "
+                            "summed over resumes): runs that share a machine get equal work, not equal hours")
     tensorboard: Literal["auto", "on", "off"] = "auto"
     progress: Literal["auto", "on", "off"] = "auto"
     ddp_find_unused: bool = False

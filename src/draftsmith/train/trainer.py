@@ -44,7 +44,7 @@ StepHook = Callable[[int, "Trainer"], None]
 HELDOUT_FILE = "heldout.jsonl"  # held-out evaluation rows (train/evaluate.py), one per checkpoint
 PROBE_STEPS = 5  # timing probe for --budget: the first two warm up, the median of the rest counts
 # Train-section fields that may change on resume without breaking exactness.
-_RESUME_FREE = {"log_every", "save_every", "keep_checkpoints", "budget_minutes", "max_steps", "epochs",
+_RESUME_FREE = {"log_every", "save_every", "keep_checkpoints", "budget_minutes", "budget_clock", "max_steps", "epochs",
                 "tensorboard", "progress", "threads", "device"}
 
 
@@ -106,6 +106,7 @@ class Trainer:
         self.out = Path(cfg.out)
         self.step = 0
         self.total_steps = 0
+        self.cpu_before = 0.0  # CPU seconds of the attempts this run resumes (from its checkpoint)
         self.history: list[dict] = []
 
     # ---- setup ---------------------------------------------------------------------------
@@ -113,6 +114,7 @@ class Trainer:
     def _setup(self) -> None:
         t = self.cfg.train
         self.t_start = time.perf_counter()
+        self.cpu_start = time.process_time()
         if t.threads is not None:
             torch.set_num_threads(t.threads)
         self.info = self.info or init_from_env(t.device)
@@ -273,18 +275,29 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm), lr
 
+    def cpu_s(self) -> float:
+        """CPU seconds this run has spent (this process's threads since setup, plus the attempts
+        it resumes): what a `budget_clock: cpu` budget counts."""
+        return self.cpu_before + time.process_time() - self.cpu_start
+
+    def _budget_spent(self) -> float:
+        """Seconds of the budget used so far, on the budget's clock."""
+        return self.cpu_s() if self.cfg.train.budget_clock == "cpu" else time.perf_counter() - self.t_start
+
     def _probe_seconds_per_step(self) -> float:
-        """Time a few real steps, then undo them (weights, RNG); the optimizer is rebuilt after."""
+        """Time a few real steps (on the budget's clock), then undo them (weights, RNG); the
+        optimizer is rebuilt after."""
         saved = {n: p.detach().clone() for n, p in self.params.items()}
         rng = ckpt_io.rng_state()
         probe_opt = torch.optim.AdamW(list(self.params.values()), lr=0.0)
         times = []
+        clock = time.process_time if self.cfg.train.budget_clock == "cpu" else time.perf_counter
         for s in range(PROBE_STEPS):
-            t0 = time.perf_counter()
+            t0 = clock()
             self._forward_backward(s % self.data.steps_per_epoch)
             probe_opt.step()
             probe_opt.zero_grad(set_to_none=True)
-            times.append(time.perf_counter() - t0)
+            times.append(clock() - t0)
         with torch.no_grad():
             for n, p in self.params.items():
                 p.copy_(saved[n])
@@ -314,11 +327,12 @@ class Trainer:
             pos = self.data.position(self.step)
             state = {"step": self.step, "total_steps": self.total_steps, "optimizer": self.optimizer.state_dict(),
                      "scheduler": self.scheduler.state_dict(), "rng": rngs, "world_size": self.info.world_size,
-                     "data_position": pos}
+                     "data_position": pos, "cpu_s": round(self.cpu_s(), 3)}
             meta = {"step": self.step, "total_steps": self.total_steps, "epoch": pos["epoch"],
                     "data_position": pos, "loss": last_loss, "world_size": self.info.world_size,
                     "rank_weight_digests": digests,
-                    "elapsed_s": round(time.perf_counter() - self.t_start, 3), "run_config": self.cfg.to_dict()}
+                    "elapsed_s": round(time.perf_counter() - self.t_start, 3), "cpu_s": round(self.cpu_s(), 3),
+                    "run_config": self.cfg.to_dict()}
             # the model's whole state dict: trainable parameters and persistent buffers (e.g. EAGLE-3's
             # vocabulary maps); the target's embedding / lm_head are shared by reference, not in it
             model_state = {n: v.detach().to("cpu").contiguous() for n, v in self.model.state_dict().items()}
@@ -343,6 +357,7 @@ class Trainer:
             raise DraftsmithError(f"checkpoint {ckpt} was written by {state.get('world_size')} processes; resume "
                                   f"with the same number (now {self.info.world_size}) for an exact continuation")
         self.step = int(state["step"])
+        self.cpu_before = float(state.get("cpu_s", 0.0))
         if self.cfg.train.budget_minutes is not None:
             self.total_steps = int(state["total_steps"])
         self._make_optimizer()
@@ -485,14 +500,14 @@ class Trainer:
         deadline = None
         self.total_steps = self._planned_steps()
         if t.budget_minutes is not None:
-            deadline = self.t_start + t.budget_minutes * 60.0
+            deadline = t.budget_minutes * 60.0  # on the budget's clock (_budget_spent)
             if not self.resume:
                 per_step = self._probe_seconds_per_step()
-                left = deadline - time.perf_counter()
+                left = deadline - self._budget_spent()
                 self.total_steps = max(1, int(0.95 * left / per_step))
                 if info.is_main:
-                    print(f"[draftsmith] budget {t.budget_minutes:g} min: ~{per_step:.2f} s/step -> "
-                          f"{self.total_steps} steps", file=sys.stderr)
+                    print(f"[draftsmith] budget {t.budget_minutes:g} {t.budget_clock} min: ~{per_step:.2f} s/step "
+                          f"-> {self.total_steps} steps", file=sys.stderr)
         if self.resume:
             self._restore()
             self._share_target_stats()
@@ -533,7 +548,7 @@ class Trainer:
                            "lr": lr, **means,
                            "loss_tokens": means["loss_tokens"] * n_acc * info.world_size,
                            "steps_per_s": n_acc / max(now - t_log, 1e-9),
-                           "elapsed_s": round(now - self.t_start, 3)}
+                           "elapsed_s": round(now - self.t_start, 3), "cpu_s": round(self.cpu_s(), 3)}
                     last_loss = means["loss"]
                     self._log(row)
                     acc, n_acc, t_log = {}, 0, now
@@ -542,7 +557,7 @@ class Trainer:
                     if last_loss is not None:
                         self.bar.set_postfix(loss=f"{last_loss:.4f}", refresh=False)
                 if deadline is not None and not last:  # rank 0 decides, so every rank stops together
-                    stopped = bool(dist_util.broadcast_object(time.perf_counter() > deadline, info))
+                    stopped = bool(dist_util.broadcast_object(self._budget_spent() > deadline, info))
                 if self.step % t.save_every == 0 or last or stopped:
                     path = self._save(last_loss)
                     saved_at = self.step
