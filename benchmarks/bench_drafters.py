@@ -242,20 +242,20 @@ def wait_measured(p, w: Path, kind: str) -> None:
 
 
 def nearest_checkpoint(run: Path, minutes: float, clock: str = "wall") -> tuple[Path, dict]:
-    """The checkpoint of `run` whose training time (its meta's elapsed_s, or cpu_s for a CPU
-    budget) is nearest `minutes`."""
+    """The checkpoint of `run` whose training time (its meta's elapsed_s, or train_cpu_s, the
+    CPU seconds without held-out evaluation, for a CPU budget) is nearest `minutes`."""
     best: tuple[float, Path, dict] | None = None
     for d in sorted(run.glob("checkpoint-*")):
         meta_f = d / "train_state" / "meta.json"
         if not meta_f.is_file():
             continue
         meta = json.loads(meta_f.read_text())
-        gap = abs(float(meta["cpu_s" if clock == "cpu" else "elapsed_s"]) - minutes * 60)
+        gap = abs(float(meta["train_cpu_s" if clock == "cpu" else "elapsed_s"]) - minutes * 60)
         if best is None or gap < best[0]:
             best = (gap, d, meta)
     if best is None:
         raise SystemExit(f"{run} has no checkpoints to take the {minutes:g}-minute point from")
-    return best[1], {k: best[2][k] for k in ("step", "elapsed_s", "cpu_s") if k in best[2]}
+    return best[1], {k: best[2][k] for k in ("step", "elapsed_s", "cpu_s", "train_cpu_s") if k in best[2]}
 
 
 def collect(w: Path, regen_path: Path, curve: list[float] = (), clock: str = "wall") -> dict:

@@ -281,7 +281,38 @@ def test_cpu_budget_counts_cpu_seconds_across_resumes(target_dir, cache_dir, tmp
     assert res.stopped_at_deadline and res.step == 14 and res.total_steps == 23
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 15))
-    assert rows[-1]["cpu_s"] == pytest.approx(19.0)
+    assert rows[-1]["cpu_s"] == pytest.approx(19.0) and rows[-1]["train_cpu_s"] == pytest.approx(19.0)
+
+
+def test_cpu_budget_leaves_out_heldout_evaluation(target_dir, cache_dir, tmp_path, monkeypatch):
+    """Held-out scoring at each checkpoint is measurement: its CPU seconds are reported
+    (cpu_s) but not charged to the budget (train_cpu_s), so frequent checkpoints do not cut
+    a run short of the steps its probe planned."""
+    from draftsmith.train import evaluate as evaluate_mod
+    from draftsmith.train import trainer as trainer_mod
+
+    cpu = [0.0]
+    monkeypatch.setattr(trainer_mod.time, "process_time", lambda: cpu[0])
+    real_fb, real_eval = Trainer._forward_backward, evaluate_mod.HeldoutEval.__call__
+
+    def costly(self, step):
+        cpu[0] += 1.0
+        return real_fb(self, step)
+
+    def costly_eval(self, model):
+        cpu[0] += 3.0
+        return real_eval(self, model)
+
+    monkeypatch.setattr(Trainer, "_forward_backward", costly)
+    monkeypatch.setattr(evaluate_mod.HeldoutEval, "__call__", costly_eval)
+    cfg = make_cfg(target_dir, cache_dir, tmp_path / "run", max_steps=None, epochs=100, budget_minutes=0.5,
+                   budget_clock="cpu", save_every=5)
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, eval_cache=cache_dir, eval_samples=8))
+    res = Trainer(cfg, CATALOGUE).fit()  # probe 5 s -> 23 steps; 5 evaluations (3 s each) on top
+    assert not res.stopped_at_deadline and res.step == res.total_steps == 23
+    meta = json.loads((tmp_path / "run" / "checkpoint-00000023" / "train_state" / "meta.json").read_text())
+    # saved before its own step's evaluation: those of steps 5, 10, 15 and 20 are in cpu_s
+    assert meta["train_cpu_s"] == pytest.approx(28.0) and meta["cpu_s"] == pytest.approx(28.0 + 4 * 3.0)
 
 
 def test_checkpoint_files_load_without_pickle(target_dir, cache_dir, tmp_path):

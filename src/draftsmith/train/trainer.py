@@ -107,6 +107,8 @@ class Trainer:
         self.step = 0
         self.total_steps = 0
         self.cpu_before = 0.0  # CPU seconds of the attempts this run resumes (from its checkpoint)
+        self.eval_cpu = 0.0  # CPU seconds of held-out evaluation, resumed attempts included
+        self.eval_wall = 0.0  # wall seconds of this attempt's held-out evaluation
         self.history: list[dict] = []
 
     # ---- setup ---------------------------------------------------------------------------
@@ -277,12 +279,20 @@ class Trainer:
 
     def cpu_s(self) -> float:
         """CPU seconds this run has spent (this process's threads since setup, plus the attempts
-        it resumes): what a `budget_clock: cpu` budget counts."""
+        it resumes), held-out evaluation included."""
         return self.cpu_before + time.process_time() - self.cpu_start
 
+    def train_cpu_s(self) -> float:
+        """cpu_s without held-out evaluation: what a `budget_clock: cpu` budget counts."""
+        return self.cpu_s() - self.eval_cpu
+
     def _budget_spent(self) -> float:
-        """Seconds of the budget used so far, on the budget's clock."""
-        return self.cpu_s() if self.cfg.train.budget_clock == "cpu" else time.perf_counter() - self.t_start
+        """Seconds of the budget used so far, on the budget's clock; held-out evaluation is
+        measurement, not training, and does not count (checkpoints every N steps would
+        otherwise cost a recipe with cheap steps more of its budget)."""
+        if self.cfg.train.budget_clock == "cpu":
+            return self.train_cpu_s()
+        return time.perf_counter() - self.t_start - self.eval_wall
 
     def _probe_seconds_per_step(self) -> float:
         """Time a few real steps (on the budget's clock), then undo them (weights, RNG); the
@@ -327,12 +337,12 @@ class Trainer:
             pos = self.data.position(self.step)
             state = {"step": self.step, "total_steps": self.total_steps, "optimizer": self.optimizer.state_dict(),
                      "scheduler": self.scheduler.state_dict(), "rng": rngs, "world_size": self.info.world_size,
-                     "data_position": pos, "cpu_s": round(self.cpu_s(), 3)}
+                     "data_position": pos, "cpu_s": round(self.cpu_s(), 3), "eval_cpu_s": round(self.eval_cpu, 3)}
             meta = {"step": self.step, "total_steps": self.total_steps, "epoch": pos["epoch"],
                     "data_position": pos, "loss": last_loss, "world_size": self.info.world_size,
                     "rank_weight_digests": digests,
                     "elapsed_s": round(time.perf_counter() - self.t_start, 3), "cpu_s": round(self.cpu_s(), 3),
-                    "run_config": self.cfg.to_dict()}
+                    "train_cpu_s": round(self.train_cpu_s(), 3), "run_config": self.cfg.to_dict()}
             # the model's whole state dict: trainable parameters and persistent buffers (e.g. EAGLE-3's
             # vocabulary maps); the target's embedding / lm_head are shared by reference, not in it
             model_state = {n: v.detach().to("cpu").contiguous() for n, v in self.model.state_dict().items()}
@@ -358,6 +368,7 @@ class Trainer:
                                   f"with the same number (now {self.info.world_size}) for an exact continuation")
         self.step = int(state["step"])
         self.cpu_before = float(state.get("cpu_s", 0.0))
+        self.eval_cpu = float(state.get("eval_cpu_s", 0.0))
         if self.cfg.train.budget_minutes is not None:
             self.total_steps = int(state["total_steps"])
         self._make_optimizer()
@@ -389,8 +400,10 @@ class Trainer:
 
     def _evaluate(self) -> None:
         """Score the held-out windows (train/evaluate.py); one row in heldout.jsonl (+ tensorboard)."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         res = self.heldout(self.model)
+        self.eval_wall += time.perf_counter() - t0
+        self.eval_cpu += time.process_time() - c0
         row = {"step": self.step, **res, "eval_s": round(time.perf_counter() - t0, 3)}
         with open(self.out / HELDOUT_FILE, "a") as f:
             f.write(json.dumps(row) + "\n")
@@ -548,7 +561,8 @@ class Trainer:
                            "lr": lr, **means,
                            "loss_tokens": means["loss_tokens"] * n_acc * info.world_size,
                            "steps_per_s": n_acc / max(now - t_log, 1e-9),
-                           "elapsed_s": round(now - self.t_start, 3), "cpu_s": round(self.cpu_s(), 3)}
+                           "elapsed_s": round(now - self.t_start, 3), "cpu_s": round(self.cpu_s(), 3),
+                           "train_cpu_s": round(self.train_cpu_s(), 3)}
                     last_loss = means["loss"]
                     self._log(row)
                     acc, n_acc, t_log = {}, 0, now
