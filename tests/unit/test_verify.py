@@ -7,7 +7,7 @@ import torch
 
 from draftsmith.core.sampling import SamplingParams
 from draftsmith.core.types import Proposal
-from draftsmith.core.verify import verify
+from draftsmith.core.verify import verify, verify_greedy
 from draftsmith.core.warp import sample_from, target_probs
 from draftsmith.errors import DraftsmithError
 
@@ -267,3 +267,45 @@ def test_half_precision_inputs_are_upcast() -> None:
     prop, p = _random_case(B=4, K=3, V=16, seed=14)
     half = verify(Proposal(prop.tokens, prop.lengths, prop.q.half()), p.bfloat16(), [_gen(b) for b in range(4)])
     _check_layout(half, prop.lengths, 16)
+
+
+@pytest.mark.parametrize("with_q", [False, True])
+@pytest.mark.parametrize("K", [0, 1, 5])
+def test_verify_greedy_commits_what_verify_commits_on_one_hot_p(with_q: bool, K: int) -> None:
+    """The all-greedy shortcut (the engine's path when every row is greedy) against `verify`
+    on the one-hot p that target_probs builds: same tokens, same accepted counts, over drafts
+    that agree with the argmax for a random prefix (ties included), with and without q."""
+    B, V = 7, 12
+    greedy = [SamplingParams(temperature=0.0)] * B
+    for seed in range(40):
+        g = _gen(seed)
+        logits = torch.randint(0, 4, (B, K + 1, V), generator=g).float()  # small ints: ties are common
+        am = logits.argmax(-1)  # first maximum, as target_probs' one-hot
+        agree = torch.randint(0, K + 1, (B,), generator=g)
+        noise = torch.randint(0, V, (B, K), generator=g)
+        tokens = torch.where(torch.arange(K)[None] < agree[:, None], am[:, :K], noise)
+        lengths = torch.randint(0, K + 1, (B,), generator=g)
+        q = None
+        if with_q:
+            q = torch.softmax(torch.randn(B, K, V, generator=g), dim=-1)  # positive at every draft
+        prop = Proposal(tokens=tokens, lengths=lengths, q=q)
+        want = verify(prop, target_probs(logits, greedy), [_gen(seed)] * B)
+        got = verify_greedy(prop, am, V)
+        assert torch.equal(got.tokens, want.tokens) and torch.equal(got.num_accepted, want.num_accepted)
+        # negative control: an argmax off by one somewhere the drafts reach gives other tokens
+        wrong = am.clone()
+        wrong[:, 0] = (wrong[:, 0] + 1) % V
+        assert not torch.equal(verify_greedy(prop, wrong, V).tokens, want.tokens)
+
+
+def test_verify_greedy_checks_like_verify() -> None:
+    prop = Proposal(tokens=torch.tensor([[3, 99]]), lengths=torch.tensor([2]))
+    with pytest.raises(DraftsmithError, match="outside the vocabulary"):
+        verify_greedy(prop, torch.zeros(1, 3, dtype=torch.long), 10)
+    q = torch.full((1, 2, 10), 0.1)
+    q[0, 1, 4] = 0.0
+    with pytest.raises(ValueError, match="q = 0"):
+        verify_greedy(Proposal(tokens=torch.tensor([[3, 4]]), lengths=torch.tensor([2]), q=q),
+                      torch.tensor([[3, 4, 5]]), 10)
+    with pytest.raises(DraftsmithError, match="draft tokens have shape"):
+        verify_greedy(prop, torch.zeros(1, 2, dtype=torch.long), 10)

@@ -17,8 +17,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from draftsmith.core.sampling import SamplingParams
-from draftsmith.core.verify import verify
-from draftsmith.core.warp import target_probs
+from draftsmith.core.verify import verify, verify_greedy
+from draftsmith.core.warp import argmax_rows, target_probs
 from draftsmith.drafters.base import Drafter, NoDrafter, TargetFeatures
 from draftsmith.core.request import Request, Status, StepInfo
 from draftsmith.errors import DraftsmithError
@@ -247,11 +247,15 @@ class Engine:
             ids[:, 1:] = proposal.tokens
         rows = torch.tensor([s.row for s in seqs])
         out = self.model(ids, self.cache, rows=rows, layer_ids=self._layer_ids)
-        p = target_probs(out.logits, [s.params for s in seqs])  # [B, 1+K, V]
-        # seeded requests: position-keyed coupling, so the output never depends on K or load
-        keys = [(s.params.seed, len(s.output_ids)) if s.params.seed is not None and self.config.reproducible_seeds
-                else None for s in seqs]
-        result = verify(proposal, p, [s.generator for s in seqs], keys)
+        if all(s.params.greedy for s in seqs):  # p one-hot at the argmax: the argmax is all verify needs
+            V = out.logits.shape[-1]
+            result = verify_greedy(proposal, argmax_rows(out.logits.reshape(-1, V)).view(len(seqs), 1 + K), V)
+        else:
+            p = target_probs(out.logits, [s.params for s in seqs])  # [B, 1+K, V]
+            # seeded requests: position-keyed coupling, so the output never depends on K or load
+            keys = [(s.params.seed, len(s.output_ids)) if s.params.seed is not None and self.config.reproducible_seeds
+                    else None for s in seqs]
+            result = verify(proposal, p, [s.generator for s in seqs], keys)
         finished: list[Request] = []
         committed_tokens = result.tokens.tolist()  # waits for the device: timings end here
         self.last_step = StepInfo(rows=len(seqs), block_len=1 + K, useful_tokens=len(seqs) + sum(lengths),
