@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from draftsmith.core.types import Proposal
-from draftsmith.core.warp import inverse_cdf, position_uniforms, sample_from, target_probs
+from draftsmith.core.warp import argmax_rows, inverse_cdf, position_uniforms, sample_from, target_probs
 from draftsmith.drafters.base import (
     DrafterRequestState, FeatureSpec, RequestStates, TargetFeatures, drafter_generator, pad_proposal,
 )
@@ -86,25 +86,30 @@ class DraftModelDrafter:
                     f"request {seqs[i].request_id!r} has committed only {seqs[i].num_tokens} (the drafter's "
                     "rollback invariant is broken)")
         logits = self._forward_last([seqs[i] for i in idx], feeds)  # [B', V]
+        all_greedy = all(seqs[i].params.greedy for i in active)
         while True:
-            # q is the draft distribution actually sampled from (one-hot when greedy).
-            q = target_probs(logits[:, None, :], [seqs[i].params for i in idx])[:, 0]  # [B', V]
-            for j, i in enumerate(idx):
-                s = seqs[i]
-                if s.params.greedy:
-                    tok = int(torch.argmax(q[j]))
-                elif s.params.seed is not None:  # the position's uniform, as verification couples it
-                    u = position_uniforms(s.params.seed, len(s.output_ids) + len(drafts[i]), 1, q.device)
-                    tok = int(inverse_cdf(q[j][None], u.to(q.dtype))[0])
-                else:
-                    tok = int(sample_from(q[j], self.states[s].drafter_gen))
-                drafts[i].append(tok)
-                step_q[i].append(q[j])
+            if all_greedy:  # each row's argmax (what the one-hot q below would pick); no q to keep
+                for i, tok in zip(idx, argmax_rows(logits.float()).tolist()):
+                    drafts[i].append(tok)
+            else:
+                # q is the draft distribution actually sampled from (one-hot when greedy).
+                q = target_probs(logits[:, None, :], [seqs[i].params for i in idx])[:, 0]  # [B', V]
+                for j, i in enumerate(idx):
+                    s = seqs[i]
+                    if s.params.greedy:
+                        tok = int(torch.argmax(q[j]))
+                    elif s.params.seed is not None:  # the position's uniform, as verification couples it
+                        u = position_uniforms(s.params.seed, len(s.output_ids) + len(drafts[i]), 1, q.device)
+                        tok = int(inverse_cdf(q[j][None], u.to(q.dtype))[0])
+                    else:
+                        tok = int(sample_from(q[j], self.states[s].drafter_gen))
+                    drafts[i].append(tok)
+                    step_q[i].append(q[j])
             idx = [i for i in idx if len(drafts[i]) < max_lengths[i]]
             if not idx:
                 break
             logits = self._forward_last([seqs[i] for i in idx], [[drafts[i][-1]] for i in idx])
-        if all(seqs[i].params.greedy for i in active):
+        if all_greedy:
             return pad_proposal(drafts)  # deterministic drafts: one-hot q, never materialised
         qs: list[torch.Tensor | None] = [torch.stack(step_q[i]) if i in step_q else None for i in range(len(seqs))]
         return pad_proposal(drafts, qs)
