@@ -327,7 +327,9 @@ class _RecordingSampler:
 def test_one_call_draft_layers_equal_the_layer_by_layer_forward(name, dtype, target, train_batch):
     """The block's draft layers as one kernel call each (drafters/block_step.py: the block's K/V
     written past the context, every key visible) compute what the two-part attention layers
-    compute: for one row and for a run of rows at one context length, fp32 and bf16, with q/k norm."""
+    compute: for one row and for a run of rows at one context length, fp32 and bf16, with q/k norm.
+    The fast drafter also projects its context through the one-pass norm kernel (_append), the
+    reference through the norm modules."""
     if one_call_reason(_build(target, name).backbone) is not None:
         pytest.skip(f"no one-call draft layers here: {one_call_reason(_build(target, name).backbone)}")
     if dtype == torch.bfloat16 and not torch.ops.draftsmith.has_bf16():

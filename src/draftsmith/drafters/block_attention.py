@@ -11,10 +11,14 @@ forward without ever seeing each other.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from draftsmith.models.decoder import MLP, DecoderConfig, RMSNorm
+
+NormFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]  # (x, weight, eps) → RMSNorm(x)
 from draftsmith.models.rope import apply_rope
 
 
@@ -88,11 +92,13 @@ class InjectedAttention(nn.Module):
             q = self.q_norm(q)
         return apply_rope(q, cos, sin)
 
-    def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [B, *S, d_in] → rotated keys and values [B, Hkv, *S, D]."""
+    def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  norm: NormFn | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, *S, d_in] → rotated keys and values [B, Hkv, *S, D]; `norm(x, weight, eps)`
+        replaces the k norm's module call (inference: the one-pass CPU kernel)."""
         k = split_heads(self.k_proj(x), self.n_kv, self.hd)
         if self.qk_norm:
-            k = self.k_norm(k)
+            k = self.k_norm(k) if norm is None else norm(k, self.k_norm.weight, self.k_norm.eps)
         v = split_heads(self.v_proj(x), self.n_kv, self.hd)
         return apply_rope(k, cos, sin), v
 

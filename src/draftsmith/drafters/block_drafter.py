@@ -23,6 +23,7 @@ from draftsmith.drafters.block import BlockBackbone
 from draftsmith.drafters.block_step import BlockStep, one_call_reason
 from draftsmith.drafters.feature_queue import FLUSH_TOKENS, FeatureQueueDrafter, FeatureRequestState
 from draftsmith.errors import DraftsmithError
+from draftsmith.models.decoder import rms_norm_kernel
 from draftsmith.models.kv_cache import KVCache
 from draftsmith.models.linear import pack_linears_for_inference_, warm_packed_linears_
 
@@ -107,7 +108,9 @@ class BlockDrafter(FeatureQueueDrafter):
             if int(self.cache.lengths[r]) + n > self.cache.max_len:
                 raise DraftsmithError(f"drafter context for row {r} would exceed {self.cache.max_len} tokens")
         pos = (starts[:, None] + torch.arange(S)[None, :]).to(self.device)
-        kvs = self.backbone.context_kv(self.backbone.context(feats.to(self.device, self.backbone.dtype)), pos)
+        norm = rms_norm_kernel if self.step is not None else None  # the CPU kernels run this backbone
+        bb = self.backbone
+        kvs = bb.context_kv(bb.context(feats.to(self.device, bb.dtype), norm), pos, norm)
         for layer, (k, v) in enumerate(kvs):
             kc, vc = self.cache.k[layer], self.cache.v[layer]
             for b, (r, n) in enumerate(zip(rows, counts)):
