@@ -88,6 +88,10 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=320)
     ap.add_argument("--budget", type=float, default=20.0, help="training minutes per drafter")
     ap.add_argument("--parallel", action="store_true", help="train the three at once, one thread each")
+    ap.add_argument("--steps", default="",
+                    help="fixed step counts instead of a probed budget, e.g. eagle3=10400,dflash=22100,dspark=20500 "
+                         "(sized to --budget CPU minutes from each recipe's measured CPU seconds per step: a probe of "
+                         "a few steps can miss a recipe whose step cost varies, and then its schedule is cut short)")
     ap.add_argument("--budget-clock", choices=("wall", "cpu"), default="wall",
                     help="cpu: --budget counts each trainer's CPU minutes (equal work for recipes that share "
                          "the machine; the curve's minutes are CPU minutes too)")
@@ -116,6 +120,15 @@ def main() -> int:
         if not sep or kind not in KINDS or "=" not in kv:
             raise SystemExit(f"--set {item!r}: expected KIND:KEY=VALUE with KIND one of {', '.join(KINDS)}")
         overrides[kind].append(kv)
+    steps: dict[str, int] = {}
+    for item in filter(None, (x.strip() for x in args.steps.split(","))):
+        kind, sep, n = item.partition("=")
+        if not sep or kind not in KINDS or not n.isdigit() or int(n) < 1:
+            raise SystemExit(f"--steps {item!r}: expected KIND=N with KIND one of {', '.join(KINDS)}, N >= 1")
+        steps[kind] = int(n)
+    if steps and set(steps) != set(KINDS):
+        raise SystemExit(f"--steps needs a count for each of {', '.join(KINDS)}")
+    clock = "cpu" if steps else args.budget_clock  # what the curve's minutes count
     curve = [float(x) for x in args.curve.split(",") if x.strip()]
     if curve and args.save_every is None:
         raise SystemExit("--curve needs --save-every N (checkpoints to choose from)")
@@ -152,8 +165,9 @@ def main() -> int:
                  if args.heldout_cache else [])
         if args.save_every:
             extra += [f"train.save_every={args.save_every}", "train.keep_checkpoints=100000"]
-        argv = {k: ("train", "--config", f"recipes/smollm2-135m-{k}.yaml", "--budget", f"{args.budget:g}",
-                    "--budget-clock", args.budget_clock,
+        sizing = {k: (f"train.max_steps={steps[k]}", "train.budget_minutes=null") if steps else
+                  ("--budget", f"{args.budget:g}", "--budget-clock", args.budget_clock) for k in todo}
+        argv = {k: ("train", "--config", f"recipes/smollm2-135m-{k}.yaml", *sizing[k],
                     f"out={w / k}", f"data.cache={cache}", *extra, *overrides[k],
                     *(["--resume"] if (w / k).is_dir() else [])) for k in todo}
         if args.parallel:
@@ -173,7 +187,7 @@ def main() -> int:
     for minutes in curve:
         out = w / f"curve-{minutes:g}min"
         stage(f"curve-{minutes:g}min", out / "report.json", lambda out=out, minutes=minutes: cli(
-            "eval", *[x for k in KINDS for x in ("--drafter", f"{k}:{nearest_checkpoint(w / k, minutes, args.budget_clock)[0]}")],
+            "eval", *[x for k in KINDS for x in ("--drafter", f"{k}:{nearest_checkpoint(w / k, minutes, clock)[0]}")],
             "--tasks", ",".join(WORKLOADS), "--max-prompts", str(args.eval_prompts), "--max-tokens",
             str(args.eval_tokens), "--temperature", "0", "--block-size", str(GAMMA), "--out", str(out)))
     for temp in ("0", "1"):
@@ -190,12 +204,12 @@ def main() -> int:
                 "--requests", str(args.bench_requests), "--max-tokens", str(args.bench_tokens), "--warmup", "1",
                 "--num-speculative-tokens", str(GAMMA), "--policy", policy, "--out", str(out)))
 
-    results = collect(w, regen, curve, args.budget_clock)
+    results = collect(w, regen, curve, clock)
     prev = w / "results.json"
     if prev.is_file():  # keep the times of stages an earlier run did (this one reused them)
         stage_s = {**json.loads(prev.read_text()).get("setup", {}).get("stage_s", {}), **stage_s}
     results["setup"] = {"samples": args.samples, "budget_minutes": args.budget, "parallel": args.parallel,
-                        "budget_clock": args.budget_clock,
+                        "budget_clock": clock, "steps": steps or None,
                         "regen": _rel(regen), "cache": _rel(cache), "overrides": overrides,
                         "heldout_cache": _rel(args.heldout_cache.resolve()) if args.heldout_cache else None,
                         "eval_prompts": args.eval_prompts, "eval_tokens": args.eval_tokens, "gamma": GAMMA,
@@ -334,22 +348,28 @@ def write_markdown(r: dict, section: str = "") -> None:
     lines = [begin, title, "",
              "`benchmarks/bench_drafters.py" + ("" if s.get("regen") and section else f" --samples {s['samples']}")
              + f" --budget {s['budget_minutes']:g}"
-             + (" --parallel" if s["parallel"] else "") + (" --budget-clock cpu" if cpu_clock else "") + flags + sets + "` (JSON: `benchmarks/results/"
+             + (" --parallel" if s["parallel"] else "")
+             + (" --steps " + ",".join(f"{k}={n}" for k, n in s["steps"].items()) if s.get("steps")
+                else " --budget-clock cpu" if cpu_clock else "") + flags + sets + "` (JSON: `benchmarks/results/"
              + (f"bench_drafters-{section}" if section else "bench_drafters") + ".json`). "
              f"Machine: {s['machine']}, no GPU. Data: {d['conversations']} regenerated train-split conversations "
              f"(code:0.4, chat:0.6; {d['tokens']} tokens, {d['trained_tokens']} of them target answers), one feature "
              f"cache (layers 1, 14, 27 + final) for all three. Training: each recipe for {s['budget_minutes']:g} "
-             + ("CPU minutes (its process's CPU time sets the step count and the stop)" if cpu_clock
+             + ("CPU minutes: a fixed step count sized from the recipe's CPU seconds per step measured under the "
+                "same load (each completes its learning-rate schedule; the CPU minutes it took are in the table)"
+                if s.get("steps") else
+                "CPU minutes (its process's CPU time sets the step count and the stop)" if cpu_clock
                 else "minutes of wall clock") + (", the three at once with one torch thread each (identical conditions)"
                                          if s["parallel"] else ", one after the other") + ".", "",
-             "| drafter | steps | CPU minutes | final loss | train acc@1 / expected acceptance "
+             "| drafter | steps | CPU minutes (training / process) | final loss | train acc@1 / expected acceptance "
              "| held-out at the end (teacher-forced) |", "|---|---|---|---|---|---|"]
     for k, t in r["train"].items():
         last = t["last"]
         acc = next((last[x] for x in ("acc@1", "accept") if x in last), None)
         ho = (t.get("heldout") or [{}])[-1]
         held = ", ".join(f"{x} {ho[x]:.3f}" for x in ("greedy", "greedy@1", "accept", "acc@1", "acc") if x in ho) or "–"
-        cpu = _f(t["cpu_s"] / 60, 0) if t.get("cpu_s") else "–"
+        cpu = (_f(last["train_cpu_s"] / 60, 1) if "train_cpu_s" in last else "–") + " / " + (
+            _f(t["cpu_s"] / 60, 1) if t.get("cpu_s") else "–")
         lines.append(f"| {names[k]} | {t['steps']} | {cpu} | {_f(last.get('loss'), 3)} | {_f(acc, 3)} | {held} |")
     if any(t.get("heldout") for t in r["train"].values()):
         lines += ["", "Held-out columns (train/evaluate.py, 24 held-out conversations, teacher-forced): `greedy` = the "
