@@ -272,16 +272,18 @@ def test_cpu_budget_counts_cpu_seconds_across_resumes(target_dir, cache_dir, tmp
         if step == 10:
             raise Crash
 
-    with pytest.raises(Crash):  # 30 s: the probe spends 5, so 0.95 * 25 / 1 s -> 23 steps
-        Trainer(cfg(0.5), CATALOGUE, hooks=[crash_at_10]).fit()
+    P = trainer_mod.PROBE_STEPS  # the probe spends P s
+    planned = int(0.95 * (60 - P) / 1.0)
+    with pytest.raises(Crash):  # 60 s: 0.95 * (60 - P) / 1 s steps
+        Trainer(cfg(1.0), CATALOGUE, hooks=[crash_at_10]).fit()
     meta = json.loads((out / "checkpoint-00000010" / "train_state" / "meta.json").read_text())
-    assert meta["total_steps"] == 23 and meta["cpu_s"] == pytest.approx(15.0)  # probe 5 + 10 steps
-    # resumed under an 18 s budget: 15 s were spent before, so it stops 4 steps later, not at 23
-    res = Trainer(cfg(0.3), CATALOGUE, resume=True).fit()
-    assert res.stopped_at_deadline and res.step == 14 and res.total_steps == 23
+    assert meta["total_steps"] == planned and meta["cpu_s"] == pytest.approx(P + 10.0)  # probe + 10 steps
+    # resumed under a budget of P + 14 s: P + 10 were spent before, so it stops 5 steps later
+    res = Trainer(cfg((P + 14) / 60), CATALOGUE, resume=True).fit()
+    assert res.stopped_at_deadline and res.step == 15 and res.total_steps == planned > 15
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, 15))
-    assert rows[-1]["cpu_s"] == pytest.approx(19.0) and rows[-1]["train_cpu_s"] == pytest.approx(19.0)
+    assert [r["step"] for r in rows] == list(range(1, 16))
+    assert rows[-1]["cpu_s"] == pytest.approx(P + 15.0) and rows[-1]["train_cpu_s"] == pytest.approx(P + 15.0)
 
 
 def test_cpu_budget_leaves_out_heldout_evaluation(target_dir, cache_dir, tmp_path, monkeypatch):
@@ -308,11 +310,14 @@ def test_cpu_budget_leaves_out_heldout_evaluation(target_dir, cache_dir, tmp_pat
     cfg = make_cfg(target_dir, cache_dir, tmp_path / "run", max_steps=None, epochs=100, budget_minutes=0.5,
                    budget_clock="cpu", save_every=5)
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, eval_cache=cache_dir, eval_samples=8))
-    res = Trainer(cfg, CATALOGUE).fit()  # probe 5 s -> 23 steps; 5 evaluations (3 s each) on top
-    assert not res.stopped_at_deadline and res.step == res.total_steps == 23
-    meta = json.loads((tmp_path / "run" / "checkpoint-00000023" / "train_state" / "meta.json").read_text())
-    # saved before its own step's evaluation: those of steps 5, 10, 15 and 20 are in cpu_s
-    assert meta["train_cpu_s"] == pytest.approx(28.0) and meta["cpu_s"] == pytest.approx(28.0 + 4 * 3.0)
+    P = trainer_mod.PROBE_STEPS
+    planned = int(0.95 * (30 - P) / 1.0)
+    res = Trainer(cfg, CATALOGUE).fit()  # evaluations (3 s each) every 5 steps on top of the plan
+    assert not res.stopped_at_deadline and res.step == res.total_steps == planned
+    meta = json.loads((tmp_path / "run" / f"checkpoint-{planned:08d}" / "train_state" / "meta.json").read_text())
+    evals_before = (planned - 1) // 5  # saved before its own step's evaluation
+    assert meta["train_cpu_s"] == pytest.approx(P + planned) and meta["cpu_s"] == pytest.approx(
+        P + planned + 3.0 * evals_before)
 
 
 def test_checkpoint_files_load_without_pickle(target_dir, cache_dir, tmp_path):
