@@ -48,6 +48,8 @@ def test_per_item_terms_match_definitions():
            for zi, ci in zip(z.tolist(), c.tolist())]
     assert confidence_bce(z, c).tolist() == pytest.approx(ref, rel=1e-5)
     assert forward_kl(tl, torch.softmax(tl, -1)).abs().max() < 1e-5  # zero at the optimum
+    # the target's Σ p log p given by the caller (EAGLE-3: once per batch) gives the same KL
+    torch.testing.assert_close(forward_kl(dl, tp, torch.xlogy(tp, tp).sum(-1)), forward_kl(dl, tp), atol=1e-6, rtol=1e-6)
 
 
 def _block_loss_reference(dl, tl, x, mask, z, gamma, coef):

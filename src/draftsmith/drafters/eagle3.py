@@ -235,8 +235,11 @@ class Eagle3Model(nn.Module):
             # Only the draft rows of the lm_head are computed (the softmax over them equals
             # the renormalised restriction of the full softmax).
             lm = self.head.lm_head[draft_ids.to(self.head.lm_head.device)] if self.reduced_vocab else self.head.lm_head
-            p_t = torch.softmax(F.linear(batch.final_hidden.to(lm.dtype), lm).float(), dim=-1)  # [B, T, Vd]
-        step_logits, step_targets = [], []
+            log_p_t = F.log_softmax(F.linear(batch.final_hidden.to(lm.dtype), lm).float(), dim=-1)  # [B, T, Vd]
+            p_t = log_p_t.exp()
+            neg_entropy = (p_t * log_p_t).sum(-1)  # [B, T] Σ p_t log p_t: the KL's constant, once for all steps
+            del log_p_t
+        step_logits, step_targets, step_neg_entropy = [], [], []
         parts: dict[str, float] = {}
         for i, h in enumerate(self.ttt_forward(batch)):
             tgt = t + 2 + i  # predicts x_{t+2+i}; the target's p from final_hidden[t+1+i]
@@ -245,10 +248,11 @@ class Eagle3Model(nn.Module):
             dl = self.draft_logits(h[rows, cols])  # [N, Vd]
             step_logits.append(dl)
             step_targets.append(p_t[rows, cols + 1 + i])
+            step_neg_entropy.append(neg_entropy[rows, cols + 1 + i])
             if i == 0 and rows.numel():
                 x_star = ids[rows, cols + 2]
                 parts["acc@1"] = float((draft_ids[dl.detach().argmax(-1)] == x_star).float().mean())
-        terms = ttt_loss(step_logits, step_targets, self.config.ttt_decay)
+        terms = ttt_loss(step_logits, step_targets, self.config.ttt_decay, step_neg_entropy)
         parts.update(terms.parts)
         return LossOutput(total=terms.total, parts=parts)
 

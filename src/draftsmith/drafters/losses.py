@@ -70,11 +70,16 @@ def l1_distance(p_draft: torch.Tensor, p_target: torch.Tensor) -> torch.Tensor:
     return (p_draft.float() - p_target.float()).abs().sum(-1)
 
 
-def forward_kl(draft_logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
-    """KL(p_t ‖ p_d) = Σ p_t (log p_t − log p_d): [N, V] logits, [N, V] probs → [N]."""
+def forward_kl(draft_logits: torch.Tensor, target_probs: torch.Tensor,
+               target_neg_entropy: torch.Tensor | None = None) -> torch.Tensor:
+    """KL(p_t ‖ p_d) = Σ p_t log p_t − Σ p_t log p_d: [N, V] logits, [N, V] probs → [N].
+    `target_neg_entropy` [N] = Σ p_t log p_t when the caller has it (a constant of the target:
+    EAGLE-3 computes it once per batch, not at each of its 7 steps over [N, V])."""
     log_pd = F.log_softmax(draft_logits.float(), dim=-1)
     pt = target_probs.float()
-    return (torch.xlogy(pt, pt) - pt * log_pd).sum(-1)
+    if target_neg_entropy is None:
+        return (torch.xlogy(pt, pt) - pt * log_pd).sum(-1)
+    return target_neg_entropy.float() - (pt * log_pd).sum(-1)
 
 
 def confidence_bce(conf_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -178,12 +183,13 @@ def ttt_loss(
     step_draft_logits: Sequence[torch.Tensor],  # per step i: [N_i, V'] draft logits
     step_target_probs: Sequence[torch.Tensor],  # per step i: [N_i, V'] target probs (same vocab)
     decay: float = 0.8,
+    step_target_neg_entropy: Sequence[torch.Tensor] | None = None,  # per step i: [N_i] Σ p_t log p_t
 ) -> LossTerms:
     """EAGLE-3: Σ_i decay^i · mean_n KL(p_t ‖ p_d) over each step's valid positions."""
     total: torch.Tensor | None = None
     parts: dict[str, float] = {}
     for i, (dl, tp) in enumerate(zip(step_draft_logits, step_target_probs)):
-        kl = forward_kl(dl, tp)
+        kl = forward_kl(dl, tp, None if step_target_neg_entropy is None else step_target_neg_entropy[i])
         step = kl.mean() if kl.numel() else dl.sum() * 0
         term = (decay**i) * step
         total = term if total is None else total + term
