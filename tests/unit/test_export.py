@@ -162,7 +162,7 @@ def _round_trip(tmp_path, target, model):
 # Non-default values for every training-only field (export/formats.py speculators_train_fields):
 # what the speculators config has no place for travels in the "draftsmith" block.
 _TRAIN = {
-    "eagle3": dict(ttt_decay=0.6),
+    "eagle3": dict(ttt_decay=0.6, freeze_lm_head=True),
     "dflash": dict(max_anchors=64, ce_weight=0.7, tv_weight=0.3, kl_weight=0.2, init_from_target=True,
                    position_decay=2.5),
     "dspark": dict(max_anchors=32, ce_weight=0.3, tv_weight=0.6, kl_weight=0.1, conf_weight=0.5,
