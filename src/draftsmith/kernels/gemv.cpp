@@ -804,6 +804,9 @@ inline void weighted_values(const E* vb, int64_t vst, float* const* sc, const in
   }
 }
 
+// Query rows of a task from which a bfloat16 key tile is widened once for all of them (fewer: per row).
+constexpr int64_t kWidenTileRows = 6;
+
 // rows / pos (attention_rows): query (b, s) reads cache row rows[b] of k / v and sees its keys
 // 0 .. pos[b, s] (mask and causal unused); otherwise batch row b reads k / v row b.
 template <typename E, int DV>
@@ -837,6 +840,7 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
     std::vector<float> l(QC);
     std::vector<float*> sc(QC);
     std::vector<E*> orow(QC);
+    std::vector<float> ktile(std::is_same<E, float>::value ? 0 : 16 * DV * 16);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / (KV * per_group), g = (t / per_group) % KV, i0 = (t % per_group) * QC;
       const int64_t nr = std::min(QC, NQ - i0);
@@ -853,9 +857,22 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
       const int64_t kr = rows ? rows[b] : b;
       const E* kb = kp + kr * ksb + g * ksh;
       const E* vb = vp + kr * vsb + g * vsh;
-      for (int64_t j0 = 0; j0 < hmax; j0 += 16)  // key tile outer: its 16 keys stay in L1 for every row
-        for (int64_t r = 0; r < nr; ++r)
-          if (j0 < hi[r]) score_tile<DV>(qs.data() + r * DV, kb, kst, j0, std::min<int64_t>(16, hi[r] - j0), sc[r]);
+      // bfloat16 keys, many rows: each tile's keys widened once into ktile (exact, so the same scores) rather
+      // than once per row; 62 -> ~50 us a layer for 8 queries x 3 heads over 208 keys, one core
+      const bool widen_tile = !std::is_same<E, float>::value && nr >= kWidenTileRows;
+      for (int64_t j0 = 0; j0 < hmax; j0 += 16) {  // key tile outer: its 16 keys stay in L1 for every row
+        if (widen_tile) {
+          const int64_t nj = std::min<int64_t>(16, hmax - j0);
+          for (int64_t i = 0; i < nj; ++i)
+            for (int d = 0; d < DV; ++d) v16::store(ktile.data() + i * DV * 16 + d * 16, v16::load(kb + (j0 + i) * kst + d * 16));
+          for (int64_t r = 0; r < nr; ++r)
+            if (j0 < hi[r])
+              score_tile<DV>(qs.data() + r * DV, ktile.data(), DV * 16, 0, std::min<int64_t>(16, hi[r] - j0), sc[r] + j0);
+        } else {
+          for (int64_t r = 0; r < nr; ++r)
+            if (j0 < hi[r]) score_tile<DV>(qs.data() + r * DV, kb, kst, j0, std::min<int64_t>(16, hi[r] - j0), sc[r]);
+        }
+      }
       for (int64_t r = 0; r < nr; ++r) {
         const bool* mr = mask && !pos ? mask + ((mask_b == 1 ? 0 : b) * S + (i0 + r) / G) * T : nullptr;
         l[r] = softmax_row(sc[r], hi[r], mr);
