@@ -79,8 +79,6 @@ class Eagle3Config:
             problems.append(f"draft_vocab_size must be a positive integer or null, got {self.draft_vocab_size!r}")
         if self.intermediate_size is not None and (not isinstance(self.intermediate_size, int) or self.intermediate_size < 1):
             problems.append(f"intermediate_size must be a positive integer or null, got {self.intermediate_size!r}")
-        if not isinstance(self.freeze_lm_head, bool):
-            problems.append(f"freeze_lm_head must be true or false, got {self.freeze_lm_head!r}")
         if not all(isinstance(i, int) and not isinstance(i, bool) for i in self.layer_ids):
             problems.append(f"layer_ids must be integers, got {self.layer_ids!r}")
         elif len(set(self.layer_ids)) != len(self.layer_ids):

@@ -267,15 +267,14 @@ class TrainData:
         self._stats.clear()  # a new function (a restored draft vocabulary): nothing kept holds
         if self.cfg.online:  # features come from a target forward per batch: computed with them, on first use
             return 0
-        todo = [w for w in (self.windows if windows is None else windows) if w not in self._stats]
+        todo = list(self.windows if windows is None else windows)
         # one buffer for all windows: thousands of small survivors allocated between each window's
         # short-lived logits pinned glibc's heap (a DSpark run on an 8.3 GB cache grew to 12 GB RSS)
         n = sum(w.end - w.start for w in todo)
         lse_all, top_all = torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=torch.long)
         off = 0
         for done, w in enumerate(todo, 1):  # shard by shard, as they were listed
-            fs = self.cache.features(self.samples[w.sample])
-            got = self.target_stats(fs.final_hidden[w.start:w.end].to(self.device, torch.float32))
+            got = self._compute_stats(w, self.cache.features(self.samples[w.sample]))
             if got is None:
                 self._stats[w] = None
             else:
@@ -289,10 +288,13 @@ class TrainData:
                 log_fn(f"target statistics: {done}/{len(todo)} windows")
         return len(todo)
 
+    def _compute_stats(self, w: Window, fs: FeatureSample) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self.target_stats(fs.final_hidden[w.start:w.end].to(self.device, torch.float32))
+
     def _window_stats(self, w: Window, fs: FeatureSample) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The model's target statistics of window `w`, computed on its first use."""
         if w not in self._stats:
-            got = self.target_stats(fs.final_hidden[w.start:w.end].to(self.device, torch.float32))
+            got = self._compute_stats(w, fs)
             self._stats[w] = None if got is None else (got[0].float().cpu(), got[1].long().cpu())
         return self._stats[w]
 
