@@ -8,7 +8,7 @@ Every stage is a plain `draftsmith` CLI call, skipped when its report exists (de
 
 1. eval   held-out HumanEval + MT-Bench, T = 0, γ = the drafter's block size: τ, conditional
           acceptance per position; n-gram prompt lookup as the training-free reference
-2. bench  batch 1 (concurrency 1), the default policy (fixed K = γ), T = 0, --tokens new tokens:
+2. bench  batch 1 (concurrency 1), the default policy (auto: the prefix scheduler, at most γ drafts), T = 0, --tokens new tokens:
           plain vs the drafter vs n-gram stepped side by side on held-out HumanEval, then MT-Bench;
           every speculative output is compared with plain decoding's (a difference voids it);
           --compare drafters (e.g. the previous built-in) join these two stages, side by side
@@ -155,7 +155,7 @@ def markdown(r: dict) -> str:
         lines.append(f"| {lab} | {_f(e['tasks'].get('humaneval'))} | {_f(e['tasks'].get('mtbench'))} | "
                      f"{_f(e['tau'])} | {_f(e['acceptance_rate'])} | {ca} |")
     lines += ["", f"Batch 1 wall clock (`draftsmith bench`, concurrency 1, {s['requests']} held-out requests × "
-              f"{s['tokens']} tokens, default policy = fixed K, plain decoding stepped side by side in the same run; "
+              f"{s['tokens']} tokens, default policy = auto (the prefix scheduler), plain decoding stepped side by side in the same run; "
               "speedup = tokens/s ÷ plain's):", "",
               "| workload | drafter | speedup | tokens/s | τ | acceptance | outputs = plain |", "|---|---|---|---|---|---|---|"]
     for wl, rows in r["bench"].items():

@@ -106,7 +106,10 @@ class LLM:
     target:   built-in alias (e.g. "smollm2-135m"), a local HF-format directory, or an already
               loaded target (`LLM(...).target`; device / dtype then come from it).
     drafter:  "none", "ngram", "draft-model:PATH", or a Drafter instance.
-    num_speculative_tokens / policy: draft length per round ("fixed" K or "heuristic").
+    num_speculative_tokens / policy: drafts per round: "auto" (default) = DSpark's prefix scheduler
+              with at most K drafts (it verifies a draft only where its expected gain pays for the
+              bigger forward on this machine; profiled once per machine), "fixed" = always K, or
+              another registered policy (draftsmith.policy.registry).
     dtype:    "float32" (CPU default), "bfloat16" (CUDA default; on CPUs with AVX512-BF16 / AMX).
     threads:  CPU threads for torch's kernels (default: the physical cores).
     reproducible_seeds: a seeded request gives one output whatever K, policy, batch or load
@@ -119,7 +122,7 @@ class LLM:
         target: str | LoadedTarget = "smollm2-135m",
         drafter: str | Drafter = "none",
         num_speculative_tokens: int = 5,
-        policy: str | DraftLengthPolicy = "fixed",
+        policy: str | DraftLengthPolicy = "auto",
         max_batch: int = 8,
         max_len: int = 2048,
         device: str | None = None,

@@ -76,7 +76,7 @@ def test_bench_tiny_end_to_end(tiny_model_dir, tmp_path):
     tiny = tiny_model_dir("llama", seed=21)
     assistant = tiny_model_dir("llama", seed=22, num_hidden_layers=1)
     out = tmp_path / "out"
-    cfg = BenchConfig(target=str(tiny), drafters=("ngram",), workload=str(_prompts(tmp_path)), concurrency=(1, 2),
+    cfg = BenchConfig(target=str(tiny), drafters=("ngram",), policy="fixed", workload=str(_prompts(tmp_path)), concurrency=(1, 2),
                       requests=3, max_tokens=16, warmup=1, peers=("hf",), peer_assistant=str(assistant),
                       dollars_per_hour=2.5, out=out, progress=False)
     path = run_bench(cfg, log=lambda m: None)
@@ -182,7 +182,7 @@ def test_bench_endpoint_mode_against_our_servers(tiny_model_dir, tmp_path):
 
     tiny = str(tiny_model_dir("llama", seed=23))
     plain = LLM(tiny, drafter="none", max_batch=4, max_len=256)
-    spec = LLM(tiny, drafter="ngram", num_speculative_tokens=4, max_batch=4, max_len=256)
+    spec = LLM(tiny, drafter="ngram", policy="fixed", num_speculative_tokens=4, max_batch=4, max_len=256)
     out = tmp_path / "out"
     with _ThreadServer(create_app(plain)) as u1, _ThreadServer(create_app(spec)) as u2:
         cfg = BenchConfig(workload=str(_prompts(tmp_path)), concurrency=(1, 2), requests=3, max_tokens=12, warmup=1,

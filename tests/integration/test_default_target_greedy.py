@@ -38,7 +38,7 @@ def plain_outputs(default_target_dir, prompts):
 
 @pytest.mark.parametrize("drafter", ["ngram", "draft-model:smollm2-135m", "dspark:smollm2-135m"])
 def test_speculative_equals_plain_greedy(default_target_dir, prompts, plain_outputs, drafter):
-    llm = LLM(str(default_target_dir), drafter=drafter, num_speculative_tokens=4, max_batch=16)
+    llm = LLM(str(default_target_dir), drafter=drafter, policy="fixed", num_speculative_tokens=4, max_batch=16)
     outs = llm.generate(prompts, SamplingParams(max_tokens=N_NEW, temperature=0))
     assert len(prompts) >= 32 and all(len(p) > 0 for p in plain_outputs)
     mismatches = [i for i, (o, ref) in enumerate(zip(outs, plain_outputs)) if o.token_ids != ref]
@@ -68,7 +68,7 @@ def test_bfloat16_speculative_equals_bfloat16_plain_greedy(default_target_dir, p
     sp = SamplingParams(max_tokens=N_NEW, temperature=0)
     plain = LLM(str(default_target_dir), drafter="none", dtype="bfloat16", max_batch=16)
     ref = [o.token_ids for o in plain.generate(prompts, sp)]
-    llm = LLM(str(default_target_dir), drafter="ngram", dtype="bfloat16", num_speculative_tokens=4, max_batch=16)
+    llm = LLM(str(default_target_dir), drafter="ngram", dtype="bfloat16", policy="fixed", num_speculative_tokens=4, max_batch=16)
     outs = llm.generate(prompts, sp)
     mismatches = [i for i, (o, r) in enumerate(zip(outs, ref)) if o.token_ids != r]
     assert not mismatches, f"bf16 n-gram: prompts {mismatches} differ from bf16 plain greedy"

@@ -96,7 +96,7 @@ def env(default_target_dir, tmp_path_factory):
     srv = subprocess.Popen(
         [sys.executable, "-m", "draftsmith", "serve", "--target", MODEL, "--drafter", "ngram",
          "--host", "127.0.0.1", "--port", str(port), "--max-len", str(MAX_LEN), "--max-batch", "8",
-         "--num-speculative-tokens", "4", "--log-level", "warning"],
+         "--num-speculative-tokens", "4", "--policy", "fixed", "--log-level", "warning"],
         stdout=open(srv_log, "w"), stderr=subprocess.STDOUT, env=base_env,
     )
     cli = subprocess.Popen(

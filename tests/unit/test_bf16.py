@@ -35,7 +35,7 @@ def test_bf16_greedy_equals_bf16_plain(tiny, tiny_draft, drafter):
     assert plain.target.model.dtype == torch.bfloat16
     cache = plain.engine.cache
     assert cache.k[0].dtype == torch.bfloat16  # the KV cache is kept in the model's dtype
-    spec = LLM(str(tiny), dtype="bfloat16", drafter=drafter, num_speculative_tokens=4, max_batch=4, max_len=128)
+    spec = LLM(str(tiny), dtype="bfloat16", drafter=drafter, policy="fixed", num_speculative_tokens=4, max_batch=4, max_len=128)
     ref = [o.token_ids for o in plain.generate(PROMPTS, params)]
     assert [o.token_ids for o in spec.generate(PROMPTS, params)] == ref
     stats = spec.last_stats
@@ -57,7 +57,7 @@ class _SharpenedQ(ForwardingDrafter):
 
 
 def _pvalues(tiny, tiny_draft, wrap) -> tuple[dict[str, float], float]:
-    llm = LLM(str(tiny), dtype="bfloat16", drafter=f"draft-model:{tiny_draft}", num_speculative_tokens=3,
+    llm = LLM(str(tiny), dtype="bfloat16", drafter=f"draft-model:{tiny_draft}", policy="fixed", num_speculative_tokens=3,
               max_batch=64, max_len=32)
     assert llm.drafter.model.dtype == torch.bfloat16  # the draft model follows the target's dtype
     llm.engine.drafter = wrap(llm.engine.drafter)

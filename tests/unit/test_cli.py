@@ -107,7 +107,7 @@ def test_every_job_help_shows_defaults():
         assert "example:\n  draftsmith " + name in parser.format_help(), name
     generate = " ".join(jobs["generate"].format_help().split())
     assert "--max-len MAX_LEN context limit per prompt (prompt + output) (default: 2048)" in generate
-    assert "(default: none)" in generate and "(default: fixed)" in generate  # --drafter, --policy
+    assert "(default: none)" in generate and "(default: auto)" in generate  # --drafter, --policy
 
 
 def test_top_level_help_lists_jobs_in_pipeline_order():

@@ -264,7 +264,7 @@ def assert_rollback_exact(report: Report) -> None:
 
 def _run(target, drafter, params) -> Recorder:
     rec = Recorder(drafter)
-    llm = LLM(target, drafter=rec, num_speculative_tokens=K, max_batch=3, max_len=MAX_LEN)
+    llm = LLM(target, drafter=rec, policy="fixed", num_speculative_tokens=K, max_batch=3, max_len=MAX_LEN)
     outs = llm.generate(PROMPTS, params)
     assert [len(o.token_ids) for o in outs] == [p.max_tokens for p in params]
     return rec
@@ -375,7 +375,7 @@ def test_negative_control_broken_rollback_is_detected(kind, target, draft_model,
     else:
         broken = RejectedFeatures(make(3))
     rec = Recorder(broken)
-    llm = LLM(target, drafter=rec, num_speculative_tokens=K, max_batch=3, max_len=MAX_LEN)
+    llm = LLM(target, drafter=rec, policy="fixed", num_speculative_tokens=K, max_batch=3, max_len=MAX_LEN)
     outs = llm.generate(PROMPTS, GREEDY)
     # lossless all the same: only the drafts (and acceptance) suffer
     plain = LLM(target, max_batch=3, max_len=MAX_LEN).generate(PROMPTS, GREEDY)

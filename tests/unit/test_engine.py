@@ -58,7 +58,7 @@ def test_speculative_greedy_equals_plain(tiny, tiny_draft, drafter, policy):
 
 def test_max_tokens_never_exceeded_even_when_block_overshoots(tiny):
     # Self-draft: every block is fully accepted, so a block would overshoot without capping.
-    llm = LLM(str(tiny), drafter=f"draft-model:{tiny}", num_speculative_tokens=7, max_len=256)
+    llm = LLM(str(tiny), drafter=f"draft-model:{tiny}", policy="fixed", num_speculative_tokens=7, max_len=256)
     plain = LLM(str(tiny), drafter="none", max_len=256)
     for n in (1, 2, 3, 7, 8, 9, 13):
         out = llm.generate([PROMPTS[0]], greedy(n, ignore_eos=True))[0]
@@ -74,7 +74,7 @@ def test_stop_token_inside_accepted_block(tiny):
     j = 17
     stop_id = ref[j]
     first = ref.index(stop_id)  # the stop fires at its first occurrence
-    llm = LLM(str(tiny), drafter=f"draft-model:{tiny}", num_speculative_tokens=6, max_len=256)
+    llm = LLM(str(tiny), drafter=f"draft-model:{tiny}", policy="fixed", num_speculative_tokens=6, max_len=256)
     out = llm.generate([PROMPTS[1]], greedy(40, ignore_eos=True, stop_token_ids=(stop_id,)))[0]
     assert out.token_ids == ref[: first + 1]
     assert out.finish_reason == "stop"
@@ -88,7 +88,7 @@ def test_stop_string_inside_accepted_block(tiny):
     stop = text[12:15]
     cut = text.find(stop)
     assert cut >= 0
-    llm = LLM(str(tiny), drafter=f"draft-model:{tiny}", num_speculative_tokens=6, max_len=256)
+    llm = LLM(str(tiny), drafter=f"draft-model:{tiny}", policy="fixed", num_speculative_tokens=6, max_len=256)
     out = llm.generate([PROMPTS[2]], greedy(40, ignore_eos=True, stop=(stop,)))[0]
     assert out.finish_reason == "stop"
     assert out.text == text[:cut]
@@ -101,7 +101,7 @@ def test_stop_string_inside_accepted_block(tiny):
 def test_prompt_near_context_limit(tiny):
     """The engine stops a row at its context limit (finish "length"); the front door, like the
     server and vLLM, refuses a request that cannot fit before running anything."""
-    llm = LLM(str(tiny), drafter=f"draft-model:{tiny}", num_speculative_tokens=7, max_len=64)
+    llm = LLM(str(tiny), drafter=f"draft-model:{tiny}", policy="fixed", num_speculative_tokens=7, max_len=64)
     prompt = list(range(3, 63))  # 60 tokens, room for 4 more
     seq = llm.engine.add_request(prompt, greedy(100, ignore_eos=True))
     while not seq.finished:
@@ -136,7 +136,7 @@ class _BadDrafter:
 
 
 def test_draft_id_outside_vocab_is_a_clear_error(tiny):
-    llm = LLM(str(tiny), drafter=_BadDrafter(10_000), num_speculative_tokens=1, max_len=256)
+    llm = LLM(str(tiny), drafter=_BadDrafter(10_000), policy="fixed", num_speculative_tokens=1, max_len=256)
     with pytest.raises(DraftsmithError, match="10000"):
         llm.generate(["abc"], greedy(4))
 
@@ -213,7 +213,7 @@ def test_bad_sampling_params_are_clear_errors():
 def test_llms_can_share_one_loaded_target(tiny):
     """LLM(target=<a loaded target>) reuses its weights (no second copy) and gives the same output."""
     plain = LLM(str(tiny), drafter="none", max_len=256)
-    spec = LLM(plain.target, drafter="ngram", num_speculative_tokens=4, max_len=256)
+    spec = LLM(plain.target, drafter="ngram", policy="fixed", num_speculative_tokens=4, max_len=256)
     assert spec.target.model is plain.target.model
     ref = [o.token_ids for o in plain.generate(PROMPTS, greedy(24))]
     assert [o.token_ids for o in spec.generate(PROMPTS, greedy(24))] == ref
@@ -248,7 +248,7 @@ def test_eos_accepted_inside_a_draft_block_at_batch_4(tiny):
 
     solo = [with_eos(LLM(str(tiny), max_len=256)).generate([p], greedy(40))[0].token_ids for p in PROMPTS]
     assert solo[0] == out0[: out0.index(eos) + 1]
-    spec = with_eos(LLM(str(tiny), drafter=f"draft-model:{tiny}", num_speculative_tokens=8, max_batch=4, max_len=256))
+    spec = with_eos(LLM(str(tiny), drafter=f"draft-model:{tiny}", policy="fixed", num_speculative_tokens=8, max_batch=4, max_len=256))
     log = spec.engine.drafter = _VerifiedLog(spec.engine.drafter)
     outs = spec.generate(PROMPTS, greedy(40))
     assert [o.token_ids for o in outs] == solo
@@ -272,7 +272,7 @@ def test_context_limit_mid_block_and_abort_then_row_reuse_at_batch_3(tiny, draft
     block, another is aborted mid-run and its row is reused by a new request; every row that
     finishes equals its solo plain run."""
     max_len = 64
-    llm = LLM(str(tiny), drafter=drafter.replace("SELF", str(tiny)), num_speculative_tokens=8,
+    llm = LLM(str(tiny), drafter=drafter.replace("SELF", str(tiny)), policy="fixed", num_speculative_tokens=8,
               max_batch=3, max_len=max_len)
     eng = llm.engine
     enc = [llm.encode(p) for p in PROMPTS]
@@ -301,7 +301,7 @@ def test_stop_string_spanning_a_round_boundary_at_batch_2(tiny):
     the log of the run, not assumed."""
     params = greedy(40, ignore_eos=True)
     ref = LLM(str(tiny), max_len=256).generate([PROMPTS[1]], params)[0].token_ids
-    spec = LLM(str(tiny), drafter=f"draft-model:{tiny}", num_speculative_tokens=4, max_batch=2, max_len=256)
+    spec = LLM(str(tiny), drafter=f"draft-model:{tiny}", policy="fixed", num_speculative_tokens=4, max_batch=2, max_len=256)
     log = spec.engine.drafter = _VerifiedLog(spec.engine.drafter)
     spec.generate([PROMPTS[1]], params)
     committed = [m + 1 for p, _, m in log.rounds]  # tokens committed per round (prefill gave 1)
@@ -312,7 +312,7 @@ def test_stop_string_spanning_a_round_boundary_at_batch_2(tiny):
     stop = left[-1] + right[len(left)]  # last character of round 1 + first character of round 2
     first = dec(ref).find(stop)
     assert first == len(left) - 1, "the stop string must first occur across the boundary"
-    spec2 = LLM(str(tiny), drafter=f"draft-model:{tiny}", num_speculative_tokens=4, max_batch=2, max_len=256)
+    spec2 = LLM(str(tiny), drafter=f"draft-model:{tiny}", policy="fixed", num_speculative_tokens=4, max_batch=2, max_len=256)
     outs = spec2.generate([PROMPTS[1], PROMPTS[2]], [greedy(40, ignore_eos=True, stop=(stop,)), params])
     assert outs[0].finish_reason == "stop" and outs[0].text == dec(ref)[:first]
     assert outs[0].token_ids == ref[: boundary + 1]  # ends with the token that completed it
@@ -369,7 +369,7 @@ class _ConsumingDrafter(ForwardingDrafter):
 
 @pytest.mark.parametrize("consumes", [False, True])
 def test_drafting_time_excludes_consumed_context_features(tiny, consumes):
-    llm = LLM(str(tiny), drafter="ngram", num_speculative_tokens=3)
+    llm = LLM(str(tiny), drafter="ngram", policy="fixed", num_speculative_tokens=3)
     llm.engine.drafter = _ConsumingDrafter(llm.engine.drafter, consumes)
     seq = llm.engine.add_request(llm.tokenizer.encode(PROMPTS[0]), greedy(4, ignore_eos=True))
     llm.engine.step()

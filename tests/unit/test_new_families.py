@@ -376,7 +376,7 @@ def test_engine_greedy_equals_hf_and_ngram_speculation_equals_plain(tiny_model_d
             ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
                               eos_token_id=None, pad_token_id=0)
         assert out.token_ids == ref[0, ids.shape[1]:].tolist(), prompt
-    spec_llm = LLM(str(path), drafter="ngram", num_speculative_tokens=4, max_len=128)
+    spec_llm = LLM(str(path), drafter="ngram", policy="fixed", num_speculative_tokens=4, max_len=128)
     spec = spec_llm.generate(PROMPTS, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert spec_llm.last_stats.draft_proposed > 0  # drafts were verified, not only plain steps
@@ -425,7 +425,7 @@ def test_tiny_dspark_trains_and_drafts_losslessly(tiny_model_dir, family):
 
     tests = prompts[:4] + PROMPTS  # greedy runs it has seen, and text it has not
     plain = LLM(target, max_batch=4, max_len=128).generate(tests, greedy)
-    llm = LLM(target, drafter=model.make_drafter(target.model, 4, 128), num_speculative_tokens=4, max_batch=4,
+    llm = LLM(target, drafter=model.make_drafter(target.model, 4, 128), policy="fixed", num_speculative_tokens=4, max_batch=4,
               max_len=128)
     spec = llm.generate(tests, greedy)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]

@@ -39,7 +39,7 @@ def test_a_toy_kind_trains_generates_and_evaluates(toy, tiny_model_dir, tmp_path
 
     spec = f"toy:{tmp_path / 'run'}"
     capsys.readouterr()
-    assert cli.main(["generate", "--target", str(target), "--drafter", spec, "--prompt", "ab",
+    assert cli.main(["generate", "--target", str(target), "--drafter", spec, "--policy", "fixed", "--prompt", "ab",
                      "--max-new-tokens", "12", "--json"]) == 0
     spec_out = json.loads(capsys.readouterr().out)
     assert cli.main(["generate", "--target", str(target), "--prompt", "ab", "--max-new-tokens", "12", "--json"]) == 0

@@ -174,7 +174,7 @@ def _first_two_pvalues(target_dir, target, drafter, reproducible_seeds=False,
                        prompt: list[int] = PROMPT) -> tuple[dict[str, float], float]:
     # reproducible_seeds=False: seeded requests take the rejection rule (where q matters);
     # True: position-keyed coupling (q plays no part; tested below)
-    llm = LLM(str(target_dir), drafter=drafter, num_speculative_tokens=4, max_batch=64, max_len=64,
+    llm = LLM(str(target_dir), drafter=drafter, policy="fixed", num_speculative_tokens=4, max_batch=64, max_len=64,
               reproducible_seeds=reproducible_seeds)
     params = [SamplingParams(max_tokens=3, temperature=1.0, seed=i, ignore_eos=True) for i in range(N_SAMPLES)]
     outs = llm.generate([prompt] * N_SAMPLES, params)
@@ -216,7 +216,7 @@ def test_training_learns_and_leaves_the_target_alone(name, target, trained):
 def test_greedy_equals_plain_greedy(name, target_dir, target, trained):
     model, _ = trained(name)
     plain = LLM(str(target_dir), max_batch=4, max_len=128).generate(TEXT_PROMPTS, SamplingParams(max_tokens=32, temperature=0))
-    llm = LLM(str(target_dir), drafter=model.make_drafter(target.model, 4, 128), num_speculative_tokens=5,
+    llm = LLM(str(target_dir), drafter=model.make_drafter(target.model, 4, 128), policy="fixed", num_speculative_tokens=5,
               max_batch=4, max_len=128)
     spec = llm.generate(TEXT_PROMPTS, SamplingParams(max_tokens=32, temperature=0))
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
@@ -561,7 +561,7 @@ def test_packed_blocks_never_see_each_other(target, train_batch):
 def test_mixed_batch_confidences_and_one_hot_greedy_rows(target_dir, target, trained):
     model, _ = trained("dspark")
     rec = Recorder(model.make_drafter(target.model, 4, 64))
-    llm = LLM(str(target_dir), drafter=rec, num_speculative_tokens=4, max_batch=4, max_len=64)
+    llm = LLM(str(target_dir), drafter=rec, policy="fixed", num_speculative_tokens=4, max_batch=4, max_len=64)
     llm.generate(TEXT_PROMPTS[:2], [SamplingParams(max_tokens=12, temperature=0.0),
                                     SamplingParams(max_tokens=12, temperature=1.0, seed=1)])
     # Proposal contract (core/types.py): q may be None only when every row that drafted is
@@ -595,7 +595,7 @@ def test_lookup_first_greedy_equals_plain_and_mixes_both_sources(target_dir, tar
     model, _ = trained("dspark")
     plain = LLM(str(target_dir), max_batch=4, max_len=128).generate(TEXT_PROMPTS, SamplingParams(max_tokens=32, temperature=0))
     drafter = LookupFirstDrafter(model.make_drafter(target.model, 4, 128))
-    llm = LLM(str(target_dir), drafter=drafter, num_speculative_tokens=5, max_batch=4, max_len=128)
+    llm = LLM(str(target_dir), drafter=drafter, policy="fixed", num_speculative_tokens=5, max_batch=4, max_len=128)
     spec = llm.generate(TEXT_PROMPTS, SamplingParams(max_tokens=32, temperature=0))
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert drafter.lookup_rounds > 0 and drafter.model_rounds > 0  # both sources drafted
@@ -607,7 +607,7 @@ def test_lookup_first_mixed_batch_q_and_confidences(target_dir, target, trained)
     of lookup rows are the wrapper's running acceptance of its own lookup drafts."""
     model, _ = trained("dspark")
     rec = Recorder(LookupFirstDrafter(model.make_drafter(target.model, 4, 64), LookupFirstConfig(min_match=1)))
-    llm = LLM(str(target_dir), drafter=rec, num_speculative_tokens=4, max_batch=4, max_len=64)
+    llm = LLM(str(target_dir), drafter=rec, policy="fixed", num_speculative_tokens=4, max_batch=4, max_len=64)
     llm.generate(TEXT_PROMPTS, SamplingParams(max_tokens=16, temperature=1.0, seed=3))
     inner = rec.inner
     mixed = 0
@@ -669,7 +669,7 @@ def test_checkpoint_round_trip(name, tmp_path, target_dir, target, trained):
     params = [SamplingParams(max_tokens=16, temperature=1.0, seed=i) for i in range(4)]
     outs = []
     for d in (model.make_drafter(target.model, 4, 64), load_trained_drafter(tmp_path, target, 4, 64)):
-        llm = LLM(str(target_dir), drafter=d, num_speculative_tokens=4, max_batch=4, max_len=64)
+        llm = LLM(str(target_dir), drafter=d, policy="fixed", num_speculative_tokens=4, max_batch=4, max_len=64)
         outs.append(([o.token_ids for o in llm.generate(TEXT_PROMPTS, params)], llm.last_stats.draft_accepted))
     assert outs[0] == outs[1]
     saved = json.loads((tmp_path / "config.json").read_text())
@@ -715,7 +715,7 @@ def test_calibration_temperatures_rescale_confidences(tmp_path, target_dir, targ
     runs = []
     for d in (model.make_drafter(target.model, 4, 64), load_trained_drafter(tmp_path, target, 4, 64)):
         rec = Recorder(d)
-        LLM(str(target_dir), drafter=rec, num_speculative_tokens=4, max_batch=4, max_len=64).generate(
+        LLM(str(target_dir), drafter=rec, policy="fixed", num_speculative_tokens=4, max_batch=4, max_len=64).generate(
             TEXT_PROMPTS, SamplingParams(max_tokens=12, temperature=0.0))
         runs.append([p for _, p in rec.proposals if p.max_len])
     assert runs[0] and len(runs[0]) == len(runs[1])

@@ -101,7 +101,7 @@ class BenchConfig:
     repeats: int = 1  # interleaved repetitions of each tier (ratio spread across them)
     seed: int = 0
     num_speculative_tokens: int | None = None  # K; default: checkpoint block size, else 5
-    policy: str = "fixed"
+    policy: str = "auto"
     endpoints: tuple[EndpointSpec, ...] = ()
     endpoint_model: str | None = None
     request_timeout: float = 600.0

@@ -33,7 +33,7 @@ def add_parser(sub) -> None:
     b.add_argument("--seed", type=int, default=0, help="prompt-selection and sampling seed")
     b.add_argument("--num-speculative-tokens", "-k", type=positive_int, default=None,
                    help="draft length K (default: the checkpoint's block size, else 5)")
-    b.add_argument("--policy", default="fixed", type=policy_arg, metavar="POLICY[:KEY=VALUE,...]",
+    b.add_argument("--policy", default="auto", type=policy_arg, metavar="POLICY[:KEY=VALUE,...]",
                    help=policy_help())
     b.add_argument("--endpoint", action="append", default=[], metavar="[LABEL=]URL",
                    help="benchmark an OpenAI-compatible server instead (repeatable; label `none` = the baseline)")

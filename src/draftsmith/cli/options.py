@@ -74,7 +74,7 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
     """--drafter / --num-speculative-tokens / --policy, from the registries (generate, serve)."""
     p.add_argument("--drafter", default="none", help=registry.usage())
     p.add_argument("--num-speculative-tokens", "-k", type=int, default=5, help="draft length K")
-    p.add_argument("--policy", default="fixed", type=policy_arg, metavar="POLICY[:KEY=VALUE,...]",
+    p.add_argument("--policy", default="auto", type=policy_arg, metavar="POLICY[:KEY=VALUE,...]",
                    help=policy_help())
     p.add_argument("--reproducible-seeds", action=argparse.BooleanOptionalAction, default=True,
                    help="a seeded request gives one output whatever K, policy, batch or load (position-keyed "

@@ -78,6 +78,8 @@ def register(kind: PolicyKind, replace: bool = False) -> PolicyKind:
 
 
 for _p in (
+    PolicyKind("auto", "the default: prefix-scheduler where a drafter drafts, fixed for plain decoding (no drafter)",
+               _prefix_scheduler),
     PolicyKind("fixed", "always K drafts", lambda k, t, b: FixedK(k)),
     PolicyKind("heuristic", "grow K after a fully accepted round, shrink after a rejection",
                lambda k, t, b: HeuristicK(initial=min(k, 16), max_k=max(16, k))),
