@@ -226,7 +226,7 @@ def test_bench_sigkill_then_resume(tiny_model_dir, tmp_path, capsys):
     tiny = tiny_model_dir("llama", seed=24)
     out = tmp_path / "out"
     results = out / "results.jsonl"
-    args = ["--target", str(tiny), "--drafter", "ngram", "--workload", str(_prompts(tmp_path)), "--concurrency",
+    args = ["--target", str(tiny), "--drafter", "ngram", "--policy", "fixed", "--workload", str(_prompts(tmp_path)), "--concurrency",
             "1,2,4", "--requests", "4", "--max-tokens", "24", "--warmup", "0", "--out", str(out), "--no-progress"]
     proc = subprocess.Popen(_cli(*args), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:

@@ -14,7 +14,7 @@ pytest.importorskip("llama_cpp")
 
 
 def test_llamacpp_peer_runs_the_same_weights(default_target_dir, tmp_path):
-    cfg = BenchConfig(target="smollm2-135m", drafters=("ngram",), workload="humaneval", concurrency=(1,),
+    cfg = BenchConfig(target="smollm2-135m", drafters=("ngram",), policy="fixed", workload="humaneval", concurrency=(1,),
                       requests=2, max_tokens=24, warmup=1, peers=("llamacpp",), dtype="float32",
                       out=tmp_path / "out", progress=False)
     rep = json.loads(run_bench(cfg, log=lambda m: None).read_text())

@@ -100,7 +100,7 @@ def env(default_target_dir, tmp_path_factory):
         stdout=open(srv_log, "w"), stderr=subprocess.STDOUT, env=base_env,
     )
     cli = subprocess.Popen(
-        [sys.executable, "-m", "draftsmith", "generate", "--target", MODEL, "--drafter", "ngram",
+        [sys.executable, "-m", "draftsmith", "generate", "--target", MODEL, "--drafter", "ngram", "--policy", "fixed",
          "--prompt", CLI_PROMPT, "--max-new-tokens", str(MAX_TOKENS), "--temperature", "0", "--json"],
         stdout=open(cli_out, "w"), stderr=open(cli_err, "w"), env=base_env,
     )

@@ -40,7 +40,7 @@ def test_builtin_name_resolves_loads_and_is_listed(fake_root, tmp_path, monkeypa
     assert kind.name == "dspark" and Path(arg) == root / "dspark" / "tiny"
     assert builtin.builtin_specs() == ["dspark:tiny"] and builtin.builtin_specs("eagle3") == []
     assert "built-in: dspark:tiny" in registry.usage()
-    llm = LLM(str(target_dir), drafter="dspark:tiny", num_speculative_tokens=3, max_len=64)
+    llm = LLM(str(target_dir), policy="fixed", drafter="dspark:tiny", num_speculative_tokens=3, max_len=64)
     plain = LLM(str(target_dir), max_len=64)
     p = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     assert llm.generate(["hello"], p)[0].token_ids == plain.generate(["hello"], p)[0].token_ids
@@ -64,7 +64,7 @@ def test_lookup_wraps_a_builtin_by_its_spec(fake_root):
     root, target_dir, target = fake_root
     kind, arg = registry.parse_spec("lookup:dspark:tiny")
     assert kind.name == "lookup" and arg == "dspark:tiny"
-    llm = LLM(str(target_dir), drafter="lookup:dspark:tiny", num_speculative_tokens=3, max_len=64)
+    llm = LLM(str(target_dir), policy="fixed", drafter="lookup:dspark:tiny", num_speculative_tokens=3, max_len=64)
     assert llm.drafter.name == "lookup+dspark"
     plain = LLM(str(target_dir), max_len=64)
     p = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -89,7 +89,7 @@ def test_damaged_builtin_is_refused(fake_root, tiny_model_dir):
     data[-20] ^= 0x01  # inside the last tensor's bytes
     f.write_bytes(bytes(data))
     with pytest.raises(DraftsmithError, match="content hash"):
-        LLM(str(target_dir), drafter="dspark:tiny", max_len=64)
+        LLM(str(target_dir), policy="fixed", drafter="dspark:tiny", max_len=64)
     # weights without a content hash cannot be checked: refused
     from safetensors.torch import save_file
 

@@ -34,7 +34,7 @@ def test_cuda_bf16_greedy_equals_plain(tiny, drafter):
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     plain = LLM(str(tiny), device="cuda", max_batch=4, max_len=128)
     assert plain.target.model.dtype == torch.bfloat16  # the CUDA default
-    spec = LLM(str(tiny), device="cuda", drafter=drafter, num_speculative_tokens=4, max_batch=4, max_len=128)
+    spec = LLM(str(tiny), policy="fixed", device="cuda", drafter=drafter, num_speculative_tokens=4, max_batch=4, max_len=128)
     ref = [o.token_ids for o in plain.generate(PROMPTS, params)]
     assert [o.token_ids for o in spec.generate(PROMPTS, params)] == ref
     assert spec.last_stats.draft_accepted > 0

@@ -157,7 +157,7 @@ def test_empty_proposals_are_plain_decoding(tiny):
 
     plain = LLM(str(tiny), drafter="none", max_len=256).generate(["z"], greedy(8))[0]
     rec = Recorder(NgramDrafter(NgramConfig()))
-    out = LLM(str(tiny), drafter=rec, max_len=256).generate(["z"], greedy(8))[0]
+    out = LLM(str(tiny), policy="fixed", drafter=rec, max_len=256).generate(["z"], greedy(8))[0]
     assert out.token_ids == plain.token_ids
     assert 0 in rec.lengths  # the case the test is named for happened (issue 16)
 

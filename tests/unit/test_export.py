@@ -141,7 +141,7 @@ def test_block_drafter_of_a_llama_target_exports_with_qk_norm_layers(tmp_path, l
     assert {"layers.0.self_attn.q_norm.weight", "layers.0.self_attn.k_norm.weight"} <= set(t)
     ckpt = tmp_path / "ckpt"
     p = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    spec = LLM(str(llama.path), drafter=f"dspark:{ckpt}", max_len=64).generate(["hi there"], p)[0].token_ids
+    spec = LLM(str(llama.path), policy="fixed", drafter=f"dspark:{ckpt}", max_len=64).generate(["hi there"], p)[0].token_ids
     assert spec == LLM(str(llama.path), max_len=64).generate(["hi there"], p)[0].token_ids
     with pytest.raises(DraftsmithError, match="drafter.qk_norm=true"):  # the default follows the target
         _export(tmp_path / "b", llama, dspark.build(llama.model, dspark.DSparkConfig(block_size=3, num_layers=1,
@@ -235,7 +235,7 @@ def test_speculators_import_inverts_export(tmp_path, llama, qwen3, which):
     p = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     runs = []
     for ckpt in (tmp_path / "ckpt", back):
-        llm = LLM(str(target.path), drafter=f"{model.config.kind}:{ckpt}", max_len=64)
+        llm = LLM(str(target.path), policy="fixed", drafter=f"{model.config.kind}:{ckpt}", max_len=64)
         runs.append((llm.generate(["abc abc abc", "hello"], p)[1].token_ids, llm.last_stats.draft_accepted))
     assert runs[0] == runs[1]
     cfg = json.loads((src / "config.json").read_text())

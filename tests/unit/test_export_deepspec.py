@@ -168,7 +168,7 @@ def _greedy(target, spec):
 
     threads = torch.get_num_threads()
     try:
-        llm = LLM(str(target.path), drafter=spec, max_len=64, threads=1)
+        llm = LLM(str(target.path), policy="fixed", drafter=spec, max_len=64, threads=1)
         out = llm.generate(["abc abc abc", "hello"], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
         return [o.token_ids for o in out], llm.last_stats.draft_accepted
     finally:

@@ -151,7 +151,7 @@ def test_generate_and_eval_take_a_foreign_directory(exports, qwen3, tmp_path, ca
     """The z-lab export as --drafter dflash:DIR: generate drafts and stays lossless, eval
     measures it with the draft length read from the foreign config."""
     spec = f"dflash:{exports['dflash-native']}"
-    args = ["generate", "--target", str(qwen3.path), "--prompt", "ab", "--max-new-tokens", "10", "--json"]
+    args = ["generate", "--target", str(qwen3.path), "--policy", "fixed", "--prompt", "ab", "--max-new-tokens", "10", "--json"]
     capsys.readouterr()
     assert main(args + ["--drafter", spec]) == 0
     spec_out = json.loads(capsys.readouterr().out)

@@ -325,6 +325,22 @@ def test_make_policy_registers_the_new_policies(tiny_model_dir, tmp_path, monkey
     assert len(list((tmp_path / "profiles").glob("*.json"))) == 1
 
 
+def test_auto_is_the_default_scheduler_with_a_drafter_and_fixed_without(tiny_model_dir, tmp_path, monkeypatch):
+    """The default policy: the prefix scheduler when a drafter drafts; plain decoding gets FixedK
+    and profiles nothing."""
+    from draftsmith.api import LLM
+    from draftsmith.policy.fixed import FixedK
+
+    monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path))
+    tiny = str(tiny_model_dir("llama", seed=0))
+    plain = LLM(tiny, max_batch=2, max_len=64)
+    assert isinstance(plain.policy, FixedK) and not (tmp_path / "profiles").exists()
+    spec = LLM(plain.target, drafter="ngram", num_speculative_tokens=3, max_batch=2, max_len=64)
+    assert isinstance(spec.policy, PrefixScheduler) and spec.policy.max_k == 3
+    assert len(list((tmp_path / "profiles").glob("*.json"))) == 1
+    assert isinstance(LLM(plain.target, drafter="ngram", policy="fixed", max_batch=2, max_len=64).policy, FixedK)
+
+
 @pytest.mark.parametrize("spec, message", [
     ("fixed:k=3", "takes no settings"),
     ("prefix-scheduler:nope=1", "has no setting 'nope'; settings: min_gain"),
