@@ -819,3 +819,52 @@ def test_init_from_target_copies_the_last_target_layers(target):
     assert not torch.equal(w, layers[-2].self_attn.q_proj.weight)  # off by default
     with pytest.raises(DraftsmithError, match="init_from_target"):
         dspark.build(target.model, dataclasses.replace(cfg, intermediate_size=8))
+
+
+class _Never:
+    """Drafts nothing, ever (a server past the load where speculation pays)."""
+
+    name = "never"
+
+    def choose(self, seqs):
+        return [0] * len(seqs)
+
+    def trim(self, seqs, proposal):
+        return [0] * len(seqs)
+
+    def update(self, seqs, proposal, result):
+        pass
+
+
+def test_queued_context_is_consumed_only_past_its_memory_bound(target_dir, target, trained):
+    """Rows that never draft consume no context while the queues fit in `queue_bytes`; past it,
+    the longest queues are consumed first, until the rows hold at most half of it."""
+    model, _ = trained("dspark")
+    prompts = [PROMPT * 4, [104, 101, 108, 108, 111, 32, 119]]  # 24 and 7 prompt tokens
+    params = SamplingParams(max_tokens=30, temperature=0)
+    want = [o.token_ids for o in LLM(str(target_dir), max_batch=2, max_len=128).generate(prompts, params)]
+
+    def run(queue_bytes: int | None):
+        drafter = model.make_drafter(target.model, 2, 128)
+        if queue_bytes is not None:
+            drafter.queue_bytes = queue_bytes
+        consumed: list[list[int]] = []  # per flush: the positions each consumed row had queued
+        inner = drafter._consume
+
+        def spy(rows, hidden, counts):
+            consumed.append(list(counts))
+            return inner(rows, hidden, counts)
+
+        drafter._consume = spy
+        outs = LLM(str(target_dir), drafter=drafter, policy=_Never(), max_batch=2, max_len=128).generate(prompts, params)
+        assert [o.token_ids for o in outs] == want
+        per_position = target.model.config.hidden_size * 4 * len(drafter.feature_layers)  # float32
+        return consumed, per_position
+
+    consumed, per_position = run(None)
+    assert consumed == []  # the default bound holds both rows' whole context: nothing consumed
+    budget = 40 * per_position  # 40 positions in all: the two rows pass it after a few rounds
+    consumed, _ = run(budget)
+    assert consumed, "past the bound, queued context must be consumed"
+    assert len(consumed[0]) == 1 and consumed[0][0] >= 23  # the longest queue alone: the 24-token prompt's row
+    assert all(n < 40 for flush in consumed for n in flush)  # never a row's whole run: consumed as the bound is passed

@@ -6,9 +6,10 @@ committed tokens; once the row drafts it covers num_tokens − 1 positions (the 
 invariant: the last token is pending and has no features yet). Features arrive at prefill
 (`start`: the prompt's) and after every round (`on_verified`: the committed positions only —
 rejected drafts never enter, so there is nothing to roll back). They wait in the request's
-`QueuedFeatures` and are consumed lazily, when the row next drafts or once `flush_tokens`
-have gathered: the rows admitted in one engine step go through the drafter in one batch,
-and rounds a load-aware policy does not draft pay no drafter upkeep.
+`QueuedFeatures` and are consumed lazily, when the row next drafts or when the queues outgrow
+their bounds (`flush_tokens` positions in a row, `queue_bytes` in all): the rows admitted in one
+engine step go through the drafter in one batch, and rounds a load-aware policy does not draft
+pay no drafter upkeep.
 """
 
 from __future__ import annotations
@@ -24,14 +25,19 @@ from draftsmith.drafters.base import DrafterRequestState, RequestStates, TargetF
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.kv_cache import KVCache
 
-# Consume a row's queued positions once this many have gathered (bounds memory: ~7 KB per
-# position for three 576-wide float32 layers). Until then a row that never drafts costs its
-# drafter nothing: at high concurrency the scheduler keeps drafting off, and a flush per new
-# request (its prompt) cost a batch-32 server ~3% of its decode rate at 64. Consuming is a
-# per-token cost, not a per-round one: `consumed_s` lets the engine keep it out of the
-# drafting time the prefix scheduler's cost model learns (a prompt's worth of context inside
-# one round's draft time made drafting look dear and switched it off at batch 1).
-FLUSH_TOKENS = 256
+# Queued positions are consumed when their row next drafts. Until then a row that does not
+# draft costs its drafter nothing: at high concurrency the scheduler keeps drafting off, and
+# consuming each new request's prompt anyway cost a batch-32 server ~3-4% of its decode rate
+# (measured at 64 tokens per request, HumanEval prompts of 100-280 tokens). Deferring never adds
+# work (a row that drafts later consumes the same positions then; one that finishes first never
+# does), it only holds memory (~7 KB per position for three 576-wide float32 layers), so the
+# queues are bounded twice: all rows together by QUEUE_BYTES (past it, the longest queues are
+# consumed until the rows hold half of it) and one row by FLUSH_TOKENS positions. Consuming is a
+# per-token cost, not a per-round one: `consumed_s` lets the engine keep it out of the drafting
+# time the prefix scheduler's cost model learns (a prompt's worth of context inside one round's
+# draft time made drafting look dear and switched it off at batch 1).
+FLUSH_TOKENS = 2048
+QUEUE_BYTES = 128 << 20
 
 
 @dataclass
@@ -41,6 +47,7 @@ class QueuedFeatures:
     prefill: dict[int, torch.Tensor] | None = None  # the prompt's: layer id → [1, S, H]
     rounds: list[dict[int, torch.Tensor]] = field(default_factory=list)  # committed: {layer id: [n, H]} per round
     n: int = 0  # positions queued (prompt + rounds), kept as they come: count() is asked every round
+    bytes: int = 0  # what they hold, kept the same way
 
     @staticmethod
     def of_prompt(features: TargetFeatures | None) -> "QueuedFeatures":
@@ -50,16 +57,22 @@ class QueuedFeatures:
             n = int(next(iter(features.hidden.values())).shape[1])
             if n:
                 q.prefill, q.n = features.hidden, n
+                q.bytes = sum(h[0].numel() * h.element_size() for h in features.hidden.values())
         return q
 
     def count(self) -> int:
         """Context positions queued."""
         return self.n
 
+    def nbytes(self) -> int:
+        """Bytes the queued positions hold."""
+        return self.bytes
+
     def push(self, hidden: dict[int, torch.Tensor]) -> None:
         """Queue one round's committed positions ({layer id: [n, H]})."""
         self.rounds.append(hidden)
         self.n += int(next(iter(hidden.values())).shape[0])
+        self.bytes += sum(h.numel() * h.element_size() for h in hidden.values())
 
     def take(self) -> dict[int, torch.Tensor] | None:
         """Empty the queue: layer id → [n, H], prompt then rounds in order (the layers every
@@ -68,7 +81,7 @@ class QueuedFeatures:
         if self.prefill is not None:
             parts.append({i: h[0] for i, h in self.prefill.items()})
         parts += self.rounds
-        self.prefill, self.rounds, self.n = None, [], 0
+        self.prefill, self.rounds, self.n, self.bytes = None, [], 0, 0
         if not parts:
             return None
         keys = set(parts[0]).intersection(*parts[1:])
@@ -108,7 +121,7 @@ class FeatureQueueDrafter:
     """start / release / on_verified of a drafter fed through `QueuedFeatures`.
 
     A subclass sets `name`, `device`, `cache` (its per-row context cache: `lengths`, `reset`),
-    `feature_layers` (the target layers it reads), `flush_tokens`, `states` (a
+    `feature_layers` (the target layers it reads), `flush_tokens` (`queue_bytes` may stay the default), `states` (a
     `RequestStates[FeatureRequestState]`), and implements `_consume`.
     """
 
@@ -117,6 +130,7 @@ class FeatureQueueDrafter:
     cache: KVCache
     feature_layers: tuple[int, ...]
     flush_tokens: int
+    queue_bytes: int = QUEUE_BYTES
     states: RequestStates[FeatureRequestState]
     consumed_s: float = 0.0  # wall seconds spent consuming queued features, cumulative (the engine reads it)
 
@@ -140,14 +154,28 @@ class FeatureQueueDrafter:
 
     def on_verified(self, seqs, proposal, result, features) -> None:
         """Queue the committed positions' features; they are consumed when the row next drafts
-        (or once `flush_tokens` have gathered), so rounds a policy does not draft cost nothing."""
+        (or when the queues outgrow their bounds), so rounds a policy does not draft cost nothing."""
         if features is None or not features.hidden:
             raise DraftsmithError(f"drafter {self.name!r} needs target features after every round")
         ctx = [int(self.cache.lengths[s.row]) + self.pending_count(s) for s in seqs]
         for b, (s, n) in enumerate(zip(seqs, committed_feature_counts(seqs, result.num_accepted, ctx))):
             if n > 0:
                 self.states[s].queue.push({i: features.hidden[i][b, :n] for i in self.feature_layers})
-        self._flush([s for s in seqs if self.pending_count(s) >= self.flush_tokens])
+        self._flush(self._over_budget(seqs))
+
+    def _over_budget(self, seqs: Sequence[Request]) -> list[Request]:
+        """The rows to consume now: each one past `flush_tokens`, then, while all rows' queues
+        hold more than `queue_bytes`, the longest ones until they hold at most half of it."""
+        out = [s for s in seqs if self.pending_count(s) >= self.flush_tokens]
+        held = {s.row: self.states[s].queue.nbytes() for s in seqs if s not in out and self.pending_count(s)}
+        if sum(held.values()) > self.queue_bytes:
+            left = sum(held.values())
+            for s in sorted((s for s in seqs if s.row in held), key=lambda s: -held[s.row]):
+                if left <= self.queue_bytes // 2:
+                    break
+                out.append(s)
+                left -= held[s.row]
+        return out
 
     def _flush(self, seqs: Sequence[Request]) -> None:
         """Consume every given row's queued positions (prompt, then committed rounds), in one batch."""
