@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -35,7 +34,6 @@ import sections
 from bench_drafters import cli
 
 ROOT = Path(__file__).resolve().parents[1]
-BEGIN, END = "<!-- bench_builtin:begin -->", "<!-- bench_builtin:end -->"
 WORKLOADS = ("humaneval", "mtbench")
 
 
@@ -93,16 +91,36 @@ def main() -> int:
     res["setup"] = {"drafter": args.drafter, "compare": args.compare, "eval_prompts": args.eval_prompts, "tokens": args.tokens,
                     "requests": args.requests, "tiers": tiers, "tier_requests": args.tier_requests,
                     "tier_policies": args.tier_policy,
-                    "tier_tokens": args.tier_tokens, "machine": f"{platform.machine()} {os.cpu_count()} CPUs",
+                    "tier_tokens": args.tier_tokens, "machine": machine(),
                     "stage_s": stage_s, "wall_s": round(time.perf_counter() - t_all, 1),
                     "loadavg_end": os.getloadavg()}
     (w / "results.json").write_text(json.dumps(res, indent=1))
-    dest = ROOT / "benchmarks" / "results" / "bench_builtin.json"
+    tag = kind_tag()
+    dest = ROOT / "benchmarks" / "results" / f"bench_builtin{tag}.json"
     dest.write_text(json.dumps(res, indent=1))
     print(f"wrote {dest}")
     if not args.no_md:
-        sections.write_section(BEGIN, END, markdown(res))
+        marker = f"bench_builtin{tag.replace('-', ':')}"
+        sections.write_section(f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->", markdown(res, dest.name))
     return 0
+
+
+def kind_tag() -> str:
+    """'' on AVX-512 CPUs, '-amx' with AMX, else '-<isa>' (e.g. '-avx2'): one JSON and one BENCHMARKS.md
+    section per kind of CPU, so a run on one kind keeps another kind's numbers (as bench_runtime does)."""
+    from draftsmith.kernels.build import cpu_kernels
+
+    isa = cpu_kernels().isa or "avx512"
+    return "-amx" if isa.endswith("+amx") else "" if isa.startswith("avx512") else f"-{isa}"
+
+
+def machine() -> str:
+    """CPU model, the kernels' instruction set and the CPU count, e.g. 'AMD EPYC (avx2 kernels), 2 CPUs'."""
+    from draftsmith.kernels.build import cpu_kernels
+    from draftsmith.policy.profile import cpu_model
+
+    isa = cpu_kernels().isa
+    return f"{cpu_model()} ({isa + ' kernels' if isa else 'no Draftsmith kernels'}), {os.cpu_count()} CPUs"
 
 
 def collect(w: Path, args) -> dict:
@@ -139,11 +157,13 @@ def tier_stage(spec: str) -> str:
     return "tiers-" + "".join(c if c.isalnum() or c in "-_" else "-" for c in spec)
 
 
-def markdown(r: dict) -> str:
+def markdown(r: dict, json_name: str = "bench_builtin.json") -> str:
     s = r["setup"]
     d = s["drafter"]
-    lines = ["## Built-in drafter: `" + d + "` against plain decoding (issue 12)", "",
-             f"`benchmarks/bench_builtin.py` (JSON: `benchmarks/results/bench_builtin.json`). Machine: "
+    kind = {"": "", "-amx": ", AVX-512 + AMX CPU"}.get(json_name[len("bench_builtin"):-len(".json")],
+                                                       f", {json_name[len('bench_builtin-'):-len('.json')].upper()} CPU")
+    lines = ["## Built-in drafter: `" + d + "` against plain decoding (issue 12)" + kind, "",
+             f"`benchmarks/bench_builtin.py` (JSON: `benchmarks/results/{json_name}`). Machine: "
              f"{s['machine']}, no GPU, float32 target, T = 0, held-out prompts only. How the drafter was made: "
              "`src/draftsmith/builtin/dspark/smollm2-135m/TRAINING.md`.", "",
              f"Held-out τ (tokens per verification round, bonus included; γ = the drafter's block size), "
