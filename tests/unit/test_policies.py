@@ -276,6 +276,29 @@ def tiny_decoder(tiny_model_dir):
     return load_decoder(tiny_model_dir("llama", seed=0))
 
 
+def test_profile_times_grid_points_in_turn_so_a_burst_of_load_is_spread(tiny_decoder, monkeypatch):
+    """The profile times every grid point once per pass, `repeats` passes: a burst of load that
+    lasts a few steps slows one step of several points (the median drops it), where timing
+    point by point slowed every step of the first points and flattened the whole table."""
+    calls: list[int] = []
+    burst = {3, 4, 5}  # the 4th to 6th timed steps run under load: 10x slower
+
+    def fake_runner(model, rows, width, context_len, cache=None):
+        def run(clock):
+            calls.append(rows * width)
+            return (10.0 if len(calls) - 1 - warm in burst else 1.0) * (1 + 0.01 * rows * width)
+        return run
+
+    cfg = ProfileConfig(max_batch=2, max_k=1, context_len=8, warmup=1, repeats=5)
+    warm = len(cfg.grid())  # one untimed step per point first
+    monkeypatch.setattr(profile_mod, "step_runner", fake_runner)
+    table, raw = profile_mod.profile_sps(tiny_decoder, cfg)
+    timed = calls[warm:]
+    assert timed == [b for _ in range(5) for b, _, _ in cfg.grid()]  # round robin over the grid
+    assert all(t < 2.0 for t in raw["median_s"])  # the burst is in no point's median
+    assert raw["median_s"] == sorted(raw["median_s"])
+
+
 def test_profile_cache_reused_per_machine_and_model(tiny_decoder, tmp_path, monkeypatch):
     calls = []
     real = profile_mod.profile_sps

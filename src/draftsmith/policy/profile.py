@@ -14,9 +14,13 @@ Measuring B tokens: the engine's forward is [rows, width] (every running row pad
 longest verify block), so B is timed as the shape it occurs in: `rows = the most rows
 (<= max_batch) with rows * width = B and width <= max_k + 1`. Rows hold `context_len`
 cached tokens; a step is the target forward plus the greedy warp (what the engine runs per
-round). Per grid point: `warmup` untimed steps, then the median of `repeats`. On a shared,
-noisy machine a point can come out faster than a smaller one; step times are therefore made
-non-decreasing in B (a bigger forward never costs less) before they are stored.
+round). Every grid point gets `warmup` untimed steps, then the points are timed in turn,
+`repeats` passes over the whole grid, and each keeps its median: a burst of load on a shared
+machine then slows one step of many points, not every step of one or two (timed point by
+point, a burst over the first points once made 1 token cost what 8 did, and the cached table
+told the scheduler that verification was free). A point can still come out faster than a
+smaller one; step times are therefore made non-decreasing in B (a bigger forward never costs
+less) before they are stored.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import hashlib
 import json
 import os
 import platform
+import statistics
 import time
 from bisect import bisect_left
 from collections.abc import Callable
@@ -35,7 +40,7 @@ import torch
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.registry import draftsmith_home
-from draftsmith.policy.roofline import step_time
+from draftsmith.policy.roofline import step_runner
 
 FORMAT_VERSION = 2  # 2: the key names the linear backend (models/linear.py)
 
@@ -136,12 +141,28 @@ def profile_sps(model, config: ProfileConfig = ProfileConfig(),
                 clock: Callable[[], float] = time.perf_counter) -> tuple[SPSTable, dict]:
     """Time the target's forward at every grid point. Returns (table, raw measurements)."""
     grid = config.grid()
-    times = [step_time(model, rows, width, config.context_len, config.repeats, config.warmup, clock)
-             for _, rows, width in grid]
+    times = interleaved_step_times(model, [(rows, width) for _, rows, width in grid], config.context_len,
+                                   config.repeats, config.warmup, clock)
     monotone = [max(times[: i + 1]) for i in range(len(times))]
     table = SPSTable.from_step_times(tuple(b for b, _, _ in grid), tuple(monotone))
     raw = {"grid": [list(g) for g in grid], "median_s": times, "monotone_s": monotone}
     return table, raw
+
+
+def interleaved_step_times(model, shapes: list[tuple[int, int]], context_len: int, repeats: int, warmup: int,
+                           clock: Callable[[], float] = time.perf_counter) -> list[float]:
+    """Median seconds of a target forward of each [rows, width] shape, the shapes timed in
+    turn (`repeats` passes over all of them, after `warmup` untimed steps each)."""
+    cache = model.new_cache(max(r for r, _ in shapes), context_len + max(w for _, w in shapes) + 1)  # shared
+    steps = [step_runner(model, rows, width, context_len, cache) for rows, width in shapes]
+    for step in steps:
+        for _ in range(warmup):
+            step(clock)
+    times: list[list[float]] = [[] for _ in steps]
+    for _ in range(repeats):
+        for t, step in zip(times, steps):
+            t.append(step(clock))
+    return [statistics.median(t) for t in times]
 
 
 # ----------------------------------------------------------------------------- caching

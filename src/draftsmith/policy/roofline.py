@@ -54,25 +54,38 @@ def measure_bandwidth(device: torch.device | str = "cpu", nbytes: int = 512 << 2
     return nbytes / min(times) / 1e9
 
 
+def step_runner(model, rows: int, width: int, context_len: int = 200, cache=None) -> Callable[[Callable[[], float]], float]:
+    """A function that runs one target forward of [rows, width] new tokens after `context_len`
+    cached ones, the greedy warp included (what the engine runs per round), and returns its
+    seconds by `clock`. KV contents do not change the cost: the rows simply claim
+    `context_len` cached tokens. `cache` (>= rows rows, >= context_len + width + 1 positions)
+    may be shared between runners: its first `rows` rows are used."""
+    if cache is None:
+        cache = model.new_cache(rows, context_len + width + 1)
+    cache.lengths[:rows] = context_len
+    ids = torch.randint(0, model.config.vocab_size, (rows, width), generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(temperature=0.0)] * rows
+    row_ids = torch.arange(rows)
+
+    def run(clock: Callable[[], float] = time.perf_counter) -> float:
+        _sync(model.device)
+        t0 = clock()
+        out = model(ids, cache, rows=row_ids)
+        target_probs(out.logits, params)
+        _sync(model.device)
+        return clock() - t0
+
+    return run
+
+
 def step_time(model, rows: int, width: int, context_len: int = 200, repeats: int = 7, warmup: int = 2,
               clock: Callable[[], float] = time.perf_counter) -> float:
     """Median seconds of one target forward of [rows, width] new tokens after `context_len`
-    cached ones, the greedy warp included (what the engine runs per round). KV contents do
-    not change the cost: the rows simply claim `context_len` cached tokens."""
-    cache = model.new_cache(rows, context_len + width + 1)
-    cache.lengths[:] = context_len
-    ids = torch.randint(0, model.config.vocab_size, (rows, width), generator=torch.Generator().manual_seed(0))
-    params = [SamplingParams(temperature=0.0)] * rows
-    times = []
-    for i in range(warmup + repeats):
-        _sync(model.device)
-        t0 = clock()
-        out = model(ids, cache, rows=torch.arange(rows))
-        target_probs(out.logits, params)
-        _sync(model.device)
-        if i >= warmup:
-            times.append(clock() - t0)
-    return statistics.median(times)
+    cached ones (step_runner), over `repeats` steps after `warmup` untimed ones."""
+    run = step_runner(model, rows, width, context_len)
+    for _ in range(warmup):
+        run(clock)
+    return statistics.median(run(clock) for _ in range(repeats))
 
 
 def runtime_profile(model, tokens: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), context_len: int = 200,
