@@ -42,7 +42,7 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.models.registry import draftsmith_home
 from draftsmith.policy.roofline import step_runner
 
-FORMAT_VERSION = 2  # 2: the key names the linear backend (models/linear.py)
+FORMAT_VERSION = 3  # 2: the key names the linear backend (models/linear.py); 3: grid points timed in turn
 
 
 @dataclass(frozen=True)
