@@ -31,3 +31,20 @@ def test_conclusion_reads_concurrency_one_and_says_when_outputs_differed(tmp_pat
     assert "identical to plain decoding" in text
     rows[2]["void"] = True
     assert "SOME OUTPUTS DIFFERED" in conclusion({"humaneval": _report(tmp_path / "b.json", rows)})
+
+
+def test_demo_redoes_a_bench_cut_short_and_resumes_the_long_stages(tmp_path, monkeypatch):
+    """A bench stage started but not finished is measured again (--overwrite): resuming it could
+    only refuse results measured under another setup (an upgrade's new default policy), a dead
+    end `make demo` cannot get out of. Regeneration, caching and training resume."""
+    from draftsmith import demo
+
+    monkeypatch.setattr(demo, "ROOT", tmp_path)
+    calls = []
+    monkeypatch.setattr(demo.subprocess, "call", lambda argv: calls.append(argv) or 0)
+    by_name = {s.name: s for s in demo.stages()}
+    for name in ("bench", "bench-chat", "regen-train", "train"):
+        (tmp_path / f".{name}.started").touch()
+        demo.run_stage(by_name[name])
+    assert [c[-1] for c in calls] == ["--overwrite", "--overwrite", "--resume", "--resume"]
+    assert all((tmp_path / f".{n}.done").exists() for n in ("bench", "bench-chat", "regen-train", "train"))
