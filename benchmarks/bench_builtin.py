@@ -101,7 +101,7 @@ def main() -> int:
     print(f"wrote {dest}")
     if not args.no_md:
         marker = f"bench_builtin{tag.replace('-', ':')}"
-        sections.write_section(f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->", markdown(res, dest.name))
+        sections.write_section(f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->", markdown(res, tag))
     return 0
 
 
@@ -157,11 +157,11 @@ def tier_stage(spec: str) -> str:
     return "tiers-" + "".join(c if c.isalnum() or c in "-_" else "-" for c in spec)
 
 
-def markdown(r: dict, json_name: str = "bench_builtin.json") -> str:
+def markdown(r: dict, tag: str = "") -> str:
     s = r["setup"]
     d = s["drafter"]
-    kind = {"": "", "-amx": ", AVX-512 + AMX CPU"}.get(json_name[len("bench_builtin"):-len(".json")],
-                                                       f", {json_name[len('bench_builtin-'):-len('.json')].upper()} CPU")
+    json_name = f"bench_builtin{tag}.json"
+    kind = {"": "", "-amx": ", AVX-512 + AMX CPU"}.get(tag, f", {tag[1:].upper()} CPU")
     lines = ["## Built-in drafter: `" + d + "` against plain decoding (issue 12)" + kind, "",
              f"`benchmarks/bench_builtin.py` (JSON: `benchmarks/results/{json_name}`). Machine: "
              f"{s['machine']}, no GPU, float32 target, T = 0, held-out prompts only. How the drafter was made: "

@@ -64,10 +64,6 @@ class QueuedFeatures:
         """Context positions queued."""
         return self.n
 
-    def nbytes(self) -> int:
-        """Bytes the queued positions hold."""
-        return self.bytes
-
     def push(self, hidden: dict[int, torch.Tensor]) -> None:
         """Queue one round's committed positions ({layer id: [n, H]})."""
         self.rounds.append(hidden)
@@ -167,14 +163,14 @@ class FeatureQueueDrafter:
         """The rows to consume now: each one past `flush_tokens`, then, while all rows' queues
         hold more than `queue_bytes`, the longest ones until they hold at most half of it."""
         out = [s for s in seqs if self.pending_count(s) >= self.flush_tokens]
-        held = {s.row: self.states[s].queue.nbytes() for s in seqs if s not in out and self.pending_count(s)}
-        if sum(held.values()) > self.queue_bytes:
-            left = sum(held.values())
-            for s in sorted((s for s in seqs if s.row in held), key=lambda s: -held[s.row]):
+        rest = [s for s in seqs if self.pending_count(s) < self.flush_tokens]
+        left = sum(self.states[s].queue.bytes for s in rest)
+        if left > self.queue_bytes:  # sorted only then: most rounds stay under the bound
+            for s in sorted(rest, key=lambda s: -self.states[s].queue.bytes):
                 if left <= self.queue_bytes // 2:
                     break
                 out.append(s)
-                left -= held[s.row]
+                left -= self.states[s].queue.bytes
         return out
 
     def _flush(self, seqs: Sequence[Request]) -> None:
