@@ -239,8 +239,13 @@ inline void chunk_bf16(const uint16_t*, const uint16_t*, int64_t, int64_t, int64
 #else  // AVX2 + FMA: 16 ymm registers
 
 // A tile is R rows x one or both 16-column halves of the block (2 or 4 8-column vectors): both for
-// up to 2 rows (4R sums); beyond, float32 takes one half at a time, up to 6 rows, and bfloat16 the
-// whole block 2 rows at a time (MT_BF16 = 2).
+// up to 2 rows (4R sums); beyond, float32 takes one half at a time, up to 8 rows, and bfloat16 the
+// whole block 2 rows at a time (MT_BF16 = 2). An 8-row half tile has 16 sums, as many as there
+// are ymm registers (the compiler takes some operands from L1), and is still faster than two
+// tiles: with at most 6 rows a tile (the version before) 7 and 8 rows took two per half (4 + 3,
+// 4 + 4). Zen 3, smollm2-135m's linears, 2 threads, the two builds in one process
+// (benchmarks/ab_linears.py): 7 rows 31.8 -> 27.4 ms, 8 rows 35.6 -> 29.0 (one row 22.3); 1-6 and
+// 16 rows unchanged. 7 and 8 rows are a batch-1 verify of 6 and 7 drafts.
 // 16 registers hold few sums, so a block's rows take several tiles; to keep the weights in L1 for
 // all of them, the loop runs chunk by chunk (KC k at a time: 2 KB of a float32 half), every tile of
 // the rows over one chunk before the next (rows_by_chunk), and the first tile over a chunk asks for
@@ -251,7 +256,7 @@ inline void chunk_bf16(const uint16_t*, const uint16_t*, int64_t, int64_t, int64
 // block keeps 8 independent sums. Zen 3, smollm2-135m's linears (30 layers + lm_head), the two builds
 // in one process: 8 rows 62 -> 46 ms at 1 thread, 35 -> 25 at 2; 16 rows 121 -> 85, 63 -> 45; one
 // row unchanged. The same tiles in float32 were no faster at 8 rows and slower from 16 (99 vs 76 ms).
-constexpr int MT_F32 = 6, MT_BF16 = 2;
+constexpr int MT_F32 = 8, MT_BF16 = 2;
 constexpr bool BF16_KERNEL = true;  // bfloat16 weights widened to float32 in registers, float32 FMAs
 
 // Chunk [k0, k1) of R rows x H halves (from the half at wh; the next half K * HALF floats on), added
@@ -260,7 +265,7 @@ template <int R, int H>
 inline void chunk_f32(const float* wh, const float* x, int64_t K, int64_t k0, int64_t k1, float* tot, bool prefetch) {
   constexpr int C = 2 * H;
   __m256 acc[R][C];
-#pragma GCC unroll 6
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
@@ -271,14 +276,14 @@ inline void chunk_f32(const float* wh, const float* x, int64_t K, int64_t k0, in
     __m256 w[C];
 #pragma GCC unroll 4
     for (int c = 0; c < C; ++c) w[c] = _mm256_load_ps(wh + (c / 2) * K * HALF + k * HALF + 8 * (c % 2));
-#pragma GCC unroll 6
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m256 xv = _mm256_broadcast_ss(x + r * K + k);
 #pragma GCC unroll 4
       for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(w[c], xv, acc[r][c]);
     }
   }
-#pragma GCC unroll 6
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
     for (int c = 0; c < C; ++c) {
