@@ -25,6 +25,7 @@ from draftsmith.policy.registry import parse_policy_spec
 from draftsmith.policy.prefix_scheduler import (
     PrefixScheduler, admit, admit_best_prefix, admit_columns, can_gain, static_prefix_scheduler,
 )
+from draftsmith.kernels.build import KernelStatus
 from draftsmith.policy.profile import ProfileConfig, SPSTable, load_or_profile
 from draftsmith.policy.threshold import ConfidenceThreshold
 
@@ -325,6 +326,12 @@ def test_profile_cache_reused_per_machine_and_model(tiny_decoder, tmp_path, monk
     assert len(calls) == 4  # unreadable cache: measured again
     load_or_profile(tiny_decoder, weights_hash="aaa", name="tiny", config=SMALL, home=tmp_path, refresh=True)
     assert len(calls) == 5
+    # Draftsmith's CPU kernels rebuilt from a changed source: their speeds are new, so is the profile
+    monkeypatch.setattr(tiny_decoder, "linear_backend", "kernels", raising=False)
+    for build in ("build-a", "build-a", "build-b"):
+        monkeypatch.setattr(profile_mod, "cpu_kernels", lambda b=build: KernelStatus(True, True, "", "avx2", b))
+        load_or_profile(tiny_decoder, weights_hash="aaa", name="tiny", config=SMALL, home=tmp_path)
+    assert len(calls) == 7  # build-a once, from its cache the second time, build-b again
 
 
 def test_make_policy_registers_the_new_policies(tiny_model_dir, tmp_path, monkeypatch):

@@ -40,6 +40,7 @@ class KernelStatus:
     bf16: bool  # the bfloat16 linear kernel too (AVX512-BF16 dot products, or AVX2 widening to float32)
     reason: str  # why not, or where the library is
     isa: str = ""  # "avx512-bf16", "avx512" or "avx2" when ok
+    build: str = ""  # the build's key (source, flags, compiler, torch, CPU flags) when ok: a new key, new speeds
 
 
 def cpu_flags() -> frozenset[str]:
@@ -105,7 +106,8 @@ def _build_and_load() -> KernelStatus:
         return KernelStatus(False, False, "no C++ compiler (set CXX or install g++)")
     from draftsmith.models.registry import draftsmith_home
 
-    out_dir = draftsmith_home() / "kernels" / _key(compiler, _command(compiler, Path("lib.so")), flags)
+    key = _key(compiler, _command(compiler, Path("lib.so")), flags)
+    out_dir = draftsmith_home() / "kernels" / key
     lib = out_dir / "draftsmith_kernels.so"
     if not lib.is_file():
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -126,4 +128,4 @@ def _build_and_load() -> KernelStatus:
     except (OSError, RuntimeError) as e:
         return KernelStatus(False, False, f"loading {lib} failed: {e}")
     ops = torch.ops.draftsmith
-    return KernelStatus(True, bool(ops.has_bf16()), str(lib), str(ops.isa()))
+    return KernelStatus(True, bool(ops.has_bf16()), str(lib), str(ops.isa()), key)

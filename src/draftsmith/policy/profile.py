@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.kernels.build import cpu_kernels
 from draftsmith.models.registry import draftsmith_home
 from draftsmith.policy.roofline import step_runner
 
@@ -204,7 +205,9 @@ def profile_key(model, weights_hash: str, config: ProfileConfig) -> dict:
         "weights_hash": weights_hash,
         "dtype": str(model.dtype).removeprefix("torch."),
         "device": model.device.type,
-        "linear_backend": getattr(model, "linear_backend", None),
+        "linear_backend": (backend := getattr(model, "linear_backend", None)),
+        # Draftsmith's CPU kernels: their build (a changed kernel is a new speed: profile again)
+        "kernels": cpu_kernels().build if backend == "kernels" else None,
         "grid": [list(g) for g in config.grid()],
         "context_len": config.context_len,
     }
