@@ -165,8 +165,8 @@ class DSparkModel(BlockModel):
 
         The confidence logit wᵀ[h_k ; e_{k−1}] + b is split as (w_hᵀ h_k + b) + w_eᵀ e_{k−1}: the h
         part of every position in one product before the loop, so a step is the W1 row, the W2
-        product, the confidence's r-wide dot and the sample (a step was ~0.3 ms of small ops at
-        batch 1, 7 of them a round; the same values up to summation order)."""
+        product, the confidence's r-wide dot and the sample (the same values up to summation
+        order). At batch 1 on a CPU a step's time is mostly W2 read back from memory."""
         bb, sh = self.backbone, self.seq_head
         U = bb.draft_logits(hidden)  # [B, n, Vd]
         B, n, Vd = U.shape
@@ -181,7 +181,7 @@ class DSparkModel(BlockModel):
         greedy = all(p.greedy for p in plist)  # argmax = what inverse_cdf draws from the one-hot q; no q needed
         for k in range(n):
             e = F.embedding(prev, sh.w1.weight)  # [B, r]
-            o, state = (e, None) if sh.kind == "markov" else sh.step(hidden[:, k], e, state)
+            o, state = sh.step(hidden[:, k], e, state)
             logits = U[:, k] + w2(o).float()
             z = z_h[:, k] + (e @ w_e).float()
             if greedy:
