@@ -113,6 +113,14 @@ class SequentialHead(nn.Module):
         """wᵀ[h_k ; e_{k−1}] + b: [..., H], [..., r] → [...]."""
         return self.conf(torch.cat([h, e], -1)).squeeze(-1)
 
+    def confidence_parts(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The confidence logit split as (w_hᵀ h_k + b) + w_eᵀ e_{k−1}, for inference, where h is
+        known for every position before e is: (w_hᵀ h + b [...] float32, w_e [r] in W1's dtype)."""
+        H = h.shape[-1]
+        w = self.conf.weight[0]
+        z_h = (h @ w[:H].to(h.dtype)).float() + self.conf.bias.float()
+        return z_h, w[H:].to(self.w1.weight.dtype)
+
     def teacher_forced(self, h: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """All block positions at once from the data prefix: h [B, A, γ, H], prev [B, A, γ]
         → (rank vectors o [B, A, γ, r], confidence logits [B, A, γ])."""
@@ -163,26 +171,23 @@ class DSparkModel(BlockModel):
         """Left to right: q_k = warp(U_k + B_k(x_0, x_<k)), x_k ~ q_k (argmax when greedy), in
         draft ids; tokens and q go back to target ids (q zero outside a reduced vocabulary).
 
-        The confidence logit wᵀ[h_k ; e_{k−1}] + b is split as (w_hᵀ h_k + b) + w_eᵀ e_{k−1}: the h
-        part of every position in one product before the loop, so a step is the W1 row, the W2
-        product, the confidence's r-wide dot and the sample (the same values up to summation
-        order). At batch 1 on a CPU a step's time is mostly W2 read back from memory."""
+        The confidence's h part of every position is one product before the loop
+        (`SequentialHead.confidence_parts`), so a step is the W1 row, the W2 product, the
+        confidence's r-wide dot and the sample (the same values up to summation order). At batch 1
+        on a CPU a step's time is mostly W2 read back from memory."""
         bb, sh = self.backbone, self.seq_head
         U = bb.draft_logits(hidden)  # [B, n, Vd]
         B, n, Vd = U.shape
         plist = list(params)
         prev = bb.to_draft(anchors)
         state = sh.init_state((B,), hidden)
-        H = hidden.shape[-1]
-        w_h, w_e = sh.conf.weight[0, :H], sh.conf.weight[0, H:]
-        z_h = (hidden @ w_h.to(hidden.dtype)).float() + sh.conf.bias.float()  # [B, n]
-        w_e, w2 = w_e.to(sh.w1.weight.dtype), sh.w2
+        z_h, w_e = sh.confidence_parts(hidden)  # [B, n], [r]
         toks, qs, confs = [], [], []
         greedy = all(p.greedy for p in plist)  # argmax = what inverse_cdf draws from the one-hot q; no q needed
         for k in range(n):
             e = F.embedding(prev, sh.w1.weight)  # [B, r]
             o, state = sh.step(hidden[:, k], e, state)
-            logits = U[:, k] + w2(o).float()
+            logits = U[:, k] + sh.w2(o).float()
             z = z_h[:, k] + (e @ w_e).float()
             if greedy:
                 prev = argmax_rows(logits)  # through the CPU kernel where built (torch: ~40 us a row)

@@ -199,13 +199,14 @@ def model_fingerprint(model) -> str:
 
 
 def profile_key(model, weights_hash: str, config: ProfileConfig) -> dict:
+    backend = getattr(model, "linear_backend", None)
     return {
         "format_version": FORMAT_VERSION,
         "machine": machine_fingerprint(model.device),
         "weights_hash": weights_hash,
         "dtype": str(model.dtype).removeprefix("torch."),
         "device": model.device.type,
-        "linear_backend": (backend := getattr(model, "linear_backend", None)),
+        "linear_backend": backend,
         # Draftsmith's CPU kernels: their build (a changed kernel is a new speed: profile again)
         "kernels": cpu_kernels().build if backend == "kernels" else None,
         "grid": [list(g) for g in config.grid()],
