@@ -361,8 +361,8 @@ inline void by_rows(int64_t M, F&& f) {
 // 6 + 5 + 5 now); up to 8 rows the same tiles. f(first row, rows as an integral_constant).
 template <int MT, typename F>
 inline void by_even_rows(int64_t M, F&& f) {
-  static_assert(MT >= 6, "by_even_rows: tiles of up to 6 rows need MT >= 6");
-  const int64_t tiles = M <= MT ? 1 : (M + 5) / 6;
+  constexpr int64_t W = MT < 6 ? MT : 6;  // rows a tile beyond one tile
+  const int64_t tiles = M <= MT ? 1 : (M + W - 1) / W;
   for (int64_t t = 0, m = 0; t < tiles; ++t) {
     const int64_t r = M / tiles + (t < M % tiles ? 1 : 0);
     rest_rows<MT>(r, m, f);
