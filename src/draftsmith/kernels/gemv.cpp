@@ -357,8 +357,9 @@ inline void by_rows(int64_t M, F&& f) {
 // FMA latency): up to MT rows in one tile; more rows in tiles of at most 6 (12 sums, 2 weight vectors
 // and a broadcast fit the 16 registers; an 8-row tile spills 3 of its 16 sums to the stack, which
 // pays only where it saves a second pass over the chunk). Zen 3, smollm2-135m's linears, 2 threads,
-// A/B in one process: 24 rows 90 -> 78 ms, 32 rows 114 -> 103, 16 rows 63 -> 60 (8 x 8 + 8 before:
-// 6 + 5 + 5 now); up to 8 rows the same tiles. f(first row, rows as an integral_constant).
+// benchmarks/ab_linears.py (two runs): 24 rows 0.86 / 0.91x of before (8 + 8 + 8 -> 6 x 4), 48 rows
+// 0.88 / 0.88x, 16 rows 0.98 / 0.96x (8 + 8 -> 6 + 5 + 5), 32 rows 1.04 / 0.93x; up to 8 rows the
+// same tiles. f(first row, rows as an integral_constant).
 template <int MT, typename F>
 inline void by_even_rows(int64_t M, F&& f) {
   constexpr int64_t W = MT < 6 ? MT : 6;  // rows a tile beyond one tile
@@ -764,9 +765,9 @@ inline void score_tile(const V16* qv, const E* kb, int64_t kst, int64_t j0, int6
 // AVX2: the same sums (per key: both 8-lane halves over d, the halves added, then hsum8's tree over
 // 8 keys), two keys at a time into the tree, so that a tile's 16 keys never hold 32 ymm at once (the
 // loop above spilled its sums to the stack). With weighted_values_rows below, Zen 3, 2 threads, 9
-// heads / 3 kv heads of 64 (runs A/B in one process, same bits): an 8-token verify's attention over
-// 300 keys 148 -> 120 us a layer, over 800 keys 356 -> 297; 16 tokens 251 -> 204 / 681 -> 491;
-// bfloat16, 8 tokens over 300 keys 213 -> 203; one token unchanged.
+// heads / 3 kv heads of 64 (benchmarks/ab_attention.py, the builds A/B in one process, same bits):
+// float32, 8 tokens over 300 cached 0.69-0.81x of before in 3 of 4 runs (one 1.12x, a noisy VM),
+// over 800 0.82x; 16 tokens 0.79-0.82x; bfloat16 0.79-0.90x; one token 0.90-0.95x.
 template <int DV, typename E>
 inline __m256 key_sum(const V16* qv, const E* kr) {
   V16 a = v16::mul(qv[0], v16::load(kr));
