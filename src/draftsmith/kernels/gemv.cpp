@@ -362,7 +362,7 @@ inline void by_rows(int64_t M, F&& f) {
 // same tiles. f(first row, rows as an integral_constant).
 template <int MT, typename F>
 inline void by_even_rows(int64_t M, F&& f) {
-  constexpr int64_t W = MT < 6 ? MT : 6;  // rows a tile beyond one tile
+  constexpr int64_t W = MT < 6 ? MT : 6;  // the widest tile once the rows need more than one
   const int64_t tiles = M <= MT ? 1 : (M + W - 1) / W;
   for (int64_t t = 0, m = 0; t < tiles; ++t) {
     const int64_t r = M / tiles + (t < M % tiles ? 1 : 0);
@@ -793,13 +793,8 @@ inline void score_tile(const V16* qv, const E* kb, int64_t kst, int64_t j0, int6
     const __m256 b2 = key_pair<DV>(qv, k0, kst, g + 4, nj), b3 = key_pair<DV>(qv, k0, kst, g + 6, nj);
     const __m256 c1 = _mm256_hadd_ps(b2, b3);
     const __m256 s = _mm256_add_ps(_mm256_permute2f128_ps(c0, c1, 0x20), _mm256_permute2f128_ps(c0, c1, 0x31));
-    const int64_t n = std::min<int64_t>(8, nj - g);
-    if (n == 8) _mm256_storeu_ps(sc + j0 + g, s);
-    else {
-      alignas(32) float t[8];
-      _mm256_store_ps(t, s);
-      std::memcpy(sc + j0 + g, t, n * sizeof(float));
-    }
+    if (nj - g >= 8) _mm256_storeu_ps(sc + j0 + g, s);
+    else _mm256_maskstore_ps(sc + j0 + g, v16::first8(nj - g), s);  // a masked store is slow on AMD: the tail only
   }
 }
 #endif
@@ -908,9 +903,7 @@ inline void weighted_values_rows(const E* vb, int64_t vst, float* const* sc, con
         float* ar = acc + (r * 2 + par) * DV * 16;
         int d = 0;
         for (; d + 4 <= DV; d += 4) value_chain<4>(vb + d * 16, vst, sc[r], j0 + par, je, ar + d * 16);
-        if constexpr (DV % 4 == 3) value_chain<3>(vb + d * 16, vst, sc[r], j0 + par, je, ar + d * 16);
-        if constexpr (DV % 4 == 2) value_chain<2>(vb + d * 16, vst, sc[r], j0 + par, je, ar + d * 16);
-        if constexpr (DV % 4 == 1) value_chain<1>(vb + d * 16, vst, sc[r], j0 + par, je, ar + d * 16);
+        if constexpr (DV % 4 != 0) value_chain<DV % 4>(vb + d * 16, vst, sc[r], j0 + par, je, ar + d * 16);
       }
     }
   }
