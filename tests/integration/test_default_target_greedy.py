@@ -46,6 +46,41 @@ def test_speculative_equals_plain_greedy(default_target_dir, prompts, plain_outp
     assert llm.last_stats.draft_accepted > 0
 
 
+class _CountingGate:
+    """The scheduler's column search, counting the columns it refuses (the drafter stops there)."""
+
+    def __init__(self, search, refusals: list[int]) -> None:
+        self.search, self.refusals = search, refusals
+
+    def open_next(self, column):
+        opened = self.search.open_next(column)
+        self.refusals.append(int(not opened))
+        return opened
+
+
+def test_built_in_dspark_with_the_draft_gate_equals_plain_greedy(default_target_dir, prompts, plain_outputs):
+    """The prefix scheduler's column search stops the built-in DSpark drafter at the first column
+    that will not be verified (draft_gate): greedy outputs stay plain's. A fixed CPU-like cost
+    curve (no profiling, no timing-driven choices), all rows of a batch at once."""
+    from draftsmith.policy.prefix_scheduler import PrefixScheduler
+    from draftsmith.policy.profile import SPSTable
+
+    refusals: list[int] = []
+
+    class Counting(PrefixScheduler):
+        def draft_gate(self, seqs, caps):
+            gate = super().draft_gate(seqs, caps)
+            return None if gate is None else _CountingGate(gate, refusals)
+
+    sps = SPSTable.from_step_times((1, 4, 8, 16, 32, 64, 128), (1.0, 1.1, 1.25, 1.5, 2.0, 3.2, 6.0))
+    policy = Counting(sps, max_k=7, adapt=False, min_gain=0.0)
+    llm = LLM(str(default_target_dir), drafter="dspark:smollm2-135m", policy=policy, max_batch=16)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=N_NEW, temperature=0))
+    mismatches = [i for i, (o, ref) in enumerate(zip(outs, plain_outputs)) if o.token_ids != ref]
+    assert not mismatches, f"prompts {mismatches} differ from plain greedy"
+    assert llm.last_stats.draft_accepted > 0 and sum(refusals) > 0
+
+
 def test_plain_greedy_equals_hf_transformers(default_target_dir, prompts, plain_outputs):
     from transformers import AutoModelForCausalLM
 

@@ -11,8 +11,12 @@ class ForwardingDrafter:
     def start(self, seq, features):
         self.inner.start(seq, features)
 
-    def propose(self, seqs, max_lengths):
-        return self.inner.propose(seqs, max_lengths)
+    @property
+    def gated(self) -> bool:  # the engine passes the policy's draft gate only to drafters that take one
+        return getattr(self.inner, "gated", False)
+
+    def propose(self, seqs, max_lengths, **gate):
+        return self.inner.propose(seqs, max_lengths, **gate)
 
     def on_verified(self, seqs, proposal, result, features):
         self.inner.on_verified(seqs, proposal, result, features)

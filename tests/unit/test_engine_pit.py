@@ -201,9 +201,11 @@ class Probe(ForwardingDrafter):
         # request id -> per round (accepted drafts m, q of the verified drafts [kept, V])
         self.rounds: dict[str, list[tuple[int, torch.Tensor]]] = defaultdict(list)
         self.kept: list[int] = []
+        self.drafted: list[int] = []  # columns drafted per round (fewer where the draft gate stopped)
 
-    def propose(self, seqs, max_lengths):
-        proposal = self.inner.propose(seqs, max_lengths)
+    def propose(self, seqs, max_lengths, **gate):
+        proposal = self.inner.propose(seqs, max_lengths, **gate)
+        self.drafted.append(proposal.max_len)
         self.own = proposal  # the drafter's own proposal: its q is what the drafts came from
         if self.corrupt is not None and proposal.max_len:
             proposal = self.corrupt(proposal)
@@ -262,6 +264,10 @@ def _prefix_scheduler() -> PrefixScheduler:
     return PrefixScheduler(sps, max_k=K, adapt=False, min_gain=0.0)
 
 
+def _prefix_scheduler_drafting_every_column() -> PrefixScheduler:
+    return dataclasses.replace(_prefix_scheduler(), stop_drafting=False)
+
+
 POLICIES = {
     "fixed": lambda: FixedK(K),
     # load-dependent: K by the number of running rows (6, then fewer as the queue drains)
@@ -269,6 +275,9 @@ POLICIES = {
     # load- and confidence-dependent: DSpark's Algorithm 1 (with its early stop) for DSpark,
     # running acceptance for the others
     "prefix-scheduler": _prefix_scheduler,
+    # the same without the draft gate: DSpark drafts every column and trim() cuts (the reference
+    # for the gate's "same verify lengths")
+    "prefix-scheduler-ungated": _prefix_scheduler_drafting_every_column,
 }
 
 
@@ -295,6 +304,7 @@ class Run:
     kept: list[int]  # verify lengths of every round that drafted
     tokens: list[list[int]]
     zero_p: int  # generated tokens the teacher-forced warp gives probability 0 (must be 0)
+    drafted: list[int]  # columns drafted per round
 
 
 def generate(target, spec: str, policy: str = "fixed", warped: bool = False, mode: str = "rejection",
@@ -324,7 +334,7 @@ def generate(target, spec: str, policy: str = "fixed", warped: bool = False, mod
         qs.append(q)
     u, zero_p = pit(target, outs, params, qs)
     return Run(u, torch.cat(slots), llm.last_stats.acceptance_rate, drafter.kept, [o.token_ids for o in outs],
-               zero_p)
+               zero_p, drafter.drafted)
 
 
 def pit(target, outs, params, qs) -> tuple[dict[str, torch.Tensor], int]:
@@ -466,6 +476,22 @@ def test_negative_control_verifier_bug_fails_the_pooled_check(target, specs, mon
     u = {order: torch.cat([r.u[order] for r in rs]) for order in BINS}
     pv = pvalues(u, torch.cat([r.slot for r in rs]))
     assert min(pv.values()) < CONTROL_MAX_P, pv
+
+
+def test_draft_gate_changes_the_work_not_the_output(target, specs, runs):
+    """DSpark under the prefix scheduler stops drafting at the first column the column search
+    will not open (policy/prefix_scheduler.py, draft_gate). Against the same run drafting every
+    column (sampled, warped, seeded rejection rule: the drafts' uniforms are drawn before the
+    loop, so stopping changes no later draw): the same tokens and the same verify length in
+    every round, with fewer columns drafted. (The gated run is the PIT-checked
+    prefix-scheduler-warped run above.)"""
+    gated = runs("dspark", "prefix-scheduler-warped")
+    every = generate(target, specs["dspark"], "prefix-scheduler-ungated", True, "rejection")
+    assert gated.tokens == every.tokens
+    assert gated.kept == every.kept
+    assert len(gated.drafted) == len(every.drafted)
+    assert all(g <= e for g, e in zip(gated.drafted, every.drafted))
+    assert sum(gated.drafted) < sum(every.drafted), (sum(gated.drafted), sum(every.drafted))
 
 
 @pytest.fixture(scope="module")

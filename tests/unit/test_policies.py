@@ -23,7 +23,7 @@ from draftsmith.policy.acceptance import (
 from draftsmith.policy.batch_schedule import BatchSizeSchedule, default_schedule
 from draftsmith.policy.registry import parse_policy_spec
 from draftsmith.policy.prefix_scheduler import (
-    PrefixScheduler, admit, admit_best_prefix, admit_columns, can_gain, static_prefix_scheduler,
+    ColumnSearch, PrefixScheduler, admit, admit_best_prefix, admit_columns, can_gain, static_prefix_scheduler,
 )
 from draftsmith.kernels.build import KernelStatus
 from draftsmith.policy.profile import ProfileConfig, SPSTable, load_or_profile
@@ -98,6 +98,46 @@ def test_admit_columns_is_algorithm1_for_one_row():
     for _ in range(200):
         conf = [torch.rand(4, generator=g).tolist()]
         assert admit_columns(conf, sps) == admit(conf, sps, "padded")
+
+
+def test_draft_gate_stops_where_the_column_search_stops():
+    """The gate a DSpark drafter asks column by column (stopping at its first False) opens
+    exactly the columns admit_columns opens on the full proposal, and trim() on the proposal
+    cut there returns the same verify lengths: the gate changes the drafting work, never the
+    schedule. Random confidences (zeros included), ragged rows, three cost curves."""
+    g = torch.Generator().manual_seed(5)
+    curves = [sps_from_times((4, 8, 12, 16, 20), t) for t in
+              ((1.0, 1.18, 1.34, 1.5, 1.66), (1.0, 1.05, 1.1, 1.15, 1.2), (1.0, 1.6, 2.2, 2.8, 3.4))]
+    stopped_early = 0
+    for trial in range(600):
+        sps = curves[trial % 3]
+        R = 1 + trial % 4
+        conf = []
+        for _ in range(R):
+            c = torch.rand(int(torch.randint(0, 5, (1,), generator=g)), generator=g)
+            c[torch.rand(len(c), generator=g) < 0.1] = 0.0
+            conf.append(c.tolist())
+        full = admit_columns(conf, sps)
+        gate, opened = ColumnSearch(R, sps), 0
+        for j in range(max((len(c) for c in conf), default=0)):
+            if not gate.open_next([c[j] if len(c) > j else None for c in conf]):
+                break
+            opened += 1
+        assert gate.ell == full
+        if opened < max((len(c) for c in conf), default=0):
+            stopped_early += 1
+            assert not gate.open_next([1.0] * R)  # once refused, closed for good
+        assert admit_columns([c[:opened] for c in conf], sps) == full
+    assert stopped_early > 100
+
+
+def test_draft_gate_only_for_the_column_search():
+    sps = sps_from_times((4, 8, 12), (1.0, 1.18, 1.34))
+    pol = PrefixScheduler(sps, max_k=2, adapt=False)
+    assert isinstance(pol.draft_gate(seqs(2), [2, 2]), ColumnSearch)
+    assert replace(pol, stop_drafting=False).draft_gate(seqs(2), [2, 2]) is None
+    assert replace(pol, padded_search="early-stop").draft_gate(seqs(2), [2, 2]) is None
+    assert replace(pol, batch_tokens="packed").draft_gate(seqs(2), [2, 2]) is None
 
 
 def test_prefix_scheduler_trim_padded_search():

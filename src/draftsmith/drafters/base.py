@@ -6,7 +6,10 @@ The engine calls every drafter the same way and never branches on its kind:
     start(seq)       a request got a cache row (prefill done): set up per-request state
     propose(seqs, max_lengths) -> Proposal
                      at most max_lengths[b] draft tokens for row b (0 allowed), with q when
-                     the drafts were sampled (None = deterministic one-hot drafts)
+                     the drafts were sampled (None = deterministic one-hot drafts).
+                     A drafter with `gated = True` also takes propose(..., gate=G): the
+                     policy's column search (draft_gate), asked column by column; it may stop
+                     at the first column G does not open (DSpark: drafters/block_drafter.py)
     on_verified(seqs, proposal, result, features)
                      the committed tokens are in seq.output_ids already; features hold the
                      requested target features for this round's input positions

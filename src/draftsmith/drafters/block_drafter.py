@@ -10,7 +10,7 @@ sampling stage (`BlockSampler`: DFlash's independent positions, DSpark's sequent
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -38,11 +38,20 @@ class BlockSampler(Protocol):
         anchors: torch.Tensor,  # [B] anchor ids (x_0)
         params: Sequence[SamplingParams],
         uniforms: torch.Tensor,  # [B, n] one uniform per drafted position
+        stop: Callable[[int, torch.Tensor], bool] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """→ tokens [B, n], q [B, n, V] (the warped distributions sampled from; one-hot on
+        """→ tokens [B, n'], q [B, n', V] (the warped distributions sampled from; one-hot on
         greedy rows; None when every row is greedy: the proposal then carries no q),
-        confidence logits [B, n] or None."""
+        confidence logits [B, n'] or None. n' = n unless a sampler with confidences is given
+        `stop`: it calls stop(k, confidence logits of draft k + 1 [B]) before drafting position
+        k and, on True, returns the k positions drafted so far (n' = k)."""
         ...
+
+
+class DraftGate(Protocol):
+    """The policy's column-by-column decision (policy/prefix_scheduler.py, ColumnSearch)."""
+
+    def open_next(self, column: Sequence[float | None]) -> bool: ...
 
 
 class BlockDrafter(FeatureQueueDrafter):
@@ -122,8 +131,13 @@ class BlockDrafter(FeatureQueueDrafter):
 
     # -- one round
 
+    gated = True  # propose() takes the policy's draft gate (engine._round)
+
     @torch.inference_mode()
-    def propose(self, seqs: list[Request], max_lengths: list[int]) -> Proposal:
+    def propose(self, seqs: list[Request], max_lengths: list[int], gate: DraftGate | None = None) -> Proposal:
+        """Up to min(max_lengths[b], γ) drafts per row; with a `gate`, a sampler with
+        confidences stops at the first column the gate does not open (fewer columns, the same
+        verify lengths)."""
         active = [i for i, k in enumerate(max_lengths) if k > 0]
         if not active:
             return Proposal.empty(len(seqs))
@@ -157,11 +171,34 @@ class BlockDrafter(FeatureQueueDrafter):
         h = h[:, self.offset : self.offset + n]  # [B', n, H]
         u = row_uniforms(act, [self.states[s].drafter_gen for s in act], caps, n, dev)
         params = [s.params for s in act]
-        tokens, q, conf_logits = self.sampler.draft(h, anchors, params, u)
+        stop = None
+        if gate is not None:
+            def stop(k: int, z: torch.Tensor) -> bool:
+                c = self._confidences(z, k).tolist()
+                column: list[float | None] = [None] * len(seqs)
+                for b, i in enumerate(active):
+                    if caps[b] > k:
+                        column[i] = c[b]
+                return not gate.open_next(column)
+        if stop is None:
+            tokens, q, conf_logits = self.sampler.draft(h, anchors, params, u)
+        else:
+            tokens, q, conf_logits = self.sampler.draft(h, anchors, params, u, stop)
+        caps = [min(c, tokens.shape[1]) for c in caps]  # a stopped sampler drafted fewer columns
         return self._assemble(len(seqs), active, caps, tokens, q, conf_logits, params)
+
+    def _confidences(self, z: torch.Tensor, k: int) -> torch.Tensor:
+        """Confidence logits of draft k + 1 (any shape) → calibrated confidences (STS
+        temperature t_{k+1}), float32 on the CPU: what the proposal carries."""
+        z = z.float()
+        if self.temperatures and k < len(self.temperatures):
+            z = z / torch.tensor(self.temperatures[k], dtype=z.dtype, device=z.device)
+        return torch.sigmoid(z).cpu()
 
     def _assemble(self, B, active, caps, tokens, q, conf_logits, params) -> Proposal:
         K = max(caps)
+        if K == 0:  # the gate opened no column
+            return Proposal.empty(B)
         out_tokens = torch.zeros(B, K, dtype=torch.long)
         lengths = torch.zeros(B, dtype=torch.long)
         idx = torch.tensor(active)
@@ -174,12 +211,9 @@ class BlockDrafter(FeatureQueueDrafter):
             q_full = torch.zeros(B, K, q.shape[-1], dtype=torch.float32, device=q.device)
             q_full[idx.to(q.device)] = q.float()
         conf = None
-        if conf_logits is not None:
-            z = conf_logits.float()
-            if self.temperatures:
-                t = list(self.temperatures[:K]) + [1.0] * max(0, K - len(self.temperatures))
-                z = z / torch.tensor(t, dtype=z.dtype, device=z.device)
+        if conf_logits is not None and K:
             conf = torch.zeros(B, K, dtype=torch.float32)
-            conf[idx] = torch.sigmoid(z).cpu()
+            for k in range(K):
+                conf[idx, k] = self._confidences(conf_logits[:, k], k)
             conf = conf.masked_fill(~keep, 0.0)
         return Proposal(tokens=out_tokens, lengths=lengths, q=q_full, confidences=conf)

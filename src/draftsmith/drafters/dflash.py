@@ -85,9 +85,10 @@ class DFlashModel(BlockModel):
         parts["blocks"] = float(pf.pack.num_blocks)
         return LossOutput(total=terms.total, parts=parts)
 
-    def draft(self, hidden, anchors, params: Sequence[SamplingParams], uniforms):
+    def draft(self, hidden, anchors, params: Sequence[SamplingParams], uniforms, stop=None):
         """Independent positions: q_k = warp(lm_head(h_k)); x_k by inverse CDF (argmax when greedy).
-        With a reduced vocabulary q is scattered back into target ids (zero outside)."""
+        With a reduced vocabulary q is scattered back into target ids (zero outside). No
+        confidences, so `stop` is never asked."""
         bb = self.backbone
         logits = bb.draft_logits(hidden)  # [B, n, Vd]
         if all(p.greedy for p in params):  # the argmax is what inverse_cdf draws from the one-hot q

@@ -167,14 +167,17 @@ class DSparkModel(BlockModel):
         parts["blocks"] = float(pf.pack.num_blocks)
         return LossOutput(total=terms.total, parts=parts)
 
-    def draft(self, hidden, anchors, params: Sequence[SamplingParams], uniforms):
+    def draft(self, hidden, anchors, params: Sequence[SamplingParams], uniforms, stop=None):
         """Left to right: q_k = warp(U_k + B_k(x_0, x_<k)), x_k ~ q_k (argmax when greedy), in
         draft ids; tokens and q go back to target ids (q zero outside a reduced vocabulary).
 
         The confidence's h part of every position is one product before the loop
-        (`SequentialHead.confidence_parts`), so a step is the W1 row, the W2 product, the
-        confidence's r-wide dot and the sample (the same values up to summation order). At batch 1
-        on a CPU a step's time is mostly W2 read back from memory."""
+        (`SequentialHead.confidence_parts`), so a step is the W1 row, the confidence's r-wide
+        dot, the W2 product and the sample (the same values up to summation order). At batch 1
+        on a CPU a step's time is mostly W2 read back from memory.
+
+        c_k reads x_{k-1}, so it is known before x_k is drafted: `stop(k, z_k)` (BlockSampler)
+        is asked right then, and on True the loop ends without the W2 product and the sample."""
         bb, sh = self.backbone, self.seq_head
         U = bb.draft_logits(hidden)  # [B, n, Vd]
         B, n, Vd = U.shape
@@ -186,9 +189,11 @@ class DSparkModel(BlockModel):
         greedy = all(p.greedy for p in plist)  # argmax = what inverse_cdf draws from the one-hot q; no q needed
         for k in range(n):
             e = F.embedding(prev, sh.w1.weight)  # [B, r]
+            z = z_h[:, k] + (e @ w_e).float()
+            if stop is not None and stop(k, z):
+                break
             o, state = sh.step(hidden[:, k], e, state)
             logits = U[:, k] + sh.w2(o).float()
-            z = z_h[:, k] + (e @ w_e).float()
             if greedy:
                 prev = argmax_rows(logits)  # through the CPU kernel where built (torch: ~40 us a row)
             else:
@@ -197,6 +202,9 @@ class DSparkModel(BlockModel):
                 qs.append(q)
             toks.append(prev)
             confs.append(z)
+        if not toks:  # stopped before the first draft
+            empty = anchors.new_zeros(B, 0)
+            return empty, None if greedy else hidden.new_zeros(B, 0, 1), hidden.new_zeros(B, 0)
         if greedy:
             return bb.to_target(torch.stack(toks, 1)), None, torch.stack(confs, 1)
         return bb.to_target(torch.stack(toks, 1)), bb.to_target_q(torch.stack(qs, 1)), torch.stack(confs, 1)

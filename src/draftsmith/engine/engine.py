@@ -207,7 +207,11 @@ class Engine:
         wanted = self.policy.choose(seqs)
         room = min(self.max_len - s.num_tokens for s in seqs)
         caps = [max(0, min(k, s.remaining - 1, room)) for k, s in zip(wanted, seqs)]
-        proposal = self.drafter.propose(seqs, caps)
+        # A policy that decides column by column can let a drafter that supports it stop at the
+        # first column that will not be verified (policy/prefix_scheduler.py, draft_gate).
+        draft_gate = getattr(self.policy, "draft_gate", None)
+        gate = draft_gate(seqs, caps) if draft_gate is not None and getattr(self.drafter, "gated", False) else None
+        proposal = self.drafter.propose(seqs, caps, gate=gate) if gate is not None else self.drafter.propose(seqs, caps)
         lengths = proposal.lengths.tolist() if proposal.max_len else [0] * len(seqs)
         for b, (n, cap) in enumerate(zip(lengths, caps)):
             if n > cap:

@@ -38,5 +38,8 @@ class DraftLengthPolicy(Protocol):
         """Learn from the round that just finished."""
         ...
 
+    # Optional: `draft_gate(seqs, caps) -> gate | None`, called before drafting: an object whose
+    # open_next(column confidences) tells a gated drafter whether that column will be verified
+    # (the prefix scheduler's column search; the drafter may stop at the first False).
     # Optional: `observe(info: engine.StepInfo) -> None`, called after update() with the
     # round's forward shape and timings (the prefix scheduler's online cost model uses it).

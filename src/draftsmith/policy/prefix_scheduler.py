@@ -49,8 +49,12 @@ and the scheduler takes the best prefix of the same sorted order (`running_searc
 "best-prefix"`): on a CPU the first extra verify token is the expensive one and later ones
 are nearly free, which the early stop cannot see past.
 
-Drafters with confidences (DSpark) draft max_k tokens per row and Algorithm 1 with the
-early stop trims them (drafting is paid by then: only the forward's cost is weighed).
+Drafters with confidences (DSpark) draft up to max_k tokens per row and Algorithm 1 with the
+early stop trims them (only the forward's cost is weighed). With the column search, a drafter
+whose confidence for draft j comes before draft j (DSpark's head reads x_{j-1}) asks the same
+search column by column while it drafts (`draft_gate`, `ColumnSearch`) and stops at the first
+column that will not open: the verify lengths are the same, the sequential steps after that
+column are not paid.
 
 Whether to draft at all is decided in choose(), from what is known before the round: each
 request's running acceptance and the cost model of policy/cost.py, which corrects the
@@ -78,7 +82,7 @@ while a request whose own acceptance predicts a large gain still drafts.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -126,30 +130,64 @@ def admit(conf: list[list[float]], sps: Callable[[float], float],
     return ell
 
 
+class ColumnSearch:
+    """`admit_columns` one column at a time, for a drafter that asks before it drafts a column.
+
+    Column j of a DSpark round is decided by c_{r,1..j} alone, and c_{r,j} is known before draft
+    j is sampled (the head reads x_{j-1}), so the drafter can stop at the first column that will
+    not open: `open_next(c_{., j})` says whether column j opens (its drafts would be verified);
+    after the first False nothing later opens. trim() on the shortened proposal then returns
+    exactly what it returns on the full one (tests/unit/test_draft_gate.py)."""
+
+    def __init__(self, rows: int, sps: Callable[[float], float]) -> None:
+        self.R, self.sps = rows, sps
+        self.ell = [0] * rows
+        self.surv = [1.0] * rows  # a_{r,j} of the last column seen
+        self.alive = list(range(rows))  # rows whose every column so far opened
+        self.tau = float(rows)
+        self.best = rows * sps(rows) if rows else 0.0
+        self.j = 0
+        self.closed = rows == 0
+
+    def open_next(self, column: Sequence[float | None]) -> bool:
+        """column[r] = c_{r,j} of the next column j (None: row r has no draft j). True when
+        column j opens: its drafts are verified; False: the search is over (every later call
+        is False too)."""
+        if self.closed:
+            return False
+        self.j += 1
+        j = self.j
+        col = []
+        for r in self.alive:
+            c = column[r]
+            if c is None:
+                continue
+            self.surv[r] *= min(max(float(c), 0.0), 1.0)
+            if self.surv[r] > 0.0:
+                col.append(r)
+        if not col:
+            self.closed = True
+            return False
+        gain = sum(self.surv[r] for r in col)
+        theta = (self.tau + gain) * self.sps(self.R * (1 + j))
+        if not theta > self.best:
+            self.closed = True
+            return False
+        for r in col:
+            self.ell[r] = j
+        self.tau, self.best, self.alive = self.tau + gain, theta, col
+        return True
+
+
 def admit_columns(conf: list[list[float]], sps: Callable[[float], float]) -> list[int]:
     """Algorithm 1 by columns for padded forwards (module doc): column j opens when the j-th
     drafts of the rows still in play pay for its width together; then all of them are
     verified; the first column that does not pay stops the search. conf[r] = c_{r,1..n_r}."""
-    R = len(conf)
-    ell = [0] * R
-    if R == 0:
-        return ell
-    surv = [cumulative(c) for c in conf]
-    tau = float(R)
-    best = R * sps(R)
-    alive = list(range(R))
-    for j in range(1, max(len(a) for a in surv) + 1):
-        col = [r for r in alive if len(surv[r]) >= j and surv[r][j - 1] > 0.0]
-        if not col:
+    search = ColumnSearch(len(conf), sps)
+    for j in range(max((len(c) for c in conf), default=0)):
+        if not search.open_next([c[j] if len(c) > j else None for c in conf]):
             break
-        gain = sum(surv[r][j - 1] for r in col)
-        theta = (tau + gain) * sps(R * (1 + j))
-        if not theta > best:
-            break
-        for r in col:
-            ell[r] = j
-        tau, best, alive = tau + gain, theta, col
-    return ell
+    return search.ell
 
 
 def admit_best_prefix(conf: list[list[float]], sps: Callable[[float], float],
@@ -215,6 +253,10 @@ class PrefixScheduler:
     # admit_columns) or candidate by candidate with the paper's early stop ("early-stop",
     # admit). Packed forwards always use the paper's.
     padded_search: Literal["columns", "early-stop"] = "columns"
+    # With the column search, a drafter whose confidences come before its drafts (DSpark) stops
+    # drafting at the first column that will not open (draft_gate): the same verify lengths,
+    # fewer sequential steps. False drafts every column (the before / after).
+    stop_drafting: bool = True
     prior: AcceptancePrior = field(default_factory=AcceptancePrior)  # running acceptance prior
     # Draft at all only when the predicted gain (running acceptance, measured drafting time)
     # beats plain decoding by this fraction: a margin for the model's error, so that a busy
@@ -332,6 +374,20 @@ class PrefixScheduler:
         if self.batch_tokens == "padded" and self.padded_search == "columns":
             return admit_columns(conf, sps)
         return admit(conf, sps, self.batch_tokens)
+
+    def draft_gate(self, seqs: list[Request], max_lengths: list[int]) -> ColumnSearch | None:
+        """Engine hook, before drafting: the column search trim() will run on this round's
+        confidences, for a drafter that can stop at the first column that does not open
+        (None where trim() decides otherwise). Drafting is paid column by column then, and trim()
+        still decides on what was drafted (the same lengths: ColumnSearch).
+
+        A stopped chain is shorter, so the running acceptance (remember_drafts) no longer scores
+        the drafts after a column that did not open: those are rounds whose confidence fell, so
+        later positions are scored mostly in rounds that went well (choose() sees them a little
+        optimistically; verification and its losslessness do not depend on it)."""
+        if not (self.stop_drafting and self.batch_tokens == "padded" and self.padded_search == "columns"):
+            return None
+        return ColumnSearch(len(seqs), self._sps())
 
     def update(self, seqs, proposal, result) -> None:
         record_round(seqs, proposal, result, self.prior, self.pool)
