@@ -1,0 +1,119 @@
+"""Two draft-length policies for one drafter at batch 1, plain decoding side by side, in one process.
+
+    .venv/bin/python benchmarks/ab_policy.py [--drafter dspark:smollm2-135m] [--k 7]
+        [--base prefix-scheduler:stop_drafting=false] [--policy prefix-scheduler]
+        [--workloads humaneval,mtbench] [--prompts 8] [--tokens 128] [--temperature 0] [--rounds 3]
+        [--out benchmarks/results/ab_policy.json]
+
+Three engines on the default target share one KV cache: plain decoding, the drafter under --base
+and under --policy. Every round of the measurement runs each engine over the same held-out prompts
+(batch 1, one request at a time; seeded per prompt when --temperature > 0), the order of the
+engines reversed every other round. Reported per workload: the median wall time of a round
+of the measurement (each request's first step, its prefill and first round, excluded) and its
+ratio to plain's, the median drafting time of a step that drafted, the steps that drafted, and
+whether the outputs of the two policies are identical (a policy changes the work, never a greedy
+or seeded output) and equal to plain's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import draftsmith  # noqa: F401  (OpenMP settings: must come before torch)
+import torch
+
+from draftsmith.bench.workload import load_workload
+from draftsmith.core.sampling import SamplingParams
+from draftsmith.engine.builder import build_engine
+from draftsmith.models.prompts import encode_chat
+from draftsmith.models.target import load_target
+from draftsmith.policy.fixed import FixedK
+
+
+def run(engine, prompts: list[list[int]], tokens: int, temperature: float) -> dict:
+    """One pass over the prompts: outputs, wall seconds of the decoding steps, drafting times."""
+    outs, wall, drafting, steps = [], 0.0, [], 0
+    for i, p in enumerate(prompts):
+        engine.add_request(p, SamplingParams(max_tokens=tokens, temperature=temperature,
+                                             seed=i if temperature > 0 else None))
+        first = True
+        while engine.has_unfinished():
+            t0 = time.perf_counter()
+            done = engine.step()
+            dt = time.perf_counter() - t0
+            outs.extend(list(s.output_ids) for s in done)
+            if first:  # the prefill and its round
+                first = False
+                continue
+            wall, steps = wall + dt, steps + 1
+            if engine.last_step.drafted:
+                drafting.append(engine.last_step.draft_s)
+    return {"outputs": outs, "wall_s": wall, "steps": steps, "drafting_s": drafting}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--drafter", default="dspark:smollm2-135m")
+    ap.add_argument("--k", type=int, default=7, help="drafts per round asked of the drafter")
+    ap.add_argument("--base", default="prefix-scheduler:stop_drafting=false")
+    ap.add_argument("--policy", default="prefix-scheduler")
+    ap.add_argument("--workloads", default="humaneval,mtbench")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the physical cores)")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/ab_policy.json"))
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target = load_target("smollm2-135m")
+    plain = build_engine(target, "none", FixedK(0), 0, 1, 2048)
+    engines = {"plain": plain,
+               "base": build_engine(target, args.drafter, args.base, args.k, 1, 2048, cache=plain.cache),
+               "policy": build_engine(target, args.drafter, args.policy, args.k, 1, 2048, cache=plain.cache)}
+    result = {"setup": {**{k: v for k, v in vars(args).items() if k != "out"}, "out": str(args.out),
+                        "machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads()},
+              "workloads": {}}
+    for wl in args.workloads.split(","):
+        w = load_workload(wl, None, args.prompts, max_prompt_tokens=1024,
+                          tokenize=lambda m: encode_chat(target.tokenizer, list(m), target.target_id))
+        prompts = [list(p.token_ids) for p in w.prompts]
+        runs: dict[str, list[dict]] = {k: [] for k in engines}
+        for r in range(args.rounds):
+            for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
+                runs[name].append(run(engines[name], prompts, args.tokens, args.temperature))
+                x = runs[name][-1]
+                print(f"{wl} round {r} {name:6s} {x['wall_s']:6.2f} s, {x['steps']} steps, "
+                      f"{len(x['drafting_s'])} drafted", flush=True)
+        plain_s = statistics.median(x["wall_s"] for x in runs["plain"])
+        row = {"prompts": len(prompts), "plain_s": plain_s}
+        for name in ("base", "policy"):
+            xs = runs[name]
+            wall = statistics.median(x["wall_s"] for x in xs)
+            row[name] = {"spec": getattr(args, name), "wall_s": wall, "x_plain": plain_s / wall,
+                         "per_round_x_plain": [p["wall_s"] / x["wall_s"] for p, x in zip(runs["plain"], xs)],
+                         "drafting_ms_median": 1e3 * statistics.median(d for x in xs for d in x["drafting_s"])
+                         if any(x["drafting_s"] for x in xs) else None,
+                         "drafting_rounds": [len(x["drafting_s"]) for x in xs],
+                         "steps": [x["steps"] for x in xs]}
+        outs = {k: v[0]["outputs"] for k, v in runs.items()}
+        row["same_outputs"] = all(x["outputs"] == outs[k] for k, v in runs.items() for x in v) and \
+            outs["base"] == outs["policy"]
+        row["equal_to_plain"] = outs["policy"] == outs["plain"] and outs["base"] == outs["plain"]
+        result["workloads"][wl] = row
+        print(f"{wl}: plain {plain_s:.2f} s; base {row['base']['x_plain']:.3f}x plain "
+              f"(drafting {row['base']['drafting_ms_median']} ms); policy {row['policy']['x_plain']:.3f}x "
+              f"(drafting {row['policy']['drafting_ms_median']} ms); same outputs {row['same_outputs']}, "
+              f"equal to plain {row['equal_to_plain']}", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
