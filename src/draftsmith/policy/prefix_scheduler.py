@@ -137,7 +137,7 @@ class ColumnSearch:
     j is sampled (the head reads x_{j-1}), so the drafter can stop at the first column that will
     not open: `open_next(c_{., j})` says whether column j opens (its drafts would be verified);
     after the first False nothing later opens. trim() on the shortened proposal then returns
-    exactly what it returns on the full one (tests/unit/test_draft_gate.py)."""
+    exactly what it returns on the full one (tests/unit/test_policies.py, test_draft_gate_*)."""
 
     def __init__(self, rows: int, sps: Callable[[float], float]) -> None:
         self.R, self.sps = rows, sps
