@@ -416,7 +416,7 @@ def write_markdown(r: dict, section: str = "") -> None:
     e1 = (ev.get("1") or {"drafters": {}})["drafters"]
     if e1:
         lines += ["", "Conditional acceptance per position k = 1..γ at T=1 (P(draft k accepted | 1..k−1 accepted); "
-                  "plots: `benchmarks/results/drafters/`):", ""]
+                  f"plots: `benchmarks/results/{'drafters-' + section if section else 'drafters'}/`):", ""]
         for lab, e in e1.items():
             ca = e["overall"]["conditional_acceptance"]
             lines.append(f"- {names.get(lab, lab)}: " + ", ".join(_f(x) for x in ca))
