@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/ab_policy.py [--drafter dspark:smollm2-135m] [--k 7]
         [--base prefix-scheduler:stop_drafting=false] [--policy prefix-scheduler]
         [--workloads humaneval,mtbench] [--prompts 8] [--tokens 128] [--temperature 0] [--rounds 3]
-        [--out benchmarks/results/ab_policy.json]
+        [--out benchmarks/results/ab_policy.json] [--no-md]
 
 Three engines on the default target share one KV cache: plain decoding, the drafter under --base
 and under --policy. Every round of the measurement runs each engine over the same held-out prompts
@@ -12,19 +12,21 @@ engines reversed every other round. Reported per workload: the median wall time 
 of the measurement (each request's first step, its prefill and first round, excluded) and its
 ratio to plain's, the median drafting time of a step that drafted, the steps that drafted, and
 whether the outputs of the two policies are identical (a policy changes the work, never a greedy
-or seeded output) and equal to plain's.
+or seeded output) and equal to plain's. The JSON goes to --out, and the table to its own section of
+BENCHMARKS.md (one per kind of CPU, as bench_runtime's) unless --no-md.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
+import os
 import statistics
 import time
 from pathlib import Path
 
 import draftsmith  # noqa: F401  (OpenMP settings: must come before torch)
+import sections
 import torch
 
 from draftsmith.bench.workload import load_workload
@@ -33,6 +35,7 @@ from draftsmith.engine.builder import build_engine
 from draftsmith.models.prompts import encode_chat
 from draftsmith.models.target import load_target
 from draftsmith.policy.fixed import FixedK
+from draftsmith.policy.profile import cpu_model
 
 
 def run(engine, prompts: list[list[int]], tokens: int, temperature: float) -> dict:
@@ -68,8 +71,12 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the physical cores)")
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/ab_policy.json"))
+    ap.add_argument("--out", type=Path, default=None,
+                    help="results JSON (default: benchmarks/results/ab_policy<cpu kind>.json)")
+    ap.add_argument("--no-md", action="store_true", help="leave BENCHMARKS.md alone")
     args = ap.parse_args()
+    tag, kind = sections.cpu_kind()
+    args.out = args.out or Path(__file__).parent / "results" / f"ab_policy{tag}.json"
     if args.threads:
         torch.set_num_threads(args.threads)
     target = load_target("smollm2-135m")
@@ -78,7 +85,9 @@ def main() -> None:
                "base": build_engine(target, args.drafter, args.base, args.k, 1, 2048, cache=plain.cache),
                "policy": build_engine(target, args.drafter, args.policy, args.k, 1, 2048, cache=plain.cache)}
     result = {"setup": {**{k: v for k, v in vars(args).items() if k != "out"}, "out": str(args.out),
-                        "machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads()},
+                        "machine": cpu_model(), "cpu_kind": kind.lstrip(", ") or "AVX-512 + BF16 CPU",
+                        "cpus": os.cpu_count(), "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"),
+                        "loadavg_start": os.getloadavg()},
               "workloads": {}}
     for wl in args.workloads.split(","):
         w = load_workload(wl, None, args.prompts, max_prompt_tokens=1024,
@@ -111,8 +120,49 @@ def main() -> None:
               f"(drafting {row['base']['drafting_ms_median']} ms); policy {row['policy']['x_plain']:.3f}x "
               f"(drafting {row['policy']['drafting_ms_median']} ms); same outputs {row['same_outputs']}, "
               f"equal to plain {row['equal_to_plain']}", flush=True)
+    result["setup"]["loadavg_end"] = os.getloadavg()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    if not args.no_md:
+        marker = f"ab_policy{tag.replace('-', ':')}"
+        sections.write_section(f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->", markdown(result, args, kind))
+
+
+def shown(path: Path) -> str:
+    """A path as BENCHMARKS.md names it: relative to the repository when inside it."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        return str(path.resolve().relative_to(root))
+    except ValueError:
+        return path.name
+
+
+def markdown(res: dict, args, kind: str) -> str:
+    """The BENCHMARKS.md section of one run: per workload, both policies against plain."""
+    s = res["setup"]
+    lines = [f"## Draft-length policies side by side: `{s['base']}` vs `{s['policy']}` (issues 11, 12){kind}", "",
+             f"`benchmarks/ab_policy.py --drafter {s['drafter']} --k {s['k']} --base {s['base']} --policy {s['policy']} "
+             f"--workloads {s['workloads']} --prompts {s['prompts']} --tokens {s['tokens']} --temperature {s['temperature']} "
+             f"--rounds {s['rounds']}` on {s['date']} (JSON: `{shown(Path(args.out))}`). {s['machine']}, "
+             f"{s['cpus']} CPUs, {s['threads']} torch threads, float32 target smollm2-135m, batch 1, held-out prompts. "
+             "Plain decoding and the drafter under both policies share one process and one KV cache; each round runs "
+             "the three over the same prompts, the order reversed every other round. Wall time: the decoding steps of "
+             "a round, each request's first step (prefill) excluded; the median over rounds, and the ratio plain / "
+             "policy of each round (> 1: faster than plain). Drafting: the median time of a step that drafted. "
+             f"Load average {s['loadavg_start'][0]:.2f} at the start, {s['loadavg_end'][0]:.2f} at the end.", "",
+             "| workload | prompts | plain s | policy | s | × plain (median) | × plain per round | drafting ms | "
+             "steps that drafted (per round) | steps | outputs: same both policies / = plain |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for wl, row in res["workloads"].items():
+        for name in ("base", "policy"):
+            r = row[name]
+            ms = "–" if r["drafting_ms_median"] is None else f"{r['drafting_ms_median']:.2f}"
+            lines.append(f"| {wl} | {row['prompts']} | {row['plain_s']:.2f} | `{r['spec']}` | {r['wall_s']:.2f} | "
+                         f"**{r['x_plain']:.3f}** | {' / '.join(f'{x:.2f}' for x in r['per_round_x_plain'])} | {ms} | "
+                         f"{' / '.join(map(str, r['drafting_rounds']))} | {' / '.join(map(str, r['steps']))} | "
+                         f"{'yes' if row['same_outputs'] else '**no**'} / {'yes' if row['equal_to_plain'] else '**no**'} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

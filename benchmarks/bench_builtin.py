@@ -95,7 +95,7 @@ def main() -> int:
                     "stage_s": stage_s, "wall_s": round(time.perf_counter() - t_all, 1),
                     "loadavg_end": os.getloadavg()}
     (w / "results.json").write_text(json.dumps(res, indent=1))
-    tag = kind_tag()
+    tag = sections.cpu_kind()[0]
     dest = ROOT / "benchmarks" / "results" / f"bench_builtin{tag}.json"
     dest.write_text(json.dumps(res, indent=1))
     print(f"wrote {dest}")
@@ -103,15 +103,6 @@ def main() -> int:
         marker = f"bench_builtin{tag.replace('-', ':')}"
         sections.write_section(f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->", markdown(res, tag))
     return 0
-
-
-def kind_tag() -> str:
-    """'' on AVX-512 CPUs, '-amx' with AMX, else '-<isa>' (e.g. '-avx2'): one JSON and one BENCHMARKS.md
-    section per kind of CPU, so a run on one kind keeps another kind's numbers (as bench_runtime does)."""
-    from draftsmith.kernels.build import cpu_kernels
-
-    isa = cpu_kernels().isa or "avx512"
-    return "-amx" if isa.endswith("+amx") else "" if isa.startswith("avx512") else f"-{isa}"
 
 
 def machine() -> str:
@@ -161,7 +152,7 @@ def markdown(r: dict, tag: str = "") -> str:
     s = r["setup"]
     d = s["drafter"]
     json_name = f"bench_builtin{tag}.json"
-    kind = {"": "", "-amx": ", AVX-512 + AMX CPU"}.get(tag, f", {tag[1:].upper()} CPU")
+    kind = sections.cpu_kind()[1]
     lines = ["## Built-in drafter: `" + d + "` against plain decoding (issue 12)" + kind, "",
              f"`benchmarks/bench_builtin.py` (JSON: `benchmarks/results/{json_name}`). Machine: "
              f"{s['machine']}, no GPU, float32 target, T = 0, held-out prompts only. How the drafter was made: "

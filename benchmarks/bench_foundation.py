@@ -153,10 +153,9 @@ def main() -> None:
                                                            for r in rows]),
             "llamacpp_outputs_equal_plain": sum(r["llamacpp_plain_same_as_plain"] for r in rows),
         }
-    from draftsmith.kernels.build import cpu_kernels
+    from sections import cpu_kind  # benchmarks/ is on the path of a script run from it
 
-    isa = cpu_kernels().isa or "none"  # one JSON per kind of CPU kernel (AVX-512: the first, untagged)
-    out = Path(__file__).parent / "results" / ("foundation.json" if isa.startswith("avx512") else f"foundation-{isa}.json")
+    out = Path(__file__).parent / "results" / f"foundation{cpu_kind()[0]}.json"  # one JSON per kind of CPU
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(summary, indent=2))
     print(json.dumps({k: v for k, v in summary.items() if k != "rows"}, indent=2))

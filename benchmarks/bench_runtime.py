@@ -40,6 +40,7 @@ from draftsmith.kernels.build import cpu_kernels
 from draftsmith.models.loading import load_decoder
 from draftsmith.models.registry import resolve_target
 from draftsmith.policy.roofline import measure_bandwidth, step_time, weight_bytes
+from sections import cpu_kind, write_section
 
 HERE = Path(__file__).resolve().parent
 VERIFY = (2, 4, 8, 16)
@@ -192,8 +193,7 @@ def main() -> None:
     result["date"] = time.strftime("%Y-%m-%d")
     # one section and one JSON per kind of CPU kernel, so an AVX2 machine's run keeps the AVX-512 one
     # (AVX-512 with AMX: its own too; the bfloat16 linears run on another unit)
-    isa = cpu_kernels().isa or "avx512"
-    tag = "-amx" if isa.endswith("+amx") else "" if isa.startswith("avx512") else f"-{isa}"
+    tag, _ = cpu_kind()
     previous = HERE / "results" / f"runtime{tag}.json"
     if args.keep_wait_policy and previous.is_file() and "wait_policy_ms" in (old := json.loads(previous.read_text())):
         result["wait_policy_ms"] = old["wait_policy_ms"]
@@ -205,19 +205,13 @@ def main() -> None:
     if not args.no_write:
         (HERE / "results").mkdir(exist_ok=True)
         previous.write_text(json.dumps(result, indent=1))
-        sys.path.insert(0, str(HERE))
-        from sections import write_section
-
         marker = f"runtime{tag.replace('-', ':')}"
         write_section(f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->", md)
 
 
 def render(res: dict, args) -> str:
     lines = [
-        "## Runtime: what a target forward costs (issue 11)" + (", AVX-512 + AMX CPU" if (res["machine"].get("kernels") or "").endswith("+amx")
-                                                                else "" if not res["machine"].get("kernels") or
-                                                                res["machine"]["kernels"].startswith("avx512")
-                                                                else f", {res['machine']['kernels'].upper()} CPU"),
+        "## Runtime: what a target forward costs (issue 11)" + cpu_kind()[1],
         "",
         f"`benchmarks/bench_runtime.py --rounds {args.rounds} --repeats {args.repeats}` on {time.strftime('%Y-%m-%d')}, "
         f"smollm2-135m, {res['machine']['cpu']} ({res['machine']['cores']} cores; Draftsmith's kernels built for "

@@ -18,3 +18,22 @@ def write_section(begin: str, end: str, body: str, path: Path = BENCHMARKS_MD) -
     else:
         text = text.rstrip("\n") + "\n\n" + section + "\n"
     path.write_text(text)
+
+
+def cpu_kind() -> tuple[str, str]:
+    """(tag, title suffix) naming the kind of CPU this machine's kernels were built for, so each kind
+    keeps its own results JSON and BENCHMARKS.md section: a run on one kind never overwrites another's.
+    AVX-512 with BF16 (the first machine) is untagged; the others: '-amx', '-avx512' (AVX-512 without
+    BF16: fp32 kernels only), '-avx2', and '-nokernels' where the kernels did not build."""
+    from draftsmith.kernels.build import cpu_kernels
+
+    isa = cpu_kernels().isa
+    if not isa:
+        return "-nokernels", ", CPU without Draftsmith's kernels"
+    if isa.endswith("+amx"):
+        return "-amx", ", AVX-512 + AMX CPU"
+    if isa == "avx512-bf16":
+        return "", ""
+    if isa == "avx512":
+        return "-avx512", ", AVX-512 CPU without BF16"
+    return f"-{isa}", f", {isa.upper()} CPU"
