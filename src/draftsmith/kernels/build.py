@@ -37,7 +37,7 @@ _BUILD_LOCK = threading.Lock()  # one build per process at a time (threads of a 
 @dataclass(frozen=True)
 class KernelStatus:
     ok: bool  # float32 kernels loaded (torch.ops.draftsmith.*)
-    bf16: bool  # the bfloat16 linear kernel too (AVX512-BF16 dot products, or AVX2 widening to float32)
+    bf16: bool  # the bfloat16 linear kernel too (AVX512-BF16 dot products, or widening to float32 without it)
     reason: str  # why not, or where the library is
     isa: str = ""  # "avx512-bf16", "avx512" or "avx2" when ok
     build: str = ""  # the build's key (source, flags, compiler, torch, CPU flags) when ok: a new key, new speeds

@@ -231,9 +231,41 @@ inline void chunk_bf16(const uint16_t* wb, const uint16_t* x, int64_t KP, int64_
   add_sums<R>(tot, lo, hi);
 }
 #else
-constexpr bool BF16_KERNEL = false;
-template <int R>  // never called: gemv_bf16 refuses first
-inline void chunk_bf16(const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, float*, bool) {}
+// AVX-512 without AVX512-BF16 (Skylake-SP / Cascade Lake / Ice Lake servers, or a hypervisor that
+// hides the flag): the same packed pairs, widened to float32 as they are read (a 32-bit lane of a
+// pair holds the even k in its low 16 bits, the odd k in its high 16: a shift and a mask), and two
+// FMAs per pair where vdpbf16ps does one. x's pairs are widened the same way after the broadcast.
+// The weights stream at half float32's bytes, which is what a memory-bound decode or few-row
+// verify step pays for; the arithmetic is float32 (an output's sum order is the same whatever the
+// number of rows, as everywhere here).
+constexpr bool BF16_KERNEL = true;
+
+template <int R>
+inline void chunk_bf16(const uint16_t* wb, const uint16_t* x, int64_t KP, int64_t p0, int64_t p1, float* tot, bool prefetch) {
+  __m512 lo[R], hi[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t p = p0; p < p1; ++p) {
+    if (prefetch) {
+      _mm_prefetch(reinterpret_cast<const char*>(wb + (p + PREFETCH_K) * BLOCK * 2), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wb + (p + PREFETCH_K) * BLOCK * 2 + 32), _MM_HINT_T0);
+    }
+    const __m512i w0 = _mm512_load_si512(wb + p * BLOCK * 2), w1 = _mm512_load_si512(wb + p * BLOCK * 2 + 32);
+    const __m512 e0 = _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16)), o0 = _mm512_castsi512_ps(_mm512_and_si512(w0, high));
+    const __m512 e1 = _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16)), o1 = _mm512_castsi512_ps(_mm512_and_si512(w1, high));
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * KP * 2 + p * 2, 4);
+      const __m512i xv = _mm512_set1_epi32(pair);
+      const __m512 xe = _mm512_castsi512_ps(_mm512_slli_epi32(xv, 16)), xo = _mm512_castsi512_ps(_mm512_and_si512(xv, high));
+      lo[r] = _mm512_fmadd_ps(o0, xo, _mm512_fmadd_ps(e0, xe, lo[r]));
+      hi[r] = _mm512_fmadd_ps(o1, xo, _mm512_fmadd_ps(e1, xe, hi[r]));
+    }
+  }
+  add_sums<R>(tot, lo, hi);
+}
 #endif
 
 #else  // AVX2 + FMA: 16 ymm registers
@@ -545,7 +577,7 @@ at::Tensor gemv_f32(const at::Tensor& x, const at::Tensor& wp, int64_t N, const 
 }
 
 at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& wp, int64_t N, int64_t K, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(BF16_KERNEL, "gemv_bf16: this build has no bfloat16 kernel (an AVX-512 CPU without AVX512-BF16)");
+  TORCH_CHECK(BF16_KERNEL, "gemv_bf16: this build has no bfloat16 kernel");
   TORCH_CHECK(wp.scalar_type() == at::kBFloat16 && wp.dim() == 4, "gemv_bf16: a pack_bf16 weight expected");
   TORCH_CHECK(x.device().is_cpu() && wp.device().is_cpu(), "gemv_bf16: CPU tensors expected");
   TORCH_CHECK(wp.is_contiguous() && wp.size(2) == BLOCK && wp.size(3) == 2, "gemv_bf16: a pack_bf16 weight expected");
@@ -1402,7 +1434,11 @@ bool has_bf16() { return BF16_KERNEL; }  // whether this build has a bfloat16 li
 std::string isa() {  // the instruction set this build's kernels use
 #if defined(__AVX512F__)
   if (amx_ready()) return "avx512-bf16+amx";
-  return BF16_KERNEL ? "avx512-bf16" : "avx512";
+#if defined(__AVX512BF16__)
+  return "avx512-bf16";
+#else
+  return "avx512";  // its bfloat16 linears widen to float32 (see chunk_bf16)
+#endif
 #else
   return "avx2";
 #endif

@@ -7,8 +7,8 @@ sizes speculative verification uses (1 + K tokens per row):
 - "kernels": Draftsmith's own kernel (kernels/gemv.cpp, compiled once per machine for its
   AVX-512 or AVX2 + FMA): the weight packed once into 32-column blocks that each thread streams
   front to back, every row of x applied to a block while it is in cache. float32 and bfloat16
-  (AVX512-BF16 dot products, or on AVX2 bfloat16 weights widened to float32 in registers: half the
-  bytes streamed, float32 arithmetic; on CPUs with AMX, bfloat16 on the tile unit, where 8-16 rows
+  (AVX512-BF16 dot products, or where the CPU has no AVX512-BF16 (AVX2, or AVX-512 without it)
+  bfloat16 weights widened to float32 in registers: half the bytes streamed, float32 arithmetic; on CPUs with AMX, bfloat16 on the tile unit, where 8-16 rows
   cost about what one does); other dtypes fall back to F.linear per linear. Measured on
   2-core machines over smollm2-135m's linears (BENCHMARKS.md, Runtime): ~1.5x oneDNN's throughput
   at 1 to 8 rows on a Zen 4. A row's result does not depend on how many rows are computed with it
@@ -96,7 +96,7 @@ class FastLinear:
                 w = torch.ops.draftsmith.pack_f32(w)
             elif w.dtype == torch.bfloat16 and cpu_kernels().bf16:
                 w = torch.ops.draftsmith.pack_bf16(w)
-            else:  # float16, or bfloat16 on an AVX-512 CPU without AVX512-BF16: F.linear for this one
+            else:  # float16 (or a build without a bfloat16 kernel): F.linear for this one
                 backend = "torch"
         if backend == "onednn" and w.dtype == torch.bfloat16 and not onednn_bf16():
             backend = "torch"  # oneDNN refuses bfloat16 on CPUs without avx512bw/vl/dq or avx_ne_convert
