@@ -234,14 +234,14 @@ inline void chunk_bf16(const uint16_t* wb, const uint16_t* x, int64_t KP, int64_
 // AVX-512 without AVX512-BF16 (Skylake-SP / Cascade Lake / Ice Lake servers, or a hypervisor that
 // hides the flag): the same packed pairs, widened to float32 as they are read (a 32-bit lane of a
 // pair holds the even k in its low 16 bits, the odd k in its high 16: a shift and a mask), and two
-// FMAs per pair where vdpbf16ps does one. x's pairs are widened the same way after the broadcast.
-// The weights stream at half float32's bytes, which is what a memory-bound decode or few-row
-// verify step pays for; the arithmetic is float32 (an output's sum order is the same whatever the
-// number of rows, as everywhere here).
+// FMAs per pair where vdpbf16ps does one; x comes as float32 (widened once per call, as on AVX2),
+// so its values are FMA broadcast operands. The weights stream at half float32's bytes, which is
+// what a memory-bound decode or few-row verify step pays for; the arithmetic is float32 (an
+// output's sum order is the same whatever the number of rows, as everywhere here).
 constexpr bool BF16_KERNEL = true;
 
 template <int R>
-inline void chunk_bf16(const uint16_t* wb, const uint16_t* x, int64_t KP, int64_t p0, int64_t p1, float* tot, bool prefetch) {
+inline void chunk_bf16(const uint16_t* wb, const float* x, int64_t KP, int64_t p0, int64_t p1, float* tot, bool prefetch) {
   __m512 lo[R], hi[R];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
@@ -256,10 +256,7 @@ inline void chunk_bf16(const uint16_t* wb, const uint16_t* x, int64_t KP, int64_
     const __m512 e1 = _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16)), o1 = _mm512_castsi512_ps(_mm512_and_si512(w1, high));
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      int32_t pair;
-      std::memcpy(&pair, x + r * KP * 2 + p * 2, 4);
-      const __m512i xv = _mm512_set1_epi32(pair);
-      const __m512 xe = _mm512_castsi512_ps(_mm512_slli_epi32(xv, 16)), xo = _mm512_castsi512_ps(_mm512_and_si512(xv, high));
+      const __m512 xe = _mm512_set1_ps(x[r * KP * 2 + p * 2]), xo = _mm512_set1_ps(x[r * KP * 2 + p * 2 + 1]);
       lo[r] = _mm512_fmadd_ps(o0, xo, _mm512_fmadd_ps(e0, xe, lo[r]));
       hi[r] = _mm512_fmadd_ps(o1, xo, _mm512_fmadd_ps(e1, xe, hi[r]));
     }
@@ -455,8 +452,8 @@ inline void rows_f32(const float* wb, const float* x, int64_t K, int64_t M, O* y
   });
 }
 
-template <typename O>
-inline void rows_bf16(const uint16_t* wb, const uint16_t* x, int64_t KP, int64_t M, O* y, int64_t ldy,
+template <typename O, typename X>  // X: uint16_t (bfloat16 x, AVX512-BF16) or float (x widened, without it)
+inline void rows_bf16(const uint16_t* wb, const X* x, int64_t KP, int64_t M, O* y, int64_t ldy,
                       const float* bias, int64_t n0, int64_t n) {
   rows_by_chunk<MT_BF16>(KP, KC / 2, M, y, ldy, bias, n0, n,
                          [&](auto R, auto, int64_t m, int, int64_t p0, int64_t p1, float* t, bool pf) {
@@ -596,10 +593,10 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& wp, int64_t N, int64
   auto sizes = x.sizes().vec();
   sizes.back() = N;
   auto y = at::empty({M, N}, x.options().dtype(direct ? at::kBFloat16 : at::kFloat));
-#if defined(__AVX512F__)
+#if defined(__AVX512BF16__)
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x2.data_ptr());
 #else
-  auto xf = x2.to(at::kFloat);  // exact: the AVX2 tile multiplies in float32
+  auto xf = x2.to(at::kFloat);  // exact: the tiles without AVX512-BF16 multiply in float32
   const float* xp = xf.data_ptr<float>();
 #endif
   const uint16_t* w = reinterpret_cast<const uint16_t*>(wp.data_ptr());
