@@ -163,8 +163,10 @@ constexpr int64_t PREFETCH_K = 128;  // k ahead in a block's stream (AVX-512: 8 
 
 // AVX-512: a tile is R <= 8 rows x the block's 32 columns, 2 x R zmm sums. A block's rows take
 // ceil(M / 8) tiles; the loop runs chunk by chunk (rows_by_chunk: every tile of the rows over KC k
-// while those 4 KB of the block are in L1), and with more than one row the first tile over a chunk
-// asks for the lines PREFETCH_K k ahead (one row keeps pace with the hardware prefetcher). Tile after
+// while those 4 KB of the block are in L1), and the first tile over a chunk asks for the lines
+// PREFETCH_K k ahead, one row included (without, one row relied on the hardware prefetcher: on an
+// Intel Xeon (AVX-512 without BF16, 2 cores) smollm2-135m's linears at one row then took 13.2 vs
+// 11.1 ms in bfloat16 and 19.7 vs 19.0 in float32; benchmarks/ab_linears.py, same bits). Tile after
 // tile over the whole block (the first version) left DRAM idle while the later tiles re-read the
 // block from L2: on 2 Zen 5 cores smollm2-135m's linears at 8 / 16 rows took 1.31 / 1.61x their
 // one-row time in float32 and 1.32 / 1.53x in bfloat16; chunk by chunk 1.03 / 1.35x and 0.97 / 1.15x.
@@ -448,7 +450,7 @@ template <typename O>
 inline void rows_f32(const float* wb, const float* x, int64_t K, int64_t M, O* y, int64_t ldy, const float* bias,
                      int64_t n0, int64_t n) {
   rows_by_chunk<MT_F32>(K, KC, M, y, ldy, bias, n0, n, [&](auto R, auto, int64_t m, int, int64_t k0, int64_t k1, float* t, bool pf) {
-    chunk_f32<decltype(R)::value>(wb, x + m * K, K, k0, k1, t, pf && M > 1);
+    chunk_f32<decltype(R)::value>(wb, x + m * K, K, k0, k1, t, pf);
   });
 }
 
@@ -457,7 +459,7 @@ inline void rows_bf16(const uint16_t* wb, const X* x, int64_t KP, int64_t M, O* 
                       const float* bias, int64_t n0, int64_t n) {
   rows_by_chunk<MT_BF16>(KP, KC / 2, M, y, ldy, bias, n0, n,
                          [&](auto R, auto, int64_t m, int, int64_t p0, int64_t p1, float* t, bool pf) {
-                           chunk_bf16<decltype(R)::value>(wb, x + m * KP * 2, KP, p0, p1, t, pf && M > 1);
+                           chunk_bf16<decltype(R)::value>(wb, x + m * KP * 2, KP, p0, p1, t, pf);
                          });
 }
 
