@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/ab_policy.py [--drafter dspark:smollm2-135m] [--k 7]
         [--base prefix-scheduler:stop_drafting=false] [--policy prefix-scheduler]
         [--workloads humaneval,mtbench] [--prompts 8] [--tokens 128] [--temperature 0] [--rounds 3]
+        [--dtype float32]
         [--out benchmarks/results/ab_policy.json] [--no-md]
 
 Three engines on the default target share one KV cache: plain decoding, the drafter under --base
@@ -13,7 +14,7 @@ of the measurement (each request's first step, its prefill and first round, excl
 ratio to plain's, the median drafting time of a step that drafted, the steps that drafted, and
 whether the outputs of the two policies are identical (a policy changes the work, never a greedy
 or seeded output) and equal to plain's. The JSON goes to --out, and the table to its own section of
-BENCHMARKS.md (one per kind of CPU, as bench_runtime's) unless --no-md.
+BENCHMARKS.md (one per kind of CPU and target dtype, as bench_runtime's) unless --no-md.
 """
 
 from __future__ import annotations
@@ -71,15 +72,17 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the physical cores)")
+    ap.add_argument("--dtype", default="float32", help="the target's (and the drafter's) dtype: float32 or bfloat16")
     ap.add_argument("--out", type=Path, default=None,
                     help="results JSON (default: benchmarks/results/ab_policy<cpu kind>.json)")
     ap.add_argument("--no-md", action="store_true", help="leave BENCHMARKS.md alone")
     args = ap.parse_args()
     tag, kind = sections.cpu_kind()
-    args.out = args.out or Path(__file__).parent / "results" / f"ab_policy{tag}.json"
+    dtag = "" if args.dtype in ("float32", "fp32") else f"-{args.dtype}"
+    args.out = args.out or Path(__file__).parent / "results" / f"ab_policy{tag}{dtag}.json"
     if args.threads:
         torch.set_num_threads(args.threads)
-    target = load_target("smollm2-135m")
+    target = load_target("smollm2-135m", dtype=args.dtype)
     plain = build_engine(target, "none", FixedK(0), 0, 1, 2048)
     engines = {"plain": plain,
                "base": build_engine(target, args.drafter, args.base, args.k, 1, 2048, cache=plain.cache),
@@ -125,7 +128,7 @@ def main() -> None:
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")
     if not args.no_md:
-        marker = f"ab_policy{tag.replace('-', ':')}"
+        marker = f"ab_policy{tag.replace('-', ':')}{dtag.replace('-', ':')}"
         sections.write_section(f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->", markdown(result, args, kind))
 
 
@@ -141,11 +144,12 @@ def shown(path: Path) -> str:
 def markdown(res: dict, args, kind: str) -> str:
     """The BENCHMARKS.md section of one run: per workload, both policies against plain."""
     s = res["setup"]
-    lines = [f"## Draft-length policies side by side: `{s['base']}` vs `{s['policy']}` (issues 11, 12){kind}", "",
+    lines = [f"## Draft-length policies side by side: `{s['base']}` vs `{s['policy']}` (issues 11, 12){kind}"
+             f"{'' if s['dtype'] == 'float32' else ', ' + s['dtype'] + ' target'}", "",
              f"`benchmarks/ab_policy.py --drafter {s['drafter']} --k {s['k']} --base {s['base']} --policy {s['policy']} "
              f"--workloads {s['workloads']} --prompts {s['prompts']} --tokens {s['tokens']} --temperature {s['temperature']} "
-             f"--rounds {s['rounds']}` on {s['date']} (JSON: `{shown(Path(args.out))}`). {s['machine']}, "
-             f"{s['cpus']} CPUs, {s['threads']} torch threads, float32 target smollm2-135m, batch 1, held-out prompts. "
+             f"--rounds {s['rounds']}{'' if s['dtype'] == 'float32' else ' --dtype ' + s['dtype']}` on {s['date']} (JSON: `{shown(Path(args.out))}`). {s['machine']}, "
+             f"{s['cpus']} CPUs, {s['threads']} torch threads, {s['dtype']} target smollm2-135m, batch 1, held-out prompts. "
              "Plain decoding and the drafter under both policies share one process and one KV cache; each round runs "
              "the three over the same prompts, the order reversed every other round. Wall time: the decoding steps of "
              "a round, each request's first step (prefill) excluded; the median over rounds, and the ratio plain / "
