@@ -87,3 +87,31 @@ def test_bf16_sampling_follows_the_bf16_target(tiny, tiny_draft):
 def test_bf16_negative_control_wrong_q_fails(tiny, tiny_draft):
     pv, _ = _pvalues(tiny, tiny_draft, _SharpenedQ)
     assert min(pv.values()) < ALPHA, pv
+
+
+@pytest.mark.parametrize("isa,ok,says", [
+    ("avx512", True, "32+ rows) are no faster"),  # AVX-512 without BF16: widened in registers
+    ("avx2", True, "16+ rows) are slower"),
+    ("", False, "emulated"),  # no kernels: torch's own bf16 path
+])
+def test_bf16_without_bf16_hardware_warns_what_applies(monkeypatch, isa, ok, says):
+    """--dtype bfloat16 on a CPU without AVX512-BF16 / AMX: a warning that says whether Draftsmith's
+    kernels stream the bf16 weights (faster decoding, not batch throughput) or it runs emulated;
+    float32, and bf16 on bf16 hardware, say nothing."""
+    import warnings
+
+    from draftsmith.kernels import build
+    from draftsmith.models import target
+
+    status = build.KernelStatus(ok, ok, "test", isa)
+    monkeypatch.setattr(build, "cpu_kernels", lambda: status)
+    monkeypatch.setattr(target, "cpu_has_fast_bf16", lambda: False)
+    cpu = torch.device("cpu")
+    with pytest.warns(UserWarning, match="no hardware support") as rec:
+        assert target.pick_dtype("bfloat16", cpu) == torch.bfloat16
+    assert says in str(rec[0].message) and ("stream the bfloat16 weights" in str(rec[0].message)) == ok
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert target.pick_dtype("float32", cpu) == torch.float32
+        monkeypatch.setattr(target, "cpu_has_fast_bf16", lambda: True)
+        assert target.pick_dtype("bfloat16", cpu) == torch.bfloat16

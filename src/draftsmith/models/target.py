@@ -55,7 +55,8 @@ def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
             warnings.warn(
                 f"{dtype} on this CPU has no hardware support (no AVX512-BF16 / AMX / BF16 flag): Draftsmith's "
                 f"{st.isa} kernels stream the bfloat16 weights (half the bytes) and compute in float32, so decoding "
-                "and few-token verify steps are faster than float32 but wide batched steps (16+ rows) are slower; "
+                "and few-token verify steps are faster than float32 but wide batched steps "
+                f"({'16+ rows) are slower' if st.isa == 'avx2' else '32+ rows) are no faster'}; "
                 "use --dtype float32 for batch throughput", stacklevel=2)
         else:
             warnings.warn(
