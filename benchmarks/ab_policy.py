@@ -87,7 +87,7 @@ def main() -> None:
     engines = {"plain": plain,
                "base": build_engine(target, args.drafter, args.base, args.k, 1, 2048, cache=plain.cache),
                "policy": build_engine(target, args.drafter, args.policy, args.k, 1, 2048, cache=plain.cache)}
-    result = {"setup": {**{k: v for k, v in vars(args).items() if k != "out"}, "out": str(args.out),
+    result = {"setup": {**{k: v for k, v in vars(args).items() if k != "out"}, "out": shown(args.out),
                         "machine": cpu_model(), "cpu_kind": kind.lstrip(", ") or "AVX-512 + BF16 CPU",
                         "cpus": os.cpu_count(), "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"),
                         "loadavg_start": os.getloadavg()},
