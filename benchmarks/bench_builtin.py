@@ -95,13 +95,13 @@ def main() -> int:
                     "stage_s": stage_s, "wall_s": round(time.perf_counter() - t_all, 1),
                     "loadavg_end": os.getloadavg()}
     (w / "results.json").write_text(json.dumps(res, indent=1))
-    tag = sections.cpu_kind()[0]
+    tag, kind = sections.cpu_kind()
     dest = ROOT / "benchmarks" / "results" / f"bench_builtin{tag}.json"
     dest.write_text(json.dumps(res, indent=1))
     print(f"wrote {dest}")
     if not args.no_md:
         marker = f"bench_builtin{tag.replace('-', ':')}"
-        sections.write_section(f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->", markdown(res, tag))
+        sections.write_section(f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->", markdown(res, tag, kind))
     return 0
 
 
@@ -148,11 +148,10 @@ def tier_stage(spec: str) -> str:
     return "tiers-" + "".join(c if c.isalnum() or c in "-_" else "-" for c in spec)
 
 
-def markdown(r: dict, tag: str = "") -> str:
+def markdown(r: dict, tag: str = "", kind: str = "") -> str:
     s = r["setup"]
     d = s["drafter"]
     json_name = f"bench_builtin{tag}.json"
-    kind = sections.cpu_kind()[1]
     lines = ["## Built-in drafter: `" + d + "` against plain decoding (issue 12)" + kind, "",
              f"`benchmarks/bench_builtin.py` (JSON: `benchmarks/results/{json_name}`). Machine: "
              f"{s['machine']}, no GPU, float32 target, T = 0, held-out prompts only. How the drafter was made: "

@@ -206,8 +206,6 @@ inline void chunk_f32(const float* wb, const float* x, int64_t K, int64_t k0, in
 }
 
 #ifdef __AVX512BF16__
-constexpr bool BF16_KERNEL = true;
-
 // Pairs [p0, p1) of R bfloat16 rows (KP pairs each) over one block, added to tot.
 template <int R>
 inline void chunk_bf16(const uint16_t* wb, const uint16_t* x, int64_t KP, int64_t p0, int64_t p1, float* tot, bool prefetch) {
@@ -240,8 +238,6 @@ inline void chunk_bf16(const uint16_t* wb, const uint16_t* x, int64_t KP, int64_
 // so its values are FMA broadcast operands. The weights stream at half float32's bytes, which is
 // what a memory-bound decode or few-row verify step pays for; the arithmetic is float32 (an
 // output's sum order is the same whatever the number of rows, as everywhere here).
-constexpr bool BF16_KERNEL = true;
-
 template <int R>
 inline void chunk_bf16(const uint16_t* wb, const float* x, int64_t KP, int64_t p0, int64_t p1, float* tot, bool prefetch) {
   __m512 lo[R], hi[R];
@@ -288,7 +284,6 @@ inline void chunk_bf16(const uint16_t* wb, const float* x, int64_t KP, int64_t p
 // in one process: 8 rows 62 -> 46 ms at 1 thread, 35 -> 25 at 2; 16 rows 121 -> 85, 63 -> 45; one
 // row unchanged. The same tiles in float32 were no faster at 8 rows and slower from 16 (99 vs 76 ms).
 constexpr int MT_F32 = 8, MT_BF16 = 2;
-constexpr bool BF16_KERNEL = true;  // bfloat16 weights widened to float32 in registers, float32 FMAs
 
 // Chunk [k0, k1) of R rows x H halves (from the half at wh; the next half K * HALF floats on), added
 // to tot (rows BLOCK apart; the half's columns at tot + HALF * h of the first half's).
@@ -576,7 +571,6 @@ at::Tensor gemv_f32(const at::Tensor& x, const at::Tensor& wp, int64_t N, const 
 }
 
 at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& wp, int64_t N, int64_t K, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(BF16_KERNEL, "gemv_bf16: this build has no bfloat16 kernel");
   TORCH_CHECK(wp.scalar_type() == at::kBFloat16 && wp.dim() == 4, "gemv_bf16: a pack_bf16 weight expected");
   TORCH_CHECK(x.device().is_cpu() && wp.device().is_cpu(), "gemv_bf16: CPU tensors expected");
   TORCH_CHECK(wp.is_contiguous() && wp.size(2) == BLOCK && wp.size(3) == 2, "gemv_bf16: a pack_bf16 weight expected");
@@ -1428,7 +1422,9 @@ std::tuple<at::Tensor, at::Tensor> lse_argmax(const at::Tensor& x, const at::Ten
   return {lse, top};
 }
 
-bool has_bf16() { return BF16_KERNEL; }  // whether this build has a bfloat16 linear kernel
+// Whether this build has a bfloat16 linear kernel: every build does now (AVX512-BF16 / AMX tiles, or
+// bfloat16 weights widened to float32 on AVX-512 without it and on AVX2); kept for KernelStatus.bf16.
+bool has_bf16() { return true; }
 
 std::string isa() {  // the instruction set this build's kernels use
 #if defined(__AVX512F__)
