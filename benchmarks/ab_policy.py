@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/ab_policy.py [--drafter dspark:smollm2-135m] [--k 7]
         [--base prefix-scheduler:stop_drafting=false] [--policy prefix-scheduler]
         [--workloads humaneval,mtbench] [--prompts 8] [--tokens 128] [--temperature 0] [--rounds 3]
-        [--dtype float32]
+        [--dtype float32] [--burst ON,OFF] [--section NAME]
         [--out benchmarks/results/ab_policy.json] [--no-md]
 
 Three engines on the default target share one KV cache: plain decoding, the drafter under --base
@@ -15,6 +15,11 @@ ratio to plain's, the median drafting time of a step that drafted, the steps tha
 whether the outputs of the two policies are identical (a policy changes the work, never a greedy
 or seeded output) and equal to plain's. The JSON goes to --out, and the table to its own section of
 BENCHMARKS.md (one per kind of CPU and target dtype, as bench_runtime's) unless --no-md.
+
+--burst ON,OFF runs a load beside the measurement, the whole time: one process that keeps a core
+busy for ON seconds, then sleeps OFF seconds, and again (another tenant on a shared machine;
+what the prefix scheduler's online cost model must ride out). --section NAME names the JSON
+and the BENCHMARKS.md section apart from the default one (ab_policy-NAME<cpu kind>).
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -60,6 +67,25 @@ def run(engine, prompts: list[list[int]], tokens: int, temperature: float) -> di
     return {"outputs": outs, "wall_s": wall, "steps": steps, "drafting_s": drafting}
 
 
+BURST = "import time\nwhile True:\n    t = time.time()\n    while time.time() - t < {on}:\n        pass\n    time.sleep({off})\n"
+
+
+def burst_seconds(spec: str) -> tuple[float, float]:
+    """--burst ON,OFF -> (busy seconds > 0, idle seconds >= 0)."""
+    try:
+        on, off = (float(x) for x in spec.split(","))
+    except ValueError:
+        on, off = 0.0, -1.0
+    if not (on > 0 and off >= 0):
+        raise SystemExit(f"--burst {spec!r}: expected ON,OFF seconds (busy > 0, idle >= 0), e.g. 8,8")
+    return on, off
+
+
+def burst(on: float, off: float) -> subprocess.Popen:
+    """A process that keeps one core busy `on` seconds, then sleeps `off` seconds, until killed."""
+    return subprocess.Popen([sys.executable, "-c", BURST.format(on=on, off=off)])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--drafter", default="dspark:smollm2-135m")
@@ -75,11 +101,16 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", help="the target's (and the drafter's) dtype: float32 or bfloat16")
     ap.add_argument("--out", type=Path, default=None,
                     help="results JSON (default: benchmarks/results/ab_policy<cpu kind>.json)")
+    ap.add_argument("--burst", default=None, metavar="ON,OFF",
+                    help="a load beside the measurement: one core busy ON s, idle OFF s, repeated")
+    ap.add_argument("--section", default="", help="results and BENCHMARKS.md section under this name")
     ap.add_argument("--no-md", action="store_true", help="leave BENCHMARKS.md alone")
     args = ap.parse_args()
+    load_s = burst_seconds(args.burst) if args.burst else None
     tag, kind = sections.cpu_kind()
     dtag = "" if args.dtype in ("float32", "fp32") else f"-{args.dtype}"
-    args.out = args.out or Path(__file__).parent / "results" / f"ab_policy{tag}{dtag}.json"
+    name = f"ab_policy-{args.section}" if args.section else "ab_policy"
+    args.out = args.out or Path(__file__).parent / "results" / f"{name}{tag}{dtag}.json"
     if args.threads:
         torch.set_num_threads(args.threads)
     target = load_target("smollm2-135m", dtype=args.dtype)
@@ -92,6 +123,23 @@ def main() -> None:
                         "cpus": os.cpu_count(), "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"),
                         "loadavg_start": os.getloadavg()},
               "workloads": {}}
+    load = burst(*load_s) if load_s else None
+    try:
+        measure(args, engines, target, result)
+    finally:
+        if load is not None:
+            load.kill()
+    result["setup"]["loadavg_end"] = os.getloadavg()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    if not args.no_md:
+        marker = f"{name}{tag.replace('-', ':')}{dtag.replace('-', ':')}"
+        sections.write_section(f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->", markdown(result, args, kind))
+
+
+def measure(args, engines: dict, target, result: dict) -> None:
+    """Every workload: the rounds of the three engines, and its row of the results."""
     for wl in args.workloads.split(","):
         w = load_workload(wl, None, args.prompts, max_prompt_tokens=1024,
                           tokenize=lambda m: encode_chat(target.tokenizer, list(m), target.target_id))
@@ -123,13 +171,6 @@ def main() -> None:
               f"(drafting {row['base']['drafting_ms_median']} ms); policy {row['policy']['x_plain']:.3f}x "
               f"(drafting {row['policy']['drafting_ms_median']} ms); same outputs {row['same_outputs']}, "
               f"equal to plain {row['equal_to_plain']}", flush=True)
-    result["setup"]["loadavg_end"] = os.getloadavg()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out}")
-    if not args.no_md:
-        marker = f"ab_policy{tag.replace('-', ':')}{dtag.replace('-', ':')}"
-        sections.write_section(f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->", markdown(result, args, kind))
 
 
 def shown(path: Path) -> str:
@@ -145,16 +186,21 @@ def markdown(res: dict, args, kind: str) -> str:
     """The BENCHMARKS.md section of one run: per workload, both policies against plain."""
     s = res["setup"]
     lines = [f"## Draft-length policies side by side: `{s['base']}` vs `{s['policy']}` (issues 11, 12){kind}"
-             f"{'' if s['dtype'] == 'float32' else ', ' + s['dtype'] + ' target'}", "",
+             f"{'' if s['dtype'] == 'float32' else ', ' + s['dtype'] + ' target'}"
+             f"{', beside a load' if s.get('burst') else ''}", "",
              f"`benchmarks/ab_policy.py --drafter {s['drafter']} --k {s['k']} --base {s['base']} --policy {s['policy']} "
              f"--workloads {s['workloads']} --prompts {s['prompts']} --tokens {s['tokens']} --temperature {s['temperature']} "
-             f"--rounds {s['rounds']}{'' if s['dtype'] == 'float32' else ' --dtype ' + s['dtype']}` on {s['date']} (JSON: `{shown(Path(args.out))}`). {s['machine']}, "
+             f"--rounds {s['rounds']}{'' if s['dtype'] == 'float32' else ' --dtype ' + s['dtype']}"
+             f"{' --burst ' + s['burst'] if s.get('burst') else ''}{' --section ' + s['section'] if s.get('section') else ''}` "
+             f"on {s['date']} (JSON: `{shown(Path(args.out))}`). {s['machine']}, "
              f"{s['cpus']} CPUs, {s['threads']} torch threads, {s['dtype']} target smollm2-135m, batch 1, held-out prompts. "
              "Plain decoding and the drafter under both policies share one process and one KV cache; each round runs "
              "the three over the same prompts, the order reversed every other round. Wall time: the decoding steps of "
              "a round, each request's first step (prefill) excluded; the median over rounds, and the ratio plain / "
              "policy of each round (> 1: faster than plain). Drafting: the median time of a step that drafted. "
-             f"Load average {s['loadavg_start'][0]:.2f} at the start, {s['loadavg_end'][0]:.2f} at the end.", "",
+             + (f"A load ran beside it the whole time (--burst {s['burst']}: one process keeping a core busy "
+                f"{s['burst'].split(',')[0]} s, then idle {s['burst'].split(',')[1]} s, repeated). " if s.get('burst') else "")
+             + f"Load average {s['loadavg_start'][0]:.2f} at the start, {s['loadavg_end'][0]:.2f} at the end.", "",
              "| workload | prompts | plain s | policy | s | × plain (median) | × plain per round | drafting ms | "
              "steps that drafted (per round) | steps | outputs: same both policies / = plain |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]

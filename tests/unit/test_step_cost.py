@@ -38,7 +38,8 @@ def test_no_measurements_means_the_profile():
 
 
 def test_correction_needs_min_samples_then_tracks_per_size_and_interpolates():
-    cost = StepCost(PROFILE, alpha=1.0, min_samples=2)  # alpha 1: the last measurement
+    # every size on its own (no machine factor); alpha 1: the last measurement
+    cost = StepCost(PROFILE, alpha=1.0, min_samples=2, machine_alpha=0.0)
     cost.observe(info(2, 1, forward_s=2.0))  # B=2 measured at 2x the profile
     assert cost.correction(2) == 1.0  # one sample is not enough
     cost.observe(info(2, 1, forward_s=2.0))
@@ -53,10 +54,17 @@ def test_correction_needs_min_samples_then_tracks_per_size_and_interpolates():
 
 
 def test_moving_average_follows_drift():
-    cost = StepCost(PROFILE, alpha=0.5, min_samples=1)
+    cost = StepCost(PROFILE, alpha=0.5, min_samples=1, machine_alpha=0.0)
     cost.observe(info(1, 1, forward_s=1.0))
     cost.observe(info(1, 1, forward_s=3.0))
     assert cost.correction(1) == pytest.approx(2.0)  # 1 + 0.5 * (3 - 1)
+    # With the machine factor, one size's drift moves both averages: the machine's (0.5 of the
+    # way, as its measurement) and what is left of it the size's shape (0.5 of that)
+    cost = StepCost(PROFILE, min_samples=1, machine_alpha=0.5, shape_alpha=0.5)
+    cost.observe(info(1, 1, forward_s=1.0))
+    cost.observe(info(1, 1, forward_s=3.0))
+    assert cost.machine() == pytest.approx(2.0) and cost.shape(1) == pytest.approx(1.25)  # 1 + 0.5 * (3 / 2 - 1)
+    assert cost.correction(1) == pytest.approx(2.5)
 
 
 def test_drafting_time_is_learned_per_row_count_only_from_rounds_that_drafted():
@@ -88,7 +96,7 @@ def test_one_inflated_first_timing_does_not_stop_drafting_for_good():
     pol.observe(info(1, 2, forward_s=1.0, draft_s=1.1, drafted=True))
     assert pol.cost.draft_time(1) == pytest.approx(0.1 + pol.cost.alpha * 1.0)
     # The forward-time correction starts from its smallest warm-up sample too.
-    cost = StepCost(PROFILE, alpha=0.5, min_samples=2)
+    cost = StepCost(PROFILE, alpha=0.5, min_samples=2, machine_alpha=0.0)
     cost.observe(info(1, 1, forward_s=9.0))
     cost.observe(info(1, 1, forward_s=2.0))
     assert cost.correction(1) == pytest.approx(2.0)
@@ -287,3 +295,72 @@ def test_can_gain_padded_shortcut_matches_every_draft_count():
         R, k = rng.randint(1, 32), rng.randint(1, 7)
         brute = any((R + n) * sps(R * (1 + -(-n // R))) > R * sps(R) for n in range(1, R * k + 1))
         assert can_gain(R, k, sps, "padded") == brute
+
+
+# A CPU-like curve: a wider forward costs a little more than one token's.
+CPU = SPSTable.from_step_times((1, 2, 4, 8), (1.0, 1.1, 1.2, 1.4))
+
+
+def slow_stretch(pol: PrefixScheduler) -> None:
+    """Plain and drafting rounds as profiled, then 10 drafting rounds on a machine twice as slow
+    (another tenant's load), then 8 plain rounds as profiled again (the load has gone)."""
+    for _ in range(4):
+        pol.observe(info(1, 1, forward_s=1.0))
+        pol.observe(info(1, 4, forward_s=1.2, draft_s=0.2, drafted=True))
+    for _ in range(10):
+        pol.observe(info(1, 4, forward_s=2.4, draft_s=0.4, drafted=True))
+    for _ in range(8):
+        pol.observe(info(1, 1, forward_s=1.0))
+
+
+def test_speculation_comes_back_after_a_slow_stretch():
+    """The machine factor: a stretch of load measured on drafting rounds is the machine's speed,
+    which the plain rounds after it correct; with one average per size (machine_alpha 0), it
+    stays in the drafting sizes' averages and the drafter's time, so the prediction keeps
+    saying "do not draft" after the load has gone (here for good: no probes)."""
+    new = PrefixScheduler(CPU, max_k=3, probe_every=0)
+    old = PrefixScheduler(CPU, max_k=3, probe_every=0, cost=StepCost(CPU, machine_alpha=0.0))
+    for pol in (new, old):
+        assert pol.choose(seqs(1)) == [3]  # prior 0.5, 0.2 s drafting: (1 + 0.875) / 1.4 = 1.34x
+        slow_stretch(pol)
+    assert new.choose(seqs(1)) == [3] and old.choose(seqs(1)) == [0]
+    # what the scheduler believes after the stretch: back where it was, against stuck inflated
+    # (a few percent of the stretch stays in the 4-token forward's shape: only its own rounds move it)
+    assert new.cost.machine() == pytest.approx(1.0, rel=0.05)
+    assert new.cost.target_time(1) == pytest.approx(1.0, rel=0.01)
+    assert 1.2 < new.cost.target_time(4) < 1.3 and 0.2 < new.cost.draft_time(1) < 0.22
+    assert old.cost.target_time(4) > 1.9 and old.cost.draft_time(1) > 0.3
+    assert old.cost.target_time(1) == pytest.approx(1.0)
+
+
+def test_a_uniformly_slower_machine_moves_no_decision():
+    """Every forward and the drafter twice as slow as profiled: the machine factor is 2 and
+    the shapes and the drafting time are what they were, so the same plan."""
+    fast, slow = PrefixScheduler(CPU, max_k=3, probe_every=0), PrefixScheduler(CPU, max_k=3, probe_every=0)
+    for f in (1.0, 2.0):
+        pol = fast if f == 1.0 else slow
+        for _ in range(6):
+            pol.observe(info(1, 1, forward_s=f * 1.0))
+            pol.observe(info(1, 4, forward_s=f * 1.3, draft_s=f * 0.3, drafted=True))
+    assert slow.cost.machine() == pytest.approx(2 * fast.cost.machine())
+    for b in (1, 2, 4, 8):
+        assert slow.cost.shape(b) == pytest.approx(fast.cost.shape(b))
+    assert slow.cost.draft_time(1) == pytest.approx(2 * fast.cost.draft_time(1))
+    assert slow.choose(seqs(1)) == fast.choose(seqs(1)) == [3]
+
+
+def test_a_size_not_yet_measured_moves_its_shape_not_the_machine():
+    cost = StepCost(CPU, min_samples=2)
+    for _ in range(2):
+        cost.observe(info(1, 1, forward_s=1.0))  # B = 1 known: shape 1, machine 1
+    cost.observe(info(1, 8, forward_s=2.8))  # B = 8 at twice its profile: its own shape, not load
+    assert cost.machine() == pytest.approx(1.0)
+    cost.observe(info(1, 8, forward_s=2.8))
+    assert cost.shape(8) == pytest.approx(2.0) and cost.target_time(8) == pytest.approx(2.8)
+    assert cost.target_time(1) == pytest.approx(1.0)
+    # now known, B = 8 informs the machine factor like any known size
+    cost.observe(info(1, 8, forward_s=5.6))
+    assert cost.machine() > 1.0
+    for bad in ({"machine_alpha": 1.5}, {"shape_alpha": 0.0}):
+        with pytest.raises(DraftsmithError, match=next(iter(bad))):
+            StepCost(CPU, **bad)

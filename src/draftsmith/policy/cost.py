@@ -9,10 +9,18 @@ the target forward only. A serving process sees two things the profile cannot:
 - the drafter: a trained drafter's forward is a real share of a round on a CPU (its lm_head
   alone is a fifth of a 135M target's), paid every round it drafts, whatever is verified.
 
-StepCost keeps, per B, an exponential moving average of measured / profiled forward time
-(used once a size has `min_samples` measurements; between measured sizes the ratio is
-interpolated, outside them the nearest one is used), and per row count the moving average
-of the drafting time (choose + propose + trim). A timing is only ever inflated by what
+StepCost splits measured / profiled forward time into two factors: the machine's speed now
+(`machine`: one moving average over every round, whatever its size) and, per B, the size's
+own shape (a moving average of what the machine factor does not explain; used once a size
+has `min_samples` measurements; between measured sizes it is interpolated, outside them the
+nearest one is used); and per row count the moving average of the drafting time (choose +
+propose + trim), in the same machine units. The split is what lets a scheduler come back
+after a slow stretch: with one average per size (`machine_alpha = 0`, the model before), a
+stretch of load measured on the sizes and the drafter of speculative rounds stayed in their
+averages once plain rounds took over (only drafting rounds update them, and a scheduler that
+believes drafting is dear does not draft), so speculation stayed off long after the load had
+gone; with the split, the plain rounds that follow bring the machine factor back down, and
+with it every size's predicted time and the drafter's. A timing is only ever inflated by what
 happens once (a first-use weight layout, page faults, a kernel compiled on first call), and one
 inflated first sample must not stop a drafter for good: a scheduler that believes drafting is
 dear stops drafting, and then learns nothing more. So a timing average starts from the smallest
@@ -55,18 +63,30 @@ class _Ewma:
 @dataclass
 class StepCost:
     profile: SPSTable
-    alpha: float = 0.1  # weight of a new measurement in the moving averages
-    min_samples: int = 4  # measurements of a forward size before its correction is used
-    _ratio: dict[int, _Ewma] = field(default_factory=dict)  # B -> measured / profiled time
+    alpha: float = 0.1  # weight of a new measurement in the per-size, drafting and gain averages
+    min_samples: int = 4  # measurements of a forward size (or of the machine) before they are used
+    # weight of a new measurement in the machine factor (every round's forward); 0 = no machine
+    # factor, every size's correction on its own, learnt at `alpha` (the model before: module doc)
+    machine_alpha: float = 0.5
+    # weight of a new measurement in a size's shape beside the machine factor: slow, so that a
+    # change of the machine's speed goes to the machine factor (fast) and only what persists to
+    # the shapes. tests/unit/test_step_cost.py's slow stretch (10 drafting rounds at twice the
+    # time, then 8 plain ones) leaves a 4-token forward predicted 7% dearer than before it at
+    # these rates (26% with 0.1 / 0.3; 65% with no machine factor)
+    shape_alpha: float = 0.05
+    _machine: _Ewma | None = None  # measured / (profiled x shape) time of every round: the machine now
+    _ratio: dict[int, _Ewma] = field(default_factory=dict)  # B -> the size's shape (measured / profiled / machine)
     _draft: dict[int, _Ewma] = field(default_factory=dict)  # rows -> seconds of drafting
     _gain: dict[int, _Ewma] = field(default_factory=dict)  # rows -> realized gain of drafting rounds
     _calib: dict[int, _Ewma] = field(default_factory=dict)  # rows -> realized / predicted gain
     _known: list[tuple[int, float]] | None = field(default=None, repr=False)  # usable ratios, sorted by B
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.alpha <= 1.0 or self.min_samples < 1:
-            raise DraftsmithError(f"StepCost needs 0 < alpha <= 1 and min_samples >= 1, got "
-                                  f"alpha={self.alpha}, min_samples={self.min_samples}")
+        if (not 0.0 < self.alpha <= 1.0 or not 0.0 < self.shape_alpha <= 1.0 or self.min_samples < 1
+                or not 0.0 <= self.machine_alpha <= 1.0):
+            raise DraftsmithError(f"StepCost needs 0 < alpha <= 1, 0 < shape_alpha <= 1, 0 <= machine_alpha <= 1 "
+                                  f"and min_samples >= 1, got alpha={self.alpha}, shape_alpha={self.shape_alpha}, "
+                                  f"machine_alpha={self.machine_alpha}, min_samples={self.min_samples}")
 
     # ---- learning ---------------------------------------------------------------------
 
@@ -76,25 +96,56 @@ class StepCost:
             return
         b = t.rows * t.block_len
         if t.forward_s > 0:
+            r = t.forward_s / self.profile.step_time(b)
+            if self.machine_alpha > 0 and self._informs_machine(b):  # this forward over its size's shape
+                m = r / self.shape(b)
+                if self._machine is None:
+                    self._machine = _Ewma(m)
+                else:
+                    self._machine.add(m, self.machine_alpha, self.min_samples)
             self._known = None  # re-derived on the next prediction
-            self._add(self._ratio, b, t.forward_s / self.profile.step_time(b), timing=True)
+            self._add(self._ratio, b, r / self.machine(), timing=True,
+                      alpha=self.shape_alpha if self.machine_alpha > 0 else self.alpha)
         if t.drafted and t.draft_s >= 0:
-            self._add(self._draft, t.rows, t.draft_s, timing=True)
+            self._add(self._draft, t.rows, t.draft_s / self.machine(), timing=True)
         g = self.round_gain(t)
         if g is not None:
             self._add(self._gain, t.rows, g)
 
-    def _add(self, table: dict[int, _Ewma], key: int, x: float, timing: bool = False) -> None:
+    def _add(self, table: dict[int, _Ewma], key: int, x: float, timing: bool = False,
+             alpha: float | None = None) -> None:
         """One measurement into a table of moving averages (a timing: see the module's note)."""
         if key in table:
-            table[key].add(x, self.alpha, self.min_samples if timing else 0)
+            table[key].add(x, self.alpha if alpha is None else alpha, self.min_samples if timing else 0)
         else:
             table[key] = _Ewma(x)
 
     # ---- predicting -------------------------------------------------------------------
 
+    def _informs_machine(self, b: int) -> bool:
+        """Whether a forward of b tokens moves the machine factor: once any size's shape is known,
+        only a size whose own shape is (what a size not yet measured deviates from the profile by
+        is its shape, not the machine's speed); before, every size (the first rounds set it)."""
+        e = self._ratio.get(b)
+        if e is not None and e.count >= self.min_samples:
+            return True
+        return not any(x.count >= self.min_samples for x in self._ratio.values())
+
+    def machine(self) -> float:
+        """The machine factor: measured / (profiled x shape) forward time of recent rounds, any
+        size (1.0 before the first). In use from the first round: it scales every prediction
+        alike (the target's forwards of every size and the drafter's time), so it moves no
+        decision by itself; what it changes is what the per-size shapes and the drafting time
+        learn. Its first `min_samples` rounds keep the smallest, as every timing does."""
+        return 1.0 if self._machine is None else self._machine.value
+
     def correction(self, b: float) -> float:
-        """Measured / profiled forward time at b tokens (1.0 until enough measurements)."""
+        """Measured / profiled forward time at b tokens: the machine factor x the size's shape."""
+        return self.machine() * self.shape(b)
+
+    def shape(self, b: float) -> float:
+        """The size's own measured / profiled time beside the machine factor (1.0 until a size has
+        enough measurements; interpolated in B between measured sizes, the nearest outside)."""
         if self._known is None:
             self._known = sorted((k, e.value) for k, e in self._ratio.items() if e.count >= self.min_samples)
         known = self._known
@@ -121,7 +172,7 @@ class StepCost:
         """Seconds the drafter takes per round for this many rows (0 until measured;
         the nearest measured row count stands in for an unmeasured one)."""
         t = self._nearest(self._draft, rows, min_count=1)
-        return 0.0 if t is None else t
+        return 0.0 if t is None else t * self.machine()
 
     def round_gain(self, t: "StepInfo") -> float | None:
         """What one drafting round gained over plain decoding of its rows: (rows + accepted)
@@ -155,7 +206,8 @@ class StepCost:
         return known[min(known, key=lambda r: (abs(r - rows), r))].value
 
     def summary(self) -> dict:
-        return {"correction": {b: round(e.value, 4) for b, e in sorted(self._ratio.items())},
-                "draft_s": {r: round(e.value, 6) for r, e in sorted(self._draft.items())},
+        return {"machine": round(self.machine(), 4),
+                "correction": {b: round(self.correction(b), 4) for b in sorted(self._ratio)},
+                "draft_s": {r: round(self.draft_time(r), 6) for r in sorted(self._draft)},
                 "realized_gain": {r: round(e.value, 4) for r, e in sorted(self._gain.items())},
                 "calibration": {r: round(e.value, 4) for r, e in sorted(self._calib.items())}}

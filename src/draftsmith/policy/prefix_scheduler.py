@@ -276,6 +276,9 @@ class PrefixScheduler:
     cheap_draft: float = 0.05
     probe_every: int = 16
     probe_backoff_max: int = 1024  # a probe that verifies nothing doubles the interval, up to this
+    # the online cost model's machine factor (policy/cost.py StepCost.machine_alpha; 0 = one
+    # correction per forward size, the model before); used when `cost` is made here
+    machine_alpha: float = 0.5
     cost: StepCost | None = None  # the online cost model (made from `sps` when None)
     pool: AcceptancePool | None = None  # pooled acceptance (made when pooled_prior and None)
     name: str = "prefix-scheduler"
@@ -300,7 +303,7 @@ class PrefixScheduler:
         if self.probe_every < 0 or self.cheap_draft < 0:
             raise DraftsmithError(f"probe_every and cheap_draft must be >= 0, got {self.probe_every}, {self.cheap_draft}")
         if self.cost is None:
-            self.cost = StepCost(self.sps)
+            self.cost = StepCost(self.sps, machine_alpha=self.machine_alpha)
         if self.pool is None and self.pooled_prior:
             self.pool = AcceptancePool()
         self._interval = self.probe_every
