@@ -278,7 +278,7 @@ class PrefixScheduler:
     probe_backoff_max: int = 1024  # a probe that verifies nothing doubles the interval, up to this
     # the online cost model's machine factor (policy/cost.py StepCost.machine_alpha; 0 = one
     # correction per forward size, the model before); used when `cost` is made here
-    machine_alpha: float = 0.5
+    machine_alpha: float = StepCost.machine_alpha
     cost: StepCost | None = None  # the online cost model (made from `sps` when None)
     pool: AcceptancePool | None = None  # pooled acceptance (made when pooled_prior and None)
     name: str = "prefix-scheduler"
