@@ -40,6 +40,16 @@ FLUSH_TOKENS = 2048
 QUEUE_BYTES = 128 << 20
 
 
+def owned(h: torch.Tensor) -> torch.Tensor:
+    """h itself when it is the whole of its storage, else a copy. A queued slice of a round's
+    features ([B, S, H], or a batched prefill's padded rows) would keep the whole tensor alive
+    until its row consumes it: a row that lives for many rounds beside short ones would then hold
+    up to B times the bytes its queue counts, and the bounds above would not bound memory."""
+    if h.untyped_storage().nbytes() == h.numel() * h.element_size():
+        return h
+    return h.clone()
+
+
 @dataclass
 class QueuedFeatures:
     """One request's target features not yet in its drafter's cache, oldest first."""
@@ -56,7 +66,7 @@ class QueuedFeatures:
         if features is not None and features.hidden:
             n = int(next(iter(features.hidden.values())).shape[1])
             if n:
-                q.prefill, q.n = features.hidden, n
+                q.prefill, q.n = {i: owned(h) for i, h in features.hidden.items()}, n
                 q.bytes = sum(h[0].numel() * h.element_size() for h in features.hidden.values())
         return q
 
@@ -65,7 +75,9 @@ class QueuedFeatures:
         return self.n
 
     def push(self, hidden: dict[int, torch.Tensor]) -> None:
-        """Queue one round's committed positions ({layer id: [n, H]})."""
+        """Queue one round's committed positions ({layer id: [n, H]}; slices of a larger tensor
+        are copied, so that what the queue counts is what it holds)."""
+        hidden = {i: owned(h) for i, h in hidden.items()}
         self.rounds.append(hidden)
         self.n += int(next(iter(hidden.values())).shape[0])
         self.bytes += sum(h.numel() * h.element_size() for h in hidden.values())
