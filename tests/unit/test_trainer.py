@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from draftsmith.errors import DraftsmithError
@@ -442,16 +443,25 @@ def test_init_from_a_trained_drafter_starts_from_its_weights(target_dir, cache_d
                 CATALOGUE).fit()
 
 
-def test_target_statistics_are_computed_once_per_window_and_reach_every_batch(target_dir, cache_dir, tmp_path):
+def test_target_statistics_are_computed_once_per_window_and_reach_every_batch(target_dir, cache_dir, tmp_path,
+                                                                              monkeypatch):
     """A model with target_stats gets them in every batch: the trainer has the data compute them
-    for every window before the first step (each window once), each row padded with zeros; a
-    resumed run computes them again and equals a straight one; a model without them (stats off)
-    gets batches without them."""
+    for every window before the first step (each window once), each row padded with zeros, and
+    keeps them in the run directory; a resumed run reads them from there (computing two windows
+    again to check the file) and equals a straight one; a file that does not match is computed
+    again; a model without them (stats off) gets batches without them."""
+    from standin_drafter import HeadModel
+    from draftsmith.train.trainer import STATS_FILE
+
+    calls = []
+    inner = HeadModel.target_stats
+    monkeypatch.setattr(HeadModel, "target_stats", lambda self, h: calls.append(1) or inner(self, h))
     cfg = make_cfg(target_dir, cache_dir, tmp_path / "a")
     on = dataclasses.replace(cfg, drafter=dataclasses.replace(cfg.drafter, stats=True))
     tr = Trainer(on, CATALOGUE)
     tr.fit()
     assert len(tr.data._stats) == len(tr.data.windows) and len(tr.model.seen) == on.train.max_steps
+    assert (tmp_path / "a" / STATS_FILE).is_file()
     lm_head = tr.model.lm_head.float()
     for batch in tr.model.seen[:3]:
         for r, n in enumerate(batch.lengths.tolist()):
@@ -461,11 +471,28 @@ def test_target_statistics_are_computed_once_per_window_and_reach_every_batch(ta
             assert not batch.target_rest_lse[r, n:].any() and not batch.target_top1[r, n:].any()
     straight = trained_params(tr)
     _run_until_exception(dataclasses.replace(on, out=str(tmp_path / "b")), at_step=4)
+    calls.clear()
     resumed = Trainer(dataclasses.replace(on, out=str(tmp_path / "b")), CATALOGUE, resume=True)
     resumed.fit()
     assert resumed.model.seen and len(resumed.data._stats) == len(resumed.data.windows)
+    # the trainer's probe (does the model have statistics?) and the two windows checked: the rest came from the file
+    assert resumed.heldout is None and len(calls) == 3
     for n, w in trained_params(resumed).items():
         assert torch.equal(w, straight[n]), n
+    # a file that does not hold these statistics is not used: a run computes them again
+    _run_until_exception(dataclasses.replace(on, out=str(tmp_path / "b2")), at_step=4)
+    stored = load_file(str(tmp_path / "b2" / STATS_FILE))
+    from draftsmith.tensorfile import load_tensors, save_tensors
+    with safe_open(str(tmp_path / "b2" / STATS_FILE), "pt") as f:
+        meta = f.metadata()
+    save_tensors(tmp_path / "b2" / STATS_FILE, {**stored, "rest_lse": stored["rest_lse"] + 1.0}, meta)
+    calls.clear()
+    again = Trainer(dataclasses.replace(on, out=str(tmp_path / "b2")), CATALOGUE, resume=True)
+    again.fit()
+    assert len(calls) >= len(again.data.windows)
+    for n, w in trained_params(again).items():
+        assert torch.equal(w, straight[n]), n
+    assert torch.equal(load_tensors(tmp_path / "b2" / STATS_FILE)["rest_lse"], stored["rest_lse"])  # rewritten
     off = Trainer(make_cfg(target_dir, cache_dir, tmp_path / "c"), CATALOGUE)
     off.fit()
     assert not off.model.seen and not off.data._stats

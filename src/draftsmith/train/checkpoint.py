@@ -13,6 +13,8 @@ A run directory (`out:` in the recipe) looks like
       model.safetensors            (a hard link to the checkpoint's file: no copy)
       train_info.json              which checkpoint that is (step, loss, time)
       metrics.jsonl                the training log
+      target_stats.safetensors     block drafters: the target's statistics of every training
+                                   window (train/data.py), so a resume does not recompute them
 
 A checkpoint is built in a hidden temporary directory, every file and the directory are
 fsynced, and only then is it renamed to `checkpoint-<step>`: a rename is atomic, so a killed

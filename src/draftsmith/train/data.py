@@ -21,6 +21,7 @@ which computes them once per window, keeps them (12 bytes a token) and adds them
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import random
 from collections.abc import Callable, Mapping, Sequence
@@ -29,13 +30,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from draftsmith.data.cache import FeatureCache, iter_records
 from draftsmith.data.features import FeatureSample, OnlineFeatures, record_tensors
 from draftsmith.data.sources.conversation import split_of
 from draftsmith.drafters.protocol import TrainBatch
 from draftsmith.errors import DraftsmithError
+from draftsmith.fileio import atomic_write
+from draftsmith.tensorfile import load_tensors, save_tensors
 from draftsmith.train.config import DataConfig
 
 log = logging.getLogger(__name__)
@@ -258,25 +261,37 @@ class TrainData:
         return collate(parts, self.layer_ids, self.device, stats)
 
     def prepare_stats(self, fn: TargetStats, windows: Sequence[Window] | None = None, every: int = 0,
-                      log_fn: Callable[[str], None] | None = None) -> int:
+                      log_fn: Callable[[str], None] | None = None, store: Path | None = None,
+                      key: str = "", save: bool = True) -> int:
         """Use `fn` as the model's target statistics and compute them now for `windows` (default:
         all; a step then costs the same from the first one, so the trainer's budget probe times
         steady steps; online, each window's come with its features, on first use). Returns the
-        windows computed; `log_fn` hears every `every` windows."""
+        windows computed; `log_fn` hears every `every` windows.
+
+        `store`: a file that keeps them for a resumed run (the full-vocabulary lm_head over every
+        window again cost each resume of a 1,000-window DSpark run ~4 CPU minutes). It is used
+        when it was written for the same `key` (what `fn` depends on: the caller's) and the same
+        windows, and when its first and last windows equal a fresh computation bit for bit;
+        otherwise everything is computed again and (`save`) the file rewritten."""
         self.target_stats = fn
         self._stats.clear()  # a new function (a restored draft vocabulary): nothing kept holds
         if self.cfg.online:  # features come from a target forward per batch: computed with them, on first use
             return 0
         todo = list(self.windows if windows is None else windows)
+        digest = self._windows_digest(todo, key)
+        if store is not None and self._load_stats(store, todo, digest, log_fn):
+            return 0
         # one buffer for all windows: thousands of small survivors allocated between each window's
         # short-lived logits pinned glibc's heap (a DSpark run on an 8.3 GB cache grew to 12 GB RSS)
         n = sum(w.end - w.start for w in todo)
         lse_all, top_all = torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=torch.long)
         off = 0
+        complete = True
         for done, w in enumerate(todo, 1):  # shard by shard, as they were listed
             got = self._compute_stats(w, self.cache.features(self.samples[w.sample]))
             if got is None:
                 self._stats[w] = None
+                complete = False
             else:
                 k = w.end - w.start
                 lse, top = lse_all[off:off + k], top_all[off:off + k]
@@ -286,7 +301,55 @@ class TrainData:
                 off += k
             if log_fn is not None and every and done % every == 0:
                 log_fn(f"target statistics: {done}/{len(todo)} windows")
+        if store is not None and save and complete and todo:
+            atomic_write(Path(store), lambda p: save_tensors(p, {"rest_lse": lse_all, "top1": top_all},
+                                                             {"windows": digest, "count": str(len(todo))}))
         return len(todo)
+
+    def _windows_digest(self, todo: Sequence[Window], key: str) -> str:
+        h = hashlib.sha256(key.encode())
+        for w in todo:
+            h.update(f"|{self.samples[w.sample]}:{w.start}:{w.end}".encode())
+        return h.hexdigest()
+
+    def _load_stats(self, store: Path, todo: Sequence[Window], digest: str,
+                    log_fn: Callable[[str], None] | None) -> bool:
+        """Fill the statistics of `todo` from `store` (prepare_stats); False when it does not hold them."""
+        store = Path(store)
+        if not store.is_file() or not todo:
+            return False
+
+        def no(why: str) -> bool:
+            if log_fn is not None:
+                log_fn(f"target statistics in {store.name} not used ({why}); computing them again")
+            return False
+
+        try:
+            with safe_open(str(store), "pt") as f:
+                if (f.metadata() or {}).get("windows") != digest:
+                    return no("written for other windows, another target or another draft vocabulary")
+            t = load_tensors(store, "target statistics file")
+            lse_all, top_all = t["rest_lse"], t["top1"]
+        except (DraftsmithError, SafetensorError, KeyError, OSError) as e:
+            return no(" ".join(str(e).split()))
+        spans, off = [], 0
+        for w in todo:
+            spans.append((off, off + w.end - w.start))
+            off = spans[-1][1]
+        if off != lse_all.shape[0] or off != top_all.shape[0]:
+            return no("sizes differ")
+        for i in sorted({0, len(todo) - 1}):  # the function still gives what the file holds
+            w, (a, b) = todo[i], spans[i]
+            got = self._compute_stats(w, self.cache.features(self.samples[w.sample]))
+            if got is None or not (torch.equal(got[0].float().cpu(), lse_all[a:b])
+                                   and torch.equal(got[1].long().cpu(), top_all[a:b])):
+                return no("they differ from a fresh computation")
+        for w, (a, b) in zip(todo, spans):
+            self._stats[w] = (lse_all[a:b], top_all[a:b])
+        if log_fn is not None:
+            log_fn(f"target statistics of {len(todo)} windows read from {store.name} (checked against a fresh "
+                   "computation of two)")
+        return True
 
     def _compute_stats(self, w: Window, fs: FeatureSample) -> tuple[torch.Tensor, torch.Tensor] | None:
         return self.target_stats(fs.final_hidden[w.start:w.end].to(self.device, torch.float32))

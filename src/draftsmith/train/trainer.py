@@ -42,6 +42,7 @@ from draftsmith.train.distributed import DistInfo, init_from_env, shutdown
 
 StepHook = Callable[[int, "Trainer"], None]
 HELDOUT_FILE = "heldout.jsonl"  # held-out evaluation rows (train/evaluate.py), one per checkpoint
+STATS_FILE = "target_stats.safetensors"  # the training windows' target statistics, for a resume (train/data.py)
 PROBE_STEPS = 12  # timing probe for --budget: the first two warm up, the mean of the rest counts (a
 # budget needs the mean step; EAGLE-3's variable-length windows made a median of 3 read 0.39 s for 0.52-0.6)
 # Train-section fields that may change on resume without breaking exactness.
@@ -249,12 +250,21 @@ class Trainer:
 
         t0 = time.perf_counter()
         say = (lambda m: print(f"[draftsmith] {m}", file=sys.stderr)) if self.info.is_main else None
-        n = self.data.prepare_stats(train_stats, every=500, log_fn=say)
+        # kept beside the run for a resume (rank 0 writes it; every rank reads it)
+        n = self.data.prepare_stats(train_stats, every=500, log_fn=say, store=self.out / STATS_FILE,
+                                    key=self._stats_key(), save=self.info.is_main)
         if self.heldout is not None:
             n += self.heldout.data.prepare_stats(fn, self.heldout.windows)
-        if say:
+        if say and n:
             say(f"target statistics of {n} windows in {time.perf_counter() - t0:.0f} s (the full-vocabulary "
                 "lm_head once per window, not at every step)")
+
+    def _stats_key(self) -> str:
+        """What the target statistics depend on besides the windows: the target's weights, the
+        draft vocabulary (block drafters) and the precision the training step computes them in."""
+        vocab = getattr(getattr(self.model, "backbone", None), "vocab", None)
+        ids = "" if vocab is None else hashlib.sha256(vocab.ids.cpu().numpy().tobytes()).hexdigest()
+        return f"{self.cfg.kind}|{self.target.weights_hash}|bf16={self.bf16}|vocab={ids}"
 
     def _forward_backward(self, step: int) -> tuple[float, dict[str, float], int]:
         info, t = self.info, self.cfg.train
