@@ -86,7 +86,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", type=Path, default=ROOT / "runs" / "drafters")
     ap.add_argument("--samples", type=int, default=320)
-    ap.add_argument("--budget", type=float, default=20.0, help="training minutes per drafter")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="training minutes per drafter (default 20; with --steps: the CPU minutes they are sized to)")
     ap.add_argument("--parallel", action="store_true", help="train the three at once, one thread each")
     ap.add_argument("--steps", default="",
                     help="fixed step counts instead of a probed budget, e.g. eagle3=10400,dflash=22100,dspark=20500 "
@@ -128,6 +129,10 @@ def main() -> int:
         steps[kind] = int(n)
     if steps and set(steps) != set(KINDS):
         raise SystemExit(f"--steps needs a count for each of {', '.join(KINDS)}")
+    if steps and args.budget is None:
+        raise SystemExit("--steps needs --budget M: the CPU minutes the step counts were sized to (the report's title)")
+    if args.budget is None:
+        args.budget = 20.0
     clock = "cpu" if steps else args.budget_clock  # what the curve's minutes count
     curve = [float(x) for x in args.curve.split(",") if x.strip()]
     if curve and args.save_every is None:
