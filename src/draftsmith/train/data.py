@@ -278,8 +278,8 @@ class TrainData:
         if self.cfg.online:  # features come from a target forward per batch: computed with them, on first use
             return 0
         todo = list(self.windows if windows is None else windows)
-        digest = self._windows_digest(todo, key)
-        if store is not None and self._load_stats(store, todo, digest, log_fn):
+        digest = None if store is None else self._windows_digest(todo, key)
+        if digest is not None and self._load_stats(store, todo, digest, log_fn):
             return 0
         # one buffer for all windows: thousands of small survivors allocated between each window's
         # short-lived logits pinned glibc's heap (a DSpark run on an 8.3 GB cache grew to 12 GB RSS)
@@ -301,7 +301,7 @@ class TrainData:
                 off += k
             if log_fn is not None and every and done % every == 0:
                 log_fn(f"target statistics: {done}/{len(todo)} windows")
-        if store is not None and save and complete and todo:
+        if digest is not None and save and complete and todo:
             atomic_write(Path(store), lambda p: save_tensors(p, {"rest_lse": lse_all, "top1": top_all},
                                                              {"windows": digest, "count": str(len(todo))}))
         return len(todo)
