@@ -111,6 +111,10 @@ class LLM:
               bigger forward on this machine; profiled once per machine), "fixed" = always K, or
               another registered policy (draftsmith.policy.registry).
     dtype:    "float32" (CPU default), "bfloat16" (CUDA default; on CPUs with AVX512-BF16 / AMX).
+    drafter_dtype: what a trained or draft-model drafter computes in: "auto" (default: bfloat16
+              beside a float32 target on CPUs whose kernels run bfloat16 fast, AVX-512 / AMX;
+              else the target's dtype), "float32", "bfloat16", "float16". Outputs never depend
+              on it (drafters/precision.py).
     threads:  CPU threads for torch's kernels (default: the physical cores).
     reproducible_seeds: a seeded request gives one output whatever K, policy, batch or load
               (position-keyed coupling; acceptance of sampled drafts is lower than with the
@@ -129,6 +133,7 @@ class LLM:
         dtype: str | None = None,
         threads: int | None = None,
         reproducible_seeds: bool = True,
+        drafter_dtype: str = "auto",
     ) -> None:
         if isinstance(target, LoadedTarget):  # share one loaded target between several LLMs
             if threads is not None and target.model.device.type == "cpu":
@@ -138,7 +143,7 @@ class LLM:
             self.target = load_target(target, device=device, dtype=dtype, threads=threads)
         self.tokenizer = self.target.tokenizer
         self.engine = build_engine(self.target, drafter, policy, num_speculative_tokens, max_batch, max_len,
-                                   reproducible_seeds=reproducible_seeds)
+                                   reproducible_seeds=reproducible_seeds, drafter_dtype=drafter_dtype)
         self.drafter, self.policy = self.engine.drafter, self.engine.policy
         self.last_stats: GenerateStats | None = None
 

@@ -44,7 +44,9 @@ def test_plain_greedy_matches_hf_generate(tiny):
 def test_speculative_greedy_equals_plain(tiny, tiny_draft, drafter, policy):
     drafter = drafter.replace("SELF", str(tiny)).replace("OTHER", str(tiny_draft))
     plain = LLM(str(tiny), drafter="none", max_batch=4, max_len=256).generate(PROMPTS, greedy(48))
-    spec_llm = LLM(str(tiny), drafter=drafter, policy=policy, num_speculative_tokens=4, max_batch=4, max_len=256)
+    # float32 drafts: the self-draft's premise (the target's own greedy tokens) needs the target's precision
+    spec_llm = LLM(str(tiny), drafter=drafter, policy=policy, num_speculative_tokens=4, max_batch=4, max_len=256,
+                   drafter_dtype="float32")
     spec = spec_llm.generate(PROMPTS, greedy(48))
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert spec_llm.last_stats.draft_proposed > 0

@@ -730,6 +730,33 @@ def test_calibration_temperatures_rescale_confidences(tmp_path, target_dir, targ
         load_trained_drafter(tmp_path, target, 4, 64)
 
 
+@pytest.mark.parametrize("name", ["eagle3-small-vocab", "dspark-small-vocab"])
+def test_bfloat16_drafter_beside_a_float32_target_keeps_greedy_outputs_and_the_target(name, tmp_path, target_dir,
+                                                                                     target, trained):
+    """`drafter_dtype="bfloat16"` (drafters/precision.py) beside a float32 target: the drafter's
+    weights and the lm_head rows it scores with are bfloat16 copies, the target's own tensors
+    stay float32 and unchanged, and greedy outputs equal plain decoding's."""
+    model, _ = trained(name)
+    save_trained_drafter(model, tmp_path, target.target_id, target.weights_hash)
+    spec = f"{model.config.kind}:{tmp_path}"
+    plain = LLM(str(target_dir), max_batch=4, max_len=64)
+    before = {k: v.clone() for k, v in plain.target.model.state_dict().items()}
+    sp = SamplingParams(max_tokens=16, temperature=0.0)
+    ref = [o.token_ids for o in plain.generate(TEXT_PROMPTS, sp)]
+    llm = LLM(plain.target, drafter=spec, drafter_dtype="bfloat16", policy="fixed", num_speculative_tokens=4,
+              max_batch=4, max_len=64)
+    assert [o.token_ids for o in llm.generate(TEXT_PROMPTS, sp)] == ref
+    assert llm.last_stats.draft_proposed > 0
+    drafter_model = getattr(llm.drafter, "backbone", None) or llm.drafter.model
+    assert {p.dtype for p in drafter_model.parameters()} == {torch.bfloat16}
+    if getattr(drafter_model, "lm_rows", None) is not None:
+        assert drafter_model.lm_rows.dtype == torch.bfloat16
+    after = plain.target.model.state_dict()
+    assert all(after[k].dtype == torch.float32 and torch.equal(after[k], v) for k, v in before.items())
+    fp32 = load_trained_drafter(tmp_path, target, 4, 64)  # the default of a direct load: the target's dtype
+    assert {p.dtype for p in (getattr(fp32, "backbone", None) or fp32.model).parameters()} == {torch.float32}
+
+
 def test_checkpoint_for_another_target_is_refused(tmp_path, tiny_model_dir, target, trained):
     model, _ = trained("dflash")
     save_trained_drafter(model, tmp_path, target.target_id, target.weights_hash)

@@ -117,6 +117,7 @@ class BenchConfig:
     overwrite: bool = False
     device: str | None = None
     dtype: str | None = None
+    drafter_dtype: str = "auto"  # what model drafters compute in (drafters/precision.py)
     progress: bool | None = None  # None = only on a terminal
 
     def __post_init__(self) -> None:
@@ -190,4 +191,5 @@ class BenchConfig:
             "repeats": self.repeats, "seed": self.seed, "num_speculative_tokens": self.num_speculative_tokens,
             "policy": self.policy, "peers": list(self.peers), "peer_assistant": self.peer_assistant,
             "peer_lookup_tokens": self.peer_lookup_tokens, "peer_gguf": self.peer_gguf, "device": self.device, "dtype": self.dtype,
+            "drafter_dtype": self.drafter_dtype,
         }

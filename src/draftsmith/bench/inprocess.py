@@ -43,13 +43,14 @@ class InProcessBackend:
         self.peers: list | None = None
         self.drafters: dict[str, dict] = {}
         for spec in cfg.drafters:  # resolve (and validate) every drafter before measuring anything
-            loaded = load_drafter(spec, self.target, 1, 64)
+            loaded = load_drafter(spec, self.target, 1, 64, cfg.drafter_dtype)
             k = cfg.num_speculative_tokens or default_block_size(loaded, fallback=5)
             self.drafters[spec] = {
                 "label": spec, "spec": spec, "kind": loaded.kind, "num_speculative_tokens": k, "policy": cfg.policy,
                 "checkpoint": str(Path(loaded.checkpoint).resolve()) if loaded.checkpoint else None,
                 "checkpoint_config": loaded.config or None,
                 "calibration_temperatures": list(loaded.temperatures) if loaded.temperatures else None,
+                "dtype": loaded.dtype,
             }
             del loaded
         self.max_k = max([d["num_speculative_tokens"] for d in self.drafters.values()] + [0])
@@ -86,7 +87,7 @@ class InProcessBackend:
                 # Configurations never run at the same time and every run leaves all rows free,
                 # so they share one target KV cache (rows are reset on admission).
                 engine = build_engine(self.target, label, self.cfg.policy, info["num_speculative_tokens"], C, max_len,
-                                      cache=shared_cache)
+                                      cache=shared_cache, drafter_dtype=self.cfg.drafter_dtype)
                 kind = "drafter"
             shared_cache = engine.cache
             out.append(EngineRunner(label, kind, engine, info))

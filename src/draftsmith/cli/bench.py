@@ -5,8 +5,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from draftsmith.cli.options import (add_job, add_max_tokens, add_progress, add_target_args, opt_auto, policy_arg,
-                                    policy_help, positive_int)
+from draftsmith.cli.options import (
+    add_drafter_dtype, add_job, add_max_tokens, add_progress, add_target_args, opt_auto, policy_arg, policy_help,
+    positive_int,
+)
 from draftsmith.drafters import registry
 
 HELP = "speedup / latency / cost report across concurrency tiers, go/no-go per tier"
@@ -18,6 +20,7 @@ def add_parser(sub) -> None:
     add_target_args(b)
     b.add_argument("--drafter", action="append", default=[],
                    help=f"{registry.usage()}; repeatable. The no-speculation baseline (none) is always measured")
+    add_drafter_dtype(b)
     b.add_argument("--workload", default="humaneval",
                    help="humaneval | mtbench | sharegpt | code | chat | a .jsonl/.parquet prompt file")
     b.add_argument("--split", default=None, choices=["heldout", "train", "all"],
@@ -80,7 +83,7 @@ def cmd_bench(args) -> int:
         peer_lookup_tokens=args.peer_lookup_tokens, peer_gguf=args.peer_gguf, dollars_per_hour=args.dollars_per_hour,
         mem_bandwidth_gbs=args.mem_bandwidth_gbs, max_prompt_tokens=args.max_prompt_tokens, out=args.out,
         resume=args.resume, overwrite=args.overwrite, device=opt_auto(args.device), dtype=opt_auto(args.dtype),
-        progress=args.progress,
+        drafter_dtype=args.drafter_dtype, progress=args.progress,
     )
     path = run_bench(cfg)
     if args.json:

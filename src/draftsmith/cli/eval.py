@@ -7,7 +7,9 @@ import json
 import sys
 from pathlib import Path
 
-from draftsmith.cli.options import add_job, add_max_tokens, add_progress, add_target_args, opt_auto, positive_int
+from draftsmith.cli.options import (
+    add_drafter_dtype, add_job, add_max_tokens, add_progress, add_target_args, opt_auto, positive_int,
+)
 from draftsmith.drafters import registry
 from draftsmith.errors import DraftsmithError
 
@@ -55,6 +57,7 @@ def _add_eval_run_args(p: argparse.ArgumentParser, max_prompts: int, seed: int) 
     p.add_argument("--max-batch", type=positive_int, default=4, help="requests decoded together")
     p.add_argument("--seed", type=int, default=seed, help="prompt-selection and sampling seed")
     p.add_argument("--bins", type=positive_int, default=10, help="calibration bins")
+    add_drafter_dtype(p)
     add_progress(p)
 
 
@@ -72,7 +75,7 @@ def cmd_calibrate(args) -> int:
         target=args.target, drafter=args.drafter, data=args.data, tasks=_tasks(args.tasks) if args.tasks else (),
         temperature=args.temperature, block_size=args.block_size, max_prompts=args.max_prompts,
         max_new_tokens=args.max_new_tokens, max_batch=args.max_batch, max_turns=args.max_turns, seed=args.seed,
-        n_bins=args.bins, device=opt_auto(args.device), progress=args.progress))
+        n_bins=args.bins, device=opt_auto(args.device), drafter_dtype=args.drafter_dtype, progress=args.progress))
     if args.json:
         print(json.dumps(res))
     else:
@@ -92,7 +95,8 @@ def cmd_eval(args) -> int:
         target=args.target, drafters=tuple(args.drafter), tasks=_tasks(args.tasks), temperature=args.temperature,
         block_size=args.block_size, confidence_threshold=args.confidence_threshold, max_prompts=args.max_prompts,
         max_new_tokens=args.max_new_tokens, max_batch=args.max_batch, max_turns=args.max_turns, seed=args.seed,
-        n_bins=args.bins, out=args.out, device=opt_auto(args.device), progress=args.progress))
+        n_bins=args.bins, out=args.out, device=opt_auto(args.device), drafter_dtype=args.drafter_dtype,
+        progress=args.progress))
     if args.json:
         print(json.dumps(report))
     print_summary(report)

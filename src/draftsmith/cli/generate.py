@@ -72,7 +72,8 @@ def cmd_generate(args) -> int:
         raise DraftsmithError("--num-speculative-tokens must be >= 0")
     prompts = read_prompts(args)
     llm = LLM(
-        args.target, drafter=args.drafter, num_speculative_tokens=args.num_speculative_tokens,
+        args.target, drafter=args.drafter, drafter_dtype=args.drafter_dtype,
+        num_speculative_tokens=args.num_speculative_tokens,
         policy=args.policy, max_batch=args.max_batch, max_len=args.max_len, device=args.device, dtype=args.dtype,
         reproducible_seeds=args.reproducible_seeds,
     )

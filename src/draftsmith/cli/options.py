@@ -10,6 +10,7 @@ import argparse
 import re
 
 from draftsmith.drafters import registry
+from draftsmith.drafters.precision import DRAFTER_DTYPES
 from draftsmith.errors import DraftsmithError
 from draftsmith.policy.registry import parse_policy_spec, policies
 
@@ -71,8 +72,9 @@ def policy_arg(text: str) -> str:
 
 
 def add_speculation_args(p: argparse.ArgumentParser) -> None:
-    """--drafter / --num-speculative-tokens / --policy, from the registries (generate, serve)."""
+    """--drafter / --drafter-dtype / --num-speculative-tokens / --policy, from the registries (generate, serve)."""
     p.add_argument("--drafter", default="none", help=registry.usage())
+    add_drafter_dtype(p)
     p.add_argument("--num-speculative-tokens", "-k", type=int, default=5, help="draft length K")
     p.add_argument("--policy", default="auto", type=policy_arg, metavar="POLICY[:KEY=VALUE,...]",
                    help=policy_help())
@@ -80,6 +82,14 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
                    help="a seeded request gives one output whatever K, policy, batch or load (position-keyed "
                         "coupling); --no-reproducible-seeds verifies seeded requests by the rejection rule "
                         "(more sampled drafts accepted; reproducible only while K does not depend on load)")
+
+
+def add_drafter_dtype(p: argparse.ArgumentParser) -> None:
+    """--drafter-dtype: what model drafters compute in (drafters/precision.py)."""
+    p.add_argument("--drafter-dtype", default="auto", choices=DRAFTER_DTYPES,
+                   help="what a trained or draft-model drafter computes in; auto = bfloat16 beside a float32 "
+                        "target on CPUs whose kernels run bfloat16 fast (AVX-512, AMX), else the target's dtype. "
+                        "Outputs never depend on it, only speed and acceptance")
 
 
 def add_max_tokens(p: argparse.ArgumentParser, default: int, help: str, dest: str = "max_new_tokens") -> None:

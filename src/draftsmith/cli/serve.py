@@ -42,7 +42,8 @@ def cmd_serve(args) -> int:
     if not 0 <= args.port <= 65535:
         raise DraftsmithError(f"--port must be in 0..65535, got {args.port}")
     llm = LLM(
-        args.target, drafter=args.drafter, num_speculative_tokens=args.num_speculative_tokens,
+        args.target, drafter=args.drafter, drafter_dtype=args.drafter_dtype,
+        num_speculative_tokens=args.num_speculative_tokens,
         policy=args.policy, max_batch=args.max_batch, max_len=args.max_len, device=args.device, dtype=args.dtype,
         reproducible_seeds=args.reproducible_seeds,
     )

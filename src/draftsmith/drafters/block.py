@@ -110,8 +110,16 @@ class BlockBackbone(nn.Module):
         return self.vocab.size if self.vocab is not None else self.head.vocab_size
 
     def _take_lm_rows(self) -> None:
+        """The target's lm_head rows of the draft ids, in this backbone's dtype (a copy: a
+        bfloat16 drafter beside a float32 target reads half the bytes; drafters/precision.py)."""
         if self.vocab is not None:
-            self.lm_rows = self.head.lm_head[self.vocab.ids.to(self.head.lm_head.device)]
+            rows = self.head.lm_head[self.vocab.ids.to(self.head.lm_head.device)]
+            self.lm_rows = rows.to(self.fc.weight.device, self.fc.weight.dtype)
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        self._take_lm_rows()  # `.to(dtype / device)`: the derived rows follow the weights
+        return out
 
     def set_draft_vocab(self, token_counts: torch.Tensor | Sequence[int]) -> None:
         """Choose the reduced vocabulary from training-data token counts [V] (no-op without one)."""

@@ -161,9 +161,10 @@ def restore_state(model: nn.Module, state: Mapping[str, torch.Tensor], ckpt: str
     model.load_state_dict({k: v.to(own[k].device, own[k].dtype) for k, v in state.items()})
 
 
-def load_trained_model(ckpt_dir: str | Path, target, kind) -> nn.Module:
+def load_trained_model(ckpt_dir: str | Path, target, kind, dtype: torch.dtype | None = None) -> nn.Module:
     """Rebuild a trained model of `kind` (a registry.DrafterKind) on a LoadedTarget,
-    refusing other targets and kinds, and load its weights."""
+    refusing other targets and kinds, and load its weights; in `dtype` (default: the
+    target's; drafters/precision.py chooses one for inference)."""
     d = Path(ckpt_dir)
     fmt = foreign_format(d)
     if fmt is not None:
@@ -176,7 +177,7 @@ def load_trained_model(ckpt_dir: str | Path, target, kind) -> nn.Module:
         config = config_from_dict({k: v for k, v in raw.items() if k in fields}, kind.config_cls, kind.name)
         model = kind.build(target.model, config)
         restore_state(model, load_model_state(d), d)
-    return model.to(device=target.model.device, dtype=target.model.dtype).eval()
+    return model.to(device=target.model.device, dtype=dtype or target.model.dtype).eval()
 
 
 def _import_foreign(d: Path, target, kind, fmt: str) -> nn.Module:
@@ -191,8 +192,9 @@ def _import_foreign(d: Path, target, kind, fmt: str) -> nn.Module:
     return model
 
 
-def load_trained_drafter(ckpt_dir: str | Path, target, max_rows: int, max_len: int, kind):
+def load_trained_drafter(ckpt_dir: str | Path, target, max_rows: int, max_len: int, kind,
+                         dtype: torch.dtype | None = None):
     """A ready Drafter from a checkpoint directory for a LoadedTarget (with calibration.json's
-    STS temperatures when present)."""
-    model = load_trained_model(ckpt_dir, target, kind)
+    STS temperatures when present), computing in `dtype` (default: the target's)."""
+    model = load_trained_model(ckpt_dir, target, kind, dtype)
     return model.make_drafter(target.model, max_rows, max_len, temperatures=read_calibration(ckpt_dir))

@@ -13,7 +13,9 @@ A drafter spec is `KIND` or `KIND:ARG`. Built-in kinds:
                          (drafters/lookup_first.py), e.g. lookup:dspark:smollm2-135m
 
 A new trainable kind is one file: its config dataclass, `build(target, config) -> model`
-(drafters/protocol.py), and a `register(DrafterKind(...))` call; plus a recipe. `register`
+(drafters/protocol.py), and a `register(DrafterKind(...))` call; plus a recipe (and
+`auto_dtype=True` once its inference casts the target's features to its own dtype, so that
+`--drafter-dtype auto` may run it in bfloat16 beside a float32 target: drafters/precision.py). `register`
 is explicit, no import-time discovery: call it before using the kind (tests/unit/toy_kind.py
 does, and runs the toy kind through train, generate and eval).
 """
@@ -27,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from draftsmith.drafters import builtin, dflash, dspark, eagle3
 from draftsmith.drafters.base import Drafter, NoDrafter
 from draftsmith.drafters.checkpoint import load_trained_drafter, load_trained_model, read_checkpoint_config
@@ -34,11 +38,13 @@ from draftsmith.drafters.draft_model import DraftModelDrafter
 from draftsmith.drafters.kind_config import config_from_dict
 from draftsmith.drafters.lookup_first import LookupFirstDrafter
 from draftsmith.drafters.ngram import NgramConfig, NgramDrafter
+from draftsmith.drafters.precision import drafter_dtype
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.target import load_target
 
-# load(arg, target: LoadedTarget, max_rows, max_len) -> Drafter; arg is the text after "KIND:"
-Loader = Callable[[str, Any, int, int], Drafter]
+# load(arg, target: LoadedTarget, max_rows, max_len, dtype) -> Drafter; arg is the text after
+# "KIND:", dtype the torch dtype a model drafter computes in (drafters/precision.py)
+Loader = Callable[[str, Any, int, int, torch.dtype], Drafter]
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,10 @@ class DrafterKind:
     build: Callable[..., Any] | None = None  # trainable: build(target Decoder, config) -> model
     needs_arg: bool = False  # the spec must carry ":ARG"
     wrap: Callable[[Drafter], Drafter] | None = None  # ARG is another drafter's spec; this wraps it
+    # dtype "auto" may run it in another dtype than the target's (drafters/precision.py): its
+    # inference casts the target's features to its own dtype. A kind without it gets the target's
+    # dtype under "auto", and an explicit --drafter-dtype as given
+    auto_dtype: bool = False
 
     @property
     def trainable(self) -> bool:
@@ -69,30 +79,30 @@ class DrafterKind:
         return fallback
 
 
-def _none(arg: str, target, max_rows: int, max_len: int) -> Drafter:
+def _none(arg: str, target, max_rows: int, max_len: int, dtype: torch.dtype) -> Drafter:
     return NoDrafter()
 
 
-def _ngram(arg: str, target, max_rows: int, max_len: int) -> Drafter:
+def _ngram(arg: str, target, max_rows: int, max_len: int, dtype: torch.dtype) -> Drafter:
     return NgramDrafter(NgramConfig())
 
 
-def _draft_model(arg: str, target, max_rows: int, max_len: int) -> Drafter:
-    draft = load_target(arg, device=str(target.model.device), dtype=str(target.model.dtype).removeprefix("torch."))
+def _draft_model(arg: str, target, max_rows: int, max_len: int, dtype: torch.dtype) -> Drafter:
+    draft = load_target(arg, device=str(target.model.device), dtype=str(dtype).removeprefix("torch."))
     return DraftModelDrafter(draft.model, target.model.config.vocab_size, max_rows, max_len)
 
 
 def _wrapping(wrap: Callable[[Drafter], Drafter]) -> Loader:
     """The loader of a wrapping kind: build the inner spec's drafter, then wrap it."""
-    def load(arg: str, target, max_rows: int, max_len: int) -> Drafter:
-        return wrap(build_drafter(arg, target, max_rows, max_len))
+    def load(arg: str, target, max_rows: int, max_len: int, dtype: torch.dtype) -> Drafter:
+        return wrap(build_drafter(arg, target, max_rows, max_len, dtype))
     return load
 
 
 def checkpoint_loader(name: str) -> Loader:
     """The loader of a trainable kind: its checkpoint directory (drafters/checkpoint.py) -> Drafter."""
-    def load(arg: str, target, max_rows: int, max_len: int) -> Drafter:
-        return load_trained_drafter(arg, target, max_rows, max_len, get(name, trainable=True))
+    def load(arg: str, target, max_rows: int, max_len: int, dtype: torch.dtype) -> Drafter:
+        return load_trained_drafter(arg, target, max_rows, max_len, get(name, trainable=True), dtype)
     return load
 
 
@@ -117,13 +127,13 @@ for _k in (
     DrafterKind("none", "none", "plain decoding, no drafter", _none),
     DrafterKind("ngram", "ngram", "prompt lookup: copy what followed the last n-gram seen before", _ngram),
     DrafterKind("draft-model", "draft-model:PATH", "a smaller model with the target's tokenizer (alias or HF dir)",
-                _draft_model, needs_arg=True),
+                _draft_model, needs_arg=True, auto_dtype=True),
     DrafterKind("eagle3", "eagle3:CKPT", "EAGLE-3 head trained by `draftsmith train`", checkpoint_loader("eagle3"),
-                eagle3.Eagle3Config, eagle3.build, needs_arg=True),
+                eagle3.Eagle3Config, eagle3.build, needs_arg=True, auto_dtype=True),
     DrafterKind("dflash", "dflash:CKPT", "DFlash block drafter trained by `draftsmith train`", checkpoint_loader("dflash"),
-                dflash.DFlashConfig, dflash.build, needs_arg=True),
+                dflash.DFlashConfig, dflash.build, needs_arg=True, auto_dtype=True),
     DrafterKind("dspark", "dspark:CKPT", "DSpark block drafter + Markov head + confidence head", checkpoint_loader("dspark"),
-                dspark.DSparkConfig, dspark.build, needs_arg=True),
+                dspark.DSparkConfig, dspark.build, needs_arg=True, auto_dtype=True),
     DrafterKind("lookup", "lookup:SPEC", "prompt lookup where the last 2-3 tokens occurred before, SPEC's drafter "
                 "elsewhere (e.g. lookup:dspark:smollm2-135m)", _wrapping(LookupFirstDrafter), needs_arg=True,
                 wrap=LookupFirstDrafter),
@@ -174,10 +184,21 @@ def parse_spec(spec: str) -> tuple[DrafterKind, str]:
     return kind, arg
 
 
-def build_drafter(spec: str, target, max_rows: int, max_len: int) -> Drafter:
-    """A ready Drafter for a LoadedTarget from a spec string."""
+def build_drafter(spec: str, target, max_rows: int, max_len: int, dtype: str | torch.dtype | None = "auto") -> Drafter:
+    """A ready Drafter for a LoadedTarget from a spec string; a model drafter computes in
+    `dtype` ("auto", a dtype name or a torch dtype: drafters/precision.py)."""
     kind, arg = parse_spec(spec)
-    return kind.load(arg, target, max_rows, max_len)
+    if kind.wrap is not None:  # the wrapped spec's kind decides what "auto" means for it
+        return kind.wrap(build_drafter(arg, target, max_rows, max_len, dtype))
+    return kind.load(arg, target, max_rows, max_len, resolve_dtype(dtype, target, kind))
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, target, kind: DrafterKind | None = None) -> torch.dtype:
+    """The torch dtype a drafter of `kind` computes in beside `target` (drafters/precision.py);
+    "auto" is the target's dtype for a kind that does not declare `auto_dtype`."""
+    if kind is not None and not kind.auto_dtype and (dtype is None or dtype == "auto"):
+        return target.model.dtype
+    return drafter_dtype(dtype, target.model.dtype, target.model.device)
 
 
 def usage() -> str:
@@ -202,7 +223,10 @@ def load_checkpoint_model(ckpt_dir: str | Path, target):
     return load_trained_model(ckpt_dir, target, kind)
 
 
-def load_checkpoint(ckpt_dir: str | Path, target, max_rows: int, max_len: int) -> Drafter:
-    """A ready Drafter from a checkpoint directory, whatever its kind (calibration included)."""
+def load_checkpoint(ckpt_dir: str | Path, target, max_rows: int, max_len: int,
+                    dtype: str | torch.dtype | None = None) -> Drafter:
+    """A ready Drafter from a checkpoint directory, whatever its kind (calibration included),
+    computing in `dtype` (default: the target's; "auto": drafters/precision.py)."""
     kind = get(str(read_checkpoint_config(ckpt_dir)["kind"]), trainable=True)
-    return load_trained_drafter(ckpt_dir, target, max_rows, max_len, kind)
+    return load_trained_drafter(ckpt_dir, target, max_rows, max_len, kind,
+                                None if dtype is None else resolve_dtype(dtype, target, kind))

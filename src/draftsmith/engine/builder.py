@@ -15,18 +15,20 @@ from draftsmith.policy.registry import make_policy
 
 def build_engine(target: LoadedTarget, drafter: str | Drafter = "none", policy: str | DraftLengthPolicy = "auto",
                  num_speculative_tokens: int = 5, max_batch: int = 8, max_len: int = 2048,
-                 cache: KVCache | None = None, reproducible_seeds: bool = True) -> Engine:
+                 cache: KVCache | None = None, reproducible_seeds: bool = True,
+                 drafter_dtype: str = "auto") -> Engine:
     """An Engine for `target` with `drafter` (a registry spec such as "ngram" or
     "dspark:CKPT", or a Drafter) and `policy` (a registered name or a policy object), K =
     num_speculative_tokens drafts per round at most, max_batch rows of max_len tokens
     (capped at the target's context). `cache`: share an idle engine's KV cache.
     `reproducible_seeds`: EngineConfig's (seeded requests by position-keyed coupling).
+    `drafter_dtype`: what a model drafter built from a spec computes in (drafters/precision.py).
     Policy "auto" (the default) is the prefix scheduler (policy/prefix_scheduler.py: it verifies a
     draft only where its expected gain pays for the bigger forward on this machine's measured
     SPS(B)) when the drafter drafts, and "fixed" for plain decoding (nothing to schedule, no profile)."""
     max_len = min(max_len, target.model.config.max_position_embeddings)
     if isinstance(drafter, str):
-        drafter = build_drafter(drafter, target, max_batch, max_len)
+        drafter = build_drafter(drafter, target, max_batch, max_len, drafter_dtype)
     if policy == "auto":
         policy = "fixed" if isinstance(drafter, NoDrafter) else "prefix-scheduler"
     if isinstance(policy, str):

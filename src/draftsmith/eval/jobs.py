@@ -57,6 +57,7 @@ class EvalOptions:
     n_bins: int = M.DEFAULT_BINS
     out: Path | None = Path("runs/eval")
     device: str | None = None
+    drafter_dtype: str = "auto"  # what model drafters compute in (drafters/precision.py)
     progress: bool | None = None
     thresholds: tuple[float, ...] = field(default_factory=lambda: tuple(M.default_thresholds(0.05)))
 
@@ -73,7 +74,7 @@ def evaluate_drafter(target, loaded: LoadedDrafter, convs, opt: EvalOptions) -> 
     recs = run.records
     res: dict[str, Any] = {
         "label": loaded.label, "spec": loaded.spec, "kind": loaded.kind,
-        "checkpoint": str(loaded.checkpoint) if loaded.checkpoint else None, "block_size": gamma,
+        "checkpoint": str(loaded.checkpoint) if loaded.checkpoint else None, "dtype": loaded.dtype, "block_size": gamma,
         "confidence_threshold": opt.confidence_threshold, "requests": run.requests,
         "output_tokens": run.output_tokens, "wall_s": round(run.wall_s, 3), "skipped": run.skipped,
         "overall": M.acceptance_summary(recs, gamma),
@@ -118,7 +119,8 @@ def run_eval(opt: EvalOptions) -> dict:
         out.mkdir(parents=True, exist_ok=True)
     all_recs: dict[str, list[M.RoundRecord]] = {}
     for spec in opt.drafters:
-        loaded = load_drafter(spec, target, opt.max_batch, min(opt.max_len, target.model.config.max_position_embeddings))
+        loaded = load_drafter(spec, target, opt.max_batch, min(opt.max_len, target.model.config.max_position_embeddings),
+                              opt.drafter_dtype)
         res, recs = evaluate_drafter(target, loaded, convs, opt)
         report["drafters"].append(res)
         all_recs[res["label"]] = recs
@@ -165,6 +167,7 @@ class CalibrateOptions:
     seed: int = 1
     n_bins: int = M.DEFAULT_BINS
     device: str | None = None
+    drafter_dtype: str = "auto"  # what model drafters compute in (drafters/precision.py)
     progress: bool | None = None
 
 
@@ -173,7 +176,8 @@ def run_calibrate(opt: CalibrateOptions) -> dict:
     if (opt.data is None) == (not opt.tasks):
         raise DraftsmithError("give exactly one of --data HELDOUT.jsonl or --tasks T1,T2")
     target = load_target(opt.target, device=opt.device)
-    loaded = load_drafter(opt.drafter, target, opt.max_batch, min(opt.max_len, target.model.config.max_position_embeddings))
+    loaded = load_drafter(opt.drafter, target, opt.max_batch, min(opt.max_len, target.model.config.max_position_embeddings),
+                          opt.drafter_dtype)
     if loaded.checkpoint is None:
         raise DraftsmithError(f"calibrate needs a trained drafter checkpoint (KIND:PATH), got {opt.drafter!r}")
     if is_builtin(loaded.checkpoint):

@@ -105,26 +105,29 @@ class LoadedDrafter:
     checkpoint: Path | None
     temperatures: tuple[float, ...] | None  # STS the drafter applies to its confidences
     config: dict = field(default_factory=dict)
+    dtype: str | None = None  # what a trained drafter computes in (drafters/precision.py)
 
     @property
     def label(self) -> str:
         return self.kind if self.checkpoint is None else f"{self.kind}:{self.checkpoint.name or self.checkpoint}"
 
 
-def load_drafter(spec: str, target, max_rows: int, max_len: int) -> LoadedDrafter:
-    """Any registered spec; a trained kind's checkpoint config and STS come along."""
+def load_drafter(spec: str, target, max_rows: int, max_len: int, dtype: str = "auto") -> LoadedDrafter:
+    """Any registered spec; a trained kind's checkpoint config and STS come along. A model
+    drafter computes in `dtype` (drafters/precision.py)."""
     kind, arg = registry.parse_spec(spec)
     if kind.wrap is not None:  # e.g. lookup:dspark:CKPT: the inner drafter's checkpoint, config and STS
-        inner = load_drafter(arg, target, max_rows, max_len)
+        inner = load_drafter(arg, target, max_rows, max_len, dtype)
         return LoadedDrafter(kind.wrap(inner.drafter), spec, kind.name, inner.checkpoint, inner.temperatures,
-                             inner.config)
-    drafter = kind.load(arg, target, max_rows, max_len)
+                             inner.config, inner.dtype)
+    resolved = registry.resolve_dtype(dtype, target, kind)
+    drafter = kind.load(arg, target, max_rows, max_len, resolved)
     if not kind.trainable:
         return LoadedDrafter(drafter, spec, kind.name, None, None)
     ckpt = Path(arg)
     temps = getattr(drafter, "temperatures", None)
     return LoadedDrafter(drafter, spec, kind.name, ckpt, tuple(temps) if temps else None,
-                         read_checkpoint_config(ckpt))
+                         read_checkpoint_config(ckpt), str(resolved).removeprefix("torch."))
 
 
 # ---- recording --------------------------------------------------------------------------------
