@@ -60,3 +60,14 @@ def test_auto_keeps_the_target_dtype_for_a_kind_that_does_not_declare_auto_dtype
         kind = registry.get(name)
         assert kind.auto_dtype
         assert registry.resolve_dtype("auto", target, kind) == drafter_dtype("auto", torch.float32, "cpu")
+
+
+def test_every_avx512_build_counts_as_fast_bf16_and_avx2_does_not(monkeypatch):
+    from draftsmith.drafters import precision
+    from draftsmith.kernels import build
+
+    for isa, want in (("avx512", True), ("avx512-bf16", True), ("avx512-bf16+amx", True), ("avx2", False)):
+        monkeypatch.setattr(build, "cpu_kernels", lambda isa=isa: build.KernelStatus(True, True, "test", isa))
+        assert precision.bf16_pays_on_cpu() is want, isa
+    monkeypatch.setattr(build, "cpu_kernels", lambda: build.KernelStatus(False, False, "no compiler"))
+    assert precision.bf16_pays_on_cpu() is False

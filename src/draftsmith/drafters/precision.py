@@ -26,7 +26,7 @@ import torch
 from draftsmith.errors import DraftsmithError
 
 DRAFTER_DTYPES = ("auto", "float32", "bfloat16", "float16")
-FAST_BF16_ISAS = ("avx512", "avx512-bf16")  # kernels/build.py KernelStatus.isa values
+FAST_BF16_ISAS = ("avx512", "avx512-bf16", "avx512-bf16+amx")  # KernelStatus.isa values (not "avx2")
 
 
 def bf16_pays_on_cpu() -> bool:
