@@ -106,12 +106,14 @@ def markdown(res: dict, kind: str) -> str:
              "the order reversed every other pass; prefill steps excluded. × plain = the median over passes of plain "
              "ms/token ÷ the configuration's in the same pass; the other columns are medians over passes. Drafting = "
              "the drafter's propose; rest = the round outside the target forward and drafting (the drafter's "
-             f"context upkeep is there). Load average {res['load'][0]:.2f} at the start, {res['load'][1]:.2f} at the end.",
+             f"context upkeep is there). Load average {res['load'][0]:.2f} at the start, {res['load'][1]:.2f} at the "
+             "end.",
              "", "| workload | configuration | drafter dtype | × plain | ms/token | ms/round | drafting ms | rest ms | τ "
              "| outputs = plain |", "|---|---|---|---|---|---|---|---|---|---|"]
     for wl, r in res["workloads"].items():
         for name, s in r["summary"].items():
-            lines.append(f"| {wl} | {name if name == 'plain' else a['drafter'] + ' (' + name + ')'} | {s['dtype'] or '–'} "
+            label = name if name == "plain" else f"{a['drafter']} ({name})"
+            lines.append(f"| {wl} | {label} | {s['dtype'] or '–'} "
                          f"| {s['x_plain']:.2f} | {s['ms_per_token']:.1f} | {s['ms_per_round']:.1f} | "
                          f"{s['drafting_ms']:.1f} | {s['rest_ms']:.1f} | {s['tau']:.2f} | "
                          f"{'–' if s['same_as_plain'] is None else ('yes' if s['same_as_plain'] else 'NO')} |")
@@ -139,7 +141,8 @@ def main() -> int:
 
     load0 = os.getloadavg()[0]
     target = load_target("smollm2-135m")
-    res = {"date": time.strftime("%Y-%m-%d"), "cpu": f"{cpu_model()} ({os.cpu_count()} CPUs)", "threads": torch.get_num_threads(), "json": args.out.name,
+    res = {"date": time.strftime("%Y-%m-%d"), "cpu": f"{cpu_model()} ({os.cpu_count()} CPUs)",
+           "threads": torch.get_num_threads(), "json": args.out.name,
            "args": {"drafter": args.drafter, "dtypes": args.dtypes, "workloads": args.workloads.split(","),
                     "prompts": args.prompts, "tokens": args.tokens, "passes": args.passes, "k": args.k},
            "workloads": {}}

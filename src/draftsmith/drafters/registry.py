@@ -13,11 +13,11 @@ A drafter spec is `KIND` or `KIND:ARG`. Built-in kinds:
                          (drafters/lookup_first.py), e.g. lookup:dspark:smollm2-135m
 
 A new trainable kind is one file: its config dataclass, `build(target, config) -> model`
-(drafters/protocol.py), and a `register(DrafterKind(...))` call; plus a recipe (and
-`auto_dtype=True` once its inference casts the target's features to its own dtype, so that
-`--drafter-dtype auto` may run it in bfloat16 beside a float32 target: drafters/precision.py). `register`
+(drafters/protocol.py), and a `register(DrafterKind(...))` call; plus a recipe. `register`
 is explicit, no import-time discovery: call it before using the kind (tests/unit/toy_kind.py
-does, and runs the toy kind through train, generate and eval).
+does, and runs the toy kind through train, generate and eval). `auto_dtype=True` says its
+inference casts the target's features to its own dtype, so that `--drafter-dtype auto` may run
+it in bfloat16 beside a float32 target (drafters/precision.py).
 """
 
 from __future__ import annotations
