@@ -393,3 +393,38 @@ def test_run_bench_poisson_tier(tiny_model_dir, tmp_path):
     for r in tier["results"]:
         assert [x["t_arrival"] for x in r["per_request"]] == pytest.approx(expected, abs=1e-6)
         assert r["interleaving"]["unit"] == "request list"
+
+
+def test_control_is_plain_decoding_measured_again_and_reported_as_the_noise(tiny_model_dir, tmp_path):
+    """`--control` (the A/A control): plain decoding runs a second time as a configuration of its
+    own, interleaved with the others; its outputs are checked like a drafter's, its verdict is
+    "control", and the headline reports its ratio as the run's noise."""
+    from draftsmith.bench import run_bench
+    from draftsmith.bench.config import CONTROL
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"x{i}", "prompt": f"x = {i}; x = {i}; x ="}) + "\n" for i in range(3)))
+    cfg = BenchConfig(target=str(tiny_model_dir("llama", seed=7)), drafters=("ngram",), workload=str(prompts),
+                      concurrency=(1,), requests=3, max_tokens=8, warmup=0, control=True, out=tmp_path / "out",
+                      progress=False)
+    assert cfg.config_labels == ("none", "ngram", CONTROL)
+    rep = json.loads(run_bench(cfg, log=lambda m: None).read_text())
+    (tier,) = rep["tiers"]
+    rows = {r["label"]: r for r in tier["results"]}
+    ctl = rows[CONTROL]
+    assert ctl["kind"] == "control" and ctl["verdict"]["decision"] == "control"
+    assert ctl["equality"]["checked"] and ctl["equality"]["compared"] == 3 and ctl["equality"]["mismatches"] == 0
+    assert ctl["speedup"] is not None and ctl["speedup_spread"]["n"] == 3  # one ratio per interleaved request
+    assert ctl["draft_proposed"] == 0 and rows["ngram"]["verdict"]["decision"] in ("go", "no-go")
+    (line,) = [h for h in rep["headline"] if h.startswith("A/A control")]
+    assert "concurrency 1:" in line and not any(h.startswith(CONTROL) for h in rep["headline"])
+    assert "**control**" in (tmp_path / "out" / "report.md").read_text()
+    assert [d["label"] for d in rep["setup"]["drafters"]] == ["none", "ngram", CONTROL]
+
+
+def test_control_is_refused_where_it_cannot_run():
+    with pytest.raises(DraftsmithError, match="--control measures the in-process"):
+        BenchConfig(endpoints=(parse_endpoint("none=http://a"),), control=True)
+    with pytest.raises(DraftsmithError, match="not a drafter"):
+        BenchConfig(drafters=("ngram", "control"))
+    assert BenchConfig(control=True).fingerprint(["p"], "h") != BenchConfig().fingerprint(["p"], "h")

@@ -8,6 +8,10 @@ first in every tier; `drafters` lists only the speculative configurations. With 
 the same load generator drives OpenAI-compatible servers instead, one configuration per
 endpoint (the server's own drafter is whatever it was started with).
 
+`control=True` measures plain decoding a second time, as one more configuration (label
+`control`, an engine of its own): an A/A pair whose ratio, 1.00 in an ideal run, is the noise
+of this run on this machine, next to the speedups it qualifies (docs/MEASURING.md).
+
 `fingerprint()` is what must not change between an interrupted run and its `--resume`: the
 measured work (target, drafters, prompts, sampling, arrival, warm-up, repeats, policy). The
 tier list may change (resume adds tiers); cost and bandwidth inputs only affect the report.
@@ -23,6 +27,7 @@ from typing import Literal
 from draftsmith.errors import DraftsmithError
 
 BASELINE = "none"
+CONTROL = "control"  # plain decoding measured again as a configuration (the A/A control)
 PEER_KINDS = ("hf", "llamacpp")  # bench/peers.py, bench/llamacpp.py
 SPLITS = ("heldout", "train", "all")
 
@@ -118,6 +123,7 @@ class BenchConfig:
     device: str | None = None
     dtype: str | None = None
     drafter_dtype: str = "auto"  # what model drafters compute in (drafters/precision.py)
+    control: bool = False  # also measure plain decoding again as a configuration (the A/A control)
     progress: bool | None = None  # None = only on a terminal
 
     def __post_init__(self) -> None:
@@ -144,6 +150,9 @@ class BenchConfig:
             object.__setattr__(self, "drafters", tuple(d for d in self.drafters if d != BASELINE))
         if len(set(self.drafters)) != len(self.drafters):
             raise DraftsmithError(f"a drafter is given twice: {', '.join(self.drafters)}")
+        if CONTROL in self.drafters:
+            raise DraftsmithError(f"{CONTROL!r} is not a drafter: pass --control to measure plain decoding again "
+                                  "as an A/A control")
         bad = [p for p in self.peers if p not in PEER_KINDS]
         if bad:
             raise DraftsmithError(f"unknown peer {bad[0]!r}; known: {', '.join(PEER_KINDS)}")
@@ -157,6 +166,9 @@ class BenchConfig:
             if self.peers:
                 raise DraftsmithError("--peers runs HF transformers / llama.cpp in this process; it cannot be "
                                       "combined with --endpoint")
+            if self.control:
+                raise DraftsmithError("--control measures the in-process plain engine twice; with --endpoint, give "
+                                      "the baseline server a second time under another label (LABEL=URL) instead")
             labels = [e.label for e in self.endpoints]
             if len(set(labels)) != len(labels):
                 raise DraftsmithError(f"--endpoint labels must be unique (LABEL=URL), got {', '.join(labels)}")
@@ -178,7 +190,7 @@ class BenchConfig:
         """Measured configurations in interleaving order (baseline first)."""
         if self.endpoint_mode:
             return tuple(e.label for e in self.endpoints)
-        return (BASELINE, *self.drafters)
+        return (BASELINE, *self.drafters, *((CONTROL,) if self.control else ()))
 
     def fingerprint(self, prompt_ids: list[str], target_hash: str | None) -> dict:
         return {
@@ -191,5 +203,5 @@ class BenchConfig:
             "repeats": self.repeats, "seed": self.seed, "num_speculative_tokens": self.num_speculative_tokens,
             "policy": self.policy, "peers": list(self.peers), "peer_assistant": self.peer_assistant,
             "peer_lookup_tokens": self.peer_lookup_tokens, "peer_gguf": self.peer_gguf, "device": self.device, "dtype": self.dtype,
-            "drafter_dtype": self.drafter_dtype,
+            "drafter_dtype": self.drafter_dtype, "control": self.control,
         }

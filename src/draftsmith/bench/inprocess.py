@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from draftsmith.bench.config import BASELINE, BenchConfig
+from draftsmith.bench.config import BASELINE, CONTROL, BenchConfig
 from draftsmith.bench.loadgen import run_engine
 from draftsmith.bench.machine import proc_bytes
 from draftsmith.bench.metrics import RunResult
@@ -77,10 +77,10 @@ class InProcessBackend:
         out: list = []
         shared_cache = None
         for label in self.cfg.config_labels:
-            if label == BASELINE:
+            if label in (BASELINE, CONTROL):  # the control: plain decoding again, an engine of its own
                 engine = build_engine(self.target, "none", FixedK(0), 0, C, max_len, cache=shared_cache)
-                kind = "baseline"
-                info = {"label": BASELINE, "spec": BASELINE, "kind": "none", "num_speculative_tokens": 0,
+                kind = "baseline" if label == BASELINE else "control"
+                info = {"label": label, "spec": BASELINE, "kind": "none", "num_speculative_tokens": 0,
                         "policy": "none", "checkpoint": None}
             else:
                 info = self.drafters[label]
@@ -149,4 +149,6 @@ class InProcessBackend:
         return {"mode": "in-process", "target": self.target_info, "drafters": [
             {"label": BASELINE, "spec": BASELINE, "kind": "none", "num_speculative_tokens": 0, "policy": None,
              "checkpoint": None},
-            *self.drafters.values()]}
+            *self.drafters.values(),
+            *([{"label": CONTROL, "spec": BASELINE, "kind": "none", "num_speculative_tokens": 0, "policy": None,
+                "checkpoint": None}] if self.cfg.control else [])]}

@@ -41,7 +41,7 @@ def headline_bullets(tiers: list[dict], peers: dict | None) -> list[str]:
     labels: list[str] = []
     for t in tiers:
         for r in t["results"]:
-            if r["verdict"]["decision"] not in ("baseline", "peer") and r["label"] not in labels:
+            if r["verdict"]["decision"] not in ("baseline", "peer", "control") and r["label"] not in labels:
                 labels.append(r["label"])
     for lab in labels:
         pts = [(t["concurrency"], r) for t in tiers for r in t["results"] if r["label"] == lab]
@@ -63,6 +63,12 @@ def headline_bullets(tiers: list[dict], peers: dict | None) -> list[str]:
         if voids:
             text += f"; VOID at concurrency {', '.join(str(c) for c, _ in voids)}: {voids[0][1]['verdict']['reason']}"
         out.append(f"{lab}: {text}")
+    controls = [(t["concurrency"], r) for t in tiers for r in t["results"] if r["verdict"]["decision"] == "control"]
+    if controls:
+        out.append("A/A control (plain decoding measured again, side by side): "
+                   + "; ".join(f"concurrency {c}: {speedup_cell(r)}" for c, r in controls)
+                   + ". How far it sits from 1.00 is this run's noise: speedups closer to 1 than that are not "
+                     "differences")
     if peers:
         for p in peers["peers"]:
             ratios = ", ".join(f"{lab} {_x(v)}" for lab, v in p["ours_vs_peer"].items())

@@ -110,6 +110,10 @@ def phase_lines(cfg, phase, runners, runs, mem, started, load0, fp_sha, per_requ
         line["void_reason"] = "; ".join(void_reasons) or None
         if r.kind == "peer":
             line["verdict"] = {"decision": "peer", "reason": "reference point (another toolkit)"}
+        elif r.kind == "control":
+            line["verdict"] = {"decision": "control", "flags": [], "reason": (
+                "plain decoding measured again (A/A): its ratio to the baseline is this run's noise"
+                + (f" [{line['void_reason']}]" if line["void"] else ""))}
         else:
             loads = [x[0] for x in (load0, load1) if x]
             row = {**s, "speedup": line["speedup"], "void": line["void"], "void_reason": line["void_reason"],
