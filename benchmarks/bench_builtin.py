@@ -17,6 +17,9 @@ Every stage is a plain `draftsmith` CLI call, skipped when its report exists (de
           --tier-policy SPEC (repeatable) runs the tiers once per policy spec instead, each with
           plain stepped side by side (default: prefix-scheduler)
 
+The bench stages measure plain decoding a second time beside the others (`bench --control`, an
+A/A pair): its ratio says how far this run's noise moves a ratio of 1.
+
 Writes <work>/results.json, benchmarks/results/bench_builtin.json and its BENCHMARKS.md section.
 Run on an idle machine: every number here is a ratio measured in one run.
 """
@@ -77,7 +80,7 @@ def main() -> int:
     for wl in WORKLOADS:
         stage(f"bench-{wl}", w / f"bench-{wl}", "bench", "--drafter", args.drafter, *extra, "--drafter", "ngram",
               "--workload", wl, "--concurrency", "1", "--requests", str(args.requests),
-              "--max-tokens", str(args.tokens), "--warmup", "1", "--temperature", "0")
+              "--max-tokens", str(args.tokens), "--warmup", "1", "--temperature", "0", "--control")
     tiers = [int(c) for c in args.tiers.split(",")]
     args.tier_policy = args.tier_policy or ["prefix-scheduler"]
     for spec in args.tier_policy:
@@ -85,7 +88,8 @@ def main() -> int:
         stage(name, w / name, "bench", "--drafter", args.drafter, "--policy", spec,
               "--workload", "humaneval", "--concurrency", args.tiers,
               "--requests", str(args.tier_requests * max(tiers)), "--max-tokens", str(args.tier_tokens),
-              "--warmup", "1", "--temperature", "0", "--repeats", "2")  # n = 1 cannot tell drift from a loss
+              "--warmup", "1", "--temperature", "0", "--repeats", "2",  # n = 1 cannot tell drift from a loss
+              "--control")  # plain again, side by side: how far a ratio of 1 moves in this run
 
     res = collect(w, args)
     res["setup"] = {"drafter": args.drafter, "compare": args.compare, "eval_prompts": args.eval_prompts, "tokens": args.tokens,
@@ -173,6 +177,10 @@ def markdown(r: dict, tag: str = "", kind: str = "") -> str:
             if lab == "none":
                 lines.append(f"| {wl} | plain | 1.00 | {_f(x['tokens_per_s'], 1)} | – | – | – |")
                 continue
+            if lab == "control":
+                lines.append(f"| {wl} | plain again (A/A control: the run's noise) | {_f(x['speedup'])} | "
+                             f"{_f(x['tokens_per_s'], 1)} | – | – | {'NO (void)' if x['void'] else 'yes'} |")
+                continue
             lines.append(f"| {wl} | {lab} | {_f(x['speedup'])} | {_f(x['tokens_per_s'], 1)} | {_f(x['tau'])} | "
                          f"{_f(x['acceptance'])} | {'NO (void)' if x['void'] else 'yes'} |")
     lines += ["", f"Serving tiers with the prefix scheduler (held-out HumanEval, {s['tier_tokens']} tokens, "
@@ -182,7 +190,8 @@ def markdown(r: dict, tag: str = "", kind: str = "") -> str:
     for t in r["tiers"]:
         sp = t.get("spread") or {}
         rng = f" ({_f(sp['min'])}–{_f(sp['max'])}, n = {sp.get('n')})" if sp.get("min") is not None else ""
-        lines.append(f"| `{t.get('policy', 'prefix-scheduler')}` | {t['concurrency']} | {_f(t['speedup'])}{rng} | "
+        pol = "plain again (A/A control)" if t["label"] == "control" else f"`{t.get('policy', 'prefix-scheduler')}`"
+        lines.append(f"| {pol} | {t['concurrency']} | {_f(t['speedup'])}{rng} | "
                      f"{_f(t['tau'])} | {'NO (void)' if t['void'] else 'yes'} |")
     lines += ["", f"Stage times (s): {s['stage_s']}; load average at the end {s['loadavg_end'][0]:.1f}."]
     return "\n".join(lines)
