@@ -63,15 +63,21 @@ def main() -> int:
     w = args.work
     w.mkdir(parents=True, exist_ok=True)
     stage_s: dict[str, float] = {}
+    earlier = json.loads((w / "results.json").read_text()).get("setup", {}) if (w / "results.json").is_file() else {}
     t_all = time.perf_counter()
+    ran = 0  # stages measured by this invocation
 
     def stage(name: str, out: Path, *argv: str) -> None:
         if (out / "report.json").is_file():
             print(f"== {name}: reused {out}", flush=True)
+            if name in earlier.get("stage_s", {}):  # a reused stage keeps the time it took when it ran
+                stage_s[name] = earlier["stage_s"][name]
             return
+        nonlocal ran
         t0 = time.perf_counter()
         cli(*argv, "--out", str(out))
         stage_s[name] = round(time.perf_counter() - t0, 1)
+        ran += 1
 
     extra = [a for d in args.compare for a in ("--drafter", d)]
     stage("eval-T0", w / "eval-T0", "eval", "--drafter", args.drafter, *extra, "--drafter", "ngram",
@@ -98,6 +104,8 @@ def main() -> int:
                     "tier_tokens": args.tier_tokens, "machine": machine(),
                     "stage_s": stage_s, "wall_s": round(time.perf_counter() - t_all, 1),
                     "loadavg_end": os.getloadavg()}
+    if ran == 0 and earlier:  # nothing measured now: the run's own wall time and final load stand
+        res["setup"].update(wall_s=earlier.get("wall_s"), loadavg_end=earlier.get("loadavg_end"))
     (w / "results.json").write_text(json.dumps(res, indent=1))
     tag, kind = sections.cpu_kind()
     dest = ROOT / "benchmarks" / "results" / f"bench_builtin{tag}.json"
@@ -123,6 +131,7 @@ def collect(w: Path, args) -> dict:
     ev = json.loads((w / "eval-T0" / "report.json").read_text())
     for d in ev["drafters"]:
         res["eval"][d["label"]] = {
+            "dtype": d.get("dtype"),  # what a trained drafter computed in (--drafter-dtype auto)
             "tau": d["overall"]["tau"], "tasks": {t: v["tau"] for t, v in d["tasks"].items()},
             "conditional_acceptance": d["overall"]["conditional_acceptance"],
             "acceptance_rate": d["overall"]["acceptance_rate"]}
@@ -158,8 +167,9 @@ def markdown(r: dict, tag: str = "", kind: str = "") -> str:
     json_name = f"bench_builtin{tag}.json"
     lines = ["## Built-in drafter: `" + d + "` against plain decoding (issue 12)" + kind, "",
              f"`benchmarks/bench_builtin.py` (JSON: `benchmarks/results/{json_name}`). Machine: "
-             f"{s['machine']}, no GPU, float32 target, T = 0, held-out prompts only. How the drafter was made: "
-             "`src/draftsmith/builtin/dspark/smollm2-135m/TRAINING.md`.", "",
+             f"{s['machine']}, no GPU, float32 target, T = 0, held-out prompts only; the drafter computes in "
+             f"{r['eval'].get(d, {}).get('dtype') or 'the target dtype'} (`--drafter-dtype auto`, the default). "
+             "How the drafter was made: `src/draftsmith/builtin/dspark/smollm2-135m/TRAINING.md`.", "",
              f"Held-out τ (tokens per verification round, bonus included; γ = the drafter's block size), "
              f"{s['eval_prompts']} prompts per task, {s['tokens']} new tokens per turn:", "",
              "| drafter | τ HumanEval | τ MT-Bench | τ all | acceptance | conditional acceptance k = 1.. |",
