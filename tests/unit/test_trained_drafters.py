@@ -327,8 +327,9 @@ class _RecordingSampler:
 def test_one_call_draft_layers_equal_the_layer_by_layer_forward(name, dtype, target, train_batch):
     """The block's draft layers as one kernel call each (drafters/block_step.py: the block's K/V
     written past the context, every key visible) compute what the two-part attention layers
-    compute: for one row and for a run of rows at one context length, fp32 and bf16, with q/k norm.
-    The fast drafter also projects its context through the one-pass norm kernel (_append), the
+    compute: for one row and for a run of rows at one context length, fp32 and bf16, with q/k norm;
+    and rows of mixed context lengths, op by op through the same kernels (`forward_rows`). The
+    fast drafter also projects its context through the one-pass norm kernel (_append), the
     reference through the norm modules."""
     if one_call_reason(_build(target, name).backbone) is not None:
         pytest.skip(f"no one-call draft layers here: {one_call_reason(_build(target, name).backbone)}")
@@ -349,8 +350,9 @@ def test_one_call_draft_layers_equal_the_layer_by_layer_forward(name, dtype, tar
             drafter.step = None
         calls, hidden = [], []
         if one_call:
-            inner = drafter.step.forward
-            drafter.step.forward = lambda *a, **k: calls.append(1) or inner(*a, **k)
+            inner, inner_rows = drafter.step.forward, drafter.step.forward_rows
+            drafter.step.forward = lambda *a, **k: calls.append("one run") or inner(*a, **k)
+            drafter.step.forward_rows = lambda *a, **k: calls.append("rows") or inner_rows(*a, **k)
         # the sampler is the model itself (shared by both drafters): record on this drafter's object only
         drafter.sampler = _RecordingSampler(model, hidden)
         seqs = []
@@ -360,10 +362,11 @@ def test_one_call_draft_layers_equal_the_layer_by_layer_forward(name, dtype, tar
             seq.row = r
             drafter.start(seq, TargetFeatures(hidden={i: h[:, :n].to(dtype) for i, h in row.hidden.items()}))
             seqs.append(seq)
-        props = [drafter.propose(seqs[:1], [gamma]), drafter.propose(seqs[1:], [gamma, gamma])]
-        runs[one_call] = (props, hidden, len(calls))
-    (fast, h_fast, n_calls), (ref, h_ref, _) = runs[True], runs[False]
-    assert n_calls == 2  # both rounds took the one-call layers
+        props = [drafter.propose(seqs[:1], [gamma]), drafter.propose(seqs[1:], [gamma, gamma]),
+                 drafter.propose(seqs, [gamma] * 3)]  # contexts of 12, 9 and 9 positions
+        runs[one_call] = (props, hidden, calls)
+    (fast, h_fast, calls), (ref, h_ref, _) = runs[True], runs[False]
+    assert calls == ["one run", "one run", "rows"]
     tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=0.02)
     for a, b in zip(h_fast, h_ref):
         torch.testing.assert_close(a, b, **tol)

@@ -158,10 +158,12 @@ class BlockDrafter(FeatureQueueDrafter):
         anchors = torch.tensor([s.all_ids[-1] for s in act], dtype=torch.long, device=dev)  # [B']
         ids = self.backbone.block_inputs(anchors[:, None], self.n_in)  # [B', 1, n_in]
         row0 = act[0].row
-        if (self.step is not None and L + self.n_in <= self.cache.max_len and int(ctx_len.min()) == L
-                and [s.row for s in act] == list(range(row0, row0 + len(act)))):
-            # one run of cache rows at one context length: one kernel call per draft layer
-            h = self.step.forward(ids[:, 0], row0, L, self.cache.k, self.cache.v)  # [B', n_in, H]
+        if self.step is not None and L + self.n_in <= self.cache.max_len:
+            if int(ctx_len.min()) == L and [s.row for s in act] == list(range(row0, row0 + len(act))):
+                # one run of cache rows at one context length: one kernel call per draft layer
+                h = self.step.forward(ids[:, 0], row0, L, self.cache.k, self.cache.v)  # [B', n_in, H]
+            else:  # rows anywhere, of any lengths: the same layers op by op, every row over its own keys
+                h = self.step.forward_rows(ids[:, 0], rows, ctx_len, self.cache.k, self.cache.v)
         else:
             ctx_kv = [(self.cache.k[i][rows, :, :L], self.cache.v[i][rows, :, :L]) for i in range(len(self.cache.k))]
             ctx_len_d = ctx_len.to(dev)
