@@ -209,12 +209,20 @@ def plan_best_prefix(conf: list[list[float]], step_time: Callable[[float], float
     if R == 0:
         return [], 1.0
     ranked = _ranked(conf)
-    base = R / step_time(_tokens(R, 1, 0, batch_tokens))
+    times: dict[int, float] = {}  # a padded plan has at most max_k + 1 forward sizes: one call each
+
+    def step_time_of(tokens: int) -> float:
+        t = times.get(tokens)
+        if t is None:
+            t = times[tokens] = step_time(tokens)
+        return t
+
+    base = R / step_time_of(_tokens(R, 1, 0, batch_tokens))
     tau, width = float(R), 1
     best, best_n = base, 0
     for n, (a, j, _) in enumerate(ranked, 1):
         tau, width = tau + a, max(width, 1 + j)
-        theta = tau / (step_time(_tokens(R, width, n, batch_tokens)) + draft_time)
+        theta = tau / (step_time_of(_tokens(R, width, n, batch_tokens)) + draft_time)
         if theta > best:
             best, best_n = theta, n
     ell = [0] * R
