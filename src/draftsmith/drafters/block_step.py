@@ -89,15 +89,21 @@ class BlockStep:
         self._refresh()
         n = ids.shape[1]
         x = bb.head.embed_ids(ids, bb.dtype)
-        cos, sin = rope_cos_sin(bb.inv_freq, torch.arange(start, start + n), bb.rope_scale, x.dtype)
-        half = cos.shape[-1] // 2
-        sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), -1)[None, :, None]
-        cos = cos[None, :, None].contiguous()
+        cos, sin_signed = self._rope(torch.arange(start, start + n)[None], x.dtype)
         for i, (ln1, ln2, eps, qkv, o, gu, down, dims, qn, kn) in enumerate(self._layers):
             x = torch.ops.draftsmith.layer(
                 x, ln1, ln2, eps, qkv.weight, qkv.bias, o.weight, o.bias, gu.weight, down.weight, dims,
                 kc[i], vc[i], row0, start, cos, sin_signed, None, False, dims[3] ** -0.5, qn, kn)
         return self._final_norm(x)
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B or 1, n] → cos and sin with its first half negated, [B or 1, n, 1, D]: the
+        layout of the kernels' RoPE."""
+        bb = self.backbone
+        cos, sin = rope_cos_sin(bb.inv_freq, positions, bb.rope_scale, dtype)
+        half = cos.shape[-1] // 2
+        sin_signed = torch.cat((-sin[..., :half], sin[..., half:]), -1)
+        return cos[:, :, None].contiguous(), sin_signed[:, :, None]
 
     def _final_norm(self, x: torch.Tensor) -> torch.Tensor:
         bb = self.backbone
@@ -122,10 +128,7 @@ class BlockStep:
         B, n = ids.shape
         x = bb.head.embed_ids(ids, bb.dtype)
         pos = starts[:, None] + torch.arange(n)  # [B, n]
-        cos, sin = rope_cos_sin(bb.inv_freq, pos, bb.rope_scale, x.dtype)  # [B, n, D]
-        half = cos.shape[-1] // 2
-        sin_signed = torch.cat((-sin[..., :half], sin[..., half:]), -1)[:, :, None].contiguous()
-        cos = cos[:, :, None].contiguous()
+        cos, sin_signed = self._rope(pos, x.dtype)
         visible = (starts + (n - 1))[:, None].expand(B, n).contiguous()  # the whole block, both ways
         for i, (ln1, ln2, eps, qkv, o, gu, down, dims, qn, kn) in enumerate(self._layers):
             nh, nkv, hd = dims[1], dims[2], dims[3]
