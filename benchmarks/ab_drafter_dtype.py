@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import sections  # noqa: E402
@@ -135,10 +138,6 @@ def main() -> int:
     args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     tag, kind = sections.cpu_kind()
     args.out = args.out or Path(__file__).parent / "results" / f"ab_drafter_dtype{tag}.json"
-    import os
-
-    import torch
-
     load0 = os.getloadavg()[0]
     target = load_target("smollm2-135m")
     res = {"date": time.strftime("%Y-%m-%d"), "cpu": f"{cpu_model()} ({os.cpu_count()} CPUs)",

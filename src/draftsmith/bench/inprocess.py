@@ -80,8 +80,7 @@ class InProcessBackend:
             if label in (BASELINE, CONTROL):  # the control: plain decoding again, an engine of its own
                 engine = build_engine(self.target, "none", FixedK(0), 0, C, max_len, cache=shared_cache)
                 kind = "baseline" if label == BASELINE else "control"
-                info = {"label": label, "spec": BASELINE, "kind": "none", "num_speculative_tokens": 0,
-                        "policy": "none", "checkpoint": None}
+                info = _plain_info(label, "none")
             else:
                 info = self.drafters[label]
                 # Configurations never run at the same time and every run leaves all rows free,
@@ -147,8 +146,11 @@ class InProcessBackend:
 
     def setup(self) -> dict:
         return {"mode": "in-process", "target": self.target_info, "drafters": [
-            {"label": BASELINE, "spec": BASELINE, "kind": "none", "num_speculative_tokens": 0, "policy": None,
-             "checkpoint": None},
-            *self.drafters.values(),
-            *([{"label": CONTROL, "spec": BASELINE, "kind": "none", "num_speculative_tokens": 0, "policy": None,
-                "checkpoint": None}] if self.cfg.control else [])]}
+            _plain_info(BASELINE, None), *self.drafters.values(),
+            *([_plain_info(CONTROL, None)] if self.cfg.control else [])]}
+
+
+def _plain_info(label: str, policy: str | None) -> dict:
+    """The configuration entry of plain decoding: the baseline, or the A/A control."""
+    return {"label": label, "spec": BASELINE, "kind": "none", "num_speculative_tokens": 0, "policy": policy,
+            "checkpoint": None}
