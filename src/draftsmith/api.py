@@ -119,6 +119,12 @@ class LLM:
     reproducible_seeds: a seeded request gives one output whatever K, policy, batch or load
               (position-keyed coupling; acceptance of sampled drafts is lower than with the
               rejection rule, which False restores for seeded requests).
+    enable_prefix_caching: a request reuses the KV of the longest prompt prefix a free cache row
+              still holds (a shared system prompt, the conversation so far, a repeated prompt;
+              engine/prefix_cache.py): plain decoding, n-gram and draft-model drafters (not drafters
+              fed the target's features: True warns there, None turns it on quietly wherever it
+              can). False (default): off. A reused prefix equals a fresh prefill up to float rounding,
+              so outputs can differ from a run without it at near-ties (bfloat16 especially).
     """
 
     def __init__(
@@ -134,6 +140,7 @@ class LLM:
         threads: int | None = None,
         reproducible_seeds: bool = True,
         drafter_dtype: str = "auto",
+        enable_prefix_caching: bool | None = False,
     ) -> None:
         if isinstance(target, LoadedTarget):  # share one loaded target between several LLMs
             if threads is not None and target.model.device.type == "cpu":
@@ -143,7 +150,8 @@ class LLM:
             self.target = load_target(target, device=device, dtype=dtype, threads=threads)
         self.tokenizer = self.target.tokenizer
         self.engine = build_engine(self.target, drafter, policy, num_speculative_tokens, max_batch, max_len,
-                                   reproducible_seeds=reproducible_seeds, drafter_dtype=drafter_dtype)
+                                   reproducible_seeds=reproducible_seeds, drafter_dtype=drafter_dtype,
+                                   enable_prefix_caching=enable_prefix_caching)
         self.drafter, self.policy = self.engine.drafter, self.engine.policy
         self.last_stats: GenerateStats | None = None
 

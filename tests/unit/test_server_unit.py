@@ -287,8 +287,9 @@ def tiny_server(tiny_dir):
 
     servers = []
 
-    def start(**kw) -> str:
-        servers.append(_ThreadServer(create_app(LLM(str(tiny_dir), max_batch=2, max_len=256), "tiny", **kw)))
+    def start(llm_kw: dict | None = None, **kw) -> str:
+        llm = LLM(str(tiny_dir), max_batch=2, max_len=256, **(llm_kw or {}))
+        servers.append(_ThreadServer(create_app(llm, "tiny", **kw)))
         return servers[-1].start()
 
     start.servers = servers  # the _ThreadServer objects, for tests that watch the server itself
@@ -478,6 +479,34 @@ def test_api_key(tiny_server):
     assert httpx.get(f"{url}/metrics").status_code == 200
 
 
+def test_prefix_caching_is_reported_in_usage_and_metrics(tiny_server):
+    """--enable-prefix-caching: the same prompt again reuses all of it but the last token
+    (`usage.prompt_tokens_details.cached_tokens`, OpenAI's field, read by the official client)."""
+    from openai import OpenAI
+
+    url = tiny_server(llm_kw={"enable_prefix_caching": True})
+    c = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+    prompt = "the same words again and again and again"
+    first = c.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    again = c.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0)
+    n = again.usage.prompt_tokens
+    assert again.usage.prompt_tokens_details.cached_tokens == n - 1 and again.choices[0].finish_reason
+    streamed = None
+    for ch in c.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0, stream=True,
+                                   stream_options={"include_usage": True}):
+        streamed = ch.usage or streamed
+    assert streamed.prompt_tokens_details.cached_tokens == n - 1
+    # n choices share one prompt: it counts once
+    two = c.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0.8, n=2, seed=1)
+    assert two.usage.prompt_tokens == n and two.usage.prompt_tokens_details.cached_tokens <= n - 1
+    assert _metrics(url)["draftsmith_prompt_tokens_cached_total"] >= 2 * (n - 1)
+    off = OpenAI(base_url=f"{tiny_server()}/v1", api_key="unused", max_retries=0, timeout=60)  # the default
+    for _ in range(2):
+        r = off.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0)
+        assert r.usage.prompt_tokens_details.cached_tokens == 0
+
+
 def test_serve_flags_reach_the_server(monkeypatch):
     """`serve --api-key / $DRAFTSMITH_API_KEY` and the limit flags, down to `serve(...)` (no model loaded)."""
     from types import SimpleNamespace
@@ -487,9 +516,9 @@ def test_serve_flags_reach_the_server(monkeypatch):
     from draftsmith.cli import build_parser
     from draftsmith.server.app import Limits
 
-    calls = []
+    calls, llm_kw = [], []
     fake = SimpleNamespace(target=SimpleNamespace(target_id="t"), engine=SimpleNamespace(max_len=64))
-    monkeypatch.setattr(draftsmith.api, "LLM", lambda *a, **k: fake)
+    monkeypatch.setattr(draftsmith.api, "LLM", lambda *a, **k: llm_kw.append(k) or fake)
     monkeypatch.setattr(draftsmith.server.app, "serve", lambda llm, **kw: calls.append(kw))
 
     def run(*flags):
@@ -500,6 +529,9 @@ def test_serve_flags_reach_the_server(monkeypatch):
     monkeypatch.delenv("DRAFTSMITH_API_KEY", raising=False)
     kw = run()
     assert kw["api_key"] is None and kw["limits"] == Limits()
+    assert llm_kw[-1]["enable_prefix_caching"] is False
+    run("--enable-prefix-caching")
+    assert llm_kw[-1]["enable_prefix_caching"] is True
     monkeypatch.setenv("DRAFTSMITH_API_KEY", "from-env")
     assert run()["api_key"] == "from-env"
     kw = run("--api-key", "flag", "--max-choices-per-request", "9", "--max-prompt-bytes", "100",

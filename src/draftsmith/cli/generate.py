@@ -6,8 +6,8 @@ import json
 import sys
 from pathlib import Path
 
-from draftsmith.cli.options import (add_job, add_sampling_args, add_speculation_args, add_target_args,
-                                    positive_int)
+from draftsmith.cli.options import (add_job, add_prefix_caching, add_sampling_args, add_speculation_args,
+                                    add_target_args, positive_int)
 from draftsmith.errors import DraftsmithError
 
 HELP = "generate text, optionally with speculative decoding"
@@ -19,6 +19,7 @@ def add_parser(sub) -> None:
     g = add_job(sub, "generate", HELP, EXAMPLE)
     add_target_args(g)
     add_speculation_args(g)
+    add_prefix_caching(g, "prompts that share a prefix with an earlier one", on=False)
     g.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
     g.add_argument("--prompt-file", type=Path, help="one prompt per line (.txt) or JSONL with prompt/messages")
     g.add_argument("--chat", action="store_true", help="apply the target's chat template")
@@ -73,6 +74,7 @@ def cmd_generate(args) -> int:
     prompts = read_prompts(args)
     llm = LLM(
         args.target, drafter=args.drafter, drafter_dtype=args.drafter_dtype,
+        enable_prefix_caching=args.enable_prefix_caching,
         num_speculative_tokens=args.num_speculative_tokens,
         policy=args.policy, max_batch=args.max_batch, max_len=args.max_len, device=args.device, dtype=args.dtype,
         reproducible_seeds=args.reproducible_seeds,

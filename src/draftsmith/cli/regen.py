@@ -5,7 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from draftsmith.cli.options import add_job, add_max_tokens, add_progress, add_target_args, opt_auto, positive_int
+from draftsmith.cli.options import (add_job, add_max_tokens, add_prefix_caching, add_progress, add_target_args, opt_auto,
+                                    positive_int)
 from draftsmith.errors import DraftsmithError
 
 HELP = "regenerate every assistant turn of a prompt mix with the target"
@@ -32,6 +33,7 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (per answer: derived from seed, id, turn)")
     p.add_argument("--mix-seed", type=int, default=None, help="sample-selection seed (default: --seed)")
     p.add_argument("--batch-size", type=positive_int, default=8, help="built-in engine: conversations in flight")
+    add_prefix_caching(p, "built-in engine: a turn's prompt starts with the conversation so far", on=True)
     p.add_argument("--endpoint", default=None,
                    help="OpenAI-compatible server URL, e.g. http://host:8000/v1 (default: the built-in engine)")
     p.add_argument("--endpoint-model", default=None, help="model name to send (default: the server's first)")
@@ -55,7 +57,7 @@ def cmd_regen(args) -> int:
         endpoint=args.endpoint, endpoint_model=args.endpoint_model, concurrency=args.concurrency,
         retries=max(0, args.retries), request_timeout=args.request_timeout, retry_backoff=args.retry_backoff,
         resume=args.resume, overwrite=args.overwrite, device=opt_auto(args.device), dtype=opt_auto(args.dtype),
-        progress=args.progress,
+        progress=args.progress, enable_prefix_caching=args.enable_prefix_caching,
     )
     s = run_regen(cfg)
     print(f"regen: {s.written} written, {s.errors} errors, {s.skipped_done} already done; "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from draftsmith.cli.options import add_job, add_speculation_args, add_target_args, positive_int
+from draftsmith.cli.options import add_job, add_prefix_caching, add_speculation_args, add_target_args, positive_int
 from draftsmith.errors import DraftsmithError
 
 HELP = "OpenAI-compatible HTTP server (completions, chat, /metrics)"
@@ -16,6 +16,7 @@ def add_parser(sub) -> None:
     s = add_job(sub, "serve", HELP, EXAMPLE)
     add_target_args(s)
     add_speculation_args(s)
+    add_prefix_caching(s, "a shared system prompt, the conversation so far, a repeated prompt", on=False)
     s.add_argument("--max-batch", type=positive_int, default=8, help="KV rows = requests running at once")
     s.add_argument("--max-len", type=positive_int, default=2048, help="context limit per request (prompt + output)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
@@ -43,6 +44,7 @@ def cmd_serve(args) -> int:
         raise DraftsmithError(f"--port must be in 0..65535, got {args.port}")
     llm = LLM(
         args.target, drafter=args.drafter, drafter_dtype=args.drafter_dtype,
+        enable_prefix_caching=args.enable_prefix_caching,
         num_speculative_tokens=args.num_speculative_tokens,
         policy=args.policy, max_batch=args.max_batch, max_len=args.max_len, device=args.device, dtype=args.dtype,
         reproducible_seeds=args.reproducible_seeds,

@@ -32,6 +32,7 @@ class RequestStats:
     t_arrival: float = field(default_factory=time.perf_counter)
     t_first_token: float | None = None
     t_finish: float | None = None
+    cached_tokens: int = 0  # prompt tokens whose KV a free row already held (prefix caching)
 
     def record_round(self, proposed: int, accepted: int, committed: int) -> None:
         self.rounds += 1
@@ -70,6 +71,7 @@ class RequestStats:
             "acceptance_rate": self.acceptance_rate,
             "tau": self.tau,
             "prefix_survival": self.prefix_survival,
+            "cached_tokens": self.cached_tokens,
         }
 
 

@@ -33,6 +33,7 @@ class RegenConfig:
     max_len: int | None = None  # context limit per turn (prompt + answer); engine default 2048,
     # endpoint default: no local check (the server answers 400 and the sample goes to errors)
     batch_size: int = 8  # built-in engine: conversations in flight
+    enable_prefix_caching: bool | None = None  # built-in engine: a turn reuses the KV of the conversation so far
     endpoint: str | None = None
     endpoint_model: str | None = None
     concurrency: int = 8

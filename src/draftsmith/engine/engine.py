@@ -10,6 +10,7 @@ plain outputs come from one code path. The engine never branches on drafter kind
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, replace
@@ -21,11 +22,14 @@ from draftsmith.core.verify import verify, verify_greedy
 from draftsmith.core.warp import argmax_rows, target_probs
 from draftsmith.drafters.base import Drafter, NoDrafter, TargetFeatures
 from draftsmith.core.request import Request, Status, StepInfo
+from draftsmith.engine.prefix_cache import place
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.decoder import Decoder
 from draftsmith.models.kv_cache import KVCache
 from draftsmith.policy.base import DraftLengthPolicy
 from draftsmith.policy.fixed import FixedK
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,10 @@ class EngineConfig:
     # whatever K, policy, batch or load. False: the rejection rule for them too (higher
     # acceptance with sampled drafts; reproducible only while K does not depend on load).
     reproducible_seeds: bool = True
+    # Automatic prefix caching (engine/prefix_cache.py): a new request reuses the KV of the longest
+    # prompt prefix a free row still holds. Only with drafters that read no target features: True
+    # asks for it (a warning where the drafter rules it out), None = wherever the drafter allows.
+    enable_prefix_caching: bool | None = False
 
 
 class Engine:
@@ -76,6 +84,13 @@ class Engine:
                     f"drafter {self.drafter.name!r} needs target layer {i}, but the target has "
                     f"{model.config.num_layers} layers"
                 )
+        # A reused prefix is not recomputed, so a drafter fed the target's features of every
+        # context token cannot share it.
+        asked = self.config.enable_prefix_caching
+        self.prefix_caching = asked is not False and not (needs.layer_ids or needs.final_hidden)
+        if asked is True and not self.prefix_caching:
+            log.warning("prefix caching is off with drafter %r: it reads the target's features of every "
+                        "prompt token, which a reused prefix does not recompute", self.drafter.name)
 
     # ---- requests -------------------------------------------------------------------
 
@@ -158,25 +173,37 @@ class Engine:
 
     def _admit(self) -> None:
         new: list[Request] = []
-        while self.waiting and self.free_rows:
-            s = self.waiting.popleft()
-            s.row = self.free_rows.pop(0)
-            s.status = Status.RUNNING
-            self.cache.reset(s.row)
-            new.append(s)
+        while self.waiting and len(new) < len(self.free_rows):
+            new.append(self.waiting.popleft())
         if not new:
             return
         # Prefill everything but the last prompt token (it is the first round's input), in
         # groups of similar length: one padded forward per group, so no row computes much
         # padding (one batch padded to its longest prompt spent most of regen's time on it).
+        # With prefix caching a row starts after the prefix it already holds.
         feeds = [s.prompt_ids[:-1] for s in new]
-        for group in prefill_groups([len(f) for f in feeds]):
+        if self.prefix_caching:
+            placed = place(feeds, self.free_rows, self.cache)
+        else:
+            placed = [(r, 0) for r in self.free_rows[: len(new)]]
+        for s, (row, reused) in zip(new, placed):
+            s.row = row
+            s.status = Status.RUNNING
+            self.free_rows.remove(row)
+            if self.prefix_caching:
+                self.cache.reuse(row, reused)
+            else:
+                self.cache.reset(row)
+            s.stats.cached_tokens = reused
+        starts = [r for _, r in placed]
+        todo = [len(f) - r for f, r in zip(feeds, starts)]
+        for group in prefill_groups(todo, room=[self.max_len - r for r in starts]):
             features = None
-            if len(feeds[group[0]]):
-                S = len(feeds[group[-1]])
+            if todo[group[0]]:
+                S = todo[group[-1]]
                 ids = torch.zeros(len(group), S, dtype=torch.long)
                 for b, i in enumerate(group):
-                    ids[b, : len(feeds[i])] = torch.tensor(feeds[i], dtype=torch.long)
+                    ids[b, : todo[i]] = torch.tensor(feeds[i][starts[i]:], dtype=torch.long)
                 rows = torch.tensor([new[i].row for i in group])
                 out = self.model(ids, self.cache, rows=rows, layer_ids=self._layer_ids, compute_logits=False)
                 features = self._features(out)
@@ -185,7 +212,7 @@ class Engine:
             for b, i in enumerate(group):
                 s = new[i]
                 self.cache.lengths[s.row] = len(feeds[i])
-                self.drafter.start(s, _slice_features(features, b, len(feeds[i])))
+                self.drafter.start(s, _slice_features(features, b, todo[i]))
         self.running.extend(new)
         self.running.sort(key=lambda s: s.row)  # consecutive rows: attention reads cache views
 
@@ -325,7 +352,13 @@ class Engine:
         s.stats.t_finish = time.perf_counter()
         if s.row >= 0:
             self.drafter.release(s)
-            self.cache.reset(s.row)
+            if self.prefix_caching and reason != "abort":
+                # The row's KV holds the tokens fed so far: all_ids but the pending last one (and
+                # none past a stop rule's cut, where accepted drafts were fed but not kept).
+                ids = s.all_ids
+                self.cache.remember(s.row, ids[: min(int(self.cache.lengths[s.row]), len(ids))])
+            else:
+                self.cache.reset(s.row)
             self.free_rows.append(s.row)
             self.free_rows.sort()
             s.row = -1
@@ -336,21 +369,25 @@ def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:
     return min(hits) if hits else None
 
 
-def prefill_groups(lengths: list[int], max_waste: float = 0.1) -> list[list[int]]:
+def prefill_groups(lengths: list[int], max_waste: float = 0.1, room: list[int] | None = None) -> list[list[int]]:
     """Indices grouped for padded prefill, shortest first: a group grows while its padded
-    size (rows x longest) stays within (1 + max_waste) x the tokens it really holds.
-    Empty prompts form their own group (no forward)."""
+    size (rows x longest) stays within (1 + max_waste) x the tokens it really holds, and
+    (`room`: how many positions each row has left, where rows start at different lengths)
+    while the padded width fits every row in it. Empty prompts form their own group (no forward)."""
     groups: list[list[int]] = []
     total = 0  # tokens in the last group (its longest prompt is the one being added: sorted)
+    fits = 0  # the least room of a row in the last group
     for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
         n = lengths[i]
+        r = room[i] if room is not None else 1 << 62  # no bound without `room`
         # (zeros only ever join zeros: a prompt of n > 0 would pad a group of k >= 1 empties to (k+1)n)
-        if groups and (len(groups[-1]) + 1) * n <= (1 + max_waste) * (total + n):
+        if groups and (len(groups[-1]) + 1) * n <= (1 + max_waste) * (total + n) and n <= fits:
             groups[-1].append(i)
             total += n
+            fits = min(fits, r)
         else:
             groups.append([i])
-            total = n
+            total, fits = n, r
     return groups
 
 

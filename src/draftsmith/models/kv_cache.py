@@ -4,6 +4,11 @@ Layout per layer: k, v = [rows, kv_heads, max_len, head_dim]. A row's committed 
 `lengths[row]`; entries past it are stale and simply overwritten by the next write.
 Rollback therefore never copies: it truncates a row's length (gpt-fast's static cache idea,
 extended to rows that advance at different speeds).
+
+A free row may `remember` the token ids whose KV it still holds, for automatic prefix caching
+(engine/prefix_cache.py). The record lives with the cache, not the engine, so engines that share
+one cache see what the others left; anything that hands the row out again (`reset`, `reuse`)
+drops it.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ class KVCache:
         self.lengths = torch.zeros(max_rows, dtype=torch.long)  # [rows], kept on CPU
         self.max_rows = max_rows
         self.max_len = max_len
+        self._held: dict[int, torch.Tensor] = {}  # free row -> ids whose KV it holds, oldest first
 
     @property
     def bytes(self) -> int:
@@ -47,6 +53,31 @@ class KVCache:
 
     def reset(self, row: int) -> None:
         self.lengths[row] = 0
+        self._held.pop(row, None)
+
+    def remember(self, row: int, ids: list[int]) -> None:
+        """Row `row` is free and its first len(ids) entries hold the KV of `ids`."""
+        if len(ids) > self.max_len:
+            raise ValueError(f"{len(ids)} ids do not fit a row of {self.max_len}")
+        self.lengths[row] = 0
+        self._held.pop(row, None)
+        if ids:
+            self._held[row] = torch.tensor(ids, dtype=torch.int32)
+
+    def remembered(self, row: int) -> torch.Tensor | None:
+        """The ids whose KV a free row holds (int32), or None."""
+        return self._held.get(row)
+
+    def remembered_order(self) -> list[int]:
+        """Rows with a record, least recently remembered first."""
+        return list(self._held)
+
+    def reuse(self, row: int, n: int) -> None:
+        """Hand the row out again keeping its first n entries (n <= what it remembers)."""
+        held = self._held.pop(row, None)
+        if n > (0 if held is None else held.numel()):
+            raise ValueError(f"row {row} holds {0 if held is None else held.numel()} remembered tokens, not {n}")
+        self.lengths[row] = n
 
     def check_room(self, rows: torch.Tensor, num_new: int) -> None:
         self.check_need(int(self.lengths[rows].max()) + num_new)

@@ -37,6 +37,7 @@ class Event:
     text: str = ""  # final visible text (finished)
     finish_reason: str | None = None
     message: str = ""  # error
+    cached_tokens: int = 0  # prompt tokens whose KV was reused (finished; prefix caching)
 
 
 @dataclass
@@ -172,9 +173,10 @@ class EngineLoop:
                 continue  # finished already
             self.engine.abort(rid)
             self._account(live, now)
-            self.metrics.record_finished("abort", now - live.sub.t_arrival)
+            self.metrics.record_finished("abort", now - live.sub.t_arrival, live.seq.stats.cached_tokens)
             live.sub.sink(Event("finished", index=live.sub.index, token_ids=list(live.seq.output_ids),
-                                text=live.seq.text, finish_reason="abort"))
+                                text=live.seq.text, finish_reason="abort",
+                                cached_tokens=live.seq.stats.cached_tokens))
 
     def _account(self, live: _Live, now: float) -> int:
         """Report new tokens and speculative-stat deltas of one request; returns #new tokens."""
@@ -211,9 +213,11 @@ class EngineLoop:
                 verify_tokens += (live.rounds - before_rounds) + (live.proposed - before_proposed)
             if seq.finished:
                 done.append(rid)
-                self.metrics.record_finished(seq.finish_reason or "stop", now - live.sub.t_arrival)
+                self.metrics.record_finished(seq.finish_reason or "stop", now - live.sub.t_arrival,
+                                             seq.stats.cached_tokens)
                 live.sub.sink(Event("finished", index=live.sub.index, token_ids=list(seq.output_ids),
-                                    text=seq.text, finish_reason=seq.finish_reason))
+                                    text=seq.text, finish_reason=seq.finish_reason,
+                                    cached_tokens=seq.stats.cached_tokens))
             elif n > 0 and live.sub.stream:
                 live.sub.sink(Event("tokens", index=live.sub.index,
                                     token_ids=list(seq.output_ids[live.sent :])))

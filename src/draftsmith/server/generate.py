@@ -103,7 +103,7 @@ async def generate(st: ServerState, request: Request, req: Any, prompts: list[li
             watcher.cancel()
             close()
         ordered = [finals[i] for i in sorted(finals)]
-        return JSONResponse(fmt.response(ordered, usage(prompt_tokens, ordered)))
+        return JSONResponse(fmt.response(ordered, usage(prompt_tokens, ordered, n)))
 
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return AbortingStream(stream_events(st, subs, q, fmt, prompt_tokens, include_usage, done, close), on_close=close)
+    return AbortingStream(stream_events(st, subs, q, fmt, prompt_tokens, n, include_usage, done, close), on_close=close)

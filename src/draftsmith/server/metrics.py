@@ -86,6 +86,7 @@ class ServerMetrics:
         self.kv_rows_in_use = 0
         # requests
         self.prompt_tokens = 0
+        self.cached_prompt_tokens = 0
         self.generation_tokens = 0
         self.finished: dict[str, int] = {}
         self.errors: dict[str, int] = {}
@@ -133,8 +134,9 @@ class ServerMetrics:
         with self.lock:
             self.prompt_tokens += prompt_tokens
 
-    def record_finished(self, reason: str, e2e: float) -> None:
+    def record_finished(self, reason: str, e2e: float, cached_tokens: int = 0) -> None:
         with self.lock:
+            self.cached_prompt_tokens += cached_tokens
             self.finished[reason] = self.finished.get(reason, 0) + 1
             self.e2e.observe(e2e)
 
@@ -207,6 +209,9 @@ class ServerMetrics:
             family("draftsmith_kv_rows_total", "gauge", "KV cache rows (max batch).", [(m, self.kv_rows_total)])
             family("draftsmith_prompt_tokens_total", "counter",
                    "Prompt tokens of requests accepted by the engine.", [("", self.prompt_tokens)])
+            family("draftsmith_prompt_tokens_cached_total", "counter",
+                   "Prompt tokens of finished requests whose KV prefix caching reused (not prefilled).",
+                   [("", self.cached_prompt_tokens)])
             family("draftsmith_generation_tokens_total", "counter",
                    "Output tokens committed.", [("", self.generation_tokens)])
             family("draftsmith_requests_finished_total", "counter",

@@ -46,7 +46,10 @@ class ResponseFormat:
         return {**self._head("text_completion"), "choices": choices, "usage": usage}
 
 
-def usage(prompt_tokens: int, finals: list[Event]) -> dict:
+def usage(prompt_tokens: int, finals: list[Event], n: int = 1) -> dict:
+    """OpenAI's usage object. Each prompt counts once (its n choices share it); so do its cached
+    tokens (`prompt_tokens_details.cached_tokens`: reused by prefix caching), taken from its first choice."""
     completion = sum(len(e.token_ids) for e in finals)
+    cached = sum(e.cached_tokens for e in finals if e.index % n == 0)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion}
+            "total_tokens": prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached}}

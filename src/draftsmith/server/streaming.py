@@ -37,10 +37,10 @@ class AbortingStream(StreamingResponse):
 
 
 async def stream_events(st: ServerState, subs: list[SubRequest], q: asyncio.Queue[Event], fmt: ResponseFormat,
-                        prompt_tokens: int, include_usage: bool, done: set[int],
+                        prompt_tokens: int, n: int, include_usage: bool, done: set[int],
                         close: Callable[[], None]) -> AsyncIterator[str]:
     """The SSE lines of one request's choices, read from its event queue `q`; marks finished
-    choices in `done` and calls `close` at the end, however the stream ends."""
+    choices in `done` and calls `close` at the end, however the stream ends. `n`: choices per prompt."""
     stops = {s.index: s.params.stop for s in subs}
     texts = {s.index: StreamText(st.front.decode, stops[s.index]) for s in subs}
     finals: list[Event] = []
@@ -64,7 +64,7 @@ async def stream_events(st: ServerState, subs: list[SubRequest], q: asyncio.Queu
                 yield sse(APIError(500, ev.message, type="internal_error").body())
                 return
         if include_usage:
-            yield sse(fmt.usage_chunk(usage(prompt_tokens, finals)))
+            yield sse(fmt.usage_chunk(usage(prompt_tokens, finals, n)))
         yield "data: [DONE]\n\n"
     finally:
         close()
