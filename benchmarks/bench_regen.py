@@ -154,8 +154,8 @@ def main() -> None:
         + " ".join(f"{dt}: every batch size produced identical token ids on the common conversations."
                    if same else f"{dt}: **outputs differ between batch sizes on some common conversations.**"
                    for dt, same in identical.items())
-        + " (bfloat16 regenerates the bf16 target's answers: the same distribution up to bf16 rounding,"
-        " not the float32 target's tokens.)"
+        + (" (bfloat16 regenerates the bf16 target's answers: the same distribution up to bf16 rounding,"
+           " not the float32 target's tokens.)" if "bfloat16" in identical else "")
         + "".join(f" {dt}: {e} of {n} conversations token-for-token equal between the two runtimes."
                   for dt, (e, n) in same_as_torch.items())
         + "".join(f" {dt}: {e} of {n} conversations token-for-token equal with prefix caching on and off."
