@@ -115,7 +115,9 @@ class LLM:
               beside a float32 target on CPUs whose kernels run bfloat16 fast, AVX-512 / AMX;
               else the target's dtype), "float32", "bfloat16", "float16". Outputs never depend
               on it (drafters/precision.py).
-    threads:  CPU threads for torch's kernels (default: the physical cores).
+    threads:  CPU threads for torch's kernels. None (default): the physical cores, fewer while other
+              processes keep some busy (re-checked every 2 s, models/threads.ThreadGovernor: beside a
+              busy process every step would wait on a thread without a core); N: exactly N.
     reproducible_seeds: a seeded request gives one output whatever K, policy, batch or load
               (position-keyed coupling; acceptance of sampled drafts is lower than with the
               rejection rule, which False restores for seeded requests).
@@ -151,7 +153,7 @@ class LLM:
         self.tokenizer = self.target.tokenizer
         self.engine = build_engine(self.target, drafter, policy, num_speculative_tokens, max_batch, max_len,
                                    reproducible_seeds=reproducible_seeds, drafter_dtype=drafter_dtype,
-                                   enable_prefix_caching=enable_prefix_caching)
+                                   enable_prefix_caching=enable_prefix_caching, adaptive_threads=threads is None)
         self.drafter, self.policy = self.engine.drafter, self.engine.policy
         self.last_stats: GenerateStats | None = None
 

@@ -57,7 +57,7 @@ def cmd_regen(args) -> int:
         endpoint=args.endpoint, endpoint_model=args.endpoint_model, concurrency=args.concurrency,
         retries=max(0, args.retries), request_timeout=args.request_timeout, retry_backoff=args.retry_backoff,
         resume=args.resume, overwrite=args.overwrite, device=opt_auto(args.device), dtype=opt_auto(args.dtype),
-        progress=args.progress, enable_prefix_caching=args.enable_prefix_caching,
+        progress=args.progress, enable_prefix_caching=args.enable_prefix_caching, adaptive_threads=args.threads is None,
     )
     s = run_regen(cfg)
     print(f"regen: {s.written} written, {s.errors} errors, {s.skipped_done} already done; "

@@ -44,7 +44,7 @@ def cmd_serve(args) -> int:
         raise DraftsmithError(f"--port must be in 0..65535, got {args.port}")
     llm = LLM(
         args.target, drafter=args.drafter, drafter_dtype=args.drafter_dtype,
-        enable_prefix_caching=args.enable_prefix_caching,
+        enable_prefix_caching=args.enable_prefix_caching, threads=args.threads,
         num_speculative_tokens=args.num_speculative_tokens,
         policy=args.policy, max_batch=args.max_batch, max_len=args.max_len, device=args.device, dtype=args.dtype,
         reproducible_seeds=args.reproducible_seeds,

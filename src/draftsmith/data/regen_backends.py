@@ -66,7 +66,8 @@ class EngineBackend:
         self.sampling = resolve_sampling(self.target.path, cfg.temperature, cfg.top_p, cfg.top_k,
                                          cfg.max_new_tokens, cfg.seed)
         self.engine = build_engine(self.target, max_batch=cfg.batch_size, max_len=cfg.max_len or 2048,
-                                   enable_prefix_caching=cfg.enable_prefix_caching)
+                                   enable_prefix_caching=cfg.enable_prefix_caching,
+                                   adaptive_threads=cfg.adaptive_threads)
         self.max_len = self.engine.max_len
         self.target_info = {"id": self.target.target_id, "weights_hash": self.target.weights_hash}
         self.legacy_weights_hash = self.target.legacy_weights_hash

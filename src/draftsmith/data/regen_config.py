@@ -34,6 +34,7 @@ class RegenConfig:
     # endpoint default: no local check (the server answers 400 and the sample goes to errors)
     batch_size: int = 8  # built-in engine: conversations in flight
     enable_prefix_caching: bool | None = None  # built-in engine: a turn reuses the KV of the conversation so far
+    adaptive_threads: bool = True  # built-in engine: fewer threads while other processes keep cores busy
     endpoint: str | None = None
     endpoint_model: str | None = None
     concurrency: int = 8

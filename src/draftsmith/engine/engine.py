@@ -26,6 +26,7 @@ from draftsmith.engine.prefix_cache import place
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.decoder import Decoder
 from draftsmith.models.kv_cache import KVCache
+from draftsmith.models.threads import ThreadGovernor
 from draftsmith.policy.base import DraftLengthPolicy
 from draftsmith.policy.fixed import FixedK
 
@@ -44,6 +45,9 @@ class EngineConfig:
     # prompt prefix a free row still holds. Only with drafters that read no target features: True
     # asks for it (a warning where the drafter rules it out), None = wherever the drafter allows.
     enable_prefix_caching: bool | None = False
+    # On a CPU, leave the cores other busy processes use to them (models/threads.ThreadGovernor:
+    # torch's threads re-decided every 2 s); False keeps the threads as they are set.
+    adaptive_threads: bool = False
 
 
 class Engine:
@@ -86,6 +90,8 @@ class Engine:
                 )
         # A reused prefix is not recomputed, so a drafter fed the target's features of every
         # context token cannot share it.
+        self.governor = (ThreadGovernor(torch.get_num_threads())
+                         if self.config.adaptive_threads and model.device.type == "cpu" else None)
         asked = self.config.enable_prefix_caching
         self.prefix_caching = asked is not False and not (needs.layer_ids or needs.final_hidden)
         if asked is True and not self.prefix_caching:
@@ -163,6 +169,8 @@ class Engine:
 
     def step(self) -> list[Request]:
         """One round for every running request. Returns the sequences that finished."""
+        if self.governor is not None:
+            self.governor.step()
         self._admit()
         if not self.running:
             return []

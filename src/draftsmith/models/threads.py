@@ -17,6 +17,9 @@ draftsmith is imported before torch (the CLI always is).
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -51,3 +54,77 @@ def configure_threads(threads: int | None = None) -> int:
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     return threads
+
+
+@dataclass(frozen=True)
+class CpuSample:
+    """Seconds of CPU time: the whole machine's busy time and this process's, at a wall time."""
+
+    wall: float
+    busy: float
+    own: float
+
+
+def read_cpu(proc: Path = Path("/proc")) -> CpuSample | None:
+    """The machine's busy CPU time (/proc/stat: user, nice, system, irq, softirq, steal) and this
+    process's (/proc/self/stat: utime + stime, all threads); None where /proc does not say (not Linux)."""
+    try:
+        vals = [int(x) for x in (proc / "stat").read_text().split("\n", 1)[0].split()[1:]]
+        busy = sum(vals[i] for i in (0, 1, 2, 5, 6, 7) if i < len(vals))
+        st = (proc / "self" / "stat").read_text()
+        fields = st[st.rindex(")") + 2 :].split()  # the command name may hold spaces
+        own = int(fields[11]) + int(fields[12])  # stat fields 14 and 15
+        hz = os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+    return CpuSample(time.monotonic(), busy / hz, own / hz)
+
+
+class ThreadGovernor:
+    """Leaves the cores other busy processes use to them: every `interval_s` it measures how many
+    cores the rest of the machine kept busy and runs torch's kernels on what is left (at least 1,
+    at most `max_threads`), with a dead band against flapping.
+
+    Why: a step runs ~150 parallel regions, each ending when every thread has done its share. Beside
+    a process that keeps the cores busy with long regions (a batched regeneration), a thread of ours
+    waits for CPU time at each of them: plain decoding at 2 threads went from ~28 to 350-960
+    ms/token beside `draftsmith regen` on a 2-core machine, where 1 thread ran at 44-51 (measured,
+    BENCHMARKS.md Runtime, "beside a busy process"). Alone it keeps all `max_threads`."""
+
+    DEAD_BAND = 0.7  # cores: move only when the free cores differ this much from the threads in use
+
+    def __init__(self, max_threads: int, interval_s: float = 2.0, read: Callable[[], CpuSample | None] = read_cpu,
+                 set_threads: Callable[[int], None] = torch.set_num_threads) -> None:
+        self.max_threads, self.interval_s, self._read, self._set = max_threads, interval_s, read, set_threads
+        self.threads = max_threads
+        self._last = read()
+
+    @property
+    def active(self) -> bool:
+        """False where the machine's CPU time cannot be read (then it never changes anything)."""
+        return self._last is not None and self.max_threads > 1
+
+    def step(self) -> int:
+        """Call often (once per engine step): re-decides at most every interval_s. Returns the threads in use."""
+        last = self._last
+        if last is None or self.max_threads <= 1 or time.monotonic() - last.wall < self.interval_s:
+            return self.threads
+        now = self._read()
+        if now is None or now.wall <= last.wall:
+            return self.threads
+        others = max(0.0, (now.busy - last.busy) - (now.own - last.own)) / (now.wall - last.wall)
+        self._last = now
+        want = threads_beside(self.max_threads, others, self.threads, self.DEAD_BAND)
+        if want != self.threads:
+            self._set(want)
+            self.threads = want
+        return self.threads
+
+
+def threads_beside(max_threads: int, others: float, current: int, dead_band: float) -> int:
+    """Threads to run with `others` cores busy elsewhere: the free cores, rounded, in [1, max_threads];
+    `current` unless the free cores are more than `dead_band` away from it."""
+    free = max_threads - others
+    if abs(free - current) <= dead_band:
+        return current
+    return max(1, min(max_threads, round(free)))
