@@ -12,6 +12,10 @@ once (OMP_WAIT_POLICY=PASSIVE) costs ~40% alone (a wake-up per region). The pack
 environment sets OMP_WAIT_POLICY or GOMP_SPINCOUNT: alone as fast as the default (within
 noise), ~47 ms/token each for two processes instead of a collapse. It only takes effect when
 draftsmith is imported before torch (the CLI always is).
+
+Sharing cores with another busy process is a different problem (a thread of ours without a core
+stalls every region): `ThreadGovernor` lowers the thread count while other processes keep cores
+busy (serve / generate / regen / LLM when no thread count is given).
 """
 
 from __future__ import annotations
@@ -87,9 +91,10 @@ class ThreadGovernor:
 
     Why: a step runs ~150 parallel regions, each ending when every thread has done its share. Beside
     a process that keeps the cores busy with long regions (a batched regeneration), a thread of ours
-    waits for CPU time at each of them: plain decoding at 2 threads went from ~28 to 350-960
-    ms/token beside `draftsmith regen` on a 2-core machine, where 1 thread ran at 44-51 (measured,
-    BENCHMARKS.md Runtime, "beside a busy process"). Alone it keeps all `max_threads`."""
+    waits for CPU time at each of them: on a 2-core machine plain decoding at 2 threads took ~28
+    ms/token alone and 65-72 beside `draftsmith regen`, 350-370 in some episodes, where 1 thread ran
+    at 44-57 (BENCHMARKS.md, "Plain decoding beside a busy process"). Alone it keeps all `max_threads`;
+    outputs do not depend on the thread count."""
 
     DEAD_BAND = 0.7  # cores: move only when the free cores differ this much from the threads in use
 
