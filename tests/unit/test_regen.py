@@ -7,6 +7,8 @@ exercised against a loopback HTTP server written here (ok / flaky / failing / sl
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import json
 import threading
 import time
@@ -205,6 +207,13 @@ def test_engine_backend_turn_by_turn_and_batch_independent(tiny, tmp_path):
         for p, t in zip(prompts, r["turns"]):
             assert r["input_ids"][: len(p)] == p and t["prompt_tokens"] == len(p)
             assert all(m == 0 for m in r["loss_mask"][: len(p)][-3:])  # generation prompt is not trained on
+    # Prefix caching (on by default in regen): a later turn starts in the row that holds its conversation
+    prompt_lens = [t["prompt_tokens"] for r in recs.values() for t in r["turns"]]
+    assert s.prompt_tokens == sum(prompt_lens)
+    earlier = sum(t["prompt_tokens"] for r in recs.values() for t in r["turns"][:-1])  # each later turn reuses at least these
+    assert earlier > 0 and earlier <= s.cached_prompt_tokens < s.prompt_tokens
+    off = run_regen(replace(cfg, out=tmp_path / "off.jsonl", enable_prefix_caching=False), conversations=convs)
+    assert off.cached_prompt_tokens == 0 and off.prompt_tokens == s.prompt_tokens
     # Per-answer seeds: a different batch size gives the same conversations.
     cfg1 = _cfg(tiny, tmp_path / "b.jsonl", batch_size=1)
     run_regen(cfg1, conversations=list(reversed(convs)))

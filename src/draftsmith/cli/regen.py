@@ -62,5 +62,7 @@ def cmd_regen(args) -> int:
     s = run_regen(cfg)
     print(f"regen: {s.written} written, {s.errors} errors, {s.skipped_done} already done; "
           f"{s.generated_tokens} tokens in {s.wall_s:.1f}s ({s.tokens_per_s:.1f} tok/s) -> {args.out}"
+          + (f"; prefix caching reused {s.cached_prompt_tokens} of {s.prompt_tokens} prompt tokens"
+             if s.cached_prompt_tokens else "")
           + (f" (errors: {errors_path(args.out)})" if s.errors else ""), file=sys.stderr)
     return 0

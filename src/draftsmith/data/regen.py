@@ -82,6 +82,8 @@ class RegenSummary:
     errors: int = 0
     skipped_done: int = 0
     generated_tokens: int = 0
+    prompt_tokens: int = 0  # built-in engine: prompt tokens of every turn it answered
+    cached_prompt_tokens: int = 0  # ... of which prefix caching reused the KV (not prefilled)
     wall_s: float = 0.0
     truncated_bytes: int = 0
     error_ids: list[str] = field(default_factory=list)

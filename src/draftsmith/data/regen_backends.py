@@ -122,6 +122,8 @@ class EngineBackend:
                 continue
             for seq in self.engine.step():
                 st = by_request.pop(seq.request_id)
+                sink.summary.prompt_tokens += len(seq.prompt_ids)
+                sink.summary.cached_prompt_tokens += seq.stats.cached_tokens
                 try:
                     st.ct.close_turn(seq.output_ids, seq.finish_reason or "")
                 except DraftsmithError as e:
