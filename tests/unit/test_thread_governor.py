@@ -73,13 +73,20 @@ def test_who_adapts(tiny_model_dir):
     assert build_engine(one.target, max_len=64).governor is None  # benchmarks, eval: fixed
 
 
-def test_cli_threads_flag_pins_the_threads(monkeypatch):
+@pytest.mark.parametrize("job, runner", [("regen", "draftsmith.data.regen.run_regen"),
+                                         ("cache", "draftsmith.data.cache.run_cache")])
+def test_cli_threads_flag_pins_the_threads(monkeypatch, job, runner):
     from draftsmith.cli import build_parser
 
     seen = []
-    monkeypatch.setattr("draftsmith.data.regen.run_regen", lambda cfg: seen.append(cfg) or (_ for _ in ()).throw(SystemExit))
+
+    def stop(cfg):
+        seen.append(cfg)
+        raise SystemExit
+
+    monkeypatch.setattr(runner, stop)
     for flags, adaptive in (([], True), (["--threads", "2"], False)):
-        args = build_parser().parse_args(["regen", "--out", "x.jsonl", *flags])
+        args = build_parser().parse_args([job, "--out", "x", *flags])
         with pytest.raises(SystemExit):
             args.func(args)
         assert seen[-1].adaptive_threads is adaptive

@@ -40,5 +40,6 @@ def cmd_cache(args) -> int:
         shard_tokens=args.shard_tokens, estimate=args.estimate, resume=args.resume, overwrite=args.overwrite,
         split=args.split, device=opt_auto(args.device), model_dtype=opt_auto(args.model_dtype),
         allow_target_mismatch=args.allow_target_mismatch, progress=args.progress,
+        adaptive_threads=args.threads is None,
     ))
     return 0

@@ -124,8 +124,8 @@ def add_prefix_caching(p: argparse.ArgumentParser, what: str, on: bool) -> None:
 def add_threads(p: argparse.ArgumentParser) -> None:
     """One CPU-threads option, the same on every job."""
     p.add_argument("--threads", type=positive_int, default=None,
-                   help="CPU threads for the model's kernels (default: the physical cores; serve, generate "
-                        "and regen use fewer while other processes keep some busy)")
+                   help="CPU threads for the model's kernels (default: the physical cores; serve, generate, "
+                        "regen and cache use fewer while other processes keep some busy)")
 
 
 def opt_auto(v: str) -> str | None:

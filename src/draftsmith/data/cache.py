@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
 from draftsmith.data.cache_estimate import directory_bytes, estimate_bytes, plan_shards
@@ -55,6 +56,7 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.models.loading import legacy_weights_fingerprint, read_config, same_weights, weights_fingerprint
 from draftsmith.models.registry import resolve_target
 from draftsmith.models.target import load_target
+from draftsmith.models.threads import ThreadGovernor
 
 __all__ = [
     "CACHE_FORMAT_VERSION", "DEFAULT_SHARD_TOKENS", "KIND", "MANIFEST",
@@ -85,6 +87,7 @@ class CacheConfig:
     chunk_tokens: int = 1024
     allow_target_mismatch: bool = False
     progress: bool | None = None  # None = only on a terminal
+    adaptive_threads: bool = False  # CPU: fewer threads while other processes keep cores busy (models/threads.py)
 
 
 def _fmt_bytes(n: float) -> str:
@@ -126,6 +129,8 @@ def run_cache(cfg: CacheConfig) -> dict:
     done |= {s["id"] for s in manifest["skipped"]}
     target = load_target(cfg.target, device=cfg.device, dtype=cfg.model_dtype)
     extractor = FeatureExtractor(target.model, layer_ids, cfg.chunk_tokens)
+    governor = (ThreadGovernor(torch.get_num_threads())
+                if cfg.adaptive_threads and target.model.device.type == "cpu" else None)
     writer = CacheWriter(out, manifest, cfg.shard_tokens)
     bar = tqdm(unit="tok", unit_scale=True, desc="cache", file=sys.stderr, dynamic_ncols=True,
                disable=(not sys.stderr.isatty()) if cfg.progress is None else not cfg.progress)
@@ -146,6 +151,8 @@ def run_cache(cfg: CacheConfig) -> dict:
                 manifest["skipped"].append({"id": sid, "reason": f"{ids.shape[0]} tokens exceed the "
                                             f"target context of {extractor.max_len}"})
                 continue
+            if governor is not None:
+                governor.step()
             (hidden, final), = extractor([ids.tolist()])
             writer.add(sid, record_split(rec), ids, mask, hidden, final)
             new_tokens += int(ids.shape[0])

@@ -15,7 +15,7 @@ draftsmith is imported before torch (the CLI always is).
 
 Sharing cores with another busy process is a different problem (a thread of ours without a core
 stalls every region): `ThreadGovernor` lowers the thread count while other processes keep cores
-busy (serve / generate / regen / LLM when no thread count is given).
+busy (serve / generate / regen / cache / LLM when no thread count is given).
 """
 
 from __future__ import annotations
