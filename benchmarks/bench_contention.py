@@ -36,7 +36,7 @@ import sections
 
 ROOT = Path(__file__).resolve().parents[1]
 VICTIM = r'''
-import json, sys, time, itertools
+import json, sys, time
 from draftsmith import LLM, SamplingParams
 from draftsmith.data.sources import HumanEvalSource
 threads, tokens = (None if sys.argv[1] == "auto" else int(sys.argv[1])), int(sys.argv[2])

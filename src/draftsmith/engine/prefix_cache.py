@@ -47,7 +47,7 @@ def place(feeds: Sequence[Sequence[int]], free_rows: Sequence[int], cache: KVCac
     conversation's next turn gets its own row back even when a new request matches it too; a
     request whose best row went to a longer match takes its next best."""
     held = {r: t for r in free_rows if (t := cache.remembered(r)) is not None}
-    ids = [torch.tensor(f, dtype=torch.int32) for f in feeds]
+    ids = [torch.tensor(f, dtype=torch.int32) for f in feeds] if held else []  # nothing to match: no copies
     pairs = [(common_prefix(f, t), i, r) for i, f in enumerate(ids) for r, t in held.items()]
     out: list[tuple[int, int] | None] = [None] * len(feeds)
     taken: set[int] = set()
