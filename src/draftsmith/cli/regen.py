@@ -34,6 +34,13 @@ def add_parser(sub) -> None:
     p.add_argument("--mix-seed", type=int, default=None, help="sample-selection seed (default: --seed)")
     p.add_argument("--batch-size", type=positive_int, default=8, help="built-in engine: conversations in flight")
     add_prefix_caching(p, "built-in engine: a turn's prompt starts with the conversation so far", on=True)
+    p.add_argument("--features-out", type=Path, default=None, metavar="DIR",
+                   help="built-in engine: also write the feature cache `draftsmith cache` would build from --out "
+                        "to DIR, recorded while the target answers (no second pass over the tokens)")
+    p.add_argument("--feature-layers", default="default",
+                   help="--features-out: 0-based decoder layer ids, e.g. 1,14,27 (default: low/mid/high)")
+    p.add_argument("--feature-dtype", default="fp16", choices=["fp16", "bf16", "fp32"],
+                   help="--features-out: storage dtype of the features")
     p.add_argument("--endpoint", default=None,
                    help="OpenAI-compatible server URL, e.g. http://host:8000/v1 (default: the built-in engine)")
     p.add_argument("--endpoint-model", default=None, help="model name to send (default: the server's first)")
@@ -58,11 +65,14 @@ def cmd_regen(args) -> int:
         retries=max(0, args.retries), request_timeout=args.request_timeout, retry_backoff=args.retry_backoff,
         resume=args.resume, overwrite=args.overwrite, device=opt_auto(args.device), dtype=opt_auto(args.dtype),
         progress=args.progress, enable_prefix_caching=args.enable_prefix_caching, adaptive_threads=args.threads is None,
+        features_out=args.features_out, feature_layers=args.feature_layers, feature_dtype=args.feature_dtype,
     )
     s = run_regen(cfg)
     print(f"regen: {s.written} written, {s.errors} errors, {s.skipped_done} already done; "
           f"{s.generated_tokens} tokens in {s.wall_s:.1f}s ({s.tokens_per_s:.1f} tok/s) -> {args.out}"
           + (f"; prefix caching reused {s.cached_prompt_tokens} of {s.prompt_tokens} prompt tokens"
              if s.cached_prompt_tokens else "")
-          + (f" (errors: {errors_path(args.out)})" if s.errors else ""), file=sys.stderr)
+          + (f" (errors: {errors_path(args.out)})" if s.errors else "")
+          + (f"; features of {s.recorded_features} conversations recorded, {s.computed_features} computed after "
+             f"-> {args.features_out}" if args.features_out else ""), file=sys.stderr)
     return 0

@@ -62,7 +62,7 @@ __all__ = [
     "CACHE_FORMAT_VERSION", "DEFAULT_SHARD_TOKENS", "KIND", "MANIFEST",
     "CacheConfig", "CacheWriter", "FeatureCache",
     "directory_bytes", "dump_manifest", "estimate_bytes", "file_sha256", "iter_records", "new_manifest",
-    "plan_shards", "read_manifest", "run_cache", "safetensors_size", "shard_name", "write_json_atomic",
+    "open_writer", "plan_shards", "read_manifest", "run_cache", "safetensors_size", "shard_name", "write_json_atomic",
     "write_safetensors_stream",
 ]
 
@@ -98,8 +98,21 @@ def _fmt_bytes(n: float) -> str:
     return f"{n}"
 
 
-def run_cache(cfg: CacheConfig) -> dict:
-    """Build (or estimate) a feature cache. Returns a summary dict."""
+def open_writer(cfg: CacheConfig, target) -> tuple[CacheWriter, set[str]]:
+    """A writer adding samples to the cache cfg.out for `target` (a LoadedTarget): a new cache,
+    or the one there resumed (cfg.resume) or replaced (cfg.overwrite), checked as `run_cache`
+    checks it; and the ids of the samples it already holds (or skipped)."""
+    mcfg = read_config(target.path)
+    layer_ids = parse_layer_ids(cfg.layers, mcfg.num_layers)
+    manifest = _prepare_out(Path(cfg.out), cfg, target.target_id, target.weights_hash, layer_ids, mcfg,
+                            DTYPE_NAMES[store_dtype(cfg.dtype)], target.legacy_weights_hash)
+    done = {sid for sh in manifest["shards"] for sid in sh["sample_ids"]} | {s["id"] for s in manifest["skipped"]}
+    return CacheWriter(Path(cfg.out), manifest, cfg.shard_tokens), done
+
+
+def run_cache(cfg: CacheConfig, target=None) -> dict:
+    """Build (or estimate) a feature cache. Returns a summary dict. `target`: the LoadedTarget
+    of cfg.target when the caller has it loaded already (regen's catch-up pass)."""
     target_id, path = resolve_target(cfg.target)
     mcfg = read_config(path)
     layer_ids = parse_layer_ids(cfg.layers, mcfg.num_layers)
@@ -127,7 +140,8 @@ def run_cache(cfg: CacheConfig) -> dict:
     fresh = not manifest["shards"] and not manifest["skipped"]
     done = {sid for sh in manifest["shards"] for sid in sh["sample_ids"]}
     done |= {s["id"] for s in manifest["skipped"]}
-    target = load_target(cfg.target, device=cfg.device, dtype=cfg.model_dtype)
+    if target is None:
+        target = load_target(cfg.target, device=cfg.device, dtype=cfg.model_dtype)
     extractor = FeatureExtractor(target.model, layer_ids, cfg.chunk_tokens)
     governor = (ThreadGovernor(torch.get_num_threads())
                 if cfg.adaptive_threads and target.model.device.type == "cpu" else None)

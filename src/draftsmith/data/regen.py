@@ -42,9 +42,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
+from draftsmith.data.cache import CacheConfig, open_writer, run_cache
+from draftsmith.data.cache_writer import CacheWriter
 from draftsmith.data.chat_tokens import ChatTokens, answer_slots
+from draftsmith.data.features import record_tensors
 from draftsmith.data.regen_backends import EndpointBackend, EngineBackend
 from draftsmith.data.regen_config import (
     FALLBACK_TEMPERATURE,
@@ -61,6 +65,7 @@ from draftsmith.data.regen_records import (
     errors_path,
     load_records,
     make_record,
+    record_split,
     scan_output,
 )
 from draftsmith.data.sources import load_mix
@@ -86,6 +91,8 @@ class RegenSummary:
     cached_prompt_tokens: int = 0  # ... of which prefix caching reused the KV (not prefilled)
     wall_s: float = 0.0
     truncated_bytes: int = 0
+    recorded_features: int = 0  # --features-out: conversations whose features regen recorded
+    computed_features: int = 0  # ... and those the catch-up pass computed (earlier runs, too long)
     error_ids: list[str] = field(default_factory=list)
 
     @property
@@ -94,13 +101,19 @@ class RegenSummary:
 
 
 class RegenSink:
-    """Where backends report: one finished record or one failed conversation at a time."""
+    """Where backends report: one finished record or one failed conversation at a time.
 
-    def __init__(self, out: Path, errors: Path, bar, summary: RegenSummary) -> None:
+    `features`: the feature-cache writer of --features-out and the ids the cache already holds;
+    a record's features go to it only after the record itself is on disk, so the cache never
+    holds a conversation the JSONL lacks."""
+
+    def __init__(self, out: Path, errors: Path, bar, summary: RegenSummary,
+                 features: tuple[CacheWriter, set[str]] | None = None) -> None:
         self.out = JsonlAppender(out)
         self.err = JsonlAppender(errors)
         self.bar = bar
         self.summary = summary
+        self.features = features
         self.t0 = time.perf_counter()
 
     def _tick(self) -> None:
@@ -109,10 +122,20 @@ class RegenSink:
         if dt > 0:
             self.bar.set_postfix_str(f"{self.summary.generated_tokens / dt:.1f} tok/s", refresh=False)
 
-    def record(self, rec: Mapping[str, Any]) -> None:
+    def record(self, rec: Mapping[str, Any],
+               features: tuple[Mapping[int, torch.Tensor], torch.Tensor] | None = None) -> None:
+        """Write a finished conversation, and its recorded features ({layer: [T, H]}, final
+        [T, H]) where there are some (the rest get theirs from the catch-up pass)."""
         self.out.write(rec)
         self.summary.written += 1
         self.summary.generated_tokens += sum(t["generated_tokens"] for t in rec.get("turns", ()))
+        if features is not None and self.features is not None and str(rec["id"]) not in self.features[1]:
+            writer, held = self.features
+            ids, mask = record_tensors(rec)
+            hidden, final = features
+            writer.add(str(rec["id"]), record_split(rec), ids, mask, hidden, final)
+            held.add(str(rec["id"]))
+            self.summary.recorded_features += 1
         self._tick()
 
     def error(self, conv, reason: str) -> None:
@@ -125,6 +148,8 @@ class RegenSink:
     def close(self) -> None:
         self.out.close()
         self.err.close()
+        if self.features is not None:  # what was recorded is kept, even on an interrupt
+            self.features[0].close(complete=False)
         errs = Path(self.err.path)
         if errs.is_file() and errs.stat().st_size == 0:  # no failures: leave no empty errors file
             errs.unlink()
@@ -181,16 +206,21 @@ def run_regen(cfg: RegenConfig, conversations: Sequence | None = None, backend=N
     if conversations is None:
         conversations = load_mix(cfg.mix, split=cfg.split, max_samples=cfg.max_samples,
                                  seed=cfg.seed if cfg.mix_seed is None else cfg.mix_seed)
+    records = not cfg.endpoint and getattr(backend or EngineBackend, "records_features", False)
+    if cfg.features_out is not None and not records:
+        raise DraftsmithError("--features-out needs the built-in engine: an endpoint returns text, not the target's "
+                              "hidden states. Regenerate, then run `draftsmith cache --data` on the output")
     if backend is None:
         backend = EndpointBackend(cfg) if cfg.endpoint else EngineBackend(cfg)
     summary = RegenSummary()
     done = _prepare_output(cfg, backend.target_info, getattr(backend, "sampling", None), summary,
                            {c.id for c in conversations}, backend.legacy_weights_hash)
+    features = open_writer(_cache_config(cfg), backend.target) if cfg.features_out is not None else None
     todo = [c for c in conversations if c.id not in done]
     summary.skipped_done = len(conversations) - len(todo)
     bar = tqdm(total=len(todo), unit="sample", desc="regen", file=sys.stderr, dynamic_ncols=True,
                disable=(not sys.stderr.isatty()) if cfg.progress is None else not cfg.progress)
-    sink = RegenSink(Path(cfg.out), errors_path(Path(cfg.out)), bar, summary)
+    sink = RegenSink(Path(cfg.out), errors_path(Path(cfg.out)), bar, summary, features)
     t0 = time.perf_counter()
     try:
         backend.run(todo, sink)
@@ -198,4 +228,22 @@ def run_regen(cfg: RegenConfig, conversations: Sequence | None = None, backend=N
         summary.wall_s = time.perf_counter() - t0
         sink.close()
         bar.close()
+    if features is not None:
+        # Conversations written without recorded features (by an earlier run, or too long for the
+        # tail request) get theirs from the cache pass, which also marks the cache complete.
+        backend.release()
+        before = features[0].manifest["num_samples"] + len(features[0].manifest["skipped"])
+        done_cache = run_cache(_cache_config(cfg, resume=True), target=backend.target)
+        summary.computed_features = done_cache["num_samples"] + done_cache["skipped"] - before
     return summary
+
+
+def _cache_config(cfg: RegenConfig, resume: bool | None = None) -> CacheConfig:
+    """The `draftsmith cache` job --features-out stands for: the regen output, its target, dtype,
+    device and thread policy, into cfg.features_out."""
+    resume = cfg.resume if resume is None else resume
+    return CacheConfig(target=cfg.target, data=Path(cfg.out), out=Path(cfg.features_out),
+                       layers=cfg.feature_layers, dtype=cfg.feature_dtype,
+                       resume=resume, overwrite=cfg.overwrite and not resume,
+                       device=cfg.device, model_dtype=cfg.dtype, progress=cfg.progress,
+                       adaptive_threads=cfg.adaptive_threads)

@@ -26,6 +26,8 @@ import httpx
 
 from draftsmith.core.sampling import SamplingParams
 from draftsmith.data.chat_tokens import ChatTokens, answer_slots
+from draftsmith.data.feature_recorder import FeatureRecorder
+from draftsmith.data.features import parse_layer_ids, store_dtype
 from draftsmith.data.regen_config import RegenConfig, resolve_sampling, turn_seed
 from draftsmith.data.regen_records import make_record
 from draftsmith.engine.builder import build_engine
@@ -56,7 +58,14 @@ def _too_long(n: int, max_len: int, k: int) -> str:
 
 
 class EngineBackend:
-    """Batched regeneration with Draftsmith's own engine (plain decoding, no drafter)."""
+    """Batched regeneration with Draftsmith's own engine (plain decoding, no drafter).
+
+    With cfg.features_out the engine's drafter is a `FeatureRecorder` (plain decoding that keeps
+    the target's features of every fed position): a finished conversation's last tokens go
+    through one more one-token request (the "tail", its sampled token dropped), and the record is
+    reported with the features of all its tokens."""
+
+    records_features = True  # run_regen: this backend can serve --features-out
 
     def __init__(self, cfg: RegenConfig, target=None) -> None:
         self.cfg = cfg
@@ -65,8 +74,13 @@ class EngineBackend:
         self.eos = eos_token_ids(self.target)
         self.sampling = resolve_sampling(self.target.path, cfg.temperature, cfg.top_p, cfg.top_k,
                                          cfg.max_new_tokens, cfg.seed)
-        self.engine = build_engine(self.target, max_batch=cfg.batch_size, max_len=cfg.max_len or 2048,
-                                   enable_prefix_caching=cfg.enable_prefix_caching,
+        max_len = min(cfg.max_len or 2048, self.target.model.config.max_position_embeddings)
+        self.recorder: FeatureRecorder | None = None
+        if cfg.features_out is not None:
+            layers = parse_layer_ids(cfg.feature_layers, self.target.model.config.num_layers)
+            self.recorder = FeatureRecorder(layers, max_len, store_dtype(cfg.feature_dtype))
+        self.engine = build_engine(self.target, drafter=self.recorder or "none", max_batch=cfg.batch_size,
+                                   max_len=max_len, enable_prefix_caching=cfg.enable_prefix_caching,
                                    adaptive_threads=cfg.adaptive_threads)
         self.max_len = self.engine.max_len
         self.target_info = {"id": self.target.target_id, "weights_hash": self.target.weights_hash}
@@ -78,9 +92,27 @@ class EngineBackend:
         return SamplingParams(max_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                               top_k=s.top_k, seed=turn_seed(s.seed, conv_id, k))
 
+    def release(self) -> None:
+        """Free the engine (its KV cache) and the feature record: the run is over."""
+        self.engine = None
+        self.recorder = None
+
     def run(self, todo: Sequence, sink) -> None:
         queue = deque(todo)
         by_request: dict[str, _ConvState] = {}
+        tails: set[str] = set()
+
+        def finish(st: _ConvState) -> None:
+            """Report st's record; with the recorder, first feed its last tokens (the tail)."""
+            rec = make_record(st.conv, st.ct, self.target_info, self.sampling, st.dropped)
+            if self.recorder is None or len(st.ct.ids) >= self.max_len:  # too long: the catch-up pass
+                sink.record(rec)
+                return
+            rid = f"{st.conv.id}#tail"
+            self.recorder.want(rid)
+            self.engine.add_request(list(st.ct.ids), SamplingParams(max_tokens=1, temperature=0.0), request_id=rid)
+            by_request[rid] = st
+            tails.add(rid)
 
         def advance(st: _ConvState) -> None:
             """Submit st's next turn, or finish it (record / error)."""
@@ -100,7 +132,7 @@ class EngineBackend:
                     self.engine.add_request(prompt, self._params(st.conv.id, st.k), request_id=rid)
                     by_request[rid] = st
                     return
-                sink.record(make_record(st.conv, st.ct, self.target_info, self.sampling, st.dropped))
+                finish(st)
             except DraftsmithError as e:
                 sink.error(st.conv, _one_line(e))
             except Exception as e:  # a template / tokenizer failure on this conversation only
@@ -122,6 +154,13 @@ class EngineBackend:
                 continue
             for seq in self.engine.step():
                 st = by_request.pop(seq.request_id)
+                if seq.request_id in tails:
+                    tails.discard(seq.request_id)
+                    features = self.recorder.take(seq.request_id)
+                    if features is None or features[1].shape[0] != len(st.ct.ids):
+                        raise RuntimeError(f"{st.conv.id}: the tail request left without its conversation's features")
+                    sink.record(make_record(st.conv, st.ct, self.target_info, self.sampling, st.dropped), features)
+                    continue
                 sink.summary.prompt_tokens += len(seq.prompt_ids)
                 sink.summary.cached_prompt_tokens += seq.stats.cached_tokens
                 try:

@@ -46,6 +46,11 @@ class RegenConfig:
     device: str | None = None
     dtype: str | None = None
     progress: bool | None = None  # None = only on a terminal
+    # Built-in engine: record the target's features while it answers and write the feature cache
+    # `draftsmith cache` would (data/feature_recorder.py) to this directory: no second pass.
+    features_out: Path | None = None
+    feature_layers: str | None = None  # 0-based layer ids, e.g. "1,14,27" (None: low/mid/high)
+    feature_dtype: str = "fp16"  # storage dtype of the features
 
 
 @dataclass(frozen=True)

@@ -48,10 +48,17 @@ DRAFT_SEED_SALT = 0x5EED  # drafter generators derive from, and never share, the
 
 @dataclass(frozen=True)
 class FeatureSpec:
-    """Target features a drafter needs from each target forward."""
+    """Target features a drafter needs from each target forward.
+
+    follows_prefix_cache: the drafter keeps every position's features per engine row, as the KV
+    cache keeps keys and values, so a prompt prefix the row still holds needs no recomputing:
+    with prefix caching, start() gets only the features of the positions past it
+    (data/feature_recorder.py). Drafters that build a context from start()'s features alone
+    leave it False, and the engine turns prefix caching off for them."""
 
     layer_ids: tuple[int, ...] = ()
     final_hidden: bool = False
+    follows_prefix_cache: bool = False
 
 
 @dataclass

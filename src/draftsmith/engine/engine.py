@@ -88,12 +88,13 @@ class Engine:
                     f"drafter {self.drafter.name!r} needs target layer {i}, but the target has "
                     f"{model.config.num_layers} layers"
                 )
-        # A reused prefix is not recomputed, so a drafter fed the target's features of every
-        # context token cannot share it.
         self.governor = (ThreadGovernor(torch.get_num_threads())
                          if self.config.adaptive_threads and model.device.type == "cpu" else None)
+        # A reused prefix is not recomputed, so a drafter fed the target's features of every
+        # context token cannot share it, unless it keeps them per row itself.
         asked = self.config.enable_prefix_caching
-        self.prefix_caching = asked is not False and not (needs.layer_ids or needs.final_hidden)
+        reads = bool(needs.layer_ids or needs.final_hidden) and not needs.follows_prefix_cache
+        self.prefix_caching = asked is not False and not reads
         if asked is True and not self.prefix_caching:
             log.warning("prefix caching is off with drafter %r: it reads the target's features of every "
                         "prompt token, which a reused prefix does not recompute", self.drafter.name)
