@@ -174,3 +174,17 @@ def test_regen_then_cache_on_default_target(default_target_dir, tmp_path, capsys
         assert all(close(x.hidden[i], o.hidden[i][0]) for i in (1, 14, 27))
         y = on.features(r)  # online, cast like the cache: the same numbers
         assert all(close(y.hidden[i], x.hidden[i]) for i in (1, 14, 27)) and close(y.final_hidden, x.final_hidden)
+
+    # regen --features-out: the same conversations, their features recorded while answering.
+    one = tmp_path / "one.jsonl"
+    assert main(["regen", "--mix", "humaneval:0.5,mtbench:0.5", "--max-samples", "2", "--max-new-tokens", "6",
+                 "--max-len", "1024", "--batch-size", "2", "--out", str(one), "--features-out", str(tmp_path / "one")]) == 0
+    assert "features of 2 conversations recorded, 0 computed after" in capsys.readouterr().err
+    rec1 = {r["id"]: r for r in load_records(one)}
+    assert {r["id"]: r["input_ids"] for r in recs} == {k: r["input_ids"] for k, r in rec1.items()}
+    fc1 = FeatureCache(tmp_path / "one").validate("smollm2-135m", target.weights_hash, (1, 14, 27), 576)
+    assert fc1.manifest["complete"] and fc1.manifest["dtype"] == "fp16"
+    for r in recs:
+        a, b = fc1.features(r["id"]), fc.features(r["id"])
+        assert a.input_ids.tolist() == r["input_ids"] and a.loss_mask.tolist() == b.loss_mask.tolist()
+        assert close(a.final_hidden, b.final_hidden) and all(close(a.hidden[i], b.hidden[i]) for i in (1, 14, 27))
