@@ -23,6 +23,11 @@ received is a prefix of `input_ids`, and the masked tokens are precisely what it
 Writes are append-only (flush + fsync per record); `--resume` skips ids already written and
 drops a truncated last line left by a killed run. Failures go to `<out>.errors.jsonl`.
 
+`--features-out DIR` (built-in engine) also writes the feature cache `draftsmith cache` would
+build from the output, recorded while the target answers (data/feature_recorder.py); a record's
+features are written after the record, and conversations without recorded features (an earlier
+run's, one too long for the last feed) get theirs from the cache pass at the end.
+
 Split by role (this module keeps the job and re-exports the names other code imports from it):
 
     regen_config.py    RegenConfig, RegenSampling, recommended/resolve_sampling, turn_seed
