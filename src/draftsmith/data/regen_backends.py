@@ -104,9 +104,8 @@ class EngineBackend:
 
         def finish(st: _ConvState) -> None:
             """Report st's record; with the recorder, first feed its last tokens (the tail)."""
-            rec = make_record(st.conv, st.ct, self.target_info, self.sampling, st.dropped)
             if self.recorder is None or len(st.ct.ids) >= self.max_len:  # too long: the catch-up pass
-                sink.record(rec)
+                sink.record(make_record(st.conv, st.ct, self.target_info, self.sampling, st.dropped))
                 return
             rid = f"{st.conv.id}#tail"
             self.recorder.want(rid)
