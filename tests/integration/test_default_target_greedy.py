@@ -110,3 +110,46 @@ def test_bfloat16_speculative_equals_bfloat16_plain_greedy(default_target_dir, p
     mismatches = [i for i, (o, r) in enumerate(zip(outs, ref)) if o.token_ids != r]
     assert not mismatches, f"bf16 n-gram: prompts {mismatches} differ from bf16 plain greedy"
     assert llm.last_stats.draft_accepted > 0
+
+
+def test_built_in_dspark_follows_prefix_caching_on_a_chats_next_turn(default_target_dir):
+    """`enable_prefix_caching` keeps the built-in DSpark drafter on (its rows keep their context
+    with the KV: drafters/feature_queue.py): a chat's second turn reuses the first, its drafter
+    context equals a fresh engine's, and greedy outputs equal plain decoding's with prefix caching
+    (both build the reused KV by the same steps; a fresh long prefill rounds differently)."""
+    from draftsmith.kernels.build import cpu_kernels
+
+    convs = [c for c in itertools.islice(MTBenchSource().conversations(), 2)]
+    greedy = SamplingParams(max_tokens=24, temperature=0)
+    spec = LLM(str(default_target_dir), drafter="dspark:smollm2-135m", policy="fixed", num_speculative_tokens=4,
+               max_batch=2, enable_prefix_caching=True)
+    plain = LLM(spec.target, max_batch=2, enable_prefix_caching=True)
+    assert spec.engine.prefix_caching
+    turns: dict[str, list] = {}
+    for name, llm in (("spec", spec), ("plain", plain)):
+        msgs = [[{"role": "user", "content": c.messages[0]["content"][:200]}] for c in convs]
+        first = llm.generate([llm.apply_chat_template(m) for m in msgs], greedy)
+        second = [m + [{"role": "assistant", "content": o.text}, {"role": "user", "content": "Say more."}]
+                  for m, o in zip(msgs, first)]
+        turns[name] = [llm.apply_chat_template(m) for m in second]
+        outs = llm.generate(turns[name], greedy)
+        assert all(o.stats["cached_tokens"] > len(f.prompt_token_ids) for o, f in zip(outs, first))
+        turns[name + "-out"] = [o.token_ids for o in outs]
+    assert spec.last_stats.draft_accepted > 0
+    if cpu_kernels().ok:
+        assert turns["spec-out"] == turns["plain-out"]
+    # the drafter's context of the reused rows = a fresh engine's for the same prompts
+    fresh = LLM(spec.target, drafter="dspark:smollm2-135m", policy="fixed", num_speculative_tokens=4, max_batch=2)
+    for llm in (spec, fresh):
+        for ids in turns["spec"]:
+            llm.engine.add_request(ids, greedy)
+        llm.engine.step()  # admission + the first round, which consumes the prompts' features
+    for i in range(len(spec.engine.drafter.cache.k)):
+        for a in spec.engine.running:
+            b = next(r for r in fresh.engine.running if r.prompt_ids == a.prompt_ids)
+            n = len(a.prompt_ids) - 1
+            assert a.stats.cached_tokens == n and b.stats.cached_tokens == 0
+            for t in ("k", "v"):
+                got = getattr(spec.engine.drafter.cache, t)[i][a.row, :, :n]
+                want = getattr(fresh.engine.drafter.cache, t)[i][b.row, :, :n]
+                torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)

@@ -3,8 +3,6 @@ that outputs and KV match a fresh prefill, and where it must stay off."""
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 
@@ -154,24 +152,9 @@ def test_a_stop_cut_remembers_only_kept_tokens(tiny):
     assert held.tolist() == all_ids[: held.numel()]
 
 
-def test_off_for_drafters_fed_target_features_and_a_warning_only_when_asked(tiny, caplog):
-    from draftsmith.drafters import dspark
-
+def test_n_gram_and_draft_models_keep_it_where_asked_and_the_default_is_off(tiny):
     target = LLM(str(tiny), max_len=128, enable_prefix_caching=False).target
-    model = dspark.build(target.model, dspark.DSparkConfig(block_size=3, num_layers=1, rank=8, max_anchors=4))
-
-    def with_drafter(**kw) -> LLM:
-        return LLM(target, drafter=model.make_drafter(target.model, 2, 128), max_batch=2, max_len=128, **kw)
-
-    with caplog.at_level(logging.WARNING):
-        quiet = with_drafter(enable_prefix_caching=None)  # "wherever the drafter allows"
-    assert not quiet.engine.prefix_caching and "prefix caching is off" not in caplog.text
-    with caplog.at_level(logging.WARNING):
-        asked = with_drafter(enable_prefix_caching=True)
-    assert not asked.engine.prefix_caching and "prefix caching is off" in caplog.text
-    out = quiet.generate(["abcabc", "abcabc"], greedy(6))
-    assert all(o.stats["cached_tokens"] == 0 for o in out)
-    # n-gram and draft-model drafters read no target features: they keep it; the default is off
+    # they read no target features (context-cache drafters: test_prefix_cache_drafters.py)
     assert LLM(target, drafter="ngram", max_len=128, enable_prefix_caching=None).engine.prefix_caching
     assert not LLM(target, drafter="ngram", max_len=128).engine.prefix_caching
 

@@ -63,6 +63,10 @@ class BlockDrafter(FeatureQueueDrafter):
     calibration.json) rescale confidence logits.
     """
 
+    # A context position is that position's features projected (no other token, no other
+    # position), so a row's context follows the engine's prefix cache (feature_queue.py).
+    follows_prefix_cache = True
+
     def __init__(
         self,
         name: str,
@@ -80,7 +84,7 @@ class BlockDrafter(FeatureQueueDrafter):
         self.gamma = int(gamma)
         self.n_in = self.gamma if anchor_is_first_prediction else self.gamma + 1
         self.offset = 0 if anchor_is_first_prediction else 1
-        self.needs = FeatureSpec(layer_ids=backbone.layer_ids)
+        self.needs = FeatureSpec(layer_ids=backbone.layer_ids, follows_prefix_cache=self.follows_prefix_cache)
         self.feature_layers = backbone.layer_ids
         # inference through prepacked weights; the modules still train as before (models/linear.py)
         pack_linears_for_inference_(backbone)

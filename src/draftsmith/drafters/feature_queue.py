@@ -10,6 +10,17 @@ rejected drafts never enter, so there is nothing to roll back). They wait in the
 their bounds (`flush_tokens` positions in a row, `queue_bytes` in all): the rows admitted in one
 engine step go through the drafter in one batch, and rounds a load-aware policy does not draft
 pay no drafter upkeep.
+
+Automatic prefix caching (engine/prefix_cache.py). A drafter whose context at a position depends
+on that position's target features alone (DFlash / DSpark: a projection and the draft layers'
+keys / values at that position; not EAGLE-3, whose context position j also reads token j + 1 and
+whose last hidden state is the last position's) sets `follows_prefix_cache`: a leaving request's
+row keeps its context and its still-queued features (`_Kept`, with the token ids they belong to),
+and a request the engine places in that row with a reused prefix of n tokens starts from the first
+n of them. The engine matches a new prompt against what both hold (`held_ids`), so a row whose
+kept queue was dropped to bound memory, or whose target KV another engine rewrote, is reused only
+as far as the drafter can follow. Keeping costs no compute: the queued features of a row that
+never drafted stay queued, as they did while it ran.
 """
 
 from __future__ import annotations
@@ -54,6 +65,7 @@ def owned(h: torch.Tensor) -> torch.Tensor:
 class QueuedFeatures:
     """One request's target features not yet in its drafter's cache, oldest first."""
 
+    reused: dict[int, torch.Tensor] | None = None  # a reused prefix's, queued by the request before: layer id → [n, H]
     prefill: dict[int, torch.Tensor] | None = None  # the prompt's: layer id → [1, S, H]
     rounds: list[dict[int, torch.Tensor]] = field(default_factory=list)  # committed: {layer id: [n, H]} per round
     n: int = 0  # positions queued (prompt + rounds), kept as they come: count() is asked every round
@@ -74,6 +86,20 @@ class QueuedFeatures:
         """Context positions queued."""
         return self.n
 
+    def head(self, n: int) -> dict[int, torch.Tensor]:
+        """Empty the queue; its first n <= count() positions (layer id → [n, H])."""
+        if not 0 < n <= self.n:
+            raise ValueError(f"the queue holds {self.n} positions, not {n}")
+        return {i: owned(h[:n]) for i, h in self.take().items()}
+
+    def put_reused(self, hidden: dict[int, torch.Tensor]) -> None:
+        """Queue a reused prefix's positions ({layer id: [n, H]}) ahead of everything else."""
+        if self.reused is not None:
+            raise ValueError("the queue already holds a reused prefix")
+        self.reused = hidden
+        self.n += int(next(iter(hidden.values())).shape[0])
+        self.bytes += sum(h.numel() * h.element_size() for h in hidden.values())
+
     def push(self, hidden: dict[int, torch.Tensor]) -> None:
         """Queue one round's committed positions ({layer id: [n, H]}; slices of a larger tensor
         are copied, so that what the queue counts is what it holds)."""
@@ -86,14 +112,25 @@ class QueuedFeatures:
         """Empty the queue: layer id → [n, H], prompt then rounds in order (the layers every
         part has), or None when nothing was queued."""
         parts = []
+        if self.reused is not None:
+            parts.append(self.reused)
         if self.prefill is not None:
             parts.append({i: h[0] for i, h in self.prefill.items()})
         parts += self.rounds
-        self.prefill, self.rounds, self.n, self.bytes = None, [], 0, 0
+        self.reused, self.prefill, self.rounds, self.n, self.bytes = None, None, [], 0, 0
         if not parts:
             return None
         keys = set(parts[0]).intersection(*parts[1:])
         return {i: torch.cat([p[i] for p in parts], 0) for i in sorted(keys)}
+
+
+@dataclass
+class _Kept:
+    """What a free row still holds for prefix caching: the ids of the positions in its context
+    cache and then in `queue` (features not consumed when its request left)."""
+
+    ids: torch.Tensor  # int32 [cached + queued]
+    queue: QueuedFeatures
 
 
 @dataclass
@@ -130,7 +167,9 @@ class FeatureQueueDrafter:
 
     A subclass sets `name`, `device`, `cache` (its per-row context cache: `lengths`, `reset`),
     `feature_layers` (the target layers it reads), `flush_tokens` (`queue_bytes` may stay the default), `states` (a
-    `RequestStates[FeatureRequestState]`), and implements `_consume`.
+    `RequestStates[FeatureRequestState]`), and implements `_consume`. One whose context position
+    depends on that position's features alone sets `follows_prefix_cache` (and says so in its
+    `needs`): its rows then follow the engine's prefix cache (the module docstring).
     """
 
     name: str
@@ -141,20 +180,53 @@ class FeatureQueueDrafter:
     queue_bytes: int = QUEUE_BYTES
     states: RequestStates[FeatureRequestState]
     consumed_s: float = 0.0  # wall seconds spent consuming queued features, cumulative (the engine reads it)
+    follows_prefix_cache: bool = False
+    _kept: dict[int, _Kept]  # free row → what it holds (follows_prefix_cache; made on first use)
 
     def _consume(self, rows: list[Request], hidden: dict[int, torch.Tensor], counts: list[int]) -> None:
         """Append the first counts[b] positions of hidden (layer id → [B, S, H]) to row b's context."""
         raise NotImplementedError
 
     def start(self, seq: Request, features: TargetFeatures | None) -> None:
-        self.cache.reset(seq.row)
-        self.states.start(seq, FeatureRequestState(drafter_gen=drafter_generator(seq, self.device),
-                                                   queue=QueuedFeatures.of_prompt(features)))
+        """A request got its row; `features` are its prompt's past the prefix the row reuses
+        (`seq.stats.cached_tokens`, 0 without prefix caching)."""
+        queue = QueuedFeatures.of_prompt(features)
+        kept = self._kept_rows().pop(seq.row, None)
+        reused = int(seq.stats.cached_tokens)
+        if reused:
+            held = 0 if kept is None else kept.ids.numel()
+            if not self.follows_prefix_cache or reused > held:
+                raise RuntimeError(f"drafter {self.name}: row {seq.row} reuses {reused} positions, but the drafter "
+                                   f"holds {held} (the engine must match prompts against held_ids)")
+            in_cache = min(reused, int(self.cache.lengths[seq.row]))
+            self.cache.truncate(seq.row, in_cache)
+            if reused > in_cache:
+                queue.put_reused(kept.queue.head(reused - in_cache))
+        else:
+            self.cache.reset(seq.row)
+        self.states.start(seq, FeatureRequestState(drafter_gen=drafter_generator(seq, self.device), queue=queue))
 
     def release(self, seq: Request) -> None:
-        self.states.release(seq)
-        if seq.row >= 0:
+        state = self.states.release(seq)
+        if seq.row < 0:
+            return
+        if not self.follows_prefix_cache or state is None:
             self.cache.reset(seq.row)
+            return
+        # The row keeps its context and queue: a later request may reuse its prefix (start()).
+        n = int(self.cache.lengths[seq.row]) + state.queue.count()
+        self._kept_rows()[seq.row] = _Kept(torch.tensor(seq.all_ids[:n], dtype=torch.int32), state.queue)
+
+    def held_ids(self, row: int) -> torch.Tensor | None:
+        """The ids of the positions a free row holds (int32), or None: how far a request placed
+        there can reuse a prefix (the engine's prefix cache asks, with follows_prefix_cache)."""
+        kept = self._kept_rows().get(row)
+        return None if kept is None else kept.ids
+
+    def _kept_rows(self) -> dict[int, _Kept]:
+        if not hasattr(self, "_kept"):
+            self._kept = {}
+        return self._kept
 
     def pending_count(self, seq: Request) -> int:
         """Context positions whose target features are queued but not yet in the cache."""
@@ -177,6 +249,7 @@ class FeatureQueueDrafter:
         out = [s for s in seqs if self.pending_count(s) >= self.flush_tokens]
         rest = [s for s in seqs if self.pending_count(s) < self.flush_tokens]
         left = sum(self.states[s].queue.bytes for s in rest)
+        left = self._drop_kept(left)
         if left > self.queue_bytes:  # sorted only then: most rounds stay under the bound
             for s in sorted(rest, key=lambda s: -self.states[s].queue.bytes):
                 if left <= self.queue_bytes // 2:
@@ -184,6 +257,21 @@ class FeatureQueueDrafter:
                 out.append(s)
                 left -= self.states[s].queue.bytes
         return out
+
+    def _drop_kept(self, running: int) -> int:
+        """Free rows' kept queues count against `queue_bytes` too, and go first (dropping one
+        costs no compute: its row then holds only its context cache, and a prompt reuses only
+        that much of it); → what the queues hold after."""
+        kept = self._kept_rows()
+        total = running + sum(k.queue.bytes for k in kept.values())
+        for row, k in list(kept.items()):  # least recently released first
+            if total <= self.queue_bytes:
+                break
+            if k.queue.bytes:
+                total -= k.queue.bytes
+                n = int(self.cache.lengths[row])
+                kept[row] = _Kept(k.ids[:n], QueuedFeatures())
+        return total
 
     def _flush(self, seqs: Sequence[Request]) -> None:
         """Consume every given row's queued positions (prompt, then committed rounds), in one batch."""

@@ -71,6 +71,10 @@ class LookupFirstDrafter:
     def release(self, seq: Request) -> None:
         self.model.release(seq)
 
+    def held_ids(self, row: int):
+        """What the wrapped drafter holds in a free row (asked only when it follows the prefix cache)."""
+        return self.model.held_ids(row)
+
     def on_verified(self, seqs, proposal, result, features) -> None:
         for n, m in zip(self._rows, result.num_accepted.tolist()):
             if n:  # a lookup row: draft k was reached iff drafts 1..k-1 were accepted

@@ -42,8 +42,9 @@ class EngineConfig:
     # acceptance with sampled drafts; reproducible only while K does not depend on load).
     reproducible_seeds: bool = True
     # Automatic prefix caching (engine/prefix_cache.py): a new request reuses the KV of the longest
-    # prompt prefix a free row still holds. Only with drafters that read no target features: True
-    # asks for it (a warning where the drafter rules it out), None = wherever the drafter allows.
+    # prompt prefix a free row still holds. With drafters that read no target features and those
+    # that keep them per row (DFlash, DSpark; not EAGLE-3): True asks for it (a warning where the
+    # drafter rules it out), None = wherever the drafter allows.
     enable_prefix_caching: bool | None = False
     # On a CPU, leave the cores other busy processes use to them (models/threads.ThreadGovernor:
     # torch's threads re-decided every 2 s); False keeps the threads as they are set.
@@ -95,6 +96,8 @@ class Engine:
         asked = self.config.enable_prefix_caching
         reads = bool(needs.layer_ids or needs.final_hidden) and not needs.follows_prefix_cache
         self.prefix_caching = asked is not False and not reads
+        # one that keeps them per row says which ids it holds there (drafters/feature_queue.py)
+        self._drafter_held = getattr(self.drafter, "held_ids", None) if needs.follows_prefix_cache else None
         if asked is True and not self.prefix_caching:
             log.warning("prefix caching is off with drafter %r: it reads the target's features of every "
                         "prompt token, which a reused prefix does not recompute", self.drafter.name)
@@ -192,7 +195,7 @@ class Engine:
         # With prefix caching a row starts after the prefix it already holds.
         feeds = [s.prompt_ids[:-1] for s in new]
         if self.prefix_caching:
-            placed = place(feeds, self.free_rows, self.cache)
+            placed = place(feeds, self.free_rows, self.cache, self._drafter_held)
         else:
             placed = [(r, 0) for r in self.free_rows[: len(new)]]
         for s, (row, reused) in zip(new, placed):
