@@ -11,6 +11,7 @@ import torch
 
 from draftsmith import LLM, SamplingParams
 from draftsmith.drafters import dflash, dspark, eagle3
+from draftsmith.drafters.lookup_first import LookupFirstDrafter
 from draftsmith.engine.prefix_cache import common_prefix, place
 from draftsmith.models.kv_cache import KVCache
 from draftsmith.policy.fixed import FixedK
@@ -36,9 +37,15 @@ def models(target):
     }
 
 
-def llm_with(target, model, *, prefix: bool | None, k: int = 3, rows: int = 1) -> LLM:
-    return LLM(target, drafter=model.make_drafter(target.model, rows, MAX_LEN), policy=FixedK(k), max_batch=rows,
+def llm_with(target, model, *, prefix: bool | None, k: int = 3, rows: int = 1, lookup: bool = False) -> LLM:
+    drafter = model.make_drafter(target.model, rows, MAX_LEN)
+    return LLM(target, drafter=LookupFirstDrafter(drafter) if lookup else drafter, policy=FixedK(k), max_batch=rows,
                max_len=MAX_LEN, enable_prefix_caching=prefix)
+
+
+def context_cache(llm: LLM):
+    d = llm.engine.drafter
+    return d.model.cache if isinstance(d, LookupFirstDrafter) else d.cache
 
 
 def admit(llm: LLM, ids: list[int], n: int = 8):
@@ -50,15 +57,16 @@ def admit(llm: LLM, ids: list[int], n: int = 8):
 
 
 def context(llm: LLM, row: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    c = llm.engine.drafter.cache
+    c = context_cache(llm)
     return [(c.k[i][row, :, :n].clone(), c.v[i][row, :, :n].clone()) for i in range(len(c.k))]
 
 
-@pytest.mark.parametrize("kind", ["dspark", "dflash"])
+@pytest.mark.parametrize("kind", ["dspark", "dflash", "lookup:dspark"])
 @pytest.mark.parametrize("turn1_drafts", [3, 0], ids=["consumed", "still-queued"])
 def test_next_turn_reuses_the_drafters_context_and_it_equals_a_fresh_one(target, models, kind, turn1_drafts):
-    model = models[kind]
-    on = llm_with(target, model, prefix=True)
+    lookup = kind.startswith("lookup:")
+    model = models[kind.removeprefix("lookup:")]
+    on = llm_with(target, model, prefix=True, lookup=lookup)
     assert on.engine.prefix_caching
     on.engine.policy = FixedK(turn1_drafts)  # 0: turn 1 never drafts, so its features stay queued
     first = on.generate(["abcabcabc hello"], greedy(12))[0]
@@ -66,14 +74,15 @@ def test_next_turn_reuses_the_drafters_context_and_it_equals_a_fresh_one(target,
     conv = first.prompt_token_ids + first.token_ids
     # the drafter holds every position the KV cache remembers (all but the last emitted token)
     assert kept is not None and kept.tolist() == conv[:-1]
-    cached = int(on.engine.drafter.cache.lengths[0])  # the rest of them still queued
-    assert (cached == 0) if turn1_drafts == 0 else (0 < cached < len(conv) - 1)
+    cached = int(context_cache(on).lengths[0])  # the rest of them still queued
+    if not lookup:  # (lookup drafts some rounds itself: the model's queue is consumed only when it drafts)
+        assert (cached == 0) if turn1_drafts == 0 else (0 < cached < len(conv) - 1)
 
     on.engine.policy = FixedK(3)
     turn2 = conv + on.encode(" and then")
     s = admit(on, turn2)
     assert s.stats.cached_tokens == len(conv) - 1
-    fresh = llm_with(target, model, prefix=False)
+    fresh = llm_with(target, model, prefix=False, lookup=lookup)
     f = admit(fresh, turn2)
     assert f.stats.cached_tokens == 0
     n = len(turn2) - 1

@@ -537,3 +537,35 @@ def test_serve_flags_reach_the_server(monkeypatch):
     kw = run("--api-key", "flag", "--max-choices-per-request", "9", "--max-prompt-bytes", "100",
              "--max-queued-tokens", "5000")
     assert kw["api_key"] == "flag" and kw["limits"] == Limits(max_choices=9, max_prompt_bytes=100, max_queued_tokens=5000)
+
+
+def test_prefix_caching_keeps_a_dspark_drafter_on_a_chats_next_turn(tiny_dir, tiny_server, tmp_path):
+    """`serve --drafter dspark:DIR --enable-prefix-caching`: a chat's second turn (the official
+    client, messages = the first turn + its answer + a new question) reuses the first turn's
+    prompt and answer, with the drafter still drafting (drafters/feature_queue.py), and answers
+    as a plain server with prefix caching does."""
+    import torch
+    from openai import OpenAI
+
+    from draftsmith.api import LLM
+    from draftsmith.drafters import dspark
+    from draftsmith.drafters.checkpoint import save_trained_drafter
+
+    t = LLM(str(tiny_dir), max_len=256).target
+    torch.manual_seed(0)
+    model = dspark.build(t.model, dspark.DSparkConfig(block_size=3, num_layers=1, rank=8, max_anchors=4))
+    save_trained_drafter(model, tmp_path / "dspark", t.target_id, t.weights_hash)
+    answers = {}
+    for name, kw in (("dspark", {"drafter": f"dspark:{tmp_path / 'dspark'}", "policy": "fixed"}), ("plain", {})):
+        url = tiny_server(llm_kw={"enable_prefix_caching": True, **kw})
+        c = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        msgs = [{"role": "user", "content": "abc abc abc, then what?"}]
+        first = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0)
+        msgs += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "and after that?"}]
+        second = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0)
+        assert second.usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens
+        answers[name] = (first.choices[0].message.content, second.choices[0].message.content)
+        if name == "dspark":
+            assert _metrics(url)["draftsmith_draft_tokens_proposed_total"] > 0
+    assert answers["dspark"] == answers["plain"]
