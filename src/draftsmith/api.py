@@ -123,9 +123,10 @@ class LLM:
               rejection rule, which False restores for seeded requests).
     enable_prefix_caching: a request reuses the KV of the longest prompt prefix a free cache row
               still holds (a shared system prompt, the conversation so far, a repeated prompt;
-              engine/prefix_cache.py): plain decoding, n-gram, draft-model, DFlash and DSpark
-              drafters (the last two keep their context per row with the KV; not EAGLE-3: True
-              warns there, None turns it on quietly wherever it can). False (default): off. A reused prefix equals a fresh prefill up to float rounding,
+              engine/prefix_cache.py): plain decoding and every drafter (the trained ones keep
+              their context per row with the KV; a custom drafter that reads target features
+              without keeping them per row turns it off: True warns there, None turns it on
+              quietly wherever it can). False (default): off. A reused prefix equals a fresh prefill up to float rounding,
               so outputs can differ from a run without it at near-ties (bfloat16 especially).
     """
 

@@ -1,6 +1,7 @@
-"""Prefix caching with drafters fed the target's features: DFlash / DSpark rows keep their context
-(drafters/feature_queue.py, `follows_prefix_cache`), so a next turn reuses what the KV cache and
-the drafter both hold; the reused context equals a fresh one; EAGLE-3 keeps it off."""
+"""Prefix caching with drafters fed the target's features: EAGLE-3 / DFlash / DSpark rows keep
+their context (drafters/feature_queue.py, `follows_prefix_cache`), so a next turn reuses what the
+KV cache and the drafter both hold (EAGLE-3: one position less); the reused context equals a fresh
+one; a drafter that does not keep its context per row turns prefix caching off."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from draftsmith import LLM, SamplingParams
 from draftsmith.drafters import dflash, dspark, eagle3
+from draftsmith.drafters.base import FeatureSpec, NoDrafter
 from draftsmith.drafters.lookup_first import LookupFirstDrafter
 from draftsmith.engine.prefix_cache import common_prefix, place
 from draftsmith.models.kv_cache import KVCache
@@ -34,6 +36,7 @@ def models(target):
     return {
         "dspark": dspark.build(target.model, dspark.DSparkConfig(block_size=4, num_layers=1, rank=8, max_anchors=4)),
         "dflash": dflash.build(target.model, dflash.DFlashConfig(block_size=4, num_layers=1, max_anchors=4)),
+        "eagle3": eagle3.build(target.model, eagle3.Eagle3Config()),
     }
 
 
@@ -61,7 +64,7 @@ def context(llm: LLM, row: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor
     return [(c.k[i][row, :, :n].clone(), c.v[i][row, :, :n].clone()) for i in range(len(c.k))]
 
 
-@pytest.mark.parametrize("kind", ["dspark", "dflash", "lookup:dspark"])
+@pytest.mark.parametrize("kind", ["dspark", "dflash", "eagle3", "lookup:dspark"])
 @pytest.mark.parametrize("turn1_drafts", [3, 0], ids=["consumed", "still-queued"])
 def test_next_turn_reuses_the_drafters_context_and_it_equals_a_fresh_one(target, models, kind, turn1_drafts):
     lookup = kind.startswith("lookup:")
@@ -81,7 +84,8 @@ def test_next_turn_reuses_the_drafters_context_and_it_equals_a_fresh_one(target,
     on.engine.policy = FixedK(3)
     turn2 = conv + on.encode(" and then")
     s = admit(on, turn2)
-    assert s.stats.cached_tokens == len(conv) - 1
+    margin = 1 if kind == "eagle3" else 0  # its context position j also reads token j + 1
+    assert s.stats.cached_tokens == len(conv) - 1 - margin
     fresh = llm_with(target, model, prefix=False, lookup=lookup)
     f = admit(fresh, turn2)
     assert f.stats.cached_tokens == 0
@@ -154,20 +158,24 @@ def test_place_matches_what_the_kv_cache_and_the_drafter_both_hold():
     assert place(feeds, [0, 1, 2, 3], c, lambda r: None) == [(3, 0), (0, 0)]  # nothing held: the empty row first
 
 
-def test_on_for_dflash_and_dspark_off_for_eagle3_with_a_warning_only_when_asked(target, models, caplog):
+def test_on_for_context_cache_drafters_off_with_a_warning_only_when_asked_for_one_that_keeps_no_rows(
+        target, models, caplog):
     for model in models.values():
         assert llm_with(target, model, prefix=None).engine.prefix_caching  # "wherever the drafter allows"
         assert not llm_with(target, model, prefix=False).engine.prefix_caching
-    e3 = eagle3.build(target.model, eagle3.Eagle3Config())
 
-    def with_eagle(**kw) -> LLM:
-        return LLM(target, drafter=e3.make_drafter(target.model, 2, MAX_LEN), max_batch=2, max_len=MAX_LEN, **kw)
+    class PromptOnly(NoDrafter):  # reads features, keeps nothing per row
+        name = "prompt-only"
+        needs = FeatureSpec(layer_ids=(0,))
+
+    def with_it(**kw) -> LLM:
+        return LLM(target, drafter=PromptOnly(), max_batch=2, max_len=MAX_LEN, **kw)
 
     with caplog.at_level(logging.WARNING):
-        quiet = with_eagle(enable_prefix_caching=None)
+        quiet = with_it(enable_prefix_caching=None)
     assert not quiet.engine.prefix_caching and "prefix caching is off" not in caplog.text
     with caplog.at_level(logging.WARNING):
-        asked = with_eagle(enable_prefix_caching=True)
+        asked = with_it(enable_prefix_caching=True)
     assert not asked.engine.prefix_caching and "prefix caching is off" in caplog.text
     out = quiet.generate(["abcabc", "abcabc"], greedy(6))
     assert all(o.stats["cached_tokens"] == 0 for o in out)

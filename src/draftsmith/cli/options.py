@@ -116,8 +116,8 @@ def add_progress(p: argparse.ArgumentParser) -> None:
 def add_prefix_caching(p: argparse.ArgumentParser, what: str, on: bool) -> None:
     """vLLM's flag: reuse the KV of a prompt prefix a free cache row still holds (engine/prefix_cache.py)."""
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None if on else False,
-                   help=f"reuse the KV cache of a prompt prefix already computed ({what}); plain decoding, n-gram, "
-                        "draft-model, DFlash and DSpark drafters (not EAGLE-3); outputs equal a run without it up to float rounding "
+                   help=f"reuse the KV cache of a prompt prefix already computed ({what}); "
+                        "outputs equal a run without it up to float rounding "
                         f"(default: {'on wherever the drafter allows' if on else 'off'})")
 
 

@@ -54,11 +54,15 @@ class FeatureSpec:
     cache keeps keys and values, so a prompt prefix the row still holds needs no recomputing:
     with prefix caching, start() gets only the features of the positions past it
     (data/feature_recorder.py). Drafters that build a context from start()'s features alone
-    leave it False, and the engine turns prefix caching off for them."""
+    leave it False, and the engine turns prefix caching off for them.
+    reuse_margin: a reused prefix stops this many positions short of the matched one, for a
+    drafter whose context position also reads the next token (EAGLE-3: 1; the target then
+    recomputes that position and the drafter gets its features again)."""
 
     layer_ids: tuple[int, ...] = ()
     final_hidden: bool = False
     follows_prefix_cache: bool = False
+    reuse_margin: int = 0
 
 
 @dataclass

@@ -269,10 +269,13 @@ class EagleDrafter(FeatureQueueDrafter):
     `drafter_gen` and its queued target features, drafters/feature_queue.py)."""
 
     name = "eagle3"
+    follows_prefix_cache = True
 
     def __init__(self, model: Eagle3Model, max_rows: int, max_len: int) -> None:
         self.model = pack_linears_for_inference_(model)  # prepacked at inference; trains as before
-        self.needs = FeatureSpec(layer_ids=model.layer_ids)
+        # Context position j pairs the features of j with token j + 1: a row's context follows
+        # the prefix cache one position short of the matched prefix (feature_queue.py)
+        self.needs = FeatureSpec(layer_ids=model.layer_ids, follows_prefix_cache=True, reuse_margin=1)
         self.feature_layers = model.layer_ids
         self.states: RequestStates[FeatureRequestState] = RequestStates(self.name)
         c = model.cfg

@@ -11,13 +11,16 @@ their bounds (`flush_tokens` positions in a row, `queue_bytes` in all): the rows
 engine step go through the drafter in one batch, and rounds a load-aware policy does not draft
 pay no drafter upkeep.
 
-Automatic prefix caching (engine/prefix_cache.py). A drafter whose context at a position depends
-on that position's target features alone (DFlash / DSpark: a projection and the draft layers'
-keys / values at that position; not EAGLE-3, whose context position j also reads token j + 1 and
-whose last hidden state is the last position's) sets `follows_prefix_cache`: a leaving request's
-row keeps its context and its still-queued features (`_Kept`, with the token ids they belong to),
-and a request the engine places in that row with a reused prefix of n tokens starts from the first
-n of them. The engine matches a new prompt against what both hold (`held_ids`), so a row whose
+Automatic prefix caching (engine/prefix_cache.py). A drafter whose context positions depend on
+the row's tokens and features up to a fixed distance sets `follows_prefix_cache`: a leaving
+request's row keeps its context and its still-queued features (`_Kept`, with the token ids they
+belong to), and a request the engine places in that row with a reused prefix of n tokens starts
+from the first n of them. DFlash / DSpark: a context position is that position's features
+projected (the draft layers' keys / values there). EAGLE-3: context position j pairs the features
+of j with token j + 1, so the engine stops a reuse one position short of the matched prefix
+(`FeatureSpec.reuse_margin`): every reused position's next token is then shared, the target
+recomputes the position after them, and the first new position's features set the drafter's last
+hidden state. The engine matches a new prompt against what both hold (`held_ids`), so a row whose
 kept queue was dropped to bound memory, or whose target KV another engine rewrote, is reused only
 as far as the drafter can follow. Keeping costs no compute: the queued features of a row that
 never drafted stay queued, as they did while it ran.

@@ -43,8 +43,8 @@ class EngineConfig:
     reproducible_seeds: bool = True
     # Automatic prefix caching (engine/prefix_cache.py): a new request reuses the KV of the longest
     # prompt prefix a free row still holds. With drafters that read no target features and those
-    # that keep them per row (DFlash, DSpark; not EAGLE-3): True asks for it (a warning where the
-    # drafter rules it out), None = wherever the drafter allows.
+    # that keep them per row (EAGLE-3, DFlash, DSpark): True asks for it (a warning where a drafter
+    # rules it out), None = wherever the drafter allows.
     enable_prefix_caching: bool | None = False
     # On a CPU, leave the cores other busy processes use to them (models/threads.ThreadGovernor:
     # torch's threads re-decided every 2 s); False keeps the threads as they are set.
@@ -98,6 +98,7 @@ class Engine:
         self.prefix_caching = asked is not False and not reads
         # one that keeps them per row says which ids it holds there (drafters/feature_queue.py)
         self._drafter_held = getattr(self.drafter, "held_ids", None) if needs.follows_prefix_cache else None
+        self._reuse_margin = needs.reuse_margin
         if asked is True and not self.prefix_caching:
             log.warning("prefix caching is off with drafter %r: it reads the target's features of every "
                         "prompt token, which a reused prefix does not recompute", self.drafter.name)
@@ -195,7 +196,8 @@ class Engine:
         # With prefix caching a row starts after the prefix it already holds.
         feeds = [s.prompt_ids[:-1] for s in new]
         if self.prefix_caching:
-            placed = place(feeds, self.free_rows, self.cache, self._drafter_held)
+            placed = [(r, max(0, n - self._reuse_margin))
+                      for r, n in place(feeds, self.free_rows, self.cache, self._drafter_held)]
         else:
             placed = [(r, 0) for r in self.free_rows[: len(new)]]
         for s, (row, reused) in zip(new, placed):

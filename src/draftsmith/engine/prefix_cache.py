@@ -19,10 +19,11 @@ none of 23 sampled float32 multi-turn conversations). That is why it is opt-in f
 `regen`, whose data needs the target's distribution, not one run's bits.
 
 A context-cache drafter needs the target's features of every prompt token, which a reused prefix
-does not recompute. DFlash and DSpark keep their context per row as the KV cache keeps keys and
-values (drafters/feature_queue.py: `follows_prefix_cache`), so a prompt reuses what the row's KV
-and the drafter's context both still hold (`place(..., drafter_held=...)`). EAGLE-3's context
-position also reads the next token, so the engine turns prefix caching off for it.
+does not recompute. EAGLE-3, DFlash and DSpark keep their context per row as the KV cache keeps
+keys and values (drafters/feature_queue.py: `follows_prefix_cache`), so a prompt reuses what the
+row's KV and the drafter's context both still hold (`place(..., drafter_held=...)`; EAGLE-3 one
+position less, as its context position also reads the next token). A drafter that builds its
+context from a request's own prompt features alone turns prefix caching off.
 """
 
 from __future__ import annotations
