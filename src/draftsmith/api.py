@@ -126,8 +126,9 @@ class LLM:
               engine/prefix_cache.py): plain decoding and every drafter (the trained ones keep
               their context per row with the KV; a custom drafter that reads target features
               without keeping them per row turns it off: True warns there, None turns it on
-              quietly wherever it can). False (default): off. A reused prefix equals a fresh prefill up to float rounding,
-              so outputs can differ from a run without it at near-ties (bfloat16 especially).
+              quietly wherever it can). False (default): off. A reused prefix equals a fresh
+              prefill up to float rounding, so outputs can differ from a run without it at
+              near-ties (bfloat16 especially).
     """
 
     def __init__(

@@ -275,7 +275,8 @@ class EagleDrafter(FeatureQueueDrafter):
         self.model = pack_linears_for_inference_(model)  # prepacked at inference; trains as before
         # Context position j pairs the features of j with token j + 1: a row's context follows
         # the prefix cache one position short of the matched prefix (feature_queue.py)
-        self.needs = FeatureSpec(layer_ids=model.layer_ids, follows_prefix_cache=True, reuse_margin=1)
+        self.needs = FeatureSpec(layer_ids=model.layer_ids, follows_prefix_cache=self.follows_prefix_cache,
+                                 reuse_margin=1)
         self.feature_layers = model.layer_ids
         self.states: RequestStates[FeatureRequestState] = RequestStates(self.name)
         c = model.cfg

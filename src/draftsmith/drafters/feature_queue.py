@@ -68,10 +68,11 @@ def owned(h: torch.Tensor) -> torch.Tensor:
 class QueuedFeatures:
     """One request's target features not yet in its drafter's cache, oldest first."""
 
-    reused: dict[int, torch.Tensor] | None = None  # a reused prefix's, queued by the request before: layer id → [n, H]
+    # a reused prefix's positions the request before had queued (prefix caching): layer id → [n, H]
+    reused: dict[int, torch.Tensor] | None = None
     prefill: dict[int, torch.Tensor] | None = None  # the prompt's: layer id → [1, S, H]
     rounds: list[dict[int, torch.Tensor]] = field(default_factory=list)  # committed: {layer id: [n, H]} per round
-    n: int = 0  # positions queued (prompt + rounds), kept as they come: count() is asked every round
+    n: int = 0  # positions queued (reused + prompt + rounds), kept as they come: count() is asked every round
     bytes: int = 0  # what they hold, kept the same way
 
     @staticmethod
@@ -112,8 +113,8 @@ class QueuedFeatures:
         self.bytes += sum(h.numel() * h.element_size() for h in hidden.values())
 
     def take(self) -> dict[int, torch.Tensor] | None:
-        """Empty the queue: layer id → [n, H], prompt then rounds in order (the layers every
-        part has), or None when nothing was queued."""
+        """Empty the queue: layer id → [n, H], a reused prefix's, the prompt's, then the rounds' in
+        order (the layers every part has), or None when nothing was queued."""
         parts = []
         if self.reused is not None:
             parts.append(self.reused)
