@@ -19,8 +19,8 @@ first token (its prefill), the prompt tokens prefilled, each turn's decode token
 conversation's wall time, the wave's output tokens per second (both turns, prefill included), τ;
 × plain = that rate ÷ plain decoding's without prefix caching, per wave. The outputs of the two
 drafter configurations are compared with plain decoding's under the same prefix-caching setting.
-Writes its section of BENCHMARKS.md (per CPU kind and concurrency) and
-benchmarks/results/bench_prefix_drafter[-cC][-kind].json.
+Writes its section of BENCHMARKS.md (per CPU kind, concurrency and drafter) and
+benchmarks/results/bench_prefix_drafter[-cC][-drafter][-kind].json (no drafter part for the built-in).
 Run on an idle machine.
 """
 
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import time
 from pathlib import Path
@@ -42,6 +43,7 @@ from draftsmith.data.sources import MTBenchSource
 from draftsmith.models.target import load_target
 
 ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_DRAFTER = "dspark:smollm2-135m"
 
 
 def conversations(n: int) -> list[tuple[str, str, str]]:
@@ -96,7 +98,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--conversations", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--drafter", default="dspark:smollm2-135m")
+    ap.add_argument("--drafter", default=DEFAULT_DRAFTER)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--concurrency", type=int, default=1, help="conversations in flight per engine (its rows)")
     ap.add_argument("--no-write", action="store_true")
@@ -164,7 +166,9 @@ def main() -> None:
               "per_conversation": {n: [[{k: v for k, v in t.items() if k not in ("text", "ids")} for t in c]
                                        for c in rs] for n, rs in results.items()}}
     (ROOT / "benchmarks/results").mkdir(exist_ok=True)
-    key = f"bench_prefix_drafter{'' if C == 1 else f'-c{C}'}{tag}"
+    # one section per CPU kind, concurrency and drafter (the built-in's is the unnamed one)
+    named = "" if args.drafter == DEFAULT_DRAFTER else "-" + re.sub(r"[^A-Za-z0-9.]+", "-", args.drafter).strip("-")
+    key = f"bench_prefix_drafter{'' if C == 1 else f'-c{C}'}{named}{tag}"
     (ROOT / f"benchmarks/results/{key}.json").write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(rows, indent=1))
     if args.no_write:
