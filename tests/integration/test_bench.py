@@ -6,6 +6,8 @@
   greedy speculative outputs equal the baseline's, the PNGs are valid and non-empty.
 - `--endpoint`: the same load generator against two of the project's servers on loopback
   (plain and n-gram); acceptance and τ come from their /metrics.
+- `--turns 2`: each request a conversation whose second turn carries the first answer, in process
+  (prefix caching on) and against servers; records, equality and prefix-cache counts per turn.
 - A bench subprocess SIGKILLed after its first tier is on disk keeps that tier; `--resume`
   runs only the rest (and drops a torn line).
 """
@@ -206,6 +208,91 @@ def test_bench_endpoint_mode_against_our_servers(tiny_model_dir, tmp_path):
         assert ng["verdict"]["decision"] in ("go", "no-go")
     for name in ("throughput_vs_concurrency.png", "latency_percentiles.png", "acceptance_per_position.png"):
         _check_png(out / name)
+
+
+def _conversations(tmp_path: Path, n: int = 3) -> Path:
+    p = tmp_path / "chats.jsonl"
+    rows = [{"id": f"c{i}", "messages": [
+        {"role": "user", "content": f"def add{i}(a, b): return a + b\ndef add{i}(a, b):"},
+        {"role": "assistant", "content": "(replaced by the target's answer)"},
+        {"role": "user", "content": f"and sub{i}? def sub{i}(a, b):"},
+        {"role": "assistant", "content": "x"},
+        {"role": "user", "content": "a third turn --turns 2 leaves out"}]} for i in range(n)]
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return p
+
+
+def _check_turns(r: dict, requests: int) -> dict[tuple[int, int], dict]:
+    """Both turns of every request recorded; the second's prompt holds the first's."""
+    recs = {(x["index"], x["turn"]): x for x in r["per_request"]}
+    assert sorted(recs) == [(i, t) for i in range(requests) for t in (0, 1)]
+    for i in range(requests):
+        first, second = recs[(i, 0)], recs[(i, 1)]
+        assert second["prompt_tokens"] > first["prompt_tokens"] + first["output_tokens"] // 2
+    (t1, t2) = r["by_turn"]
+    assert (t1["turn"], t2["turn"]) == (1, 2) and t1["requests"] == t2["requests"] == requests
+    assert t2["prompt_tokens"] == sum(recs[(i, 1)]["prompt_tokens"] for i in range(requests))
+    return recs
+
+
+def test_bench_turns_in_process_with_prefix_caching(tiny_model_dir, tmp_path):
+    """--turns 2 --enable-prefix-caching in process: a conversation's second turn finds its first
+    turn's prompt and answer in the prefix cache; every run starts with nothing cached (at
+    concurrency 1 a run is one conversation: its first turn reuses nothing, whatever ran before);
+    greedy outputs of every turn equal the baseline's."""
+    out = tmp_path / "out"
+    cfg = BenchConfig(target=str(tiny_model_dir("llama", seed=23)), drafters=("ngram",),
+                      workload=str(_conversations(tmp_path)), concurrency=(1, 2), requests=3, max_tokens=10, warmup=1,
+                      turns=2, enable_prefix_caching=True, control=True, out=out, progress=False)
+    rep = json.loads(run_bench(cfg, log=lambda m: None).read_text())
+    assert rep["setup"]["workload"]["turns"] == 2 and rep["setup"]["workload"]["total_turns"] == 6
+    assert rep["setup"]["prefix_caching"] is True
+    for t in rep["tiers"]:
+        for r in t["results"]:
+            _check_row_consistency(r)
+            recs = _check_turns(r, 3)
+            t1, t2 = r["by_turn"]
+            assert 0 < t2["cached_tokens"] <= t2["prompt_tokens"]
+            for i in range(3):  # most of turn 2's prompt (turn 1's prompt at least) came from the cache
+                assert recs[(i, 1)]["cached_tokens"] >= recs[(i, 0)]["prompt_tokens"] - 2
+            if t["concurrency"] == 1:
+                assert t1["cached_tokens"] == 0
+            if r["label"] != "none":
+                assert r["equality"]["compared"] == 6 and r["equality"]["mismatches"] == 0
+    md = (out / "report.md").read_text()
+    assert "| config | turn | requests | TTFT ms P50/P95/P99 | prompt tokens | cached by the prefix cache |" in md
+    assert "conversation of up to 2 user turns" in md
+
+
+def test_bench_turns_against_servers(tiny_model_dir, tmp_path):
+    """--turns 2 over HTTP: the second turn's messages carry the streamed first answer; the servers'
+    usage gives prompt and cached tokens per turn; greedy outputs equal across the servers."""
+    from draftsmith.api import LLM
+    from draftsmith.server.app import create_app
+
+    tiny = str(tiny_model_dir("llama", seed=23))
+    plain = LLM(tiny, drafter="none", max_batch=2, max_len=256, enable_prefix_caching=True)
+    spec = LLM(tiny, drafter="ngram", policy="fixed", num_speculative_tokens=4, max_batch=2, max_len=256,
+               enable_prefix_caching=True)
+    with _ThreadServer(create_app(plain)) as u1, _ThreadServer(create_app(spec)) as u2:
+        cfg = BenchConfig(workload=str(_conversations(tmp_path, 2)), concurrency=(1,), requests=2, max_tokens=10,
+                          warmup=0, turns=2, out=tmp_path / "out", progress=False,
+                          endpoints=(parse_endpoint(f"none={u1}", 0), parse_endpoint(f"ngram={u2}", 1)))
+        rep = json.loads(run_bench(cfg, log=lambda m: None).read_text())
+    (t,) = rep["tiers"]
+    rows = {r["label"]: r for r in t["results"]}
+    for r in rows.values():
+        assert r["errors"] == 0
+        _check_turns(r, 2)
+        assert r["by_turn"][1]["cached_tokens"] > 0  # usage.prompt_tokens_details.cached_tokens
+    assert rows["ngram"]["equality"]["compared"] == 4 and rows["ngram"]["equality"]["mismatches"] == 0
+    # the same conversations in process: each turn's prompt has the same tokens as the server saw
+    # (the streamed answer went into the second turn's messages as the engine's decoded answer does)
+    local = BenchConfig(target=tiny, drafters=(), workload=cfg.workload, concurrency=(1,), requests=2, max_tokens=10,
+                        warmup=0, turns=2, out=tmp_path / "local", progress=False)
+    (lt,) = json.loads(run_bench(local, log=lambda m: None).read_text())["tiers"]
+    prompt = {(x["index"], x["turn"]): x["prompt_tokens"] for x in lt["results"][0]["per_request"]}
+    assert {(x["index"], x["turn"]): x["prompt_tokens"] for x in rows["none"]["per_request"]} == prompt
 
 
 def _cli(*args: str) -> list[str]:

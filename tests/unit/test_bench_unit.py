@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 
 from draftsmith.bench.config import Arrival, BenchConfig, parse_arrival, parse_concurrency, parse_endpoint
-from draftsmith.bench.loadgen import BenchRequest, counters_from_text, diff_counters, poisson_offsets, run_engine
+from draftsmith.bench.loadgen import (
+    BenchRequest, counters_from_text, diff_counters, next_turn, poisson_offsets, run_engine,
+)
 from draftsmith.bench.metrics import RequestRecord, RunResult, distribution, percentile, spread, summarize
 from draftsmith.bench.phases import plan_phases
 from draftsmith.bench.results import read_results
@@ -320,6 +323,73 @@ def test_run_engine_closed_loop_records(tiny_engine_factory):
     assert all(r.proposed == 0 and r.rounds == r.output_tokens for r in base.records)
     s = summarize([spec])
     assert s["tau"] == pytest.approx(s["committed"] / s["rounds"]) and s["draft_proposed"] > 0
+
+
+def test_run_engine_conversations_send_the_answer_in_the_next_turn(tiny_engine_factory):
+    """A request with follow-up turns: each turn is a record; the next turn's prompt is
+    tokenize(messages + the decoded answer + the next user message), sent by the same user
+    (closed loop at concurrency 1: the two conversations' turns never overlap)."""
+    target, make = tiny_engine_factory
+    seen: list[list[dict]] = []
+
+    def tokenize(msgs):
+        seen.append(msgs)
+        return target.tokenizer("\n".join(m["content"] for m in msgs), add_special_tokens=False)["input_ids"]
+
+    reqs = [replace(r, followups=("and again?", "once more")) for r in _requests(target, 2, max_tokens=6)]
+    engine = make("none", 1)
+    res = run_engine(engine, reqs, 1, None, tokenize=tokenize)
+    assert [(r.index, r.turn) for r in res.records] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
+    by = {(r.index, r.turn): r for r in res.records}
+    assert all(by[(i, t)].t_arrival >= by[(i, t - 1)].t_arrival + by[(i, t - 1)].e2e - 1e-9
+               for i in (0, 1) for t in (1, 2))
+    assert len(seen) == 4 and [m["content"] for m in seen[0]][-1] == "and again?"
+    assert seen[0][-2]["role"] == "assistant" and seen[1][-1]["content"] == "once more"
+    assert seen[1][:len(seen[0])] == seen[0]
+    assert [r.prompt_tokens for r in res.records[:3]] == [len(reqs[0].token_ids), *(len(tokenize(m)) for m in seen[:2])]
+    # the answer in the prompt is the engine's own decoding of the first turn's output
+    first = run_engine(make("none", 1), reqs[:1], 1, None, tokenize=tokenize)
+    assert first.records[0].output_sha == by[(0, 0)].output_sha
+    # a turn that outgrows the context is a failed record, and the run goes on
+    long = [replace(reqs[0], followups=("x " * 300,)), reqs[1]]
+    res = run_engine(make("none", 1), long, 1, None, tokenize=tokenize)
+    assert [(r.index, r.turn, r.ok) for r in res.records] == [(0, 0, True), (0, 1, False), (1, 0, True), (1, 1, True),
+                                                             (1, 2, True)]
+    assert res.records[1].error.startswith("turn 2: ") and res.records[1].prompt_tokens > 128
+    with pytest.raises(DraftsmithError, match="need `tokenize`"):
+        run_engine(make("none", 1), reqs, 1, None)
+    nxt = next_turn(reqs[0], "ANSWER")
+    assert nxt.turn == 1 and nxt.followups == ("once more",) and nxt.token_ids is None
+    assert [m["content"] for m in nxt.messages][-2:] == ["ANSWER", "and again?"]
+
+
+def test_turns_config_and_workload_errors(tmp_path):
+    from draftsmith.bench.workload import load_workload
+
+    with pytest.raises(DraftsmithError, match="--peers measures single-turn"):
+        BenchConfig(turns=2, peers=("hf",))
+    with pytest.raises(DraftsmithError, match="start the server with it"):
+        BenchConfig(endpoints=(parse_endpoint("none=http://a"),), enable_prefix_caching=True)
+    with pytest.raises(DraftsmithError, match="turns must be a positive integer"):
+        BenchConfig(turns=0)
+    assert BenchConfig(turns=2).fingerprint(["p"], "h") != BenchConfig().fingerprint(["p"], "h")
+    single = tmp_path / "single.jsonl"
+    single.write_text(json.dumps({"id": "a", "prompt": "hi"}) + "\n")
+    with pytest.raises(DraftsmithError, match="has a second user turn"):
+        load_workload(str(single), None, 2, turns=2)
+    multi = tmp_path / "multi.jsonl"
+    multi.write_text(json.dumps({"id": "a", "messages": [{"role": "user", "content": "u1"}, {"role": "user",
+                     "content": "u2"}, {"role": "user", "content": "u3"}]}) + "\n"
+                     + json.dumps({"id": "b", "prompt": "only one"}) + "\n"
+                     + json.dumps({"id": "c", "messages": [{"role": "user", "content": "u1"}, {"role": "user",
+                                   "content": "v"}]}) + "\n")
+    wl = load_workload(str(multi), None, 4, turns=2)
+    assert [p.followups for p in wl.prompts] == [("u2",), (), ("v",), ("u2",)] and wl.total_turns == 7
+    tok = lambda msgs: list(range(sum(len(m["content"]) + 2 for m in msgs)))  # noqa: E731  (4 tokens for "u1")
+    wl = load_workload(str(multi), None, 2, tokenize=tok, max_prompt_tokens=20, turns=3, answer_tokens=10)
+    # a: 4 + (2 + 4) + (2 + 4) template tokens + 2 answers of 10 = 36 > 20; c: 4 + 2 + 3 + 10 = 19
+    assert [(p.id, p.longest_prompt) for p in wl.prompts] == [("file:multi.jsonl/b", 10), ("file:multi.jsonl/c", 19)]
+    assert wl.skipped == [{"id": "file:multi.jsonl/a", "reason": "turn 3's prompt could reach 36 tokens > 20"}]
 
 
 def test_run_engine_poisson_arrivals(tiny_engine_factory):

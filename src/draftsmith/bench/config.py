@@ -12,6 +12,10 @@ endpoint (the server's own drafter is whatever it was started with).
 `control`, an engine of its own): an A/A pair whose ratio, 1.00 in an ideal run, is the noise
 of this run on this machine, next to the speedups it qualifies (docs/MEASURING.md).
 
+`turns=N` makes each request a conversation: its first N user turns, each sent when the previous
+answer ends (closed loop within the conversation), the answer so far in the next turn's prompt;
+with `enable_prefix_caching` the in-process engines reuse a turn's KV for the next (vLLM's flag).
+
 `fingerprint()` is what must not change between an interrupted run and its `--resume`: the
 measured work (target, drafters, prompts, sampling, arrival, warm-up, repeats, policy). The
 tier list may change (resume adds tiers); cost and bandwidth inputs only affect the report.
@@ -124,6 +128,8 @@ class BenchConfig:
     dtype: str | None = None
     drafter_dtype: str = "auto"  # what model drafters compute in (drafters/precision.py)
     control: bool = False  # also measure plain decoding again as a configuration (the A/A control)
+    turns: int = 1  # user turns per request (a conversation: each turn's prompt holds the answers so far)
+    enable_prefix_caching: bool = False  # in-process engines reuse the KV of a prompt prefix a free row holds
     progress: bool | None = None  # None = only on a terminal
 
     def __post_init__(self) -> None:
@@ -134,7 +140,7 @@ class BenchConfig:
         object.__setattr__(self, "out", Path(self.out))
         if not self.concurrency or any(c <= 0 for c in self.concurrency):
             raise DraftsmithError("concurrency tiers must be positive integers")
-        for name in ("requests", "max_tokens", "repeats"):
+        for name in ("requests", "max_tokens", "repeats", "turns"):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise DraftsmithError(f"{name} must be a positive integer, got {v!r}")
@@ -162,7 +168,13 @@ class BenchConfig:
             raise DraftsmithError("--peer-assistant needs --peers hf")
         if self.peer_gguf and "llamacpp" not in self.peers:
             raise DraftsmithError("--peer-gguf needs --peers llamacpp")
+        if self.turns > 1 and self.peers:
+            raise DraftsmithError("--peers measures single-turn requests (HF generate and llama.cpp keep no "
+                                  "conversation here); drop --turns or --peers")
         if self.endpoints:
+            if self.enable_prefix_caching:
+                raise DraftsmithError("--enable-prefix-caching sets up the in-process engines; with --endpoint, start "
+                                      "the server with it (draftsmith serve --enable-prefix-caching, vLLM's default)")
             if self.peers:
                 raise DraftsmithError("--peers runs HF transformers / llama.cpp in this process; it cannot be "
                                       "combined with --endpoint")
@@ -204,4 +216,6 @@ class BenchConfig:
             "policy": self.policy, "peers": list(self.peers), "peer_assistant": self.peer_assistant,
             "peer_lookup_tokens": self.peer_lookup_tokens, "peer_gguf": self.peer_gguf, "device": self.device, "dtype": self.dtype,
             "drafter_dtype": self.drafter_dtype, "control": self.control,
+            **({"turns": self.turns} if self.turns > 1 else {}),
+            **({"enable_prefix_caching": True} if self.enable_prefix_caching else {}),
         }

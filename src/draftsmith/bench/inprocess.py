@@ -27,11 +27,12 @@ from draftsmith.policy.fixed import FixedK
 class EngineRunner:
     """One in-process configuration: a drafter + policy on an Engine over the shared target."""
 
-    def __init__(self, label: str, kind: str, engine, info: dict) -> None:
-        self.label, self.kind, self.engine, self.info = label, kind, engine, info
+    def __init__(self, label: str, kind: str, engine, info: dict,
+                 tokenize: Callable[[list[dict]], list[int]] | None = None) -> None:
+        self.label, self.kind, self.engine, self.info, self.tokenize = label, kind, engine, info, tokenize
 
     def run(self, requests, concurrency, offsets, on_done) -> RunResult:
-        return run_engine(self.engine, requests, concurrency, offsets, on_done)
+        return run_engine(self.engine, requests, concurrency, offsets, on_done, tokenize=self.tokenize)
 
 
 class InProcessBackend:
@@ -78,18 +79,21 @@ class InProcessBackend:
         shared_cache = None
         for label in self.cfg.config_labels:
             if label in (BASELINE, CONTROL):  # the control: plain decoding again, an engine of its own
-                engine = build_engine(self.target, "none", FixedK(0), 0, C, max_len, cache=shared_cache)
+                engine = build_engine(self.target, "none", FixedK(0), 0, C, max_len, cache=shared_cache,
+                                      enable_prefix_caching=self.cfg.enable_prefix_caching)
                 kind = "baseline" if label == BASELINE else "control"
                 info = _plain_info(label, "none")
             else:
                 info = self.drafters[label]
                 # Configurations never run at the same time and every run leaves all rows free,
-                # so they share one target KV cache (rows are reset on admission).
+                # so they share one target KV cache (rows are reset on admission; a run starts by
+                # forgetting the prefixes an earlier run left: bench/loadgen.py).
                 engine = build_engine(self.target, label, self.cfg.policy, info["num_speculative_tokens"], C, max_len,
-                                      cache=shared_cache, drafter_dtype=self.cfg.drafter_dtype)
+                                      cache=shared_cache, drafter_dtype=self.cfg.drafter_dtype,
+                                      enable_prefix_caching=self.cfg.enable_prefix_caching)
                 kind = "drafter"
             shared_cache = engine.cache
-            out.append(EngineRunner(label, kind, engine, info))
+            out.append(EngineRunner(label, kind, engine, info, self.tokenize))
         if phase.with_peers:
             if self.peers is None:
                 self.peers = []

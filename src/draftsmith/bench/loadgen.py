@@ -11,6 +11,12 @@ most `concurrency` run at once and the rest queue (queueing counts in TTFT and e
 In-process, the engine is stepped on this thread; a token is "delivered" when the step that
 committed it returns (that is when a server could send it). Over HTTP, a token is delivered
 when its streamed chunk arrives.
+
+A request with `followups` is a conversation: when a turn's answer ends (without error), its next
+turn is sent at once by the same user (it keeps its concurrency slot), the answer and the next user
+message appended to the messages (`next_turn`). Every turn is a record of its own (`turn` 0, 1, …).
+In-process, a run starts with nothing in the prefix cache (`KVCache.forget`), so each
+configuration's turns reuse only what its own earlier turns left.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import httpx
 
@@ -38,6 +44,16 @@ class BenchRequest:
     messages: tuple[dict, ...]
     token_ids: tuple[int, ...] | None
     params: SamplingParams
+    followups: tuple[str, ...] = ()  # the conversation's next user turns
+    turn: int = 0
+
+
+def next_turn(req: BenchRequest, answer: str,
+              tokenize: Callable[[list[dict]], list[int]] | None = None) -> BenchRequest:
+    """The conversation's next turn: the answer and the next user message appended."""
+    msgs = (*req.messages, {"role": "assistant", "content": answer}, {"role": "user", "content": req.followups[0]})
+    ids = None if tokenize is None else tuple(tokenize(list(msgs)))
+    return replace(req, messages=msgs, token_ids=ids, followups=req.followups[1:], turn=req.turn + 1)
 
 
 def poisson_offsets(n: int, rate: float, seed: int) -> list[float]:
@@ -58,21 +74,26 @@ def _noop(_: RequestRecord) -> None:
 
 
 def run_engine(engine, requests: Sequence[BenchRequest], concurrency: int, offsets: Sequence[float] | None = None,
-               on_done: Callable[[RequestRecord], None] = _noop) -> RunResult:
-    """Drive `engine` (built with max_batch >= concurrency) until every request finished."""
+               on_done: Callable[[RequestRecord], None] = _noop,
+               tokenize: Callable[[list[dict]], list[int]] | None = None) -> RunResult:
+    """Drive `engine` (built with max_batch >= concurrency) until every request finished.
+    `tokenize` (chat messages -> prompt ids) builds the later turns of conversations."""
     if engine.has_unfinished():
         raise DraftsmithError("the engine has unfinished requests; a bench run needs it idle")
+    if any(r.followups for r in requests) and tokenize is None:
+        raise DraftsmithError("requests with later turns need `tokenize` to build their prompts")
+    engine.cache.forget()
     pending = deque(range(len(requests)))
     live: dict[int, tuple] = {}  # id(seq) -> (seq, request, t_arrival, state)
-    records: list[RequestRecord | None] = [None] * len(requests)
+    records: list[list[RequestRecord]] = [[] for _ in requests]  # per request: one record per turn
     steps = forwards = 0
     t0 = time.perf_counter()
     t_last = t0
 
-    def submit(i: int, t_arr: float) -> None:
-        req = requests[i]
-        seq = engine.add_request(list(req.token_ids), req.params, request_id=f"bench-{req.index}")
-        live[id(seq)] = (seq, i, t_arr, {"seen": 0, "last": None, "first": None, "deliveries": []})
+    def submit(i: int, t_arr: float, req: BenchRequest | None = None) -> None:
+        req = req or requests[i]
+        seq = engine.add_request(list(req.token_ids), req.params, request_id=f"bench-{req.index}-{req.turn}")
+        live[id(seq)] = (seq, req, i, t_arr, {"seen": 0, "last": None, "first": None, "deliveries": []})
 
     while pending or live:
         now = time.perf_counter()
@@ -91,7 +112,7 @@ def run_engine(engine, requests: Sequence[BenchRequest], concurrency: int, offse
         t = time.perf_counter()
         steps += 1
         forwards += 1 + any(s.status is not Status.WAITING and len(s.prompt_ids) > 1 for s in waiting)
-        for key, (seq, i, t_arr, st) in list(live.items()):
+        for key, (seq, req, i, t_arr, st) in list(live.items()):
             n = len(seq.output_ids) - st["seen"]
             if n > 0:
                 if st["first"] is None:
@@ -102,11 +123,20 @@ def run_engine(engine, requests: Sequence[BenchRequest], concurrency: int, offse
                 st["seen"] = len(seq.output_ids)
             if seq.finished:
                 del live[key]
-                rec = _engine_record(requests[i], seq, t0, t_arr, st, t)
-                records[i] = rec
+                rec = _engine_record(req, seq, t0, t_arr, st, t)
+                records[i].append(rec)
                 t_last = t
                 on_done(rec)
-    return RunResult([r for r in records if r is not None], wall_s=t_last - t0, engine_steps=steps,
+                if req.followups and rec.error is None:  # the same user asks the next question at once
+                    nxt = next_turn(req, engine.decode(seq.output_ids), tokenize)
+                    try:
+                        submit(i, t, nxt)
+                    except DraftsmithError as e:  # e.g. the conversation outgrew the context: a failed turn
+                        rec = RequestRecord(index=nxt.index, prompt_id=nxt.prompt_id, turn=nxt.turn, t_arrival=t - t0,
+                                            error=f"turn {nxt.turn + 1}: {e}"[:300], prompt_tokens=len(nxt.token_ids))
+                        records[i].append(rec)
+                        on_done(rec)
+    return RunResult([r for rs in records for r in rs], wall_s=t_last - t0, engine_steps=steps,
                      batched_forwards=forwards)
 
 
@@ -114,13 +144,14 @@ def _engine_record(req: BenchRequest, seq, t0: float, t_arr: float, st: dict, t_
     s = seq.stats
     first = st["first"]
     return RequestRecord(
-        index=req.index, prompt_id=req.prompt_id, t_arrival=t_arr - t0,
+        index=req.index, prompt_id=req.prompt_id, turn=req.turn, t_arrival=t_arr - t0,
         ttft=None if first is None else first - t_arr, e2e=t_end - t_arr,
         deliveries=st["deliveries"], output_tokens=len(seq.output_ids),
         output_sha=sha_of_ids(seq.output_ids), finish_reason=seq.finish_reason,
         error="aborted" if seq.finish_reason == "abort" else None,
         proposed=s.proposed, accepted=s.accepted, rounds=s.rounds, committed=s.committed,
         target_forwards=s.target_forwards, proposed_at=list(s.proposed_at), accepted_at=list(s.accepted_at),
+        prompt_tokens=len(seq.prompt_ids), cached_tokens=s.cached_tokens,
     )
 
 
@@ -154,17 +185,23 @@ def run_endpoint(url: str, model: str, requests: Sequence[BenchRequest], concurr
 
 
 async def _run_endpoint(url, model, requests, concurrency, offsets, timeout, on_done) -> RunResult:
-    records: list[RequestRecord | None] = [None] * len(requests)
+    records: list[list[RequestRecord]] = [[] for _ in requests]  # per request: one record per turn
     limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30.0), limits=limits) as client:
         t0 = time.perf_counter()
         ends: list[float] = []
 
         async def one(i: int, t_arr: float) -> None:
-            rec = await _stream_one(client, url, model, requests[i], t0, t_arr)
-            records[i] = rec
-            ends.append(time.perf_counter())
-            on_done(rec)
+            req = requests[i]
+            while True:  # a conversation's turns, one after the other
+                rec, text = await _stream_one(client, url, model, req, t0, t_arr)
+                records[i].append(rec)
+                t_arr = time.perf_counter()
+                ends.append(t_arr)
+                on_done(rec)
+                if not req.followups or rec.error is not None:
+                    break
+                req = next_turn(req, text)
 
         if offsets is None:
             queue: deque[int] = deque(range(len(requests)))
@@ -190,17 +227,19 @@ async def _run_endpoint(url, model, requests, concurrency, offsets, timeout, on_
                 tasks.append(asyncio.create_task(gated(i, t0 + off)))
             await asyncio.gather(*tasks)
         wall = (max(ends) if ends else time.perf_counter()) - t0
-    return RunResult([r for r in records if r is not None], wall_s=wall)
+    return RunResult([r for rs in records for r in rs], wall_s=wall)
 
 
-async def _stream_one(client, url: str, model: str, req: BenchRequest, t0: float, t_arr: float) -> RequestRecord:
+async def _stream_one(client, url: str, model: str, req: BenchRequest, t0: float,
+                      t_arr: float) -> tuple[RequestRecord, str]:
+    """One streamed chat completion: its record and the answer's text."""
     p = req.params
     body = {"model": model, "messages": [dict(m) for m in req.messages], "max_tokens": p.max_tokens,
             "temperature": p.temperature, "top_p": p.top_p, "stream": True,
             "stream_options": {"include_usage": True}}
     if p.seed is not None:
         body["seed"] = p.seed
-    rec = RequestRecord(index=req.index, prompt_id=req.prompt_id, t_arrival=t_arr - t0)
+    rec = RequestRecord(index=req.index, prompt_id=req.prompt_id, turn=req.turn, t_arrival=t_arr - t0)
     parts: list[str] = []
     chunks = 0
     usage = None
@@ -210,7 +249,7 @@ async def _stream_one(client, url: str, model: str, req: BenchRequest, t0: float
             if r.status_code != 200:
                 detail = (await r.aread())[:300].decode("utf-8", "replace")
                 rec.error = f"HTTP {r.status_code}: {detail}"
-                return rec
+                return rec, ""
             async for line in r.aiter_lines():
                 if not line.startswith("data:"):
                     continue
@@ -220,7 +259,7 @@ async def _stream_one(client, url: str, model: str, req: BenchRequest, t0: float
                 obj = json.loads(data)
                 if "error" in obj:
                     rec.error = f"stream error: {json.dumps(obj['error'])[:300]}"
-                    return rec
+                    return rec, ""
                 if obj.get("usage"):
                     usage = obj["usage"]
                 for ch in obj.get("choices") or []:
@@ -238,13 +277,17 @@ async def _stream_one(client, url: str, model: str, req: BenchRequest, t0: float
                         rec.finish_reason = ch["finish_reason"]
     except Exception as e:  # noqa: BLE001 - a failed request is a result, counted in the report
         rec.error = f"{type(e).__name__}: {e}"[:300]
-        return rec
+        return rec, ""
     rec.e2e = time.perf_counter() - t_arr
     if rec.ttft is None:
         rec.ttft = rec.e2e
     rec.output_tokens = int(usage["completion_tokens"]) if usage and "completion_tokens" in usage else chunks
-    rec.output_sha = sha_of_text("".join(parts))
-    return rec
+    text = "".join(parts)
+    rec.output_sha = sha_of_text(text)
+    if usage:
+        rec.prompt_tokens = usage.get("prompt_tokens")
+        rec.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    return rec, text
 
 
 def scrape_counters(url: str, timeout: float = 30.0) -> dict | None:

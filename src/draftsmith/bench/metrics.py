@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 class RequestRecord:
     index: int  # position in the tier's request list (same prompt, same seed for every config)
     prompt_id: str
-    t_arrival: float  # seconds since the run's start
+    t_arrival: float  # seconds since the run's start (a later turn: when the previous answer ended)
     ttft: float | None = None
     e2e: float | None = None
     deliveries: list[list[float]] = field(default_factory=list)  # [[gap_s, tokens], ...] after the first
@@ -47,6 +47,9 @@ class RequestRecord:
     target_forwards: int | None = None
     proposed_at: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
+    turn: int = 0  # 0 = the first user turn of the request's conversation
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None  # prompt tokens the prefix cache held (in-process; a server's usage field)
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -127,6 +130,14 @@ def position_acceptance(proposed_at: Sequence[int], accepted_at: Sequence[int]) 
     return [(a / p if p else None) for p, a in zip(proposed_at, list(accepted_at) + [0] * len(proposed_at))]
 
 
+def _turn_summary(ok: Sequence[RequestRecord], turn: int) -> dict:
+    prompt = [r.prompt_tokens for r in ok]
+    cached = [r.cached_tokens for r in ok]
+    return {"turn": turn + 1, "requests": len(ok), "ttft_s": distribution([r.ttft for r in ok if r.ttft is not None]),
+            "prompt_tokens": _sum(prompt), "cached_tokens": _sum(cached),
+            "output_tokens": sum(r.output_tokens for r in ok)}
+
+
 def summarize(runs: Sequence[RunResult], *, counts_from_endpoint: dict | None = None) -> dict:
     """Aggregate the measured runs (one per interleaving unit) of one configuration."""
     records = [r for run in runs for r in run.records]
@@ -173,6 +184,9 @@ def summarize(runs: Sequence[RunResult], *, counts_from_endpoint: dict | None = 
             s["engine_steps"] = c["engine_steps"]
             s["engine_steps_per_token"] = c["engine_steps"] / c["generation_tokens"] if c.get("generation_tokens") else None
         tokens_for_fwd = c.get("generation_tokens") or tokens
+    turns = sorted({r.turn for r in records})
+    if turns != [0]:  # conversations: what each turn waited for and how much of its prompt was cached
+        s["by_turn"] = [_turn_summary([r for r in ok if r.turn == t], t) for t in turns]
     s.update({
         "counts_source": source if proposed is not None else "unavailable",
         "draft_proposed": proposed, "draft_accepted": accepted, "rounds": rounds, "committed": committed,

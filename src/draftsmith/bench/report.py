@@ -29,6 +29,9 @@ DEFINITIONS = {
              "(endpoint: one sample per streamed chunk)",
     "tpot_s": "per request: (end-to-end - TTFT) / (output tokens - 1)",
     "e2e_s": "request arrival to its last token",
+    "by_turn": "--turns: per user turn of the conversations, its TTFT (from the previous answer's end) and the "
+               "prompt tokens sent and found in the prefix cache (in-process: the engine's; a server: usage."
+               "prompt_tokens_details.cached_tokens where it reports it)",
     "acceptance_rate": "accepted draft tokens / proposed draft tokens (counts)",
     "tau": "committed tokens / verification rounds, bonus token included (counts)",
     "per_position_acceptance": "rounds that accepted >= k drafts / rounds that proposed >= k",
@@ -48,8 +51,8 @@ DEFINITIONS = {
 
 
 def _compact_record(r: dict) -> dict:
-    keys = ("index", "prompt_id", "t_arrival", "ttft", "e2e", "output_tokens", "output_sha", "finish_reason", "error",
-            "proposed", "accepted", "rounds", "committed", "target_forwards")
+    keys = ("index", "prompt_id", "turn", "t_arrival", "ttft", "e2e", "output_tokens", "output_sha", "finish_reason",
+            "error", "proposed", "accepted", "rounds", "committed", "target_forwards", "prompt_tokens", "cached_tokens")
     return {k: r.get(k) for k in keys}
 
 
@@ -63,6 +66,7 @@ def build_row(line: dict, *, weights_bytes: int | None, bandwidth_gbs: float | N
         "system_tokens_per_s": tps, "system_tokens_per_s_per_unit": s["system_tokens_per_s_per_unit"],
         "per_user_tokens_per_s": s["per_user_tokens_per_s"],
         "ttft_s": s["ttft_s"], "itl_s": s["itl_s"], "tpot_s": s["tpot_s"], "e2e_s": s["e2e_s"],
+        "by_turn": s.get("by_turn"),
         "acceptance_rate": s.get("acceptance_rate"), "tau": s.get("tau"), "counts_source": s.get("counts_source"),
         "draft_proposed": s.get("draft_proposed"), "draft_accepted": s.get("draft_accepted"),
         "rounds": s.get("rounds"), "committed": s.get("committed"), "target_forwards": s.get("target_forwards"),

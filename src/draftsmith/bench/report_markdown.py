@@ -138,7 +138,10 @@ def render_markdown(rep: dict) -> str:
            f"- sampling: temperature {st['sampling']['temperature']}, top-p {st['sampling']['top_p']}, "
            f"max tokens {st['sampling']['max_tokens']}, seed {st['sampling']['seed']}",
            f"- arrival {st.get('arrival')}, {cfgd.get('requests')} requests per tier and configuration, "
-           f"warm-up {st.get('warmup')}, repeats {st.get('repeats')}",
+           f"warm-up {st.get('warmup')}, repeats {st.get('repeats')}"
+           + (f"; each request a conversation of up to {wl['turns']} user turns ({wl.get('total_turns')} turns "
+              "over the request list), a turn sent when the previous answer ends" if wl.get("turns") else "")
+           + f"; prefix caching: {st.get('prefix_caching', False)}",
            f"- machine: {mach.get('cpu_count')} × {mach.get('cpu_model')}, torch threads {mach.get('torch_threads')}"
            + (f", GPU {mach.get('gpu')}" if mach.get("gpu") else "")
            + f"; load average at start {rep['machine_load']['loadavg_start']}, end {rep['machine_load']['loadavg_end']}",
@@ -176,6 +179,16 @@ def render_markdown(rep: dict) -> str:
                 f"{_pct(r['e2e_s'])} | {_f(r['acceptance_rate'], 3)} | {_f(r['tau'], 3)} | "
                 f"{_f(r['target_forwards_per_token'], 3)} | {_f(r['engine_steps_per_token'], 3)} | "
                 f"{_mb(m.get('rss_bytes'))} | {_mb(m.get('kv_cache_bytes'))} | {_mb(m.get('cuda_peak_allocated_bytes'))} |")
+        turned = [r for r in t["results"] if r.get("by_turn")]
+        if turned:
+            md += ["", "| config | turn | requests | TTFT ms P50/P95/P99 | prompt tokens | cached by the prefix cache |",
+                   "|---|---|---|---|---|---|"]
+            for r in turned:
+                for b in r["by_turn"]:
+                    share = (f"{b['cached_tokens']} ({b['cached_tokens'] / b['prompt_tokens']:.0%})"
+                             if b.get("cached_tokens") is not None and b.get("prompt_tokens") else "–")
+                    md.append(f"| {r['label']} | {b['turn']} | {b['requests']} | {_pct(b['ttft_s'])} | "
+                              f"{_f(b.get('prompt_tokens'), 0)} | {share} |")
         la = t["results"][0]
         md += ["", f"Load average during the tier: {la.get('loadavg_start')} → {la.get('loadavg_end')}.", ""]
     if rep.get("peers"):

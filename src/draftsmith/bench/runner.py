@@ -78,12 +78,13 @@ def run_bench(config: BenchConfig, log: Callable[[str], None] | None = None) -> 
 
     t_start, load_start = utc_now(), loadavg()
     backend = EndpointBackend(cfg, log) if cfg.endpoint_mode else InProcessBackend(cfg, log)
-    wl = load_workload(cfg.workload, cfg.split, cfg.requests, backend.tokenize, backend.max_prompt_tokens)
+    wl = load_workload(cfg.workload, cfg.split, cfg.requests, backend.tokenize, backend.max_prompt_tokens,
+                       turns=cfg.turns, answer_tokens=cfg.max_tokens + 8)
     fp = cfg.fingerprint([p.id for p in wl.prompts], backend.weights_hash)
     fp_sha = fingerprint_sha(fp)
     max_len = 0
     if not cfg.endpoint_mode:
-        longest = max(len(p.token_ids) for p in wl.prompts)
+        longest = max(p.longest_prompt for p in wl.prompts)
         max_len = min(backend.model.config.max_position_embeddings, longest + cfg.max_tokens + backend.max_k + 2)
 
     invocation = {"started": t_start, "loadavg_start": load_start, "resumed": False, "phases_run": [],
@@ -106,7 +107,9 @@ def run_bench(config: BenchConfig, log: Callable[[str], None] | None = None) -> 
                          "unique_prompts": len(wl.prompts) - wl.reused, "reused_prompts": wl.reused,
                          "skipped_prompts": wl.skipped, "max_prompt_tokens": backend.max_prompt_tokens,
                          "engine_max_len": max_len or None,
-                         "prompt_sources": sorted({p.source for p in wl.prompts})},
+                         "prompt_sources": sorted({p.source for p in wl.prompts}),
+                         **({"turns": cfg.turns, "total_turns": wl.total_turns} if cfg.turns > 1 else {})},
+            "prefix_caching": cfg.enable_prefix_caching if not cfg.endpoint_mode else "the servers' own setting",
             "sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_tokens": cfg.max_tokens,
                          "seed": cfg.seed, "per_request_seed": "seed * 1000003 + request index"},
             "arrival": cfg.arrival.label, "warmup": cfg.warmup, "repeats": cfg.repeats,
@@ -123,7 +126,8 @@ def run_bench(config: BenchConfig, log: Callable[[str], None] | None = None) -> 
     if done:
         log(f"bench: resuming; {len(done)} finished tier(s) kept: {', '.join(sorted(done))}")
 
-    total = sum(len(expected[ph.key]) * (cfg.requests * cfg.repeats + cfg.warmup) for ph in todo)
+    per_request = wl.total_turns / len(wl.prompts)  # the bar counts turns (one per request without --turns)
+    total = round(sum(len(expected[ph.key]) * (cfg.requests * cfg.repeats + cfg.warmup) * per_request for ph in todo))
     bar = tqdm(total=total, desc="bench", unit="req", file=sys.stderr, dynamic_ncols=True,
                disable=(not sys.stderr.isatty()) if cfg.progress is None else not cfg.progress)
     try:

@@ -25,7 +25,7 @@ def _requests(cfg: BenchConfig, wl: Workload, n: int, index_base: int = 0) -> li
         p = wl.prompts[j % len(wl.prompts)]
         seed = cfg.seed * 1_000_003 + index_base + j
         params = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p, seed=seed)
-        out.append(BenchRequest(j, p.id, p.messages, p.token_ids, params))
+        out.append(BenchRequest(j, p.id, p.messages, p.token_ids, params, p.followups))
     return out
 
 

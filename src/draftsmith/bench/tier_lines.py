@@ -72,12 +72,12 @@ def phase_lines(cfg, phase, runners, runs, mem, started, load0, fp_sha, per_requ
             if greedy:
                 compared, mism = 0, []
                 for ub, ux in zip(runs[base_label], runs[r.label]):
-                    bmap = {rec.index: rec.output_sha for rec in ub.records if rec.ok}
+                    bmap = {(rec.index, rec.turn): rec.output_sha for rec in ub.records if rec.ok}
                     for rec in ux.records:
-                        if rec.ok and rec.index in bmap:
+                        if rec.ok and (rec.index, rec.turn) in bmap:
                             compared += 1
-                            if rec.output_sha != bmap[rec.index]:
-                                mism.append(rec.prompt_id)
+                            if rec.output_sha != bmap[(rec.index, rec.turn)]:
+                                mism.append(rec.prompt_id + (f" (turn {rec.turn + 1})" if rec.turn else ""))
                 eq = {"checked": True, "compared": compared, "mismatches": len(mism), "mismatched_prompts": mism[:20],
                       "against": base_label}
             else:
@@ -91,11 +91,11 @@ def phase_lines(cfg, phase, runners, runs, mem, started, load0, fp_sha, per_requ
             unit_ratios = [(x / y) if x and y else None for x, y in
                            zip(s["system_tokens_per_s_per_unit"], b["system_tokens_per_s_per_unit"])]
             line["speedup_spread"] = spread(unit_ratios)
-            be = {(u, rec.index): rec.e2e / max(rec.output_tokens, 1)
+            be = {(u, rec.index, rec.turn): rec.e2e / max(rec.output_tokens, 1)
                   for u, run in enumerate(runs[base_label]) for rec in run.records if rec.ok}
-            per_req = [be[(u, rec.index)] / (rec.e2e / max(rec.output_tokens, 1))
+            per_req = [be[(u, rec.index, rec.turn)] / (rec.e2e / max(rec.output_tokens, 1))
                        for u, run in enumerate(runs[r.label]) for rec in run.records
-                       if rec.ok and (u, rec.index) in be and rec.e2e]
+                       if rec.ok and (u, rec.index, rec.turn) in be and rec.e2e]
             line["per_request_speedup"] = spread(per_req)
         else:
             line["speedup"] = 1.0 if r.label == base_label else None

@@ -33,6 +33,13 @@ def add_parser(sub) -> None:
     b.add_argument("--arrival", default="closed", help="closed (a user per concurrency slot) or poisson:RATE (req/s)")
     b.add_argument("--warmup", type=int, default=2, help="unmeasured requests per configuration at each tier's start")
     b.add_argument("--repeats", type=positive_int, default=1, help="interleaved repetitions per tier")
+    b.add_argument("--turns", type=positive_int, default=1,
+                   help="user turns per request: each request is a conversation of up to this many turns, each "
+                        "sent when the previous answer ends, the answers so far in its prompt (time to first token "
+                        "reported per turn)")
+    b.add_argument("--enable-prefix-caching", action="store_true",
+                   help="in-process engines reuse the KV of a prompt prefix a free row still holds (a conversation's "
+                        "next turn); every configuration starts each run with nothing cached")
     b.add_argument("--control", action="store_true",
                    help="also measure plain decoding a second time as a configuration (an A/A control): its ratio "
                         "to the baseline is this run's noise, reported next to the speedups")
@@ -86,7 +93,8 @@ def cmd_bench(args) -> int:
         peer_lookup_tokens=args.peer_lookup_tokens, peer_gguf=args.peer_gguf, dollars_per_hour=args.dollars_per_hour,
         mem_bandwidth_gbs=args.mem_bandwidth_gbs, max_prompt_tokens=args.max_prompt_tokens, out=args.out,
         resume=args.resume, overwrite=args.overwrite, device=opt_auto(args.device), dtype=opt_auto(args.dtype),
-        drafter_dtype=args.drafter_dtype, control=args.control, progress=args.progress,
+        drafter_dtype=args.drafter_dtype, control=args.control, progress=args.progress, turns=args.turns,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
     path = run_bench(cfg)
     if args.json:

@@ -64,6 +64,11 @@ class KVCache:
         if ids:
             self._held[row] = torch.tensor(ids, dtype=torch.int32)
 
+    def forget(self) -> None:
+        """Drop every free row's record: the next requests start with nothing cached."""
+        for row in list(self._held):
+            self.reset(row)
+
     def remembered(self, row: int) -> torch.Tensor | None:
         """The ids whose KV a free row holds (int32), or None."""
         return self._held.get(row)
