@@ -392,6 +392,34 @@ def test_turns_config_and_workload_errors(tmp_path):
     assert wl.skipped == [{"id": "file:multi.jsonl/a", "reason": "turn 3's prompt could reach 36 tokens > 20"}]
 
 
+def test_goodput_counts_requests_meeting_every_slo():
+    from draftsmith.bench.config import parse_goodput
+    from draftsmith.bench.report import goodput
+
+    assert parse_goodput(["ttft:500", "tpot:50"]) == (("ttft", 500.0), ("tpot", 50.0))
+    assert parse_goodput("e2el:2000,ttft:1e3") == (("e2el", 2000.0), ("ttft", 1000.0))
+    for bad, why in (("ttft", "METRIC:MILLISECONDS"), ("itl:5", "METRIC:MILLISECONDS"), ("tpot:-1", "positive"),
+                     ("ttft:1 ttft:2", "twice")):
+        with pytest.raises(DraftsmithError, match=why):
+            parse_goodput(bad)
+    with pytest.raises(DraftsmithError, match="METRIC:MILLISECONDS"):
+        BenchConfig(goodput=(("ttfb", 5.0),))
+    assert BenchConfig(goodput=(("ttft", 5.0),)).fingerprint(["p"], "h") == BenchConfig().fingerprint(["p"], "h")
+
+    def rec(ttft, e2e, n, error=None):
+        return {"ttft": ttft, "e2e": e2e, "output_tokens": n, "error": error}
+
+    recs = [rec(0.2, 1.2, 21),   # ttft 200 ms, tpot 50 ms: meets both
+            rec(0.6, 1.6, 21),   # ttft 600 ms: misses ttft
+            rec(0.1, 2.1, 21),   # tpot 100 ms: misses tpot
+            rec(0.3, 0.3, 1),    # one token: no tpot to miss
+            rec(None, None, 0, error="HTTP 500")]  # failed: meets none
+    g = goodput(recs, 2.0, {"ttft": 500.0, "tpot": 50.0})
+    assert (g["met"], g["requests"], g["fraction"], g["requests_per_s"]) == (2, 5, 0.4, 1.0)
+    assert goodput(recs, 2.0, {"e2el": 1500.0})["met"] == 2  # 1.2 s and 0.3 s
+    assert goodput(recs, 2.0, {"ttft": 1e9, "tpot": 1e9, "e2el": 1e9})["met"] == 4
+
+
 def test_run_engine_poisson_arrivals(tiny_engine_factory):
     target, make = tiny_engine_factory
     reqs = _requests(target, 4, max_tokens=6)
@@ -476,7 +504,7 @@ def test_control_is_plain_decoding_measured_again_and_reported_as_the_noise(tiny
     prompts.write_text("".join(json.dumps({"id": f"x{i}", "prompt": f"x = {i}; x = {i}; x ="}) + "\n" for i in range(3)))
     cfg = BenchConfig(target=str(tiny_model_dir("llama", seed=7)), drafters=("ngram",), workload=str(prompts),
                       concurrency=(1,), requests=3, max_tokens=8, warmup=0, control=True, out=tmp_path / "out",
-                      progress=False)
+                      progress=False, goodput=(("ttft", 1e7), ("tpot", 1e7)))
     assert cfg.config_labels == ("none", "ngram", CONTROL)
     rep = json.loads(run_bench(cfg, log=lambda m: None).read_text())
     (tier,) = rep["tiers"]
@@ -489,6 +517,14 @@ def test_control_is_plain_decoding_measured_again_and_reported_as_the_noise(tiny
     (line,) = [h for h in rep["headline"] if h.startswith("A/A control")]
     assert "concurrency 1:" in line and not any(h.startswith(CONTROL) for h in rep["headline"])
     assert "**control**" in (tmp_path / "out" / "report.md").read_text()
+    # --goodput with SLOs every request meets: goodput = requests / wall, its ratio to the baseline's
+    for r in tier["results"]:
+        g = r["goodput"]
+        assert g["met"] == g["requests"] == 3 and g["requests_per_s"] == pytest.approx(3 / r["wall_s"])
+        if r["label"] != "none":
+            assert g["vs_baseline"] == pytest.approx(rows["none"]["wall_s"] / r["wall_s"])
+    assert any(h.startswith("goodput (ttft ≤ 1e+07 ms, tpot ≤ 1e+07 ms)") for h in rep["headline"])
+    assert "| config | goodput req/s (ttft ≤ 1e+07 ms, tpot ≤ 1e+07 ms) |" in (tmp_path / "out" / "report.md").read_text()
     assert [d["label"] for d in rep["setup"]["drafters"]] == ["none", "ngram", CONTROL]
 
 

@@ -18,7 +18,8 @@ with `enable_prefix_caching` the in-process engines reuse a turn's KV for the ne
 
 `fingerprint()` is what must not change between an interrupted run and its `--resume`: the
 measured work (target, drafters, prompts, sampling, arrival, warm-up, repeats, policy). The
-tier list may change (resume adds tiers); cost and bandwidth inputs only affect the report.
+tier list may change (resume adds tiers); cost, bandwidth and goodput (SLO) inputs only affect
+the report.
 """
 
 from __future__ import annotations
@@ -71,6 +72,30 @@ def parse_arrival(spec: str) -> Arrival:
     raise DraftsmithError(f"--arrival must be 'closed' or 'poisson:RATE' (requests/s), got {spec!r}")
 
 
+GOODPUT_METRICS = ("ttft", "tpot", "e2el")  # vLLM's --goodput keys: time to first token, per output token, end to end
+
+
+def parse_goodput(specs: list[str] | tuple[str, ...] | str) -> tuple[tuple[str, float], ...]:
+    """`ttft:500 tpot:50` (or comma-separated) → (("ttft", 500.0), ("tpot", 50.0)): service-level
+    objectives in milliseconds, vLLM's `--goodput` spelling."""
+    items = [x for part in ([specs] if isinstance(specs, str) else specs) for x in part.replace(",", " ").split()]
+    out: dict[str, float] = {}
+    for item in items:
+        key, sep, val = item.partition(":")
+        key = key.strip().lower()
+        try:
+            ms = float(val) if sep else float("nan")
+        except ValueError:
+            ms = float("nan")
+        if key not in GOODPUT_METRICS or not (ms > 0 and math.isfinite(ms)):
+            raise DraftsmithError(f"--goodput takes METRIC:MILLISECONDS with METRIC one of {', '.join(GOODPUT_METRICS)} "
+                                  f"and a positive number, e.g. ttft:500 tpot:50; got {item!r}")
+        if key in out:
+            raise DraftsmithError(f"--goodput gives {key} twice")
+        out[key] = ms
+    return tuple(out.items())
+
+
 def parse_concurrency(spec: str) -> tuple[int, ...]:
     try:
         tiers = tuple(int(x) for x in spec.replace(" ", "").split(",") if x)
@@ -119,6 +144,7 @@ class BenchConfig:
     peer_lookup_tokens: int = 10  # prompt-lookup draft length of the HF and llama.cpp peers
     peer_gguf: str | None = None  # llama.cpp peer: a GGUF (default: the built-in target at the engine dtype)
     dollars_per_hour: float | None = None
+    goodput: tuple[tuple[str, float], ...] = ()  # SLOs (metric, ms): report requests/s meeting all of them
     mem_bandwidth_gbs: float | None = None  # default: measured after the run (docs/MEASURING.md #8)
     max_prompt_tokens: int | None = None  # longer prompts are skipped (default: what fits the context)
     out: Path = Path("runs/bench")
@@ -184,6 +210,7 @@ class BenchConfig:
             labels = [e.label for e in self.endpoints]
             if len(set(labels)) != len(labels):
                 raise DraftsmithError(f"--endpoint labels must be unique (LABEL=URL), got {', '.join(labels)}")
+        object.__setattr__(self, "goodput", parse_goodput([f"{k}:{v}" for k, v in self.goodput]) if self.goodput else ())
         if self.dollars_per_hour is not None and not self.dollars_per_hour >= 0:
             raise DraftsmithError(f"dollars per hour must be >= 0, got {self.dollars_per_hour}")
         if self.mem_bandwidth_gbs is not None and not self.mem_bandwidth_gbs > 0:

@@ -42,6 +42,9 @@ DEFINITIONS = {
                       "concurrency 1 closed loop, else the whole request list)",
     "per_request_speedup": "per request: baseline seconds per token / this configuration's, same prompt and unit",
     "cost_per_1m_output_tokens": "dollars_per_hour / 3600 / system tokens/s x 1e6",
+    "goodput": "--goodput: measured requests that met every SLO (ttft, tpot = (e2e - ttft) / (tokens - 1), e2el; "
+               "ms) / wall time of the measured runs; a failed request meets none; vs_baseline = its ratio to the "
+               "baseline's at the same tier",
     "bandwidth_bound_tokens_per_s": "tokens/s if every batched target forward took only the time to read the "
                                     "weights once at the assumed memory bandwidth (docs/MEASURING.md #8)",
     "fraction_of_bound": "measured system tokens/s / bandwidth_bound_tokens_per_s",
@@ -56,8 +59,24 @@ def _compact_record(r: dict) -> dict:
     return {k: r.get(k) for k in keys}
 
 
+def goodput(records: list[dict], wall_s: float, slo: dict[str, float]) -> dict:
+    """Requests that met every SLO (`slo`: metric -> ms; vLLM's ttft / tpot / e2el) per second of
+    the measured runs; a failed request meets none, a one-token answer has no TPOT to miss."""
+    met = 0
+    for r in records:
+        if r.get("error") is not None or r.get("e2e") is None:
+            continue
+        n, ttft, e2e = r["output_tokens"], r.get("ttft") or 0.0, r["e2e"]
+        tpot = (e2e - ttft) / (n - 1) if n > 1 else 0.0
+        got = {"ttft": ttft, "tpot": tpot, "e2el": e2e}
+        met += all(got[k] * 1000.0 <= ms for k, ms in slo.items())
+    return {"slo_ms": dict(slo), "met": met, "requests": len(records),
+            "fraction": met / len(records) if records else None,
+            "requests_per_s": met / wall_s if wall_s > 0 else None}
+
+
 def build_row(line: dict, *, weights_bytes: int | None, bandwidth_gbs: float | None,
-              dollars_per_hour: float | None) -> dict:
+              dollars_per_hour: float | None, slo: dict[str, float] | None = None) -> dict:
     s = line["summary"]
     tps = s.get("system_tokens_per_s")
     row: dict[str, Any] = {
@@ -85,6 +104,7 @@ def build_row(line: dict, *, weights_bytes: int | None, bandwidth_gbs: float | N
         "started": line.get("started"), "finished": line.get("finished"),
         "per_request": [_compact_record(r) for u in line["units"] for r in u["records"]],
     }
+    row["goodput"] = goodput([r for u in line["units"] for r in u["records"]], s["wall_s"], slo) if slo else None
     fwd = s.get("batched_forwards")
     if weights_bytes and bandwidth_gbs and fwd and tps and s["wall_s"]:
         floor = weights_bytes / (bandwidth_gbs * 1e9)
@@ -157,7 +177,8 @@ def write_report(out: Path, setup: dict, lines: list[dict], cfg, *, weights_byte
     meta: dict[str, dict] = {}
     for ln in lines:
         rows_by_phase.setdefault(ln["phase"], []).append(
-            build_row(ln, weights_bytes=weights_bytes, bandwidth_gbs=bandwidth_gbs, dollars_per_hour=dollars))
+            build_row(ln, weights_bytes=weights_bytes, bandwidth_gbs=bandwidth_gbs, dollars_per_hour=dollars,
+                      slo=dict(cfg.goodput)))
         meta[ln["phase"]] = {"phase": ln["phase"], "concurrency": ln["concurrency"], "arrival": ln["arrival"],
                              "tier": ln["tier"]}
     order = {lab: i for i, lab in enumerate(list(cfg.config_labels) + ["hf:generate", "hf:prompt-lookup", "hf:assistant"])}
@@ -167,6 +188,11 @@ def write_report(out: Path, setup: dict, lines: list[dict], cfg, *, weights_byte
             continue
         rows = sorted(rows_by_phase[key], key=lambda r: order.get(r["label"], 99))
         tiers.append({**m, "results": [r for r in rows if r["kind"] != "peer"]})
+        base = next((r["goodput"] for r in rows if r["kind"] == "baseline" and r["goodput"]), None)
+        for r in rows:
+            if r["goodput"] and base:
+                g, b = r["goodput"]["requests_per_s"], base["requests_per_s"]
+                r["goodput"]["vs_baseline"] = g / b if g is not None and b else None
     peers = _peers_section(lines, rows_by_phase)
     all_rows = [r for t in tiers for r in t["results"]]
     invocations = setup.get("invocations", [])
@@ -176,6 +202,7 @@ def write_report(out: Path, setup: dict, lines: list[dict], cfg, *, weights_byte
                          "loadavg_end": invocations[-1].get("loadavg_end") if invocations else None,
                          "note": "1/5/15-minute load averages; per tier values are in each result"},
         "dollars_per_hour": dollars,
+        "goodput_slo_ms": dict(cfg.goodput) or None,
         "bandwidth_floor": None if not (weights_bytes and bandwidth_gbs) else {
             "weights_bytes": weights_bytes, "gb_per_s": bandwidth_gbs,
             "floor_s_per_forward": weights_bytes / (bandwidth_gbs * 1e9),

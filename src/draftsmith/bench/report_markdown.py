@@ -69,6 +69,14 @@ def headline_bullets(tiers: list[dict], peers: dict | None) -> list[str]:
                    + "; ".join(f"concurrency {c}: {speedup_cell(r)}" for c, r in controls)
                    + ". How far it sits from 1.00 is this run's noise: speedups closer to 1 than that are not "
                      "differences")
+    with_slo = [t for t in tiers if any(r.get("goodput") for r in t["results"])]
+    if with_slo:
+        slo = ", ".join(f"{k} ≤ {v:g} ms" for k, v in with_slo[0]["results"][0]["goodput"]["slo_ms"].items())
+        out.append(f"goodput ({slo}), requests/s meeting every SLO: " + "; ".join(
+            f"concurrency {t['concurrency']}: " + ", ".join(
+                f"{r['label']} {_f(r['goodput']['requests_per_s'], 3)}"
+                + (f" ({_x(r['goodput'].get('vs_baseline'))})" if r["kind"] != "baseline" else "")
+                for r in t["results"] if r.get("goodput")) for t in with_slo))
     if peers:
         for p in peers["peers"]:
             ratios = ", ".join(f"{lab} {_x(v)}" for lab, v in p["ours_vs_peer"].items())
@@ -189,6 +197,14 @@ def render_markdown(rep: dict) -> str:
                              if b.get("cached_tokens") is not None and b.get("prompt_tokens") else "–")
                     md.append(f"| {r['label']} | {b['turn']} | {b['requests']} | {_pct(b['ttft_s'])} | "
                               f"{_f(b.get('prompt_tokens'), 0)} | {share} |")
+        if any(r.get("goodput") for r in t["results"]):
+            slo = ", ".join(f"{k} ≤ {v:g} ms" for k, v in t["results"][0]["goodput"]["slo_ms"].items())
+            md += ["", f"| config | goodput req/s ({slo}) | requests meeting every SLO | × baseline |",
+                   "|---|---|---|---|"]
+            for r in t["results"]:
+                g = r.get("goodput") or {}
+                md.append(f"| {r['label']} | {_f(g.get('requests_per_s'), 3)} | {g.get('met')} of {g.get('requests')} "
+                          f"| {_x(g.get('vs_baseline')) if r['kind'] != 'baseline' else '–'} |")
         la = t["results"][0]
         md += ["", f"Load average during the tier: {la.get('loadavg_start')} → {la.get('loadavg_end')}.", ""]
     if rep.get("peers"):

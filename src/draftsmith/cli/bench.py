@@ -62,6 +62,10 @@ def add_parser(sub) -> None:
     b.add_argument("--peer-gguf", default=None, metavar="FILE",
                    help="--peers llamacpp: the GGUF to run (default: a built-in target's GGUF rewritten at the engine "
                         "dtype, the same weights)")
+    b.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
+                   help="service-level objectives, e.g. --goodput ttft:500 tpot:50 (ms; metrics ttft, tpot, e2el as "
+                        "in vLLM): the report adds each configuration's goodput, the requests per second that met "
+                        "all of them, and its ratio to the baseline's")
     b.add_argument("--dollars-per-hour", type=float, default=None,
                    help="machine price, for cost per 1M output tokens (default: unset: no cost figures)")
     b.add_argument("--mem-bandwidth-gbs", type=float, default=None,
@@ -80,7 +84,7 @@ def add_parser(sub) -> None:
 
 def cmd_bench(args) -> int:
     from draftsmith.bench import BenchConfig, headline_table, run_bench
-    from draftsmith.bench.config import parse_arrival, parse_concurrency, parse_endpoint
+    from draftsmith.bench.config import parse_arrival, parse_concurrency, parse_endpoint, parse_goodput
 
     cfg = BenchConfig(
         target=args.target, drafters=tuple(args.drafter), workload=args.workload, split=args.split,
@@ -95,6 +99,7 @@ def cmd_bench(args) -> int:
         resume=args.resume, overwrite=args.overwrite, device=opt_auto(args.device), dtype=opt_auto(args.dtype),
         drafter_dtype=args.drafter_dtype, control=args.control, progress=args.progress, turns=args.turns,
         enable_prefix_caching=args.enable_prefix_caching,
+        goodput=parse_goodput(args.goodput) if args.goodput else (),
     )
     path = run_bench(cfg)
     if args.json:
