@@ -220,6 +220,34 @@ def test_engine_backend_turn_by_turn_and_batch_independent(tiny, tmp_path):
     assert {r["id"]: r for r in load_records(cfg1.out)} == recs
 
 
+def test_progress_rate_counts_answered_turns(tiny, tmp_path, monkeypatch):
+    """The bar's tok/s counts every answered turn as it ends, not only finished conversations
+    (with 64 long conversations in flight the first finish late: the old rate read 7 tok/s on a
+    machine generating several times that)."""
+    from draftsmith.data.regen import RegenSink, RegenSummary
+
+    class Bar:
+        postfix = ""
+
+        def set_postfix_str(self, s, refresh=True):
+            self.postfix = s
+
+        def update(self, n):
+            pass
+
+    sink = RegenSink(tmp_path / "o.jsonl", tmp_path / "e.jsonl", Bar(), RegenSummary())
+    sink.t0 = sink._drawn = sink.t0 - 4.0  # as if 4 s had passed
+    sink.answered(100)  # a turn ends; no conversation has finished
+    assert sink.summary.generated_tokens == 0 and 24.0 < float(sink.bar.postfix.split()[0]) <= 25.0
+    sink.close()
+    calls: list[int] = []
+    real = RegenSink.answered
+    monkeypatch.setattr(RegenSink, "answered", lambda self, n: (calls.append(n), real(self, n))[1])
+    convs = [_conv(i, turns=1 + i % 3) for i in range(4)]
+    s = run_regen(_cfg(tiny, tmp_path / "a.jsonl"), conversations=convs)
+    assert len(calls) == sum(len(c.user_turns()) for c in convs) and sum(calls) == s.generated_tokens
+
+
 def test_prompt_too_long_goes_to_errors_file(tiny, tmp_path):
     long = _conv(0, turns=1, content="x" * 400)  # byte tokenizer: > 400 tokens > --max-len
     second_too_long = Conversation(id="t/late", source="test", split="train", messages=[

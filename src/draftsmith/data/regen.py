@@ -119,13 +119,28 @@ class RegenSink:
         self.bar = bar
         self.summary = summary
         self.features = features
-        self.t0 = time.perf_counter()
+        self.t0 = self._drawn = time.perf_counter()
+        self.answered_tokens = 0  # new tokens of every answered turn, finished conversations or not
+
+    def _rate(self, refresh: bool) -> None:
+        dt = time.perf_counter() - self.t0
+        if dt > 0:
+            self.bar.set_postfix_str(f"{self.answered_tokens / dt:.1f} tok/s", refresh=refresh)
 
     def _tick(self) -> None:
-        dt = time.perf_counter() - self.t0
         self.bar.update(1)
-        if dt > 0:
-            self.bar.set_postfix_str(f"{self.summary.generated_tokens / dt:.1f} tok/s", refresh=False)
+        self._rate(refresh=False)
+
+    def answered(self, tokens: int) -> None:
+        """A turn was answered with `tokens` new tokens. The rate on the bar counts answered turns,
+        not finished conversations: with many long conversations in flight, the first finish only
+        after most of their turns (a rate from finished conversations read 7 tok/s where the
+        engine generated several times that). Redrawn at most every 2 s between conversations."""
+        self.answered_tokens += tokens
+        now = time.perf_counter()
+        if now - self._drawn >= 2.0:
+            self._drawn = now
+            self._rate(refresh=True)
 
     def record(self, rec: Mapping[str, Any],
                features: tuple[Mapping[int, torch.Tensor], torch.Tensor] | None = None) -> None:

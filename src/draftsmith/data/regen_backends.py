@@ -162,6 +162,7 @@ class EngineBackend:
                     continue
                 sink.summary.prompt_tokens += len(seq.prompt_ids)
                 sink.summary.cached_prompt_tokens += seq.stats.cached_tokens
+                sink.answered(len(seq.output_ids))
                 try:
                     st.ct.close_turn(seq.output_ids, seq.finish_reason or "")
                 except DraftsmithError as e:
@@ -237,7 +238,7 @@ class EndpointBackend:
             async def worker() -> None:
                 for conv in it:  # shared iterator: each conversation is taken by one worker
                     try:
-                        rec = await self._conversation(client, conv)
+                        rec = await self._conversation(client, conv, sink)
                     except _Failed as e:
                         sink.error(conv, str(e))
                     except DraftsmithError as e:
@@ -249,7 +250,7 @@ class EndpointBackend:
 
             await asyncio.gather(*(worker() for _ in range(min(self.cfg.concurrency, max(1, len(todo))))))
 
-    async def _conversation(self, client, conv) -> dict:
+    async def _conversation(self, client, conv, sink) -> dict:
         ct = ChatTokens(self.tokenizer, self.eos)
         blocks = answer_slots(conv.messages)
         if not blocks:
@@ -267,6 +268,7 @@ class EndpointBackend:
             content, finish = await self._complete(client, ct.messages + list(block), conv.id, k, room)
             ids = list(self.tokenizer(content, add_special_tokens=False)["input_ids"]) if content else []
             ct.close_turn(ids, finish, content=content)
+            sink.answered(len(ids))
         return make_record(conv, ct, self.target_info, self.sampling, dropped)
 
     async def _complete(self, client, messages: list[dict], conv_id: str, k: int,
