@@ -15,8 +15,9 @@ when its streamed chunk arrives.
 A request with `followups` is a conversation: when a turn's answer ends (without error), its next
 turn is sent at once by the same user (it keeps its concurrency slot), the answer and the next user
 message appended to the messages (`next_turn`). Every turn is a record of its own (`turn` 0, 1, …).
-In-process, a run starts with nothing in the prefix cache (`KVCache.forget`), so each
-configuration's turns reuse only what its own earlier turns left.
+In-process, a run starts with nothing in the prefix cache (`KVCache.forget`), so a configuration
+reuses only what its own requests left (its conversations' earlier turns, a prompt the list
+repeats), never another configuration's prefill.
 """
 
 from __future__ import annotations
