@@ -339,6 +339,11 @@ def test_run_engine_conversations_send_the_answer_in_the_next_turn(tiny_engine_f
     reqs = [replace(r, followups=("and again?", "once more")) for r in _requests(target, 2, max_tokens=6)]
     engine = make("none", 1)
     res = run_engine(engine, reqs, 1, None, tokenize=tokenize)
+    alone = make("none", 1)  # the first answer, decoded by the engine, is what the second turn carries
+    seq = alone.add_request(list(reqs[0].token_ids), reqs[0].params)
+    while alone.has_unfinished():
+        alone.step()
+    assert seen[0][-2]["content"] == alone.decode(seq.output_ids) and seq.output_ids
     assert [(r.index, r.turn) for r in res.records] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
     by = {(r.index, r.turn): r for r in res.records}
     assert all(by[(i, t)].t_arrival >= by[(i, t - 1)].t_arrival + by[(i, t - 1)].e2e - 1e-9
@@ -363,6 +368,35 @@ def test_run_engine_conversations_send_the_answer_in_the_next_turn(tiny_engine_f
     assert [m["content"] for m in nxt.messages][-2:] == ["ANSWER", "and again?"]
 
 
+def test_conversations_keep_their_slot_under_poisson_arrivals(tiny_engine_factory):
+    """Poisson arrivals with conversations, 2 slots, 3 conversations arriving at once: a
+    conversation's next turn goes in when its previous answer ends, ahead of the third arrival,
+    which waits for a whole conversation to end; with prefix caching the next turn finds its
+    conversation's KV in the row it left."""
+    from draftsmith.engine.engine import Engine, EngineConfig
+    from draftsmith.models.target import eos_token_ids
+    from draftsmith.drafters.registry import build_drafter
+    from draftsmith.policy.fixed import FixedK
+
+    target, _ = tiny_engine_factory
+    engine = Engine(target.model, target.tokenizer, build_drafter("none", target, 2, 128), FixedK(0),
+                    EngineConfig(max_batch=2, max_len=128, enable_prefix_caching=True),
+                    eos_token_ids=eos_token_ids(target))
+    tok = lambda msgs: target.tokenizer("\n".join(m["content"] for m in msgs), add_special_tokens=False)["input_ids"]  # noqa: E731
+    msgs = [({"role": "user", "content": f"abc abc abc {i} abc"},) for i in range(3)]
+    reqs = [replace(r, messages=m, token_ids=tuple(tok(list(m))), followups=("and again?",))
+            for r, m in zip(_requests(target, 3, max_tokens=6), msgs)]
+    res = run_engine(engine, reqs, 2, [0.0, 0.0, 0.0], tokenize=tok)
+    by = {(r.index, r.turn): r for r in res.records}
+    assert sorted(by) == [(i, t) for i in range(3) for t in (0, 1)] and all(r.ok for r in res.records)
+    end = {k: r.t_arrival + r.e2e for k, r in by.items()}
+    for i in (0, 1, 2):
+        assert by[(i, 1)].t_arrival == pytest.approx(end[(i, 0)], abs=1e-6)
+        assert by[(i, 1)].cached_tokens >= len(reqs[i].token_ids) - 2  # its first prompt, from the row it left
+    first_token = by[(2, 0)].t_arrival + by[(2, 0)].ttft
+    assert first_token >= min(end[(0, 1)], end[(1, 1)]) - 1e-6  # it waited for a conversation, not a turn
+
+
 def test_turns_config_and_workload_errors(tmp_path):
     from draftsmith.bench.workload import load_workload
 
@@ -373,6 +407,13 @@ def test_turns_config_and_workload_errors(tmp_path):
     with pytest.raises(DraftsmithError, match="turns must be a positive integer"):
         BenchConfig(turns=0)
     assert BenchConfig(turns=2).fingerprint(["p"], "h") != BenchConfig().fingerprint(["p"], "h")
+    # runs written before --turns resume: the default fingerprint has no new keys, old records load
+    assert not {"turns", "enable_prefix_caching"} & set(BenchConfig().fingerprint(["p"], "h"))
+    old = RequestRecord.from_json({"index": 0, "prompt_id": "p", "t_arrival": 0.0, "ttft": 0.1, "e2e": 1.0,
+                                   "deliveries": [], "output_tokens": 3, "output_sha": "s", "finish_reason": "length",
+                                   "error": None, "proposed": None, "accepted": None, "rounds": None,
+                                   "committed": None, "target_forwards": None, "proposed_at": [], "accepted_at": []})
+    assert old.turn == 0 and old.prompt_tokens is None and "by_turn" not in summarize([RunResult([old], 1.0)])
     single = tmp_path / "single.jsonl"
     single.write_text(json.dumps({"id": "a", "prompt": "hi"}) + "\n")
     with pytest.raises(DraftsmithError, match="has a second user turn"):
@@ -404,6 +445,10 @@ def test_goodput_counts_requests_meeting_every_slo():
             parse_goodput(bad)
     with pytest.raises(DraftsmithError, match="METRIC:MILLISECONDS"):
         BenchConfig(goodput=(("ttfb", 5.0),))
+    with pytest.raises(DraftsmithError, match="at least one"):
+        parse_goodput([""])
+    for given in (("ttft:500",), {"ttft": 500}, (("ttft", 500),), "ttft:500"):
+        assert BenchConfig(goodput=given).goodput == (("ttft", 500.0),)
     assert BenchConfig(goodput=(("ttft", 5.0),)).fingerprint(["p"], "h") == BenchConfig().fingerprint(["p"], "h")
 
     def rec(ttft, e2e, n, error=None):

@@ -75,10 +75,18 @@ def parse_arrival(spec: str) -> Arrival:
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")  # vLLM's --goodput keys: time to first token, per output token, end to end
 
 
-def parse_goodput(specs: list[str] | tuple[str, ...] | str) -> tuple[tuple[str, float], ...]:
-    """`ttft:500 tpot:50` (or comma-separated) → (("ttft", 500.0), ("tpot", 50.0)): service-level
-    objectives in milliseconds, vLLM's `--goodput` spelling."""
-    items = [x for part in ([specs] if isinstance(specs, str) else specs) for x in part.replace(",", " ").split()]
+def parse_goodput(specs) -> tuple[tuple[str, float], ...]:
+    """`ttft:500 tpot:50` (or comma-separated; a list of such strings, of (metric, ms) pairs, or a
+    dict) → (("ttft", 500.0), ("tpot", 50.0)): service-level objectives in milliseconds, vLLM's
+    `--goodput` spelling."""
+    if isinstance(specs, dict):
+        specs = [f"{k}:{v}" for k, v in specs.items()]
+    elif isinstance(specs, str):
+        specs = [specs]
+    parts = [p if isinstance(p, str) else ":".join(map(str, p)) for p in specs]  # "ttft:500" or ("ttft", 500)
+    items = [x for part in parts for x in part.replace(",", " ").split()]
+    if not items:
+        raise DraftsmithError("--goodput needs at least one METRIC:MILLISECONDS, e.g. ttft:500 tpot:50")
     out: dict[str, float] = {}
     for item in items:
         key, sep, val = item.partition(":")
@@ -210,7 +218,7 @@ class BenchConfig:
             labels = [e.label for e in self.endpoints]
             if len(set(labels)) != len(labels):
                 raise DraftsmithError(f"--endpoint labels must be unique (LABEL=URL), got {', '.join(labels)}")
-        object.__setattr__(self, "goodput", parse_goodput([f"{k}:{v}" for k, v in self.goodput]) if self.goodput else ())
+        object.__setattr__(self, "goodput", parse_goodput(self.goodput) if self.goodput else ())
         if self.dollars_per_hour is not None and not self.dollars_per_hour >= 0:
             raise DraftsmithError(f"dollars per hour must be >= 0, got {self.dollars_per_hour}")
         if self.mem_bandwidth_gbs is not None and not self.mem_bandwidth_gbs > 0:

@@ -96,14 +96,19 @@ def run_engine(engine, requests: Sequence[BenchRequest], concurrency: int, offse
         seq = engine.add_request(list(req.token_ids), req.params, request_id=f"bench-{req.index}-{req.turn}")
         live[id(seq)] = (seq, req, i, t_arr, {"seen": 0, "last": None, "first": None, "deliveries": []})
 
-    while pending or live:
+    arrived: deque[int] = deque()  # Poisson: arrived, waiting for one of the `concurrency` slots
+    while pending or live or arrived:
         now = time.perf_counter()
         if offsets is None:
             while pending and len(live) < concurrency:
                 submit(pending.popleft(), now)
         else:
             while pending and offsets[pending[0]] <= now - t0:
-                i = pending.popleft()
+                arrived.append(pending.popleft())
+            # the queue is here, not in the engine: a conversation's next turn keeps the slot
+            # its previous turn had, ahead of requests that arrived meanwhile
+            while arrived and len(live) < concurrency:
+                i = arrived.popleft()
                 submit(i, t0 + offsets[i])
             if not live:
                 time.sleep(max(0.0, t0 + offsets[pending[0]] - time.perf_counter()))
@@ -129,12 +134,15 @@ def run_engine(engine, requests: Sequence[BenchRequest], concurrency: int, offse
                 t_last = t
                 on_done(rec)
                 if req.followups and rec.error is None:  # the same user asks the next question at once
-                    nxt = next_turn(req, engine.decode(seq.output_ids), tokenize)
+                    nxt = None
                     try:
+                        nxt = next_turn(req, engine.decode(seq.output_ids), tokenize)
                         submit(i, t, nxt)
-                    except DraftsmithError as e:  # e.g. the conversation outgrew the context: a failed turn
-                        rec = RequestRecord(index=nxt.index, prompt_id=nxt.prompt_id, turn=nxt.turn, t_arrival=t - t0,
-                                            error=f"turn {nxt.turn + 1}: {e}"[:300], prompt_tokens=len(nxt.token_ids))
+                    except Exception as e:  # noqa: BLE001 - e.g. the conversation outgrew the context: a failed turn
+                        why = str(e) if isinstance(e, DraftsmithError) else f"{type(e).__name__}: {e}"
+                        rec = RequestRecord(index=req.index, prompt_id=req.prompt_id, turn=req.turn + 1,
+                                            t_arrival=t - t0, error=f"turn {req.turn + 2}: {why}"[:300],
+                                            prompt_tokens=None if nxt is None else len(nxt.token_ids))
                         records[i].append(rec)
                         on_done(rec)
     return RunResult([r for rs in records for r in rs], wall_s=t_last - t0, engine_steps=steps,
@@ -200,8 +208,8 @@ async def _run_endpoint(url, model, requests, concurrency, offsets, timeout, on_
                 t_arr = time.perf_counter()
                 ends.append(t_arr)
                 on_done(rec)
-                if not req.followups or rec.error is not None:
-                    break
+                if not req.followups or rec.error is not None or rec.finish_reason is None:
+                    break  # no next turn after a failed answer, or one the stream cut short
                 req = next_turn(req, text)
 
         if offsets is None:
@@ -276,6 +284,8 @@ async def _stream_one(client, url: str, model: str, req: BenchRequest, t0: float
                         parts.append(text)
                     if ch.get("finish_reason"):
                         rec.finish_reason = ch["finish_reason"]
+                        if rec.finish_reason in ("abort", "error"):  # as an aborted request in process
+                            rec.error = f"the server ended the answer with finish_reason {rec.finish_reason!r}"
     except Exception as e:  # noqa: BLE001 - a failed request is a result, counted in the report
         rec.error = f"{type(e).__name__}: {e}"[:300]
         return rec, ""

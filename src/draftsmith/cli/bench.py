@@ -99,7 +99,7 @@ def cmd_bench(args) -> int:
         resume=args.resume, overwrite=args.overwrite, device=opt_auto(args.device), dtype=opt_auto(args.dtype),
         drafter_dtype=args.drafter_dtype, control=args.control, progress=args.progress, turns=args.turns,
         enable_prefix_caching=args.enable_prefix_caching,
-        goodput=parse_goodput(args.goodput) if args.goodput else (),
+        goodput=parse_goodput(args.goodput) if args.goodput is not None else (),
     )
     path = run_bench(cfg)
     if args.json:
