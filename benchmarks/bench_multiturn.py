@@ -26,6 +26,7 @@ import sections
 
 from draftsmith.bench import BenchConfig, run_bench
 from draftsmith.bench.config import parse_concurrency, parse_goodput
+from draftsmith.bench.report_markdown import slo_text
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -89,7 +90,7 @@ def main() -> None:
     print(json.dumps(rows, indent=1))
     if a.no_write:
         return
-    slo = ", ".join(f"{k} ≤ {v:g} ms" for k, v in cfg.goodput)
+    slo = slo_text(dict(cfg.goodput))
     lines = [f"## Multi-turn chat traffic: `draftsmith bench --turns {a.turns} --enable-prefix-caching` "
              f"(issues 11, 12){title}", "",
              f"`benchmarks/bench_multiturn.py` (JSON: `benchmarks/results/{key}.json`): `draftsmith bench` on "

@@ -24,6 +24,11 @@ def speedup_cell(r: dict) -> str:
     return f"{_x(r['speedup'])} ({_f(sp.get('min'), 2)}–{_f(sp.get('max'), 2)}, n={sp['n']})"
 
 
+def slo_text(slo_ms: dict[str, float]) -> str:
+    """`--goodput`'s objectives as the reports print them: "ttft ≤ 500 ms, tpot ≤ 50 ms"."""
+    return ", ".join(f"{k} ≤ {v:g} ms" for k, v in slo_ms.items())
+
+
 def _speed(point: tuple[int, dict]) -> float:
     return point[1]["speedup"]
 
@@ -71,7 +76,7 @@ def headline_bullets(tiers: list[dict], peers: dict | None) -> list[str]:
                      "differences")
     with_slo = [t for t in tiers if any(r.get("goodput") for r in t["results"])]
     if with_slo:
-        slo = ", ".join(f"{k} ≤ {v:g} ms" for k, v in with_slo[0]["results"][0]["goodput"]["slo_ms"].items())
+        slo = slo_text(with_slo[0]["results"][0]["goodput"]["slo_ms"])
         out.append(f"goodput ({slo}), requests/s meeting every SLO: " + "; ".join(
             f"concurrency {t['concurrency']}: " + ", ".join(
                 f"{r['label']} {_f(r['goodput']['requests_per_s'], 3)}"
@@ -198,7 +203,7 @@ def render_markdown(rep: dict) -> str:
                     md.append(f"| {r['label']} | {b['turn']} | {b['requests']} | {_pct(b['ttft_s'])} | "
                               f"{_f(b.get('prompt_tokens'), 0)} | {share} |")
         if any(r.get("goodput") for r in t["results"]):
-            slo = ", ".join(f"{k} ≤ {v:g} ms" for k, v in t["results"][0]["goodput"]["slo_ms"].items())
+            slo = slo_text(t["results"][0]["goodput"]["slo_ms"])
             md += ["", f"| config | goodput req/s ({slo}) | requests meeting every SLO | × baseline |",
                    "|---|---|---|---|"]
             for r in t["results"]:

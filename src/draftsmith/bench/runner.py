@@ -126,11 +126,10 @@ def run_bench(config: BenchConfig, log: Callable[[str], None] | None = None) -> 
     if done:
         log(f"bench: resuming; {len(done)} finished tier(s) kept: {', '.join(sorted(done))}")
 
-    # the bar counts turns (one per request without --turns); warm-up runs the first prompts
-    turns_of = [1 + len(p.followups) for p in wl.prompts]
-    warm = sum(turns_of[j % len(turns_of)] for j in range(cfg.warmup))
-    total = sum(len(expected[ph.key]) * (sum(turns_of[j % len(turns_of)] for j in range(cfg.requests)) * cfg.repeats
-                                         + warm) for ph in todo)
+    # the bar counts turns (one per request without --turns): the request list is wl.prompts, the
+    # warm-up its first prompts
+    warm = sum(1 + len(wl.prompts[j % len(wl.prompts)].followups) for j in range(cfg.warmup))
+    total = sum(len(expected[ph.key]) * (wl.total_turns * cfg.repeats + warm) for ph in todo)
     bar = tqdm(total=total, desc="bench", unit="req", file=sys.stderr, dynamic_ncols=True,
                disable=(not sys.stderr.isatty()) if cfg.progress is None else not cfg.progress)
     try:
