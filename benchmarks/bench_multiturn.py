@@ -31,8 +31,8 @@ from draftsmith.bench.report_markdown import slo_text
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _ms(d: dict | None) -> str:
-    return "–" if not d or d.get("p50") is None else f"{1e3 * d['p50']:.0f}"
+def _ms(seconds: float | None) -> str:
+    return "–" if seconds is None else f"{1e3 * seconds:.0f}"
 
 
 def _one_minute(load) -> str:
@@ -113,8 +113,8 @@ def main() -> None:
         tau = "–" if r["tau"] is None or r["config"] in ("none", "control") else f"{r['tau']:.2f}"
         good = "–" if r["goodput_rps"] is None else f"{r['goodput_rps']:.3f} ({r['goodput_met']}/{r['turns_measured']})"
         lines.append(f"| {r['concurrency']} | {'plain again (A/A control)' if r['config'] == 'control' else r['config']} "
-                     f"| {sp} | {r['tokens_per_s']:.1f} | {tau} | {_ms({'p50': r['ttft_turn1_p50_s']})} / "
-                     f"{_ms({'p50': r['ttft_later_p50_s']})} | {cached} | {good} | {r['outputs_equal']} |")
+                     f"| {sp} | {r['tokens_per_s']:.1f} | {tau} | {_ms(r['ttft_turn1_p50_s'])} / "
+                     f"{_ms(r['ttft_later_p50_s'])} | {cached} | {good} | {r['outputs_equal']} |")
     begin, end = f"<!-- {key}:begin -->", f"<!-- {key}:end -->"
     sections.write_section(begin, end, "\n".join(lines))
 
