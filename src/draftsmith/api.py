@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Sequence as Seq
 
+from draftsmith.core.logprobs import TokenLogprobs, with_text
 from draftsmith.core.sampling import SamplingParams
 from draftsmith.drafters.base import Drafter
 from draftsmith.engine.builder import build_engine
@@ -31,6 +32,10 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str
     stats: dict = field(default_factory=dict)
+    # with SamplingParams(logprobs=k): per generated token {token id: Logprob}, the generated
+    # token first, then the k most likely (core/logprobs.py); and the sum of the generated ones
+    logprobs: list[TokenLogprobs] | None = None
+    cumulative_logprob: float | None = None
 
 
 @dataclass
@@ -218,6 +223,16 @@ class LLM:
         ids = [self.apply_chat_template(list(c)) for c in conversations]  # type: ignore[arg-type]
         return self.generate(ids, sampling_params)
 
+    def _output(self, i: int, s) -> CompletionOutput:
+        out = CompletionOutput(i, s.text, list(s.output_ids), s.finish_reason or "", s.stats.to_dict())
+        if s.logprobs is not None:
+            out.logprobs = with_text(s.logprobs, self._token_text)
+            out.cumulative_logprob = sum(d[t].logprob for d, t in zip(s.logprobs, s.output_ids))
+        return out
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
     def _run(self, groups, texts) -> list[RequestOutput]:
         seqs = [s for g in groups for s in g]
         t0 = time.perf_counter()
@@ -227,8 +242,7 @@ class LLM:
         outs = [
             RequestOutput(
                 request_id=g[0].request_id, prompt=t, prompt_token_ids=g[0].prompt_ids,
-                outputs=[CompletionOutput(i, s.text, list(s.output_ids), s.finish_reason or "", s.stats.to_dict())
-                         for i, s in enumerate(g)],
+                outputs=[self._output(i, s) for i, s in enumerate(g)],
             )
             for g, t in zip(groups, texts)
         ]

@@ -110,6 +110,8 @@ def env(default_target_dir, tmp_path_factory):
         greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
         refs = {p: llm.generate([p], greedy)[0] for p in PROMPTS}  # one at a time, like the server sees them
         chat_ref = llm.chat(CHAT, greedy)[0]
+        with_lp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=2)
+        lp_refs = {"completion": llm.generate([PROMPTS[1]], with_lp)[0], "chat": llm.chat(CHAT, with_lp)[0]}
         tok = llm.tokenizer
         prompt_ids = {p: llm.encode(p) for p in PROMPTS}
         chat_ids = llm.apply_chat_template(CHAT)
@@ -126,7 +128,7 @@ def env(default_target_dir, tmp_path_factory):
 
         yield {
             "ngram": ngram_url, "plain": plain_url, "refs": refs, "chat_ref": chat_ref, "tok": tok,
-            "prompt_ids": prompt_ids, "chat_ids": chat_ids, "cli": cli_result,
+            "prompt_ids": prompt_ids, "chat_ids": chat_ids, "cli": cli_result, "lp_refs": lp_refs,
         }
     finally:
         if thread_server is not None:
@@ -203,6 +205,30 @@ def test_chat_greedy_equal_llm_chat(env, server):
         parts.append(ch.choices[0].delta.content or "")
         finish = ch.choices[0].finish_reason or finish
     assert "".join(parts) == ref.text and finish == ref.finish_reason
+
+
+@pytest.mark.parametrize("server", _server_names())
+def test_logprobs_through_the_openai_client(env, server):
+    """Completions `logprobs=2` and chat `logprobs=True, top_logprobs=2`, whole and streamed, read
+    by the official client: the numbers of `LLM.generate(SamplingParams(logprobs=2))` (the n-gram
+    server's from verify blocks)."""
+    c = _client(env[server])
+    ref = env["lp_refs"]["completion"]
+    want = [(d[t].decoded_token, d[t].logprob) for t, d in zip(ref.token_ids, ref.outputs[0].logprobs)]
+    r = c.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert lp.tokens == [w[0] for w in want] and lp.token_logprobs == pytest.approx([w[1] for w in want], abs=1e-4)
+    assert all(len(top) in (2, 3) for top in lp.top_logprobs) and "".join(lp.tokens) == ref.text
+    ref = env["lp_refs"]["chat"]
+    want = [(d[t].decoded_token, d[t].logprob) for t, d in zip(ref.token_ids, ref.outputs[0].logprobs)]
+    kw = dict(model=MODEL, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0, logprobs=True, top_logprobs=2)
+    content = c.chat.completions.create(**kw).choices[0].logprobs.content
+    streamed = [e for ch in c.chat.completions.create(stream=True, **kw) if ch.choices and ch.choices[0].logprobs
+                for e in ch.choices[0].logprobs.content]
+    for got in (content, streamed):
+        assert [e.token for e in got] == [w[0] for w in want]
+        assert [e.logprob for e in got] == pytest.approx([w[1] for w in want], abs=1e-4)
+        assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.logprob - 1e-4 for e in got)
 
 
 def test_ngram_server_drafts_and_matches_cli_generate(env):
@@ -283,7 +309,8 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "n": 0}, 400, "n", None),
     ({"prompt": "x", "stop": [""]}, 400, "stop", None),
     ({"prompt": [10**9]}, 400, "prompt", None),
-    ({"prompt": "x", "logprobs": 1}, 400, "logprobs", "unsupported_parameter"),
+    ({"prompt": "x", "echo": True}, 400, "echo", "unsupported_parameter"),
+    ({"prompt": "x", "logprobs": 21}, 400, "logprobs", "invalid_value"),
 ]
 BAD_CHATS = [
     ({"messages": "hi"}, 400, "messages", None),

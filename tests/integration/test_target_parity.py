@@ -117,3 +117,25 @@ def test_default_target_prefill_decode_verify_match_hf(models):
     assert (ours - full).abs().max().item() <= 2 * tol
     # Greedy tokens agree with HF (same argmax at every decode step).
     assert seq[P : P + 4] == full[P - 1 : P + 3].argmax(-1).tolist()
+
+
+def test_logprobs_equal_hf_log_softmax(default_target_dir, hf_model):
+    """`SamplingParams(logprobs=k)` through speculative decoding (n-gram drafts, verify blocks):
+    each generated token's log-probability and the top k equal log_softmax of HF's logits over
+    the same sequence (teacher-forced), to the logits' tolerance twice over (logit and normaliser)."""
+    from draftsmith import LLM, SamplingParams
+
+    llm = LLM(str(default_target_dir), drafter="ngram", policy="fixed", num_speculative_tokens=4, max_batch=1)
+    prompt = llm.apply_chat_template([{"role": "user", "content": "Repeat this line three times: "
+                                                                  "for i in range(10): print(i, i * i)"}])
+    (out,) = llm.generate([prompt], SamplingParams(max_tokens=32, temperature=0.0, logprobs=5))
+    assert llm.last_stats.draft_accepted > 0
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1: -1]
+    ref = torch.log_softmax(logits.float(), dim=-1)
+    for j, (t, d) in enumerate(zip(out.token_ids, out.outputs[0].logprobs)):
+        assert d[t].logprob == pytest.approx(float(ref[j, t]), abs=4 * TOL)
+        top = ref[j].topk(5)
+        for v, i in zip(top.values.tolist(), top.indices.tolist()):
+            if v - float(top.values[-1]) > 4 * TOL:  # a near-tie at the 5th place may swap
+                assert d[i].logprob == pytest.approx(v, abs=4 * TOL)

@@ -103,7 +103,8 @@ def test_chat_request_parsing():
         ChatCompletionRequest.model_validate({"messages": []})
     with pytest.raises(ValidationError):
         ChatCompletionRequest.model_validate({"messages": [{"role": "wizard", "content": "x"}]})
-    assert CompletionRequest.model_validate({"prompt": "x", "logprobs": 2}).unsupported() == ["logprobs"]
+    assert CompletionRequest.model_validate({"prompt": "x", "echo": True}).unsupported() == ["echo"]
+    assert CompletionRequest.model_validate({"prompt": "x", "logprobs": 2}).unsupported() == []
 
 
 # ---- the engine thread, over a fake engine (no model) ---------------------------------
@@ -413,6 +414,12 @@ BAD_BODIES = [  # (path, raw body, param, says)
     ("/v1/completions", b'{"prompt": "x", "stop_token_ids": [272]}', "stop_token_ids", "vocabulary"),
     ("/v1/completions", b'{"prompt": "x", "stop_token_ids": [-1]}', "stop_token_ids", "vocabulary"),
     ("/v1/completions", b'{"prompt": "x", "top_k": -2}', "top_k", "top_k"),
+    ("/v1/completions", b'{"prompt": "x", "logprobs": 21}', "logprobs", "[0, 20]"),
+    ("/v1/completions", b'{"prompt": "x", "logprobs": -1}', "logprobs", "[0, 20]"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 21}',
+     "top_logprobs", "[0, 20]"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}',
+     "top_logprobs", "logprobs: true"),
 ]
 
 
@@ -505,6 +512,72 @@ def test_prefix_caching_is_reported_in_usage_and_metrics(tiny_server):
     for _ in range(2):
         r = off.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0)
         assert r.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def _stream_choices(h, path: str, body: dict) -> tuple[str, list[dict]]:
+    """A streamed request's text and its chunks' logprobs objects (None ones dropped)."""
+    text, lps = "", []
+    with h.stream("POST", path, json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for ch in json.loads(line[6:])["choices"]:
+                text += ch["text"] if "text" in ch else ch["delta"].get("content") or ""
+                if ch["logprobs"] is not None:
+                    lps.append(ch["logprobs"])
+    return text, lps
+
+
+def test_logprobs_whole_and_streamed(tiny_dir, tiny_server):
+    """`logprobs` (completions) and `logprobs` + `top_logprobs` (chat): one entry per generated
+    token with the numbers of `LLM.generate(SamplingParams(logprobs=k))`, the same whether the
+    answer is whole or streamed (a stop string holding text back included), an n-gram server
+    the same as plain."""
+    import httpx
+
+    from draftsmith.api import LLM
+    from draftsmith.core.sampling import SamplingParams
+
+    ref_llm = LLM(str(tiny_dir), max_batch=2, max_len=256)
+    prompt = "abcabcabcabc"
+    (ref,) = ref_llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, logprobs=3))
+    stop = ref.text[4:6]  # a stop string that cuts the answer (held back while streaming)
+    for url in (tiny_server(), tiny_server(llm_kw={"drafter": "ngram", "policy": "fixed"})):
+        with httpx.Client(base_url=url, timeout=60) as h:
+            body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": 3}
+            whole = h.post("/v1/completions", json=body).json()["choices"][0]
+            lp = whole["logprobs"]
+            assert whole["text"] == ref.text and len(lp["tokens"]) == len(ref.token_ids)
+            for j, (t, d) in enumerate(zip(ref.token_ids, ref.outputs[0].logprobs)):
+                assert lp["tokens"][j] == d[t].decoded_token
+                assert lp["token_logprobs"][j] == pytest.approx(d[t].logprob, abs=1e-5)
+                assert lp["top_logprobs"][j] == pytest.approx({x.decoded_token: x.logprob for x in d.values()},
+                                                              abs=1e-5)
+            assert lp["text_offset"] == [sum(len(x) for x in lp["tokens"][:j]) for j in range(len(lp["tokens"]))]
+            text, chunks = _stream_choices(h, "/v1/completions", body)
+            assert text == ref.text
+            assert sum((c["tokens"] for c in chunks), []) == lp["tokens"]
+            assert sum((c["text_offset"] for c in chunks), []) == lp["text_offset"]
+            cut = h.post("/v1/completions", json={**body, "stop": [stop]}).json()["choices"][0]
+            text, chunks = _stream_choices(h, "/v1/completions", {**body, "stop": [stop]})
+            assert text == cut["text"] == ref.text[: ref.text.index(stop)]
+            assert sum((c["tokens"] for c in chunks), []) == cut["logprobs"]["tokens"]
+            # chat: the k most likely, most likely first; none without `logprobs: true`
+            chat = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 8, "temperature": 0}
+            plain = h.post("/v1/chat/completions", json=chat).json()["choices"][0]
+            assert plain["logprobs"] is None
+            got = h.post("/v1/chat/completions", json={**chat, "logprobs": True, "top_logprobs": 2}).json()
+            content = got["choices"][0]["logprobs"]["content"]
+            assert len(content) == got["usage"]["completion_tokens"] > 0
+            for e in content:
+                tops = [x["logprob"] for x in e["top_logprobs"]]
+                assert len(tops) == 2 and tops == sorted(tops, reverse=True) and e["logprob"] <= tops[0] + 1e-6
+                assert e["bytes"] == list(e["token"].encode("utf-8"))
+            _, chunks = _stream_choices(h, "/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 2})
+            assert sum((c["content"] for c in chunks), []) == content
+            zero = h.post("/v1/chat/completions", json={**chat, "logprobs": True}).json()
+            assert [e["top_logprobs"] for e in zero["choices"][0]["logprobs"]["content"]] == [[]] * len(content)
 
 
 def test_serve_flags_reach_the_server(monkeypatch):

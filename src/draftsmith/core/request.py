@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from draftsmith.core.logprobs import TokenLogprobs
 from draftsmith.core.sampling import SamplingParams
 
 
@@ -93,6 +94,8 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     text: str = ""  # decoded output, stop string removed
     stats: RequestStats = field(default_factory=RequestStats)
+    # one dict per output token when params.logprobs is not None (core/logprobs.py)
+    logprobs: list[TokenLogprobs] | None = None
     # The draft-length policy's per-request scratch (policy/*.py). Drafters keep typed state
     # of their own per request instead (drafters/base.py: RequestStates).
     drafter_state: dict = field(default_factory=dict)

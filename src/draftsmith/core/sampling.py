@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from draftsmith.core.logprobs import MAX_LOGPROBS
 from draftsmith.errors import DraftsmithError
 
 
@@ -26,6 +27,9 @@ class SamplingParams:
     ignore_eos:      keep generating past EOS (benchmarks).
     n:               samples per prompt (`LLM.generate`: RequestOutput.outputs; sample i is
                      seeded seed + i when a seed is given).
+    logprobs:        None = none; k in 0..20 = every generated token's log probability under
+                     the target (raw: before temperature and the other warps) and its k most
+                     likely alternatives (core/logprobs.py; `CompletionOutput.logprobs`).
     """
 
     max_tokens: int = 128
@@ -38,6 +42,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     n: int = 1
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -59,6 +64,10 @@ class SamplingParams:
             raise DraftsmithError(f"top_k must be an integer >= 0 (0 disables), got {self.top_k!r}")
         if not (0.0 <= self.min_p <= 1.0):
             raise DraftsmithError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise DraftsmithError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}] (how many "
+                                  f"top tokens to return beside each generated one), got {self.logprobs!r}")
         if any(not s for s in self.stop):
             raise DraftsmithError("stop strings must be non-empty")
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from draftsmith.core.logprobs import token_logprobs
 from draftsmith.core.sampling import SamplingParams
 from draftsmith.core.verify import verify, verify_greedy
 from draftsmith.core.warp import argmax_rows, target_probs
@@ -128,6 +129,7 @@ class Engine:
             prompt_ids=list(prompt_ids),
             params=params,
             generator=gen,
+            logprobs=None if params.logprobs is None else [],
         )
         self.waiting.append(seq)
         return seq
@@ -314,6 +316,9 @@ class Engine:
             self.cache.lengths[s.row] += 1 + m
             s.stats.target_forwards += 1
             appended = self._append(s, committed_tokens[b][: m + 1])
+            if s.logprobs is not None:  # the target's rows of the committed tokens (core/logprobs.py)
+                s.logprobs += token_logprobs(out.logits[b], s.output_ids[len(s.output_ids) - appended:],
+                                              s.params.logprobs)
             s.stats.record_round(proposed=lengths[b], accepted=m, committed=appended)
         self.drafter.on_verified(seqs, proposal, result, self._features(out))
         self.policy.update(seqs, proposal, result)

@@ -38,6 +38,7 @@ class Event:
     finish_reason: str | None = None
     message: str = ""  # error
     cached_tokens: int = 0  # prompt tokens whose KV was reused (finished; prefix caching)
+    logprobs: list | None = None  # per token of token_ids, when the request asked (core/logprobs.py)
 
 
 @dataclass
@@ -63,6 +64,10 @@ class _Live:
     committed: int = 0
     proposed_at: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
+
+
+def _copy(logprobs: list | None) -> list | None:
+    return None if logprobs is None else list(logprobs)
 
 
 def _diff(new: list[int], old: list[int]) -> list[int]:
@@ -176,7 +181,7 @@ class EngineLoop:
             self.metrics.record_finished("abort", now - live.sub.t_arrival, live.seq.stats.cached_tokens)
             live.sub.sink(Event("finished", index=live.sub.index, token_ids=list(live.seq.output_ids),
                                 text=live.seq.text, finish_reason="abort",
-                                cached_tokens=live.seq.stats.cached_tokens))
+                                cached_tokens=live.seq.stats.cached_tokens, logprobs=_copy(live.seq.logprobs)))
 
     def _account(self, live: _Live, now: float) -> int:
         """Report new tokens and speculative-stat deltas of one request; returns #new tokens."""
@@ -217,10 +222,10 @@ class EngineLoop:
                                              seq.stats.cached_tokens)
                 live.sub.sink(Event("finished", index=live.sub.index, token_ids=list(seq.output_ids),
                                     text=seq.text, finish_reason=seq.finish_reason,
-                                    cached_tokens=seq.stats.cached_tokens))
+                                    cached_tokens=seq.stats.cached_tokens, logprobs=_copy(seq.logprobs)))
             elif n > 0 and live.sub.stream:
-                live.sub.sink(Event("tokens", index=live.sub.index,
-                                    token_ids=list(seq.output_ids[live.sent :])))
+                live.sub.sink(Event("tokens", index=live.sub.index, token_ids=list(seq.output_ids[live.sent :]),
+                                    logprobs=None if seq.logprobs is None else seq.logprobs[live.sent :]))
             live.sent = len(seq.output_ids)
         for rid in done:
             del self._live[rid]

@@ -43,6 +43,7 @@ async def generate(st: ServerState, request: Request, req: Any, prompts: list[li
         raise APIError(503, "the engine is not running", type="service_unavailable")
     n = req.n
     check_sampling(req, st.vocab_size)
+    fmt.with_logprobs(req.top_logprobs_k(), st.front.decode_one)
     subs: list[SubRequest] = []
     aloop = asyncio.get_running_loop()
     q: asyncio.Queue[Event] = asyncio.Queue()

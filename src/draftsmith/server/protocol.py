@@ -2,8 +2,8 @@
 
 Types are strict where a wrong type is a client bug (a string for `max_tokens`, a bool for
 `temperature`); unknown fields are ignored, as OpenAI-compatible servers usually do.
-Options Draftsmith cannot honour (logprobs, echo, penalties, logit_bias, tools, ...) are
-rejected with a 400 rather than silently ignored.
+Options Draftsmith cannot honour (echo, penalties, logit_bias, tools, ...) are rejected with
+a 400 rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from __future__ import annotations
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+
+from draftsmith.core.logprobs import MAX_LOGPROBS
 
 
 class APIError(Exception):
@@ -41,6 +43,13 @@ def validation_error(e: ValidationError) -> APIError:
     if len(errs) > 1:
         msg += f" (and {len(errs) - 1} more error(s))"
     return APIError(400, msg, param=param, code="invalid_value" if loc else None)
+
+
+def _in_range(k: int | None, param: str) -> int | None:
+    if k is not None and not 0 <= k <= MAX_LOGPROBS:
+        raise APIError(400, f"{param} must be an integer in [0, {MAX_LOGPROBS}] (the most likely tokens to list "
+                       f"beside each generated one), got {k}", param=param, code="invalid_value")
+    return k
 
 
 class _Req(BaseModel):
@@ -92,10 +101,12 @@ class CompletionRequest(_Sampling):
     best_of: StrictInt | None = None
     suffix: StrictStr | None = None
 
+    def top_logprobs_k(self) -> int | None:
+        """How many top tokens per generated token (None: no logprobs)."""
+        return _in_range(self.logprobs, "logprobs")
+
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
-        if self.logprobs is not None:
-            bad.append("logprobs")
         if self.echo:
             bad.append("echo")
         if self.best_of not in (None, self.n):
@@ -132,10 +143,14 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 
+    def top_logprobs_k(self) -> int | None:
+        """How many top tokens per generated token (None: no logprobs)."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
+        return _in_range(self.top_logprobs or 0, "top_logprobs") if self.logprobs else None
+
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
-        if self.logprobs or self.top_logprobs:
-            bad.append("logprobs")
         if self.tools:
             bad.append("tools")
         if self.response_format and self.response_format.get("type") not in (None, "text"):

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import time
 
+from typing import Callable
+
 from draftsmith.server.engine_loop import Event
+from draftsmith.server.logprobs import LogprobsFormat
 
 
 class ResponseFormat:
@@ -14,6 +17,14 @@ class ResponseFormat:
     def __init__(self, chat: bool, rid: str, model: str) -> None:
         self.chat, self.rid, self.model = chat, rid, model
         self.created = int(time.time())
+        self.logprobs: LogprobsFormat | None = None
+
+    def with_logprobs(self, k: int | None, decode_one: Callable[[int], str]) -> None:
+        """The request asked for logprobs with k top tokens (None: it did not)."""
+        self.logprobs = None if k is None else LogprobsFormat(self.chat, k, decode_one)
+
+    def _logprobs(self, index: int, entries: list | None) -> dict | None:
+        return None if self.logprobs is None or entries is None else self.logprobs.build(index, entries)
 
     def _head(self, obj: str) -> dict:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
@@ -24,12 +35,14 @@ class ResponseFormat:
         return {**self._head("chat.completion.chunk"), "choices": [
             {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
 
-    def chunk(self, index: int, text: str, finish_reason: str | None) -> dict:
+    def chunk(self, index: int, text: str, finish_reason: str | None, logprobs: list | None = None) -> dict:
+        """A streamed chunk; `logprobs`: the entries of the tokens since the previous chunk."""
+        lp = self._logprobs(index, logprobs)
         if self.chat:
             delta = {"content": text} if text else {}
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
         return {**self._head("text_completion"), "choices": [choice]}
 
     def usage_chunk(self, usage: dict) -> dict:
@@ -39,10 +52,11 @@ class ResponseFormat:
     def response(self, finals: list[Event], usage: dict) -> dict:
         if self.chat:
             choices = [{"index": e.index, "message": {"role": "assistant", "content": e.text},
-                        "logprobs": None, "finish_reason": e.finish_reason} for e in finals]
+                        "logprobs": self._logprobs(e.index, e.logprobs), "finish_reason": e.finish_reason}
+                       for e in finals]
             return {**self._head("chat.completion"), "choices": choices, "usage": usage}
-        choices = [{"index": e.index, "text": e.text, "logprobs": None, "finish_reason": e.finish_reason}
-                   for e in finals]
+        choices = [{"index": e.index, "text": e.text, "logprobs": self._logprobs(e.index, e.logprobs),
+                    "finish_reason": e.finish_reason} for e in finals]
         return {**self._head("text_completion"), "choices": choices, "usage": usage}
 
 

@@ -33,6 +33,7 @@ def check_sampling(req: Any, vocab_size: int) -> None:
     if req.top_k is not None and req.top_k < -1:
         raise APIError(400, f"top_k must be -1 or 0 (all tokens) or a positive integer, got {req.top_k}",
                        param="top_k", code="invalid_value")
+    req.top_logprobs_k()  # its range (and chat's top_logprobs without logprobs)
     bad = [t for t in req.stop_token_ids or () if not 0 <= t < vocab_size]
     if bad:
         raise APIError(400, f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab_size})",
@@ -74,6 +75,7 @@ def sampling_params(req: Any, max_tokens: int | None, prompt_len: int, index: in
             stop=(stop,) if isinstance(stop, str) else tuple(stop),
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
+            logprobs=req.top_logprobs_k(),
         )
     except DraftsmithError as e:
         msg = str(e)

@@ -54,6 +54,10 @@ class _Front:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def decode_one(self, token_id: int) -> str:
+        """One token's text for logprobs, special tokens kept (as LLM.generate's)."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
 
 class ServerState:
     def __init__(self, llm: LLM, model_name: str | None = None, api_key: str | None = None,

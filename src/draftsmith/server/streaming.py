@@ -43,6 +43,18 @@ async def stream_events(st: ServerState, subs: list[SubRequest], q: asyncio.Queu
     choices in `done` and calls `close` at the end, however the stream ends. `n`: choices per prompt."""
     stops = {s.index: s.params.stop for s in subs}
     texts = {s.index: StreamText(st.front.decode, stops[s.index]) for s in subs}
+    # logprobs entries received and not yet sent (text held back sends them with a later chunk)
+    pending: dict[int, list] = {s.index: [] for s in subs}
+    sent_lp: dict[int, int] = {s.index: 0 for s in subs}
+
+    def take(index: int, final: list | None = None) -> list | None:
+        if fmt.logprobs is None:
+            return None
+        out = final[sent_lp[index]:] if final is not None else pending[index]
+        sent_lp[index] += len(out)
+        pending[index] = []
+        return out
+
     finals: list[Event] = []
     try:
         for s in subs:
@@ -53,12 +65,14 @@ async def stream_events(st: ServerState, subs: list[SubRequest], q: asyncio.Queu
             ev = await q.get()
             if ev.kind == "tokens":
                 delta = texts[ev.index].push(ev.token_ids)
+                pending[ev.index] += ev.logprobs or []
                 if delta:
-                    yield sse(fmt.chunk(ev.index, delta, None))
+                    yield sse(fmt.chunk(ev.index, delta, None, take(ev.index)))
             elif ev.kind == "finished":
                 done.add(ev.index)
                 finals.append(ev)
-                yield sse(fmt.chunk(ev.index, texts[ev.index].finish(ev.text), ev.finish_reason))
+                yield sse(fmt.chunk(ev.index, texts[ev.index].finish(ev.text), ev.finish_reason,
+                                    take(ev.index, ev.logprobs or [])))
             elif ev.kind == "error":
                 st.metrics.record_error(500)
                 yield sse(APIError(500, ev.message, type="internal_error").body())
