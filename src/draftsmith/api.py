@@ -18,6 +18,7 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.models.loading import LoadedTarget
 from draftsmith.models.prompts import encode_chat, encode_text
 from draftsmith.models.target import load_target
+from draftsmith.models.token_text import TokenText
 from draftsmith.models.threads import configure_threads
 from draftsmith.policy.base import DraftLengthPolicy
 from draftsmith.policy.registry import make_policy  # noqa: F401  (re-exported: draftsmith.api.make_policy)
@@ -48,6 +49,8 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
+    # with SamplingParams(prompt_logprobs=k): per prompt token, None for the first
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def text(self) -> str:
@@ -163,6 +166,7 @@ class LLM:
                                    enable_prefix_caching=enable_prefix_caching, adaptive_threads=threads is None)
         self.drafter, self.policy = self.engine.drafter, self.engine.policy
         self.last_stats: GenerateStats | None = None
+        self._token_texts: TokenText | None = None  # logprobs' token texts (built on first use)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         return encode_chat(self.tokenizer, messages, self.target.target_id)
@@ -231,7 +235,9 @@ class LLM:
         return out
 
     def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        if self._token_texts is None:
+            self._token_texts = TokenText(self.tokenizer)
+        return self._token_texts.text(token_id)
 
     def _run(self, groups, texts) -> list[RequestOutput]:
         seqs = [s for g in groups for s in g]
@@ -243,6 +249,8 @@ class LLM:
             RequestOutput(
                 request_id=g[0].request_id, prompt=t, prompt_token_ids=g[0].prompt_ids,
                 outputs=[self._output(i, s) for i, s in enumerate(g)],
+                prompt_logprobs=None if g[0].prompt_logprobs is None else
+                [None] + with_text(g[0].prompt_logprobs[1:], self._token_text),
             )
             for g, t in zip(groups, texts)
         ]

@@ -4,6 +4,8 @@ same with speculative decoding as without."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -37,12 +39,14 @@ def _check_against(ref: torch.Tensor, out, k: int) -> None:
     for j, (tok, d) in enumerate(zip(out.token_ids, out.logprobs)):
         assert next(iter(d)) == tok  # the generated token first
         assert d[tok].logprob == pytest.approx(float(ref[j, tok]), abs=1e-4)
-        above = lambda eps: int((ref[j] > ref[j, tok] + eps).sum())  # noqa: E731  (tokens ranked above)
-        assert above(1e-4) + 1 <= d[tok].rank <= above(-1e-4) + 1  # the same rank, up to near-ties
+        # vLLM's rank: the tokens at least as likely, itself included (up to near-ties)
+        above = lambda eps: int((ref[j] > ref[j, tok] + eps).sum())  # noqa: E731
+        assert above(1e-4) + 1 <= d[tok].rank <= above(-1e-4)
         top = ref[j].topk(k)
         others = list(d)[1:]  # the top k but the generated token: most likely first
         assert len(d) == k + (tok not in top.indices.tolist()) or abs(float(ref[j, tok]) - float(top.values[-1])) < 1e-4
         assert sorted(others, key=lambda t: -d[t].logprob) == others
+        assert [d[t].rank for t in others] == [r for r, t in enumerate(top.indices.tolist(), 1) if t in others]
         for v, i in zip(top.values.tolist(), top.indices.tolist()):
             if abs(v - float(top.values[-1])) > 1e-4:  # a near-tie at the k-th place may swap
                 assert d[i].logprob == pytest.approx(v, abs=1e-4)
@@ -91,23 +95,65 @@ def test_sampled_logprobs_are_the_raw_distribution(tiny, hf_logprobs):
 
 
 def test_shape_text_and_default(tiny):
+    from draftsmith.models.token_text import TokenText
+
     llm = LLM(str(tiny), drafter="ngram", policy="fixed", max_batch=4, max_len=256)
     none, zero = llm.generate([PROMPTS[0]] * 2, [SamplingParams(max_tokens=24, temperature=0.0),
                                                  SamplingParams(max_tokens=24, temperature=0.0, logprobs=0)])
     assert none.outputs[0].logprobs is None and none.outputs[0].cumulative_logprob is None
     assert [len(d) for d in zero.outputs[0].logprobs] == [1] * len(zero.token_ids)
+    tt = TokenText(llm.tokenizer)
     for t, d in zip(zero.token_ids, zero.outputs[0].logprobs):
-        assert d[t].decoded_token == llm.tokenizer.decode([t], skip_special_tokens=False)
-    # a stop rule that cuts a verify block: one entry per token kept, and the same numbers
-    stop = zero.token_ids[5]
-    cut = zero.token_ids.index(stop) + 1
-    (stopped,) = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=24, temperature=0.0, logprobs=0,
-                                                           stop_token_ids=[stop]))
-    assert stopped.token_ids == zero.token_ids[:cut] and stopped.finish_reason == "stop"
-    assert [list(d) for d in stopped.outputs[0].logprobs] == [list(d) for d in zero.outputs[0].logprobs[:cut]]
+        assert d[t].decoded_token == tt.text(t)
 
 
+def test_a_stop_rule_that_cuts_a_verify_block(tiny):
+    """The target drafting for itself (greedy, K = 4): each round commits a block of up to 5
+    tokens; a stop token inside the first block keeps fewer than it committed. The logprobs
+    are one per kept token, with the numbers of the run without the stop."""
+    llm = LLM(str(tiny), drafter=f"draft-model:{tiny}", policy="fixed", num_speculative_tokens=4, max_batch=1,
+              max_len=256, drafter_dtype="float32")
+    sp = SamplingParams(max_tokens=24, temperature=0.0, logprobs=3)
+    (full,) = llm.generate([PROMPTS[0]], sp)
+    stop = full.token_ids[2]
+    cut = full.token_ids.index(stop) + 1
+    (stopped,) = llm.generate([PROMPTS[0]], replace(sp, stop_token_ids=(stop,)))
+    st = stopped.outputs[0].stats
+    assert st["committed"] < st["draft_accepted"] + st["rounds"]  # the last round kept less than it verified
+    assert stopped.token_ids == full.token_ids[:cut] and stopped.finish_reason == "stop"
+    got, want = stopped.outputs[0].logprobs, full.outputs[0].logprobs[:cut]
+    assert len(got) == cut and [list(d) for d in got] == [list(d) for d in want]
+    for a, b in zip(got, want):
+        for t in a:
+            assert (a[t].logprob, a[t].rank) == pytest.approx((b[t].logprob, b[t].rank), abs=1e-6)
+
+
+@pytest.mark.parametrize("name", ["logprobs", "prompt_logprobs"])
 @pytest.mark.parametrize("bad", [-1, 21, True, 2.0])
-def test_bad_logprobs_say_what_is_allowed(bad):
-    with pytest.raises(DraftsmithError, match=r"logprobs must be None or an integer in \[0, 20\]"):
-        SamplingParams(logprobs=bad)
+def test_bad_logprobs_say_what_is_allowed(name, bad):
+    with pytest.raises(DraftsmithError, match=rf"{name} must be None or an integer in \[0, 20\]"):
+        SamplingParams(**{name: bad})
+
+
+def test_prompt_logprobs_equal_hf_and_skip_the_prefix_cache(tiny, hf_logprobs):
+    """`prompt_logprobs=k`: None for the first prompt token, then each token's log-probability
+    under the tokens before it (HF's teacher-forced numbers); a request that asks for them
+    prefills its whole prompt even where the prefix cache holds it."""
+    llm = LLM(str(tiny), drafter="ngram", policy="fixed", max_batch=2, max_len=256, enable_prefix_caching=True)
+    sp = SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=2)
+    first, again = llm.generate([PROMPTS[1]], sp)[0], llm.generate([PROMPTS[1]], sp)[0]
+    plain = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=4, temperature=0.0))[0]
+    assert plain.outputs[0].stats["cached_tokens"] > 0  # the cache held it: a request without the option reuses it
+    ids = first.prompt_token_ids
+    ref = hf_logprobs(ids[:1], ids[1:])  # rows predicting prompt tokens 1..
+    for out in (first, again):
+        assert out.outputs[0].stats["cached_tokens"] == 0 and out.outputs[0].logprobs is None
+        lp = out.prompt_logprobs
+        assert len(lp) == len(ids) and lp[0] is None
+        for j, (t, d) in enumerate(zip(ids[1:], lp[1:])):
+            assert next(iter(d)) == t and d[t].logprob == pytest.approx(float(ref[j, t]), abs=1e-4)
+            assert d[t].decoded_token == llm.tokenizer.decode([t], skip_special_tokens=False)
+            assert len(d) in (2, 3)
+    assert plain.prompt_logprobs is None
+    (one,) = llm.generate([ids[:1]], sp)
+    assert one.prompt_logprobs == [None]

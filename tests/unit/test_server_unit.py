@@ -103,8 +103,8 @@ def test_chat_request_parsing():
         ChatCompletionRequest.model_validate({"messages": []})
     with pytest.raises(ValidationError):
         ChatCompletionRequest.model_validate({"messages": [{"role": "wizard", "content": "x"}]})
-    assert CompletionRequest.model_validate({"prompt": "x", "echo": True}).unsupported() == ["echo"]
-    assert CompletionRequest.model_validate({"prompt": "x", "logprobs": 2}).unsupported() == []
+    assert CompletionRequest.model_validate({"prompt": "x", "suffix": "y"}).unsupported() == ["suffix"]
+    assert CompletionRequest.model_validate({"prompt": "x", "logprobs": 2, "echo": True}).unsupported() == []
 
 
 # ---- the engine thread, over a fake engine (no model) ---------------------------------
@@ -420,6 +420,7 @@ BAD_BODIES = [  # (path, raw body, param, says)
      "top_logprobs", "[0, 20]"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}',
      "top_logprobs", "logprobs: true"),
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": 0}', "max_tokens", "echo: true"),
 ]
 
 
@@ -552,13 +553,13 @@ def test_logprobs_whole_and_streamed(tiny_dir, tiny_server):
             for j, (t, d) in enumerate(zip(ref.token_ids, ref.outputs[0].logprobs)):
                 assert lp["tokens"][j] == d[t].decoded_token
                 assert lp["token_logprobs"][j] == pytest.approx(d[t].logprob, abs=1e-5)
-                assert lp["top_logprobs"][j] == pytest.approx({x.decoded_token: x.logprob for x in d.values()},
-                                                              abs=1e-5)
+                top = {x.decoded_token: x.logprob for u, x in d.items() if u != t} | {d[t].decoded_token: d[t].logprob}
+                assert lp["top_logprobs"][j] == pytest.approx(top, abs=1e-5)  # keyed by text: the generated one wins
             assert lp["text_offset"] == [sum(len(x) for x in lp["tokens"][:j]) for j in range(len(lp["tokens"]))]
             text, chunks = _stream_choices(h, "/v1/completions", body)
-            assert text == ref.text
-            assert sum((c["tokens"] for c in chunks), []) == lp["tokens"]
-            assert sum((c["text_offset"] for c in chunks), []) == lp["text_offset"]
+            assert text == ref.text and len(chunks) > 1
+            for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                assert sum((c[key] for c in chunks), []) == lp[key], key
             cut = h.post("/v1/completions", json={**body, "stop": [stop]}).json()["choices"][0]
             text, chunks = _stream_choices(h, "/v1/completions", {**body, "stop": [stop]})
             assert text == cut["text"] == ref.text[: ref.text.index(stop)]
@@ -573,11 +574,74 @@ def test_logprobs_whole_and_streamed(tiny_dir, tiny_server):
             for e in content:
                 tops = [x["logprob"] for x in e["top_logprobs"]]
                 assert len(tops) == 2 and tops == sorted(tops, reverse=True) and e["logprob"] <= tops[0] + 1e-6
-                assert e["bytes"] == list(e["token"].encode("utf-8"))
+                assert bytes(e["bytes"]).decode("utf-8", errors="replace") == e["token"]  # exact bytes, U+FFFD text
             _, chunks = _stream_choices(h, "/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 2})
             assert sum((c["content"] for c in chunks), []) == content
             zero = h.post("/v1/chat/completions", json={**chat, "logprobs": True}).json()
             assert [e["top_logprobs"] for e in zero["choices"][0]["logprobs"]["content"]] == [[]] * len(content)
+            # two prompts x n = 2, sampled and seeded: each choice streams its own entries and offsets
+            many = {"prompt": [prompt, "hello world"], "n": 2, "max_tokens": 6, "temperature": 0.9, "seed": 5,
+                    "logprobs": 1}
+            whole = {c["index"]: c["logprobs"] for c in h.post("/v1/completions", json=many).json()["choices"]}
+            per: dict[int, dict] = {i: {"tokens": [], "token_logprobs": [], "text_offset": []} for i in range(4)}
+            with h.stream("POST", "/v1/completions", json={**many, "stream": True}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        for ch in json.loads(line[6:])["choices"]:
+                            for key in per[ch["index"]]:
+                                per[ch["index"]][key] += (ch["logprobs"] or {}).get(key, [])
+            assert sorted(whole) == [0, 1, 2, 3]
+            for i in range(4):
+                for key in per[i]:
+                    assert per[i][key] == whole[i][key], (i, key)
+
+
+def test_echo_scores_the_prompt_as_lm_eval_asks(tiny_dir, tiny_server):
+    """Completions `echo: true` (+ `logprobs`): the prompt's text and tokens first, the first token's
+    logprob null, the rest = `LLM.generate(prompt_logprobs=k)`'s; `max_tokens: 0` scores the prompt
+    alone (what lm-evaluation-harness sends for log-likelihood tasks, token-id prompts in a batch);
+    streamed = whole; prefix caching does not skip a prompt it is asked to score."""
+    import httpx
+
+    from draftsmith.api import LLM
+    from draftsmith.core.sampling import SamplingParams
+
+    ref_llm = LLM(str(tiny_dir), max_batch=2, max_len=256)
+    prompts = ["hello world, hello world", "abcabcabcabc"]
+    refs = ref_llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0.0, logprobs=2, prompt_logprobs=2))
+    url = tiny_server(llm_kw={"drafter": "ngram", "policy": "fixed", "enable_prefix_caching": True})
+    with httpx.Client(base_url=url, timeout=60) as h:
+        ids = [r.prompt_token_ids for r in refs]
+        for _ in range(2):  # the second time the prefix cache holds both prompts
+            r = h.post("/v1/completions", json={"prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 2,
+                                                "temperature": 0}).json()
+            assert r["usage"]["completion_tokens"] == 0
+            for ch, ref in zip(r["choices"], refs):
+                lp = ch["logprobs"]
+                assert ch["text"] == ref_llm.tokenizer.decode(ref.prompt_token_ids, skip_special_tokens=True)
+                assert len(lp["tokens"]) == len(ref.prompt_token_ids) and lp["token_logprobs"][0] is None
+                assert lp["top_logprobs"][0] is None
+                want = [d[t].logprob for t, d in zip(ref.prompt_token_ids[1:], ref.prompt_logprobs[1:])]
+                assert lp["token_logprobs"][1:] == pytest.approx(want, abs=1e-5)
+                assert lp["text_offset"][0] == 0
+        # echo + generated tokens: the prompt's entries, then the answer's; the text = prompt + answer
+        body = {"prompt": prompts[1], "max_tokens": 3, "echo": True, "logprobs": 2, "temperature": 0}
+        whole = h.post("/v1/completions", json=body).json()
+        ch, ref = whole["choices"][0], refs[1]
+        assert ch["text"] == prompts[1] + ref.text and whole["usage"]["completion_tokens"] == len(ref.token_ids)
+        n_prompt = len(ref.prompt_token_ids)
+        assert len(ch["logprobs"]["tokens"]) == n_prompt + len(ref.token_ids)
+        assert ch["logprobs"]["token_logprobs"][n_prompt:] == pytest.approx(
+            [d[t].logprob for t, d in zip(ref.token_ids, ref.outputs[0].logprobs)], abs=1e-5)
+        for b in (body, {**body, "max_tokens": 0}, {**body, "logprobs": None}):
+            text, chunks = _stream_choices(h, "/v1/completions", b)
+            one = h.post("/v1/completions", json=b).json()["choices"][0]
+            assert text == one["text"]
+            if one["logprobs"] is not None:
+                assert sum((c["tokens"] for c in chunks), []) == one["logprobs"]["tokens"]
+                assert sum((c["token_logprobs"] for c in chunks), []) == one["logprobs"]["token_logprobs"]
+            else:
+                assert not chunks
 
 
 def test_serve_flags_reach_the_server(monkeypatch):

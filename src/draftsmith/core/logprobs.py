@@ -20,8 +20,9 @@ MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's top_logprobs limit, vL
 
 @dataclass(frozen=True)
 class Logprob:
-    """One token's log probability under the target, its rank among all tokens (1 = the most
-    likely; tied tokens share a rank) and its text (filled by `LLM.generate` and the server)."""
+    """One token's log probability under the target, its rank (vLLM's: the generated token's is
+    the number of tokens at least as likely, itself included; the top k are 1..k in order) and
+    its text (filled by `LLM.generate`: models/token_text.py)."""
 
     logprob: float
     rank: int
@@ -39,18 +40,21 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[Toke
     lp = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)
     ids = torch.tensor(tokens, dtype=torch.long, device=lp.device)
     chosen = lp.gather(-1, ids[:, None])
-    ranks = (lp > chosen).sum(-1) + 1
-    top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], ids[:, None][:, :0])
+    ranks = (lp >= chosen).sum(-1, keepdim=True)
+    top_v, top_i = lp.topk(k, dim=-1)
+    # one transfer: [chosen, rank, top values, top ids] per row (ids < 2**24 are exact in float32)
+    rows = torch.cat([chosen, ranks.float(), top_v, top_i.float()], dim=-1).tolist()
     out: list[TokenLogprobs] = []
-    for t, c, r, tv, ti in zip(tokens, chosen[:, 0].tolist(), ranks.tolist(), top_v.tolist(), top_i.tolist()):
-        d = {t: Logprob(c, r)}
-        for v, i in zip(tv, ti):
-            if i not in d:  # every token above v is among the top k (sorted): count them
-                d[i] = Logprob(v, 1 + sum(u > v for u in tv))
+    for t, r in zip(tokens, rows):
+        d = {t: Logprob(r[0], int(r[1]))}
+        for j in range(k):
+            i = int(r[2 + k + j])
+            if i not in d:
+                d[i] = Logprob(r[2 + j], j + 1)
         out.append(d)
     return out
 
 
-def with_text(entries: list[TokenLogprobs], decode_one) -> list[TokenLogprobs]:
-    """The same dicts with every token's text (`decode_one(id) -> str`)."""
-    return [{t: Logprob(lp.logprob, lp.rank, decode_one(t)) for t, lp in d.items()} for d in entries]
+def with_text(entries: list[TokenLogprobs], token_text) -> list[TokenLogprobs]:
+    """The same dicts with every token's text (`token_text(id) -> str`)."""
+    return [{t: Logprob(lp.logprob, lp.rank, token_text(t)) for t, lp in d.items()} for d in entries]

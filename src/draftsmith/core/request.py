@@ -96,6 +96,8 @@ class Request:
     stats: RequestStats = field(default_factory=RequestStats)
     # one dict per output token when params.logprobs is not None (core/logprobs.py)
     logprobs: list[TokenLogprobs] | None = None
+    # params.prompt_logprobs: one per prompt token, None for the first (nothing predicts it)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     # The draft-length policy's per-request scratch (policy/*.py). Drafters keep typed state
     # of their own per request instead (drafters/base.py: RequestStates).
     drafter_state: dict = field(default_factory=dict)

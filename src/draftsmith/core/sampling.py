@@ -30,6 +30,8 @@ class SamplingParams:
     logprobs:        None = none; k in 0..20 = every generated token's log probability under
                      the target (raw: before temperature and the other warps) and its k most
                      likely alternatives (core/logprobs.py; `CompletionOutput.logprobs`).
+    prompt_logprobs: the same for the prompt's tokens (`RequestOutput.prompt_logprobs`: None for
+                     the first token, which nothing predicts); the request then reuses no cached prefix.
     """
 
     max_tokens: int = 128
@@ -43,6 +45,7 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -64,10 +67,12 @@ class SamplingParams:
             raise DraftsmithError(f"top_k must be an integer >= 0 (0 disables), got {self.top_k!r}")
         if not (0.0 <= self.min_p <= 1.0):
             raise DraftsmithError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise DraftsmithError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}] (how many "
-                                  f"top tokens to return beside each generated one), got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_LOGPROBS):
+                raise DraftsmithError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}] (how many top "
+                                      f"tokens to return beside each {'generated' if name == 'logprobs' else 'prompt'}"
+                                      f" token), got {k!r}")
         if any(not s for s in self.stop):
             raise DraftsmithError("stop strings must be non-empty")
 

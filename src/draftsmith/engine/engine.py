@@ -130,6 +130,7 @@ class Engine:
             params=params,
             generator=gen,
             logprobs=None if params.logprobs is None else [],
+            prompt_logprobs=None if params.prompt_logprobs is None else [None],
         )
         self.waiting.append(seq)
         return seq
@@ -198,8 +199,9 @@ class Engine:
         # With prefix caching a row starts after the prefix it already holds.
         feeds = [s.prompt_ids[:-1] for s in new]
         if self.prefix_caching:
-            placed = [(r, max(0, n - self._reuse_margin))
-                      for r, n in place(feeds, self.free_rows, self.cache, self._drafter_held)]
+            # (a request that asks for its prompt's logprobs prefills all of it: no reuse)
+            placed = [(r, 0 if s.prompt_logprobs is not None else max(0, n - self._reuse_margin))
+                      for s, (r, n) in zip(new, place(feeds, self.free_rows, self.cache, self._drafter_held))]
         else:
             placed = [(r, 0) for r in self.free_rows[: len(new)]]
         for s, (row, reused) in zip(new, placed):
@@ -227,10 +229,21 @@ class Engine:
                     new[i].stats.target_forwards += 1
             for b, i in enumerate(group):
                 s = new[i]
+                if s.prompt_logprobs is not None and todo[i]:  # row p's logits score prompt token p + 1
+                    s.prompt_logprobs += self._score(out.final_hidden[b, : todo[i]], s.prompt_ids[1:],
+                                                     s.params.prompt_logprobs)
                 self.cache.lengths[s.row] = len(feeds[i])
                 self.drafter.start(s, _slice_features(features, b, todo[i]))
         self.running.extend(new)
         self.running.sort(key=lambda s: s.row)  # consecutive rows: attention reads cache views
+
+    def _score(self, final_hidden: torch.Tensor, tokens: list[int], k: int, chunk: int = 256) -> list:
+        """Logprobs of `tokens` from the normed final states [n, H] that predicted them, the
+        49k-wide logits computed `chunk` positions at a time."""
+        out = []
+        for a in range(0, len(tokens), chunk):
+            out += token_logprobs(self.model.logits_from(final_hidden[a: a + chunk]), tokens[a: a + chunk], k)
+        return out
 
     def _features(self, out) -> TargetFeatures | None:
         needs = self.drafter.needs

@@ -786,11 +786,16 @@ class Decoder(nn.Module):
             if logit_index is not None:
                 idx = logit_index.to(self.device)
                 h = torch.gather(final, 1, idx[..., None].expand(-1, -1, final.shape[-1]))
-            logits = self.head(h) if self.head is not None else F.linear(h, self.lm_head.weight)
-            if self.config.final_softcap is not None:
-                logits = torch.tanh(logits / self.config.final_softcap) * self.config.final_softcap
-            logits = logits.float()
+            logits = self.logits_from(h)
         return DecoderOutput(logits=logits, hidden=hidden, final_hidden=final)
+
+    @torch.inference_mode()
+    def logits_from(self, final_hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits of normed final states [..., H] (a forward's `final_hidden`)."""
+        logits = self.head(final_hidden) if self.head is not None else F.linear(final_hidden, self.lm_head.weight)
+        if self.config.final_softcap is not None:
+            logits = torch.tanh(logits / self.config.final_softcap) * self.config.final_softcap
+        return logits.float()
 
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)

@@ -39,6 +39,7 @@ class Event:
     message: str = ""  # error
     cached_tokens: int = 0  # prompt tokens whose KV was reused (finished; prefix caching)
     logprobs: list | None = None  # per token of token_ids, when the request asked (core/logprobs.py)
+    prompt_logprobs: list | None = None  # per prompt token (finished; the first tokens event)
 
 
 @dataclass
@@ -181,7 +182,8 @@ class EngineLoop:
             self.metrics.record_finished("abort", now - live.sub.t_arrival, live.seq.stats.cached_tokens)
             live.sub.sink(Event("finished", index=live.sub.index, token_ids=list(live.seq.output_ids),
                                 text=live.seq.text, finish_reason="abort",
-                                cached_tokens=live.seq.stats.cached_tokens, logprobs=_copy(live.seq.logprobs)))
+                                cached_tokens=live.seq.stats.cached_tokens, logprobs=_copy(live.seq.logprobs),
+                                prompt_logprobs=_copy(live.seq.prompt_logprobs)))
 
     def _account(self, live: _Live, now: float) -> int:
         """Report new tokens and speculative-stat deltas of one request; returns #new tokens."""
@@ -222,10 +224,12 @@ class EngineLoop:
                                              seq.stats.cached_tokens)
                 live.sub.sink(Event("finished", index=live.sub.index, token_ids=list(seq.output_ids),
                                     text=seq.text, finish_reason=seq.finish_reason,
-                                    cached_tokens=seq.stats.cached_tokens, logprobs=_copy(seq.logprobs)))
+                                    cached_tokens=seq.stats.cached_tokens, logprobs=_copy(seq.logprobs),
+                                    prompt_logprobs=_copy(seq.prompt_logprobs)))
             elif n > 0 and live.sub.stream:
                 live.sub.sink(Event("tokens", index=live.sub.index, token_ids=list(seq.output_ids[live.sent :]),
-                                    logprobs=None if seq.logprobs is None else seq.logprobs[live.sent :]))
+                                    logprobs=None if seq.logprobs is None else seq.logprobs[live.sent :],
+                                    prompt_logprobs=_copy(seq.prompt_logprobs) if live.sent == 0 else None))
             live.sent = len(seq.output_ids)
         for rid in done:
             del self._live[rid]

@@ -43,7 +43,7 @@ async def generate(st: ServerState, request: Request, req: Any, prompts: list[li
         raise APIError(503, "the engine is not running", type="service_unavailable")
     n = req.n
     check_sampling(req, st.vocab_size)
-    fmt.with_logprobs(req.top_logprobs_k(), st.front.decode_one)
+    fmt.with_logprobs(req.top_logprobs_k(), st.front.token_text)
     subs: list[SubRequest] = []
     aloop = asyncio.get_running_loop()
     q: asyncio.Queue[Event] = asyncio.Queue()
@@ -103,7 +103,7 @@ async def generate(st: ServerState, request: Request, req: Any, prompts: list[li
         finally:
             watcher.cancel()
             close()
-        ordered = [finals[i] for i in sorted(finals)]
+        ordered = [fmt.visible(finals[i]) for i in sorted(finals)]
         return JSONResponse(fmt.response(ordered, usage(prompt_tokens, ordered, n)))
 
     include_usage = bool(req.stream_options and req.stream_options.include_usage)

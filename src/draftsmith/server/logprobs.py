@@ -5,66 +5,66 @@
   "top_logprobs": [the k most likely, most likely first]}], "refusal": null}
 - completions (`logprobs: k`): {"tokens", "token_logprobs", "top_logprobs": [{token: logprob}
   of the generated token and the k most likely], "text_offset": [where each token starts in
-  the completion's text]}
+  the choice's text]}; with `echo: true` the prompt's tokens come first, the first of them
+  with null (nothing predicts it).
 
-One entry per generated token (as `usage.completion_tokens` counts them). A token's text is
-its own decoding with special tokens kept (`<|im_end|>`), so a byte that completes a
-character only with the next token reads as U+FFFD there; `bytes` are that text's UTF-8.
+One entry per generated token, as `usage.completion_tokens` counts them (an end-of-sequence
+token, `<|im_end|>`, and tokens a stop string cut from the text included), after the echoed
+prompt's. A token's `token` / `bytes` are its own bytes (models/token_text.py): a character
+split over two tokens reads as U+FFFD in each `token`, its bytes are exact. `text_offset`
+counts from the start of the choice's text (vLLM's; with `echo` that is the prompt's start).
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
 from draftsmith.core.logprobs import TokenLogprobs
+from draftsmith.models.token_text import TokenText
 
-_FLOOR = -9999.0  # JSON has no -inf: the number OpenAI-compatible servers send instead
+_FLOOR = -9999.0  # JSON has no -inf (nor NaN): the number OpenAI-compatible servers send instead
 
 
 def _num(x: float) -> float:
-    return max(float(x), _FLOOR)
+    x = float(x)
+    return _FLOOR if x != x else max(x, _FLOOR)
 
 
 class LogprobsFormat:
-    """One request's logprobs objects; `k` = how many top tokens it asked for; decoded token
-    texts are cached for the request. `offset`: completions' running text_offset per choice."""
+    """One request's logprobs objects; `k` = how many top tokens it asked for; token texts and
+    bytes from `token_text` (models/token_text.py). Completions' text_offset runs per choice."""
 
-    def __init__(self, chat: bool, k: int, decode_one: Callable[[int], str]) -> None:
+    def __init__(self, chat: bool, k: int, token_text: TokenText) -> None:
         self.chat, self.k = chat, k
-        self._decode_one = decode_one
-        self._texts: dict[int, str] = {}
+        self._tt = token_text
         self._offset: dict[int, int] = {}
-
-    def _text(self, token_id: int) -> str:
-        s = self._texts.get(token_id)
-        if s is None:
-            s = self._texts[token_id] = self._decode_one(token_id)
-        return s
 
     def _top(self, d: TokenLogprobs) -> list[tuple[int, float]]:
         return sorted(((t, lp.logprob) for t, lp in d.items()), key=lambda x: -x[1])[: self.k]
 
-    def build(self, index: int, entries: list[TokenLogprobs]) -> dict:
-        """The logprobs object of choice `index`'s next `entries` (a chunk's, or all of them)."""
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        return {"token": self._tt.text(token_id), "logprob": _num(logprob), "bytes": list(self._tt.bytes(token_id))}
+
+    def build(self, index: int, token_ids: list[int], entries: list[TokenLogprobs | None]) -> dict:
+        """The logprobs object of choice `index`'s next tokens (a chunk's, or all of them) and their
+        entries (None: a token nothing predicts, the first of an echoed prompt)."""
         if self.chat:
-            content = []
-            for d in entries:
-                tok, lp = next(iter(d.items()))
-                s = self._text(tok)
-                content.append({"token": s, "logprob": _num(lp.logprob), "bytes": list(s.encode("utf-8")),
-                                "top_logprobs": [{"token": self._text(t), "logprob": _num(v),
-                                                  "bytes": list(self._text(t).encode("utf-8"))}
-                                                 for t, v in self._top(d)]})
+            content = [{**self._entry(tok, d[tok].logprob), "top_logprobs": [self._entry(t, v) for t, v in self._top(d)]}
+                       for tok, d in zip(token_ids, entries)]
             return {"content": content, "refusal": None}
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         at = self._offset.get(index, 0)
-        for d in entries:
-            tok, lp = next(iter(d.items()))
-            s = self._text(tok)
+        for tok, d in zip(token_ids, entries):
+            s = self._tt.text(tok)
             out["tokens"].append(s)
-            out["token_logprobs"].append(_num(lp.logprob))
-            out["top_logprobs"].append({self._text(t): _num(v.logprob) for t, v in d.items()})
             out["text_offset"].append(at)
             at += len(s)
+            if d is None:
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+                continue
+            out["token_logprobs"].append(_num(d[tok].logprob))
+            # keyed by text: where two tokens read the same, the generated token's number stands
+            top = {self._tt.text(t): _num(v.logprob) for t, v in d.items() if t != tok}
+            top[s] = _num(d[tok].logprob)
+            out["top_logprobs"].append(top)
         self._offset[index] = at
         return out

@@ -2,7 +2,7 @@
 
 Types are strict where a wrong type is a client bug (a string for `max_tokens`, a bool for
 `temperature`); unknown fields are ignored, as OpenAI-compatible servers usually do.
-Options Draftsmith cannot honour (echo, penalties, logit_bias, tools, ...) are rejected with
+Options Draftsmith cannot honour (penalties, logit_bias, tools, suffix, ...) are rejected with
 a 400 rather than silently ignored.
 """
 
@@ -79,6 +79,10 @@ class _Sampling(_Req):
     ignore_eos: StrictBool = False
     stop_token_ids: list[StrictInt] | None = None
 
+    def prompt_logprobs_k(self) -> int | None:
+        """How many top tokens per prompt token (completions with `echo` and `logprobs`)."""
+        return None
+
     def unsupported(self) -> list[str]:
         bad = []
         if self.presence_penalty:
@@ -105,10 +109,11 @@ class CompletionRequest(_Sampling):
         """How many top tokens per generated token (None: no logprobs)."""
         return _in_range(self.logprobs, "logprobs")
 
+    def prompt_logprobs_k(self) -> int | None:
+        return self.top_logprobs_k() if self.echo else None
+
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
-        if self.echo:
-            bad.append("echo")
         if self.best_of not in (None, self.n):
             bad.append("best_of")
         if self.suffix:

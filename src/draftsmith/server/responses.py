@@ -1,12 +1,12 @@
 """The response objects of the completions and chat APIs: whole responses, streamed chunks,
-usage; `ResponseFormat` holds what differs between the two APIs."""
+usage; `ResponseFormat` holds what differs between the two APIs and what one request asked
+for beyond text (logprobs, completions' `echo`)."""
 
 from __future__ import annotations
 
 import time
-
-from typing import Callable
-
+from dataclasses import replace
+from draftsmith.models.token_text import TokenText
 from draftsmith.server.engine_loop import Event
 from draftsmith.server.logprobs import LogprobsFormat
 
@@ -18,13 +18,37 @@ class ResponseFormat:
         self.chat, self.rid, self.model = chat, rid, model
         self.created = int(time.time())
         self.logprobs: LogprobsFormat | None = None
+        self.echo: list[tuple[str, list[int]]] | None = None  # per prompt: its text and ids
+        self.n = 1
+        self.echo_only = False
 
-    def with_logprobs(self, k: int | None, decode_one: Callable[[int], str]) -> None:
+    def with_logprobs(self, k: int | None, token_text: TokenText) -> None:
         """The request asked for logprobs with k top tokens (None: it did not)."""
-        self.logprobs = None if k is None else LogprobsFormat(self.chat, k, decode_one)
+        self.logprobs = None if k is None else LogprobsFormat(self.chat, k, token_text)
 
-    def _logprobs(self, index: int, entries: list | None) -> dict | None:
-        return None if self.logprobs is None or entries is None else self.logprobs.build(index, entries)
+    def with_echo(self, prompts: list[tuple[str, list[int]]], n: int, echo_only: bool) -> None:
+        """Completions' `echo: true`: every choice's text (and logprobs) starts with its prompt's;
+        `echo_only` (max_tokens 0): nothing else (the engine's one token is dropped)."""
+        self.echo, self.n, self.echo_only = prompts, n, echo_only
+
+    def echoed(self, index: int) -> tuple[str, list[int]] | None:
+        return None if self.echo is None else self.echo[index // self.n]
+
+    def visible(self, ev: Event) -> Event:
+        """A finished choice as the client sees it: without the generated token of an echo-only request."""
+        if not self.echo_only:
+            return ev
+        return replace(ev, token_ids=[], text="", logprobs=None if ev.logprobs is None else [])
+
+    def logprobs_of(self, index: int, token_ids: list[int], entries: list | None,
+                    prompt_entries: list | None = None) -> dict | None:
+        """The logprobs object of `token_ids` (their `entries`), after the echoed prompt's when
+        `prompt_entries` are given; None when the request asked for none."""
+        if self.logprobs is None or entries is None:
+            return None
+        if prompt_entries is not None:
+            token_ids, entries = self.echoed(index)[1] + list(token_ids), list(prompt_entries) + list(entries)
+        return self.logprobs.build(index, list(token_ids), list(entries))
 
     def _head(self, obj: str) -> dict:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
@@ -35,14 +59,13 @@ class ResponseFormat:
         return {**self._head("chat.completion.chunk"), "choices": [
             {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
 
-    def chunk(self, index: int, text: str, finish_reason: str | None, logprobs: list | None = None) -> dict:
-        """A streamed chunk; `logprobs`: the entries of the tokens since the previous chunk."""
-        lp = self._logprobs(index, logprobs)
+    def chunk(self, index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+        """A streamed chunk; `logprobs`: the object of the tokens since the previous chunk."""
         if self.chat:
             delta = {"content": text} if text else {}
-            choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         return {**self._head("text_completion"), "choices": [choice]}
 
     def usage_chunk(self, usage: dict) -> dict:
@@ -50,13 +73,18 @@ class ResponseFormat:
         return {**self._head(obj), "choices": [], "usage": usage}
 
     def response(self, finals: list[Event], usage: dict) -> dict:
+        """The whole response of `finals` (visible events, in choice order)."""
         if self.chat:
             choices = [{"index": e.index, "message": {"role": "assistant", "content": e.text},
-                        "logprobs": self._logprobs(e.index, e.logprobs), "finish_reason": e.finish_reason}
-                       for e in finals]
+                        "logprobs": self.logprobs_of(e.index, e.token_ids, e.logprobs),
+                        "finish_reason": e.finish_reason} for e in finals]
             return {**self._head("chat.completion"), "choices": choices, "usage": usage}
-        choices = [{"index": e.index, "text": e.text, "logprobs": self._logprobs(e.index, e.logprobs),
-                    "finish_reason": e.finish_reason} for e in finals]
+        choices = []
+        for e in finals:
+            echo = self.echoed(e.index)
+            lp = self.logprobs_of(e.index, e.token_ids, e.logprobs, None if echo is None else e.prompt_logprobs)
+            choices.append({"index": e.index, "text": ("" if echo is None else echo[0]) + e.text, "logprobs": lp,
+                            "finish_reason": e.finish_reason})
         return {**self._head("text_completion"), "choices": choices, "usage": usage}
 
 

@@ -57,8 +57,12 @@ def add_routes(app: FastAPI, st: ServerState) -> None:
                                    param="prompt", code="invalid_value")
                 prompts.append(list(it))
         fmt = ResponseFormat(chat=False, rid=f"cmpl-{uuid.uuid4().hex}", model=st.model_id)
-        return await generate(st, request, req, prompts, req.max_tokens if req.max_tokens is not None else 16,
-                              fmt, "prompt")
+        max_tokens = req.max_tokens if req.max_tokens is not None else 16
+        if req.echo:  # the prompt, as the client sent it, starts each choice's text (and logprobs)
+            texts = [it if isinstance(it, str) else st.front.decode(it) for it in items]
+            fmt.with_echo(list(zip(texts, prompts)), req.n, echo_only=max_tokens == 0)
+            max_tokens = max_tokens or 1  # max_tokens 0: the prompt alone (the engine's token is dropped)
+        return await generate(st, request, req, prompts, max_tokens, fmt, "prompt")
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(request: Request) -> Response:

@@ -54,7 +54,8 @@ def sampling_params(req: Any, max_tokens: int | None, prompt_len: int, index: in
     if max_tokens is None:
         max_tokens = max_len - prompt_len
     if max_tokens <= 0:
-        raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens",
+        hint = " (0 only with echo: true: the prompt alone, with its logprobs if asked)" if hasattr(req, "echo") else ""
+        raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}{hint}", param="max_tokens",
                        code="invalid_value")
     if prompt_len + max_tokens > max_len:
         raise APIError(
@@ -76,6 +77,7 @@ def sampling_params(req: Any, max_tokens: int | None, prompt_len: int, index: in
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
             logprobs=req.top_logprobs_k(),
+            prompt_logprobs=req.prompt_logprobs_k(),
         )
     except DraftsmithError as e:
         msg = str(e)

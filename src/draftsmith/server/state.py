@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from draftsmith.api import LLM
 from draftsmith.errors import DraftsmithError
+from draftsmith.models.token_text import TokenText
 from draftsmith.server.engine_loop import EngineLoop
 from draftsmith.server.metrics import ServerMetrics
 from draftsmith.server.protocol import APIError
@@ -50,13 +51,11 @@ class _Front:
     def __init__(self, llm: LLM) -> None:
         self.target = llm.target
         self.tokenizer = copy.deepcopy(llm.tokenizer)
+        self.token_text = TokenText(self.tokenizer)  # logprobs' token texts and bytes
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def decode_one(self, token_id: int) -> str:
-        """One token's text for logprobs, special tokens kept (as LLM.generate's)."""
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
 
 class ServerState:

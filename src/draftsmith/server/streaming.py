@@ -36,25 +36,47 @@ class AbortingStream(StreamingResponse):
             self._on_close()
 
 
+class _Choice:
+    """One choice's stream: its text (held back where it may still change), the tokens and
+    logprobs entries received since its last chunk, and an echoed prompt until its first chunk."""
+
+    def __init__(self, decode: Callable[[list[int]], str], stops, echo: tuple[str, list[int]] | None) -> None:
+        self.text = StreamText(decode, stops)
+        self.echo = echo
+        self.prompt_entries: list | None = None
+        self.ids: list[int] = []
+        self.entries: list = []
+        self.sent = 0  # tokens already in a chunk
+
+    def receive(self, ev: Event) -> str:
+        """A `tokens` event; → the text that may be sent now."""
+        self.ids += ev.token_ids
+        self.entries += ev.logprobs or []
+        self.prompt_entries = ev.prompt_logprobs if ev.prompt_logprobs is not None else self.prompt_entries
+        return self.text.push(ev.token_ids)
+
+    def finish(self, ev: Event) -> str:
+        """The `finished` event (visible): every token not sent yet; → the rest of the text."""
+        self.ids, self.entries = list(ev.token_ids[self.sent:]), list((ev.logprobs or [])[self.sent:])
+        self.prompt_entries = ev.prompt_logprobs if ev.prompt_logprobs is not None else self.prompt_entries
+        return self.text.finish(ev.text)
+
+    def chunk(self, fmt: ResponseFormat, index: int, text: str, finish_reason: str | None) -> dict:
+        prompt = None
+        if self.echo is not None:  # the first chunk carries the prompt
+            text, prompt, self.echo = self.echo[0] + text, self.prompt_entries, None
+        lp = fmt.logprobs_of(index, self.ids, self.entries, prompt)
+        self.sent += len(self.ids)
+        self.ids, self.entries = [], []
+        return fmt.chunk(index, text, finish_reason, lp)
+
+
 async def stream_events(st: ServerState, subs: list[SubRequest], q: asyncio.Queue[Event], fmt: ResponseFormat,
                         prompt_tokens: int, n: int, include_usage: bool, done: set[int],
                         close: Callable[[], None]) -> AsyncIterator[str]:
     """The SSE lines of one request's choices, read from its event queue `q`; marks finished
     choices in `done` and calls `close` at the end, however the stream ends. `n`: choices per prompt."""
-    stops = {s.index: s.params.stop for s in subs}
-    texts = {s.index: StreamText(st.front.decode, stops[s.index]) for s in subs}
-    # logprobs entries received and not yet sent (text held back sends them with a later chunk)
-    pending: dict[int, list] = {s.index: [] for s in subs}
-    sent_lp: dict[int, int] = {s.index: 0 for s in subs}
-
-    def take(index: int, final: list | None = None) -> list | None:
-        if fmt.logprobs is None:
-            return None
-        out = final[sent_lp[index]:] if final is not None else pending[index]
-        sent_lp[index] += len(out)
-        pending[index] = []
-        return out
-
+    choices = {s.index: _Choice(st.front.decode, s.params.stop, fmt.echoed(s.index)) for s in subs}
     finals: list[Event] = []
     try:
         for s in subs:
@@ -64,15 +86,17 @@ async def stream_events(st: ServerState, subs: list[SubRequest], q: asyncio.Queu
         while len(finals) < len(subs):
             ev = await q.get()
             if ev.kind == "tokens":
-                delta = texts[ev.index].push(ev.token_ids)
-                pending[ev.index] += ev.logprobs or []
+                if fmt.echo_only:  # the engine's one token is not the client's
+                    continue
+                delta = choices[ev.index].receive(ev)
                 if delta:
-                    yield sse(fmt.chunk(ev.index, delta, None, take(ev.index)))
+                    yield sse(choices[ev.index].chunk(fmt, ev.index, delta, None))
             elif ev.kind == "finished":
+                ev = fmt.visible(ev)
                 done.add(ev.index)
                 finals.append(ev)
-                yield sse(fmt.chunk(ev.index, texts[ev.index].finish(ev.text), ev.finish_reason,
-                                    take(ev.index, ev.logprobs or [])))
+                c = choices[ev.index]
+                yield sse(c.chunk(fmt, ev.index, c.finish(ev), ev.finish_reason))
             elif ev.kind == "error":
                 st.metrics.record_error(500)
                 yield sse(APIError(500, ev.message, type="internal_error").body())
