@@ -421,6 +421,10 @@ BAD_BODIES = [  # (path, raw body, param, says)
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}',
      "top_logprobs", "logprobs: true"),
     ("/v1/completions", b'{"prompt": "x", "max_tokens": 0}', "max_tokens", "echo: true"),
+    ("/v1/completions", b'{"prompt": "x", "presence_penalty": 2.5}', "presence_penalty", "[-2, 2]"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "frequency_penalty": -3.0}',
+     "frequency_penalty", "[-2, 2]"),
+    ("/v1/completions", b'{"prompt": "x", "repetition_penalty": 0.0}', "repetition_penalty", "positive"),
 ]
 
 
@@ -642,6 +646,31 @@ def test_echo_scores_the_prompt_as_lm_eval_asks(tiny_dir, tiny_server):
                 assert sum((c["token_logprobs"] for c in chunks), []) == one["logprobs"]["token_logprobs"]
             else:
                 assert not chunks
+
+
+def test_penalties_reach_the_engine(tiny_dir, tiny_server):
+    """presence_penalty / frequency_penalty (OpenAI) and repetition_penalty (vLLM's extension):
+    an n-gram server's greedy text = LLM.generate's with the same penalties, not the unpenalised one."""
+    import httpx
+
+    from draftsmith.api import LLM
+    from draftsmith.core.sampling import SamplingParams
+
+    pen = {"repetition_penalty": 1.6, "presence_penalty": 0.8, "frequency_penalty": 0.5}
+    ref_llm = LLM(str(tiny_dir), max_batch=2, max_len=256)
+    prompt = "abcabcabcabc"
+    (ref,) = ref_llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, **pen))
+    (free,) = ref_llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0))
+    assert ref.text != free.text
+    url = tiny_server(llm_kw={"drafter": "ngram", "policy": "fixed"})
+    with httpx.Client(base_url=url, timeout=60) as h:
+        r = h.post("/v1/completions", json={"prompt": prompt, "max_tokens": 24, "temperature": 0, **pen})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref.text
+        chat = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 16, "temperature": 0}
+        (want,) = ref_llm.chat([{"role": "user", "content": prompt}],
+                               SamplingParams(max_tokens=16, temperature=0.0, presence_penalty=1.0))
+        r = h.post("/v1/chat/completions", json={**chat, "presence_penalty": 1.0})
+        assert r.json()["choices"][0]["message"]["content"] == want.text
 
 
 def test_serve_flags_reach_the_server(monkeypatch):

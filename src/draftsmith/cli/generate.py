@@ -68,6 +68,8 @@ def cmd_generate(args) -> int:
     params = SamplingParams(
         max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=tuple(args.stop),
+        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
     )
     if args.num_speculative_tokens < 0:
         raise DraftsmithError("--num-speculative-tokens must be >= 0")

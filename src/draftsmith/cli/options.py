@@ -106,6 +106,12 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability (0 = off)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: none = nondeterministic)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divide (multiply) the positive (negative) logit of a token seen in the prompt or output (1 = off)")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtract from the logit of a token the output holds, in [-2, 2] (0 = off)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtract this x the times the output holds a token, in [-2, 2] (0 = off)")
 
 
 def add_progress(p: argparse.ArgumentParser) -> None:

@@ -30,6 +30,9 @@ class SamplingParams:
     logprobs:        None = none; k in 0..20 = every generated token's log probability under
                      the target (raw: before temperature and the other warps) and its k most
                      likely alternatives (core/logprobs.py; `CompletionOutput.logprobs`).
+    repetition_penalty / frequency_penalty / presence_penalty: vLLM's and OpenAI's penalties
+                     (1 / 0 / 0 = off; core/penalties.py), applied per position of a verify
+                     block, so speculative decoding keeps the penalised distribution exactly.
     prompt_logprobs: the same for the prompt's tokens (`RequestOutput.prompt_logprobs`: None for
                      the first token, which nothing predicts); the request then reuses no cached prefix.
     """
@@ -46,6 +49,9 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -67,6 +73,11 @@ class SamplingParams:
             raise DraftsmithError(f"top_k must be an integer >= 0 (0 disables), got {self.top_k!r}")
         if not (0.0 <= self.min_p <= 1.0):
             raise DraftsmithError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not (0.0 < self.repetition_penalty < float("inf")):  # also rejects NaN
+            raise DraftsmithError(f"repetition_penalty must be a positive number (1 = off), got {self.repetition_penalty!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not (-2.0 <= getattr(self, name) <= 2.0):
+                raise DraftsmithError(f"{name} must be in [-2, 2] (0 = off), got {getattr(self, name)!r}")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
             if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_LOGPROBS):

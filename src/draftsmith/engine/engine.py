@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from draftsmith.core.logprobs import token_logprobs
+from draftsmith.core.penalties import penalize
 from draftsmith.core.sampling import SamplingParams
 from draftsmith.core.verify import verify, verify_greedy
 from draftsmith.core.warp import argmax_rows, target_probs
@@ -307,11 +308,12 @@ class Engine:
             ids[:, 1:] = proposal.tokens
         rows = torch.tensor([s.row for s in seqs])
         out = self.model(ids, self.cache, rows=rows, layer_ids=self._layer_ids)
+        logits = penalize(out.logits, seqs, proposal.tokens if K else None)  # position j after drafts < j
         if all(s.params.greedy for s in seqs):  # p one-hot at the argmax: the argmax is all verify needs
-            V = out.logits.shape[-1]
-            result = verify_greedy(proposal, argmax_rows(out.logits.reshape(-1, V)).view(len(seqs), 1 + K), V)
+            V = logits.shape[-1]
+            result = verify_greedy(proposal, argmax_rows(logits.reshape(-1, V)).view(len(seqs), 1 + K), V)
         else:
-            p = target_probs(out.logits, [s.params for s in seqs])  # [B, 1+K, V]
+            p = target_probs(logits, [s.params for s in seqs])  # [B, 1+K, V]
             # seeded requests: position-keyed coupling, so the output never depends on K or load
             keys = [(s.params.seed, len(s.output_ids)) if s.params.seed is not None and self.config.reproducible_seeds
                     else None for s in seqs]

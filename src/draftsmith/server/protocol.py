@@ -2,8 +2,8 @@
 
 Types are strict where a wrong type is a client bug (a string for `max_tokens`, a bool for
 `temperature`); unknown fields are ignored, as OpenAI-compatible servers usually do.
-Options Draftsmith cannot honour (penalties, logit_bias, tools, suffix, ...) are rejected with
-a 400 rather than silently ignored.
+Options Draftsmith cannot honour (logit_bias, tools, suffix, ...) are rejected with a 400
+rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -78,6 +78,7 @@ class _Sampling(_Req):
     min_p: StrictFloat | None = None
     ignore_eos: StrictBool = False
     stop_token_ids: list[StrictInt] | None = None
+    repetition_penalty: StrictFloat | None = None
 
     def prompt_logprobs_k(self) -> int | None:
         """How many top tokens per prompt token (completions with `echo` and `logprobs`)."""
@@ -85,10 +86,6 @@ class _Sampling(_Req):
 
     def unsupported(self) -> list[str]:
         bad = []
-        if self.presence_penalty:
-            bad.append("presence_penalty")
-        if self.frequency_penalty:
-            bad.append("frequency_penalty")
         if self.logit_bias:
             bad.append("logit_bias")
         return bad

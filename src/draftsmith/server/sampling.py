@@ -14,7 +14,8 @@ from draftsmith.core.sampling import SamplingParams
 from draftsmith.errors import DraftsmithError
 from draftsmith.server.protocol import APIError
 
-_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "seed")
+_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "seed", "repetition_penalty",
+                    "frequency_penalty", "presence_penalty")
 _MAX_TEMPERATURE = 2.0
 _MAX_SEED = 2**63 - 1
 
@@ -78,6 +79,9 @@ def sampling_params(req: Any, max_tokens: int | None, prompt_len: int, index: in
             ignore_eos=req.ignore_eos,
             logprobs=req.top_logprobs_k(),
             prompt_logprobs=req.prompt_logprobs_k(),
+            repetition_penalty=1.0 if req.repetition_penalty is None else float(req.repetition_penalty),
+            frequency_penalty=float(req.frequency_penalty or 0.0),
+            presence_penalty=float(req.presence_penalty or 0.0),
         )
     except DraftsmithError as e:
         msg = str(e)

@@ -1,0 +1,60 @@
+"""Repetition, presence and frequency penalties over a verify block (vLLM's / the OpenAI API's).
+
+A penalty makes the target distribution at a position depend on the tokens before it, so in
+a verify block position j must be penalised as if drafts 0..j-1 were already part of the
+output (they are, whenever position j's token is used: verification only reaches position j
+after accepting every draft before it). Rejection sampling against these per-position p then
+stays exact, and a greedy request's tokens are the penalised argmax plain decoding picks.
+
+The three, applied to the raw logits in this order (vLLM's), before temperature and the other
+warps (core/warp.py):
+
+- repetition_penalty r (HF transformers / vLLM; 1 = off): a token that occurs in the prompt or
+  the output so far has its logit divided by r where positive, multiplied by r where not;
+- frequency_penalty f (OpenAI; 0 = off): logit - f x (times the token occurs in the output);
+- presence_penalty a (OpenAI; 0 = off): logit - a if the token occurs in the output at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from draftsmith.core.request import Request
+
+
+def has_penalties(params) -> bool:
+    return params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
+
+
+def penalize(logits: torch.Tensor, seqs: Sequence[Request], drafts: torch.Tensor | None) -> torch.Tensor:
+    """logits [B, S, V] of a verify block (row b: seqs[b]; position j follows drafts[b, :j]);
+    drafts [B, >= S - 1] or None when S == 1. Returns float32 logits with every row's penalties
+    applied (a new tensor where any row has one; `logits` itself otherwise)."""
+    rows = [b for b, s in enumerate(seqs) if has_penalties(s.params)]
+    if not rows:
+        return logits
+    B, S, V = logits.shape
+    out = logits.float().clone()
+    dev = out.device
+    for b in rows:
+        p = seqs[b].params
+        out_ids = torch.tensor(seqs[b].output_ids, dtype=torch.long, device=dev)
+        counts = torch.bincount(out_ids, minlength=V).float()[None].repeat(S, 1)  # [S, V]
+        if S > 1:  # position j also counts drafts 0..j-1
+            d = drafts[b, : S - 1].to(dev).clamp(0, V - 1)  # past the row's own drafts: padding, never used
+            after = torch.zeros(S, V, device=dev)
+            after[torch.arange(1, S, device=dev), d] = 1.0
+            counts += after.cumsum(0)
+        x = out[b]  # [S, V], a view: updated in place
+        if p.repetition_penalty != 1.0:
+            seen = counts > 0
+            seen[:, torch.tensor(seqs[b].prompt_ids, dtype=torch.long, device=dev)] = True
+            r = p.repetition_penalty
+            x.copy_(torch.where(seen, torch.where(x > 0, x / r, x * r), x))
+        if p.frequency_penalty != 0.0:
+            x.sub_(p.frequency_penalty * counts)
+        if p.presence_penalty != 0.0:
+            x.sub_(p.presence_penalty * (counts > 0).float())
+    return out
