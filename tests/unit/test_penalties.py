@@ -130,16 +130,12 @@ def _penalised_run(target, drafter: str):
     return outs, params, slots
 
 
-def _pit(target, outs, params, slots, penalised: bool = True) -> torch.Tensor:
-    """u_t = F_t(x_t-) + V p_t(x_t) (test_engine_pit.pit) for every generated token, p_t the
-    teacher-forced target with the penalties of the output before t (by `_reference`) or without
-    them, F_t in "round order": the tokens already committed in t's verification round first
-    (then p descending, then id). The round's earlier tokens are fixed by the past (its start is),
-    so u is uniform for a lossless engine; an engine that forgets them when penalising position t
-    gives them too much mass: u piles up near 0."""
+def _conditionals(target, outs, params, slots, penalised: bool = True):
+    """Every generated token x_t with p_t, the teacher-forced target's distribution (T = 1) with
+    the penalties of the output before t (by `_reference`) or without them, and the tokens
+    already committed in t's verification round (fixed by the past: the round's start is).
+    Yields (x_t, p_t [V] float64, earlier tokens of the round)."""
     m = target.model
-    us = []
-    gen = torch.Generator().manual_seed(99)
     for o, sp, slot in zip(outs, params, slots):
         seq = o.prompt_token_ids + o.token_ids
         with torch.no_grad():
@@ -150,12 +146,23 @@ def _pit(target, outs, params, slots, penalised: bool = True) -> torch.Tensor:
             if penalised:
                 z = _reference(z, o.prompt_token_ids, o.token_ids[:t], sp).float()
             p = target_probs(z[None, None], [SamplingParams(temperature=1.0)])[0, 0].double()
-            ids = torch.arange(len(p))
-            by_p = (p > p[x]) | ((p == p[x]) & (ids < x))
-            in_round = torch.zeros(len(p), dtype=torch.bool)
-            in_round[o.token_ids[t - int(slot[t]): t]] = True
-            before = (in_round & ~in_round[x]) | ((in_round == in_round[x]) & by_p)
-            us.append(float((p * before).sum() + torch.rand(1, generator=gen, dtype=torch.float64) * p[x]))
+            yield x, p, sorted(set(o.token_ids[t - int(slot[t]): t]))
+
+
+def _pit(target, outs, params, slots, penalised: bool = True) -> torch.Tensor:
+    """u_t = F_t(x_t-) + V p_t(x_t) (test_engine_pit.pit) for every generated token, F_t in
+    "round order": the tokens already committed in t's round first (then p descending, then
+    id). u is uniform for a lossless engine; an engine that forgets those tokens when
+    penalising position t gives them too much mass: u piles up near 0."""
+    us = []
+    gen = torch.Generator().manual_seed(99)
+    for x, p, earlier in _conditionals(target, outs, params, slots, penalised):
+        ids = torch.arange(len(p))
+        by_p = (p > p[x]) | ((p == p[x]) & (ids < x))
+        in_round = torch.zeros(len(p), dtype=torch.bool)
+        in_round[earlier] = True
+        before = (in_round & ~in_round[x]) | ((in_round == in_round[x]) & by_p)
+        us.append(float((p * before).sum() + torch.rand(1, generator=gen, dtype=torch.float64) * p[x]))
     return torch.tensor(us)
 
 
@@ -166,21 +173,12 @@ def _pvalues(target, outs, params, slots, penalised: bool = True) -> tuple[float
 
 
 def _repeat_z(target, outs, params, slots) -> float:
-    """How many tokens at slot >= 1 repeat a token committed earlier in their round, against
-    what the penalised target expects: the sum over those positions of p_t(round's tokens so
-    far), a set the past fixes, so for a lossless engine (observed - expected) / sd is ~N(0, 1)."""
-    m = target.model
+    """How many tokens after a draft (slot >= 1) repeat a token committed earlier in their round,
+    against what the penalised target expects: the sum of p_t(the round's earlier tokens), a set
+    the past fixes, so for a lossless engine (observed - expected) / sd is ~N(0, 1)."""
     obs = exp = var = 0.0
-    for o, sp, slot in zip(outs, params, slots):
-        seq = o.prompt_token_ids + o.token_ids
-        with torch.no_grad():
-            logits = m(torch.tensor([seq]), m.new_cache(1, len(seq))).logits[0]
-        n0 = len(o.prompt_token_ids)
-        for t, x in enumerate(o.token_ids):
-            if int(slot[t]) < 1:
-                continue
-            earlier = sorted(set(o.token_ids[t - int(slot[t]): t]))
-            p = torch.softmax(_reference(logits[n0 - 1 + t], o.prompt_token_ids, o.token_ids[:t], sp), -1)
+    for x, p, earlier in _conditionals(target, outs, params, slots):
+        if earlier:
             q = float(p[earlier].sum())
             obs, exp, var = obs + (x in earlier), exp + q, var + q * (1 - q)
     return (obs - exp) / var ** 0.5
