@@ -55,11 +55,33 @@ def test_penalize_follows_the_formulas_position_by_position():
     assert penalize(logits, [seqs[1]] * 3, drafts) is logits  # nothing to do: no copy
 
 
-@pytest.mark.parametrize("bad", [dict(repetition_penalty=0.0), dict(repetition_penalty=float("nan")),
-                                 dict(presence_penalty=2.5), dict(frequency_penalty=-3.0)])
-def test_bad_penalties_say_the_range(bad):
-    with pytest.raises(DraftsmithError, match="penalty must be"):
-        SamplingParams(**bad)
+def test_logit_bias_everywhere_and_min_tokens_by_position():
+    """logit_bias at every position; min_tokens masks the ends (EOS 7 and stop token 8) at the
+    positions whose token would be output token < min_tokens: position j is output token n + j."""
+    V, S = 10, 4
+    logits = torch.randn(2, S, V, generator=torch.Generator().manual_seed(1))
+    seqs = [Request("a", [1], SamplingParams(max_tokens=9, min_tokens=4, stop_token_ids=(8,), logit_bias={2: 5.0, 3: -1.5}),
+                    None, output_ids=[0, 5]),
+            Request("b", [1], SamplingParams(max_tokens=9, min_tokens=2), None, output_ids=[0, 5])]
+    got = penalize(logits, seqs, torch.tensor([[1, 2, 3], [1, 2, 3]]), eos_token_ids=(7,))
+    want = logits.clone()
+    want[0, :, 2] += 5.0
+    want[0, :, 3] -= 1.5
+    want[0, :2, 7] = want[0, :2, 8] = float("-inf")  # output tokens 2 and 3 may not end it; 4 on may
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("bad,says", [(dict(repetition_penalty=0.0), "penalty must be"),
+                                      (dict(repetition_penalty=float("nan")), "penalty must be"),
+                                      (dict(presence_penalty=2.5), "penalty must be"),
+                                      (dict(frequency_penalty=-3.0), "penalty must be"),
+                                      (dict(logit_bias={3: 101.0}), r"\[-100, 100\]"),
+                                      (dict(logit_bias={"x": 1.0}), "map token ids"),
+                                      (dict(min_tokens=200), r"min_tokens must be an integer in \[0, max_tokens"),
+                                      (dict(min_tokens=-1), "min_tokens must be")])
+def test_bad_adjustments_say_the_range(bad, says):
+    with pytest.raises(DraftsmithError, match=says):
+        SamplingParams(max_tokens=100, **bad)
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +118,30 @@ def test_greedy_presence_and_frequency_penalties_equal_plain(tiny):
               max_len=256, drafter_dtype="float32")
     assert [o.token_ids for o in llm.generate(PROMPTS, sp)] == [o.token_ids for o in plain]
     assert llm.last_stats.draft_accepted > 0
+
+
+def test_greedy_logit_bias_and_min_tokens_equal_plain(tiny):
+    """logit_bias +100 makes a token the only greedy choice, -100 removes one; min_tokens keeps a
+    stop token (the most frequent greedy token) out of the first tokens. Speculative = plain for
+    every min_tokens 1..9, so a block that straddles the boundary is masked position by position."""
+    plain_llm = LLM(str(tiny), max_batch=4, max_len=256)
+    spec_llm = LLM(str(tiny), drafter=f"draft-model:{tiny}", policy="fixed", num_speculative_tokens=4, max_batch=4,
+                   max_len=256, drafter_dtype="float32")
+    free = plain_llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0))
+    (forced,) = plain_llm.generate([PROMPTS[0]], SamplingParams(max_tokens=8, temperature=0.0, logit_bias={65: 100.0}))
+    assert forced.token_ids == [65] * 8
+    first = free[0].token_ids[0]
+    banned = spec_llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0, logit_bias={first: -100.0}))
+    assert all(first not in o.token_ids for o in banned)
+    stop = max(set(free[0].token_ids), key=free[0].token_ids.count)
+    for m in range(1, 10):
+        sp = SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=(stop,), min_tokens=m)
+        plain = plain_llm.generate(PROMPTS, sp)
+        assert all(len(o.token_ids) >= m and stop not in o.token_ids[: m - 1] for o in plain)
+        assert [o.token_ids for o in spec_llm.generate(PROMPTS, sp)] == [o.token_ids for o in plain], m
+    assert spec_llm.last_stats.draft_accepted > 0
+    with pytest.raises(DraftsmithError, match="logit_bias: token id 9999 is outside"):
+        plain_llm.generate(["x"], SamplingParams(max_tokens=4, logit_bias={9999: 1.0}))
 
 
 # ---- statistical losslessness at T = 1 ------------------------------------------------------
@@ -196,7 +242,7 @@ def test_penalised_sampling_is_lossless_and_the_controls_fail(pit_target, pit_dr
     # control 2: an engine that penalises every position of a block by the committed output only
     import draftsmith.engine.engine as engine_mod
 
-    monkeypatch.setattr(engine_mod, "penalize", lambda logits, seqs, drafts: _blockwide(logits, seqs))
+    monkeypatch.setattr(engine_mod, "penalize", lambda logits, seqs, drafts, eos: _blockwide(logits, seqs))
     assert _repeat_z(pit_target, *_penalised_run(pit_target, pit_drafter)) > 8
 
 

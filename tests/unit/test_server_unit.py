@@ -425,6 +425,10 @@ BAD_BODIES = [  # (path, raw body, param, says)
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "frequency_penalty": -3.0}',
      "frequency_penalty", "[-2, 2]"),
     ("/v1/completions", b'{"prompt": "x", "repetition_penalty": 0.0}', "repetition_penalty", "positive"),
+    ("/v1/completions", b'{"prompt": "x", "logit_bias": {"272": 1}}', "logit_bias", "vocabulary"),
+    ("/v1/completions", b'{"prompt": "x", "logit_bias": {"five": 1}}', "logit_bias", "token ids"),
+    ("/v1/completions", b'{"prompt": "x", "logit_bias": {"5": 150}}', "logit_bias", "[-100, 100]"),
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": 4, "min_tokens": 5}', "min_tokens", "max_tokens"),
 ]
 
 
@@ -671,6 +675,14 @@ def test_penalties_reach_the_engine(tiny_dir, tiny_server):
                                SamplingParams(max_tokens=16, temperature=0.0, presence_penalty=1.0))
         r = h.post("/v1/chat/completions", json={**chat, "presence_penalty": 1.0})
         assert r.json()["choices"][0]["message"]["content"] == want.text
+        # logit_bias (token ids as strings) and vLLM's min_tokens
+        r = h.post("/v1/completions", json={"prompt": prompt, "max_tokens": 5, "temperature": 0,
+                                            "logit_bias": {"66": 100}}).json()
+        assert r["choices"][0]["text"] == ref_llm.tokenizer.decode([66] * 5)
+        first = free.token_ids[0]
+        r = h.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6, "temperature": 0, "min_tokens": 6,
+                                            "stop_token_ids": [first]}).json()
+        assert r["usage"]["completion_tokens"] == 6
 
 
 def test_serve_flags_reach_the_server(monkeypatch):

@@ -1,4 +1,6 @@
-"""Repetition, presence and frequency penalties over a verify block (vLLM's / the OpenAI API's).
+"""What a request does to the target's raw logits before the warps, over a verify block:
+repetition, presence and frequency penalties, logit_bias and min_tokens (vLLM's / the OpenAI
+API's).
 
 A penalty makes the target distribution at a position depend on the tokens before it, so in
 a verify block position j must be penalised as if drafts 0..j-1 were already part of the
@@ -12,7 +14,10 @@ warps (core/warp.py):
 - repetition_penalty r (HF transformers / vLLM; 1 = off): a token that occurs in the prompt or
   the output so far has its logit divided by r where positive, multiplied by r where not;
 - frequency_penalty f (OpenAI; 0 = off): logit - f x (times the token occurs in the output);
-- presence_penalty a (OpenAI; 0 = off): logit - a if the token occurs in the output at all.
+- presence_penalty a (OpenAI; 0 = off): logit - a if the token occurs in the output at all;
+- logit_bias {token: b} (OpenAI): logit + b at every position;
+- min_tokens m (vLLM): end-of-sequence and stop_token_ids masked (-inf) at the positions whose
+  token would be output token 0..m-1 (position j of a block is output token len(output) + j).
 """
 
 from __future__ import annotations
@@ -28,11 +33,19 @@ def has_penalties(params) -> bool:
     return params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
 
 
-def penalize(logits: torch.Tensor, seqs: Sequence[Request], drafts: torch.Tensor | None) -> torch.Tensor:
+def adjusts(s: Request) -> bool:
+    """Whether the request changes the raw logits of its next block (see the module docstring)."""
+    p = s.params
+    return has_penalties(p) or bool(p.logit_bias) or len(s.output_ids) < p.min_tokens
+
+
+def penalize(logits: torch.Tensor, seqs: Sequence[Request], drafts: torch.Tensor | None,
+             eos_token_ids: Sequence[int] = ()) -> torch.Tensor:
     """logits [B, S, V] of a verify block (row b: seqs[b]; position j follows drafts[b, :j]);
-    drafts [B, >= S - 1] or None when S == 1. Returns float32 logits with every row's penalties
-    applied (a new tensor where any row has one; `logits` itself otherwise)."""
-    rows = [b for b, s in enumerate(seqs) if has_penalties(s.params)]
+    drafts [B, >= S - 1] or None when S == 1; eos_token_ids: what min_tokens holds back (with
+    each request's stop_token_ids). Returns float32 logits with every row's adjustments applied
+    (a new tensor where any row has one; `logits` itself otherwise)."""
+    rows = [b for b, s in enumerate(seqs) if adjusts(s)]
     if not rows:
         return logits
     B, S, V = logits.shape
@@ -40,6 +53,17 @@ def penalize(logits: torch.Tensor, seqs: Sequence[Request], drafts: torch.Tensor
     dev = out.device
     for b in rows:
         p = seqs[b].params
+        x = out[b]  # [S, V], a view: updated in place
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=dev)
+            x[:, ids] += torch.tensor(list(p.logit_bias.values()), dtype=x.dtype, device=dev)
+        early = p.min_tokens - len(seqs[b].output_ids)  # positions 0..early-1 may not end the output
+        if early > 0:
+            ends = sorted({t for t in (*(() if p.ignore_eos else eos_token_ids), *p.stop_token_ids) if 0 <= t < V})
+            if ends:
+                x[:early, torch.tensor(ends, dtype=torch.long, device=dev)] = float("-inf")
+        if not has_penalties(p):
+            continue
         out_ids = torch.tensor(seqs[b].output_ids, dtype=torch.long, device=dev)
         counts = torch.bincount(out_ids, minlength=V).float()[None].repeat(S, 1)  # [S, V]
         if S > 1:  # position j also counts drafts 0..j-1
@@ -47,7 +71,6 @@ def penalize(logits: torch.Tensor, seqs: Sequence[Request], drafts: torch.Tensor
             after = torch.zeros(S, V, device=dev)
             after[torch.arange(1, S, device=dev), d] = 1.0
             counts += after.cumsum(0)
-        x = out[b]  # [S, V], a view: updated in place
         if p.repetition_penalty != 1.0:
             seen = counts > 0
             seen[:, torch.tensor(seqs[b].prompt_ids, dtype=torch.long, device=dev)] = True

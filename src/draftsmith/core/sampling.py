@@ -33,6 +33,9 @@ class SamplingParams:
     repetition_penalty / frequency_penalty / presence_penalty: vLLM's and OpenAI's penalties
                      (1 / 0 / 0 = off; core/penalties.py), applied per position of a verify
                      block, so speculative decoding keeps the penalised distribution exactly.
+    logit_bias:      {token id: bias in [-100, 100]} added to the raw logits (OpenAI's).
+    min_tokens:      no end of sequence (EOS, stop_token_ids, stop strings) before this many
+                     tokens (vLLM's; <= max_tokens).
     prompt_logprobs: the same for the prompt's tokens (`RequestOutput.prompt_logprobs`: None for
                      the first token, which nothing predicts); the request then reuses no cached prefix.
     """
@@ -52,6 +55,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -73,6 +78,19 @@ class SamplingParams:
             raise DraftsmithError(f"top_k must be an integer >= 0 (0 disables), got {self.top_k!r}")
         if not (0.0 <= self.min_p <= 1.0):
             raise DraftsmithError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.logit_bias is not None:
+            try:
+                bias = {int(t): float(b) for t, b in dict(self.logit_bias).items()}
+            except (TypeError, ValueError):
+                raise DraftsmithError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}") from None
+            off = [(t, b) for t, b in bias.items() if not -100.0 <= b <= 100.0]
+            if off:
+                raise DraftsmithError(f"logit_bias values must be in [-100, 100], got {off[0][1]!r} for token {off[0][0]}")
+            object.__setattr__(self, "logit_bias", bias or None)
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) \
+                or not 0 <= self.min_tokens <= self.max_tokens:
+            raise DraftsmithError(f"min_tokens must be an integer in [0, max_tokens = {self.max_tokens}], "
+                                  f"got {self.min_tokens!r}")
         if not (0.0 < self.repetition_penalty < float("inf")):  # also rejects NaN
             raise DraftsmithError(f"repetition_penalty must be a positive number (1 = off), got {self.repetition_penalty!r}")
         for name in ("frequency_penalty", "presence_penalty"):

@@ -116,6 +116,9 @@ class Engine:
         bad = [t for t in prompt_ids if not 0 <= int(t) < V]
         if bad:
             raise DraftsmithError(f"prompt token id {bad[0]} is outside the target vocabulary [0, {V})")
+        bad = [t for t in params.logit_bias or () if not 0 <= t < V]
+        if bad:
+            raise DraftsmithError(f"logit_bias: token id {bad[0]} is outside the target vocabulary [0, {V})")
         if len(prompt_ids) >= self.max_len:
             raise DraftsmithError(
                 f"prompt has {len(prompt_ids)} tokens; the context limit is {self.max_len}, "
@@ -308,7 +311,8 @@ class Engine:
             ids[:, 1:] = proposal.tokens
         rows = torch.tensor([s.row for s in seqs])
         out = self.model(ids, self.cache, rows=rows, layer_ids=self._layer_ids)
-        logits = penalize(out.logits, seqs, proposal.tokens if K else None)  # position j after drafts < j
+        # penalties, logit_bias, min_tokens: position j after drafts < j (core/penalties.py)
+        logits = penalize(out.logits, seqs, proposal.tokens if K else None, tuple(self.eos_token_ids))
         if all(s.params.greedy for s in seqs):  # p one-hot at the argmax: the argmax is all verify needs
             V = logits.shape[-1]
             result = verify_greedy(proposal, argmax_rows(logits.reshape(-1, V)).view(len(seqs), 1 + K), V)
@@ -358,7 +362,7 @@ class Engine:
             if (not p.ignore_eos and t in self.eos_token_ids) or t in p.stop_token_ids:
                 s.finish_reason = "stop"
                 break
-            if p.stop:
+            if p.stop and len(s.output_ids) >= p.min_tokens:
                 # Only the tail can complete a new stop string: decode a window, not everything.
                 window = max(len(x) for x in p.stop) + 8
                 text = self.decode(s.output_ids[-window:])

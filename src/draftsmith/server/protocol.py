@@ -2,7 +2,7 @@
 
 Types are strict where a wrong type is a client bug (a string for `max_tokens`, a bool for
 `temperature`); unknown fields are ignored, as OpenAI-compatible servers usually do.
-Options Draftsmith cannot honour (logit_bias, tools, suffix, ...) are rejected with a 400
+Options Draftsmith cannot honour (tools, suffix, best_of != n, ...) are rejected with a 400
 rather than silently ignored.
 """
 
@@ -79,16 +79,14 @@ class _Sampling(_Req):
     ignore_eos: StrictBool = False
     stop_token_ids: list[StrictInt] | None = None
     repetition_penalty: StrictFloat | None = None
+    min_tokens: StrictInt = 0
 
     def prompt_logprobs_k(self) -> int | None:
         """How many top tokens per prompt token (completions with `echo` and `logprobs`)."""
         return None
 
     def unsupported(self) -> list[str]:
-        bad = []
-        if self.logit_bias:
-            bad.append("logit_bias")
-        return bad
+        return []
 
 
 Prompt = Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]

@@ -15,7 +15,7 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.server.protocol import APIError
 
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "seed", "repetition_penalty",
-                    "frequency_penalty", "presence_penalty")
+                    "frequency_penalty", "presence_penalty", "logit_bias", "min_tokens")
 _MAX_TEMPERATURE = 2.0
 _MAX_SEED = 2**63 - 1
 
@@ -35,10 +35,25 @@ def check_sampling(req: Any, vocab_size: int) -> None:
         raise APIError(400, f"top_k must be -1 or 0 (all tokens) or a positive integer, got {req.top_k}",
                        param="top_k", code="invalid_value")
     req.top_logprobs_k()  # its range (and chat's top_logprobs without logprobs)
+    bias = logit_bias(req)
+    if bias and (off := [t for t in bias if not 0 <= t < vocab_size]):
+        raise APIError(400, f"logit_bias: token id {off[0]} is outside the vocabulary [0, {vocab_size})",
+                       param="logit_bias", code="invalid_value")
     bad = [t for t in req.stop_token_ids or () if not 0 <= t < vocab_size]
     if bad:
         raise APIError(400, f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab_size})",
                        param="stop_token_ids", code="invalid_value")
+
+
+def logit_bias(req: Any) -> dict[int, float] | None:
+    """The request's logit_bias with token ids as integers (JSON keys are strings)."""
+    if not req.logit_bias:
+        return None
+    try:
+        return {int(k): float(v) for k, v in req.logit_bias.items()}
+    except (TypeError, ValueError):
+        raise APIError(400, "logit_bias must map token ids (as strings, e.g. \"50256\") to numbers in [-100, 100]",
+                       param="logit_bias", code="invalid_value") from None
 
 
 def sampling_params(req: Any, max_tokens: int | None, prompt_len: int, index: int, prompt_param: str, *,
@@ -82,6 +97,8 @@ def sampling_params(req: Any, max_tokens: int | None, prompt_len: int, index: in
             repetition_penalty=1.0 if req.repetition_penalty is None else float(req.repetition_penalty),
             frequency_penalty=float(req.frequency_penalty or 0.0),
             presence_penalty=float(req.presence_penalty or 0.0),
+            logit_bias=logit_bias(req),
+            min_tokens=req.min_tokens,
         )
     except DraftsmithError as e:
         msg = str(e)
