@@ -9,9 +9,10 @@ if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "3000")
 
 from draftsmith.core.sampling import SamplingParams  # noqa: E402
+from draftsmith.core.structured import StructuredOutputsParams  # noqa: E402
 from draftsmith.errors import DraftsmithError
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "DraftsmithError"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "DraftsmithError"]
 __version__ = "0.1.0"
 
 

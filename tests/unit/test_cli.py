@@ -38,6 +38,29 @@ def test_prompt_file_not_utf8(tiny, tmp_path):
     _one_line_error(_run("generate", "--target", str(tiny), "--prompt-file", str(f)), "not valid UTF-8")
 
 
+def test_structured_output_flags(tiny, tmp_path, capsys):
+    """--choice / --regex / --json-schema (file or text) constrain the output; a grammar that
+    does not compile or a missing schema file is one line. (Compact JSON: with any whitespace
+    allowed, vLLM's default, this random model spends its tokens on it.)"""
+    from draftsmith.cli import main
+
+    base = ["generate", "--target", str(tiny), "--prompt", "ab", "--max-tokens", "24", "--json"]
+    schema = tmp_path / "s.json"
+    schema.write_text('{"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], '
+                      '"additionalProperties": false}')
+    for flags, check in ((["--choice", "left", "--choice", "right"], lambda t: t in ("left", "right")),
+                         (["--regex", "[xyz]{4}"], lambda t: len(t) == 4 and set(t) <= set("xyz")),
+                         (["--json-schema", str(schema), "--no-json-whitespace"],
+                          lambda t: json.loads(t) in ({"ok": True}, {"ok": False})),
+                         (["--json-schema", schema.read_text(), "--no-json-whitespace"],
+                          lambda t: json.loads(t) in ({"ok": True}, {"ok": False}) and " " not in t)):
+        assert main(base + flags) == 0
+        (res,) = json.loads(capsys.readouterr().out)["results"]
+        assert res["finish_reason"] == "stop" and check(res["text"]), (flags, res["text"])
+    _one_line_error(_run(*base, "--regex", "(("), "regex does not compile", "unclosed group")
+    _one_line_error(_run(*base, "--json-schema", str(tmp_path / "none.json")), "--json-schema", "no such file")
+
+
 def test_config_hidden_size_that_does_not_match_the_weights(tiny_model_dir):
     path = tiny_model_dir("llama", seed=2)
     cfg = json.loads((path / "config.json").read_text())

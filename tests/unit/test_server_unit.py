@@ -429,6 +429,22 @@ BAD_BODIES = [  # (path, raw body, param, says)
     ("/v1/completions", b'{"prompt": "x", "logit_bias": {"five": 1}}', "logit_bias", "token ids"),
     ("/v1/completions", b'{"prompt": "x", "logit_bias": {"5": 150}}', "logit_bias", "[-100, 100]"),
     ("/v1/completions", b'{"prompt": "x", "max_tokens": 4, "min_tokens": 5}', "min_tokens", "max_tokens"),
+    ("/v1/completions", b'{"prompt": "x", "guided_regex": "(("}', "guided_regex", "does not compile"),
+    ("/v1/completions", b'{"prompt": "x", "structured_outputs": {"grammar": "start: nope"}}', "structured_outputs",
+     "does not compile"),
+    ("/v1/completions", b'{"prompt": "x", "structured_outputs": {"structural_tag": "t"}}', "structured_outputs",
+     "structural_tag is not supported"),
+    ("/v1/completions", b'{"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}}',
+     "structured_outputs", "exactly one"),
+    ("/v1/completions", b'{"prompt": "x", "guided_choice": []}', "guided_choice", "non-empty list"),
+    ("/v1/completions", b'{"prompt": "x", "guided_regex": "a", "guided_choice": ["a"]}', "guided_choice",
+     "not guided_regex and guided_choice"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}}',
+     "response_format", "json_schema.schema"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "grammar"}}',
+     "response_format", "json_object or json_schema"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"},'
+     b' "ignore_eos": true}', "structured_outputs", "ignore_eos"),
 ]
 
 
@@ -683,6 +699,52 @@ def test_penalties_reach_the_engine(tiny_dir, tiny_server):
         r = h.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6, "temperature": 0, "min_tokens": 6,
                                             "stop_token_ids": [first]}).json()
         assert r["usage"]["completion_tokens"] == 6
+
+
+def test_structured_outputs_reach_the_engine(tiny_dir, tiny_server):
+    """OpenAI's response_format (json_schema, json_object), vLLM's structured_outputs and guided_*
+    fields, whole and streamed: the same text as LLM.generate with the same grammar."""
+    import json
+
+    import httpx
+
+    from draftsmith.api import LLM
+    from draftsmith.core.sampling import SamplingParams
+    from draftsmith.core.structured import StructuredOutputsParams as SO
+
+    schema = {"type": "object", "properties": {"k": {"type": "integer"}}, "required": ["k"],
+              "additionalProperties": False}
+    ref_llm = LLM(str(tiny_dir), max_batch=2, max_len=256)
+
+    def want(spec: SO, prompt: str = "abc") -> str:
+        (o,) = ref_llm.generate([prompt], SamplingParams(max_tokens=32, temperature=0.0, structured_outputs=spec))
+        return o.text
+
+    url = tiny_server(llm_kw={"drafter": "ngram", "policy": "fixed"})
+    base = {"prompt": "abc", "max_tokens": 32, "temperature": 0}
+    cases = [({"guided_regex": "[a-c]{3}x+"}, SO(regex="[a-c]{3}x+")),
+             ({"guided_choice": ["left", "right"]}, SO(choice=["left", "right"])),
+             ({"structured_outputs": {"json": schema}}, SO(json=schema)),
+             ({"guided_json": schema}, SO(json=schema)),
+             ({"structured_outputs": {"grammar": 'start: "<" /[0-9]+/ ">"'}}, SO(grammar='start: "<" /[0-9]+/ ">"'))]
+    with httpx.Client(base_url=url, timeout=60) as h:
+        for extra, spec in cases:
+            text = h.post("/v1/completions", json={**base, **extra}).json()["choices"][0]["text"]
+            assert text == want(spec), extra
+            streamed, _ = _stream_choices(h, "/v1/completions", {**base, **extra})
+            assert streamed == text, extra
+        assert json.loads(want(SO(json=schema)))["k"] is not None  # the greedy text is the schema's JSON
+        msgs = [{"role": "user", "content": "give me json"}]
+        (ref,) = ref_llm.chat(msgs, SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=SO(json=schema)))
+        chat = {"messages": msgs, "max_tokens": 40, "temperature": 0,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "k", "schema": schema, "strict": True}}}
+        r = h.post("/v1/chat/completions", json=chat).json()
+        assert r["choices"][0]["message"]["content"] == ref.text
+        (obj,) = ref_llm.chat(msgs, SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=SO(json_object=True)))
+        r = h.post("/v1/chat/completions", json={**chat, "response_format": {"type": "json_object"}}).json()
+        assert r["choices"][0]["message"]["content"] == obj.text
+        r = h.post("/v1/chat/completions", json={**chat, "response_format": {"type": "text"}}).json()
+        assert r["choices"][0]["message"]["content"] == ref_llm.chat(msgs, SamplingParams(max_tokens=40, temperature=0.0))[0].text
 
 
 def test_serve_flags_reach_the_server(monkeypatch):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -26,6 +27,16 @@ def add_parser(sub) -> None:
     g.add_argument("--max-batch", type=positive_int, default=8, help="prompts decoded together (KV rows)")
     g.add_argument("--max-len", type=positive_int, default=2048, help="context limit per prompt (prompt + output)")
     add_sampling_args(g)
+    so = g.add_mutually_exclusive_group()  # structured outputs (core/structured.py), vLLM's kinds
+    so.add_argument("--json-schema", metavar="FILE|JSON", help="every output is JSON that keeps to this schema "
+                    "(a file, or the schema itself)")
+    so.add_argument("--json-object", action="store_true", help="every output is a JSON object")
+    so.add_argument("--regex", help="every output matches this regular expression")
+    so.add_argument("--choice", action="append", help="every output is one of these strings (repeatable)")
+    so.add_argument("--grammar", type=Path, metavar="FILE", help="every output keeps to this Lark grammar")
+    g.add_argument("--json-whitespace", action=argparse.BooleanOptionalAction, default=True,
+                   help="--json-schema / --json-object: allow any whitespace between JSON tokens (vLLM's default); "
+                        "--no-json-whitespace: compact JSON")
     g.add_argument("--json", action="store_true", help="print results and stats as JSON")
     g.set_defaults(func=cmd_generate)
 
@@ -61,6 +72,29 @@ def read_prompts(args) -> list:
     return prompts
 
 
+def structured_outputs(args):
+    """The StructuredOutputsParams that --json-schema / --json-object / --regex / --choice /
+    --grammar ask for, or None."""
+    from draftsmith.core.structured import StructuredOutputsParams
+
+    if args.json_schema is not None:
+        src = args.json_schema
+        if not src.lstrip().startswith("{"):
+            f = Path(src)
+            if not f.is_file():
+                raise DraftsmithError(f"--json-schema {src}: no such file (give a file or the schema's JSON text)")
+            src = f.read_text(encoding="utf-8")
+        return StructuredOutputsParams(json=src, disable_any_whitespace=not args.json_whitespace)
+    if args.grammar is not None:
+        if not args.grammar.is_file():
+            raise DraftsmithError(f"--grammar {args.grammar}: no such file")
+        return StructuredOutputsParams(grammar=args.grammar.read_text(encoding="utf-8"))
+    if args.json_object or args.regex is not None or args.choice:
+        return StructuredOutputsParams(json_object=args.json_object, regex=args.regex, choice=args.choice,
+                                       disable_any_whitespace=not args.json_whitespace)
+    return None
+
+
 def cmd_generate(args) -> int:
     from draftsmith.api import LLM
     from draftsmith.core.sampling import SamplingParams
@@ -69,7 +103,7 @@ def cmd_generate(args) -> int:
         max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=tuple(args.stop),
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
+        frequency_penalty=args.frequency_penalty, structured_outputs=structured_outputs(args),
     )
     if args.num_speculative_tokens < 0:
         raise DraftsmithError("--num-speculative-tokens must be >= 0")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -101,6 +102,8 @@ class Request:
     # The draft-length policy's per-request scratch (policy/*.py). Drafters keep typed state
     # of their own per request instead (drafters/base.py: RequestStates).
     drafter_state: dict = field(default_factory=dict)
+    # params.structured_outputs: the grammar matcher at the committed output (core/structured.py)
+    grammar: Any = None
 
     @property
     def all_ids(self) -> list[int]:

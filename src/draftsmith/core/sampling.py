@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from draftsmith.core.logprobs import MAX_LOGPROBS
+from draftsmith.core.structured import StructuredOutputsParams
 from draftsmith.errors import DraftsmithError
 
 
@@ -36,6 +37,9 @@ class SamplingParams:
     logit_bias:      {token id: bias in [-100, 100]} added to the raw logits (OpenAI's).
     min_tokens:      no end of sequence (EOS, stop_token_ids, stop strings) before this many
                      tokens (vLLM's; <= max_tokens).
+    structured_outputs: a StructuredOutputsParams (JSON schema, regex, choice, Lark grammar,
+                     JSON object) every generated token must keep to (core/structured.py); the
+                     output ends at the grammar's end. Not with min_tokens or ignore_eos.
     prompt_logprobs: the same for the prompt's tokens (`RequestOutput.prompt_logprobs`: None for
                      the first token, which nothing predicts); the request then reuses no cached prefix.
     """
@@ -57,6 +61,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -104,6 +109,13 @@ class SamplingParams:
                                       f" token), got {k!r}")
         if any(not s for s in self.stop):
             raise DraftsmithError("stop strings must be non-empty")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise DraftsmithError("structured_outputs must be a StructuredOutputsParams, got "
+                                      f"{type(self.structured_outputs).__name__}")
+            if self.ignore_eos or self.min_tokens:
+                raise DraftsmithError("structured outputs end where the grammar ends: they cannot be combined with "
+                                      f"{'ignore_eos' if self.ignore_eos else 'min_tokens'}")
 
     @property
     def greedy(self) -> bool:

@@ -20,6 +20,7 @@ import torch
 from draftsmith.core.logprobs import token_logprobs
 from draftsmith.core.penalties import penalize
 from draftsmith.core.sampling import SamplingParams
+from draftsmith.core.structured import Grammars, advance, constrain
 from draftsmith.core.verify import verify, verify_greedy
 from draftsmith.core.warp import argmax_rows, target_probs
 from draftsmith.drafters.base import Drafter, NoDrafter, TargetFeatures
@@ -81,6 +82,7 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.grammars = Grammars(tokenizer, model.config.vocab_size, self.eos_token_ids)  # compiled on first use
         self._ids = itertools.count()
         self.last_step = StepInfo()
         needs = self.drafter.needs
@@ -124,6 +126,7 @@ class Engine:
                 f"prompt has {len(prompt_ids)} tokens; the context limit is {self.max_len}, "
                 "which leaves no room to generate. Shorten the prompt"
             )
+        grammar = self.grammars.matcher(params.structured_outputs) if params.structured_outputs else None
         gen = None
         if params.seed is not None:
             gen = torch.Generator(device=self.model.device)
@@ -135,6 +138,7 @@ class Engine:
             generator=gen,
             logprobs=None if params.logprobs is None else [],
             prompt_logprobs=None if params.prompt_logprobs is None else [None],
+            grammar=grammar,
         )
         self.waiting.append(seq)
         return seq
@@ -313,6 +317,8 @@ class Engine:
         out = self.model(ids, self.cache, rows=rows, layer_ids=self._layer_ids)
         # penalties, logit_bias, min_tokens: position j after drafts < j (core/penalties.py)
         logits = penalize(out.logits, seqs, proposal.tokens if K else None, tuple(self.eos_token_ids))
+        # structured outputs: position j masked by the grammar after drafts < j (core/structured.py)
+        logits = constrain(logits, seqs, proposal.tokens if K else None, lengths)
         if all(s.params.greedy for s in seqs):  # p one-hot at the argmax: the argmax is all verify needs
             V = logits.shape[-1]
             result = verify_greedy(proposal, argmax_rows(logits.reshape(-1, V)).view(len(seqs), 1 + K), V)
@@ -335,6 +341,7 @@ class Engine:
             self.cache.lengths[s.row] += 1 + m
             s.stats.target_forwards += 1
             appended = self._append(s, committed_tokens[b][: m + 1])
+            advance(s, s.output_ids[len(s.output_ids) - appended:])
             if s.logprobs is not None:  # the target's rows of the committed tokens (core/logprobs.py)
                 s.logprobs += token_logprobs(out.logits[b], s.output_ids[len(s.output_ids) - appended:],
                                               s.params.logprobs)

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from draftsmith.server.engine_loop import Event, SubRequest
 from draftsmith.server.protocol import APIError
 from draftsmith.server.responses import ResponseFormat, usage
-from draftsmith.server.sampling import check_sampling, sampling_params
+from draftsmith.server.sampling import check_sampling, sampling_params, structured_outputs
 from draftsmith.server.state import ServerState
 from draftsmith.server.streaming import AbortingStream, stream_events
 
@@ -43,6 +43,7 @@ async def generate(st: ServerState, request: Request, req: Any, prompts: list[li
         raise APIError(503, "the engine is not running", type="service_unavailable")
     n = req.n
     check_sampling(req, st.vocab_size)
+    structured = structured_outputs(req, check=st.front.grammars.check)
     fmt.with_logprobs(req.top_logprobs_k(), st.front.token_text)
     subs: list[SubRequest] = []
     aloop = asyncio.get_running_loop()
@@ -58,7 +59,7 @@ async def generate(st: ServerState, request: Request, req: Any, prompts: list[li
     for p, ids in enumerate(prompts):
         for i in range(n):
             params = sampling_params(req, max_tokens, len(ids), i, prompt_param, max_len=st.max_len,
-                                     vocab_size=st.vocab_size)
+                                     vocab_size=st.vocab_size, structured=structured)
             index = p * n + i
             subs.append(SubRequest(request_id=f"{fmt.rid}-{index}", index=index, prompt_ids=ids,
                                    params=params, stream=req.stream, sink=sink, t_arrival=now))

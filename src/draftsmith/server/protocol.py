@@ -2,7 +2,7 @@
 
 Types are strict where a wrong type is a client bug (a string for `max_tokens`, a bool for
 `temperature`); unknown fields are ignored, as OpenAI-compatible servers usually do.
-Options Draftsmith cannot honour (tools, suffix, best_of != n, ...) are rejected with a 400
+Options Draftsmith cannot honour (tools, suffix, best_of != n) are rejected with a 400
 rather than silently ignored.
 """
 
@@ -80,6 +80,14 @@ class _Sampling(_Req):
     stop_token_ids: list[StrictInt] | None = None
     repetition_penalty: StrictFloat | None = None
     min_tokens: StrictInt = 0
+    # structured outputs (server/sampling.structured_outputs): OpenAI's response_format, vLLM's
+    # structured_outputs object and its older guided_* fields
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
 
     def prompt_logprobs_k(self) -> int | None:
         """How many top tokens per prompt token (completions with `echo` and `logprobs`)."""
@@ -141,7 +149,6 @@ class ChatCompletionRequest(_Sampling):
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = None
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     def top_logprobs_k(self) -> int | None:
         """How many top tokens per generated token (None: no logprobs)."""
@@ -153,6 +160,4 @@ class ChatCompletionRequest(_Sampling):
         bad = super().unsupported()
         if self.tools:
             bad.append("tools")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            bad.append("response_format")
         return bad

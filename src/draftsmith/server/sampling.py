@@ -8,9 +8,10 @@ size keeps all tokens too (as vLLM); stop_token_ids inside the vocabulary.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from draftsmith.core.sampling import SamplingParams
+from draftsmith.core.structured import StructuredOutputsParams
 from draftsmith.errors import DraftsmithError
 from draftsmith.server.protocol import APIError
 
@@ -56,9 +57,64 @@ def logit_bias(req: Any) -> dict[int, float] | None:
                        param="logit_bias", code="invalid_value") from None
 
 
+_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace")
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def structured_outputs(req: Any, check: Callable[[StructuredOutputsParams], None] | None = None
+                       ) -> StructuredOutputsParams | None:
+    """The request's grammar, from whichever of its fields asks for one (one at most):
+    OpenAI's `response_format` ({"type": "json_schema", "json_schema": {"schema": ...}} or
+    {"type": "json_object"}; "text" = none), vLLM's `structured_outputs` object ({"json": ...},
+    {"regex": ...}, {"choice": [...]}, {"grammar": "<Lark>"}, {"json_object": true}) and
+    vLLM's older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`. `check`:
+    the target's grammar compiler (core/structured.Grammars.check); its error is a 400 too."""
+    asked: dict[str, dict] = {}
+    rf = req.response_format
+    if rf is not None:
+        kind = rf.get("type")
+        if kind == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
+                raise APIError(400, "response_format of type json_schema needs json_schema.schema, a JSON schema object",
+                               param="response_format", code="invalid_value")
+            asked["response_format"] = dict(json=js["schema"])
+        elif kind == "json_object":
+            asked["response_format"] = dict(json_object=True)
+        elif kind not in (None, "text"):
+            raise APIError(400, f"response_format type {kind!r} is not supported: use text, json_object or json_schema "
+                           "(or structured_outputs with regex, choice or grammar)", param="response_format",
+                           code="unsupported_parameter")
+    so = req.structured_outputs
+    if so:
+        other = sorted(k for k, v in so.items() if k not in _STRUCTURED_KEYS and v not in (None, False))
+        if other:
+            raise APIError(400, f"structured_outputs.{other[0]} is not supported; use one of "
+                           f"{', '.join(_STRUCTURED_KEYS[:5])} (and disable_any_whitespace)",
+                           param="structured_outputs", code="unsupported_parameter")
+        asked["structured_outputs"] = {k: v for k, v in so.items() if k in _STRUCTURED_KEYS and v is not None}
+    for name, key in _GUIDED.items():
+        if getattr(req, name) is not None:
+            asked[name] = {key: getattr(req, name)}
+    if not asked:
+        return None
+    if len(asked) > 1:
+        raise APIError(400, f"give one way to constrain the output, not {' and '.join(asked)}",
+                       param=list(asked)[1], code="invalid_value")
+    (param, spec), = asked.items()
+    try:
+        spec = StructuredOutputsParams(**spec)
+        if check is not None:
+            check(spec)
+        return spec
+    except (DraftsmithError, TypeError) as e:
+        raise APIError(400, str(e), param=param, code="invalid_value") from None
+
+
 def sampling_params(req: Any, max_tokens: int | None, prompt_len: int, index: int, prompt_param: str, *,
-                    max_len: int, vocab_size: int) -> SamplingParams:
-    """Choice `index`'s SamplingParams; max_tokens None: up to the context length."""
+                    max_len: int, vocab_size: int, structured: StructuredOutputsParams | None = None) -> SamplingParams:
+    """Choice `index`'s SamplingParams; max_tokens None: up to the context length; `structured`:
+    the request's grammar (`structured_outputs`)."""
     if prompt_len == 0:
         raise APIError(400, "the prompt is empty: give at least one token", param=prompt_param)
     if prompt_len >= max_len:
@@ -99,8 +155,11 @@ def sampling_params(req: Any, max_tokens: int | None, prompt_len: int, index: in
             presence_penalty=float(req.presence_penalty or 0.0),
             logit_bias=logit_bias(req),
             min_tokens=req.min_tokens,
+            structured_outputs=structured,
         )
     except DraftsmithError as e:
         msg = str(e)
         param = next((f for f in _SAMPLING_FIELDS if msg.startswith(f)), None)
+        if msg.startswith("structured outputs"):
+            param = "structured_outputs"
         raise APIError(400, msg, param=param, code="invalid_value") from None

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 from draftsmith.api import LLM
+from draftsmith.core.structured import Grammars
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.token_text import TokenText
 from draftsmith.server.engine_loop import EngineLoop
@@ -52,6 +53,8 @@ class _Front:
         self.target = llm.target
         self.tokenizer = copy.deepcopy(llm.tokenizer)
         self.token_text = TokenText(self.tokenizer)  # logprobs' token texts and bytes
+        # structured outputs: a request's grammar is checked here, before it reaches the engine
+        self.grammars = Grammars(self.tokenizer, llm.target.model.config.vocab_size, llm.engine.eos_token_ids)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

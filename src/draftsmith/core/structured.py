@@ -1,0 +1,210 @@
+"""Structured outputs: a JSON schema, a regex, a list of choices or a Lark grammar constrains
+every generated token (vLLM's `structured_outputs`, the OpenAI API's `response_format`), under
+speculative decoding too.
+
+The grammar engine is llguidance (a token-level matcher over the target's own tokenizer). Like
+a penalty (core/penalties.py), a grammar makes the target distribution at a position depend on
+the tokens before it: position j of a verify block is masked with the matcher's state after
+the committed output *and drafts 0..j-1*, the context the target reaches j in. So p_j is the
+constrained target's distribution there, the ratio test and the residual stay exact, and
+greedy takes the constrained argmax. A draft the grammar refuses gets p = 0 and is rejected,
+so the positions after the first refused draft are never reached and stay unmasked. Drafters
+propose unconstrained (any q is lossless; a constrained q would only raise acceptance).
+
+Per request the matcher follows the committed output (`advance`); a block only borrows it:
+it consumes the valid drafts to read each position's mask and rolls them back.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from draftsmith.errors import DraftsmithError
+
+_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Exactly one of (vLLM's names):
+
+    json:        a JSON schema (a dict, or its JSON text); the output is one JSON value that
+                 satisfies it.
+    regex:       the output matches this regular expression, whole.
+    choice:      the output is exactly one of these strings.
+    grammar:     a context-free grammar in Lark syntax (llguidance's dialect: `start: ...`).
+    json_object: any JSON object (the OpenAI API's `response_format: {"type": "json_object"}`).
+
+    disable_any_whitespace: JSON without free whitespace between tokens (compact separators);
+                 by default any whitespace is allowed there, as in vLLM.
+    """
+
+    json: Any = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    disable_any_whitespace: bool = False
+    _key: str = field(default="", init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise DraftsmithError("structured outputs need exactly one of json, regex, choice, grammar, json_object; "
+                                  f"got {', '.join(given) or 'none'}")
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as e:
+                    raise DraftsmithError(f"structured outputs: json must be a JSON schema; its text does not parse: {e}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise DraftsmithError(f"structured outputs: json must be a JSON schema (an object), got {type(schema).__name__}")
+            object.__setattr__(self, "json", json.dumps(schema))  # key order kept: it orders the properties
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise DraftsmithError(f"structured outputs: {name} must be a non-empty string, got {v!r}")
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not all(isinstance(c, str) for c in self.choice) or not self.choice:
+                raise DraftsmithError(f"structured outputs: choice must be a non-empty list of strings, got {self.choice!r}")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        object.__setattr__(self, "_key", self._grammar_text())
+
+    def _grammar_text(self) -> str:
+        """The llguidance grammar (JSON or Lark text) this asks for; it is also the cache key."""
+        import llguidance
+
+        M = llguidance.LLMatcher
+        options = {"whitespace_flexible": not self.disable_any_whitespace}
+        if self.json is not None:
+            return M.grammar_from_json_schema(self.json, defaults=options)
+        if self.json_object:
+            return M.grammar_from_json_schema({"type": "object"}, defaults=options)
+        if self.regex is not None:
+            return M.grammar_from_regex(self.regex)
+        if self.choice is not None:  # JSON string literals are valid Lark literals
+            return M.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.choice))
+        return M.grammar_from_lark(self.grammar)
+
+
+class Grammars:
+    """Matchers for one target's tokenizer: `matcher(spec)` compiles the spec's grammar once
+    (the last `capacity` grammars are kept) and gives every request a fresh copy."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Sequence[int], capacity: int = 64) -> None:
+        self._hf = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = sorted(eos_token_ids)
+        self.capacity = capacity
+        self._lltok = None
+        self._compiled: OrderedDict[str, Any] = OrderedDict()
+
+    def _tokenizer(self):
+        if self._lltok is None:
+            import llguidance
+
+            backend = getattr(self._hf, "backend_tokenizer", None)
+            if backend is None:
+                raise DraftsmithError("structured outputs need a fast (tokenizers-backed) tokenizer; "
+                                      f"this target's is {type(self._hf).__name__}")
+            state = json.loads(backend.to_str())
+            state["padding"] = state["truncation"] = None  # the matcher tokenizes text as is
+            eos = self.eos_token_ids or [self._hf.eos_token_id]
+            self._lltok = llguidance.LLTokenizer(json.dumps(state), n_vocab=self.vocab_size, eos_token=eos)
+        return self._lltok
+
+    def check(self, spec: StructuredOutputsParams) -> None:
+        """Raise a DraftsmithError that quotes the grammar engine where `spec` does not compile
+        (a bad regex, a schema it cannot handle, ...)."""
+        import llguidance
+
+        err = llguidance.LLMatcher.validate_grammar(spec._key, self._tokenizer())
+        if err:
+            raise DraftsmithError(f"structured outputs: the {_kind(spec)} does not compile: {_one_line(err)}")
+
+    def matcher(self, spec: StructuredOutputsParams):
+        """A matcher at the start of `spec`'s grammar (`check`'s error where it does not compile)."""
+        import llguidance
+
+        key = spec._key
+        base = self._compiled.get(key)
+        if base is None:
+            self.check(spec)
+            base = llguidance.LLMatcher(self._tokenizer(), key, log_level=0)
+            if base.is_error():
+                raise DraftsmithError(f"structured outputs: the {_kind(spec)} does not compile: "
+                                      f"{_one_line(base.get_error())}")
+            self._compiled[key] = base
+            while len(self._compiled) > self.capacity:
+                self._compiled.popitem(last=False)
+        else:
+            self._compiled.move_to_end(key)
+        return base.deep_copy()
+
+
+def _one_line(err: str) -> str:
+    """llguidance's message without its source excerpt and caret lines."""
+    lines = [ln.strip() for ln in err.splitlines()]
+    return " ".join(ln for ln in lines if ln and set(ln) != {"^"} and not re.match(r"\d+ \|", ln))
+
+
+def _kind(spec: StructuredOutputsParams) -> str:
+    return {"json": "JSON schema", "regex": "regex", "choice": "choice list", "grammar": "grammar",
+            "json_object": "JSON object grammar"}[next(k for k in _KINDS if getattr(spec, k) not in (None, False))]
+
+
+def _allowed(matcher, V: int, words: int) -> torch.Tensor:
+    """The matcher's next-token mask as bools [V]."""
+    bits = torch.zeros(words, dtype=torch.int32)
+    matcher.unsafe_compute_mask_ptr(bits.data_ptr(), 4 * words)
+    return ((bits[:, None] >> torch.arange(32, dtype=torch.int32)) & 1).reshape(-1)[:V].bool()
+
+
+def constrain(logits: torch.Tensor, seqs: Sequence, drafts: torch.Tensor | None,
+              lengths: Sequence[int]) -> torch.Tensor:
+    """logits [B, S, V] of a verify block (position j follows drafts[b, :j]; row b has
+    lengths[b] drafts). Rows whose request has a grammar (`seq.grammar`) get -inf at
+    every token the grammar refuses at each position up to and including its first refused
+    draft. Returns a new tensor where any row is constrained, `logits` itself otherwise."""
+    rows = [b for b, s in enumerate(seqs) if getattr(s, "grammar", None) is not None]
+    if not rows:
+        return logits
+    B, S, V = logits.shape
+    words = (V + 31) // 32
+    out = logits.clone()
+    for b in rows:
+        m = seqs[b].grammar
+        block = drafts[b, : lengths[b]].tolist() if drafts is not None else []
+        valid = m.validate_tokens(block) if block else 0  # drafts 0..valid-1 are grammatical
+        for j in range(min(valid + 1, S)):
+            allowed = _allowed(m, V, words)
+            if not allowed.any():  # past the grammar's end (an accepted EOS draft): the engine stops there
+                break
+            out[b, j].masked_fill_(~allowed.to(out.device), float("-inf"))
+            if j < valid and not m.consume_token(block[j]):
+                raise RuntimeError(f"grammar matcher refused draft {block[j]} it had validated: {m.get_error()}")
+        if valid and not m.rollback(valid):
+            raise RuntimeError(f"grammar matcher could not roll back {valid} drafts: {m.get_error()}")
+    return out
+
+
+def advance(seq, tokens: Sequence[int]) -> None:
+    """Feed committed tokens to the request's matcher. A token the grammar refuses can only be
+    a stop token the request itself asked for (the request ends on it); anything else is an
+    engine bug and raises."""
+    m = getattr(seq, "grammar", None)
+    if m is None or not tokens:
+        return
+    n = m.validate_tokens(list(tokens))
+    if n < len(tokens) and not (seq.finish_reason is not None and n == len(tokens) - 1):
+        raise RuntimeError(f"committed token {tokens[n]} breaks request {seq.request_id}'s grammar")
+    if n and not m.consume_tokens(list(tokens[:n])):
+        raise RuntimeError(f"grammar matcher refused committed tokens: {m.get_error()}")
