@@ -15,7 +15,7 @@ import torch
 
 from draftsmith import LLM, DraftsmithError, SamplingParams, StructuredOutputsParams as SO
 from draftsmith.core.request import Request
-from draftsmith.core.structured import Grammars, constrain
+from draftsmith.core.structured import Grammars, allowed_now, constrain
 from draftsmith.core.warp import target_probs
 from draftsmith.drafters.base import FeatureSpec, pad_proposal
 from draftsmith.models.target import load_target
@@ -141,13 +141,11 @@ class GrammarDrafter:
         self.rounds[seq.request_id] = []
 
     def propose(self, seqs, max_lengths):
-        from draftsmith.core.structured import _allowed
-
         drafts, qs = [], []
         for s, cap in zip(seqs, max_lengths):
             m, d, q = s.grammar.deep_copy(), [], []
             for _ in range(cap):
-                ok = _allowed(m, self.V, (self.V + 31) // 32)
+                ok = allowed_now(m, self.V)
                 if not ok.any():
                     break
                 qk = ok.float() / ok.sum()
@@ -202,9 +200,7 @@ def _pit(target, outs, constrained: bool = True) -> torch.Tensor:
         for t, x in enumerate(o.token_ids):
             z = logits[n0 - 1 + t].clone()
             if constrained:
-                from draftsmith.core.structured import _allowed
-
-                z[~_allowed(matcher, V, (V + 31) // 32)] = float("-inf")
+                z[~allowed_now(matcher, V)] = float("-inf")
                 assert matcher.consume_token(x), (o.request_id, t)
             p = target_probs(z[None, None], [SamplingParams(temperature=1.0)])[0, 0].double()
             ids = torch.arange(V)
@@ -230,7 +226,7 @@ def test_constrained_sampling_is_lossless_and_the_controls_fail(pit_target, monk
     # the engine commits tokens the grammar refuses and says so
     import draftsmith.engine.engine as engine_mod
 
-    def blockwide(logits, seqs, drafts, lengths):
+    def blockwide(logits, seqs, drafts, lengths, executor=None):
         return torch.cat([constrain(logits[:, j: j + 1], seqs, None, [0] * len(seqs))
                           for j in range(logits.shape[1])], dim=1)
 

@@ -23,6 +23,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from draftsmith.errors import DraftsmithError
@@ -105,7 +106,17 @@ class Grammars:
         self.eos_token_ids = sorted(eos_token_ids)
         self.capacity = capacity
         self._lltok = None
+        self._executor = None
         self._compiled: OrderedDict[str, Any] = OrderedDict()
+
+    @property
+    def executor(self):
+        """llguidance's thread pool for a block's masks (its default size: most of the cores)."""
+        if self._executor is None:
+            import llguidance
+
+            self._executor = llguidance.LLExecutor()
+        return self._executor
 
     def _tokenizer(self):
         if self._lltok is None:
@@ -161,39 +172,45 @@ def _kind(spec: StructuredOutputsParams) -> str:
             "json_object": "JSON object grammar"}[next(k for k in _KINDS if getattr(spec, k) not in (None, False))]
 
 
-def _allowed(matcher, V: int, words: int) -> torch.Tensor:
-    """The matcher's next-token mask as bools [V]."""
-    bits = torch.zeros(words, dtype=torch.int32)
-    matcher.unsafe_compute_mask_ptr(bits.data_ptr(), 4 * words)
-    return ((bits[:, None] >> torch.arange(32, dtype=torch.int32)) & 1).reshape(-1)[:V].bool()
+def allowed_tokens(bits: torch.Tensor, V: int) -> torch.Tensor:
+    """Bitmasks [..., words] int32 on the CPU (bit i of word w: token 32 w + i) as bools [..., V]."""
+    as_bytes = bits.contiguous().numpy().view(np.uint8)  # little-endian words: bytes in token order
+    unpacked = np.unpackbits(as_bytes, axis=-1, bitorder="little")  # [..., 32 words] of 0 / 1
+    return torch.from_numpy(unpacked).view(torch.bool)[..., :V]
 
 
-def constrain(logits: torch.Tensor, seqs: Sequence, drafts: torch.Tensor | None,
-              lengths: Sequence[int]) -> torch.Tensor:
+def constrain(logits: torch.Tensor, seqs: Sequence, drafts: torch.Tensor | None, lengths: Sequence[int],
+              executor=None) -> torch.Tensor:
     """logits [B, S, V] of a verify block (position j follows drafts[b, :j]; row b has
-    lengths[b] drafts). Rows whose request has a grammar (`seq.grammar`) get -inf at
-    every token the grammar refuses at each position up to and including its first refused
-    draft. Returns a new tensor where any row is constrained, `logits` itself otherwise."""
+    lengths[b] drafts). Rows whose request has a grammar (`seq.grammar`) get -inf at every
+    token the grammar refuses at each position up to and including its first refused draft
+    (the matchers consume the valid drafts to read those masks and roll them back; llguidance
+    does every row in one call, on `executor`'s threads). Returns a new tensor where any row is
+    constrained, `logits` itself otherwise."""
     rows = [b for b, s in enumerate(seqs) if getattr(s, "grammar", None) is not None]
     if not rows:
         return logits
+    import llguidance
+
     B, S, V = logits.shape
     words = (V + 31) // 32
-    out = logits.clone()
-    for b in rows:
-        m = seqs[b].grammar
-        block = drafts[b, : lengths[b]].tolist() if drafts is not None else []
-        valid = m.validate_tokens(block) if block else 0  # drafts 0..valid-1 are grammatical
-        for j in range(min(valid + 1, S)):
-            allowed = _allowed(m, V, words)
-            if not allowed.any():  # past the grammar's end (an accepted EOS draft): the engine stops there
-                break
-            out[b, j].masked_fill_(~allowed.to(out.device), float("-inf"))
-            if j < valid and not m.consume_token(block[j]):
-                raise RuntimeError(f"grammar matcher refused draft {block[j]} it had validated: {m.get_error()}")
-        if valid and not m.rollback(valid):
-            raise RuntimeError(f"grammar matcher could not roll back {valid} drafts: {m.get_error()}")
-    return out
+    bits = torch.full((B, S, words), -1, dtype=torch.int32)  # -1: all allowed (other rows; never reached)
+    jobs = [(seqs[b].grammar, b * S, drafts[b, : lengths[b]].tolist() if drafts is not None else []) for b in rows]
+    executor = executor or llguidance.LLExecutor(1)
+    if with_drafts := [j for j in jobs if j[2]]:
+        executor.unsafe_compute_mask_ptr_with_draft_token(with_drafts, bits.data_ptr(), 4 * words, B * S)
+    if without := [j[:2] for j in jobs if not j[2]]:
+        executor.unsafe_compute_mask_ptr(without, bits.data_ptr(), 4 * words, B * S)
+    bits[(bits == 0).all(-1)] = -1  # nothing allowed: past the grammar's end (an accepted EOS draft)
+    allowed = allowed_tokens(bits, V).to(logits.device)
+    return torch.where(allowed, logits, torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
+
+
+def allowed_now(matcher, V: int) -> torch.Tensor:
+    """The tokens `matcher` allows next, as bools [V]."""
+    bits = torch.zeros((V + 31) // 32, dtype=torch.int32)
+    matcher.unsafe_compute_mask_ptr(bits.data_ptr(), 4 * bits.numel())
+    return allowed_tokens(bits, V)
 
 
 def advance(seq, tokens: Sequence[int]) -> None:
