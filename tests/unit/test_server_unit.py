@@ -440,11 +440,12 @@ BAD_BODIES = [  # (path, raw body, param, says)
     ("/v1/completions", b'{"prompt": "x", "guided_regex": "a", "guided_choice": ["a"]}', "guided_choice",
      "not guided_regex and guided_choice"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}}',
-     "response_format", "json_schema.schema"),
+     "response_format", "needs json_schema"),
+    ("/v1/completions", b'{"prompt": "x", "guided_json": true}', "guided_json", "schema object"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "grammar"}}',
      "response_format", "json_object or json_schema"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"},'
-     b' "ignore_eos": true}', "structured_outputs", "ignore_eos"),
+     b' "ignore_eos": true}', "ignore_eos", "cannot be combined with structured outputs"),
 ]
 
 
@@ -726,7 +727,11 @@ def test_structured_outputs_reach_the_engine(tiny_dir, tiny_server):
              ({"guided_choice": ["left", "right"]}, SO(choice=["left", "right"])),
              ({"structured_outputs": {"json": schema}}, SO(json=schema)),
              ({"guided_json": schema}, SO(json=schema)),
-             ({"structured_outputs": {"grammar": 'start: "<" /[0-9]+/ ">"'}}, SO(grammar='start: "<" /[0-9]+/ ">"'))]
+             ({"structured_outputs": {"grammar": 'start: "<" /[0-9]+/ ">"'}}, SO(grammar='start: "<" /[0-9]+/ ">"')),
+             ({"guided_grammar": 'root ::= "<" [0-9]+ ">"', "guided_decoding_backend": "xgrammar"},
+              SO(grammar='root ::= "<" [0-9]+ ">"')),  # GBNF, as vLLM's docs write it; the backend is ours
+             ({"structured_outputs": {"json": schema, "disable_fallback": True, "whitespace_pattern": " ?"}},
+              SO(json=schema, whitespace_pattern=" ?"))]
     with httpx.Client(base_url=url, timeout=60) as h:
         for extra, spec in cases:
             text = h.post("/v1/completions", json={**base, **extra}).json()["choices"][0]["text"]
@@ -743,8 +748,35 @@ def test_structured_outputs_reach_the_engine(tiny_dir, tiny_server):
         (obj,) = ref_llm.chat(msgs, SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=SO(json_object=True)))
         r = h.post("/v1/chat/completions", json={**chat, "response_format": {"type": "json_object"}}).json()
         assert r["choices"][0]["message"]["content"] == obj.text
+        no_schema = {"type": "json_schema", "json_schema": {"name": "anything"}}  # OpenAI: schema optional
+        r = h.post("/v1/chat/completions", json={**chat, "response_format": no_schema}).json()
+        assert r["choices"][0]["message"]["content"] == obj.text
         r = h.post("/v1/chat/completions", json={**chat, "response_format": {"type": "text"}}).json()
         assert r["choices"][0]["message"]["content"] == ref_llm.chat(msgs, SamplingParams(max_tokens=40, temperature=0.0))[0].text
+
+
+def test_tokenize_and_detokenize(tiny_dir, tiny_server):
+    """vLLM's /tokenize (a prompt as /v1/completions tokenizes it, messages as /v1/chat/completions
+    does) and /detokenize, behind the API key; bad input is a 400 that names the field."""
+    import httpx
+
+    from draftsmith.api import LLM
+
+    llm = LLM(str(tiny_dir), max_batch=1, max_len=256)
+    msgs = [{"role": "user", "content": "hi there"}]
+    url = tiny_server(api_key="k")
+    with httpx.Client(base_url=url, timeout=30, headers={"authorization": "Bearer k"}) as h:
+        r = h.post("/tokenize", json={"prompt": "héllo", "return_token_strs": True}).json()
+        assert r["tokens"] == llm.encode("héllo") and r["count"] == len(r["tokens"]) and r["max_model_len"] == 256
+        assert r["token_strs"] == ["h", "Ã", "©", "l", "l", "o"]  # the tokenizer's pieces (byte-level: é is 2)
+        r = h.post("/tokenize", json={"messages": msgs}).json()
+        assert r["tokens"] == llm.apply_chat_template(msgs) and r["token_strs"] is None
+        assert h.post("/detokenize", json={"tokens": r["tokens"]}).json()["prompt"] == llm.tokenizer.decode(r["tokens"])
+        _assert_openai_error(h.post("/tokenize", json={"prompt": "x", "messages": msgs}), 400, "prompt", says="not both")
+        _assert_openai_error(h.post("/tokenize", json={}), 400, "messages", says="neither")
+        _assert_openai_error(h.post("/detokenize", json={"tokens": [0, 272]}), 400, "tokens", says="vocabulary")
+        _assert_openai_error(h.post("/tokenize", json={"prompt": "x", "model": "other"}), 404, "model")
+    assert httpx.post(f"{url}/tokenize", json={"prompt": "x"}).status_code == 401
 
 
 def test_serve_flags_reach_the_server(monkeypatch):

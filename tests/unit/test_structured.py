@@ -51,7 +51,7 @@ def test_each_block_position_is_masked_after_the_drafts_before_it(tiny):
     s = Request("r", [1], SamplingParams(structured_outputs=SO(regex=PAIRS)), None, grammar=g.matcher(SO(regex=PAIRS)))
     drafts = torch.tensor([_ids(tok, "aezb")])
     logits = torch.randn(1, 5, V, generator=torch.Generator().manual_seed(0))
-    out = constrain(logits, [s], drafts, [4])
+    out = constrain(logits, [s], drafts, [4], g.executor)
     letters = lambda cs: {_ids(tok, c)[0] for c in cs}  # noqa: E731
     want = [letters("abcd"), letters("efgh"), letters("abcd") | {tok.eos_token_id}]
     for j, allowed in enumerate(want):
@@ -59,15 +59,39 @@ def test_each_block_position_is_masked_after_the_drafts_before_it(tiny):
         kept = sorted(allowed)
         assert torch.equal(out[0, j, kept], logits[0, j, kept])  # allowed tokens keep their logits
     assert torch.equal(out[0, 3:], logits[0, 3:])
-    assert constrain(logits, [s], drafts, [0])[0, 0].isfinite().sum() == 4  # rolled back: the start again
-    assert constrain(logits, [Request("p", [1], SamplingParams(), None)], drafts, [4]) is logits  # no grammar, no copy
+    assert constrain(logits, [s], drafts, [0], g.executor)[0, 0].isfinite().sum() == 4  # rolled back: the start
+    no_grammar = Request("p", [1], SamplingParams(), None)
+    assert constrain(logits, [no_grammar], drafts, [4], g.executor) is logits  # nothing to do: no copy
+
+
+def test_an_eos_draft_after_the_grammar_ends_is_masked_and_rolled_back(tiny):
+    """A complete grammar allows only EOS; drafts [x, EOS, y] after the output "pl" of [a-z]{3}:
+    position 1 (after x) allows only EOS, position 2 comes after an accepted EOS (the engine stops
+    there: unmasked), and the matcher is back after "pl" (a stopped matcher that took EOS once
+    rolled back one token too many: 'plff' instead of 'plf')."""
+    tok, V = tiny.tokenizer, tiny.model.config.vocab_size
+    g, spec, eos = _grammars(tiny), SO(regex="[a-z]{3}"), tok.eos_token_id
+    m = g.matcher(spec)
+    assert m.consume_tokens(_ids(tok, "pl"))
+    s = Request("r", [1], SamplingParams(structured_outputs=spec), None, output_ids=_ids(tok, "pl"), grammar=m)
+    logits = torch.randn(1, 4, V, generator=torch.Generator().manual_seed(1))
+    drafts = torch.tensor([_ids(tok, "x") + [eos] + _ids(tok, "y")])
+    out = constrain(logits, [s], drafts, [3], g.executor)
+    az = {_ids(tok, c)[0] for c in "abcdefghijklmnopqrstuvwxyz"}
+    assert set(torch.isfinite(out[0, 0]).nonzero().flatten().tolist()) == az
+    assert torch.isfinite(out[0, 1]).nonzero().flatten().tolist() == [eos]
+    assert torch.equal(out[0, 2:], logits[0, 2:])
+    assert set(allowed_now(m, V).nonzero().flatten().tolist()) == az  # still after "pl"
+    assert m.validate_tokens(_ids(tok, "f") + [eos]) == 2
 
 
 @pytest.mark.parametrize("spec,says", [
     (dict(), "exactly one"),
     (dict(regex="a", choice=["a"]), "regex, choice"),
     (dict(json="{not json"), "does not parse"),
-    (dict(json=[1, 2]), "an object"),
+    (dict(json=[1, 2]), "schema object"),
+    (dict(json=True), "schema object"),
+    (dict(json="true"), "schema object"),
     (dict(choice=[]), "non-empty list"),
     (dict(choice="yes"), "non-empty list"),
     (dict(regex=""), "non-empty string"),
@@ -83,6 +107,9 @@ def test_grammars_that_do_not_compile_and_conflicting_params(tiny):
         g.matcher(SO(regex="(("))
     with pytest.raises(DraftsmithError, match="the grammar does not compile"):
         g.matcher(SO(grammar="start: undefined_rule"))
+    with pytest.raises(DraftsmithError, match="the regex does not compile.*unclosed group"):
+        g.check(SO(regex="(("))
+    g.check(SO(regex="a+"))
     for extra in (dict(ignore_eos=True), dict(min_tokens=2)):
         with pytest.raises(DraftsmithError, match="cannot be combined with"):
             SamplingParams(structured_outputs=SO(regex="a"), **extra)
@@ -93,6 +120,7 @@ def test_grammars_that_do_not_compile_and_conflicting_params(tiny):
 
 
 def _check(spec: SO, text: str) -> None:
+    """The text of a finished output, by Python's own reading of the spec."""
     if spec.regex:
         assert re.fullmatch(spec.regex, text), text
     elif spec.choice:
@@ -102,27 +130,67 @@ def _check(spec: SO, text: str) -> None:
         assert list(obj) == ["tag", "n"] and isinstance(obj["n"], int) and obj["tag"] in ("red", "green"), text
 
 
-@pytest.mark.parametrize("spec", [SO(regex=PAIRS), SO(json=SCHEMA, disable_any_whitespace=True),
-                                  SO(choice=["yes", "no", "not sure"])], ids=["regex", "json", "choice"])
-def test_greedy_speculative_equals_plain_and_keeps_the_grammar(tiny, tiny_model_dir, spec):
-    """Plain, n-gram (drafts from the prompt and output), a draft model (unconstrained drafts:
-    most are refused) and the target drafting for itself."""
+class ScriptedDrafter:
+    """Test drafter: proposes the rest of a known output (the plain run's) with every third draft
+    replaced by a wrong token, then EOS and a junk token past its end: accepted, refused and EOS
+    drafts in one run, q one-hot (greedy verification ignores q)."""
+
+    name = "scripted"
+    needs = FeatureSpec()
+
+    def __init__(self, outputs: dict[tuple, list[int]], eos: int, junk: int) -> None:
+        self.outputs, self.eos, self.junk, self.calls = outputs, eos, junk, 0
+
+    def start(self, seq, features) -> None:
+        pass
+
+    def propose(self, seqs, max_lengths):
+        drafts = []
+        for s, cap in zip(seqs, max_lengths):
+            rest = self.outputs[tuple(s.prompt_ids)][len(s.output_ids):] + [self.eos, self.junk]
+            self.calls += 1
+            drafts.append([t if (i + self.calls) % 3 else self.junk for i, t in enumerate(rest[:cap])])
+        return pad_proposal(drafts)
+
+    def on_verified(self, seqs, proposal, result, features) -> None:
+        pass
+
+    def release(self, seq) -> None:
+        pass
+
+
+@pytest.mark.parametrize("spec", [SO(regex=PAIRS), SO(regex="([a-d][e-h]){1,3}"),
+                                  SO(json=SCHEMA, disable_any_whitespace=True), SO(choice=["yes", "no", "not sure"]),
+                                  SO(grammar='root ::= "<" [0-9]+ ">"')],
+                         ids=["regex", "regex-ends", "json", "choice", "gbnf"])
+def test_greedy_speculative_equals_plain_and_keeps_the_grammar(tiny, spec):
+    """Plain decoding, n-gram (drafts from the prompt and output) and a scripted drafter (right,
+    wrong and EOS drafts, also past the grammar's end) give the same tokens; every output is a
+    prefix the grammar accepts, and a finished one is whole by Python's reading."""
+    tok = tiny.tokenizer
     prompts = ["hello", "abababab", '{"tag": "red", "n": 1} {"tag": "green", "n": 22} {"tag": ', "yes no yes no"]
     sp = SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=spec)
     plain = [o.outputs[0] for o in LLM(tiny, max_batch=4, max_len=256).generate(prompts, sp)]
+    g = _grammars(tiny)
     for o in plain:
+        assert g.matcher(spec).validate_tokens(o.token_ids) == len(o.token_ids)
         if o.finish_reason == "stop":
-            _check(spec, o.text)
-    for drafter in ("ngram", f"draft-model:{tiny_model_dir(seed=3)}"):
+            if not spec.grammar:
+                _check(spec, o.text)
+            assert o.token_ids[-1] == tok.eos_token_id
+    script = ScriptedDrafter({tuple(_ids(tok, p)): o.token_ids for p, o in zip(prompts, plain)},
+                             tok.eos_token_id, _ids(tok, "~")[0])
+    for drafter in ("ngram", script):
         llm = LLM(tiny, drafter=drafter, policy="fixed", num_speculative_tokens=4, max_batch=4, max_len=256)
         outs = [o.outputs[0] for o in llm.generate(prompts, sp)]
         assert [o.token_ids for o in outs] == [o.token_ids for o in plain], drafter
-        assert llm.last_stats.draft_proposed > 0
+        if drafter is script:
+            assert 0 < llm.last_stats.draft_accepted < llm.last_stats.draft_proposed
 
 
 # ---- statistical losslessness at T = 1 --------------------------------------------------------
 
-N_REQ, K = 32, 4
+N_REQ, K = 64, 4
 
 
 class GrammarDrafter:
@@ -170,6 +238,9 @@ def pit_target(tiny_model_dir):
     return load_target(str(_scale_lm_head(tiny_model_dir(seed=0), SHARPEN)))
 
 
+SPECS = [SO(regex=PAIRS), SO(regex="([a-d][e-h]){1,3}")]  # the second ends: EOS forced, EOS drafts after it
+
+
 def _run(target):
     V = target.model.config.vocab_size
     drafter = GrammarDrafter(V)
@@ -177,7 +248,7 @@ def _run(target):
               reproducible_seeds=False)
     tok = target.tokenizer
     prompts = [_ids(tok, "abcdefgh"[i % 8] * (1 + i % 5)) for i in range(N_REQ)]
-    params = [SamplingParams(max_tokens=40, seed=300 + i, temperature=1.0, structured_outputs=SO(regex=PAIRS))
+    params = [SamplingParams(max_tokens=40, seed=300 + i, temperature=1.0, structured_outputs=SPECS[i % 2])
               for i in range(N_REQ)]
     outs = llm.generate(prompts, params)
     slots = [torch.cat([torch.arange(m + 1) for m, _ in drafter.rounds[o.request_id]])[: len(o.token_ids)]
@@ -191,11 +262,11 @@ def _pit(target, outs, constrained: bool = True) -> torch.Tensor:
     g, m, us = _grammars(target), target.model, []
     gen = torch.Generator().manual_seed(99)
     V = m.config.vocab_size
-    for o in outs:
+    for i, o in enumerate(outs):
         seq = o.prompt_token_ids + o.token_ids
         with torch.no_grad():
             logits = m(torch.tensor([seq]), m.new_cache(1, len(seq))).logits[0]
-        matcher = g.matcher(SO(regex=PAIRS))
+        matcher = g.matcher(SPECS[i % 2])
         n0 = len(o.prompt_token_ids)
         for t, x in enumerate(o.token_ids):
             z = logits[n0 - 1 + t].clone()
@@ -210,15 +281,15 @@ def _pit(target, outs, constrained: bool = True) -> torch.Tensor:
 
 
 def test_constrained_sampling_is_lossless_and_the_controls_fail(pit_target, monkeypatch):
-    """Seen: acceptance 0.19, 730 tokens (297 after a draft in their round); PIT p-values 0.60 /
-    0.32 (all / after a draft); against the unconstrained target 0.0; the block-wide mask: refused."""
+    """Seen: acceptance 0.18, 634 tokens (239 after a draft in their round); PIT p-values 0.40 /
+    0.48 (all / after a draft); against the unconstrained target 0.0; the block-wide mask: refused."""
     outs, slots, acceptance = _run(pit_target)
     assert 0.1 < acceptance < 0.95
-    for o in outs:
+    for i, o in enumerate(outs):
         assert o.outputs[0].finish_reason in ("stop", "length")
-        assert re.fullmatch(PAIRS, o.outputs[0].text) or o.outputs[0].finish_reason == "length"
+        assert re.fullmatch(SPECS[i % 2].regex, o.outputs[0].text) or o.outputs[0].finish_reason == "length"
     u, slot = _pit(pit_target, outs), torch.cat(slots)
-    assert len(u) > 600 and int((slot >= 1).sum()) > 200
+    assert len(u) > 500 and int((slot >= 1).sum()) > 200
     assert uniform_pvalue(u, 20) >= ALPHA and uniform_pvalue(u[slot >= 1], 10) >= ALPHA
     # control 1: the same tokens against the unconstrained target are far from uniform
     assert uniform_pvalue(_pit(pit_target, outs, constrained=False), 20) < 1e-12
@@ -226,8 +297,8 @@ def test_constrained_sampling_is_lossless_and_the_controls_fail(pit_target, monk
     # the engine commits tokens the grammar refuses and says so
     import draftsmith.engine.engine as engine_mod
 
-    def blockwide(logits, seqs, drafts, lengths, executor=None):
-        return torch.cat([constrain(logits[:, j: j + 1], seqs, None, [0] * len(seqs))
+    def blockwide(logits, seqs, drafts, lengths, executor):
+        return torch.cat([constrain(logits[:, j: j + 1], seqs, None, [0] * len(seqs), executor)
                           for j in range(logits.shape[1])], dim=1)
 
     monkeypatch.setattr(engine_mod, "constrain", blockwide)

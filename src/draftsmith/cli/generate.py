@@ -33,7 +33,8 @@ def add_parser(sub) -> None:
     so.add_argument("--json-object", action="store_true", help="every output is a JSON object")
     so.add_argument("--regex", help="every output matches this regular expression")
     so.add_argument("--choice", action="append", help="every output is one of these strings (repeatable)")
-    so.add_argument("--grammar", type=Path, metavar="FILE", help="every output keeps to this Lark grammar")
+    so.add_argument("--grammar", type=Path, metavar="FILE",
+                    help="every output keeps to this grammar (GBNF as in vLLM's docs, or Lark)")
     g.add_argument("--json-whitespace", action=argparse.BooleanOptionalAction, default=True,
                    help="--json-schema / --json-object: allow any whitespace between JSON tokens (vLLM's default); "
                         "--no-json-whitespace: compact JSON")

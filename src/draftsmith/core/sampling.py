@@ -114,8 +114,8 @@ class SamplingParams:
                 raise DraftsmithError("structured_outputs must be a StructuredOutputsParams, got "
                                       f"{type(self.structured_outputs).__name__}")
             if self.ignore_eos or self.min_tokens:
-                raise DraftsmithError("structured outputs end where the grammar ends: they cannot be combined with "
-                                      f"{'ignore_eos' if self.ignore_eos else 'min_tokens'}")
+                raise DraftsmithError(f"{'ignore_eos' if self.ignore_eos else 'min_tokens'} cannot be combined with "
+                                      "structured outputs: the output ends where the grammar ends")
 
     @property
     def greedy(self) -> bool:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -29,6 +30,8 @@ import torch
 from draftsmith.errors import DraftsmithError
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
+_KIND_NAMES = {"json": "JSON schema", "regex": "regex", "choice": "choice list", "grammar": "grammar",
+               "json_object": "JSON object grammar"}
 
 
 @dataclass(frozen=True)
@@ -36,14 +39,17 @@ class StructuredOutputsParams:
     """Exactly one of (vLLM's names):
 
     json:        a JSON schema (a dict, or its JSON text); the output is one JSON value that
-                 satisfies it.
+                 satisfies it, its properties in the schema's order. Keywords the grammar engine
+                 cannot enforce (e.g. uniqueItems, which pydantic writes for a set) are ignored.
     regex:       the output matches this regular expression, whole.
     choice:      the output is exactly one of these strings.
-    grammar:     a context-free grammar in Lark syntax (llguidance's dialect: `start: ...`).
+    grammar:     a context-free grammar, in GBNF / EBNF (`root ::= ...`, as vLLM's docs write
+                 them) or in Lark syntax (`start: ...`, llguidance's own).
     json_object: any JSON object (the OpenAI API's `response_format: {"type": "json_object"}`).
 
     disable_any_whitespace: JSON without free whitespace between tokens (compact separators);
                  by default any whitespace is allowed there, as in vLLM.
+    whitespace_pattern: a regex for the whitespace allowed between JSON tokens instead.
     """
 
     json: Any = None
@@ -52,13 +58,16 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool = False
     disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
+    kind: str = field(default="", init=False, compare=False)  # which one of the five was given
     _key: str = field(default="", init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
+        given = [k for k in _KINDS if getattr(self, k) is not None and getattr(self, k) is not False]
         if len(given) != 1:
             raise DraftsmithError("structured outputs need exactly one of json, regex, choice, grammar, json_object; "
                                   f"got {', '.join(given) or 'none'}")
+        object.__setattr__(self, "kind", given[0])
         if self.json is not None:
             schema = self.json
             if isinstance(schema, str):
@@ -66,10 +75,11 @@ class StructuredOutputsParams:
                     schema = json.loads(schema)
                 except ValueError as e:
                     raise DraftsmithError(f"structured outputs: json must be a JSON schema; its text does not parse: {e}") from None
-            if not isinstance(schema, (dict, bool)):
-                raise DraftsmithError(f"structured outputs: json must be a JSON schema (an object), got {type(schema).__name__}")
+            if not isinstance(schema, dict):
+                raise DraftsmithError(f"structured outputs: json must be a JSON schema object ({{\"type\": ...}}), "
+                                      f"got {type(schema).__name__} {schema!r:.40}")
             object.__setattr__(self, "json", json.dumps(schema))  # key order kept: it orders the properties
-        for name in ("regex", "grammar"):
+        for name in ("regex", "grammar", "whitespace_pattern"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or not v):
                 raise DraftsmithError(f"structured outputs: {name} must be a non-empty string, got {v!r}")
@@ -77,14 +87,24 @@ class StructuredOutputsParams:
             if isinstance(self.choice, str) or not all(isinstance(c, str) for c in self.choice) or not self.choice:
                 raise DraftsmithError(f"structured outputs: choice must be a non-empty list of strings, got {self.choice!r}")
             object.__setattr__(self, "choice", tuple(self.choice))
-        object.__setattr__(self, "_key", self._grammar_text())
+        try:
+            key = self._grammar_text()
+        except (ValueError, TypeError) as e:
+            raise DraftsmithError(f"structured outputs: the {self.describe()} does not compile: {_one_line(str(e))}") from None
+        object.__setattr__(self, "_key", key)
+
+    def describe(self) -> str:
+        return _KIND_NAMES[self.kind]
 
     def _grammar_text(self) -> str:
         """The llguidance grammar (JSON or Lark text) this asks for; it is also the cache key."""
         import llguidance
+        from llguidance.gbnf_to_lark import any_to_lark
 
         M = llguidance.LLMatcher
-        options = {"whitespace_flexible": not self.disable_any_whitespace}
+        options: dict[str, Any] = {"whitespace_flexible": not self.disable_any_whitespace, "lenient": True}
+        if self.whitespace_pattern is not None:
+            options["whitespace_pattern"] = self.whitespace_pattern
         if self.json is not None:
             return M.grammar_from_json_schema(self.json, defaults=options)
         if self.json_object:
@@ -93,21 +113,52 @@ class StructuredOutputsParams:
             return M.grammar_from_regex(self.regex)
         if self.choice is not None:  # JSON string literals are valid Lark literals
             return M.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.choice))
-        return M.grammar_from_lark(self.grammar)
+        return M.grammar_from_lark(any_to_lark(self.grammar))
+
+
+class _LLTokenizer:
+    """llguidance's view of the target's tokenizer (built once, ~1 s for a large vocabulary;
+    immutable, so every Grammars of one target shares it)."""
+
+    def __init__(self, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = sorted(eos_token_ids)
+        self._lock = threading.Lock()
+        self._value = None
+
+    def get(self, hf_tokenizer):
+        """Built from `hf_tokenizer` (the caller's own copy: a fast tokenizer is not shared across threads)."""
+        with self._lock:
+            if self._value is None:
+                import llguidance
+
+                backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+                if backend is None:
+                    raise DraftsmithError("structured outputs need a fast (tokenizers-backed) tokenizer; "
+                                          f"this target's is {type(hf_tokenizer).__name__}")
+                state = json.loads(backend.to_str())
+                state["padding"] = state["truncation"] = None  # the matcher tokenizes text as is
+                eos = self.eos_token_ids or [hf_tokenizer.eos_token_id]
+                self._value = llguidance.LLTokenizer(json.dumps(state), n_vocab=self.vocab_size, eos_token=eos)
+            return self._value
 
 
 class Grammars:
     """Matchers for one target's tokenizer: `matcher(spec)` compiles the spec's grammar once
-    (the last `capacity` grammars are kept) and gives every request a fresh copy."""
+    (the last `capacity` grammars are kept) and gives every request a fresh copy; `check(spec)`
+    only validates (remembering the last `capacity` that passed). `share`: another Grammars of
+    the same target, whose llguidance tokenizer this one uses too. One thread at a time uses
+    `matcher`; `check` may be called from several."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Sequence[int], capacity: int = 64) -> None:
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Sequence[int], capacity: int = 64,
+                 share: Grammars | None = None) -> None:
         self._hf = tokenizer
-        self.vocab_size = vocab_size
-        self.eos_token_ids = sorted(eos_token_ids)
         self.capacity = capacity
-        self._lltok = None
+        self._lltok = share._lltok if share is not None else _LLTokenizer(vocab_size, eos_token_ids)
         self._executor = None
         self._compiled: OrderedDict[str, Any] = OrderedDict()
+        self._checked: OrderedDict[str, None] = OrderedDict()
+        self._check_lock = threading.Lock()
 
     @property
     def executor(self):
@@ -118,28 +169,22 @@ class Grammars:
             self._executor = llguidance.LLExecutor()
         return self._executor
 
-    def _tokenizer(self):
-        if self._lltok is None:
-            import llguidance
-
-            backend = getattr(self._hf, "backend_tokenizer", None)
-            if backend is None:
-                raise DraftsmithError("structured outputs need a fast (tokenizers-backed) tokenizer; "
-                                      f"this target's is {type(self._hf).__name__}")
-            state = json.loads(backend.to_str())
-            state["padding"] = state["truncation"] = None  # the matcher tokenizes text as is
-            eos = self.eos_token_ids or [self._hf.eos_token_id]
-            self._lltok = llguidance.LLTokenizer(json.dumps(state), n_vocab=self.vocab_size, eos_token=eos)
-        return self._lltok
-
     def check(self, spec: StructuredOutputsParams) -> None:
         """Raise a DraftsmithError that quotes the grammar engine where `spec` does not compile
         (a bad regex, a schema it cannot handle, ...)."""
         import llguidance
 
-        err = llguidance.LLMatcher.validate_grammar(spec._key, self._tokenizer())
+        with self._check_lock:
+            if spec._key in self._checked:
+                self._checked.move_to_end(spec._key)
+                return
+        err = llguidance.LLMatcher.validate_grammar(spec._key, self._lltok.get(self._hf))
         if err:
-            raise DraftsmithError(f"structured outputs: the {_kind(spec)} does not compile: {_one_line(err)}")
+            raise DraftsmithError(f"structured outputs: the {spec.describe()} does not compile: {_one_line(err)}")
+        with self._check_lock:
+            self._checked[spec._key] = None
+            while len(self._checked) > self.capacity:
+                self._checked.popitem(last=False)
 
     def matcher(self, spec: StructuredOutputsParams):
         """A matcher at the start of `spec`'s grammar (`check`'s error where it does not compile)."""
@@ -148,10 +193,9 @@ class Grammars:
         key = spec._key
         base = self._compiled.get(key)
         if base is None:
-            self.check(spec)
-            base = llguidance.LLMatcher(self._tokenizer(), key, log_level=0)
+            base = llguidance.LLMatcher(self._lltok.get(self._hf), key, log_level=0)
             if base.is_error():
-                raise DraftsmithError(f"structured outputs: the {_kind(spec)} does not compile: "
+                raise DraftsmithError(f"structured outputs: the {spec.describe()} does not compile: "
                                       f"{_one_line(base.get_error())}")
             self._compiled[key] = base
             while len(self._compiled) > self.capacity:
@@ -167,11 +211,6 @@ def _one_line(err: str) -> str:
     return " ".join(ln for ln in lines if ln and set(ln) != {"^"} and not re.match(r"\d+ \|", ln))
 
 
-def _kind(spec: StructuredOutputsParams) -> str:
-    return {"json": "JSON schema", "regex": "regex", "choice": "choice list", "grammar": "grammar",
-            "json_object": "JSON object grammar"}[next(k for k in _KINDS if getattr(spec, k) not in (None, False))]
-
-
 def allowed_tokens(bits: torch.Tensor, V: int) -> torch.Tensor:
     """Bitmasks [..., words] int32 on the CPU (bit i of word w: token 32 w + i) as bools [..., V]."""
     as_bytes = bits.contiguous().numpy().view(np.uint8)  # little-endian words: bytes in token order
@@ -180,7 +219,7 @@ def allowed_tokens(bits: torch.Tensor, V: int) -> torch.Tensor:
 
 
 def constrain(logits: torch.Tensor, seqs: Sequence, drafts: torch.Tensor | None, lengths: Sequence[int],
-              executor=None) -> torch.Tensor:
+              executor) -> torch.Tensor:
     """logits [B, S, V] of a verify block (position j follows drafts[b, :j]; row b has
     lengths[b] drafts). Rows whose request has a grammar (`seq.grammar`) get -inf at every
     token the grammar refuses at each position up to and including its first refused draft
@@ -190,18 +229,21 @@ def constrain(logits: torch.Tensor, seqs: Sequence, drafts: torch.Tensor | None,
     rows = [b for b, s in enumerate(seqs) if getattr(s, "grammar", None) is not None]
     if not rows:
         return logits
-    import llguidance
-
     B, S, V = logits.shape
     words = (V + 31) // 32
     bits = torch.full((B, S, words), -1, dtype=torch.int32)  # -1: all allowed (other rows; never reached)
     jobs = [(seqs[b].grammar, b * S, drafts[b, : lengths[b]].tolist() if drafts is not None else []) for b in rows]
-    executor = executor or llguidance.LLExecutor(1)
     if with_drafts := [j for j in jobs if j[2]]:
         executor.unsafe_compute_mask_ptr_with_draft_token(with_drafts, bits.data_ptr(), 4 * words, B * S)
     if without := [j[:2] for j in jobs if not j[2]]:
         executor.unsafe_compute_mask_ptr(without, bits.data_ptr(), 4 * words, B * S)
-    bits[(bits == 0).all(-1)] = -1  # nothing allowed: past the grammar's end (an accepted EOS draft)
+    for b in rows:
+        if seqs[b].grammar.is_error():
+            raise RuntimeError(f"grammar matcher of request {seqs[b].request_id} is in an error state: "
+                               f"{_one_line(seqs[b].grammar.get_error())}")
+    # A matcher allows at least EOS until it has consumed one: an empty mask is a position after
+    # an EOS draft, where the engine stops; leave it unmasked.
+    bits[(bits == 0).all(-1)] = -1
     allowed = allowed_tokens(bits, V).to(logits.device)
     return torch.where(allowed, logits, torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
 
@@ -214,14 +256,16 @@ def allowed_now(matcher, V: int) -> torch.Tensor:
 
 
 def advance(seq, tokens: Sequence[int]) -> None:
-    """Feed committed tokens to the request's matcher. A token the grammar refuses can only be
-    a stop token the request itself asked for (the request ends on it); anything else is an
-    engine bug and raises."""
+    """Feed committed tokens to the request's matcher. Every committed token comes from a masked
+    row, so one the grammar refuses means the matcher lost track of the output: it raises."""
     m = getattr(seq, "grammar", None)
     if m is None or not tokens:
         return
-    n = m.validate_tokens(list(tokens))
-    if n < len(tokens) and not (seq.finish_reason is not None and n == len(tokens) - 1):
+    tokens = list(tokens)
+    n = m.validate_tokens(tokens)
+    if n and not m.consume_tokens(tokens[:n]):
+        raise RuntimeError(f"grammar matcher refused committed tokens: {_one_line(m.get_error())}")
+    # A grammar that cannot go on (stopped) allows only EOS, yet validate_tokens counts no EOS
+    # there (llguidance 1.9); consume_token takes it.
+    if n < len(tokens) and not (n == len(tokens) - 1 and m.is_stopped() and m.consume_token(tokens[n])):
         raise RuntimeError(f"committed token {tokens[n]} breaks request {seq.request_id}'s grammar")
-    if n and not m.consume_tokens(list(tokens[:n])):
-        raise RuntimeError(f"grammar matcher refused committed tokens: {m.get_error()}")

@@ -43,7 +43,8 @@ async def generate(st: ServerState, request: Request, req: Any, prompts: list[li
         raise APIError(503, "the engine is not running", type="service_unavailable")
     n = req.n
     check_sampling(req, st.vocab_size)
-    structured = structured_outputs(req, check=st.front.grammars.check)
+    # (a grammar compiles in a worker thread: a large schema may take a second; the event loop serves on)
+    structured = await asyncio.to_thread(structured_outputs, req, st.front.grammars.check)
     fmt.with_logprobs(req.top_logprobs_k(), st.front.token_text)
     subs: list[SubRequest] = []
     aloop = asyncio.get_running_loop()

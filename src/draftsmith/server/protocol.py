@@ -88,6 +88,7 @@ class _Sampling(_Req):
     guided_regex: StrictStr | None = None
     guided_choice: list[StrictStr] | None = None
     guided_grammar: StrictStr | None = None
+    guided_whitespace_pattern: StrictStr | None = None
 
     def prompt_logprobs_k(self) -> int | None:
         """How many top tokens per prompt token (completions with `echo` and `logprobs`)."""
@@ -161,3 +162,18 @@ class ChatCompletionRequest(_Sampling):
         if self.tools:
             bad.append("tools")
         return bad
+
+
+class TokenizeRequest(_Req):
+    """vLLM's POST /tokenize: `prompt` (tokenized as /v1/completions does) or `messages` (as
+    /v1/chat/completions does: the chat template with the assistant's turn opened)."""
+
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = None
+    return_token_strs: StrictBool = False
+
+
+class DetokenizeRequest(_Req):
+    model: StrictStr | None = None
+    tokens: list[StrictInt]

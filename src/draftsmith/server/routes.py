@@ -1,5 +1,6 @@
-"""The HTTP routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{id}]
-(behind the API key when there is one), GET /health, GET /metrics (Prometheus text)."""
+"""The HTTP routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{id}],
+vLLM's POST /tokenize and /detokenize (behind the API key when there is one), GET /health,
+GET /metrics (Prometheus text)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.server.body import parse_body, reject_unsupported, text_bytes
 from draftsmith.server.generate import generate
 from draftsmith.server.metrics import CONTENT_TYPE
-from draftsmith.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from draftsmith.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                       TokenizeRequest)
 from draftsmith.server.responses import ResponseFormat
 from draftsmith.server.state import ServerState
 
@@ -69,17 +71,45 @@ def add_routes(app: FastAPI, st: ServerState) -> None:
         req: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest, st.limits.max_body_bytes)
         st.check_model(req.model)
         reject_unsupported(req)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        st.check_size(1, req.n, text_bytes([m["content"] for m in messages]), "messages")
+        ids = _chat_ids(req.messages, req.n)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        fmt = ResponseFormat(chat=True, rid=f"chatcmpl-{uuid.uuid4().hex}", model=st.model_id)
+        return await generate(st, request, req, [ids], max_tokens, fmt, "messages")
+
+    def _chat_ids(msgs: list, n: int = 1) -> list[int]:
+        messages = [{"role": m.role, "content": m.text()} for m in msgs]
+        st.check_size(1, n, text_bytes([m["content"] for m in messages]), "messages")
         try:
-            ids = st.front.apply_chat_template(messages)
+            return st.front.apply_chat_template(messages)
         except DraftsmithError as e:
             raise APIError(400, str(e), param="messages") from None
         except Exception as e:  # template errors (e.g. a role order the template rejects)
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        fmt = ResponseFormat(chat=True, rid=f"chatcmpl-{uuid.uuid4().hex}", model=st.model_id)
-        return await generate(st, request, req, [ids], max_tokens, fmt, "messages")
+
+    @app.post("/tokenize", dependencies=auth)
+    async def tokenize(request: Request) -> dict:
+        req: TokenizeRequest = await parse_body(request, TokenizeRequest, st.limits.max_body_bytes)
+        st.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give either prompt (a string) or messages (a chat), not both or neither",
+                           param="prompt" if req.prompt is not None else "messages")
+        if req.prompt is not None:
+            st.check_size(1, 1, text_bytes([req.prompt]), "prompt")
+            ids = st.front.encode(req.prompt)
+        else:
+            ids = _chat_ids(req.messages)
+        strs = st.front.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None  # vLLM's: pieces
+        return {"count": len(ids), "max_model_len": st.max_len, "tokens": ids, "token_strs": strs}
+
+    @app.post("/detokenize", dependencies=auth)
+    async def detokenize(request: Request) -> dict:
+        req: DetokenizeRequest = await parse_body(request, DetokenizeRequest, st.limits.max_body_bytes)
+        st.check_model(req.model)
+        bad = [t for t in req.tokens if not 0 <= t < st.vocab_size]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {st.vocab_size})",
+                           param="tokens", code="invalid_value")
+        return {"prompt": st.front.tokenizer.decode(req.tokens)}  # special tokens kept, as vLLM's
 
     def _model_card() -> dict:
         return {"id": st.model_id, "object": "model", "created": st.created, "owned_by": "draftsmith",

@@ -16,7 +16,7 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.server.protocol import APIError
 
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "seed", "repetition_penalty",
-                    "frequency_penalty", "presence_penalty", "logit_bias", "min_tokens")
+                    "frequency_penalty", "presence_penalty", "logit_bias", "min_tokens", "ignore_eos")
 _MAX_TEMPERATURE = 2.0
 _MAX_SEED = 2**63 - 1
 
@@ -57,7 +57,8 @@ def logit_bias(req: Any) -> dict[int, float] | None:
                        param="logit_bias", code="invalid_value") from None
 
 
-_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace")
+_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace", "whitespace_pattern")
+_IGNORED_KEYS = ("disable_fallback", "disable_additional_properties")  # vLLM backend switches, nothing to do here
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
@@ -66,7 +67,8 @@ def structured_outputs(req: Any, check: Callable[[StructuredOutputsParams], None
     """The request's grammar, from whichever of its fields asks for one (one at most):
     OpenAI's `response_format` ({"type": "json_schema", "json_schema": {"schema": ...}} or
     {"type": "json_object"}; "text" = none), vLLM's `structured_outputs` object ({"json": ...},
-    {"regex": ...}, {"choice": [...]}, {"grammar": "<Lark>"}, {"json_object": true}) and
+    {"regex": ...}, {"choice": [...]}, {"grammar": "<GBNF or Lark>"}, {"json_object": true};
+    disable_any_whitespace, whitespace_pattern) and
     vLLM's older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`. `check`:
     the target's grammar compiler (core/structured.Grammars.check); its error is a 400 too."""
     asked: dict[str, dict] = {}
@@ -75,10 +77,11 @@ def structured_outputs(req: Any, check: Callable[[StructuredOutputsParams], None
         kind = rf.get("type")
         if kind == "json_schema":
             js = rf.get("json_schema")
-            if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
-                raise APIError(400, "response_format of type json_schema needs json_schema.schema, a JSON schema object",
-                               param="response_format", code="invalid_value")
-            asked["response_format"] = dict(json=js["schema"])
+            if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
+                raise APIError(400, "response_format of type json_schema needs json_schema: {\"name\": ..., \"schema\": "
+                               "a JSON schema object}", param="response_format", code="invalid_value")
+            # without a schema (OpenAI makes it optional): any JSON object
+            asked["response_format"] = dict(json=js["schema"]) if "schema" in js else dict(json_object=True)
         elif kind == "json_object":
             asked["response_format"] = dict(json_object=True)
         elif kind not in (None, "text"):
@@ -87,7 +90,8 @@ def structured_outputs(req: Any, check: Callable[[StructuredOutputsParams], None
                            code="unsupported_parameter")
     so = req.structured_outputs
     if so:
-        other = sorted(k for k, v in so.items() if k not in _STRUCTURED_KEYS and v not in (None, False))
+        other = sorted(k for k, v in so.items()
+                       if k not in _STRUCTURED_KEYS + _IGNORED_KEYS and v is not None and v is not False)
         if other:
             raise APIError(400, f"structured_outputs.{other[0]} is not supported; use one of "
                            f"{', '.join(_STRUCTURED_KEYS[:5])} (and disable_any_whitespace)",
@@ -96,6 +100,8 @@ def structured_outputs(req: Any, check: Callable[[StructuredOutputsParams], None
     for name, key in _GUIDED.items():
         if getattr(req, name) is not None:
             asked[name] = {key: getattr(req, name)}
+            if req.guided_whitespace_pattern is not None and name == "guided_json":
+                asked[name]["whitespace_pattern"] = req.guided_whitespace_pattern
     if not asked:
         return None
     if len(asked) > 1:
@@ -160,6 +166,6 @@ def sampling_params(req: Any, max_tokens: int | None, prompt_len: int, index: in
     except DraftsmithError as e:
         msg = str(e)
         param = next((f for f in _SAMPLING_FIELDS if msg.startswith(f)), None)
-        if msg.startswith("structured outputs"):
+        if msg.startswith("structured outputs"):  # (the request's grammar is checked before: not reached)
             param = "structured_outputs"
         raise APIError(400, msg, param=param, code="invalid_value") from None

@@ -54,7 +54,8 @@ class _Front:
         self.tokenizer = copy.deepcopy(llm.tokenizer)
         self.token_text = TokenText(self.tokenizer)  # logprobs' token texts and bytes
         # structured outputs: a request's grammar is checked here, before it reaches the engine
-        self.grammars = Grammars(self.tokenizer, llm.target.model.config.vocab_size, llm.engine.eos_token_ids)
+        self.grammars = Grammars(self.tokenizer, llm.target.model.config.vocab_size, llm.engine.eos_token_ids,
+                                 share=llm.engine.grammars)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
