@@ -168,8 +168,10 @@ class LLM:
         self.last_stats: GenerateStats | None = None
         self._token_texts: TokenText | None = None  # logprobs' token texts (built on first use)
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        return encode_chat(self.tokenizer, messages, self.target.target_id)
+    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[int]:
+        return encode_chat(self.tokenizer, messages, self.target.target_id, add_generation_prompt=add_generation_prompt,
+                           continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs)
 
     def encode(self, prompt: str) -> list[int]:
         return encode_text(self.tokenizer, prompt)
@@ -221,10 +223,19 @@ class LLM:
         self,
         conversations: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
+        """vLLM's LLM.chat: one conversation (a list of messages) or several; the template's
+        options as in apply_chat_template (e.g. continue_final_message=True with
+        add_generation_prompt=False continues a started assistant message)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
-        ids = [self.apply_chat_template(list(c)) for c in conversations]  # type: ignore[arg-type]
+        ids = [self.apply_chat_template(list(c), add_generation_prompt=add_generation_prompt,  # type: ignore[arg-type]
+                                        continue_final_message=continue_final_message,
+                                        chat_template_kwargs=chat_template_kwargs) for c in conversations]
         return self.generate(ids, sampling_params)
 
     def _output(self, i: int, s) -> CompletionOutput:

@@ -13,6 +13,7 @@ import pytest
 from pydantic import ValidationError
 from waiting import wait_until  # tests/waiting.py
 
+from draftsmith.errors import DraftsmithError
 from draftsmith.server.metrics import ServerMetrics, parse_metrics
 from draftsmith.server.protocol import ChatCompletionRequest, CompletionRequest, validation_error
 from draftsmith.server.text import StreamText, safe_prefix, stop_holdback
@@ -777,6 +778,49 @@ def test_tokenize_and_detokenize(tiny_dir, tiny_server):
         _assert_openai_error(h.post("/detokenize", json={"tokens": [0, 272]}), 400, "tokens", says="vocabulary")
         _assert_openai_error(h.post("/tokenize", json={"prompt": "x", "model": "other"}), 404, "model")
     assert httpx.post(f"{url}/tokenize", json={"prompt": "x"}).status_code == 401
+
+
+def test_chat_template_options(tiny_dir, tiny_server):
+    """vLLM's chat-template options, in LLM.chat and on the server (chat and /tokenize):
+    continue_final_message leaves the assistant's started message open (no end-of-turn, no new
+    turn) and the answer continues it; chat_template_kwargs reach the template; conflicts are
+    clear errors."""
+    import httpx
+
+    from draftsmith.api import LLM
+    from draftsmith.core.sampling import SamplingParams
+
+    llm = LLM(str(tiny_dir), max_batch=1, max_len=256)
+    tok = llm.tokenizer
+    msgs = [{"role": "user", "content": "count"}, {"role": "assistant", "content": "1 2 3"}]
+    opened = llm.apply_chat_template(msgs, add_generation_prompt=False, continue_final_message=True)
+    assert tok.decode(opened).endswith("<|im_start|>assistant\n1 2 3")
+    closed = llm.apply_chat_template(msgs)
+    assert tok.decode(closed).endswith("1 2 3<|im_end|>\n<|im_start|>assistant\n")
+    sp = SamplingParams(max_tokens=8, temperature=0.0)
+    (cont,) = llm.chat(msgs, sp, add_generation_prompt=False, continue_final_message=True)
+    assert cont.prompt_token_ids == opened and cont.token_ids == llm.generate([opened], sp)[0].token_ids
+    with pytest.raises(DraftsmithError, match="add_generation_prompt"):
+        llm.apply_chat_template(msgs, continue_final_message=True)
+    with pytest.raises(DraftsmithError, match="assistant"):
+        llm.apply_chat_template(msgs[:1], add_generation_prompt=False, continue_final_message=True)
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if shout %}!{% endif %}"
+    assert tok.decode(llm.apply_chat_template(msgs[:1], chat_template_kwargs={"shout": True})) == "count!"
+    assert tok.decode(llm.apply_chat_template(msgs[:1])) == "count"
+    with pytest.raises(DraftsmithError, match="chat_template_kwargs: tokenize"):
+        llm.apply_chat_template(msgs[:1], chat_template_kwargs={"tokenize": False})
+
+    url = tiny_server()
+    body = {"messages": msgs, "max_tokens": 8, "temperature": 0, "add_generation_prompt": False,
+            "continue_final_message": True}
+    with httpx.Client(base_url=url, timeout=60) as h:
+        r = h.post("/v1/chat/completions", json=body).json()
+        assert r["choices"][0]["message"]["content"] == cont.text and r["usage"]["prompt_tokens"] == len(opened)
+        assert h.post("/tokenize", json={**body, "max_tokens": None}).json()["tokens"] == opened
+        _assert_openai_error(h.post("/v1/chat/completions", json={**body, "add_generation_prompt": True}), 400,
+                             "continue_final_message", says="add_generation_prompt")
+        _assert_openai_error(h.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {"tokenize": 1}}),
+                             400, "chat_template_kwargs", says="own option")
 
 
 def test_serve_flags_reach_the_server(monkeypatch):

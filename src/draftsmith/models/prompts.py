@@ -11,11 +11,27 @@ def encode_text(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=True)["input_ids"])
 
 
-def encode_chat(tokenizer, messages: list[dict], target_id: str = "the target") -> list[int]:
-    """The chat template with a generation prompt; an error when the target has none."""
+def encode_chat(tokenizer, messages: list[dict], target_id: str = "the target", *,
+                add_generation_prompt: bool = True, continue_final_message: bool = False,
+                chat_template_kwargs: dict | None = None) -> list[int]:
+    """The chat template (HF transformers' / vLLM's options: the assistant's turn opened, or the
+    last message left open to be continued; extra variables for the template, e.g. Qwen3's
+    enable_thinking); an error when the target has none."""
     if not getattr(tokenizer, "chat_template", None):
         raise DraftsmithError(f"target {target_id!r} has no chat template; send plain prompts")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if continue_final_message and add_generation_prompt:
+        raise DraftsmithError("continue_final_message continues the last message: set add_generation_prompt "
+                              "to false with it")
+    if continue_final_message and (not messages or messages[-1].get("role") != "assistant"):
+        raise DraftsmithError("continue_final_message needs the last message to be the assistant's (the text to continue)")
+    kwargs = dict(chat_template_kwargs or {})
+    clash = sorted(set(kwargs) & {"add_generation_prompt", "continue_final_message", "tokenize", "messages",
+                                  "conversation", "return_dict"})
+    if clash:
+        raise DraftsmithError(f"chat_template_kwargs: {clash[0]} is not a template variable here; "
+                              "pass it as its own option")
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                        continue_final_message=continue_final_message, tokenize=True, **kwargs)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 

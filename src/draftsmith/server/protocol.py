@@ -150,6 +150,10 @@ class ChatCompletionRequest(_Sampling):
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = None
     tools: list[Any] | None = None
+    # vLLM's chat-template options
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def top_logprobs_k(self) -> int | None:
         """How many top tokens per generated token (None: no logprobs)."""
@@ -172,6 +176,9 @@ class TokenizeRequest(_Req):
     prompt: StrictStr | None = None
     messages: list[ChatMessage] | None = None
     return_token_strs: StrictBool = False
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Req):

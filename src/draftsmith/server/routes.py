@@ -71,18 +71,23 @@ def add_routes(app: FastAPI, st: ServerState) -> None:
         req: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest, st.limits.max_body_bytes)
         st.check_model(req.model)
         reject_unsupported(req)
-        ids = _chat_ids(req.messages, req.n)
+        ids = _chat_ids(req, req.n)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         fmt = ResponseFormat(chat=True, rid=f"chatcmpl-{uuid.uuid4().hex}", model=st.model_id)
         return await generate(st, request, req, [ids], max_tokens, fmt, "messages")
 
-    def _chat_ids(msgs: list, n: int = 1) -> list[int]:
-        messages = [{"role": m.role, "content": m.text()} for m in msgs]
+    def _chat_ids(req, n: int = 1) -> list[int]:
+        """The request's messages through the chat template, with its template options."""
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         st.check_size(1, n, text_bytes([m["content"] for m in messages]), "messages")
         try:
-            return st.front.apply_chat_template(messages)
+            return st.front.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+                                                continue_final_message=req.continue_final_message,
+                                                chat_template_kwargs=req.chat_template_kwargs)
         except DraftsmithError as e:
-            raise APIError(400, str(e), param="messages") from None
+            msg = str(e)
+            param = next((f for f in ("continue_final_message", "chat_template_kwargs") if msg.startswith(f)), "messages")
+            raise APIError(400, msg, param=param) from None
         except Exception as e:  # template errors (e.g. a role order the template rejects)
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
 
@@ -97,7 +102,7 @@ def add_routes(app: FastAPI, st: ServerState) -> None:
             st.check_size(1, 1, text_bytes([req.prompt]), "prompt")
             ids = st.front.encode(req.prompt)
         else:
-            ids = _chat_ids(req.messages)
+            ids = _chat_ids(req)
         strs = st.front.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None  # vLLM's: pieces
         return {"count": len(ids), "max_model_len": st.max_len, "tokens": ids, "token_strs": strs}
 
