@@ -77,6 +77,8 @@ def test_logit_bias_everywhere_and_min_tokens_by_position():
                                       (dict(frequency_penalty=-3.0), "penalty must be"),
                                       (dict(logit_bias={3: 101.0}), r"\[-100, 100\]"),
                                       (dict(logit_bias={"x": 1.0}), "map token ids"),
+                                      (dict(allowed_token_ids=[]), "non-empty list of token ids"),
+                                      (dict(bad_words="word"), "list of non-empty strings"),
                                       (dict(min_tokens=200), r"min_tokens must be an integer in \[0, max_tokens"),
                                       (dict(min_tokens=-1), "min_tokens must be")])
 def test_bad_adjustments_say_the_range(bad, says):
@@ -142,6 +144,54 @@ def test_greedy_logit_bias_and_min_tokens_equal_plain(tiny):
     assert spec_llm.last_stats.draft_accepted > 0
     with pytest.raises(DraftsmithError, match="logit_bias: token id 9999 is outside"):
         plain_llm.generate(["x"], SamplingParams(max_tokens=4, logit_bias={9999: 1.0}))
+
+
+def test_allowed_token_ids_and_bad_words_by_position():
+    """allowed_token_ids masks every other token everywhere; a bad word [5, 6] bans 6 at the
+    positions whose context (output, then drafts 0..j-1) ends with 5, a one-token bad word [9]
+    everywhere."""
+    g = torch.Generator().manual_seed(2)
+    V, S = 10, 4
+    seqs = [Request("w", [1], SamplingParams(), None, output_ids=[3, 5], bad_words_ids=[[5, 6], [9]]),
+            Request("a", [1], SamplingParams(allowed_token_ids=(7, 2, 3)), None, output_ids=[3])]
+    drafts = torch.tensor([[6, 5, 2], [0, 0, 0]])
+    logits = torch.randn(2, S, V, generator=g)
+    got = penalize(logits, seqs, drafts)
+    banned6 = [torch.isinf(got[0, j, 6]).item() for j in range(S)]
+    assert banned6 == [True, False, True, False]  # contexts end ...5 | 5,6 | 6,5 | 5,2
+    assert torch.isinf(got[0, :, 9]).all()
+    keep = [t for t in range(V) if t not in (6, 9)]
+    assert torch.equal(got[0][:, keep], logits[0][:, keep])
+    assert set(torch.isfinite(got[1]).all(0).nonzero().flatten().tolist()) == {2, 3, 7}
+    assert torch.equal(got[1][:, [2, 3, 7]], logits[1][:, [2, 3, 7]])
+
+
+def test_greedy_allowed_token_ids_and_bad_words_equal_plain(tiny):
+    """The tokens plain decoding picks under allowed_token_ids / bad_words (each word alone and
+    after a space) are n-gram and draft-model speculation's; the constraints bite (controls)."""
+    plain_llm = LLM(str(tiny), max_batch=4, max_len=256)
+    free = plain_llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0))
+    tok = plain_llm.tokenizer
+    pairs = [o.token_ids[i: i + 2] for o in free for i in range(len(o.token_ids) - 1)]
+    pair = next(p for p in pairs if (w := tok.decode(p)).isascii() and w.isprintable() and " " not in w)
+    word = tok.decode(pair)  # two tokens plain decoding writes (ASCII: they tokenize back the same)
+    allowed = tuple(sorted(set(free[1].token_ids[:3]) | {70, 71}))
+    cases = [SamplingParams(max_tokens=24, temperature=0.0, bad_words=(word,)),
+             SamplingParams(max_tokens=24, temperature=0.0, allowed_token_ids=allowed)]
+    plain = [plain_llm.generate(PROMPTS, sp) for sp in cases]
+    assert all(o.token_ids[i: i + 2] != pair for o in plain[0] for i in range(len(o.token_ids)))
+    assert [o.token_ids for o in plain[0]] != [o.token_ids for o in free]
+    assert all(set(o.token_ids) <= set(allowed) for o in plain[1])
+    for drafter in ("ngram", f"draft-model:{tiny}"):
+        llm = LLM(str(tiny), drafter=drafter, policy="fixed", num_speculative_tokens=4, max_batch=4, max_len=256,
+                  drafter_dtype="float32")
+        for sp, want in zip(cases, plain):
+            assert [o.token_ids for o in llm.generate(PROMPTS, sp)] == [o.token_ids for o in want], drafter
+    with pytest.raises(DraftsmithError, match="allowed_token_ids: token id 9999 is outside"):
+        plain_llm.generate(["x"], SamplingParams(max_tokens=4, allowed_token_ids=(9999,)))
+    with pytest.raises(DraftsmithError, match="leaves no token"):
+        (a,) = tok.encode("A", add_special_tokens=False)
+        plain_llm.generate(["x"], SamplingParams(max_tokens=4, allowed_token_ids=(a,), bad_words=("A",)))
 
 
 # ---- statistical losslessness at T = 1 ------------------------------------------------------

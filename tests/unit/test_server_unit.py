@@ -430,6 +430,9 @@ BAD_BODIES = [  # (path, raw body, param, says)
     ("/v1/completions", b'{"prompt": "x", "logit_bias": {"five": 1}}', "logit_bias", "token ids"),
     ("/v1/completions", b'{"prompt": "x", "logit_bias": {"5": 150}}', "logit_bias", "[-100, 100]"),
     ("/v1/completions", b'{"prompt": "x", "max_tokens": 4, "min_tokens": 5}', "min_tokens", "max_tokens"),
+    ("/v1/completions", b'{"prompt": "x", "allowed_token_ids": [272]}', "allowed_token_ids", "vocabulary"),
+    ("/v1/completions", b'{"prompt": "x", "allowed_token_ids": []}', "allowed_token_ids", "non-empty"),
+    ("/v1/completions", b'{"prompt": "x", "bad_words": [""]}', "bad_words", "non-empty strings"),
     ("/v1/completions", b'{"prompt": "x", "guided_regex": "(("}', "guided_regex", "does not compile"),
     ("/v1/completions", b'{"prompt": "x", "structured_outputs": {"grammar": "start: nope"}}', "structured_outputs",
      "does not compile"),
@@ -701,6 +704,16 @@ def test_penalties_reach_the_engine(tiny_dir, tiny_server):
         r = h.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6, "temperature": 0, "min_tokens": 6,
                                             "stop_token_ids": [first]}).json()
         assert r["usage"]["completion_tokens"] == 6
+        # vLLM's allowed_token_ids and bad_words
+        r = h.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6, "temperature": 0,
+                                            "allowed_token_ids": [66, 67]}).json()
+        assert set(ref_llm.encode(r["choices"][0]["text"])) <= {66, 67}
+        word = free.text[:2]  # what the unconstrained answer starts with (ASCII here: "$$")
+        assert word.isascii()
+        (want,) = ref_llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, bad_words=(word,)))
+        r = h.post("/v1/completions", json={"prompt": prompt, "max_tokens": 24, "temperature": 0,
+                                            "bad_words": [word]}).json()
+        assert r["choices"][0]["text"] == want.text and want.text != free.text
 
 
 def test_structured_outputs_reach_the_engine(tiny_dir, tiny_server):

@@ -1,6 +1,6 @@
 """What a request does to the target's raw logits before the warps, over a verify block:
-repetition, presence and frequency penalties, logit_bias and min_tokens (vLLM's / the OpenAI
-API's).
+repetition, presence and frequency penalties, logit_bias, min_tokens, allowed_token_ids and
+bad_words (vLLM's / the OpenAI API's).
 
 A penalty makes the target distribution at a position depend on the tokens before it, so in
 a verify block position j must be penalised as if drafts 0..j-1 were already part of the
@@ -8,8 +8,8 @@ output (they are, whenever position j's token is used: verification only reaches
 after accepting every draft before it). Rejection sampling against these per-position p then
 stays exact, and a greedy request's tokens are the penalised argmax plain decoding picks.
 
-The three, applied to the raw logits in this order (vLLM's), before temperature and the other
-warps (core/warp.py):
+Applied to the raw logits in this order (the three penalties in vLLM's), before temperature and
+the other warps (core/warp.py):
 
 - repetition_penalty r (HF transformers / vLLM; 1 = off): a token that occurs in the prompt or
   the output so far has its logit divided by r where positive, multiplied by r where not;
@@ -17,7 +17,10 @@ warps (core/warp.py):
 - presence_penalty a (OpenAI; 0 = off): logit - a if the token occurs in the output at all;
 - logit_bias {token: b} (OpenAI): logit + b at every position;
 - min_tokens m (vLLM): end-of-sequence and stop_token_ids masked (-inf) at the positions whose
-  token would be output token 0..m-1 (position j of a block is output token len(output) + j).
+  token would be output token 0..m-1 (position j of a block is output token len(output) + j);
+- allowed_token_ids (vLLM): every other token masked at every position;
+- bad_words (vLLM): a word's last token masked where the output (and drafts 0..j-1) end with
+  its other tokens; a one-token word everywhere.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ def has_penalties(params) -> bool:
 def adjusts(s: Request) -> bool:
     """Whether the request changes the raw logits of its next block (see the module docstring)."""
     p = s.params
-    return has_penalties(p) or bool(p.logit_bias) or len(s.output_ids) < p.min_tokens
+    return (has_penalties(p) or bool(p.logit_bias) or len(s.output_ids) < p.min_tokens
+            or p.allowed_token_ids is not None or bool(s.bad_words_ids))
 
 
 def penalize(logits: torch.Tensor, seqs: Sequence[Request], drafts: torch.Tensor | None,
@@ -62,6 +66,12 @@ def penalize(logits: torch.Tensor, seqs: Sequence[Request], drafts: torch.Tensor
             ends = sorted({t for t in (*(() if p.ignore_eos else eos_token_ids), *p.stop_token_ids) if 0 <= t < V})
             if ends:
                 x[:early, torch.tensor(ends, dtype=torch.long, device=dev)] = float("-inf")
+        if p.allowed_token_ids is not None:
+            banned = torch.ones(V, dtype=torch.bool, device=dev)
+            banned[torch.tensor(p.allowed_token_ids, dtype=torch.long, device=dev)] = False
+            x[:, banned] = float("-inf")
+        if seqs[b].bad_words_ids:
+            _ban_bad_words(x, seqs[b], drafts[b, : S - 1].tolist() if S > 1 else [])
         if not has_penalties(p):
             continue
         out_ids = torch.tensor(seqs[b].output_ids, dtype=torch.long, device=dev)
@@ -81,3 +91,19 @@ def penalize(logits: torch.Tensor, seqs: Sequence[Request], drafts: torch.Tensor
         if p.presence_penalty != 0.0:
             x.sub_(p.presence_penalty * (counts > 0).float())
     return out
+
+
+def _ban_bad_words(x: torch.Tensor, s: Request, drafts: list[int]) -> None:
+    """-inf at position j for the last token of every bad word whose other tokens end the output
+    followed by drafts 0..j-1 (x [S, V], in place)."""
+    history = list(s.output_ids) + drafts  # position j's context ends at len(output) + j
+    n = len(s.output_ids)
+    for word in s.bad_words_ids:
+        *head, last = word
+        if not head:
+            x[:, last] = float("-inf")
+            continue
+        for j in range(x.shape[0]):
+            end = n + j
+            if end >= len(head) and history[end - len(head): end] == head:
+                x[j, last] = float("-inf")

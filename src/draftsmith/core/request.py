@@ -104,6 +104,8 @@ class Request:
     drafter_state: dict = field(default_factory=dict)
     # params.structured_outputs: the grammar matcher at the committed output (core/structured.py)
     grammar: Any = None
+    # params.bad_words as token sequences (engine: each word alone and after a space; core/penalties.py)
+    bad_words_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def all_ids(self) -> list[int]:

@@ -35,11 +35,16 @@ class SamplingParams:
                      (1 / 0 / 0 = off; core/penalties.py), applied per position of a verify
                      block, so speculative decoding keeps the penalised distribution exactly.
     logit_bias:      {token id: bias in [-100, 100]} added to the raw logits (OpenAI's).
+    allowed_token_ids: only these tokens may be generated (vLLM's; EOS only if listed).
+    bad_words:       strings the output may not contain as tokens (vLLM's: each word tokenized
+                     alone and after a space; its last token is banned where the output so far
+                     ends with the rest).
     min_tokens:      no end of sequence (EOS, stop_token_ids, stop strings) before this many
                      tokens (vLLM's; <= max_tokens).
     structured_outputs: a StructuredOutputsParams (JSON schema, regex, choice, Lark grammar,
                      JSON object) every generated token must keep to (core/structured.py); the
-                     output ends at the grammar's end. Not with min_tokens or ignore_eos.
+                     output ends at the grammar's end. Not with min_tokens, ignore_eos,
+                     allowed_token_ids or bad_words.
     prompt_logprobs: the same for the prompt's tokens (`RequestOutput.prompt_logprobs`: None for
                      the first token, which nothing predicts); the request then reuses no cached prefix.
     """
@@ -61,6 +66,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
@@ -96,6 +103,15 @@ class SamplingParams:
                 or not 0 <= self.min_tokens <= self.max_tokens:
             raise DraftsmithError(f"min_tokens must be an integer in [0, max_tokens = {self.max_tokens}], "
                                   f"got {self.min_tokens!r}")
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if isinstance(ids, (str, bytes)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids) \
+                    or not ids:
+                raise DraftsmithError(f"allowed_token_ids must be a non-empty list of token ids, got {ids!r}")
+            object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(ids))))
+        if isinstance(self.bad_words, str) or not all(isinstance(w, str) and w for w in self.bad_words):
+            raise DraftsmithError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
+        object.__setattr__(self, "bad_words", tuple(self.bad_words))
         if not (0.0 < self.repetition_penalty < float("inf")):  # also rejects NaN
             raise DraftsmithError(f"repetition_penalty must be a positive number (1 = off), got {self.repetition_penalty!r}")
         for name in ("frequency_penalty", "presence_penalty"):
@@ -113,6 +129,10 @@ class SamplingParams:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise DraftsmithError("structured_outputs must be a StructuredOutputsParams, got "
                                       f"{type(self.structured_outputs).__name__}")
+            for name in ("allowed_token_ids", "bad_words"):  # with a grammar they could leave no token at all
+                if getattr(self, name):
+                    raise DraftsmithError(f"{name} cannot be combined with structured outputs: the grammar decides "
+                                          "which tokens may come (write the restriction into it)")
             if self.ignore_eos or self.min_tokens:
                 raise DraftsmithError(f"{'ignore_eos' if self.ignore_eos else 'min_tokens'} cannot be combined with "
                                       "structured outputs: the output ends where the grammar ends")

@@ -118,14 +118,23 @@ class Engine:
         bad = [t for t in prompt_ids if not 0 <= int(t) < V]
         if bad:
             raise DraftsmithError(f"prompt token id {bad[0]} is outside the target vocabulary [0, {V})")
-        bad = [t for t in params.logit_bias or () if not 0 <= t < V]
-        if bad:
-            raise DraftsmithError(f"logit_bias: token id {bad[0]} is outside the target vocabulary [0, {V})")
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+            bad = [t for t in ids if not 0 <= t < V]
+            if bad:
+                raise DraftsmithError(f"{name}: token id {bad[0]} is outside the target vocabulary [0, {V})")
         if len(prompt_ids) >= self.max_len:
             raise DraftsmithError(
                 f"prompt has {len(prompt_ids)} tokens; the context limit is {self.max_len}, "
                 "which leaves no room to generate. Shorten the prompt"
             )
+        bad_words_ids = self._bad_words_ids(params.bad_words)
+        if params.allowed_token_ids is not None:  # what is left to generate must not be nothing
+            left = set(params.allowed_token_ids) - {w[0] for w in bad_words_ids if len(w) == 1}
+            if params.min_tokens:
+                left -= set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+            if not left:
+                raise DraftsmithError("allowed_token_ids leaves no token to generate once bad_words and min_tokens "
+                                      "(which holds back EOS and the stop tokens) are applied")
         grammar = self.grammars.matcher(params.structured_outputs) if params.structured_outputs else None
         gen = None
         if params.seed is not None:
@@ -139,9 +148,20 @@ class Engine:
             logprobs=None if params.logprobs is None else [],
             prompt_logprobs=None if params.prompt_logprobs is None else [None],
             grammar=grammar,
+            bad_words_ids=bad_words_ids,
         )
         self.waiting.append(seq)
         return seq
+
+    def _bad_words_ids(self, words: tuple[str, ...]) -> list[list[int]]:
+        """Each bad word as tokens, alone and after a space (vLLM's two spellings), once each."""
+        seqs: list[list[int]] = []
+        for w in words:
+            for text in (w, " " + w.lstrip(" ")):
+                ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids and ids not in seqs:
+                    seqs.append(ids)
+        return seqs
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request; its cache row is freed at once."""

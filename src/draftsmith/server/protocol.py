@@ -80,6 +80,8 @@ class _Sampling(_Req):
     stop_token_ids: list[StrictInt] | None = None
     repetition_penalty: StrictFloat | None = None
     min_tokens: StrictInt = 0
+    allowed_token_ids: list[StrictInt] | None = None
+    bad_words: list[StrictStr] | None = None
     # structured outputs (server/sampling.structured_outputs): OpenAI's response_format, vLLM's
     # structured_outputs object and its older guided_* fields
     response_format: dict[str, Any] | None = None

@@ -16,7 +16,8 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.server.protocol import APIError
 
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "seed", "repetition_penalty",
-                    "frequency_penalty", "presence_penalty", "logit_bias", "min_tokens", "ignore_eos")
+                    "frequency_penalty", "presence_penalty", "logit_bias", "min_tokens", "ignore_eos",
+                    "allowed_token_ids", "bad_words")
 _MAX_TEMPERATURE = 2.0
 _MAX_SEED = 2**63 - 1
 
@@ -40,10 +41,11 @@ def check_sampling(req: Any, vocab_size: int) -> None:
     if bias and (off := [t for t in bias if not 0 <= t < vocab_size]):
         raise APIError(400, f"logit_bias: token id {off[0]} is outside the vocabulary [0, {vocab_size})",
                        param="logit_bias", code="invalid_value")
-    bad = [t for t in req.stop_token_ids or () if not 0 <= t < vocab_size]
-    if bad:
-        raise APIError(400, f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab_size})",
-                       param="stop_token_ids", code="invalid_value")
+    for name in ("stop_token_ids", "allowed_token_ids"):
+        bad = [t for t in getattr(req, name) or () if not 0 <= t < vocab_size]
+        if bad:
+            raise APIError(400, f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})",
+                           param=name, code="invalid_value")
 
 
 def logit_bias(req: Any) -> dict[int, float] | None:
@@ -162,6 +164,8 @@ def sampling_params(req: Any, max_tokens: int | None, prompt_len: int, index: in
             logit_bias=logit_bias(req),
             min_tokens=req.min_tokens,
             structured_outputs=structured,
+            allowed_token_ids=None if req.allowed_token_ids is None else tuple(req.allowed_token_ids),
+            bad_words=tuple(req.bad_words or ()),
         )
     except DraftsmithError as e:
         msg = str(e)
