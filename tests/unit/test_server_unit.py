@@ -16,6 +16,7 @@ from waiting import wait_until  # tests/waiting.py
 from draftsmith.errors import DraftsmithError
 from draftsmith.server.metrics import ServerMetrics, parse_metrics
 from draftsmith.server.protocol import ChatCompletionRequest, CompletionRequest, validation_error
+from draftsmith.core.stops import find_stop
 from draftsmith.server.text import StreamText, safe_prefix, stop_holdback
 
 
@@ -27,6 +28,11 @@ def test_stop_holdback_keeps_possible_stop_prefixes():
     assert safe_prefix("hello wor", ("world",)) == "hello "
     assert safe_prefix("hello world and more", ("world",)) == "hello "
     assert safe_prefix("caf\ufffd", ()) == "caf"  # incomplete multi-byte character held back
+    # include_stop_str_in_output: the stop is part of the text, so nothing waits for it, nothing follows it
+    assert safe_prefix("hello wor", ("world",), include=True) == "hello wor"
+    assert safe_prefix("hello world and more", ("world", "and"), include=True) == "hello world"
+    assert find_stop("a stop, stop", ("op", "stop")) == (2, 6)  # earliest start; the first listed there
+    assert find_stop("xyz", ("a",)) is None
 
 
 def test_stream_text_never_leaks_past_a_stop():
@@ -834,6 +840,39 @@ def test_chat_template_options(tiny_dir, tiny_server):
                              "continue_final_message", says="add_generation_prompt")
         _assert_openai_error(h.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {"tokenize": 1}}),
                              400, "chat_template_kwargs", says="own option")
+
+
+def test_stop_string_kept_and_special_tokens_shown(tiny_dir, tiny_server):
+    """vLLM's include_stop_str_in_output (the text runs through the stop string) and
+    skip_special_tokens: false (an end-of-sequence token stays in the text), whole and streamed,
+    equal to LLM.generate's."""
+    import httpx
+
+    from draftsmith.api import LLM
+    from draftsmith.core.sampling import SamplingParams
+
+    llm = LLM(str(tiny_dir), max_batch=1, max_len=256)
+    prompt = "abcabcabcabc"
+    (free,) = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0))
+    stop = free.text[3:5]  # completed a few tokens in
+    (cut,) = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, stop=[stop]))
+    (kept,) = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, stop=[stop],
+                                                    include_stop_str_in_output=True))
+    assert kept.text == cut.text + stop and kept.token_ids == cut.token_ids
+    eos = llm.tokenizer.eos_token_id  # forced after 3 tokens: logit_bias + min_tokens
+    end = {"logit_bias": {eos: 100.0}, "min_tokens": 3}
+    (shown,) = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, skip_special_tokens=False, **end))
+    assert len(shown.token_ids) == 4 and shown.text.endswith("<|im_end|>")
+    assert shown.text == llm.tokenizer.decode(shown.token_ids)
+    url = tiny_server(llm_kw={"drafter": "ngram", "policy": "fixed"})
+    with httpx.Client(base_url=url, timeout=60) as h:
+        for body, want in (({"prompt": prompt, "max_tokens": 24, "stop": [stop], "include_stop_str_in_output": True},
+                            kept.text),
+                           ({"prompt": prompt, "max_tokens": 8, "skip_special_tokens": False, "min_tokens": 3,
+                             "logit_bias": {str(eos): 100}}, shown.text)):
+            body = {**body, "temperature": 0}
+            assert h.post("/v1/completions", json=body).json()["choices"][0]["text"] == want
+            assert _stream_choices(h, "/v1/completions", body)[0] == want
 
 
 def test_serve_flags_reach_the_server(monkeypatch):

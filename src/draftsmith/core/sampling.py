@@ -23,9 +23,11 @@ class SamplingParams:
     top_k:           keep the k most likely tokens; 0 disables.
     min_p:           drop tokens with prob < min_p * max prob; 0 disables.
     seed:            per-request generator seed; None = nondeterministic.
-    stop:            stop strings; the output ends right before the first occurrence.
+    stop:            stop strings; the output ends right before the first occurrence (right
+                     after it with include_stop_str_in_output).
     stop_token_ids:  extra token ids that end the output (EOS is always one unless ignore_eos).
     ignore_eos:      keep generating past EOS (benchmarks).
+    skip_special_tokens: drop special tokens (EOS, chat markers) from the text (vLLM's default).
     n:               samples per prompt (`LLM.generate`: RequestOutput.outputs; sample i is
                      seeded seed + i when a seed is given).
     logprobs:        None = none; k in 0..20 = every generated token's log probability under
@@ -68,6 +70,8 @@ class SamplingParams:
     min_tokens: int = 0
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:

@@ -20,6 +20,7 @@ import torch
 from draftsmith.core.logprobs import token_logprobs
 from draftsmith.core.penalties import penalize
 from draftsmith.core.sampling import SamplingParams
+from draftsmith.core.stops import find_stop, stop_cut
 from draftsmith.core.structured import Grammars, advance, constrain
 from draftsmith.core.verify import verify, verify_greedy
 from draftsmith.core.warp import argmax_rows, target_probs
@@ -392,8 +393,8 @@ class Engine:
             if p.stop and len(s.output_ids) >= p.min_tokens:
                 # Only the tail can complete a new stop string: decode a window, not everything.
                 window = max(len(x) for x in p.stop) + 8
-                text = self.decode(s.output_ids[-window:])
-                if _find_stop(text, p.stop) is not None:
+                text = self.decode(s.output_ids[-window:], p.skip_special_tokens)
+                if find_stop(text, p.stop) is not None:
                     s.finish_reason = "stop"
                     break
             if len(s.output_ids) >= p.max_tokens or s.num_tokens >= self.max_len:
@@ -401,13 +402,15 @@ class Engine:
                 break
         return kept
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def visible_text(self, s: Request) -> str:
-        """Decoded output with everything from the first stop string on removed."""
-        text = self.decode(s.output_ids)
-        cut = _find_stop(text, s.params.stop) if s.params.stop else None
+        """Decoded output (special tokens dropped unless the request keeps them) up to the first
+        stop string (through it with include_stop_str_in_output)."""
+        p = s.params
+        text = self.decode(s.output_ids, p.skip_special_tokens)
+        cut = stop_cut(text, p.stop, p.include_stop_str_in_output)
         return text if cut is None else text[:cut]
 
     def _finish(self, s: Request, reason: str) -> None:
@@ -427,11 +430,6 @@ class Engine:
             self.free_rows.append(s.row)
             self.free_rows.sort()
             s.row = -1
-
-
-def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:
-    hits = [i for i in (text.find(x) for x in stops) if i >= 0]
-    return min(hits) if hits else None
 
 
 def prefill_groups(lengths: list[int], max_waste: float = 0.1, room: list[int] | None = None) -> list[list[int]]:

@@ -82,6 +82,8 @@ class _Sampling(_Req):
     min_tokens: StrictInt = 0
     allowed_token_ids: list[StrictInt] | None = None
     bad_words: list[StrictStr] | None = None
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
     # structured outputs (server/sampling.structured_outputs): OpenAI's response_format, vLLM's
     # structured_outputs object and its older guided_* fields
     response_format: dict[str, Any] | None = None

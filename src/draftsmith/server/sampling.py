@@ -166,6 +166,8 @@ def sampling_params(req: Any, max_tokens: int | None, prompt_len: int, index: in
             structured_outputs=structured,
             allowed_token_ids=None if req.allowed_token_ids is None else tuple(req.allowed_token_ids),
             bad_words=tuple(req.bad_words or ()),
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens,
         )
     except DraftsmithError as e:
         msg = str(e)

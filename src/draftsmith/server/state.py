@@ -57,8 +57,8 @@ class _Front:
         self.grammars = Grammars(self.tokenizer, llm.target.model.config.vocab_size, llm.engine.eos_token_ids,
                                  share=llm.engine.grammars)
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 

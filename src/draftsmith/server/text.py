@@ -16,13 +16,9 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+from draftsmith.core.stops import stop_cut
+
 REPLACEMENT_CHAR = "\ufffd"
-
-
-def find_stop(text: str, stops: Sequence[str]) -> int | None:
-    """Index of the earliest occurrence of any stop string in `text`, or None."""
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(hits) if hits else None
 
 
 def stop_holdback(text: str, stops: Sequence[str]) -> int:
@@ -36,12 +32,13 @@ def stop_holdback(text: str, stops: Sequence[str]) -> int:
     return best
 
 
-def safe_prefix(text: str, stops: Sequence[str]) -> str:
-    """The part of an unfinished output's text that may be emitted now."""
-    cut = find_stop(text, stops) if stops else None
+def safe_prefix(text: str, stops: Sequence[str], include: bool = False) -> str:
+    """The part of an unfinished output's text that may be emitted now (`include`: the stop
+    string is part of the output, so a tail that may start one need not wait)."""
+    cut = stop_cut(text, stops, include)
     if cut is not None:  # the engine finishes on a stop; be safe anyway
         return text[:cut]
-    if stops:
+    if stops and not include:
         text = text[: len(text) - stop_holdback(text, stops)]
     return text.rstrip(REPLACEMENT_CHAR)
 
@@ -49,15 +46,16 @@ def safe_prefix(text: str, stops: Sequence[str]) -> str:
 class StreamText:
     """Per-choice incremental text: push committed token ids, get the delta to send."""
 
-    def __init__(self, decode: Callable[[list[int]], str], stops: Sequence[str]) -> None:
+    def __init__(self, decode: Callable[[list[int]], str], stops: Sequence[str], include_stop: bool = False) -> None:
         self._decode = decode
         self._stops = tuple(stops)
+        self._include = include_stop
         self.ids: list[int] = []
         self.sent = ""
 
     def push(self, new_ids: Sequence[int]) -> str:
         self.ids.extend(new_ids)
-        return self._advance(safe_prefix(self._decode(self.ids), self._stops))
+        return self._advance(safe_prefix(self._decode(self.ids), self._stops, self._include))
 
     def finish(self, final_text: str) -> str:
         return self._advance(final_text)
