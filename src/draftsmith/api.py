@@ -200,6 +200,8 @@ class LLM:
             else:
                 ids = [int(t) for t in p]
                 texts.append(None)
+            if sp.truncate_prompt_tokens is not None:  # the prompt's last k tokens (vLLM's)
+                ids = ids[-sp.truncate_prompt_tokens:]
             encoded.append((ids, sp))
         for ids, sp in encoded:  # refuse before running anything, as the server (and vLLM) do
             self._check_context(len(ids), sp.max_tokens)

@@ -875,6 +875,34 @@ def test_stop_string_kept_and_special_tokens_shown(tiny_dir, tiny_server):
             assert _stream_choices(h, "/v1/completions", body)[0] == want
 
 
+def test_truncate_prompt_tokens(tiny_dir, tiny_server):
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens, in LLM.generate and on the server
+    (usage counts them; a prompt too long for the context fits once truncated)."""
+    import httpx
+
+    from draftsmith.api import LLM
+    from draftsmith.core.sampling import SamplingParams
+
+    llm = LLM(str(tiny_dir), max_batch=1, max_len=256)
+    prompt = "the start is dropped; " * 20  # 440 byte tokens: more than the context of 256
+    ids = llm.encode(prompt)
+    sp = SamplingParams(max_tokens=6, temperature=0.0, truncate_prompt_tokens=50)
+    (o,) = llm.generate([prompt], sp)
+    assert o.prompt_token_ids == ids[-50:]
+    assert o.token_ids == llm.generate([ids[-50:]], SamplingParams(max_tokens=6, temperature=0.0))[0].token_ids
+    with pytest.raises(DraftsmithError, match="truncate_prompt_tokens must be"):
+        SamplingParams(truncate_prompt_tokens=0)
+    url = tiny_server()
+    with httpx.Client(base_url=url, timeout=60) as h:
+        body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "truncate_prompt_tokens": 50}
+        r = h.post("/v1/completions", json=body).json()
+        assert r["choices"][0]["text"] == o.text and r["usage"]["prompt_tokens"] == 50
+        _assert_openai_error(h.post("/v1/completions", json={**body, "truncate_prompt_tokens": 0}), 400,
+                             "truncate_prompt_tokens", says="positive")
+        _assert_openai_error(h.post("/v1/completions", json={**body, "echo": True}), 400, "truncate_prompt_tokens",
+                             says="echo")
+
+
 def test_serve_flags_reach_the_server(monkeypatch):
     """`serve --api-key / $DRAFTSMITH_API_KEY` and the limit flags, down to `serve(...)` (no model loaded)."""
     from types import SimpleNamespace

@@ -28,6 +28,7 @@ class SamplingParams:
     stop_token_ids:  extra token ids that end the output (EOS is always one unless ignore_eos).
     ignore_eos:      keep generating past EOS (benchmarks).
     skip_special_tokens: drop special tokens (EOS, chat markers) from the text (vLLM's default).
+    truncate_prompt_tokens: keep only the prompt's last k tokens (vLLM's; None = all).
     n:               samples per prompt (`LLM.generate`: RequestOutput.outputs; sample i is
                      seeded seed + i when a seed is given).
     logprobs:        None = none; k in 0..20 = every generated token's log probability under
@@ -72,6 +73,7 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
@@ -127,6 +129,10 @@ class SamplingParams:
                 raise DraftsmithError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}] (how many top "
                                       f"tokens to return beside each {'generated' if name == 'logprobs' else 'prompt'}"
                                       f" token), got {k!r}")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
+            raise DraftsmithError(f"truncate_prompt_tokens must be None or a positive integer (keep the prompt's "
+                                  f"last k tokens), got {k!r}")
         if any(not s for s in self.stop):
             raise DraftsmithError("stop strings must be non-empty")
         if self.structured_outputs is not None:

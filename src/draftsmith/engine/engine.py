@@ -115,6 +115,8 @@ class Engine:
     ) -> Request:
         if not prompt_ids:
             raise DraftsmithError("prompt is empty: give at least one token")
+        if params.truncate_prompt_tokens is not None:  # vLLM's: the prompt's last k tokens (LLM does it first)
+            prompt_ids = list(prompt_ids)[-params.truncate_prompt_tokens:]
         V = self.model.config.vocab_size
         bad = [t for t in prompt_ids if not 0 <= int(t) < V]
         if bad:

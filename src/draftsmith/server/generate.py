@@ -43,6 +43,15 @@ async def generate(st: ServerState, request: Request, req: Any, prompts: list[li
         raise APIError(503, "the engine is not running", type="service_unavailable")
     n = req.n
     check_sampling(req, st.vocab_size)
+    k = req.truncate_prompt_tokens
+    if k is not None:  # vLLM's: the prompt's last k tokens (usage counts those)
+        if k < 1:
+            raise APIError(400, f"truncate_prompt_tokens must be a positive integer, got {k}",
+                           param="truncate_prompt_tokens", code="invalid_value")
+        if getattr(req, "echo", False):
+            raise APIError(400, "truncate_prompt_tokens cannot be combined with echo (which returns the whole prompt)",
+                           param="truncate_prompt_tokens", code="invalid_value")
+        prompts = [ids[-k:] for ids in prompts]
     # (a grammar compiles in a worker thread: a large schema may take a second; the event loop serves on)
     structured = await asyncio.to_thread(structured_outputs, req, st.front.grammars.check)
     fmt.with_logprobs(req.top_logprobs_k(), st.front.token_text)

@@ -84,6 +84,7 @@ class _Sampling(_Req):
     bad_words: list[StrictStr] | None = None
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
+    truncate_prompt_tokens: StrictInt | None = None
     # structured outputs (server/sampling.structured_outputs): OpenAI's response_format, vLLM's
     # structured_outputs object and its older guided_* fields
     response_format: dict[str, Any] | None = None
