@@ -173,8 +173,8 @@ class LLM:
         return encode_chat(self.tokenizer, messages, self.target.target_id, add_generation_prompt=add_generation_prompt,
                            continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs)
 
-    def encode(self, prompt: str) -> list[int]:
-        return encode_text(self.tokenizer, prompt)
+    def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        return encode_text(self.tokenizer, prompt, add_special_tokens)
 
     def generate(
         self,

@@ -164,6 +164,13 @@ def test_allowed_token_ids_and_bad_words_by_position():
     assert torch.equal(got[0][:, keep], logits[0][:, keep])
     assert set(torch.isfinite(got[1]).all(0).nonzero().flatten().tolist()) == {2, 3, 7}
     assert torch.equal(got[1][:, [2, 3, 7]], logits[1][:, [2, 3, 7]])
+    # allowed {2, 3} and every two-token word of them banned: after output [.., 2] both would go,
+    # so the bans give way there (p stays defined); where one is left they hold
+    boxed = Request("x", [1], SamplingParams(allowed_token_ids=(2, 3)), None, output_ids=[2],
+                    bad_words_ids=[[2, 2], [2, 3], [3, 2]])
+    got = penalize(logits[:1], [boxed], torch.tensor([[3, 3, 3]]))
+    assert torch.isfinite(got[0, 0, [2, 3]]).all()  # after 2: both banned -> neither is
+    assert torch.isinf(got[0, 1, 2]) and torch.isfinite(got[0, 1, 3])  # after 3: only 2 is banned
 
 
 def test_greedy_allowed_token_ids_and_bad_words_equal_plain(tiny):
@@ -187,6 +194,10 @@ def test_greedy_allowed_token_ids_and_bad_words_equal_plain(tiny):
                   drafter_dtype="float32")
         for sp, want in zip(cases, plain):
             assert [o.token_ids for o in llm.generate(PROMPTS, sp)] == [o.token_ids for o in want], drafter
+    # each word alone and after a space, however the user spaced it (vLLM's two spellings)
+    eng = plain_llm.engine
+    assert eng._bad_words_ids((" ab",)) == eng._bad_words_ids(("ab",)) == [tok.encode("ab", add_special_tokens=False),
+                                                                            tok.encode(" ab", add_special_tokens=False)]
     with pytest.raises(DraftsmithError, match="allowed_token_ids: token id 9999 is outside"):
         plain_llm.generate(["x"], SamplingParams(max_tokens=4, allowed_token_ids=(9999,)))
     with pytest.raises(DraftsmithError, match="leaves no token"):

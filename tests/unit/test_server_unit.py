@@ -59,6 +59,24 @@ def test_stream_text_releases_held_tail_when_stop_does_not_complete():
     assert st.finish("abcabd") == ""
 
 
+def test_stream_text_stop_inside_a_token_and_min_tokens():
+    """A token that completes the stop string and runs past it ("D\n\nmore"): nothing past the cut
+    is sent, with the stop kept or not; with min_tokens a stop string inside the text of the tokens
+    before it does not count (the engine's rule: core/stops.py), and the text is released."""
+    pieces = ["The ", "EN", "D\n\nmore", " text"]
+    decode = lambda ids: "".join(pieces[i] for i in ids)  # noqa: E731
+    for include, final in ((False, "The "), (True, "The END")):
+        st = StreamText(decode, ("END",), include)
+        sent = "".join(st.push([i]) for i in range(3))
+        assert final.startswith(sent)
+        assert sent + st.finish(final) == final
+    # min_tokens 4: "END" ends in token 2's text, before the floor (the text of tokens 0-2), so it
+    # does not count; all of it streams (min_tokens 3 would let token 2 complete it)
+    st = StreamText(decode, ("END",), min_tokens=4)
+    sent = "".join(st.push([i]) for i in range(4))
+    assert sent == "The END\n\nmore text"
+
+
 def test_metrics_render_and_parse():
     m = ServerMetrics("tiny", kv_rows_total=4)
     m.record_round_deltas(proposed=5, accepted=3, rounds=2, committed=5, pos_proposed=[2, 2, 1], pos_accepted=[2, 1])
@@ -789,6 +807,8 @@ def test_tokenize_and_detokenize(tiny_dir, tiny_server):
         r = h.post("/tokenize", json={"prompt": "héllo", "return_token_strs": True}).json()
         assert r["tokens"] == llm.encode("héllo") and r["count"] == len(r["tokens"]) and r["max_model_len"] == 256
         assert r["token_strs"] == ["h", "Ã", "©", "l", "l", "o"]  # the tokenizer's pieces (byte-level: é is 2)
+        r = h.post("/tokenize", json={"prompt": "héllo", "add_special_tokens": False}).json()
+        assert r["tokens"] == llm.encode("héllo", add_special_tokens=False)
         r = h.post("/tokenize", json={"messages": msgs}).json()
         assert r["tokens"] == llm.apply_chat_template(msgs) and r["token_strs"] is None
         assert h.post("/detokenize", json={"tokens": r["tokens"]}).json()["prompt"] == llm.tokenizer.decode(r["tokens"])
@@ -821,13 +841,15 @@ def test_chat_template_options(tiny_dir, tiny_server):
     assert cont.prompt_token_ids == opened and cont.token_ids == llm.generate([opened], sp)[0].token_ids
     with pytest.raises(DraftsmithError, match="add_generation_prompt"):
         llm.apply_chat_template(msgs, continue_final_message=True)
-    with pytest.raises(DraftsmithError, match="assistant"):
-        llm.apply_chat_template(msgs[:1], add_generation_prompt=False, continue_final_message=True)
+    # any last message may be continued (as HF transformers / vLLM): a user's, too
+    assert tok.decode(llm.apply_chat_template(msgs[:1], add_generation_prompt=False,
+                                              continue_final_message=True)).endswith("<|im_start|>user\ncount")
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if shout %}!{% endif %}"
     assert tok.decode(llm.apply_chat_template(msgs[:1], chat_template_kwargs={"shout": True})) == "count!"
     assert tok.decode(llm.apply_chat_template(msgs[:1])) == "count"
-    with pytest.raises(DraftsmithError, match="chat_template_kwargs: tokenize"):
-        llm.apply_chat_template(msgs[:1], chat_template_kwargs={"tokenize": False})
+    for key in ("tokenize", "chat_template", "return_tensors", "truncation", "tools", "messages"):
+        with pytest.raises(DraftsmithError, match=f"chat_template_kwargs: {key} is not a template variable"):
+            llm.apply_chat_template(msgs[:1], chat_template_kwargs={key: "PWNED{{ 1 }}"})
 
     url = tiny_server()
     body = {"messages": msgs, "max_tokens": 8, "temperature": 0, "add_generation_prompt": False,
@@ -839,13 +861,14 @@ def test_chat_template_options(tiny_dir, tiny_server):
         _assert_openai_error(h.post("/v1/chat/completions", json={**body, "add_generation_prompt": True}), 400,
                              "continue_final_message", says="add_generation_prompt")
         _assert_openai_error(h.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {"tokenize": 1}}),
-                             400, "chat_template_kwargs", says="own option")
+                             400, "chat_template_kwargs", says="not a template variable")
 
 
 def test_stop_string_kept_and_special_tokens_shown(tiny_dir, tiny_server):
-    """vLLM's include_stop_str_in_output (the text runs through the stop string) and
-    skip_special_tokens: false (an end-of-sequence token stays in the text), whole and streamed,
-    equal to LLM.generate's."""
+    """vLLM's include_stop_str_in_output (the text runs through the stop string or stop token),
+    skip_special_tokens: false (special tokens stay in the text; the stop token's only with
+    include_stop_str_in_output) and min_tokens (a stop string before it does not count), whole and
+    streamed, equal to LLM.generate's."""
     import httpx
 
     from draftsmith.api import LLM
@@ -859,17 +882,31 @@ def test_stop_string_kept_and_special_tokens_shown(tiny_dir, tiny_server):
     (kept,) = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, stop=[stop],
                                                     include_stop_str_in_output=True))
     assert kept.text == cut.text + stop and kept.token_ids == cut.token_ids
-    eos = llm.tokenizer.eos_token_id  # forced after 3 tokens: logit_bias + min_tokens
-    end = {"logit_bias": {eos: 100.0}, "min_tokens": 3}
+    # special tokens: <|im_start|> forced (logit_bias) into the output, EOS after 3 tokens (min_tokens)
+    eos, start = llm.tokenizer.eos_token_id, llm.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    end = {"logit_bias": {eos: 100.0, start: 50.0}, "min_tokens": 3}
     (shown,) = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, skip_special_tokens=False, **end))
-    assert len(shown.token_ids) == 4 and shown.text.endswith("<|im_end|>")
-    assert shown.text == llm.tokenizer.decode(shown.token_ids)
+    assert shown.token_ids == [start] * 3 + [eos]
+    assert shown.text == "<|im_start|>" * 3  # the stop token's own text is not shown (vLLM's rule)
+    (hidden,) = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, **end))
+    assert hidden.text == ""
+    (all_,) = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, skip_special_tokens=False,
+                                                    include_stop_str_in_output=True, **end))
+    assert all_.text == "<|im_start|>" * 3 + "<|im_end|>"
+    # a stop token that is an ordinary token: its text is not shown either
+    k = next(i for i, t in enumerate(free.token_ids) if i and t not in free.token_ids[:i])  # its first time at k
+    (o,) = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=[free.token_ids[k]]))
+    assert o.token_ids == free.token_ids[: k + 1] and o.text == llm.tokenizer.decode(free.token_ids[:k])
+    # min_tokens: a stop string in the text of the tokens before it does not count
+    (late,) = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, stop=[stop], min_tokens=12))
+    assert len(late.token_ids) >= 12 and late.text.startswith(cut.text + stop)
     url = tiny_server(llm_kw={"drafter": "ngram", "policy": "fixed"})
     with httpx.Client(base_url=url, timeout=60) as h:
         for body, want in (({"prompt": prompt, "max_tokens": 24, "stop": [stop], "include_stop_str_in_output": True},
                             kept.text),
                            ({"prompt": prompt, "max_tokens": 8, "skip_special_tokens": False, "min_tokens": 3,
-                             "logit_bias": {str(eos): 100}}, shown.text)):
+                             "logit_bias": {str(eos): 100, str(start): 50}}, shown.text),
+                           ({"prompt": prompt, "max_tokens": 24, "stop": [stop], "min_tokens": 12}, late.text)):
             body = {**body, "temperature": 0}
             assert h.post("/v1/completions", json=body).json()["choices"][0]["text"] == want
             assert _stream_choices(h, "/v1/completions", body)[0] == want

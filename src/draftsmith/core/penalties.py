@@ -20,7 +20,8 @@ the other warps (core/warp.py):
   token would be output token 0..m-1 (position j of a block is output token len(output) + j);
 - allowed_token_ids (vLLM): every other token masked at every position;
 - bad_words (vLLM): a word's last token masked where the output (and drafts 0..j-1) end with
-  its other tokens; a one-token word everywhere.
+  its other tokens; a one-token word everywhere; not at a position where the bans would leave
+  no token (with allowed_token_ids / min_tokens).
 """
 
 from __future__ import annotations
@@ -71,7 +72,13 @@ def penalize(logits: torch.Tensor, seqs: Sequence[Request], drafts: torch.Tensor
             banned[torch.tensor(p.allowed_token_ids, dtype=torch.long, device=dev)] = False
             x[:, banned] = float("-inf")
         if seqs[b].bad_words_ids:
+            before = x.clone()
             _ban_bad_words(x, seqs[b], drafts[b, : S - 1].tolist() if S > 1 else [])
+            # where the bans would leave nothing (with allowed_token_ids / min_tokens), they give way
+            # at that position: a rule of the context alone, so p there is still well defined
+            dead = torch.isneginf(x).all(-1)
+            if dead.any():
+                x[dead] = before[dead]
         if not has_penalties(p):
             continue
         out_ids = torch.tensor(seqs[b].output_ids, dtype=torch.long, device=dev)

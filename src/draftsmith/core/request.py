@@ -93,6 +93,7 @@ class Request:
     status: Status = Status.WAITING
     row: int = -1  # KV cache row while running
     finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stopped_by_token: bool = False  # ended on EOS or a stop_token_id (its text is not shown)
     text: str = ""  # decoded output, stop string removed
     stats: RequestStats = field(default_factory=RequestStats)
     # one dict per output token when params.logprobs is not None (core/logprobs.py)

@@ -159,9 +159,12 @@ class Engine:
     def _bad_words_ids(self, words: tuple[str, ...]) -> list[list[int]]:
         """Each bad word as tokens, alone and after a space (vLLM's two spellings), once each."""
         seqs: list[list[int]] = []
+        V = self.model.config.vocab_size
         for w in words:
-            for text in (w, " " + w.lstrip(" ")):
+            for text in (w.lstrip(), " " + w.lstrip()):
                 ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+                if any(not 0 <= t < V for t in ids):
+                    raise DraftsmithError(f"bad_words: {w!r} tokenizes to ids outside the target vocabulary [0, {V})")
                 if ids and ids not in seqs:
                     seqs.append(ids)
         return seqs
@@ -338,7 +341,8 @@ class Engine:
             ids[:, 1:] = proposal.tokens
         rows = torch.tensor([s.row for s in seqs])
         out = self.model(ids, self.cache, rows=rows, layer_ids=self._layer_ids)
-        # penalties, logit_bias, min_tokens: position j after drafts < j (core/penalties.py)
+        # penalties, logit_bias, min_tokens, allowed_token_ids, bad_words: position j after drafts < j
+        # (core/penalties.py)
         logits = penalize(out.logits, seqs, proposal.tokens if K else None, tuple(self.eos_token_ids))
         # structured outputs: position j masked by the grammar after drafts < j (core/structured.py)
         logits = constrain(logits, seqs, proposal.tokens if K else None, lengths, self.grammars.executor)
@@ -391,14 +395,11 @@ class Engine:
                 s.stats.t_first_token = time.perf_counter()
             if (not p.ignore_eos and t in self.eos_token_ids) or t in p.stop_token_ids:
                 s.finish_reason = "stop"
+                s.stopped_by_token = True
                 break
-            if p.stop and len(s.output_ids) >= p.min_tokens:
-                # Only the tail can complete a new stop string: decode a window, not everything.
-                window = max(len(x) for x in p.stop) + 8
-                text = self.decode(s.output_ids[-window:], p.skip_special_tokens)
-                if find_stop(text, p.stop) is not None:
-                    s.finish_reason = "stop"
-                    break
+            if p.stop and len(s.output_ids) >= p.min_tokens and self._stop_string_ends(s):
+                s.finish_reason = "stop"
+                break
             if len(s.output_ids) >= p.max_tokens or s.num_tokens >= self.max_len:
                 s.finish_reason = "length"
                 break
@@ -407,12 +408,28 @@ class Engine:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def _stop_string_ends(self, s: Request) -> bool:
+        """Whether the output now holds a stop string that ends past the first min_tokens - 1 tokens' text."""
+        p = s.params
+        window = max(len(x) for x in p.stop) + 8
+        if len(s.output_ids) - window >= p.min_tokens - 1:  # only the tail can complete a new one: decode a window
+            return find_stop(self.decode(s.output_ids[-window:], p.skip_special_tokens), p.stop) is not None
+        return find_stop(self.decode(s.output_ids, p.skip_special_tokens), p.stop, self.stop_floor(s)) is not None
+
+    def stop_floor(self, s: Request) -> int:
+        """Characters of output text a stop string must end past: the text of the tokens before
+        min_tokens (vLLM looks for stop strings only from there on)."""
+        p = s.params
+        return len(self.decode(s.output_ids[: p.min_tokens - 1], p.skip_special_tokens)) if p.min_tokens > 1 else 0
+
     def visible_text(self, s: Request) -> str:
         """Decoded output (special tokens dropped unless the request keeps them) up to the first
-        stop string (through it with include_stop_str_in_output)."""
+        stop string (through it with include_stop_str_in_output); the stop token that ended it is
+        not part of the text unless include_stop_str_in_output, as in vLLM."""
         p = s.params
-        text = self.decode(s.output_ids, p.skip_special_tokens)
-        cut = stop_cut(text, p.stop, p.include_stop_str_in_output)
+        ids = s.output_ids[:-1] if s.stopped_by_token and not p.include_stop_str_in_output else s.output_ids
+        text = self.decode(ids, p.skip_special_tokens)
+        cut = stop_cut(text, p.stop, p.include_stop_str_in_output, self.stop_floor(s)) if p.stop else None
         return text if cut is None else text[:cut]
 
     def _finish(self, s: Request, reason: str) -> None:

@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import inspect
+
 from draftsmith.errors import DraftsmithError
 
 
-def encode_text(tokenizer, text: str) -> list[int]:
-    """A plain-text prompt, with the tokenizer's special tokens (BOS where it adds one)."""
-    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+    """A plain-text prompt, with the tokenizer's special tokens (BOS where it adds one) unless
+    `add_special_tokens` is False (a prompt already rendered with them, as vLLM's option)."""
+    return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
 
 def encode_chat(tokenizer, messages: list[dict], target_id: str = "the target", *,
@@ -22,14 +25,15 @@ def encode_chat(tokenizer, messages: list[dict], target_id: str = "the target", 
     if continue_final_message and add_generation_prompt:
         raise DraftsmithError("continue_final_message continues the last message: set add_generation_prompt "
                               "to false with it")
-    if continue_final_message and (not messages or messages[-1].get("role") != "assistant"):
-        raise DraftsmithError("continue_final_message needs the last message to be the assistant's (the text to continue)")
     kwargs = dict(chat_template_kwargs or {})
-    clash = sorted(set(kwargs) & {"add_generation_prompt", "continue_final_message", "tokenize", "messages",
-                                  "conversation", "return_dict"})
+    # Only variables for the template: a parameter of apply_chat_template itself (chat_template: a
+    # client's own Jinja; truncation, return_tensors, tools, ...) is not a client's to set.
+    params = set(inspect.signature(tokenizer.apply_chat_template).parameters) - {"kwargs"}
+    clash = sorted(set(kwargs) & (params | {"messages"}))
     if clash:
-        raise DraftsmithError(f"chat_template_kwargs: {clash[0]} is not a template variable here; "
-                              "pass it as its own option")
+        raise DraftsmithError(f"chat_template_kwargs: {clash[0]} is not a template variable; only variables the "
+                              "chat template reads may be set there (options such as add_generation_prompt have "
+                              "fields of their own)")
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                         continue_final_message=continue_final_message, tokenize=True, **kwargs)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from draftsmith.server.engine_loop import Event, SubRequest
 from draftsmith.server.protocol import APIError
 from draftsmith.server.responses import ResponseFormat, usage
-from draftsmith.server.sampling import check_sampling, sampling_params, structured_outputs
+from draftsmith.server.sampling import asks_structure, check_sampling, sampling_params, structured_outputs
 from draftsmith.server.state import ServerState
 from draftsmith.server.streaming import AbortingStream, stream_events
 
@@ -53,7 +53,7 @@ async def generate(st: ServerState, request: Request, req: Any, prompts: list[li
                            param="truncate_prompt_tokens", code="invalid_value")
         prompts = [ids[-k:] for ids in prompts]
     # (a grammar compiles in a worker thread: a large schema may take a second; the event loop serves on)
-    structured = await asyncio.to_thread(structured_outputs, req, st.front.grammars.check)
+    structured = await asyncio.to_thread(structured_outputs, req, st.front.grammars.check) if asks_structure(req) else None
     fmt.with_logprobs(req.top_logprobs_k(), st.front.token_text)
     subs: list[SubRequest] = []
     aloop = asyncio.get_running_loop()

@@ -111,6 +111,7 @@ class CompletionRequest(_Sampling):
     max_tokens: StrictInt | None = 16  # OpenAI's default for completions
     logprobs: StrictInt | None = None
     echo: StrictBool = False
+    add_special_tokens: StrictBool = True  # vLLM's: False for a prompt already rendered with them
     best_of: StrictInt | None = None
     suffix: StrictStr | None = None
 
@@ -181,6 +182,7 @@ class TokenizeRequest(_Req):
     prompt: StrictStr | None = None
     messages: list[ChatMessage] | None = None
     return_token_strs: StrictBool = False
+    add_special_tokens: StrictBool = True  # a prompt's (the chat template places a chat's own)
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None

@@ -51,7 +51,7 @@ def add_routes(app: FastAPI, st: ServerState) -> None:
         prompts: list[list[int]] = []
         for it in items:
             if isinstance(it, str):
-                prompts.append(st.front.encode(it))
+                prompts.append(st.front.encode(it, req.add_special_tokens))
             else:
                 bad = [t for t in it if not 0 <= t < st.vocab_size]
                 if bad:
@@ -100,7 +100,7 @@ def add_routes(app: FastAPI, st: ServerState) -> None:
                            param="prompt" if req.prompt is not None else "messages")
         if req.prompt is not None:
             st.check_size(1, 1, text_bytes([req.prompt]), "prompt")
-            ids = st.front.encode(req.prompt)
+            ids = st.front.encode(req.prompt, req.add_special_tokens)
         else:
             ids = _chat_ids(req)
         strs = st.front.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None  # vLLM's: pieces

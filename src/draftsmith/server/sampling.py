@@ -64,6 +64,13 @@ _IGNORED_KEYS = ("disable_fallback", "disable_additional_properties")  # vLLM ba
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
+def asks_structure(req: Any) -> bool:
+    """Whether the request has any field that asks for a grammar (so the cheap path skips the rest)."""
+    rf = req.response_format
+    return bool((rf and rf.get("type") not in (None, "text")) or req.structured_outputs
+                or any(getattr(req, name) is not None for name in _GUIDED))
+
+
 def structured_outputs(req: Any, check: Callable[[StructuredOutputsParams], None] | None = None
                        ) -> StructuredOutputsParams | None:
     """The request's grammar, from whichever of its fields asks for one (one at most):
@@ -96,20 +103,20 @@ def structured_outputs(req: Any, check: Callable[[StructuredOutputsParams], None
                        if k not in _STRUCTURED_KEYS + _IGNORED_KEYS and v is not None and v is not False)
         if other:
             raise APIError(400, f"structured_outputs.{other[0]} is not supported; use one of "
-                           f"{', '.join(_STRUCTURED_KEYS[:5])} (and disable_any_whitespace)",
+                           f"{', '.join(_STRUCTURED_KEYS[:5])} (and disable_any_whitespace, whitespace_pattern)",
                            param="structured_outputs", code="unsupported_parameter")
         asked["structured_outputs"] = {k: v for k, v in so.items() if k in _STRUCTURED_KEYS and v is not None}
     for name, key in _GUIDED.items():
         if getattr(req, name) is not None:
             asked[name] = {key: getattr(req, name)}
-            if req.guided_whitespace_pattern is not None and name == "guided_json":
-                asked[name]["whitespace_pattern"] = req.guided_whitespace_pattern
     if not asked:
         return None
     if len(asked) > 1:
         raise APIError(400, f"give one way to constrain the output, not {' and '.join(asked)}",
                        param=list(asked)[1], code="invalid_value")
     (param, spec), = asked.items()
+    if req.guided_whitespace_pattern is not None and ("json" in spec or "json_object" in spec):
+        spec.setdefault("whitespace_pattern", req.guided_whitespace_pattern)  # vLLM's, for any JSON kind
     try:
         spec = StructuredOutputsParams(**spec)
         if check is not None:

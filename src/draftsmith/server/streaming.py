@@ -41,9 +41,8 @@ class _Choice:
     """One choice's stream: its text (held back where it may still change), the tokens and
     logprobs entries received since its last chunk, and an echoed prompt until its first chunk."""
 
-    def __init__(self, decode: Callable[[list[int]], str], stops, echo: tuple[str, list[int]] | None,
-                 include_stop: bool = False) -> None:
-        self.text = StreamText(decode, stops, include_stop)
+    def __init__(self, decode: Callable[[list[int]], str], params, echo: tuple[str, list[int]] | None) -> None:
+        self.text = StreamText(decode, params.stop, params.include_stop_str_in_output, params.min_tokens)
         self.echo = echo
         self.prompt_entries: list | None = None
         self.ids: list[int] = []
@@ -79,7 +78,7 @@ async def stream_events(st: ServerState, subs: list[SubRequest], q: asyncio.Queu
     """The SSE lines of one request's choices, read from its event queue `q`; marks finished
     choices in `done` and calls `close` at the end, however the stream ends. `n`: choices per prompt."""
     choices = {s.index: _Choice(partial(st.front.decode, skip_special_tokens=s.params.skip_special_tokens),
-                                s.params.stop, fmt.echoed(s.index), s.params.include_stop_str_in_output) for s in subs}
+                                s.params, fmt.echoed(s.index)) for s in subs}
     finals: list[Event] = []
     try:
         for s in subs:
