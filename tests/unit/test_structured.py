@@ -188,6 +188,24 @@ def test_greedy_speculative_equals_plain_and_keeps_the_grammar(tiny, spec):
             assert 0 < llm.last_stats.draft_accepted < llm.last_stats.draft_proposed
 
 
+def test_logprobs_stay_the_raw_distribution_under_a_grammar(tiny):
+    """The grammar masks the verify block's logits in place only where nothing reads them raw: a
+    request with logprobs gets the target's raw numbers, tokens the grammar refuses among them."""
+    tok = tiny.tokenizer
+    sp = SamplingParams(max_tokens=12, temperature=0.0, logprobs=5, structured_outputs=SO(regex=PAIRS))
+    for drafter in (None, "ngram"):
+        (o,) = LLM(tiny, drafter=drafter, max_batch=2, max_len=128).generate(["abababab"], sp)
+        i = len(o.token_ids) // 2
+        (free,) = LLM(tiny, max_batch=2, max_len=128).generate(
+            [o.prompt_token_ids + o.token_ids[:i]], SamplingParams(max_tokens=1, temperature=0.0, logprobs=5))
+        refused = [t for d in o.outputs[0].logprobs for t in d if tok.decode([t]) not in "abcdefgh"]
+        assert refused and all(v.logprob > -1e4 for d in o.outputs[0].logprobs for v in d.values())
+        # token i's numbers = an unconstrained one-token request's over the same context
+        got = {t: v.logprob for t, v in o.outputs[0].logprobs[i].items()}
+        want = {t: v.logprob for t, v in free.outputs[0].logprobs[0].items()}
+        assert all(abs(got[t] - want[t]) < 1e-4 for t in want if t in got) and set(want) <= set(got)
+
+
 # ---- statistical losslessness at T = 1 --------------------------------------------------------
 
 N_REQ, K = 64, 4
@@ -297,7 +315,7 @@ def test_constrained_sampling_is_lossless_and_the_controls_fail(pit_target, monk
     # the engine commits tokens the grammar refuses and says so
     import draftsmith.engine.engine as engine_mod
 
-    def blockwide(logits, seqs, drafts, lengths, executor):
+    def blockwide(logits, seqs, drafts, lengths, executor, inplace=False):
         return torch.cat([constrain(logits[:, j: j + 1], seqs, None, [0] * len(seqs), executor)
                           for j in range(logits.shape[1])], dim=1)
 

@@ -219,13 +219,14 @@ def allowed_tokens(bits: torch.Tensor, V: int) -> torch.Tensor:
 
 
 def constrain(logits: torch.Tensor, seqs: Sequence, drafts: torch.Tensor | None, lengths: Sequence[int],
-              executor) -> torch.Tensor:
+              executor, inplace: bool = False) -> torch.Tensor:
     """logits [B, S, V] of a verify block (position j follows drafts[b, :j]; row b has
     lengths[b] drafts). Rows whose request has a grammar (`seq.grammar`) get -inf at every
     token the grammar refuses at each position up to and including its first refused draft
     (the matchers consume the valid drafts to read those masks and roll them back; llguidance
     does every row in one call, on `executor`'s threads). Returns a new tensor where any row is
-    constrained, `logits` itself otherwise."""
+    constrained, `logits` itself otherwise; `inplace`: masks `logits` itself (a pass over B x S x V
+    floats less, where nothing else reads the unmasked logits)."""
     rows = [b for b, s in enumerate(seqs) if getattr(s, "grammar", None) is not None]
     if not rows:
         return logits
@@ -245,6 +246,9 @@ def constrain(logits: torch.Tensor, seqs: Sequence, drafts: torch.Tensor | None,
     # an EOS draft, where the engine stops; leave it unmasked.
     bits[(bits == 0).all(-1)] = -1
     allowed = allowed_tokens(bits, V).to(logits.device)
+    if inplace:
+        with torch.inference_mode():  # the target's logits come from an inference-mode forward
+            return logits.masked_fill_(~allowed, float("-inf"))
     return torch.where(allowed, logits, torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
 
 

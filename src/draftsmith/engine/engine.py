@@ -345,7 +345,9 @@ class Engine:
         # (core/penalties.py)
         logits = penalize(out.logits, seqs, proposal.tokens if K else None, tuple(self.eos_token_ids))
         # structured outputs: position j masked by the grammar after drafts < j (core/structured.py)
-        logits = constrain(logits, seqs, proposal.tokens if K else None, lengths, self.grammars.executor)
+        # (in place where no one reads the unmasked logits: a copy of penalize's, or no logprobs asked)
+        inplace = logits is not out.logits or all(s.logprobs is None for s in seqs)
+        logits = constrain(logits, seqs, proposal.tokens if K else None, lengths, self.grammars.executor, inplace)
         if all(s.params.greedy for s in seqs):  # p one-hot at the argmax: the argmax is all verify needs
             V = logits.shape[-1]
             result = verify_greedy(proposal, argmax_rows(logits.reshape(-1, V)).view(len(seqs), 1 + K), V)
