@@ -1,11 +1,13 @@
 """OpenAI-compatible HTTP API over one Engine: `create_app(llm)` and `serve(llm, host, port)`.
 
 Endpoints (server/routes.py): POST /v1/completions, POST /v1/chat/completions,
-GET /v1/models[/{id}], GET /health, GET /metrics (Prometheus text). With an API key, the /v1
-routes need `Authorization: Bearer KEY`; /health and /metrics stay open.
+GET /v1/models[/{id}], POST /tokenize, POST /detokenize, GET /health, GET /metrics (Prometheus
+text). With an API key, the /v1 routes and /tokenize, /detokenize need `Authorization: Bearer
+KEY`; /health and /metrics stay open.
 
 Roles: state (ServerState, Limits: admission), body (reading and validating a request body),
-sampling (SamplingParams per choice, the ranges the server enforces), generate (one request on
+sampling (SamplingParams per choice, the ranges the server enforces), structured (a request's
+grammar from response_format / structured_outputs / guided_*), generate (one request on
 the engine thread, whole or streamed), streaming (server-sent events), responses (the
 completions / chat objects), routes (the handlers), engine_loop, protocol, text, metrics.
 This module builds the app: lifespan (the engine thread), error handlers, routes.

@@ -21,9 +21,10 @@ from fastapi.responses import JSONResponse, Response
 from draftsmith.server.engine_loop import Event, SubRequest
 from draftsmith.server.protocol import APIError
 from draftsmith.server.responses import ResponseFormat, usage
-from draftsmith.server.sampling import asks_structure, check_sampling, sampling_params, structured_outputs
+from draftsmith.server.sampling import check_sampling, sampling_params
 from draftsmith.server.state import ServerState
 from draftsmith.server.streaming import AbortingStream, stream_events
+from draftsmith.server.structured import asks_structure, structured_outputs
 
 _DISCONNECT_POLL_S = 0.25
 

@@ -1,0 +1,76 @@
+"""A request's grammar: OpenAI's `response_format`, vLLM's `structured_outputs` object and its
+older `guided_*` fields, checked and turned into one StructuredOutputsParams (core/structured.py)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from draftsmith.core.structured import StructuredOutputsParams
+from draftsmith.errors import DraftsmithError
+from draftsmith.server.protocol import APIError
+
+_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace", "whitespace_pattern")
+_IGNORED_KEYS = ("disable_fallback", "disable_additional_properties")  # vLLM backend switches, nothing to do here
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def asks_structure(req: Any) -> bool:
+    """Whether the request has any field that asks for a grammar (so the cheap path skips the rest)."""
+    rf = req.response_format
+    return bool((rf and rf.get("type") not in (None, "text")) or req.structured_outputs
+                or any(getattr(req, name) is not None for name in _GUIDED))
+
+
+def structured_outputs(req: Any, check: Callable[[StructuredOutputsParams], None] | None = None
+                       ) -> StructuredOutputsParams | None:
+    """The request's grammar, from whichever of its fields asks for one (one at most):
+    OpenAI's `response_format` ({"type": "json_schema", "json_schema": {"schema": ...}} or
+    {"type": "json_object"}; "text" = none), vLLM's `structured_outputs` object ({"json": ...},
+    {"regex": ...}, {"choice": [...]}, {"grammar": "<GBNF or Lark>"}, {"json_object": true};
+    disable_any_whitespace, whitespace_pattern) and
+    vLLM's older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`. `check`:
+    the target's grammar compiler (core/structured.Grammars.check); its error is a 400 too."""
+    asked: dict[str, dict] = {}
+    rf = req.response_format
+    if rf is not None:
+        kind = rf.get("type")
+        if kind == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
+                raise APIError(400, "response_format of type json_schema needs json_schema: {\"name\": ..., \"schema\": "
+                               "a JSON schema object}", param="response_format", code="invalid_value")
+            # without a schema (OpenAI makes it optional): any JSON object
+            asked["response_format"] = dict(json=js["schema"]) if "schema" in js else dict(json_object=True)
+        elif kind == "json_object":
+            asked["response_format"] = dict(json_object=True)
+        elif kind not in (None, "text"):
+            raise APIError(400, f"response_format type {kind!r} is not supported: use text, json_object or json_schema "
+                           "(or structured_outputs with regex, choice or grammar)", param="response_format",
+                           code="unsupported_parameter")
+    so = req.structured_outputs
+    if so:
+        other = sorted(k for k, v in so.items()
+                       if k not in _STRUCTURED_KEYS + _IGNORED_KEYS and v is not None and v is not False)
+        if other:
+            raise APIError(400, f"structured_outputs.{other[0]} is not supported; use one of "
+                           f"{', '.join(_STRUCTURED_KEYS[:5])} (and disable_any_whitespace, whitespace_pattern)",
+                           param="structured_outputs", code="unsupported_parameter")
+        asked["structured_outputs"] = {k: v for k, v in so.items() if k in _STRUCTURED_KEYS and v is not None}
+    for name, key in _GUIDED.items():
+        if getattr(req, name) is not None:
+            asked[name] = {key: getattr(req, name)}
+    if not asked:
+        return None
+    if len(asked) > 1:
+        raise APIError(400, f"give one way to constrain the output, not {' and '.join(asked)}",
+                       param=list(asked)[1], code="invalid_value")
+    (param, spec), = asked.items()
+    if req.guided_whitespace_pattern is not None and ("json" in spec or "json_object" in spec):
+        spec.setdefault("whitespace_pattern", req.guided_whitespace_pattern)  # vLLM's, for any JSON kind
+    try:
+        spec = StructuredOutputsParams(**spec)
+        if check is not None:
+            check(spec)
+        return spec
+    except (DraftsmithError, TypeError) as e:
+        raise APIError(400, str(e), param=param, code="invalid_value") from None
