@@ -37,6 +37,8 @@ class CompletionOutput:
     # token first, then the k most likely (core/logprobs.py); and the sum of the generated ones
     logprobs: list[TokenLogprobs] | None = None
     cumulative_logprob: float | None = None
+    # vLLM's: the stop_token_id (int) or stop string (str) that ended the sample; None for EOS or length
+    stop_reason: int | str | None = None
 
 
 @dataclass
@@ -241,7 +243,8 @@ class LLM:
         return self.generate(ids, sampling_params)
 
     def _output(self, i: int, s) -> CompletionOutput:
-        out = CompletionOutput(i, s.text, list(s.output_ids), s.finish_reason or "", s.stats.to_dict())
+        out = CompletionOutput(i, s.text, list(s.output_ids), s.finish_reason or "", s.stats.to_dict(),
+                               stop_reason=s.stop_reason)
         if s.logprobs is not None:
             out.logprobs = with_text(s.logprobs, self._token_text)
             out.cumulative_logprob = sum(d[t].logprob for d, t in zip(s.logprobs, s.output_ids))

@@ -882,6 +882,7 @@ def test_stop_string_kept_and_special_tokens_shown(tiny_dir, tiny_server):
     (kept,) = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, stop=[stop],
                                                     include_stop_str_in_output=True))
     assert kept.text == cut.text + stop and kept.token_ids == cut.token_ids
+    assert cut.outputs[0].stop_reason == stop and free.outputs[0].stop_reason is None  # vLLM's stop_reason
     # special tokens: <|im_start|> forced (logit_bias) into the output, EOS after 3 tokens (min_tokens)
     eos, start = llm.tokenizer.eos_token_id, llm.tokenizer.convert_tokens_to_ids("<|im_start|>")
     end = {"logit_bias": {eos: 100.0, start: 50.0}, "min_tokens": 3}
@@ -897,19 +898,27 @@ def test_stop_string_kept_and_special_tokens_shown(tiny_dir, tiny_server):
     k = next(i for i, t in enumerate(free.token_ids) if i and t not in free.token_ids[:i])  # its first time at k
     (o,) = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=[free.token_ids[k]]))
     assert o.token_ids == free.token_ids[: k + 1] and o.text == llm.tokenizer.decode(free.token_ids[:k])
+    assert o.outputs[0].stop_reason == free.token_ids[k] and hidden.outputs[0].stop_reason is None  # a stop id; EOS
     # min_tokens: a stop string in the text of the tokens before it does not count
     (late,) = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, stop=[stop], min_tokens=12))
     assert len(late.token_ids) >= 12 and late.text.startswith(cut.text + stop)
     url = tiny_server(llm_kw={"drafter": "ngram", "policy": "fixed"})
     with httpx.Client(base_url=url, timeout=60) as h:
-        for body, want in (({"prompt": prompt, "max_tokens": 24, "stop": [stop], "include_stop_str_in_output": True},
-                            kept.text),
-                           ({"prompt": prompt, "max_tokens": 8, "skip_special_tokens": False, "min_tokens": 3,
-                             "logit_bias": {str(eos): 100, str(start): 50}}, shown.text),
-                           ({"prompt": prompt, "max_tokens": 24, "stop": [stop], "min_tokens": 12}, late.text)):
+        cases = [({"prompt": prompt, "max_tokens": 24, "stop": [stop], "include_stop_str_in_output": True}, kept),
+                 ({"prompt": prompt, "max_tokens": 24, "stop_token_ids": [free.token_ids[k]]}, o),
+                 ({"prompt": prompt, "max_tokens": 8, "skip_special_tokens": False, "min_tokens": 3,
+                   "logit_bias": {str(eos): 100, str(start): 50}}, shown),
+                 ({"prompt": prompt, "max_tokens": 24, "stop": [stop], "min_tokens": 12}, late)]
+        for body, want in cases:
             body = {**body, "temperature": 0}
-            assert h.post("/v1/completions", json=body).json()["choices"][0]["text"] == want
-            assert _stream_choices(h, "/v1/completions", body)[0] == want
+            choice = h.post("/v1/completions", json=body).json()["choices"][0]
+            assert choice["text"] == want.text
+            assert _stream_choices(h, "/v1/completions", body)[0] == want.text
+            # vLLM's stop_reason (the stop string or stop token id; None for EOS and length), whole and streamed
+            assert choice["stop_reason"] == want.outputs[0].stop_reason
+            with h.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                last = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")][-1]
+            assert last["choices"][0]["stop_reason"] == want.outputs[0].stop_reason
 
 
 def test_truncate_prompt_tokens(tiny_dir, tiny_server):

@@ -94,6 +94,7 @@ class Request:
     row: int = -1  # KV cache row while running
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stopped_by_token: bool = False  # ended on EOS or a stop_token_id (its text is not shown)
+    stop_reason: int | str | None = None  # vLLM's: the stop_token_id or stop string that ended it (None: EOS, length)
     text: str = ""  # decoded output, stop string removed
     stats: RequestStats = field(default_factory=RequestStats)
     # one dict per output token when params.logprobs is not None (core/logprobs.py)

@@ -395,12 +395,12 @@ class Engine:
             kept += 1
             if s.stats.t_first_token is None:
                 s.stats.t_first_token = time.perf_counter()
-            if (not p.ignore_eos and t in self.eos_token_ids) or t in p.stop_token_ids:
-                s.finish_reason = "stop"
-                s.stopped_by_token = True
+            eos = not p.ignore_eos and t in self.eos_token_ids
+            if eos or t in p.stop_token_ids:
+                s.finish_reason, s.stopped_by_token, s.stop_reason = "stop", True, None if eos else t
                 break
-            if p.stop and len(s.output_ids) >= p.min_tokens and self._stop_string_ends(s):
-                s.finish_reason = "stop"
+            if p.stop and len(s.output_ids) >= p.min_tokens and (hit := self._stop_string_ends(s)) is not None:
+                s.finish_reason, s.stop_reason = "stop", hit
                 break
             if len(s.output_ids) >= p.max_tokens or s.num_tokens >= self.max_len:
                 s.finish_reason = "length"
@@ -410,13 +410,16 @@ class Engine:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def _stop_string_ends(self, s: Request) -> bool:
-        """Whether the output now holds a stop string that ends past the first min_tokens - 1 tokens' text."""
+    def _stop_string_ends(self, s: Request) -> str | None:
+        """The stop string the output now holds, ending past the first min_tokens - 1 tokens' text; or None."""
         p = s.params
         window = max(len(x) for x in p.stop) + 8
         if len(s.output_ids) - window >= p.min_tokens - 1:  # only the tail can complete a new one: decode a window
-            return find_stop(self.decode(s.output_ids[-window:], p.skip_special_tokens), p.stop) is not None
-        return find_stop(self.decode(s.output_ids, p.skip_special_tokens), p.stop, self.stop_floor(s)) is not None
+            text, after = self.decode(s.output_ids[-window:], p.skip_special_tokens), 0
+        else:
+            text, after = self.decode(s.output_ids, p.skip_special_tokens), self.stop_floor(s)
+        hit = find_stop(text, p.stop, after)
+        return None if hit is None else text[hit[0]: hit[1]]
 
     def stop_floor(self, s: Request) -> int:
         """Characters of output text a stop string must end past: the text of the tokens before

@@ -36,6 +36,7 @@ class Event:
     token_ids: list[int] = field(default_factory=list)  # new ids (tokens); all output ids (finished)
     text: str = ""  # final visible text (finished)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop_token_id or stop string that ended it (finished)
     message: str = ""  # error
     cached_tokens: int = 0  # prompt tokens whose KV was reused (finished; prefix caching)
     logprobs: list | None = None  # per token of token_ids, when the request asked (core/logprobs.py)
@@ -223,7 +224,7 @@ class EngineLoop:
                 self.metrics.record_finished(seq.finish_reason or "stop", now - live.sub.t_arrival,
                                              seq.stats.cached_tokens)
                 live.sub.sink(Event("finished", index=live.sub.index, token_ids=list(seq.output_ids),
-                                    text=seq.text, finish_reason=seq.finish_reason,
+                                    text=seq.text, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
                                     cached_tokens=seq.stats.cached_tokens, logprobs=_copy(seq.logprobs),
                                     prompt_logprobs=_copy(seq.prompt_logprobs)))
             elif n > 0 and live.sub.stream:

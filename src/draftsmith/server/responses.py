@@ -38,7 +38,7 @@ class ResponseFormat:
         """A finished choice as the client sees it: without the generated token of an echo-only request."""
         if not self.echo_only:
             return ev
-        return replace(ev, token_ids=[], text="", logprobs=None if ev.logprobs is None else [])
+        return replace(ev, token_ids=[], text="", logprobs=None if ev.logprobs is None else [], stop_reason=None)
 
     def logprobs_of(self, index: int, token_ids: list[int], entries: list | None,
                     prompt_entries: list | None = None) -> dict | None:
@@ -59,13 +59,17 @@ class ResponseFormat:
         return {**self._head("chat.completion.chunk"), "choices": [
             {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
 
-    def chunk(self, index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
-        """A streamed chunk; `logprobs`: the object of the tokens since the previous chunk."""
+    def chunk(self, index: int, text: str, finish_reason: str | None, logprobs: dict | None = None,
+              stop_reason: int | str | None = None) -> dict:
+        """A streamed chunk; `logprobs`: the object of the tokens since the previous chunk;
+        `stop_reason`: vLLM's (the stop token id or string that ended the choice: its last chunk)."""
         if self.chat:
             delta = {"content": text} if text else {}
-            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
+                      "stop_reason": stop_reason}
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+                  "stop_reason": stop_reason}
         return {**self._head("text_completion"), "choices": [choice]}
 
     def usage_chunk(self, usage: dict) -> dict:
@@ -77,14 +81,14 @@ class ResponseFormat:
         if self.chat:
             choices = [{"index": e.index, "message": {"role": "assistant", "content": e.text},
                         "logprobs": self.logprobs_of(e.index, e.token_ids, e.logprobs),
-                        "finish_reason": e.finish_reason} for e in finals]
+                        "finish_reason": e.finish_reason, "stop_reason": e.stop_reason} for e in finals]
             return {**self._head("chat.completion"), "choices": choices, "usage": usage}
         choices = []
         for e in finals:
             echo = self.echoed(e.index)
             lp = self.logprobs_of(e.index, e.token_ids, e.logprobs, None if echo is None else e.prompt_logprobs)
             choices.append({"index": e.index, "text": ("" if echo is None else echo[0]) + e.text, "logprobs": lp,
-                            "finish_reason": e.finish_reason})
+                            "finish_reason": e.finish_reason, "stop_reason": e.stop_reason})
         return {**self._head("text_completion"), "choices": choices, "usage": usage}
 
 

@@ -62,14 +62,15 @@ class _Choice:
         self.prompt_entries = ev.prompt_logprobs if ev.prompt_logprobs is not None else self.prompt_entries
         return self.text.finish(ev.text)
 
-    def chunk(self, fmt: ResponseFormat, index: int, text: str, finish_reason: str | None) -> dict:
+    def chunk(self, fmt: ResponseFormat, index: int, text: str, finish_reason: str | None,
+              stop_reason: int | str | None = None) -> dict:
         prompt = None
         if self.echo is not None:  # the first chunk carries the prompt
             text, prompt, self.echo = self.echo[0] + text, self.prompt_entries, None
         lp = fmt.logprobs_of(index, self.ids, self.entries, prompt)
         self.sent += len(self.ids)
         self.ids, self.entries = [], []
-        return fmt.chunk(index, text, finish_reason, lp)
+        return fmt.chunk(index, text, finish_reason, lp, stop_reason)
 
 
 async def stream_events(st: ServerState, subs: list[SubRequest], q: asyncio.Queue[Event], fmt: ResponseFormat,
@@ -98,7 +99,7 @@ async def stream_events(st: ServerState, subs: list[SubRequest], q: asyncio.Queu
                 done.add(ev.index)
                 finals.append(ev)
                 c = choices[ev.index]
-                yield sse(c.chunk(fmt, ev.index, c.finish(ev), ev.finish_reason))
+                yield sse(c.chunk(fmt, ev.index, c.finish(ev), ev.finish_reason, ev.stop_reason))
             elif ev.kind == "error":
                 st.metrics.record_error(500)
                 yield sse(APIError(500, ev.message, type="internal_error").body())
