@@ -370,10 +370,10 @@ class Engine:
             self.cache.lengths[s.row] += 1 + m
             s.stats.target_forwards += 1
             appended = self._append(s, committed_tokens[b][: m + 1])
-            advance(s, s.output_ids[len(s.output_ids) - appended:])
+            kept = s.output_ids[len(s.output_ids) - appended:]
+            advance(s, kept)  # the request's grammar follows its output (core/structured.py)
             if s.logprobs is not None:  # the target's rows of the committed tokens (core/logprobs.py)
-                s.logprobs += token_logprobs(out.logits[b], s.output_ids[len(s.output_ids) - appended:],
-                                              s.params.logprobs)
+                s.logprobs += token_logprobs(out.logits[b], kept, s.params.logprobs)
             s.stats.record_round(proposed=lengths[b], accepted=m, committed=appended)
         self.drafter.on_verified(seqs, proposal, result, self._features(out))
         self.policy.update(seqs, proposal, result)
