@@ -171,9 +171,11 @@ class LLM:
         self._token_texts: TokenText | None = None  # logprobs' token texts (built on first use)
 
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
-                            continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[int]:
+                            continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+                            tools: list[dict] | None = None, chat_template: str | None = None) -> list[int]:
         return encode_chat(self.tokenizer, messages, self.target.target_id, add_generation_prompt=add_generation_prompt,
-                           continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs)
+                           continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs,
+                           tools=tools, chat_template=chat_template)
 
     def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         return encode_text(self.tokenizer, prompt, add_special_tokens)
@@ -231,15 +233,19 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
         """vLLM's LLM.chat: one conversation (a list of messages) or several; the template's
         options as in apply_chat_template (e.g. continue_final_message=True with
-        add_generation_prompt=False continues a started assistant message)."""
+        add_generation_prompt=False continues a started assistant message; `tools`: OpenAI tool
+        definitions for a tool-aware template; `chat_template`: a Jinja template of your own)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
         ids = [self.apply_chat_template(list(c), add_generation_prompt=add_generation_prompt,  # type: ignore[arg-type]
                                         continue_final_message=continue_final_message,
-                                        chat_template_kwargs=chat_template_kwargs) for c in conversations]
+                                        chat_template_kwargs=chat_template_kwargs, tools=tools,
+                                        chat_template=chat_template) for c in conversations]
         return self.generate(ids, sampling_params)
 
     def _output(self, i: int, s) -> CompletionOutput:

@@ -260,6 +260,43 @@ def test_structured_outputs_through_the_openai_client(env):
     assert streamed == whole and Person.model_validate_json(whole)
 
 
+def test_tool_calls_through_the_openai_client(env):
+    """Tool calling with the official client: `chat.completions.parse(tools=[pydantic_function_tool(
+    GetWeather)], tool_choice=<named>)` parses the call's arguments into the model; tool_choice
+    "required" gives a call to a listed function; both servers (the n-gram one speculative) make
+    the same calls, and a call streamed through the client equals the whole one."""
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class GetWeather(BaseModel):
+        city: str
+        unit: Literal["celsius", "fahrenheit"]
+
+    tool = openai.pydantic_function_tool(GetWeather)
+    msgs = [{"role": "user", "content": "What's the weather in Paris? Use the tool."}]
+    kw = dict(model=MODEL, messages=msgs, max_tokens=64, temperature=0, tools=[tool])
+    named = {"type": "function", "function": {"name": "GetWeather"}}
+    got = {}
+    for server in _server_names():
+        r = _client(env[server]).chat.completions.parse(tool_choice=named, **kw)
+        (call,) = r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "stop" and call.function.name == "GetWeather"
+        assert isinstance(call.function.parsed_arguments, GetWeather) and call.function.parsed_arguments.city
+        r = _client(env[server]).chat.completions.create(tool_choice="required", **kw)
+        calls = r.choices[0].message.tool_calls
+        assert calls and all(c.function.name == "GetWeather" and GetWeather.model_validate_json(c.function.arguments)
+                             for c in calls)
+        got[server] = (call.function.arguments, [c.function.arguments for c in calls])
+    assert got["ngram"] == got["plain"]
+    args, names = "", []
+    for ch in _client(env["ngram"]).chat.completions.create(tool_choice=named, stream=True, **kw):
+        for c in (ch.choices[0].delta.tool_calls or []) if ch.choices else []:
+            names += [c.function.name] if c.function.name else []
+            args += c.function.arguments or ""
+    assert names == ["GetWeather"] and args == got["plain"][0]
+
+
 def test_ngram_server_drafts_and_matches_cli_generate(env):
     """Speculation happened on the ngram server (and its greedy output equals plain's above);
     the CLI's `generate --json` gives the same text as the server for the same prompt."""

@@ -32,7 +32,36 @@ def add_parser(sub) -> None:
                    help="UTF-8 bytes of prompt text per request (default 1 MiB)")
     s.add_argument("--max-queued-tokens", type=positive_int, default=None,
                    help="prompt + max_tokens of all unfinished requests; past it, 429 (default 32 x max-batch x max-len)")
+    s.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template (a file, or the template itself) in place of the target's own")
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser')
+    s.add_argument("--tool-call-parser", default=None,
+                   help="how the model writes tool calls: hermes (<tool_call>{...}</tool_call>, as Qwen2.5 and Hermes)")
     s.set_defaults(func=cmd_serve)
+
+
+def read_chat_template(value: str) -> str:
+    """--chat-template: a file's text, or the value itself when it is a Jinja template; its
+    syntax checked here, not at the first request."""
+    import jinja2
+
+    if os.path.isfile(value):
+        try:
+            with open(value, encoding="utf-8") as f:
+                text = f.read()
+        except UnicodeDecodeError as e:
+            raise DraftsmithError(f"--chat-template {value}: not UTF-8 text ({e})") from None
+    elif "{{" in value or "{%" in value:
+        text = value
+    else:
+        raise DraftsmithError(f"--chat-template {value!r} is neither a file nor a Jinja template (one with {{{{ }}}} "
+                              "or {% %}); give the template file's path or the template itself")
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise DraftsmithError(f"--chat-template: not a valid Jinja template (line {e.lineno}: {e.message})") from None
+    return text
 
 
 def cmd_serve(args) -> int:
@@ -42,6 +71,15 @@ def cmd_serve(args) -> int:
         raise DraftsmithError("--num-speculative-tokens must be >= 0")
     if not 0 <= args.port <= 65535:
         raise DraftsmithError(f"--port must be in 0..65535, got {args.port}")
+    from draftsmith.server.tools import TOOL_CALL_PARSERS  # (the server's modules load fastapi: here, not at startup)
+
+    if args.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+        raise DraftsmithError(f"--tool-call-parser {args.tool_call_parser!r} is not known; known: "
+                              f"{', '.join(TOOL_CALL_PARSERS)}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise DraftsmithError("--enable-auto-tool-choice needs --tool-call-parser (how the model writes its calls, "
+                              "e.g. hermes)")
+    chat_template = read_chat_template(args.chat_template) if args.chat_template else None
     llm = LLM(
         args.target, drafter=args.drafter, drafter_dtype=args.drafter_dtype,
         enable_prefix_caching=args.enable_prefix_caching, threads=args.threads,
@@ -61,5 +99,6 @@ def cmd_serve(args) -> int:
         file=sys.stderr, flush=True,
     )
     serve(llm, host=args.host, port=args.port, log_level=args.log_level, model_name=args.served_model_name,
-          api_key=api_key, limits=limits)
+          api_key=api_key, limits=limits, chat_template=chat_template,
+          tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
     return 0

@@ -2,8 +2,9 @@
 
 Types are strict where a wrong type is a client bug (a string for `max_tokens`, a bool for
 `temperature`); unknown fields are ignored, as OpenAI-compatible servers usually do.
-Options Draftsmith cannot honour (tools, suffix, best_of != n) are rejected with a 400
-rather than silently ignored.
+Options Draftsmith cannot honour (suffix, best_of != n) are rejected with a 400 rather than
+silently ignored. Tool calling's fields (`tools`, `tool_choice`, `parallel_tool_calls`, messages
+with `tool_calls` and the `tool` role) are OpenAI's; server/tools.py gives them their meaning.
 """
 
 from __future__ import annotations
@@ -136,10 +137,48 @@ class TextPart(_Req):
     text: StrictStr
 
 
+class FunctionDefinition(_Req):
+    name: StrictStr = Field(min_length=1)
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: StrictBool | None = None
+
+
+class Tool(_Req):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Req):
+    name: StrictStr
+
+
+class NamedToolChoice(_Req):
+    """`{"type": "function", "function": {"name": ...}}`: call this function."""
+
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(_Req):
+    name: StrictStr
+    arguments: StrictStr  # JSON text, as the model wrote it
+
+
+class ToolCall(_Req):
+    """A call an assistant message made earlier in the conversation."""
+
+    id: StrictStr | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Req):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's
+    tool_call_id: StrictStr | None = None  # a tool's: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -155,7 +194,9 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = None
-    tools: list[Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
     # vLLM's chat-template options
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
@@ -167,12 +208,6 @@ class ChatCompletionRequest(_Sampling):
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
         return _in_range(self.top_logprobs or 0, "top_logprobs") if self.logprobs else None
 
-    def unsupported(self) -> list[str]:
-        bad = super().unsupported()
-        if self.tools:
-            bad.append("tools")
-        return bad
-
 
 class TokenizeRequest(_Req):
     """vLLM's POST /tokenize: `prompt` (tokenized as /v1/completions does) or `messages` (as
@@ -181,6 +216,7 @@ class TokenizeRequest(_Req):
     model: StrictStr | None = None
     prompt: StrictStr | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None  # for a tool-aware chat template, as in chat requests
     return_token_strs: StrictBool = False
     add_special_tokens: StrictBool = True  # a prompt's (the chat template places a chat's own)
     add_generation_prompt: StrictBool = True

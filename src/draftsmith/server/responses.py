@@ -9,6 +9,8 @@ from dataclasses import replace
 from draftsmith.models.token_text import TokenText
 from draftsmith.server.engine_loop import Event
 from draftsmith.server.logprobs import LogprobsFormat
+from draftsmith.server.tool_calls import ToolCallReader, reader, whole_message
+from draftsmith.server.tools import ToolPlan
 
 
 class ResponseFormat:
@@ -21,6 +23,15 @@ class ResponseFormat:
         self.echo: list[tuple[str, list[int]]] | None = None  # per prompt: its text and ids
         self.n = 1
         self.echo_only = False
+        self.tools: ToolPlan | None = None
+
+    def with_tools(self, plan: ToolPlan | None) -> None:
+        """A chat request with tools: its answers are read for tool calls (server/tool_calls.py)."""
+        self.tools = plan
+
+    def tool_reader(self) -> ToolCallReader | None:
+        """A fresh reader of one choice's text (None: the text is all content)."""
+        return reader(self.tools)
 
     def with_logprobs(self, k: int | None, token_text: TokenText) -> None:
         """The request asked for logprobs with k top tokens (None: it did not)."""
@@ -60,11 +71,13 @@ class ResponseFormat:
             {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
 
     def chunk(self, index: int, text: str, finish_reason: str | None, logprobs: dict | None = None,
-              stop_reason: int | str | None = None) -> dict:
+              stop_reason: int | str | None = None, delta: dict | None = None) -> dict:
         """A streamed chunk; `logprobs`: the object of the tokens since the previous chunk;
-        `stop_reason`: vLLM's (the stop token id or string that ended the choice: its last chunk)."""
+        `stop_reason`: vLLM's (the stop token id or string that ended the choice: its last chunk);
+        `delta`: a chat chunk's delta in place of `text` (content and tool calls)."""
         if self.chat:
-            delta = {"content": text} if text else {}
+            if delta is None:
+                delta = {"content": text} if text else {}
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
                       "stop_reason": stop_reason}
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
@@ -79,9 +92,15 @@ class ResponseFormat:
     def response(self, finals: list[Event], usage: dict) -> dict:
         """The whole response of `finals` (visible events, in choice order)."""
         if self.chat:
-            choices = [{"index": e.index, "message": {"role": "assistant", "content": e.text},
-                        "logprobs": self.logprobs_of(e.index, e.token_ids, e.logprobs),
-                        "finish_reason": e.finish_reason, "stop_reason": e.stop_reason} for e in finals]
+            choices = []
+            for e in finals:
+                message, called, r = {"role": "assistant", "content": e.text}, False, self.tool_reader()
+                if r is not None:
+                    message, called = whole_message(r, e.text)
+                choices.append({"index": e.index, "message": message,
+                                "logprobs": self.logprobs_of(e.index, e.token_ids, e.logprobs),
+                                "finish_reason": "tool_calls" if called else e.finish_reason,
+                                "stop_reason": e.stop_reason})
             return {**self._head("chat.completion"), "choices": choices, "usage": usage}
         choices = []
         for e in finals:

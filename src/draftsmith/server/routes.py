@@ -18,6 +18,7 @@ from draftsmith.server.protocol import (APIError, ChatCompletionRequest, Complet
                                        TokenizeRequest)
 from draftsmith.server.responses import ResponseFormat
 from draftsmith.server.state import ServerState
+from draftsmith.server.tools import message_texts, template_messages, tool_plan
 
 
 def add_routes(app: FastAPI, st: ServerState) -> None:
@@ -71,19 +72,23 @@ def add_routes(app: FastAPI, st: ServerState) -> None:
         req: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest, st.limits.max_body_bytes)
         st.check_model(req.model)
         reject_unsupported(req)
+        plan = tool_plan(req, st.tool_call_parser)
         ids = _chat_ids(req, req.n)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         fmt = ResponseFormat(chat=True, rid=f"chatcmpl-{uuid.uuid4().hex}", model=st.model_id)
+        fmt.with_tools(plan)
         return await generate(st, request, req, [ids], max_tokens, fmt, "messages")
 
     def _chat_ids(req, n: int = 1) -> list[int]:
-        """The request's messages through the chat template, with its template options."""
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        st.check_size(1, n, text_bytes([m["content"] for m in messages]), "messages")
+        """The request's messages through the chat template, with its template options and tools."""
+        st.check_size(1, n, text_bytes(message_texts(req.messages)), "messages")
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         try:
-            return st.front.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+            return st.front.apply_chat_template(template_messages(req.messages),
+                                                add_generation_prompt=req.add_generation_prompt,
                                                 continue_final_message=req.continue_final_message,
-                                                chat_template_kwargs=req.chat_template_kwargs)
+                                                chat_template_kwargs=req.chat_template_kwargs, tools=tools,
+                                                chat_template=st.chat_template)
         except DraftsmithError as e:
             msg = str(e)
             param = next((f for f in ("continue_final_message", "chat_template_kwargs") if msg.startswith(f)), "messages")

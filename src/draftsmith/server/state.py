@@ -64,8 +64,11 @@ class _Front:
 
 class ServerState:
     def __init__(self, llm: LLM, model_name: str | None = None, api_key: str | None = None,
-                 limits: Limits | None = None) -> None:
+                 limits: Limits | None = None, chat_template: str | None = None,
+                 tool_call_parser: str | None = None) -> None:
         self.llm = llm
+        self.chat_template = chat_template  # Jinja in place of the target's own (serve --chat-template)
+        self.tool_call_parser = tool_call_parser  # tool_choice "auto"'s parser (None: auto is refused)
         self.model_id = model_name or llm.target.target_id
         self.max_len = llm.engine.max_len
         self.vocab_size = llm.target.model.config.vocab_size

@@ -16,6 +16,7 @@ from draftsmith.server.protocol import APIError
 from draftsmith.server.responses import ResponseFormat, usage
 from draftsmith.server.state import ServerState
 from draftsmith.server.text import StreamText
+from draftsmith.server.tool_calls import ToolCallReader
 
 
 def sse(obj: dict) -> str:
@@ -41,9 +42,11 @@ class _Choice:
     """One choice's stream: its text (held back where it may still change), the tokens and
     logprobs entries received since its last chunk, and an echoed prompt until its first chunk."""
 
-    def __init__(self, decode: Callable[[list[int]], str], params, echo: tuple[str, list[int]] | None) -> None:
+    def __init__(self, decode: Callable[[list[int]], str], params, echo: tuple[str, list[int]] | None,
+                 tools: ToolCallReader | None = None) -> None:
         self.text = StreamText(decode, params.stop, params.include_stop_str_in_output, params.min_tokens)
         self.echo = echo
+        self.tools = tools  # a chat answer read for tool calls
         self.prompt_entries: list | None = None
         self.ids: list[int] = []
         self.entries: list = []
@@ -63,14 +66,21 @@ class _Choice:
         return self.text.finish(ev.text)
 
     def chunk(self, fmt: ResponseFormat, index: int, text: str, finish_reason: str | None,
-              stop_reason: int | str | None = None) -> dict:
+              stop_reason: int | str | None = None) -> dict | None:
+        """The next chunk (None: the tool-call reader holds all of `text` back for now)."""
+        delta = None
+        if self.tools is not None:
+            delta = self.tools.push(text) if finish_reason is None else self.tools.finish(text)
+            if not delta and finish_reason is None:
+                return None  # the tokens' logprobs go with the next chunk
+            finish_reason = "tool_calls" if finish_reason is not None and self.tools.called else finish_reason
         prompt = None
         if self.echo is not None:  # the first chunk carries the prompt
             text, prompt, self.echo = self.echo[0] + text, self.prompt_entries, None
         lp = fmt.logprobs_of(index, self.ids, self.entries, prompt)
         self.sent += len(self.ids)
         self.ids, self.entries = [], []
-        return fmt.chunk(index, text, finish_reason, lp, stop_reason)
+        return fmt.chunk(index, text, finish_reason, lp, stop_reason, delta)
 
 
 async def stream_events(st: ServerState, subs: list[SubRequest], q: asyncio.Queue[Event], fmt: ResponseFormat,
@@ -79,7 +89,7 @@ async def stream_events(st: ServerState, subs: list[SubRequest], q: asyncio.Queu
     """The SSE lines of one request's choices, read from its event queue `q`; marks finished
     choices in `done` and calls `close` at the end, however the stream ends. `n`: choices per prompt."""
     choices = {s.index: _Choice(partial(st.front.decode, skip_special_tokens=s.params.skip_special_tokens),
-                                s.params, fmt.echoed(s.index)) for s in subs}
+                                s.params, fmt.echoed(s.index), fmt.tool_reader()) for s in subs}
     finals: list[Event] = []
     try:
         for s in subs:
@@ -92,8 +102,9 @@ async def stream_events(st: ServerState, subs: list[SubRequest], q: asyncio.Queu
                 if fmt.echo_only:  # the engine's one token is not the client's
                     continue
                 delta = choices[ev.index].receive(ev)
-                if delta:
-                    yield sse(choices[ev.index].chunk(fmt, ev.index, delta, None))
+                chunk = choices[ev.index].chunk(fmt, ev.index, delta, None) if delta else None
+                if chunk is not None:
+                    yield sse(chunk)
             elif ev.kind == "finished":
                 ev = fmt.visible(ev)
                 done.add(ev.index)

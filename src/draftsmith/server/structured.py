@@ -1,5 +1,6 @@
 """A request's grammar: OpenAI's `response_format`, vLLM's `structured_outputs` object and its
-older `guided_*` fields, checked and turned into one StructuredOutputsParams (core/structured.py)."""
+older `guided_*` fields, and the JSON a forced tool call must be (server/tools.py), checked and
+turned into one StructuredOutputsParams (core/structured.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from typing import Any, Callable
 
 from draftsmith.core.structured import StructuredOutputsParams
 from draftsmith.errors import DraftsmithError
-from draftsmith.server.protocol import APIError
+from draftsmith.server.protocol import APIError, NamedToolChoice
+from draftsmith.server.tools import forced_schema
 
 _STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace", "whitespace_pattern")
 _IGNORED_KEYS = ("disable_fallback", "disable_additional_properties")  # vLLM backend switches, nothing to do here
@@ -17,8 +19,10 @@ _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "cho
 def asks_structure(req: Any) -> bool:
     """Whether the request has any field that asks for a grammar (so the cheap path skips the rest)."""
     rf = req.response_format
+    choice = getattr(req, "tool_choice", None)
     return bool((rf and rf.get("type") not in (None, "text")) or req.structured_outputs
-                or any(getattr(req, name) is not None for name in _GUIDED))
+                or any(getattr(req, name) is not None for name in _GUIDED)
+                or choice == "required" or isinstance(choice, NamedToolChoice))
 
 
 def structured_outputs(req: Any, check: Callable[[StructuredOutputsParams], None] | None = None
@@ -59,6 +63,9 @@ def structured_outputs(req: Any, check: Callable[[StructuredOutputsParams], None
     for name, key in _GUIDED.items():
         if getattr(req, name) is not None:
             asked[name] = {key: getattr(req, name)}
+    schema = forced_schema(req)
+    if schema is not None:
+        asked["tool_choice"] = {"json": schema}
     if not asked:
         return None
     if len(asked) > 1:

@@ -1,0 +1,137 @@
+"""Tool calling on /v1/chat/completions, with vLLM's rules: what a request's `tools`,
+`tool_choice` and `parallel_tool_calls` ask for (`ToolPlan`), the messages of a conversation
+with earlier calls as a chat template reads them, and the grammar a forced call decodes under.
+
+- `tool_choice: {"type": "function", "function": {"name": F}}`: the answer is F's arguments, a
+  JSON object decoded under F's `parameters` schema (a grammar: server/structured.py);
+- `"required"`: one or more calls, a JSON array `[{"name": ..., "parameters": {...}}, ...]`
+  decoded under a schema that allows exactly the request's functions (at most one call with
+  `parallel_tool_calls: false`);
+- `"auto"` (the default when tools are given): the model decides; its text is parsed for calls
+  by the server's `--tool-call-parser` (hermes: `<tool_call>{"name": ..., "arguments": ...}
+  </tool_call>`, Qwen2.5's and Hermes' format), which `serve --enable-auto-tool-choice` turns on;
+  without it, "auto" is refused, as vLLM refuses it;
+- `"none"`: no calls; the tools still reach the chat template.
+
+A forced call is a grammar like any other, so speculative decoding stays lossless under it
+(core/structured.py). server/tool_calls.py turns the generated text into the message's calls.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from draftsmith.server.protocol import APIError, ChatMessage, NamedToolChoice
+
+TOOL_CALL_PARSERS = ("hermes",)
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """What one chat request asked of its tools. `mode`: none, auto, required or named; `name`:
+    the named function; `parallel`: more than one call allowed; `parser`: auto's text parser."""
+
+    mode: str
+    tools: list[dict]  # the OpenAI definitions, for the chat template
+    name: str | None = None
+    parallel: bool = True
+    parser: str | None = None
+
+
+def tool_plan(req: Any, parser: str | None) -> ToolPlan | None:
+    """The request's tool plan (None without tools), checked as vLLM checks it; `parser`: the
+    server's auto tool-call parser (None: auto tool choice is off)."""
+    tools, choice = req.tools, req.tool_choice
+    if tools is not None and not tools:
+        raise APIError(400, "tools must not be an empty list: give at least one tool or leave the field out",
+                       param="tools", code="invalid_value")
+    if tools is None:
+        if choice not in (None, "none"):
+            raise APIError(400, "tool_choice needs tools: list the functions the model may call in `tools`",
+                           param="tool_choice", code="invalid_value")
+        return None
+    names = [t.function.name for t in tools]
+    dup = next((n for i, n in enumerate(names) if n in names[:i]), None)
+    if dup is not None:
+        raise APIError(400, f"tools: two functions are named {dup!r}; names must be unique", param="tools",
+                       code="invalid_value")
+    defs = [t.model_dump(exclude_none=True) for t in tools]
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in names:
+            raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not in tools "
+                           f"({', '.join(names)})", param="tool_choice", code="invalid_value")
+        return ToolPlan("named", defs, name=choice.function.name, parallel=req.parallel_tool_calls)
+    mode = choice or "auto"
+    if mode == "auto" and parser is None:
+        raise APIError(400, '"auto" tool choice (the default when tools are given) needs a server started with '
+                       "`draftsmith serve --enable-auto-tool-choice --tool-call-parser hermes`; or send "
+                       'tool_choice "required", "none" or {"type": "function", "function": {"name": ...}}',
+                       param="tool_choice", code="invalid_value")
+    return ToolPlan(mode, defs, parallel=req.parallel_tool_calls, parser=parser if mode == "auto" else None)
+
+
+def forced_schema(req: Any) -> dict | None:
+    """The JSON schema a request's tool_choice forces its answer into (None: nothing forced)."""
+    tools, choice = getattr(req, "tools", None), getattr(req, "tool_choice", None)
+    if not tools:
+        return None
+    if isinstance(choice, NamedToolChoice):
+        fn = next((t.function for t in tools if t.function.name == choice.function.name), None)
+        return None if fn is None else _parameters(fn.parameters)
+    if choice != "required":
+        return None
+    defs: dict[str, Any] = {}
+    alternatives = []
+    for t in tools:
+        params = dict(_parameters(t.function.parameters))
+        # a function's "#/$defs/..." refer to its own schema's root: move them to the new root
+        for key, sub in params.pop("$defs", {}).items():
+            if key in defs and defs[key] != sub:
+                raise APIError(400, f"tools: two functions define $defs/{key} differently; tool_choice \"required\" "
+                               "needs one meaning for each name", param="tools", code="invalid_value")
+            defs[key] = sub
+        alternatives.append({"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},
+                                                              "parameters": params},
+                             "required": ["name", "parameters"], "additionalProperties": False})
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": alternatives}}
+    if req.parallel_tool_calls is False:
+        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+def _parameters(params: dict | None) -> dict:
+    return params if params is not None else {"type": "object", "properties": {}}
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict]:
+    """The messages as a chat template reads them: text content ("" for none), an assistant's
+    earlier calls with their arguments as objects (as vLLM hands them to HF templates, which
+    write them with `tojson`), a tool message's `tool_call_id`."""
+    out = []
+    for m in messages:
+        d: dict[str, Any] = {"role": m.role, "content": m.text()}
+        if m.tool_calls:
+            d["tool_calls"] = [{"id": c.id, "type": "function",
+                                "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                               for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        out.append(d)
+    return out
+
+
+def message_texts(messages: list[ChatMessage]) -> list[str]:
+    """Every text the messages carry (for the server's prompt-size limit)."""
+    return [m.text() for m in messages] + [c.function.arguments for m in messages for c in m.tool_calls or []]
+
+
+def _arguments(text: str) -> Any:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
