@@ -82,17 +82,17 @@ def test_forced_tool_calls_decode_under_their_schema(tiny_dir, tiny_server):
 
             msg, finish = _whole(h, required)
             text = want(required)
-            listed = json.loads(text) if finish == "stop" else None
+            listed = json.loads(text)  # the whole array, ended by the grammar ("stop")
             calls = _calls(msg)
-            assert calls and all(name in ("get_weather", "now") for name, _ in calls)
-            if listed is not None:  # the whole array: every element a call, in order
-                assert calls == [(c["name"], json.dumps(c["parameters"])) for c in listed]
-            assert _stream(h, required) == (msg["content"] or "", calls, finish)
+            assert calls == [(c["name"], json.dumps(c["parameters"])) for c in listed]  # each element a call
+            assert all(name in ("get_weather", "now") for name, _ in calls)
+            assert msg["content"] is None and finish == "tool_calls"  # OpenAI's for "required"
+            assert _stream(h, required) == ("", calls, "tool_calls")
             # a model keen on more calls (',' favoured) makes several, or one with parallel_tool_calls off
             comma = {**required["logit_bias"], **{str(t): 8.0 for t in ref.encode(",", add_special_tokens=False)}}
             many = _whole(h, {**required, "logit_bias": comma, "max_tokens": 200})[0]
             one = _whole(h, {**required, "logit_bias": comma, "max_tokens": 200, "parallel_tool_calls": False})
-            assert len(_calls(many)) >= 2 and len(_calls(one[0])) == 1 and one[1] == "stop"
+            assert len(_calls(many)) >= 2 and len(_calls(one[0])) == 1 and one[1] == "tool_calls"
 
 
 def test_auto_tool_choice_reads_hermes_calls(tiny_dir, tiny_server):
@@ -116,6 +116,35 @@ def test_auto_tool_choice_reads_hermes_calls(tiny_dir, tiny_server):
     with httpx.Client(base_url=tiny_server(), timeout=60) as h:
         _assert_openai_error(h.post("/v1/chat/completions", json=body), 400, "tool_choice",
                              says="--enable-auto-tool-choice")
+
+
+def test_tool_calls_with_n_choices_and_logprobs(tiny_server):
+    """n = 2 with logprobs, streamed: each choice read for calls on its own, and every generated
+    token's logprobs entry arrives once, though the reader holds the call's text back until its
+    end tag (they go with the chunk that carries the call)."""
+    regex = r'Hm\.<tool_call>\{"name": "now", "arguments": \{\}\}</tool_call>'
+    body = {"messages": MSGS, "tools": TOOLS, "max_tokens": 120, "temperature": 0, "n": 2, "logprobs": True,
+            "top_logprobs": 1, "structured_outputs": {"regex": regex}, "stream_options": {"include_usage": True}}
+    with httpx.Client(base_url=tiny_server(tool_call_parser="hermes"), timeout=60) as h:
+        whole = h.post("/v1/chat/completions", json=body).json()
+        content, calls, entries, usage = {}, {}, {}, None
+        with h.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                usage = chunk.get("usage") or usage
+                for ch in chunk["choices"]:
+                    i = ch["index"]
+                    content[i] = content.get(i, "") + (ch["delta"].get("content") or "")
+                    calls[i] = calls.get(i, []) + [c["function"]["name"] for c in ch["delta"].get("tool_calls", [])]
+                    entries[i] = entries.get(i, 0) + len((ch["logprobs"] or {}).get("content") or [])
+    for ch in whole["choices"]:
+        i = ch["index"]
+        assert ch["message"]["content"] == content[i] == "Hm." and [c["function"]["name"] for c in
+                                                                    ch["message"]["tool_calls"]] == calls[i] == ["now"]
+        assert ch["finish_reason"] == "tool_calls" and len(ch["logprobs"]["content"]) == entries[i]
+    assert sum(entries.values()) == usage["completion_tokens"] == whole["usage"]["completion_tokens"]
 
 
 TEMPLATE = ("{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}"
@@ -152,13 +181,17 @@ def test_a_conversation_with_calls_reaches_the_chat_template(tiny_dir, tiny_serv
      "not in tools"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
      "one way to constrain"),
-    ({"tools": [{"type": "retrieval"}], "tool_choice": "none"}, "tools", ""),
-    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", ""),
+    ({"tools": [{"type": "retrieval"}], "tool_choice": "none"}, "tools", "'function'"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "'required'"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}],
-      "tool_choice": "required"}, "tool_choice", ""),  # the schema does not compile
+      "tool_choice": "required"}, "tool_choice", "bogus"),  # the schema does not compile
+    ({"tools": [{"type": "function", "function": {"name": "f", "description": "x" * 5000}}],
+      "tool_choice": "none"}, "messages", "bytes"),  # tool definitions count toward the prompt's size
 ])
 def test_bad_tool_requests_are_clear_400s(tiny_server, extra, param, says):
-    with httpx.Client(base_url=tiny_server(), timeout=60) as h:
+    from draftsmith.server.app import Limits
+
+    with httpx.Client(base_url=tiny_server(limits=Limits(max_prompt_bytes=4096)), timeout=60) as h:
         r = h.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 4, **extra})
         _assert_openai_error(r, 400, param, says=says)
 
@@ -189,11 +222,14 @@ def test_serve_tool_and_template_flags(monkeypatch, tmp_path):
     path.write_text(TEMPLATE, encoding="utf-8")
     assert run("--chat-template", str(path))["chat_template"] == TEMPLATE
     assert run("--chat-template", TEMPLATE)["chat_template"] == TEMPLATE
+    hf_only = "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m.content }}{% endfor %}"
+    assert run("--chat-template", hf_only)["chat_template"] == hf_only  # HF's loop controls are Jinja here too
     assert run("--enable-auto-tool-choice", "--tool-call-parser", "hermes")["tool_call_parser"] == "hermes"
     assert run("--tool-call-parser", "hermes")["tool_call_parser"] is None  # auto stays off, as vLLM's
     n = len(loads)
     for flags, says in [(["--chat-template", str(tmp_path / "missing.jinja")], "neither a file nor"),
                         (["--chat-template", "{% for m in messages %}"], "not a valid Jinja template"),
+                        (["--chat-template", str(tmp_path)], "neither a file nor"),  # a directory
                         (["--enable-auto-tool-choice"], "needs --tool-call-parser"),
                         (["--enable-auto-tool-choice", "--tool-call-parser", "mistral"], "not known")]:
         with pytest.raises(DraftsmithError, match=says):

@@ -31,10 +31,11 @@ def merged(deltas: list[dict]) -> tuple[str, list[tuple[str, str]]]:
     return content, [tuple(calls[i]) for i in sorted(calls)]
 
 
-def streamed(make, pieces: list[str]) -> tuple[str, list[tuple[str, str]], bool]:
+def streamed(make, pieces: list[str]) -> tuple[str, list[tuple[str, str]], str]:
+    """-> (content, calls, finish_reason of an answer the engine ended with "stop")."""
     r = make()
     deltas = [r.push(p) for p in pieces[:-1]] + [r.finish(pieces[-1])]
-    return (*merged(deltas), r.called)
+    return (*merged(deltas), r.tool_calls_finish("stop"))
 
 
 def every_split(make, text: str) -> None:
@@ -64,15 +65,19 @@ HERMES = [  # (text, content, calls)
     ('x<tool_call>{"name": "f", "argu', 'x<tool_call>{"name": "f", "argu', []),  # cut: kept as text
     ("2 < 3 and <tool", "2 < 3 and <tool", []),  # a tag's start that never completes
     ("héllo 🌍" + CALL, "héllo 🌍", [("get_weather", ARGS)]),
+    (CALL + " x <tool_call> y", " x <tool_call> y", [("get_weather", ARGS)]),  # not a call: its space kept
+    ('<tool_call>{"name": "f", "arguments": null}</tool_call>', "", [("f", "{}")]),
+    ("<tool_call>" + "[" * 3000 + "</tool_call>", "<tool_call>" + "[" * 3000 + "</tool_call>", []),  # too deep
 ]
 
 
 @pytest.mark.parametrize("text,content,calls", HERMES)
 def test_hermes_reader_whole_and_every_split(text, content, calls):
     got = every_split(HermesReader, text)
-    assert got == (content, calls, bool(calls))
-    msg, called = whole_message(HermesReader(), text)
-    assert called == bool(calls)
+    assert got == (content, calls, "tool_calls" if calls else "stop")
+    r = HermesReader()
+    msg = whole_message(r, text)
+    assert r.tool_calls_finish("length") == "length"  # an answer cut short is not a clean call
     assert msg["content"] == (content or (None if calls else ""))
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in msg.get("tool_calls", [])] == calls
     assert len({c["id"] for c in msg.get("tool_calls", [])}) == len(calls)  # ids are unique
@@ -80,9 +85,9 @@ def test_hermes_reader_whole_and_every_split(text, content, calls):
 
 def test_hermes_reader_one_call_when_parallel_calls_are_off():
     text = CALL + "\n" + CALL.replace("Paris", "Oslo")
-    content, calls, called = every_split(lambda: HermesReader(max_calls=1), text)
-    assert calls == [("get_weather", ARGS)] and called
-    assert content == CALL.replace("Paris", "Oslo")  # the second call stays in the text, not lost
+    content, calls, finish = every_split(lambda: HermesReader(max_calls=1), text)
+    assert calls == [("get_weather", ARGS)] and finish == "tool_calls"
+    assert content == "\n" + CALL.replace("Paris", "Oslo")  # the second call stays in the text, not lost
 
 
 def test_hermes_reader_holds_back_only_what_may_become_a_tag():
@@ -93,7 +98,7 @@ def test_hermes_reader_holds_back_only_what_may_become_a_tag():
     d = r.push('"arguments": {}}</tool_call>')
     assert d["tool_calls"][0]["function"] == {"name": "f", "arguments": "{}"} and "content" not in d
     assert r.push("\n  ") == {}  # whitespace after a call waits for what follows it
-    assert r.finish("") == {} and r.called
+    assert r.finish("") == {} and r.tool_calls_finish("stop") == "tool_calls"
 
 
 REQUIRED = [
@@ -102,22 +107,23 @@ REQUIRED = [
     ('  [ {"name": "f", "parameters": {"s": "]},["}} ]  ', "", [("f", '{"s": "]},["}')]),
     ('[{"name": "f", "parameters": {"a": 1}}, {"name": "g", "para', ', {"name": "g", "para', [("f", '{"a": 1}')]),
     ('[{"name": "f", "parameters": {"a": 1}}', "", [("f", '{"a": 1}')]),  # cut before the ]
+    ('[{"name": "f", "para', '[{"name": "f", "para', []),  # cut in the first call: all of it is text
     ('{"name": "f"}', '{"name": "f"}', []),  # not an array: text
+    ("[" * 3000, "[" * 3000, []),  # too deep for json: text, no exception
     ("", "", []),
 ]
 
 
 @pytest.mark.parametrize("text,content,calls", REQUIRED)
 def test_required_reader_whole_and_every_split(text, content, calls):
-    assert every_split(RequiredReader, text) == (content, calls, False)
+    assert every_split(RequiredReader, text) == (content, calls, "tool_calls" if calls else "stop")
 
 
 def test_named_reader_is_all_arguments():
     text = '{"city": "Paris"}'
-    assert every_split(lambda: NamedReader("get_weather"), text) == ("", [("get_weather", text)], False)
-    msg, called = whole_message(NamedReader("f"), "")
+    assert every_split(lambda: NamedReader("get_weather"), text) == ("", [("get_weather", text)], "stop")
+    msg = whole_message(NamedReader("f"), "")
     assert msg["content"] is None and msg["tool_calls"][0]["function"] == {"name": "f", "arguments": ""}
-    assert not called  # a forced call ends with the engine's finish_reason, as OpenAI's and vLLM's
 
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now",
@@ -172,6 +178,15 @@ def test_required_schema_lifts_defs_to_its_root():
     assert all("$defs" not in alt["properties"]["parameters"] for alt in schema["items"]["anyOf"])
     with pytest.raises(APIError, match="define \\$defs/P differently"):
         forced_schema(_req(tools=[with_defs("a", item), with_defs("b", {"type": "string"})], tool_choice="required"))
+    old = {"type": "function", "function": {"name": "c", "parameters": {  # draft-07's definitions, too
+        "type": "object", "properties": {"p": {"$ref": "#/definitions/Q"}}, "definitions": {"Q": item}}}}
+    schema = forced_schema(_req(tools=[old], tool_choice="required"))
+    assert schema["definitions"] == {"Q": item} and "$defs" not in schema
+    tree = {"type": "function", "function": {"name": "t", "parameters": {  # recursive through its root
+        "type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}}}}
+    with pytest.raises(APIError, match="refer to their own root"):
+        forced_schema(_req(tools=[tree], tool_choice="required"))
+    assert forced_schema(_req(tools=[tree], tool_choice={"type": "function", "function": {"name": "t"}}))  # fine
 
 
 def test_messages_with_calls_as_a_template_reads_them():

@@ -45,20 +45,21 @@ def read_chat_template(value: str) -> str:
     """--chat-template: a file's text, or the value itself when it is a Jinja template; its
     syntax checked here, not at the first request."""
     import jinja2
+    from transformers.utils.chat_template_utils import _compile_jinja_template  # HF's own Jinja environment
 
     if os.path.isfile(value):
         try:
             with open(value, encoding="utf-8") as f:
                 text = f.read()
-        except UnicodeDecodeError as e:
-            raise DraftsmithError(f"--chat-template {value}: not UTF-8 text ({e})") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise DraftsmithError(f"--chat-template {value}: cannot read it as UTF-8 text ({e})") from None
     elif "{{" in value or "{%" in value:
         text = value
     else:
         raise DraftsmithError(f"--chat-template {value!r} is neither a file nor a Jinja template (one with {{{{ }}}} "
                               "or {% %}); give the template file's path or the template itself")
     try:
-        jinja2.Environment().parse(text)
+        _compile_jinja_template(text)  # (its loop controls and {% generation %} tag included)
     except jinja2.TemplateSyntaxError as e:
         raise DraftsmithError(f"--chat-template: not a valid Jinja template (line {e.lineno}: {e.message})") from None
     return text

@@ -94,13 +94,12 @@ class ResponseFormat:
         if self.chat:
             choices = []
             for e in finals:
-                message, called, r = {"role": "assistant", "content": e.text}, False, self.tool_reader()
+                message, finish, r = {"role": "assistant", "content": e.text}, e.finish_reason, self.tool_reader()
                 if r is not None:
-                    message, called = whole_message(r, e.text)
+                    message, finish = whole_message(r, e.text), r.tool_calls_finish(e.finish_reason)
                 choices.append({"index": e.index, "message": message,
                                 "logprobs": self.logprobs_of(e.index, e.token_ids, e.logprobs),
-                                "finish_reason": "tool_calls" if called else e.finish_reason,
-                                "stop_reason": e.stop_reason})
+                                "finish_reason": finish, "stop_reason": e.stop_reason})
             return {**self._head("chat.completion"), "choices": choices, "usage": usage}
         choices = []
         for e in finals:

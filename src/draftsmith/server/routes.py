@@ -18,7 +18,7 @@ from draftsmith.server.protocol import (APIError, ChatCompletionRequest, Complet
                                        TokenizeRequest)
 from draftsmith.server.responses import ResponseFormat
 from draftsmith.server.state import ServerState
-from draftsmith.server.tools import message_texts, template_messages, tool_plan
+from draftsmith.server.tools import prompt_texts, template_messages, tool_plan
 
 
 def add_routes(app: FastAPI, st: ServerState) -> None:
@@ -73,6 +73,8 @@ def add_routes(app: FastAPI, st: ServerState) -> None:
         st.check_model(req.model)
         reject_unsupported(req)
         plan = tool_plan(req, st.tool_call_parser)
+        if plan is not None and plan.mode == "auto":
+            req.skip_special_tokens = False  # a model's <tool_call> tags may be special tokens (as vLLM's hermes)
         ids = _chat_ids(req, req.n)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         fmt = ResponseFormat(chat=True, rid=f"chatcmpl-{uuid.uuid4().hex}", model=st.model_id)
@@ -81,8 +83,8 @@ def add_routes(app: FastAPI, st: ServerState) -> None:
 
     def _chat_ids(req, n: int = 1) -> list[int]:
         """The request's messages through the chat template, with its template options and tools."""
-        st.check_size(1, n, text_bytes(message_texts(req.messages)), "messages")
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        st.check_size(1, n, text_bytes(prompt_texts(req.messages, tools)), "messages")
         try:
             return st.front.apply_chat_template(template_messages(req.messages),
                                                 add_generation_prompt=req.add_generation_prompt,

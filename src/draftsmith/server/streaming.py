@@ -73,7 +73,7 @@ class _Choice:
             delta = self.tools.push(text) if finish_reason is None else self.tools.finish(text)
             if not delta and finish_reason is None:
                 return None  # the tokens' logprobs go with the next chunk
-            finish_reason = "tool_calls" if finish_reason is not None and self.tools.called else finish_reason
+            finish_reason = self.tools.tool_calls_finish(finish_reason)
         prompt = None
         if self.echo is not None:  # the first chunk carries the prompt
             text, prompt, self.echo = self.echo[0] + text, self.prompt_entries, None

@@ -8,13 +8,16 @@ one always agree (tests/unit/test_tool_calls.py checks every split of the text).
 
 - named: every token is the named function's arguments (content stays empty);
 - required: a JSON array of `{"name", "parameters"}` objects; each call is sent when its object
-  is complete; text the array does not hold (an answer cut by max_tokens) is content;
+  is complete; text the array does not hold (an answer cut by max_tokens) is content (all of it,
+  when no call completed);
 - auto, hermes: content until `<tool_call>`; each `<tool_call>{"name": ..., "arguments": {...}}
   </tool_call>` block is a call (a block without an end tag at the end of the answer, too); a
   block that is not such JSON stays in the content, as written; after the first call, whitespace
-  before a block or at the end is dropped; with `parallel_tool_calls: false`, blocks after the
-  first call stay text. `called` says a call was found (finish_reason "tool_calls", as OpenAI's
-  for a model's own choice).
+  before another call or at the end is dropped; with `parallel_tool_calls: false`, blocks after
+  the first call stay text.
+
+finish_reason is "tool_calls" where a required or auto answer made calls and ended cleanly
+(`tool_calls_finish`), as OpenAI's; a named call keeps "stop", as OpenAI's and vLLM's.
 """
 
 from __future__ import annotations
@@ -33,10 +36,14 @@ def _call_id() -> str:
 class ToolCallReader:
     """Base: `push(text)` and `finish(text)` -> a delta ({} when nothing can be said yet)."""
 
-    called = False  # auto's: the model made a call
+    finishes_with_calls = True  # finish_reason "tool_calls" where the answer made calls
 
     def __init__(self) -> None:
         self.calls = 0
+
+    def tool_calls_finish(self, finish_reason: str | None) -> str | None:
+        """The choice's finish_reason, "tool_calls" where calls ended the answer cleanly."""
+        return "tool_calls" if self.finishes_with_calls and self.calls and finish_reason == "stop" else finish_reason
 
     def push(self, text: str) -> dict:
         raise NotImplementedError
@@ -61,6 +68,8 @@ def _delta(content: str = "", calls: list[dict] | None = None) -> dict:
 
 class NamedReader(ToolCallReader):
     """tool_choice names a function: the whole answer is its arguments."""
+
+    finishes_with_calls = False
 
     def __init__(self, name: str) -> None:
         super().__init__()
@@ -103,7 +112,7 @@ class RequiredReader(ToolCallReader):
                 break
             try:
                 obj, end = self._decoder.raw_decode(self.buf, i)
-            except ValueError:  # not complete yet (or not JSON: finish() keeps it as content)
+            except (ValueError, RecursionError):  # not complete yet (or not JSON: finish() keeps it as content)
                 break
             if not (isinstance(obj, dict) and isinstance(obj.get("name"), str)):
                 break
@@ -118,7 +127,7 @@ class RequiredReader(ToolCallReader):
     def finish(self, text: str) -> dict:
         self.buf += text
         calls = self._calls()
-        rest = self.buf if self.pos < 0 else self.buf[self.pos:]
+        rest = self.buf if self.calls == 0 else self.buf[self.pos:]
         return _delta(rest if rest.strip(" \t\n\r,]") else "", calls)
 
 
@@ -132,10 +141,6 @@ class HermesReader(ToolCallReader):
         self.in_call = False
         self.ws = ""  # after a call: whitespace held until text follows it
 
-    @property
-    def called(self) -> bool:  # type: ignore[override]
-        return self.calls > 0
-
     def _content(self, text: str) -> str:
         if not self.calls:
             return text
@@ -147,14 +152,15 @@ class HermesReader(ToolCallReader):
     def _block(self, body: str, closed: bool) -> tuple[str, dict | None]:
         try:
             obj = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):
             obj = None
-        args = obj.get("arguments", {}) if isinstance(obj, dict) else None
         full = self.max_calls is not None and self.calls >= self.max_calls
-        if full or not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(args, (dict, str))):
-            return self._content(_START + body + (_END if closed else "")), None
-        self.ws = ""
-        return "", self._call(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+        if full or not (isinstance(obj, dict) and isinstance(obj.get("name"), str)):
+            return self._content(_START + body + (_END if closed else "")), None  # (after any held whitespace)
+        self.ws = ""  # whitespace between calls
+        args = obj.get("arguments")
+        args = args if isinstance(args, str) else json.dumps({} if args is None else args, ensure_ascii=False)
+        return "", self._call(obj["name"], args)
 
     def push(self, text: str) -> dict:
         self.buf += text
@@ -173,7 +179,6 @@ class HermesReader(ToolCallReader):
             if i >= 0:
                 content += self._content(self.buf[:i])
                 self.buf, self.in_call = self.buf[i + len(_START):], True
-                self.ws = ""  # whitespace before a block is dropped (after a call)
                 continue
             keep = next((k for k in range(min(len(_START) - 1, len(self.buf)), 0, -1)
                          if _START.startswith(self.buf[-k:])), 0)  # may still become <tool_call>
@@ -206,12 +211,11 @@ def reader(plan) -> ToolCallReader | None:
     return HermesReader(None if plan.parallel else 1)
 
 
-def whole_message(r: ToolCallReader, text: str) -> tuple[dict, bool]:
-    """The assistant message of a whole answer (`content` None when there are calls and no
-    text) and whether the model made calls of its own (auto)."""
+def whole_message(r: ToolCallReader, text: str) -> dict:
+    """The assistant message of a whole answer (`content` None when there are calls and no text)."""
     d = r.finish(text)
     calls = d.get("tool_calls", [])
     msg: dict[str, Any] = {"role": "assistant", "content": d.get("content") or (None if calls else "")}
     if calls:
         msg["tool_calls"] = calls
-    return msg, r.called
+    return msg

@@ -82,25 +82,44 @@ def forced_schema(req: Any) -> dict | None:
         return None if fn is None else _parameters(fn.parameters)
     if choice != "required":
         return None
-    defs: dict[str, Any] = {}
+    defs: dict[str, dict[str, Any]] = {"$defs": {}, "definitions": {}}
     alternatives = []
     for t in tools:
         params = dict(_parameters(t.function.parameters))
         # a function's "#/$defs/..." refer to its own schema's root: move them to the new root
-        for key, sub in params.pop("$defs", {}).items():
-            if key in defs and defs[key] != sub:
-                raise APIError(400, f"tools: two functions define $defs/{key} differently; tool_choice \"required\" "
-                               "needs one meaning for each name", param="tools", code="invalid_value")
-            defs[key] = sub
+        for where in defs:
+            for key, sub in (params.pop(where, None) or {}).items():
+                if key in defs[where] and defs[where][key] != sub:
+                    raise APIError(400, f"tools: two functions define {where}/{key} differently; tool_choice "
+                                   "\"required\" needs one meaning for each name", param="tools", code="invalid_value")
+                defs[where][key] = sub
+        ref = _root_ref(params)
+        if ref is not None:
+            raise APIError(400, f"tools: {t.function.name}'s parameters refer to their own root ({{\"$ref\": {ref!r}}}), "
+                           "which tool_choice \"required\" cannot keep (its schema has a root of its own); use $defs, "
+                           "or name the function in tool_choice", param="tools", code="invalid_value")
         alternatives.append({"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},
                                                               "parameters": params},
                              "required": ["name", "parameters"], "additionalProperties": False})
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": alternatives}}
     if req.parallel_tool_calls is False:
         schema["maxItems"] = 1
-    if defs:
-        schema["$defs"] = defs
+    schema.update({where: d for where, d in defs.items() if d})
     return schema
+
+
+def _root_ref(node: Any) -> str | None:
+    """A `$ref` into the schema's own root other than its $defs / definitions (None: there is none)."""
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#") and not ref.startswith(("#/$defs/", "#/definitions/")):
+            return ref
+        children = node.values()
+    elif isinstance(node, list):
+        children = node
+    else:
+        return None
+    return next((r for r in map(_root_ref, children) if r is not None), None)
 
 
 def _parameters(params: dict | None) -> dict:
@@ -124,9 +143,11 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
     return out
 
 
-def message_texts(messages: list[ChatMessage]) -> list[str]:
-    """Every text the messages carry (for the server's prompt-size limit)."""
-    return [m.text() for m in messages] + [c.function.arguments for m in messages for c in m.tool_calls or []]
+def prompt_texts(messages: list[ChatMessage], tools: list[dict] | None) -> list[str]:
+    """Every text a chat prompt carries: the messages' and the tool definitions' (for the
+    server's prompt-size limit)."""
+    return ([m.text() for m in messages] + [c.function.arguments for m in messages for c in m.tool_calls or []]
+            + ([json.dumps(tools, ensure_ascii=False)] if tools else []))
 
 
 def _arguments(text: str) -> Any:
