@@ -10,7 +10,8 @@ import json
 import pytest
 
 from draftsmith.server.protocol import APIError, ChatCompletionRequest
-from draftsmith.server.tool_calls import HermesReader, NamedReader, RequiredReader, whole_message
+from draftsmith.server.answer import AnswerReader
+from draftsmith.server.tool_calls import HermesReader, NamedReader, RequiredReader
 from draftsmith.server.tools import forced_schema, template_messages, tool_plan
 
 
@@ -76,7 +77,7 @@ def test_hermes_reader_whole_and_every_split(text, content, calls):
     got = every_split(HermesReader, text)
     assert got == (content, calls, "tool_calls" if calls else "stop")
     r = HermesReader()
-    msg = whole_message(r, text)
+    msg = AnswerReader(None, r).message(text)
     assert r.tool_calls_finish("length") == "length"  # an answer cut short is not a clean call
     assert msg["content"] == (content or (None if calls else ""))
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in msg.get("tool_calls", [])] == calls
@@ -122,7 +123,7 @@ def test_required_reader_whole_and_every_split(text, content, calls):
 def test_named_reader_is_all_arguments():
     text = '{"city": "Paris"}'
     assert every_split(lambda: NamedReader("get_weather"), text) == ("", [("get_weather", text)], "stop")
-    msg = whole_message(NamedReader("f"), "")
+    msg = AnswerReader(None, NamedReader("f")).message("")
     assert msg["content"] is None and msg["tool_calls"][0]["function"] == {"name": "f", "arguments": ""}
 
 

@@ -38,6 +38,8 @@ def add_parser(sub) -> None:
                    help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser')
     s.add_argument("--tool-call-parser", default=None,
                    help="how the model writes tool calls: hermes (<tool_call>{...}</tool_call>, as Qwen2.5 and Hermes)")
+    s.add_argument("--reasoning-parser", default=None,
+                   help="split chat answers into reasoning and content: qwen3 or deepseek_r1 (<think> ... </think>)")
     s.set_defaults(func=cmd_serve)
 
 
@@ -72,11 +74,14 @@ def cmd_serve(args) -> int:
         raise DraftsmithError("--num-speculative-tokens must be >= 0")
     if not 0 <= args.port <= 65535:
         raise DraftsmithError(f"--port must be in 0..65535, got {args.port}")
-    from draftsmith.server.tools import TOOL_CALL_PARSERS  # (the server's modules load fastapi: here, not at startup)
+    # (the server's modules load fastapi: here, not at startup)
+    from draftsmith.server.reasoning import REASONING_PARSERS
+    from draftsmith.server.tools import TOOL_CALL_PARSERS
 
-    if args.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
-        raise DraftsmithError(f"--tool-call-parser {args.tool_call_parser!r} is not known; known: "
-                              f"{', '.join(TOOL_CALL_PARSERS)}")
+    for flag, value, known in (("--tool-call-parser", args.tool_call_parser, TOOL_CALL_PARSERS),
+                               ("--reasoning-parser", args.reasoning_parser, REASONING_PARSERS)):
+        if value not in (None, *known):
+            raise DraftsmithError(f"{flag} {value!r} is not known; known: {', '.join(known)}")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise DraftsmithError("--enable-auto-tool-choice needs --tool-call-parser (how the model writes its calls, "
                               "e.g. hermes)")
@@ -101,5 +106,6 @@ def cmd_serve(args) -> int:
     )
     serve(llm, host=args.host, port=args.port, log_level=args.log_level, model_name=args.served_model_name,
           api_key=api_key, limits=limits, chat_template=chat_template,
-          tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
+          tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+          reasoning_parser=args.reasoning_parser)
     return 0

@@ -8,7 +8,8 @@ KEY`; /health and /metrics stay open.
 Roles: state (ServerState, Limits: admission), body (reading and validating a request body),
 sampling (SamplingParams per choice, the ranges the server enforces), structured (a request's
 grammar from response_format / structured_outputs / guided_* / a forced tool call), tools (what
-tools and tool_choice ask), tool_calls (an answer's text -> content and tool calls), generate (one request on
+tools and tool_choice ask), tool_calls (an answer's text -> content and tool calls), reasoning
+(<think> ... </think> -> reasoning), answer (the two together: a chat answer's message), generate (one request on
 the engine thread, whole or streamed), streaming (server-sent events), responses (the
 completions / chat objects), routes (the handlers), engine_loop, protocol, text, metrics.
 This module builds the app: lifespan (the engine thread), error handlers, routes.
@@ -30,6 +31,7 @@ from draftsmith.api import LLM
 from draftsmith.errors import DraftsmithError
 from draftsmith.server.protocol import APIError
 from draftsmith.server.routes import add_routes
+from draftsmith.server.reasoning import REASONING_PARSERS
 from draftsmith.server.state import Limits, ServerState
 from draftsmith.server.tools import TOOL_CALL_PARSERS
 
@@ -40,13 +42,17 @@ log = logging.getLogger("draftsmith.server")
 
 def create_app(llm: LLM, model_name: str | None = None, *, api_key: str | None = None,
                limits: Limits | None = None, chat_template: str | None = None,
-               tool_call_parser: str | None = None) -> FastAPI:
+               tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> FastAPI:
     """The app over `llm`. `api_key`: required as `Authorization: Bearer KEY` on /v1 routes;
     `chat_template`: Jinja text in place of the target's template; `tool_call_parser`: turns on
-    tool_choice "auto", read with this parser (server/tools.py)."""
+    tool_choice "auto", read with this parser (server/tools.py); `reasoning_parser`: chat answers
+    split into reasoning and content (server/reasoning.py)."""
     if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
         raise DraftsmithError(f"unknown tool-call parser {tool_call_parser!r}; known: {', '.join(TOOL_CALL_PARSERS)}")
-    st = ServerState(llm, model_name, api_key, limits, chat_template=chat_template, tool_call_parser=tool_call_parser)
+    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+        raise DraftsmithError(f"unknown reasoning parser {reasoning_parser!r}; known: {', '.join(REASONING_PARSERS)}")
+    st = ServerState(llm, model_name, api_key, limits, chat_template=chat_template, tool_call_parser=tool_call_parser,
+                     reasoning_parser=reasoning_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -91,8 +97,9 @@ def create_app(llm: LLM, model_name: str | None = None, *, api_key: str | None =
 
 def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
           model_name: str | None = None, api_key: str | None = None, limits: Limits | None = None,
-          chat_template: str | None = None, tool_call_parser: str | None = None) -> None:
+          chat_template: str | None = None, tool_call_parser: str | None = None,
+          reasoning_parser: str | None = None) -> None:
     """Serve `llm` until interrupted (blocking)."""
     app = create_app(llm, model_name, api_key=api_key, limits=limits, chat_template=chat_template,
-                     tool_call_parser=tool_call_parser)
+                     tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

@@ -179,6 +179,8 @@ class ChatMessage(_Req):
     name: StrictStr | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's
     tool_call_id: StrictStr | None = None  # a tool's: the call it answers
+    reasoning: StrictStr | None = None  # an assistant's earlier reasoning (vLLM's name)
+    reasoning_content: StrictStr | None = None  # (its older name)
 
     def text(self) -> str:
         if self.content is None:
@@ -197,6 +199,7 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool = True
+    include_reasoning: StrictBool = True  # with a reasoning parser: False leaves the reasoning out
     # vLLM's chat-template options
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False

@@ -9,8 +9,7 @@ from dataclasses import replace
 from draftsmith.models.token_text import TokenText
 from draftsmith.server.engine_loop import Event
 from draftsmith.server.logprobs import LogprobsFormat
-from draftsmith.server.tool_calls import ToolCallReader, reader, whole_message
-from draftsmith.server.tools import ToolPlan
+from draftsmith.server.answer import AnswerFormat, AnswerReader
 
 
 class ResponseFormat:
@@ -23,15 +22,15 @@ class ResponseFormat:
         self.echo: list[tuple[str, list[int]]] | None = None  # per prompt: its text and ids
         self.n = 1
         self.echo_only = False
-        self.tools: ToolPlan | None = None
+        self.answer = AnswerFormat()
 
-    def with_tools(self, plan: ToolPlan | None) -> None:
-        """A chat request with tools: its answers are read for tool calls (server/tool_calls.py)."""
-        self.tools = plan
+    def with_answer(self, answer: AnswerFormat) -> None:
+        """A chat request whose answers are read for reasoning or tool calls (server/answer.py)."""
+        self.answer = answer
 
-    def tool_reader(self) -> ToolCallReader | None:
+    def answer_reader(self) -> AnswerReader | None:
         """A fresh reader of one choice's text (None: the text is all content)."""
-        return reader(self.tools)
+        return self.answer.reader()
 
     def with_logprobs(self, k: int | None, token_text: TokenText) -> None:
         """The request asked for logprobs with k top tokens (None: it did not)."""
@@ -94,9 +93,9 @@ class ResponseFormat:
         if self.chat:
             choices = []
             for e in finals:
-                message, finish, r = {"role": "assistant", "content": e.text}, e.finish_reason, self.tool_reader()
+                message, finish, r = {"role": "assistant", "content": e.text}, e.finish_reason, self.answer_reader()
                 if r is not None:
-                    message, finish = whole_message(r, e.text), r.tool_calls_finish(e.finish_reason)
+                    message, finish = r.message(e.text), r.finish_reason(e.finish_reason)
                 choices.append({"index": e.index, "message": message,
                                 "logprobs": self.logprobs_of(e.index, e.token_ids, e.logprobs),
                                 "finish_reason": finish, "stop_reason": e.stop_reason})

@@ -11,14 +11,20 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.server.answer import AnswerFormat
 from draftsmith.server.body import parse_body, reject_unsupported, text_bytes
 from draftsmith.server.generate import generate
 from draftsmith.server.metrics import CONTENT_TYPE
 from draftsmith.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                        TokenizeRequest)
 from draftsmith.server.responses import ResponseFormat
+from draftsmith.server.reasoning import opens_thinking
 from draftsmith.server.state import ServerState
+from draftsmith.server.structured import asks_structure
 from draftsmith.server.tools import prompt_texts, template_messages, tool_plan
+
+
+_THINK_TAIL = 32  # prompt tokens read for an open <think> block (a template's generation prompt)
 
 
 def add_routes(app: FastAPI, st: ServerState) -> None:
@@ -78,7 +84,17 @@ def add_routes(app: FastAPI, st: ServerState) -> None:
         ids = _chat_ids(req, req.n)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         fmt = ResponseFormat(chat=True, rid=f"chatcmpl-{uuid.uuid4().hex}", model=st.model_id)
-        fmt.with_tools(plan)
+        thinking = st.reasoning_parser is not None and opens_thinking(
+            st.front.decode(ids[-_THINK_TAIL:], skip_special_tokens=False))
+        if thinking and asks_structure(req):
+            raise APIError(400, "this prompt opens the model's reasoning (its chat template ends in <think>), and a "
+                           "grammar (response_format, structured_outputs, guided_*, a forced tool call) would "
+                           "constrain the reasoning too; turn thinking off for this request, e.g. "
+                           'chat_template_kwargs: {"enable_thinking": false}', param="messages",
+                           code="invalid_value")
+        fmt.with_answer(AnswerFormat(plan if plan is not None and plan.mode != "none" else None,
+                                     reasoning=st.reasoning_parser is not None, thinking=thinking,
+                                     include_reasoning=req.include_reasoning))
         return await generate(st, request, req, [ids], max_tokens, fmt, "messages")
 
     def _chat_ids(req, n: int = 1) -> list[int]:

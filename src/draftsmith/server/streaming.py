@@ -16,7 +16,7 @@ from draftsmith.server.protocol import APIError
 from draftsmith.server.responses import ResponseFormat, usage
 from draftsmith.server.state import ServerState
 from draftsmith.server.text import StreamText
-from draftsmith.server.tool_calls import ToolCallReader
+from draftsmith.server.answer import AnswerReader
 
 
 def sse(obj: dict) -> str:
@@ -43,10 +43,10 @@ class _Choice:
     logprobs entries received since its last chunk, and an echoed prompt until its first chunk."""
 
     def __init__(self, decode: Callable[[list[int]], str], params, echo: tuple[str, list[int]] | None,
-                 tools: ToolCallReader | None = None) -> None:
+                 answer: AnswerReader | None = None) -> None:
         self.text = StreamText(decode, params.stop, params.include_stop_str_in_output, params.min_tokens)
         self.echo = echo
-        self.tools = tools  # a chat answer read for tool calls
+        self.answer = answer  # a chat answer read for reasoning or tool calls
         self.prompt_entries: list | None = None
         self.ids: list[int] = []
         self.entries: list = []
@@ -67,13 +67,13 @@ class _Choice:
 
     def chunk(self, fmt: ResponseFormat, index: int, text: str, finish_reason: str | None,
               stop_reason: int | str | None = None) -> dict | None:
-        """The next chunk (None: the tool-call reader holds all of `text` back for now)."""
+        """The next chunk (None: the answer's reader holds all of `text` back for now)."""
         delta = None
-        if self.tools is not None:
-            delta = self.tools.push(text) if finish_reason is None else self.tools.finish(text)
+        if self.answer is not None:
+            delta = self.answer.push(text) if finish_reason is None else self.answer.finish(text)
             if not delta and finish_reason is None:
                 return None  # the tokens' logprobs go with the next chunk
-            finish_reason = self.tools.tool_calls_finish(finish_reason)
+            finish_reason = self.answer.finish_reason(finish_reason)
         prompt = None
         if self.echo is not None:  # the first chunk carries the prompt
             text, prompt, self.echo = self.echo[0] + text, self.prompt_entries, None
@@ -89,7 +89,7 @@ async def stream_events(st: ServerState, subs: list[SubRequest], q: asyncio.Queu
     """The SSE lines of one request's choices, read from its event queue `q`; marks finished
     choices in `done` and calls `close` at the end, however the stream ends. `n`: choices per prompt."""
     choices = {s.index: _Choice(partial(st.front.decode, skip_special_tokens=s.params.skip_special_tokens),
-                                s.params, fmt.echoed(s.index), fmt.tool_reader()) for s in subs}
+                                s.params, fmt.echoed(s.index), fmt.answer_reader()) for s in subs}
     finals: list[Event] = []
     try:
         for s in subs:

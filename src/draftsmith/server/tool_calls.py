@@ -1,10 +1,10 @@
-"""A chat answer's text -> the assistant message's `content` and `tool_calls`, streamed.
+"""A chat answer's content -> the assistant message's `content` and `tool_calls`, streamed.
 
 Each tool plan (server/tools.py) reads the text as it arrives and gives OpenAI deltas: `content`
 text and `tool_calls` entries (`{"index", "id", "type", "function": {"name", "arguments"}}`
 when a call starts, then `{"index", "function": {"arguments"}}` for more of its arguments). A
-whole response is the same reader fed the whole text at once, so a streamed answer and a whole
-one always agree (tests/unit/test_tool_calls.py checks every split of the text).
+whole response is the same reader fed the whole text at once (server/answer.py), so a streamed
+answer and a whole one always agree (tests/unit/test_tool_calls.py checks every split of the text).
 
 - named: every token is the named function's arguments (content stays empty);
 - required: a JSON array of `{"name", "parameters"}` objects; each call is sent when its object
@@ -209,13 +209,3 @@ def reader(plan) -> ToolCallReader | None:
     if plan.mode == "required":
         return RequiredReader()
     return HermesReader(None if plan.parallel else 1)
-
-
-def whole_message(r: ToolCallReader, text: str) -> dict:
-    """The assistant message of a whole answer (`content` None when there are calls and no text)."""
-    d = r.finish(text)
-    calls = d.get("tool_calls", [])
-    msg: dict[str, Any] = {"role": "assistant", "content": d.get("content") or (None if calls else "")}
-    if calls:
-        msg["tool_calls"] = calls
-    return msg

@@ -129,7 +129,8 @@ def _parameters(params: dict | None) -> dict:
 def template_messages(messages: list[ChatMessage]) -> list[dict]:
     """The messages as a chat template reads them: text content ("" for none), an assistant's
     earlier calls with their arguments as objects (as vLLM hands them to HF templates, which
-    write them with `tojson`), a tool message's `tool_call_id`."""
+    write them with `tojson`) and its reasoning (`reasoning` or `reasoning_content`, handed on
+    as `reasoning_content`), a tool message's `tool_call_id`."""
     out = []
     for m in messages:
         d: dict[str, Any] = {"role": m.role, "content": m.text()}
@@ -139,6 +140,9 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
                                for c in m.tool_calls]
         if m.tool_call_id is not None:
             d["tool_call_id"] = m.tool_call_id
+        thought = m.reasoning if m.reasoning is not None else m.reasoning_content
+        if thought is not None:  # (Qwen3's template reads it as reasoning_content)
+            d["reasoning_content"] = thought
         out.append(d)
     return out
 
@@ -147,6 +151,7 @@ def prompt_texts(messages: list[ChatMessage], tools: list[dict] | None) -> list[
     """Every text a chat prompt carries: the messages' and the tool definitions' (for the
     server's prompt-size limit)."""
     return ([m.text() for m in messages] + [c.function.arguments for m in messages for c in m.tool_calls or []]
+            + [m.reasoning or m.reasoning_content or "" for m in messages]
             + ([json.dumps(tools, ensure_ascii=False)] if tools else []))
 
 

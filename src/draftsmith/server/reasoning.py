@@ -1,0 +1,71 @@
+"""A thinking model's answer split into `reasoning` and `content`, as vLLM's `--reasoning-parser`
+does for Qwen3 and DeepSeek-R1 (`<think> ... </think>` before the answer).
+
+Where the reasoning starts is read from the prompt, so a streamed answer and a whole one always
+agree: a prompt that leaves a `<think>` block open (a template that starts the model's thinking,
+as DeepSeek-R1's and Qwen3's thinking models' do) makes the answer reasoning from its first token
+until `</think>`; otherwise the answer is reasoning only if it opens with `<think>` itself (after
+any whitespace; the tag is dropped), else all content. Text after `</think>` is content, as the
+model wrote it. An answer that never closes its reasoning (cut by max_tokens) is all reasoning.
+"""
+
+from __future__ import annotations
+
+REASONING_PARSERS = ("qwen3", "deepseek_r1")  # both write <think> ... </think>
+_OPEN, _CLOSE = "<think>", "</think>"
+
+
+def opens_thinking(prompt_text: str) -> bool:
+    """Whether a rendered prompt ends inside a `<think>` block (its last one is not closed)."""
+    i = prompt_text.rfind(_OPEN)
+    return i >= 0 and prompt_text.find(_CLOSE, i) < 0
+
+
+def _partial_tail(text: str, tag: str) -> int:
+    """How many last characters of `text` may still become `tag`."""
+    return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-k:])), 0)
+
+
+class ReasoningReader:
+    """`push(text)` / `finish(text)` -> (reasoning, content) that can be said now."""
+
+    def __init__(self, thinking: bool) -> None:
+        self.state = "reasoning" if thinking else "start"  # start: not known yet whether it opens with <think>
+        self.buf = ""
+
+    def push(self, text: str) -> tuple[str, str]:
+        self.buf += text
+        reasoning = content = ""
+        while True:
+            if self.state == "start":
+                head = self.buf.lstrip()
+                if head.startswith(_OPEN):
+                    self.buf, self.state = head[len(_OPEN):], "reasoning"
+                elif _OPEN.startswith(head):  # nothing yet, or the tag's start
+                    break
+                else:
+                    self.state = "content"
+            elif self.state == "reasoning":
+                j = self.buf.find(_CLOSE)
+                if j >= 0:
+                    reasoning += self.buf[:j]
+                    self.buf, self.state = self.buf[j + len(_CLOSE):], "content"
+                    continue
+                keep = _partial_tail(self.buf, _CLOSE)
+                reasoning += self.buf[:len(self.buf) - keep]
+                self.buf = self.buf[len(self.buf) - keep:]
+                break
+            else:
+                content += self.buf
+                self.buf = ""
+                break
+        return reasoning, content
+
+    def finish(self, text: str) -> tuple[str, str]:
+        reasoning, content = self.push(text)
+        if self.state == "reasoning":
+            reasoning += self.buf
+        else:
+            content += self.buf
+        self.buf = ""
+        return reasoning, content

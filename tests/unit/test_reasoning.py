@@ -1,0 +1,133 @@
+"""Reasoning parsers (server/reasoning.py, server/answer.py): `<think> ... </think>` read into the
+message's `reasoning`, the same streamed (every split) as whole, where the prompt opened the block
+or the answer opens it; with tool calls after it; on the server (tiny model) whole and streamed,
+`include_reasoning`, a thinking prompt's grammar refused, earlier reasoning back to the template."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from test_server_unit import _assert_openai_error, tiny_dir, tiny_server  # noqa: F401 (fixtures)
+from test_tool_calls import merged
+
+from draftsmith.api import LLM
+from draftsmith.core.sampling import SamplingParams
+from draftsmith.server.answer import AnswerReader
+from draftsmith.server.reasoning import ReasoningReader, opens_thinking
+from draftsmith.server.tool_calls import HermesReader
+
+
+def test_opens_thinking():
+    assert opens_thinking("<|im_start|>assistant\n<think>\n")
+    assert not opens_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # thinking turned off
+    assert not opens_thinking("<|im_start|>assistant\n")
+    assert opens_thinking("<think>a</think> b <think>")
+
+
+READ = [  # (prompt opened <think>, answer, reasoning, content)
+    (False, "<think>\nplan\n</think>\n\nAnswer.", "\nplan\n", "\n\nAnswer."),
+    (False, "  <think>plan</think>x", "plan", "x"),
+    (False, "Just an answer.", "", "Just an answer."),
+    (False, "No <think> here</think>", "", "No <think> here</think>"),  # only a leading tag opens it
+    (False, "<thi", "", "<thi"),  # a tag that never completes is text
+    (False, "<think>cut by max_tokens", "cut by max_tokens", ""),
+    (True, "plan</think>Answer", "plan", "Answer"),
+    (True, "still thinking </thi", "still thinking </thi", ""),
+    (True, "", "", ""),
+]
+
+
+def _read(thinking: bool, pieces: list[str]) -> tuple[str, str]:
+    r = ReasoningReader(thinking)
+    out = [r.push(p) for p in pieces[:-1]] + [r.finish(pieces[-1])]
+    return "".join(a for a, _ in out), "".join(b for _, b in out)
+
+
+@pytest.mark.parametrize("thinking,text,reasoning,content", READ)
+def test_reasoning_reader_whole_and_every_split(thinking, text, reasoning, content):
+    assert _read(thinking, [text]) == (reasoning, content)
+    for i in range(len(text) + 1):
+        for j in range(i, len(text) + 1):
+            assert _read(thinking, [text[:i], text[i:j], text[j:]]) == (reasoning, content), (i, j)
+
+
+def test_reasoning_then_tool_calls():
+    text = '<think>need weather</think>Ok.<tool_call>{"name": "w", "arguments": {"c": 1}}</tool_call>'
+
+    def make():
+        return AnswerReader(ReasoningReader(False), HermesReader())
+
+    msg = make().message(text)
+    assert msg["reasoning"] == msg["reasoning_content"] == "need weather" and msg["content"] == "Ok."
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]] == [("w", '{"c": 1}')]
+    r = make()
+    deltas = [r.push(ch) for ch in text] + [r.finish("")]
+    assert "".join(d.get("reasoning", "") for d in deltas) == "need weather"
+    assert merged(deltas) == ("Ok.", [("w", '{"c": 1}')]) and r.finish_reason("stop") == "tool_calls"
+    quiet = AnswerReader(ReasoningReader(False), None, include_reasoning=False).message(text)
+    assert quiet["reasoning"] is None and quiet["content"].startswith("Ok.<tool_call>")
+
+
+MSGS = [{"role": "user", "content": "think first"}]
+
+
+def _stream(h: httpx.Client, body: dict) -> tuple[str, str, str]:
+    """A streamed chat answer as a client accumulates it: reasoning, content, finish_reason."""
+    thought, content, finish = "", "", None
+    with h.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                (ch,) = json.loads(line[6:])["choices"]
+                assert ch["delta"].get("reasoning") == ch["delta"].get("reasoning_content")
+                thought += ch["delta"].get("reasoning") or ""
+                content += ch["delta"].get("content") or ""
+                finish = ch["finish_reason"] or finish
+    return thought, content, finish
+
+
+def test_reasoning_on_the_server(tiny_dir, tiny_server):
+    """serve --reasoning-parser qwen3: an answer that opens <think> (the tiny model's text forced
+    by a regex) has its reasoning apart, whole and streamed; include_reasoning false leaves it out;
+    a server without the parser shows the text as it is."""
+    body = {"messages": MSGS, "max_tokens": 80, "temperature": 0,
+            "structured_outputs": {"regex": r"<think>\nplan [a-z]{1,4}\n</think>\n\nDone\."}}
+    with httpx.Client(base_url=tiny_server(reasoning_parser="qwen3"), timeout=60) as h:
+        msg = h.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+        assert msg["reasoning"] == msg["reasoning_content"] and msg["reasoning"].startswith("\nplan ")
+        assert msg["content"] == "\n\nDone."
+        assert _stream(h, body) == (msg["reasoning"], "\n\nDone.", "stop")
+        quiet = h.post("/v1/chat/completions", json={**body, "include_reasoning": False}).json()
+        assert quiet["choices"][0]["message"]["reasoning"] is None
+        assert quiet["choices"][0]["message"]["content"] == "\n\nDone."
+    with httpx.Client(base_url=tiny_server(), timeout=60) as h:
+        msg = h.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+        assert "reasoning" not in msg and msg["content"].startswith("<think>\nplan ")
+
+
+THINKING_TEMPLATE = ("{% for m in messages %}{{ m.role }}:{{ m.content }}"
+                     "{% if m.reasoning_content %}[{{ m.reasoning_content }}]{% endif %}|{% endfor %}"
+                     "{% if add_generation_prompt %}assistant:<think>\n{% endif %}")
+
+
+def test_a_thinking_prompt(tiny_dir, tiny_server):
+    """A template that opens <think> (as Qwen3 thinking models' and DeepSeek-R1's do): the answer is
+    reasoning from its first token (here never closed: all reasoning, content null, = LLM.chat's
+    text); a grammar on such a prompt is a 400 that says how to turn thinking off; an
+    assistant's earlier reasoning reaches the template as reasoning_content."""
+    llm = LLM(str(tiny_dir), max_batch=1, max_len=256)
+    (ref,) = llm.chat(MSGS, SamplingParams(max_tokens=12, temperature=0.0), chat_template=THINKING_TEMPLATE)
+    assert "</think>" not in ref.text
+    url = tiny_server(reasoning_parser="deepseek_r1", chat_template=THINKING_TEMPLATE)
+    body = {"messages": MSGS, "max_tokens": 12, "temperature": 0}
+    with httpx.Client(base_url=url, timeout=60) as h:
+        msg = h.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+        assert msg["reasoning"] == ref.text and msg["content"] is None
+        assert _stream(h, body) == (ref.text, "", "length")
+        _assert_openai_error(h.post("/v1/chat/completions", json={**body, "response_format": {"type": "json_object"}}),
+                             400, "messages", says="enable_thinking")
+        earlier = MSGS + [{"role": "assistant", "content": "4", "reasoning": "2+2"}]
+        r = h.post("/tokenize", json={"messages": earlier, "add_generation_prompt": False}).json()
+        assert llm.tokenizer.decode(r["tokens"]) == "user:think first|assistant:4[2+2]|"
