@@ -198,7 +198,8 @@ def test_bad_tool_requests_are_clear_400s(tiny_server, extra, param, says):
 
 def test_serve_tool_and_template_flags(monkeypatch, tmp_path):
     """`serve --chat-template` (a file or the template itself, its syntax checked before the model
-    loads), `--enable-auto-tool-choice --tool-call-parser hermes`, and their errors."""
+    loads), `--enable-auto-tool-choice --tool-call-parser hermes`, `--reasoning-parser`, and their
+    errors."""
     from types import SimpleNamespace
 
     import draftsmith.api
@@ -226,12 +227,14 @@ def test_serve_tool_and_template_flags(monkeypatch, tmp_path):
     assert run("--chat-template", hf_only)["chat_template"] == hf_only  # HF's loop controls are Jinja here too
     assert run("--enable-auto-tool-choice", "--tool-call-parser", "hermes")["tool_call_parser"] == "hermes"
     assert run("--tool-call-parser", "hermes")["tool_call_parser"] is None  # auto stays off, as vLLM's
+    assert kw["reasoning_parser"] is None and run("--reasoning-parser", "deepseek_r1")["reasoning_parser"] == "deepseek_r1"
     n = len(loads)
     for flags, says in [(["--chat-template", str(tmp_path / "missing.jinja")], "neither a file nor"),
                         (["--chat-template", "{% for m in messages %}"], "not a valid Jinja template"),
                         (["--chat-template", str(tmp_path)], "neither a file nor"),  # a directory
                         (["--enable-auto-tool-choice"], "needs --tool-call-parser"),
-                        (["--enable-auto-tool-choice", "--tool-call-parser", "mistral"], "not known")]:
+                        (["--enable-auto-tool-choice", "--tool-call-parser", "mistral"], "not known"),
+                        (["--reasoning-parser", "granite"], "not known")]:
         with pytest.raises(DraftsmithError, match=says):
             run(*flags)
     assert len(loads) == n  # refused before loading the model
