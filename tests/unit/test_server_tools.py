@@ -124,11 +124,12 @@ def test_tool_calls_with_n_choices_and_logprobs(tiny_server):
     end tag (they go with the chunk that carries the call)."""
     regex = r'Hm\.<tool_call>\{"name": "now", "arguments": \{\}\}</tool_call>'
     body = {"messages": MSGS, "tools": TOOLS, "max_tokens": 120, "temperature": 0, "n": 2, "logprobs": True,
-            "top_logprobs": 1, "structured_outputs": {"regex": regex}, "stream_options": {"include_usage": True}}
+            "top_logprobs": 1, "structured_outputs": {"regex": regex}}
     with httpx.Client(base_url=tiny_server(tool_call_parser="hermes"), timeout=60) as h:
         whole = h.post("/v1/chat/completions", json=body).json()
         content, calls, entries, usage = {}, {}, {}, None
-        with h.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        with h.stream("POST", "/v1/chat/completions", json=stream) as r:
             for line in r.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue

@@ -568,6 +568,38 @@ def test_prefix_caching_is_reported_in_usage_and_metrics(tiny_server):
         assert r.usage.prompt_tokens_details.cached_tokens == 0
 
 
+def test_continuous_usage_stats(tiny_server):
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries its choice's usage so far
+    (its prompt's tokens, the tokens its chunks have carried, counted by their logprobs entries),
+    the last one the choice's whole count; stream_options without stream is a 400."""
+    import httpx
+
+    body = {"prompt": ["abc abc abc", "a longer prompt than that"], "max_tokens": 7, "temperature": 0, "n": 2,
+            "seed": 3, "logprobs": 0}
+    with httpx.Client(base_url=tiny_server(), timeout=60) as h:
+        whole = h.post("/v1/completions", json=body).json()
+        prompts = [len(h.post("/tokenize", json={"prompt": p}).json()["tokens"]) for p in body["prompt"]]
+        seen: dict[int, int] = {}
+        stream = {**body, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        with h.stream("POST", "/v1/completions", json=stream) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if not chunk["choices"]:  # include_usage's last chunk: the request's
+                    assert chunk["usage"]["completion_tokens"] == whole["usage"]["completion_tokens"]
+                    continue
+                (ch,) = chunk["choices"]
+                i = ch["index"]
+                seen[i] = seen.get(i, 0) + len(ch["logprobs"]["tokens"])
+                u = chunk["usage"]
+                assert u == {"prompt_tokens": prompts[i // 2], "completion_tokens": seen[i],
+                             "total_tokens": prompts[i // 2] + seen[i]}
+        assert seen == {c["index"]: len(c["logprobs"]["tokens"]) for c in whole["choices"]}
+        _assert_openai_error(h.post("/v1/completions", json={**body, "stream_options": {"include_usage": True}}),
+                             400, "stream_options", says="stream: true")
+
+
 def _stream_choices(h, path: str, body: dict) -> tuple[str, list[dict]]:
     """A streamed request's text and its chunks' logprobs objects (None ones dropped)."""
     text, lps = "", []

@@ -43,6 +43,9 @@ async def generate(st: ServerState, request: Request, req: Any, prompts: list[li
     if not st.loop.alive:
         raise APIError(503, "the engine is not running", type="service_unavailable")
     n = req.n
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options",
+                       code="invalid_value")
     check_sampling(req, st.vocab_size)
     k = req.truncate_prompt_tokens
     if k is not None:  # vLLM's: the prompt's last k tokens (usage counts those)
@@ -118,5 +121,7 @@ async def generate(st: ServerState, request: Request, req: Any, prompts: list[li
         ordered = [fmt.visible(finals[i]) for i in sorted(finals)]
         return JSONResponse(fmt.response(ordered, usage(prompt_tokens, ordered, n)))
 
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return AbortingStream(stream_events(st, subs, q, fmt, prompt_tokens, n, include_usage, done, close), on_close=close)
+    opts = req.stream_options
+    events = stream_events(st, subs, q, fmt, prompt_tokens, n, bool(opts and opts.include_usage), done, close,
+                           continuous_usage=bool(opts and opts.continuous_usage_stats))
+    return AbortingStream(events, on_close=close)

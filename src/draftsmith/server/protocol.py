@@ -58,7 +58,8 @@ class _Req(BaseModel):
 
 
 class StreamOptions(_Req):
-    include_usage: StrictBool = False
+    include_usage: StrictBool = False  # a last chunk with the request's usage
+    continuous_usage_stats: StrictBool = False  # vLLM's: every chunk with its choice's usage so far
 
 
 class _Sampling(_Req):

@@ -85,17 +85,27 @@ class _Choice:
 
 async def stream_events(st: ServerState, subs: list[SubRequest], q: asyncio.Queue[Event], fmt: ResponseFormat,
                         prompt_tokens: int, n: int, include_usage: bool, done: set[int],
-                        close: Callable[[], None]) -> AsyncIterator[str]:
+                        close: Callable[[], None], continuous_usage: bool = False) -> AsyncIterator[str]:
     """The SSE lines of one request's choices, read from its event queue `q`; marks finished
-    choices in `done` and calls `close` at the end, however the stream ends. `n`: choices per prompt."""
+    choices in `done` and calls `close` at the end, however the stream ends. `n`: choices per prompt;
+    `continuous_usage` (vLLM's stream_options.continuous_usage_stats): every chunk carries its
+    choice's usage so far (its prompt's tokens, the tokens sent in its chunks)."""
     choices = {s.index: _Choice(partial(st.front.decode, skip_special_tokens=s.params.skip_special_tokens),
                                 s.params, fmt.echoed(s.index), fmt.answer_reader()) for s in subs}
+    prompt_len = {s.index: len(s.prompt_ids) for s in subs}
     finals: list[Event] = []
+
+    def out(index: int, chunk: dict) -> str:
+        if continuous_usage:
+            p, k = prompt_len[index], choices[index].sent
+            chunk["usage"] = {"prompt_tokens": p, "completion_tokens": k, "total_tokens": p + k}
+        return sse(chunk)
+
     try:
         for s in subs:
             opening = fmt.opening(s.index)
             if opening:
-                yield sse(opening)
+                yield out(s.index, opening)
         while len(finals) < len(subs):
             ev = await q.get()
             if ev.kind == "tokens":
@@ -104,13 +114,13 @@ async def stream_events(st: ServerState, subs: list[SubRequest], q: asyncio.Queu
                 delta = choices[ev.index].receive(ev)
                 chunk = choices[ev.index].chunk(fmt, ev.index, delta, None) if delta else None
                 if chunk is not None:
-                    yield sse(chunk)
+                    yield out(ev.index, chunk)
             elif ev.kind == "finished":
                 ev = fmt.visible(ev)
                 done.add(ev.index)
                 finals.append(ev)
                 c = choices[ev.index]
-                yield sse(c.chunk(fmt, ev.index, c.finish(ev), ev.finish_reason, ev.stop_reason))
+                yield out(ev.index, c.chunk(fmt, ev.index, c.finish(ev), ev.finish_reason, ev.stop_reason))
             elif ev.kind == "error":
                 st.metrics.record_error(500)
                 yield sse(APIError(500, ev.message, type="internal_error").body())
