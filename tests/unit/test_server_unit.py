@@ -729,6 +729,51 @@ def test_echo_scores_the_prompt_as_lm_eval_asks(tiny_dir, tiny_server):
                 assert not chunks
 
 
+def test_prompt_logprobs_as_vllm_returns_them(tiny_dir, tiny_server):
+    """vLLM's `prompt_logprobs: k` request field: each prompt token's {id: {logprob, rank,
+    decoded_token}} (its own and the k most likely; None for the first) = LLM.generate's, in each
+    completions choice and at the top of a chat response; beside echo's logprobs each keeps its own
+    k; with stream: true, a 400."""
+    import httpx
+
+    from draftsmith.api import LLM
+    from draftsmith.core.sampling import SamplingParams
+
+    ref_llm = LLM(str(tiny_dir), max_batch=2, max_len=256)
+    prompt = "abcabcabc"
+    (ref,) = ref_llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=3))
+
+    def check(got: list, ids: list[int], entries: list, k: int) -> None:
+        assert got[0] is None and len(got) == len(ids)
+        for tok, g, d in zip(ids[1:], got[1:], entries[1:]):
+            want = {t: lp for t, lp in d.items() if t == tok or lp.rank <= k}
+            assert list(g) == [str(t) for t in want]  # the prompt's token first
+            for t, lp in want.items():
+                assert g[str(t)]["logprob"] == pytest.approx(lp.logprob, abs=1e-5) and g[str(t)]["rank"] == lp.rank
+                assert g[str(t)]["decoded_token"] == lp.decoded_token  # LLM.generate's token text
+
+    with httpx.Client(base_url=tiny_server(), timeout=60) as h:
+        body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 3}
+        (ch,) = h.post("/v1/completions", json=body).json()["choices"]
+        check(ch["prompt_logprobs"], ref.prompt_token_ids, ref.prompt_logprobs, 3)
+        (ch,) = h.post("/v1/completions", json={**body, "echo": True, "logprobs": 1}).json()["choices"]
+        check(ch["prompt_logprobs"], ref.prompt_token_ids, ref.prompt_logprobs, 3)
+        assert all(len(top) <= 2 for top in ch["logprobs"]["top_logprobs"][1:])  # echo's: its token + 1
+        assert any(len(top) == 2 for top in ch["logprobs"]["top_logprobs"][1:])
+        (ch,) = h.post("/v1/completions", json={**body, "prompt_logprobs": 1}).json()["choices"]
+        check(ch["prompt_logprobs"], ref.prompt_token_ids, ref.prompt_logprobs, 1)
+        msgs = [{"role": "user", "content": prompt}]
+        ids = ref_llm.apply_chat_template(msgs)
+        (cref,) = ref_llm.generate([ids], SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=2))
+        r = h.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2, "temperature": 0,
+                                                 "prompt_logprobs": 2}).json()
+        check(r["prompt_logprobs"], ids, cref.prompt_logprobs, 2)
+        assert "prompt_logprobs" not in h.post("/v1/completions", json={**body, "prompt_logprobs": None}).json()["choices"][0]
+        _assert_openai_error(h.post("/v1/completions", json={**body, "stream": True}), 400, "prompt_logprobs",
+                             says="stream")
+        _assert_openai_error(h.post("/v1/completions", json={**body, "prompt_logprobs": 21}), 400, "prompt_logprobs")
+
+
 def test_penalties_reach_the_engine(tiny_dir, tiny_server):
     """presence_penalty / frequency_penalty (OpenAI) and repetition_penalty (vLLM's extension):
     an n-gram server's greedy text = LLM.generate's with the same penalties, not the unpenalised one."""

@@ -43,6 +43,9 @@ async def generate(st: ServerState, request: Request, req: Any, prompts: list[li
     if not st.loop.alive:
         raise APIError(503, "the engine is not running", type="service_unavailable")
     n = req.n
+    if req.prompt_logprobs is not None and req.stream:
+        raise APIError(400, "prompt_logprobs are not available when streaming (stream: true); ask for them in a "
+                       "whole response", param="prompt_logprobs", code="invalid_value")
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options",
                        code="invalid_value")
@@ -59,6 +62,8 @@ async def generate(st: ServerState, request: Request, req: Any, prompts: list[li
     # (a grammar compiles in a worker thread: a large schema may take a second; the event loop serves on)
     structured = await asyncio.to_thread(structured_outputs, req, st.front.grammars.check) if asks_structure(req) else None
     fmt.with_logprobs(req.top_logprobs_k(), st.front.token_text)
+    if req.prompt_logprobs is not None:
+        fmt.with_prompt_logprobs(req.prompt_logprobs, prompts, n, st.front.token_text)
     subs: list[SubRequest] = []
     aloop = asyncio.get_running_loop()
     q: asyncio.Queue[Event] = asyncio.Queue()

@@ -63,8 +63,20 @@ class LogprobsFormat:
                 continue
             out["token_logprobs"].append(_num(d[tok].logprob))
             # keyed by text: where two tokens read the same, the generated token's number stands
-            top = {self._tt.text(t): _num(v.logprob) for t, v in d.items() if t != tok}
+            # (the k most likely: an echoed prompt's entries may list more, for prompt_logprobs)
+            top = {self._tt.text(t): _num(v.logprob) for t, v in d.items() if t != tok and v.rank <= self.k}
             top[s] = _num(d[tok].logprob)
             out["top_logprobs"].append(top)
         self._offset[index] = at
         return out
+
+
+def prompt_logprobs_object(prompt_ids: list[int], entries: list[TokenLogprobs | None], k: int,
+                           token_text: TokenText) -> list[dict | None]:
+    """vLLM's `prompt_logprobs` (its request field): per prompt token, None for the first
+    (nothing predicts it), else {token id: {"logprob", "rank", "decoded_token"}} of the prompt's
+    token and the k most likely there."""
+    return [None if d is None else
+            {str(t): {"logprob": _num(lp.logprob), "rank": lp.rank, "decoded_token": token_text.text(t)}
+             for t, lp in d.items() if t == tok or lp.rank <= k}
+            for tok, d in zip(prompt_ids, entries)]

@@ -87,6 +87,7 @@ class _Sampling(_Req):
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
     truncate_prompt_tokens: StrictInt | None = None
+    prompt_logprobs: StrictInt | None = None  # vLLM's: the prompt's tokens scored (whole responses only)
     # structured outputs (server/sampling.structured_outputs): OpenAI's response_format, vLLM's
     # structured_outputs object and its older guided_* fields
     response_format: dict[str, Any] | None = None
@@ -98,8 +99,9 @@ class _Sampling(_Req):
     guided_whitespace_pattern: StrictStr | None = None
 
     def prompt_logprobs_k(self) -> int | None:
-        """How many top tokens per prompt token (completions with `echo` and `logprobs`)."""
-        return None
+        """How many top tokens per prompt token the engine computes (vLLM's `prompt_logprobs`;
+        completions' `echo` with `logprobs` too)."""
+        return _in_range(self.prompt_logprobs, "prompt_logprobs")
 
     def unsupported(self) -> list[str]:
         return []
@@ -122,7 +124,8 @@ class CompletionRequest(_Sampling):
         return _in_range(self.logprobs, "logprobs")
 
     def prompt_logprobs_k(self) -> int | None:
-        return self.top_logprobs_k() if self.echo else None
+        ks = [k for k in (super().prompt_logprobs_k(), self.top_logprobs_k() if self.echo else None) if k is not None]
+        return max(ks) if ks else None
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()

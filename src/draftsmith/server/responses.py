@@ -8,7 +8,7 @@ import time
 from dataclasses import replace
 from draftsmith.models.token_text import TokenText
 from draftsmith.server.engine_loop import Event
-from draftsmith.server.logprobs import LogprobsFormat
+from draftsmith.server.logprobs import LogprobsFormat, prompt_logprobs_object
 from draftsmith.server.answer import AnswerFormat, AnswerReader
 
 
@@ -23,6 +23,7 @@ class ResponseFormat:
         self.n = 1
         self.echo_only = False
         self.answer = AnswerFormat()
+        self.prompt_lp: tuple | None = None  # prompt_logprobs: (k, prompts, n, token text)
 
     def with_answer(self, answer: AnswerFormat) -> None:
         """A chat request whose answers are read for reasoning or tool calls (server/answer.py)."""
@@ -35,6 +36,17 @@ class ResponseFormat:
     def with_logprobs(self, k: int | None, token_text: TokenText) -> None:
         """The request asked for logprobs with k top tokens (None: it did not)."""
         self.logprobs = None if k is None else LogprobsFormat(self.chat, k, token_text)
+
+    def with_prompt_logprobs(self, k: int, prompts: list[list[int]], n: int, token_text: TokenText) -> None:
+        """vLLM's `prompt_logprobs: k`: each prompt's tokens scored, in the whole response (chat:
+        at its top; completions: in each choice, as vLLM's)."""
+        self.prompt_lp = (k, prompts, n, token_text)
+
+    def prompt_logprobs_of(self, e: Event) -> list | None:
+        if self.prompt_lp is None or e.prompt_logprobs is None:
+            return None
+        k, prompts, n, tt = self.prompt_lp
+        return prompt_logprobs_object(prompts[e.index // n], e.prompt_logprobs, k, tt)
 
     def with_echo(self, prompts: list[tuple[str, list[int]]], n: int, echo_only: bool) -> None:
         """Completions' `echo: true`: every choice's text (and logprobs) starts with its prompt's;
@@ -99,13 +111,18 @@ class ResponseFormat:
                 choices.append({"index": e.index, "message": message,
                                 "logprobs": self.logprobs_of(e.index, e.token_ids, e.logprobs),
                                 "finish_reason": finish, "stop_reason": e.stop_reason})
-            return {**self._head("chat.completion"), "choices": choices, "usage": usage}
+            head = self._head("chat.completion")
+            if self.prompt_lp is not None and finals:  # one prompt: its scores once, at the top
+                head["prompt_logprobs"] = self.prompt_logprobs_of(finals[0])
+            return {**head, "choices": choices, "usage": usage}
         choices = []
         for e in finals:
             echo = self.echoed(e.index)
             lp = self.logprobs_of(e.index, e.token_ids, e.logprobs, None if echo is None else e.prompt_logprobs)
             choices.append({"index": e.index, "text": ("" if echo is None else echo[0]) + e.text, "logprobs": lp,
                             "finish_reason": e.finish_reason, "stop_reason": e.stop_reason})
+            if self.prompt_lp is not None:
+                choices[-1]["prompt_logprobs"] = self.prompt_logprobs_of(e)
         return {**self._head("text_completion"), "choices": choices, "usage": usage}
 
 
