@@ -15,7 +15,7 @@ from test_tool_calls import merged
 from draftsmith.api import LLM
 from draftsmith.core.sampling import SamplingParams
 from draftsmith.server.answer import AnswerReader
-from draftsmith.server.reasoning import ReasoningReader, opens_thinking
+from draftsmith.server.reasoning import ReasoningReader, leaves_open, opens_thinking
 from draftsmith.server.tool_calls import HermesReader
 
 
@@ -23,7 +23,8 @@ def test_opens_thinking():
     assert opens_thinking("<|im_start|>assistant\n<think>\n")
     assert not opens_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # thinking turned off
     assert not opens_thinking("<|im_start|>assistant\n")
-    assert opens_thinking("<think>a</think> b <think>")
+    assert not opens_thinking("user: why <think>?<|im_end|>\n<|im_start|>assistant\n")  # a user's words
+    assert leaves_open("<think>so far") and not leaves_open("<think>x</think>answer") and not leaves_open("hi")
 
 
 READ = [  # (prompt opened <think>, answer, reasoning, content)
@@ -35,6 +36,9 @@ READ = [  # (prompt opened <think>, answer, reasoning, content)
     (False, "<think>cut by max_tokens", "cut by max_tokens", ""),
     (True, "plan</think>Answer", "plan", "Answer"),
     (True, "still thinking </thi", "still thinking </thi", ""),
+    (True, "<think>\nx\n</think>\n\ny", "\nx\n", "\n\ny"),  # the model opens it again: the tag dropped
+    (True, "  plan</think>a", "  plan", "a"),
+    (True, "<thi", "<thi", ""),
     (True, "", "", ""),
 ]
 
@@ -102,6 +106,10 @@ def test_reasoning_on_the_server(tiny_dir, tiny_server):
         quiet = h.post("/v1/chat/completions", json={**body, "include_reasoning": False}).json()
         assert quiet["choices"][0]["message"]["reasoning"] is None
         assert quiet["choices"][0]["message"]["content"] == "\n\nDone."
+        assert _stream(h, {**body, "include_reasoning": False}) == ("", "\n\nDone.", "stop")
+        asks = {**body, "messages": [{"role": "user", "content": "Why does R1 begin with <think>"}]}
+        msg = h.post("/v1/chat/completions", json=asks).json()["choices"][0]["message"]  # a user's <think>
+        assert msg["reasoning"].startswith("\nplan ") and msg["content"] == "\n\nDone."
     with httpx.Client(base_url=tiny_server(), timeout=60) as h:
         msg = h.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
         assert "reasoning" not in msg and msg["content"].startswith("<think>\nplan ")
@@ -126,8 +134,14 @@ def test_a_thinking_prompt(tiny_dir, tiny_server):
         msg = h.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
         assert msg["reasoning"] == ref.text and msg["content"] is None
         assert _stream(h, body) == (ref.text, "", "length")
-        _assert_openai_error(h.post("/v1/chat/completions", json={**body, "response_format": {"type": "json_object"}}),
-                             400, "messages", says="enable_thinking")
+        for extra in ({"response_format": {"type": "json_object"}},
+                      {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}):
+            _assert_openai_error(h.post("/v1/chat/completions", json={**body, **extra}), 400, "messages",
+                                 says="continue_final_message")
+        closed = MSGS + [{"role": "assistant", "content": "<think>\n\n</think>\n\n"}]  # the advice works
+        r = h.post("/v1/chat/completions", json={**body, "messages": closed, "add_generation_prompt": False,
+                                                 "continue_final_message": True, "structured_outputs": {"regex": "ok"}})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "ok"
         earlier = MSGS + [{"role": "assistant", "content": "4", "reasoning": "2+2"}]
         r = h.post("/tokenize", json={"messages": earlier, "add_generation_prompt": False}).json()
         assert llm.tokenizer.decode(r["tokens"]) == "user:think first|assistant:4[2+2]|"

@@ -1,12 +1,14 @@
-"""A thinking model's answer split into `reasoning` and `content`, as vLLM's `--reasoning-parser`
-does for Qwen3 and DeepSeek-R1 (`<think> ... </think>` before the answer).
+"""A thinking model's answer split into `reasoning` and `content`, like vLLM's `--reasoning-parser`
+for Qwen3 and DeepSeek-R1 (`<think> ... </think>` before the answer).
 
 Where the reasoning starts is read from the prompt, so a streamed answer and a whole one always
-agree: a prompt that leaves a `<think>` block open (a template that starts the model's thinking,
-as DeepSeek-R1's and Qwen3's thinking models' do) makes the answer reasoning from its first token
-until `</think>`; otherwise the answer is reasoning only if it opens with `<think>` itself (after
-any whitespace; the tag is dropped), else all content. Text after `</think>` is content, as the
-model wrote it. An answer that never closes its reasoning (cut by max_tokens) is all reasoning.
+agree: a prompt that ends in `<think>` (a template that starts the model's thinking, as
+DeepSeek-R1's and Qwen3's thinking models' do; or a continued assistant message with an open
+block) makes the answer reasoning from its first token until `</think>`; otherwise the answer is
+reasoning only if it opens with `<think>` itself, else all content. A `<think>` that opens the
+answer (after whitespace) is dropped either way. Text after `</think>` is content, as the model
+wrote it. An answer that never closes its reasoning (cut by max_tokens) is all reasoning, with
+both parsers (vLLM's qwen3 parser returns it as content).
 """
 
 from __future__ import annotations
@@ -15,10 +17,17 @@ REASONING_PARSERS = ("qwen3", "deepseek_r1")  # both write <think> ... </think>
 _OPEN, _CLOSE = "<think>", "</think>"
 
 
-def opens_thinking(prompt_text: str) -> bool:
-    """Whether a rendered prompt ends inside a `<think>` block (its last one is not closed)."""
-    i = prompt_text.rfind(_OPEN)
-    return i >= 0 and prompt_text.find(_CLOSE, i) < 0
+def opens_thinking(prompt_tail: str) -> bool:
+    """Whether the template's generation prompt opened a `<think>` block: the rendered prompt
+    ends in one (a `<think>` a user wrote earlier in the prompt does not count)."""
+    return prompt_tail.rstrip().endswith(_OPEN)
+
+
+def leaves_open(message_text: str) -> bool:
+    """Whether a message (an assistant's, continued with continue_final_message) leaves its last
+    `<think>` block open."""
+    i = message_text.rfind(_OPEN)
+    return i >= 0 and message_text.find(_CLOSE, i) < 0
 
 
 def _partial_tail(text: str, tag: str) -> int:
@@ -30,7 +39,10 @@ class ReasoningReader:
     """`push(text)` / `finish(text)` -> (reasoning, content) that can be said now."""
 
     def __init__(self, thinking: bool) -> None:
-        self.state = "reasoning" if thinking else "start"  # start: not known yet whether it opens with <think>
+        # start: whether the answer opens with <think> is not known yet (after it: reasoning, or
+        # content where the prompt did not open the block)
+        self.after_start = "reasoning" if thinking else "content"
+        self.state = "start"
         self.buf = ""
 
     def push(self, text: str) -> tuple[str, str]:
@@ -44,7 +56,7 @@ class ReasoningReader:
                 elif _OPEN.startswith(head):  # nothing yet, or the tag's start
                     break
                 else:
-                    self.state = "content"
+                    self.state = self.after_start
             elif self.state == "reasoning":
                 j = self.buf.find(_CLOSE)
                 if j >= 0:
@@ -63,7 +75,7 @@ class ReasoningReader:
 
     def finish(self, text: str) -> tuple[str, str]:
         reasoning, content = self.push(text)
-        if self.state == "reasoning":
+        if self.state == "reasoning" or (self.state == "start" and self.after_start == "reasoning"):
             reasoning += self.buf
         else:
             content += self.buf

@@ -18,13 +18,13 @@ from draftsmith.server.metrics import CONTENT_TYPE
 from draftsmith.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                        TokenizeRequest)
 from draftsmith.server.responses import ResponseFormat
-from draftsmith.server.reasoning import opens_thinking
+from draftsmith.server.reasoning import leaves_open, opens_thinking
 from draftsmith.server.state import ServerState
 from draftsmith.server.structured import asks_structure
 from draftsmith.server.tools import prompt_texts, template_messages, tool_plan
 
 
-_THINK_TAIL = 32  # prompt tokens read for an open <think> block (a template's generation prompt)
+_THINK_TAIL = 8  # prompt tokens read for a <think> the template's generation prompt ends in
 
 
 def add_routes(app: FastAPI, st: ServerState) -> None:
@@ -84,13 +84,15 @@ def add_routes(app: FastAPI, st: ServerState) -> None:
         ids = _chat_ids(req, req.n)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         fmt = ResponseFormat(chat=True, rid=f"chatcmpl-{uuid.uuid4().hex}", model=st.model_id)
-        thinking = st.reasoning_parser is not None and opens_thinking(
-            st.front.decode(ids[-_THINK_TAIL:], skip_special_tokens=False))
+        thinking = st.reasoning_parser is not None and (
+            leaves_open(req.messages[-1].text()) if req.continue_final_message
+            else opens_thinking(st.front.decode(ids[-_THINK_TAIL:], skip_special_tokens=False)))
         if thinking and asks_structure(req):
-            raise APIError(400, "this prompt opens the model's reasoning (its chat template ends in <think>), and a "
-                           "grammar (response_format, structured_outputs, guided_*, a forced tool call) would "
-                           "constrain the reasoning too; turn thinking off for this request, e.g. "
-                           'chat_template_kwargs: {"enable_thinking": false}', param="messages",
+            raise APIError(400, "this prompt opens the model's reasoning (it ends in <think>), and a grammar "
+                           "(response_format, structured_outputs, guided_*, a forced tool call) would constrain the "
+                           "reasoning too; close the block for this request: send a last assistant message "
+                           '"<think>\n\n</think>\n\n" with continue_final_message: true and add_generation_prompt: '
+                           "false (or serve a --chat-template that does not open it)", param="messages",
                            code="invalid_value")
         fmt.with_answer(AnswerFormat(plan if plan is not None and plan.mode != "none" else None,
                                      reasoning=st.reasoning_parser is not None, thinking=thinking,

@@ -151,7 +151,7 @@ def prompt_texts(messages: list[ChatMessage], tools: list[dict] | None) -> list[
     """Every text a chat prompt carries: the messages' and the tool definitions' (for the
     server's prompt-size limit)."""
     return ([m.text() for m in messages] + [c.function.arguments for m in messages for c in m.tool_calls or []]
-            + [m.reasoning or m.reasoning_content or "" for m in messages]
+            + [(m.reasoning if m.reasoning is not None else m.reasoning_content) or "" for m in messages]
             + ([json.dumps(tools, ensure_ascii=False)] if tools else []))
 
 
