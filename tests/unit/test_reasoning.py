@@ -13,7 +13,10 @@ from test_server_unit import _assert_openai_error, tiny_dir, tiny_server  # noqa
 from test_tool_calls import merged
 
 from draftsmith.api import LLM
+from draftsmith.errors import DraftsmithError
 from draftsmith.core.sampling import SamplingParams
+from draftsmith.core.structured import Grammars
+from draftsmith.core.structured import StructuredOutputsParams as SO
 from draftsmith.server.answer import AnswerReader
 from draftsmith.server.reasoning import ReasoningReader, leaves_open, opens_thinking
 from draftsmith.server.tool_calls import HermesReader
@@ -94,11 +97,13 @@ def _stream(h: httpx.Client, body: dict) -> tuple[str, str, str]:
 
 def test_reasoning_on_the_server(tiny_dir, tiny_server):
     """serve --reasoning-parser qwen3: an answer that opens <think> (the tiny model's text forced
-    by a regex) has its reasoning apart, whole and streamed; include_reasoning false leaves it out;
-    a server without the parser shows the text as it is."""
+    by a regex, on a server whose grammars constrain the reasoning too) has its reasoning apart,
+    whole and streamed; include_reasoning false leaves it out; a server without the parser shows
+    the text as it is."""
     body = {"messages": MSGS, "max_tokens": 80, "temperature": 0,
             "structured_outputs": {"regex": r"<think>\nplan [a-z]{1,4}\n</think>\n\nDone\."}}
-    with httpx.Client(base_url=tiny_server(reasoning_parser="qwen3"), timeout=60) as h:
+    url = tiny_server(reasoning_parser="qwen3", structured_outputs_in_reasoning=True)
+    with httpx.Client(base_url=url, timeout=60) as h:
         msg = h.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
         assert msg["reasoning"] == msg["reasoning_content"] and msg["reasoning"].startswith("\nplan ")
         assert msg["content"] == "\n\nDone."
@@ -123,8 +128,10 @@ THINKING_TEMPLATE = ("{% for m in messages %}{{ m.role }}:{{ m.content }}"
 def test_a_thinking_prompt(tiny_dir, tiny_server):
     """A template that opens <think> (as Qwen3 thinking models' and DeepSeek-R1's do): the answer is
     reasoning from its first token (here never closed: all reasoning, content null, = LLM.chat's
-    text); a grammar on such a prompt is a 400 that says how to turn thinking off; an
-    assistant's earlier reasoning reaches the template as reasoning_content."""
+    text); a grammar (response_format, a forced tool call) starts after the reasoning, as
+    vLLM's: the answer = LLM.chat's under the grammar with reasoning="open", and with the block
+    closed by a continued assistant message, reasoning="optional"; an assistant's earlier
+    reasoning reaches the template as reasoning_content."""
     llm = LLM(str(tiny_dir), max_batch=1, max_len=256)
     (ref,) = llm.chat(MSGS, SamplingParams(max_tokens=12, temperature=0.0), chat_template=THINKING_TEMPLATE)
     assert "</think>" not in ref.text
@@ -134,14 +141,48 @@ def test_a_thinking_prompt(tiny_dir, tiny_server):
         msg = h.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
         assert msg["reasoning"] == ref.text and msg["content"] is None
         assert _stream(h, body) == (ref.text, "", "length")
-        for extra in ({"response_format": {"type": "json_object"}},
-                      {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}):
-            _assert_openai_error(h.post("/v1/chat/completions", json={**body, **extra}), 400, "messages",
-                                 says="continue_final_message")
-        closed = MSGS + [{"role": "assistant", "content": "<think>\n\n</think>\n\n"}]  # the advice works
+        def want(msgs, spec, **kw) -> dict:
+            sp = SamplingParams(max_tokens=12, temperature=0.0, structured_outputs=spec)
+            text = llm.chat(msgs, sp, chat_template=THINKING_TEMPLATE, **kw)[0].text
+            return AnswerReader(ReasoningReader("add_generation_prompt" not in kw), None).message(text)
+
+        r = h.post("/v1/chat/completions", json={**body, "response_format": {"type": "json_object"}})
+        assert r.json()["choices"][0]["message"] == want(MSGS, SO(json_object=True, reasoning="open"))
+        closed = MSGS + [{"role": "assistant", "content": "<think>\n\n</think>\n\n"}]
         r = h.post("/v1/chat/completions", json={**body, "messages": closed, "add_generation_prompt": False,
                                                  "continue_final_message": True, "structured_outputs": {"regex": "ok"}})
-        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "ok"
+        assert r.json()["choices"][0]["message"] == want(closed, SO(regex="ok", reasoning="optional"),
+                                                          add_generation_prompt=False, continue_final_message=True)
+        tools = {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}
+        assert h.post("/v1/chat/completions", json={**body, **tools}).status_code == 200
         earlier = MSGS + [{"role": "assistant", "content": "4", "reasoning": "2+2"}]
         r = h.post("/tokenize", json={"messages": earlier, "add_generation_prompt": False}).json()
         assert llm.tokenizer.decode(r["tokens"]) == "user:think first|assistant:4[2+2]|"
+
+
+@pytest.mark.parametrize("kind", [dict(json_object=True), dict(regex=r"\{[a-z]+\}"), dict(choice=["{a}", "{b}"]),
+                                  dict(grammar='root ::= "{" [a-z]+ "}"'),
+                                  dict(json={"type": "object", "properties": {"a": {"type": "string"}}})])
+def test_a_grammar_after_the_reasoning(tiny_dir, kind):
+    """StructuredOutputsParams(reasoning=...): "open" takes free text up to </think> (the prompt
+    opened the block), then whitespace, then the grammar; "optional" the same block only where the
+    answer opens it, else the grammar from the first token; None, the grammar alone."""
+    llm = LLM(str(tiny_dir), max_batch=1, max_len=64)
+    grammars = Grammars(llm.tokenizer, llm.target.model.config.vocab_size, [llm.tokenizer.eos_token_id])
+
+    def takes(spec: SO, text: str) -> tuple[bool, bool]:
+        """(every token of `text` taken, the answer may end there)"""
+        m = grammars.matcher(spec)
+        ids = llm.encode(text, add_special_tokens=False)
+        return m.try_consume_tokens(ids) == len(ids), m.is_accepting()
+
+    answer = '{"a": "x"}' if "json" in kind or "json_object" in kind else "{a}"
+    open_, optional, plain = (SO(**kind, reasoning="open"), SO(**kind, reasoning="optional"), SO(**kind))
+    assert takes(open_, "any <b>text</b> here </think>\n\n" + answer) == (True, True)
+    assert takes(open_, answer) == (True, False)  # still reasoning: the grammar has not begun
+    assert takes(optional, answer) == (True, True)
+    assert takes(optional, " <think>plan { } [</think>\n" + answer) == (True, True)
+    assert takes(optional, "plan")[0] is False  # neither a <think> block nor the grammar
+    assert takes(plain, answer) == (True, True) and takes(plain, "<think>")[0] is False
+    with pytest.raises(DraftsmithError, match="reasoning must be"):
+        SO(**kind, reasoning="closed")

@@ -39,7 +39,11 @@ def add_parser(sub) -> None:
     s.add_argument("--tool-call-parser", default=None,
                    help="how the model writes tool calls: hermes (<tool_call>{...}</tool_call>, as Qwen2.5 and Hermes)")
     s.add_argument("--reasoning-parser", default=None,
-                   help="split chat answers into reasoning and content: qwen3 or deepseek_r1 (<think> ... </think>)")
+                   help="split chat answers into reasoning and content: qwen3 or deepseek_r1 (<think> ... </think>); "
+                        "a request's grammar then starts after the reasoning")
+    s.add_argument("--structured-outputs-in-reasoning", action="store_true",
+                   help="with --reasoning-parser: a request's grammar constrains the reasoning too (vLLM's "
+                        "enable_in_reasoning)")
     s.set_defaults(func=cmd_serve)
 
 
@@ -107,5 +111,6 @@ def cmd_serve(args) -> int:
     serve(llm, host=args.host, port=args.port, log_level=args.log_level, model_name=args.served_model_name,
           api_key=api_key, limits=limits, chat_template=chat_template,
           tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-          reasoning_parser=args.reasoning_parser)
+          reasoning_parser=args.reasoning_parser,
+          structured_outputs_in_reasoning=args.structured_outputs_in_reasoning)
     return 0

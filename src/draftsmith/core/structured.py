@@ -50,6 +50,11 @@ class StructuredOutputsParams:
     disable_any_whitespace: JSON without free whitespace between tokens (compact separators);
                  by default any whitespace is allowed there, as in vLLM.
     whitespace_pattern: a regex for the whitespace allowed between JSON tokens instead.
+    reasoning:   for a thinking model (vLLM applies the grammar after the reasoning ends):
+                 "open": the answer starts inside a <think> block (the prompt opened it), free
+                 text up to </think>, then the grammar; "optional": the answer may open with a
+                 <think> ... </think> block of free text before the grammar; None: the grammar
+                 from the first token.
     """
 
     json: Any = None
@@ -59,6 +64,7 @@ class StructuredOutputsParams:
     json_object: bool = False
     disable_any_whitespace: bool = False
     whitespace_pattern: str | None = None
+    reasoning: str | None = None
     kind: str = field(default="", init=False, compare=False)  # which one of the five was given
     _key: str = field(default="", init=False, repr=False, compare=False)
 
@@ -83,6 +89,9 @@ class StructuredOutputsParams:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or not v):
                 raise DraftsmithError(f"structured outputs: {name} must be a non-empty string, got {v!r}")
+        if self.reasoning not in (None, "open", "optional"):
+            raise DraftsmithError(f"structured outputs: reasoning must be \"open\", \"optional\" or None, "
+                                  f"got {self.reasoning!r}")
         if self.choice is not None:
             if isinstance(self.choice, str) or not all(isinstance(c, str) for c in self.choice) or not self.choice:
                 raise DraftsmithError(f"structured outputs: choice must be a non-empty list of strings, got {self.choice!r}")
@@ -98,6 +107,24 @@ class StructuredOutputsParams:
 
     def _grammar_text(self) -> str:
         """The llguidance grammar (JSON or Lark text) this asks for; it is also the cache key."""
+        import llguidance
+
+        text = self._body_text()
+        if self.reasoning is None:
+            return text
+        # the grammar as one rule of a Lark grammar that lets a <think> block come first
+        try:  # llguidance's JSON form ({"grammars": [...]}), or Lark text
+            g = json.loads(text)["grammars"][0]
+        except ValueError:
+            g = {"lark_grammar": text}
+        body = "%json " + json.dumps(g["json_schema"]) if g.get("json_schema") is not None else \
+            "%lark {\n" + g["lark_grammar"] + "\n}"
+        ws = r"/[ \t\r\n]*/"
+        first = f"think {ws} body" if self.reasoning == "open" else f'({ws} "<think>" think {ws})? body'
+        return llguidance.LLMatcher.grammar_from_lark(
+            f"start: {first}\nthink[lazy]: /(?s:.*)<\\/think>/\nbody: {body}")
+
+    def _body_text(self) -> str:
         import llguidance
         from llguidance.gbnf_to_lark import any_to_lark
 

@@ -18,12 +18,22 @@ from draftsmith.server.tools import ToolPlan
 @dataclass(frozen=True)
 class AnswerFormat:
     """What one chat request's answers are read for. `reasoning`: the server reads reasoning;
-    `thinking`: the prompt left a <think> block open; `include_reasoning`: vLLM's request field."""
+    `thinking`: the prompt left a <think> block open; `include_reasoning`: vLLM's request field;
+    `grammar_in_reasoning`: a grammar constrains the reasoning too (vLLM's enable_in_reasoning)."""
 
     tools: ToolPlan | None = None
     reasoning: bool = False
     thinking: bool = False
     include_reasoning: bool = True
+    grammar_in_reasoning: bool = False  # serve --structured-outputs-in-reasoning
+
+    def grammar_reasoning(self) -> str | None:
+        """Where a grammar starts (StructuredOutputsParams.reasoning): after a <think> block the
+        prompt opened ("open") or the answer may open ("optional"), as vLLM applies structured
+        outputs after the reasoning; None: from the first token."""
+        if not self.reasoning or self.grammar_in_reasoning:
+            return None
+        return "open" if self.thinking else "optional"
 
     def reader(self) -> AnswerReader | None:
         """A fresh reader of one choice's text (None: the text is all content)."""

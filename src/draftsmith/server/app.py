@@ -42,17 +42,19 @@ log = logging.getLogger("draftsmith.server")
 
 def create_app(llm: LLM, model_name: str | None = None, *, api_key: str | None = None,
                limits: Limits | None = None, chat_template: str | None = None,
-               tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> FastAPI:
+               tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+               structured_outputs_in_reasoning: bool = False) -> FastAPI:
     """The app over `llm`. `api_key`: required as `Authorization: Bearer KEY` on /v1 routes;
     `chat_template`: Jinja text in place of the target's template; `tool_call_parser`: turns on
     tool_choice "auto", read with this parser (server/tools.py); `reasoning_parser`: chat answers
-    split into reasoning and content (server/reasoning.py)."""
+    split into reasoning and content (server/reasoning.py), a request's grammar applied after the
+    reasoning unless `structured_outputs_in_reasoning` (vLLM's enable_in_reasoning)."""
     if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
         raise DraftsmithError(f"unknown tool-call parser {tool_call_parser!r}; known: {', '.join(TOOL_CALL_PARSERS)}")
     if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
         raise DraftsmithError(f"unknown reasoning parser {reasoning_parser!r}; known: {', '.join(REASONING_PARSERS)}")
     st = ServerState(llm, model_name, api_key, limits, chat_template=chat_template, tool_call_parser=tool_call_parser,
-                     reasoning_parser=reasoning_parser)
+                     reasoning_parser=reasoning_parser, grammar_in_reasoning=structured_outputs_in_reasoning)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -98,8 +100,9 @@ def create_app(llm: LLM, model_name: str | None = None, *, api_key: str | None =
 def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
           model_name: str | None = None, api_key: str | None = None, limits: Limits | None = None,
           chat_template: str | None = None, tool_call_parser: str | None = None,
-          reasoning_parser: str | None = None) -> None:
+          reasoning_parser: str | None = None, structured_outputs_in_reasoning: bool = False) -> None:
     """Serve `llm` until interrupted (blocking)."""
     app = create_app(llm, model_name, api_key=api_key, limits=limits, chat_template=chat_template,
-                     tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
+                     tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
+                     structured_outputs_in_reasoning=structured_outputs_in_reasoning)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

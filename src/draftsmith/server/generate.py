@@ -60,7 +60,8 @@ async def generate(st: ServerState, request: Request, req: Any, prompts: list[li
                            param="truncate_prompt_tokens", code="invalid_value")
         prompts = [ids[-k:] for ids in prompts]
     # (a grammar compiles in a worker thread: a large schema may take a second; the event loop serves on)
-    structured = await asyncio.to_thread(structured_outputs, req, st.front.grammars.check) if asks_structure(req) else None
+    structured = await asyncio.to_thread(structured_outputs, req, st.front.grammars.check,
+                                         fmt.answer.grammar_reasoning()) if asks_structure(req) else None
     fmt.with_logprobs(req.top_logprobs_k(), st.front.token_text)
     if req.prompt_logprobs is not None:
         fmt.with_prompt_logprobs(req.prompt_logprobs, prompts, n, st.front.token_text)

@@ -20,7 +20,6 @@ from draftsmith.server.protocol import (APIError, ChatCompletionRequest, Complet
 from draftsmith.server.responses import ResponseFormat
 from draftsmith.server.reasoning import leaves_open, opens_thinking
 from draftsmith.server.state import ServerState
-from draftsmith.server.structured import asks_structure
 from draftsmith.server.tools import prompt_texts, template_messages, tool_plan
 
 
@@ -87,16 +86,10 @@ def add_routes(app: FastAPI, st: ServerState) -> None:
         thinking = st.reasoning_parser is not None and (
             leaves_open(req.messages[-1].text()) if req.continue_final_message
             else opens_thinking(st.front.decode(ids[-_THINK_TAIL:], skip_special_tokens=False)))
-        if thinking and asks_structure(req):
-            raise APIError(400, "this prompt opens the model's reasoning (it ends in <think>), and a grammar "
-                           "(response_format, structured_outputs, guided_*, a forced tool call) would constrain the "
-                           "reasoning too; close the block for this request: send a last assistant message "
-                           '"<think>\n\n</think>\n\n" with continue_final_message: true and add_generation_prompt: '
-                           "false (or serve a --chat-template that does not open it)", param="messages",
-                           code="invalid_value")
         fmt.with_answer(AnswerFormat(plan if plan is not None and plan.mode != "none" else None,
                                      reasoning=st.reasoning_parser is not None, thinking=thinking,
-                                     include_reasoning=req.include_reasoning))
+                                     include_reasoning=req.include_reasoning,
+                                     grammar_in_reasoning=st.grammar_in_reasoning))
         return await generate(st, request, req, [ids], max_tokens, fmt, "messages")
 
     def _chat_ids(req, n: int = 1) -> list[int]:

@@ -65,9 +65,11 @@ class _Front:
 class ServerState:
     def __init__(self, llm: LLM, model_name: str | None = None, api_key: str | None = None,
                  limits: Limits | None = None, chat_template: str | None = None,
-                 tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> None:
+                 tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+                 grammar_in_reasoning: bool = False) -> None:
         self.llm = llm
         self.reasoning_parser = reasoning_parser  # answers split into reasoning and content (None: not)
+        self.grammar_in_reasoning = grammar_in_reasoning  # a grammar constrains the reasoning too
         self.chat_template = chat_template  # Jinja in place of the target's own (serve --chat-template)
         self.tool_call_parser = tool_call_parser  # tool_choice "auto"'s parser (None: auto is refused)
         self.model_id = model_name or llm.target.target_id

@@ -25,15 +25,16 @@ def asks_structure(req: Any) -> bool:
                 or choice == "required" or isinstance(choice, NamedToolChoice))
 
 
-def structured_outputs(req: Any, check: Callable[[StructuredOutputsParams], None] | None = None
-                       ) -> StructuredOutputsParams | None:
+def structured_outputs(req: Any, check: Callable[[StructuredOutputsParams], None] | None = None,
+                       reasoning: str | None = None) -> StructuredOutputsParams | None:
     """The request's grammar, from whichever of its fields asks for one (one at most):
     OpenAI's `response_format` ({"type": "json_schema", "json_schema": {"schema": ...}} or
     {"type": "json_object"}; "text" = none), vLLM's `structured_outputs` object ({"json": ...},
     {"regex": ...}, {"choice": [...]}, {"grammar": "<GBNF or Lark>"}, {"json_object": true};
     disable_any_whitespace, whitespace_pattern) and
     vLLM's older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`. `check`:
-    the target's grammar compiler (core/structured.Grammars.check); its error is a 400 too."""
+    the target's grammar compiler (core/structured.Grammars.check); its error is a 400 too.
+    `reasoning`: where the grammar starts for a thinking model (StructuredOutputsParams.reasoning)."""
     asked: dict[str, dict] = {}
     rf = req.response_format
     if rf is not None:
@@ -74,6 +75,8 @@ def structured_outputs(req: Any, check: Callable[[StructuredOutputsParams], None
     (param, spec), = asked.items()
     if req.guided_whitespace_pattern is not None and ("json" in spec or "json_object" in spec):
         spec.setdefault("whitespace_pattern", req.guided_whitespace_pattern)  # vLLM's, for any JSON kind
+    if reasoning is not None:
+        spec["reasoning"] = reasoning
     try:
         spec = StructuredOutputsParams(**spec)
         if check is not None:
