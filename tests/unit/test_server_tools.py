@@ -229,6 +229,8 @@ def test_serve_tool_and_template_flags(monkeypatch, tmp_path):
     assert run("--enable-auto-tool-choice", "--tool-call-parser", "hermes")["tool_call_parser"] == "hermes"
     assert run("--tool-call-parser", "hermes")["tool_call_parser"] is None  # auto stays off, as vLLM's
     assert kw["reasoning_parser"] is None and run("--reasoning-parser", "deepseek_r1")["reasoning_parser"] == "deepseek_r1"
+    assert kw["structured_outputs_in_reasoning"] is False
+    assert run("--reasoning-parser", "qwen3", "--structured-outputs-in-reasoning")["structured_outputs_in_reasoning"]
     n = len(loads)
     for flags, says in [(["--chat-template", str(tmp_path / "missing.jinja")], "neither a file nor"),
                         (["--chat-template", "{% for m in messages %}"], "not a valid Jinja template"),
