@@ -5,6 +5,7 @@ or the answer opens it; with tool calls after it; on the server (tiny model) who
 
 from __future__ import annotations
 
+import copy
 import json
 
 import httpx
@@ -155,6 +156,15 @@ def test_a_thinking_prompt(tiny_dir, tiny_server):
                                                           add_generation_prompt=False, continue_final_message=True)
         tools = {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}
         assert h.post("/v1/chat/completions", json={**body, **tools}).status_code == 200
+    # --structured-outputs-in-reasoning: the grammar decides the whole answer, read from its start
+    url = tiny_server(reasoning_parser="deepseek_r1", chat_template=THINKING_TEMPLATE,
+                      structured_outputs_in_reasoning=True)
+    with httpx.Client(base_url=url, timeout=60) as h:
+        r = h.post("/v1/chat/completions", json={**body, "response_format": {"type": "json_object"}})
+        (plain,) = llm.chat(MSGS, SamplingParams(max_tokens=12, temperature=0.0, structured_outputs=SO(json_object=True)),
+                            chat_template=THINKING_TEMPLATE)
+        assert r.json()["choices"][0]["message"] == {"role": "assistant", "content": plain.text, "reasoning": None,
+                                                     "reasoning_content": None}
         earlier = MSGS + [{"role": "assistant", "content": "4", "reasoning": "2+2"}]
         r = h.post("/tokenize", json={"messages": earlier, "add_generation_prompt": False}).json()
         assert llm.tokenizer.decode(r["tokens"]) == "user:think first|assistant:4[2+2]|"
@@ -186,3 +196,23 @@ def test_a_grammar_after_the_reasoning(tiny_dir, kind):
     assert takes(plain, answer) == (True, True) and takes(plain, "<think>")[0] is False
     with pytest.raises(DraftsmithError, match="reasoning must be"):
         SO(**kind, reasoning="closed")
+
+    # a tokenizer with <think> / </think> as added tokens (as Qwen3's and DeepSeek-R1's, special=False):
+    # the grammar takes those single tokens, which llguidance never matches as text
+    from tokenizers import AddedToken
+
+    tok = copy.deepcopy(llm.tokenizer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("<think>", "</think>")])
+    think, end = tok.convert_tokens_to_ids(["<think>", "</think>"])
+    tagged = Grammars(tok, len(tok), [tok.eos_token_id])
+
+    def takes_ids(spec: SO, ids: list[int]) -> tuple[bool, bool]:
+        m = tagged.matcher(spec)
+        return m.try_consume_tokens(ids) == len(ids), m.is_accepting()
+
+    enc = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    assert enc("<think>") == [think]
+    assert takes_ids(open_, enc("hm a") + [end] + enc("\n\n" + answer)) == (True, True)
+    assert takes_ids(open_, enc(answer)) == (True, False)
+    assert takes_ids(optional, [think] + enc("x") + [end] + enc(answer)) == (True, True)
+    assert takes_ids(optional, enc(answer)) == (True, True)

@@ -598,6 +598,10 @@ def test_continuous_usage_stats(tiny_server):
         assert seen == {c["index"]: len(c["logprobs"]["tokens"]) for c in whole["choices"]}
         _assert_openai_error(h.post("/v1/completions", json={**body, "stream_options": {"include_usage": True}}),
                              400, "stream_options", says="stream: true")
+        alone = {**stream, "stream_options": {"continuous_usage_stats": True}}  # without include_usage: off (vLLM's)
+        with h.stream("POST", "/v1/completions", json=alone) as r:
+            assert not any(json.loads(line[6:]).get("usage") for line in r.iter_lines()
+                           if line.startswith("data: ") and line != "data: [DONE]")
 
 
 def _stream_choices(h, path: str, body: dict) -> tuple[str, list[dict]]:
@@ -771,6 +775,7 @@ def test_prompt_logprobs_as_vllm_returns_them(tiny_dir, tiny_server):
         assert "prompt_logprobs" not in h.post("/v1/completions", json={**body, "prompt_logprobs": None}).json()["choices"][0]
         _assert_openai_error(h.post("/v1/completions", json={**body, "stream": True}), 400, "prompt_logprobs",
                              says="stream")
+        assert h.post("/v1/completions", json={**body, "stream": True, "prompt_logprobs": 0}).status_code == 200
         _assert_openai_error(h.post("/v1/completions", json={**body, "prompt_logprobs": 21}), 400, "prompt_logprobs")
 
 

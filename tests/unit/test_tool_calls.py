@@ -123,6 +123,7 @@ def test_required_reader_whole_and_every_split(text, content, calls):
 def test_named_reader_is_all_arguments():
     text = '{"city": "Paris"}'
     assert every_split(lambda: NamedReader("get_weather"), text) == ("", [("get_weather", text)], "stop")
+    assert every_split(lambda: NamedReader("f"), "\n\n" + text) == ("", [("f", text)], "stop")  # after reasoning
     msg = AnswerReader(None, NamedReader("f")).message("")
     assert msg["content"] is None and msg["tool_calls"][0]["function"] == {"name": "f", "arguments": ""}
 

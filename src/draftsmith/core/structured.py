@@ -97,7 +97,11 @@ class StructuredOutputsParams:
                 raise DraftsmithError(f"structured outputs: choice must be a non-empty list of strings, got {self.choice!r}")
             object.__setattr__(self, "choice", tuple(self.choice))
         try:
-            key = self._grammar_text()
+            key = self._body_text()
+            if self.reasoning is not None:
+                import llguidance
+
+                llguidance.LLMatcher.grammar_from_lark(self.grammar_text())  # (the wrapper parses)
         except (ValueError, TypeError) as e:
             raise DraftsmithError(f"structured outputs: the {self.describe()} does not compile: {_one_line(str(e))}") from None
         object.__setattr__(self, "_key", key)
@@ -105,24 +109,22 @@ class StructuredOutputsParams:
     def describe(self) -> str:
         return _KIND_NAMES[self.kind]
 
-    def _grammar_text(self) -> str:
-        """The llguidance grammar (JSON or Lark text) this asks for; it is also the cache key."""
-        import llguidance
-
-        text = self._body_text()
+    def grammar_text(self, tags: ThinkTags | None = None) -> str:
+        """The llguidance grammar (JSON or Lark text) this asks for, for a tokenizer whose
+        <think> / </think> are written as `tags` (ThinkTags.of(tokenizer); text by default)."""
         if self.reasoning is None:
-            return text
+            return self._key
+        tags = tags or ThinkTags()
         # the grammar as one rule of a Lark grammar that lets a <think> block come first
         try:  # llguidance's JSON form ({"grammars": [...]}), or Lark text
-            g = json.loads(text)["grammars"][0]
+            g = json.loads(self._key)["grammars"][0]
         except ValueError:
-            g = {"lark_grammar": text}
+            g = {"lark_grammar": self._key}
         body = "%json " + json.dumps(g["json_schema"]) if g.get("json_schema") is not None else \
             "%lark {\n" + g["lark_grammar"] + "\n}"
         ws = r"/[ \t\r\n]*/"
-        first = f"think {ws} body" if self.reasoning == "open" else f'({ws} "<think>" think {ws})? body'
-        return llguidance.LLMatcher.grammar_from_lark(
-            f"start: {first}\nthink[lazy]: /(?s:.*)<\\/think>/\nbody: {body}")
+        first = f"think {ws} body" if self.reasoning == "open" else f"({ws} {tags.open} think {ws})? body"
+        return f"start: {first}\n{tags.think_rule}\nbody: {body}"
 
     def _body_text(self) -> str:
         import llguidance
@@ -141,6 +143,22 @@ class StructuredOutputsParams:
         if self.choice is not None:  # JSON string literals are valid Lark literals
             return M.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.choice))
         return M.grammar_from_lark(any_to_lark(self.grammar))
+
+
+@dataclass(frozen=True)
+class ThinkTags:
+    """How a grammar writes <think> and </think> for one tokenizer: as text, or where the
+    tokenizer has them as added tokens (Qwen3's, DeepSeek-R1's), as those single tokens
+    (llguidance matches an added token only by its `<name>` form, never as text)."""
+
+    open: str = '"<think>"'
+    think_rule: str = "think[lazy]: /(?s:.*)<\\/think>/"  # free text up to the first </think>
+
+    @classmethod
+    def of(cls, tokenizer) -> ThinkTags:
+        added = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
+        return cls(open="<think>" if "<think>" in added else cls.open,
+                   think_rule="think: /(?s:.*)/ </think>" if "</think>" in added else cls.think_rule)
 
 
 class _LLTokenizer:
@@ -180,6 +198,7 @@ class Grammars:
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Sequence[int], capacity: int = 64,
                  share: Grammars | None = None) -> None:
         self._hf = tokenizer
+        self._tags = ThinkTags.of(tokenizer)
         self.capacity = capacity
         self._lltok = share._lltok if share is not None else _LLTokenizer(vocab_size, eos_token_ids)
         self._executor = None
@@ -201,15 +220,16 @@ class Grammars:
         (a bad regex, a schema it cannot handle, ...)."""
         import llguidance
 
+        key = spec.grammar_text(self._tags)
         with self._check_lock:
-            if spec._key in self._checked:
-                self._checked.move_to_end(spec._key)
+            if key in self._checked:
+                self._checked.move_to_end(key)
                 return
-        err = llguidance.LLMatcher.validate_grammar(spec._key, self._lltok.get(self._hf))
+        err = llguidance.LLMatcher.validate_grammar(key, self._lltok.get(self._hf))
         if err:
             raise DraftsmithError(f"structured outputs: the {spec.describe()} does not compile: {_one_line(err)}")
         with self._check_lock:
-            self._checked[spec._key] = None
+            self._checked[key] = None
             while len(self._checked) > self.capacity:
                 self._checked.popitem(last=False)
 
@@ -217,7 +237,7 @@ class Grammars:
         """A matcher at the start of `spec`'s grammar (`check`'s error where it does not compile)."""
         import llguidance
 
-        key = spec._key
+        key = spec.grammar_text(self._tags)
         base = self._compiled.get(key)
         if base is None:
             base = llguidance.LLMatcher(self._lltok.get(self._hf), key, log_level=0)

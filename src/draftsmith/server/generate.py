@@ -43,7 +43,7 @@ async def generate(st: ServerState, request: Request, req: Any, prompts: list[li
     if not st.loop.alive:
         raise APIError(503, "the engine is not running", type="service_unavailable")
     n = req.n
-    if req.prompt_logprobs is not None and req.stream:
+    if req.prompt_logprobs and req.stream:  # (0 is allowed, as vLLM's: nothing to send)
         raise APIError(400, "prompt_logprobs are not available when streaming (stream: true); ask for them in a "
                        "whole response", param="prompt_logprobs", code="invalid_value")
     if req.stream_options is not None and not req.stream:
@@ -129,5 +129,5 @@ async def generate(st: ServerState, request: Request, req: Any, prompts: list[li
 
     opts = req.stream_options
     events = stream_events(st, subs, q, fmt, prompt_tokens, n, bool(opts and opts.include_usage), done, close,
-                           continuous_usage=bool(opts and opts.continuous_usage_stats))
+                           continuous_usage=bool(opts and opts.include_usage and opts.continuous_usage_stats))
     return AbortingStream(events, on_close=close)

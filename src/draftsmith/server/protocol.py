@@ -59,7 +59,7 @@ class _Req(BaseModel):
 
 class StreamOptions(_Req):
     include_usage: StrictBool = False  # a last chunk with the request's usage
-    continuous_usage_stats: StrictBool = False  # vLLM's: every chunk with its choice's usage so far
+    continuous_usage_stats: StrictBool = False  # vLLM's (with include_usage): every chunk with its usage so far
 
 
 class _Sampling(_Req):

@@ -20,6 +20,7 @@ from draftsmith.server.protocol import (APIError, ChatCompletionRequest, Complet
 from draftsmith.server.responses import ResponseFormat
 from draftsmith.server.reasoning import leaves_open, opens_thinking
 from draftsmith.server.state import ServerState
+from draftsmith.server.structured import asks_structure
 from draftsmith.server.tools import prompt_texts, template_messages, tool_plan
 
 
@@ -83,7 +84,8 @@ def add_routes(app: FastAPI, st: ServerState) -> None:
         ids = _chat_ids(req, req.n)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         fmt = ResponseFormat(chat=True, rid=f"chatcmpl-{uuid.uuid4().hex}", model=st.model_id)
-        thinking = st.reasoning_parser is not None and (
+        # (a grammar that constrains the reasoning too decides the whole answer: read from its start)
+        thinking = st.reasoning_parser is not None and not (st.grammar_in_reasoning and asks_structure(req)) and (
             leaves_open(req.messages[-1].text()) if req.continue_final_message
             else opens_thinking(st.front.decode(ids[-_THINK_TAIL:], skip_special_tokens=False)))
         fmt.with_answer(AnswerFormat(plan if plan is not None and plan.mode != "none" else None,

@@ -88,8 +88,8 @@ async def stream_events(st: ServerState, subs: list[SubRequest], q: asyncio.Queu
                         close: Callable[[], None], continuous_usage: bool = False) -> AsyncIterator[str]:
     """The SSE lines of one request's choices, read from its event queue `q`; marks finished
     choices in `done` and calls `close` at the end, however the stream ends. `n`: choices per prompt;
-    `continuous_usage` (vLLM's stream_options.continuous_usage_stats): every chunk carries its
-    choice's usage so far (its prompt's tokens, the tokens sent in its chunks)."""
+    `continuous_usage` (vLLM's stream_options.continuous_usage_stats, with include_usage): every
+    chunk carries its choice's usage so far (its prompt's tokens, the tokens sent in its chunks)."""
     choices = {s.index: _Choice(partial(st.front.decode, skip_special_tokens=s.params.skip_special_tokens),
                                 s.params, fmt.echoed(s.index), fmt.answer_reader()) for s in subs}
     prompt_len = {s.index: len(s.prompt_ids) for s in subs}

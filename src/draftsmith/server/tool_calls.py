@@ -77,12 +77,13 @@ class NamedReader(ToolCallReader):
 
     def push(self, text: str) -> dict:
         if self.calls == 0:
+            text = text.lstrip()  # (whitespace a grammar lets before the JSON, e.g. after a model's reasoning)
             return _delta(calls=[self._call(self.name, text)]) if text else {}
         return _delta(calls=[{"index": 0, "function": {"arguments": text}}]) if text else {}
 
     def finish(self, text: str) -> dict:
         if self.calls == 0:  # an empty answer is still the one call, with no arguments written
-            return _delta(calls=[self._call(self.name, text)])
+            return _delta(calls=[self._call(self.name, text.lstrip())])
         return self.push(text)
 
 
