@@ -93,7 +93,9 @@ def test_regen_sigkill_then_resume(tiny_model_dir, tmp_path):
 
 
 def test_endpoint_against_draftsmith_server(tiny_model_dir, tmp_path):
-    """`regen --endpoint` against the project's own OpenAI-compatible server on loopback."""
+    """`regen --endpoint` against the project's own OpenAI-compatible server on loopback: the
+    same answers as in process, and their token ids exactly as the engine wrote them (the
+    server's `return_token_ids`)."""
     import threading
 
     import uvicorn
@@ -113,7 +115,8 @@ def test_endpoint_against_draftsmith_server(tiny_model_dir, tmp_path):
     for c in convs:
         ids = llm.apply_chat_template([dict(c.messages[0])])
         sp = SamplingParams(max_tokens=8, temperature=0.7, top_p=0.8, seed=turn_seed(0, c.id, 0))
-        refs[c.id] = llm.generate([ids], sp)[0].text
+        out = llm.generate([ids], sp)[0]
+        refs[c.id] = (out.text, out.token_ids)
     server = uvicorn.Server(uvicorn.Config(create_app(llm), host="127.0.0.1", port=0, log_level="warning"))
     th = threading.Thread(target=server.run, daemon=True)
     th.start()
@@ -130,7 +133,12 @@ def test_endpoint_against_draftsmith_server(tiny_model_dir, tmp_path):
     assert (s.written, s.errors) == (4, 0), errors_path(cfg.out).read_text() if s.errors else ""
     for r in load_records(cfg.out):
         assert r["target"]["served_model"] == llm.target.target_id
-        assert r["messages"][1]["content"] == refs[r["id"]]  # same engine, same seed, same answer
+        text, ids = refs[r["id"]]
+        assert r["messages"][1]["content"] == text  # same engine, same seed, same answer
+        first = r["turns"][0]
+        assert [t["answer_ids"] for t in r["turns"]] == ["server", "server"]
+        answer = [t for t, m in zip(r["input_ids"], r["loss_mask"]) if m][: first["generated_tokens"]]
+        assert answer == ids  # the engine's own tokens
         assert [m["role"] for m in r["messages"]] == ["user", "assistant"] * 2 and len(r["turns"]) == 2
 
 

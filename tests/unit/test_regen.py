@@ -319,9 +319,13 @@ class _FakeOpenAI(BaseHTTPRequestHandler):
                 return self._send(503 if mode == "broken" else 500, {"error": "overloaded"})
             if mode == "bad":
                 return self._send(400, {"error": {"message": "maximum context length exceeded"}})
+            if mode == "strict" and "return_token_ids" in req:  # a server that refuses unknown fields
+                return self._send(400, {"error": {"message": "Unrecognized request argument supplied: return_token_ids"}})
             last = req["messages"][-1]["content"]
-            return self._send(200, {"choices": [{"index": 0, "finish_reason": "stop", "message": {
-                "role": "assistant", "content": f"echo: {last[::-1]}"}}], "model": req["model"]})
+            choice = {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": f"echo: {last[::-1]}"}}
+            if mode == "ids" and req.get("return_token_ids"):  # the target's own tokens, as vLLM sends them
+                choice["token_ids"] = st["ids_of"](choice["message"]["content"])
+            return self._send(200, {"choices": [choice], "model": req["model"]})
         finally:
             with st["lock"]:
                 st["inflight"] -= 1
@@ -383,6 +387,35 @@ def test_endpoint_backend_turn_by_turn_with_bounded_concurrency(tiny, tmp_path, 
     assert len(second) == 6 and all(req["messages"][1]["content"].startswith("echo: ") for req in second)
     assert all(req["temperature"] == 0.7 and req["top_p"] == 0.8 and req["max_tokens"] == 6 for _, req in st["requests"])
     assert {req["seed"] for req in second} == {turn_seed(0, c.id, 1) for c in convs}
+
+
+def test_endpoint_answer_ids_from_the_server(tiny, tmp_path, fake_server):
+    """`return_token_ids`: a server that sends the answer's token ids gives them to the record as
+    they are (here with a marker token first, which encoding the text would never give); one that
+    sends text gives its encoding; one that refuses the field (a 400 naming it) is asked once more
+    without it, and not asked again. Each turn records which."""
+    from draftsmith.models.loading import load_tokenizer
+
+    url, st = fake_server
+    tok = load_tokenizer(tiny)
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+    mark = tok("#", add_special_tokens=False)["input_ids"]
+    st["ids_of"] = lambda text: mark + tok(text, add_special_tokens=False)["input_ids"] + [eot]
+    convs = [_conv(i, turns=2) for i in range(3)]
+    for mode, source in (("ids", "server"), ("ok", "text"), ("strict", "text")):
+        s = run_regen(_ecfg(tiny, tmp_path, f"{url}/{mode}", mode), conversations=convs)
+        assert (s.written, s.errors) == (3, 0)
+        for r in load_records(tmp_path / f"{mode}.jsonl"):
+            answers = [m["content"] for m in r["messages"] if m["role"] == "assistant"]
+            want = [t for a in answers for t in (st["ids_of"](a) if source == "server" else
+                                                 tok(a, add_special_tokens=False)["input_ids"] + [eot])]
+            assert [t for t, m in zip(r["input_ids"], r["loss_mask"]) if m] == want
+            assert [t["answer_ids"] for t in r["turns"]] == [source, source]
+    assert st["ids_of"]("echo: ab") != tok("echo: ab", add_special_tokens=False)["input_ids"] + [eot]  # the proof
+    strict = [req for m, req in st["requests"] if m == "strict"]
+    refused = sum("return_token_ids" in req for req in strict)  # the first requests in flight (concurrency 3)
+    assert 1 <= refused <= 3 and len(strict) == 6 + refused
+    assert not any("return_token_ids" in req for req in strict if len(req["messages"]) == 3)  # later turns: not asked
 
 
 def test_endpoint_retries_then_errors(tiny, tmp_path, fake_server):

@@ -779,6 +779,53 @@ def test_prompt_logprobs_as_vllm_returns_them(tiny_dir, tiny_server):
         _assert_openai_error(h.post("/v1/completions", json={**body, "prompt_logprobs": 21}), 400, "prompt_logprobs")
 
 
+def test_return_token_ids(tiny_dir, tiny_server):
+    """vLLM's `return_token_ids`: the prompt's ids (completions: in each choice; chat: at the top)
+    and each choice's generated ids = LLM.generate's; streamed, every chunk's `token_ids` add up
+    to the whole answer's and the prompt's come with the first chunk."""
+    import httpx
+
+    from draftsmith.api import LLM
+    from draftsmith.core.sampling import SamplingParams
+
+    ref_llm = LLM(str(tiny_dir), max_batch=2, max_len=256)
+    prompts = ["abc abc", "the quick brown fox"]
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    refs = [ref_llm.generate([p], greedy)[0] for p in prompts]
+    msgs = [{"role": "user", "content": "hi"}]
+    (cref,) = ref_llm.chat(msgs, greedy)
+    with httpx.Client(base_url=tiny_server(), timeout=60) as h:
+        body = {"prompt": prompts, "max_tokens": 6, "temperature": 0, "n": 2, "return_token_ids": True}
+        r = h.post("/v1/completions", json=body).json()
+        for ch in r["choices"]:
+            ref = refs[ch["index"] // 2]
+            assert ch["prompt_token_ids"] == ref.prompt_token_ids and ch["token_ids"] == ref.token_ids
+        got: dict[int, list] = {}
+        with h.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+            for line in s.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    (ch,) = json.loads(line[6:])["choices"]
+                    if ch["index"] not in got:
+                        assert ch["prompt_token_ids"] == refs[ch["index"] // 2].prompt_token_ids  # the first chunk
+                    else:
+                        assert "prompt_token_ids" not in ch
+                    got[ch["index"]] = got.get(ch["index"], []) + ch["token_ids"]
+        assert got == {ch["index"]: ch["token_ids"] for ch in r["choices"]}
+        chat = {"messages": msgs, "max_tokens": 6, "temperature": 0, "return_token_ids": True}
+        r = h.post("/v1/chat/completions", json=chat).json()
+        assert r["prompt_token_ids"] == cref.prompt_token_ids and r["choices"][0]["token_ids"] == cref.token_ids
+        ids, heads = [], []
+        with h.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as s:
+            for line in s.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunk = json.loads(line[6:])
+                    heads.append(chunk.get("prompt_token_ids"))
+                    ids += chunk["choices"][0].get("token_ids", [])
+        assert ids == cref.token_ids and heads[0] == cref.prompt_token_ids
+        assert "token_ids" not in h.post("/v1/chat/completions", json={**chat, "return_token_ids": False}
+                                         ).json()["choices"][0]
+
+
 def test_penalties_reach_the_engine(tiny_dir, tiny_server):
     """presence_penalty / frequency_penalty (OpenAI) and repetition_penalty (vLLM's extension):
     an n-gram server's greedy text = LLM.generate's with the same penalties, not the unpenalised one."""

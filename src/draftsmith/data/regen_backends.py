@@ -8,8 +8,12 @@ conversation (or its failure) to the sink; they differ only in who samples the a
   Each answer has its own seeded generator, so batching does not change what is sampled.
 - `EndpointBackend`: `POST {url}/v1/chat/completions` with httpx, `concurrency`
   conversations in flight; 5xx / 408 / 429 / timeouts / connection errors are retried with
-  exponential backoff, then the conversation goes to the errors file. The server returns
-  text, so answer ids are the local tokenizer's encoding of it (see ChatTokens).
+  exponential backoff, then the conversation goes to the errors file. Each request asks for
+  the answer's token ids (`return_token_ids`, vLLM's and Draftsmith's): where the server sends
+  them, they are the answer's ids exactly as the target wrote them; where it sends text only
+  (or refuses the field with a 400, after which it is not asked again) the ids are the local
+  tokenizer's encoding of the text (see ChatTokens). Each turn records which (`answer_ids`:
+  "server" or "text"): a text answer's encoding can differ from the tokens the target sampled.
 """
 
 from __future__ import annotations
@@ -199,7 +203,8 @@ class EndpointBackend:
         self.cfg = cfg
         target_id, path = resolve_target(cfg.target)
         self.tokenizer = load_tokenizer(path)
-        eos = set(read_config(path).eos_token_ids)
+        config = read_config(path)
+        eos = set(config.eos_token_ids)
         gen = Path(path) / "generation_config.json"
         if gen.is_file():
             e = read_json(gen, "generation config").get("eos_token_id")
@@ -214,6 +219,8 @@ class EndpointBackend:
                             "endpoint": cfg.endpoint, "served_model": self.model_name}
         self.legacy_weights_hash = legacy_weights_fingerprint(path)
         self.max_len = cfg.max_len
+        self.ask_ids = True  # send return_token_ids (off once the server refuses the field)
+        self.vocab = max(len(self.tokenizer), config.vocab_size)  # the ids the target may write
 
     def _served_model(self) -> str | None:
         models_url = self.url[: -len("/chat/completions")] + "/models"
@@ -265,14 +272,19 @@ class EndpointBackend:
                 dropped = sum(1 for b in blocks[k:] for m in b if m["role"] == "user")
                 break
             room = self.max_len - len(prompt) if self.max_len else None  # servers 400 on prompt + max_tokens > ctx
-            content, finish = await self._complete(client, ct.messages + list(block), conv.id, k, room)
-            ids = list(self.tokenizer(content, add_special_tokens=False)["input_ids"]) if content else []
+            content, finish, served = await self._complete(client, ct.messages + list(block), conv.id, k, room)
+            if served is not None:  # the target's own tokens
+                ids = served
+            else:
+                ids = list(self.tokenizer(content, add_special_tokens=False)["input_ids"]) if content else []
             ct.close_turn(ids, finish, content=content)
+            ct.turns[-1]["answer_ids"] = "server" if served is not None else "text"
             sink.answered(len(ids))
         return make_record(conv, ct, self.target_info, self.sampling, dropped)
 
     async def _complete(self, client, messages: list[dict], conv_id: str, k: int,
-                        room: int | None = None) -> tuple[str, str]:
+                        room: int | None = None) -> tuple[str, str, list[int] | None]:
+        """-> the answer's text, finish_reason and token ids (None: the server sent text only)."""
         s = self.sampling
         body: dict[str, Any] = {
             "model": self.model_name, "messages": messages,
@@ -286,14 +298,19 @@ class EndpointBackend:
         for attempt in range(attempts):
             retry_after = 0.0
             try:
+                if self.ask_ids:
+                    body["return_token_ids"] = True
                 r = await client.post(self.url, json=body)
+                if r.status_code == 400 and "return_token_ids" in r.text and body.pop("return_token_ids", None):
+                    self.ask_ids = False  # a server that refuses unknown fields: text it is
+                    r = await client.post(self.url, json=body)
             except httpx.TimeoutException as e:
                 reason = f"timeout after {self.cfg.request_timeout:g}s ({type(e).__name__})"
             except httpx.TransportError as e:
                 reason = f"connection error: {type(e).__name__}: {_one_line(e)}"
             else:
                 if r.status_code == 200:
-                    return self._parse(r)
+                    return self._parse(r, self.vocab)
                 text = " ".join(r.text.split())[:300]
                 reason = f"HTTP {r.status_code}: {text}"
                 if not (r.status_code >= 500 or r.status_code in (408, 409, 429)):
@@ -308,14 +325,17 @@ class EndpointBackend:
         raise _Failed(f"turn {k + 1}: gave up after {attempts} attempts; last error: {reason}")
 
     @staticmethod
-    def _parse(r) -> tuple[str, str]:
+    def _parse(r, vocab: int) -> tuple[str, str, list[int] | None]:
         try:
             data = r.json()
             choice = data["choices"][0]
             content = choice["message"]["content"]
             finish = choice.get("finish_reason") or "stop"
+            ids = choice.get("token_ids")
         except (ValueError, KeyError, IndexError, TypeError) as e:
             raise _Failed(f"malformed chat-completions response ({type(e).__name__}: {_one_line(e)})") from None
         if not isinstance(content, str):
             raise _Failed("chat-completions response has no text content")
-        return content, str(finish)
+        if not (isinstance(ids, list) and all(type(t) is int and 0 <= t < vocab for t in ids)):
+            ids = None  # not sent (or not this tokenizer's): the text is encoded locally
+        return content, str(finish), ids

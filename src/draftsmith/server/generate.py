@@ -65,6 +65,8 @@ async def generate(st: ServerState, request: Request, req: Any, prompts: list[li
     fmt.with_logprobs(req.top_logprobs_k(), st.front.token_text)
     if req.prompt_logprobs is not None:
         fmt.with_prompt_logprobs(req.prompt_logprobs, prompts, n, st.front.token_text)
+    if req.return_token_ids:
+        fmt.with_token_ids(prompts, n)
     subs: list[SubRequest] = []
     aloop = asyncio.get_running_loop()
     q: asyncio.Queue[Event] = asyncio.Queue()

@@ -24,6 +24,16 @@ class ResponseFormat:
         self.echo_only = False
         self.answer = AnswerFormat()
         self.prompt_lp: tuple | None = None  # prompt_logprobs: (k, prompts, n, token text)
+        self.ids_of_prompts: list[list[int]] | None = None  # return_token_ids: each prompt's ids
+
+    def with_token_ids(self, prompts: list[list[int]], n: int) -> None:
+        """vLLM's `return_token_ids`: the prompt's ids (chat: at the top of the response or of its
+        first chunk; completions: in each choice, or each choice's first chunk) and each choice's
+        generated ids (whole, or those of each chunk), as the model saw and wrote them."""
+        self.ids_of_prompts, self.n = prompts, n
+
+    def prompt_ids(self, index: int) -> list[int] | None:
+        return None if self.ids_of_prompts is None else list(self.ids_of_prompts[index // self.n])
 
     def with_answer(self, answer: AnswerFormat) -> None:
         """A chat request whose answers are read for reasoning or tool calls (server/answer.py)."""
@@ -78,23 +88,32 @@ class ResponseFormat:
     def opening(self, index: int) -> dict | None:
         if not self.chat:
             return None
-        return {**self._head("chat.completion.chunk"), "choices": [
+        head = self._head("chat.completion.chunk")
+        if self.ids_of_prompts is not None:
+            head["prompt_token_ids"] = self.prompt_ids(index)
+        return {**head, "choices": [
             {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
 
     def chunk(self, index: int, text: str, finish_reason: str | None, logprobs: dict | None = None,
-              stop_reason: int | str | None = None, delta: dict | None = None) -> dict:
+              stop_reason: int | str | None = None, delta: dict | None = None, token_ids: list[int] | None = None,
+              first: bool = False) -> dict:
         """A streamed chunk; `logprobs`: the object of the tokens since the previous chunk;
         `stop_reason`: vLLM's (the stop token id or string that ended the choice: its last chunk);
-        `delta`: a chat chunk's delta in place of `text` (content and tool calls)."""
+        `delta`: a chat chunk's delta in place of `text` (content and tool calls); `token_ids`: the
+        tokens since the previous chunk; `first`: the choice's first chunk."""
         if self.chat:
             if delta is None:
                 delta = {"content": text} if text else {}
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
                       "stop_reason": stop_reason}
-            return {**self._head("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
-                  "stop_reason": stop_reason}
-        return {**self._head("text_completion"), "choices": [choice]}
+        else:
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+                      "stop_reason": stop_reason}
+            if first and self.ids_of_prompts is not None:
+                choice["prompt_token_ids"] = self.prompt_ids(index)
+        if self.ids_of_prompts is not None:
+            choice["token_ids"] = list(token_ids or [])
+        return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
 
     def usage_chunk(self, usage: dict) -> dict:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
@@ -111,9 +130,13 @@ class ResponseFormat:
                 choices.append({"index": e.index, "message": message,
                                 "logprobs": self.logprobs_of(e.index, e.token_ids, e.logprobs),
                                 "finish_reason": finish, "stop_reason": e.stop_reason})
+                if self.ids_of_prompts is not None:
+                    choices[-1]["token_ids"] = list(e.token_ids)
             head = self._head("chat.completion")
             if self.prompt_lp is not None and finals:  # one prompt: its scores once, at the top
                 head["prompt_logprobs"] = self.prompt_logprobs_of(finals[0])
+            if self.ids_of_prompts is not None:
+                head["prompt_token_ids"] = self.prompt_ids(0)
             return {**head, "choices": choices, "usage": usage}
         choices = []
         for e in finals:
@@ -123,6 +146,8 @@ class ResponseFormat:
                             "finish_reason": e.finish_reason, "stop_reason": e.stop_reason})
             if self.prompt_lp is not None:
                 choices[-1]["prompt_logprobs"] = self.prompt_logprobs_of(e)
+            if self.ids_of_prompts is not None:
+                choices[-1].update(prompt_token_ids=self.prompt_ids(e.index), token_ids=list(e.token_ids))
         return {**self._head("text_completion"), "choices": choices, "usage": usage}
 
 

@@ -51,6 +51,7 @@ class _Choice:
         self.ids: list[int] = []
         self.entries: list = []
         self.sent = 0  # tokens already in a chunk
+        self.first = True  # no chunk sent yet
 
     def receive(self, ev: Event) -> str:
         """A `tokens` event; → the text that may be sent now."""
@@ -78,9 +79,10 @@ class _Choice:
         if self.echo is not None:  # the first chunk carries the prompt
             text, prompt, self.echo = self.echo[0] + text, self.prompt_entries, None
         lp = fmt.logprobs_of(index, self.ids, self.entries, prompt)
-        self.sent += len(self.ids)
-        self.ids, self.entries = [], []
-        return fmt.chunk(index, text, finish_reason, lp, stop_reason, delta)
+        ids, first = self.ids, self.first
+        self.sent += len(ids)
+        self.ids, self.entries, self.first = [], [], False
+        return fmt.chunk(index, text, finish_reason, lp, stop_reason, delta, token_ids=ids, first=first)
 
 
 async def stream_events(st: ServerState, subs: list[SubRequest], q: asyncio.Queue[Event], fmt: ResponseFormat,
