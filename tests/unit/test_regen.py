@@ -321,11 +321,18 @@ class _FakeOpenAI(BaseHTTPRequestHandler):
                 return self._send(400, {"error": {"message": "maximum context length exceeded"}})
             if mode == "strict" and "return_token_ids" in req:  # a server that refuses unknown fields
                 return self._send(400, {"error": {"message": "Unrecognized request argument supplied: return_token_ids"}})
+            if mode == "strict422" and "return_token_ids" in req:  # FastAPI with extra="forbid"
+                return self._send(422, {"detail": [{"type": "extra_forbidden", "loc": ["body", "return_token_ids"],
+                                                    "msg": "Extra inputs are not permitted"}]})
             last = req["messages"][-1]["content"]
             choice = {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": f"echo: {last[::-1]}"}}
-            if mode == "ids" and req.get("return_token_ids"):  # the target's own tokens, as vLLM sends them
-                choice["token_ids"] = st["ids_of"](choice["message"]["content"])
-            return self._send(200, {"choices": [choice], "model": req["model"]})
+            out = {"choices": [choice], "model": req["model"]}
+            if mode.startswith("ids") and req.get("return_token_ids"):  # the target's own tokens, as vLLM sends them
+                choice["token_ids"] = st["ids_of"](choice["message"]["content"], mode)
+                out["prompt_token_ids"] = st["prompt_of"](req["messages"], mode)
+                if mode == "idsreason":  # a server-side reasoning parser took text out of the content
+                    choice["message"]["reasoning"] = "thought"
+            return self._send(200, out)
         finally:
             with st["lock"]:
                 st["inflight"] -= 1
@@ -390,32 +397,35 @@ def test_endpoint_backend_turn_by_turn_with_bounded_concurrency(tiny, tmp_path, 
 
 
 def test_endpoint_answer_ids_from_the_server(tiny, tmp_path, fake_server):
-    """`return_token_ids`: a server that sends the answer's token ids gives them to the record as
-    they are (here with a marker token first, which encoding the text would never give); one that
-    sends text gives its encoding; one that refuses the field (a 400 naming it) is asked once more
-    without it, and not asked again. Each turn records which."""
+    """`return_token_ids`: a server that sends the answer's token ids for our prompt ids, decoding to
+    its text, gives them to the record (`answer_ids: "server"`; here the same ids the text encodes
+    to, so the records equal a text server's); ids that decode to other text, a prompt the server
+    tokenized otherwise, or reasoning split off the content fall back to encoding the text; a server
+    that refuses the field (400, or FastAPI's 422) is asked once more without it, and not again."""
     from draftsmith.models.loading import load_tokenizer
 
     url, st = fake_server
     tok = load_tokenizer(tiny)
     eot = tok.convert_tokens_to_ids("<|im_end|>")
-    mark = tok("#", add_special_tokens=False)["input_ids"]
-    st["ids_of"] = lambda text: mark + tok(text, add_special_tokens=False)["input_ids"] + [eot]
+    enc = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    st["ids_of"] = lambda text, mode: (enc("#") if mode == "idsbad" else []) + enc(text) + [eot]
+    st["prompt_of"] = lambda msgs, mode: [0] if mode == "idsprompt" else enc(
+        tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
     convs = [_conv(i, turns=2) for i in range(3)]
-    for mode, source in (("ids", "server"), ("ok", "text"), ("strict", "text")):
+    recs = {}
+    for mode, source in (("ok", "text"), ("ids", "server"), ("idsbad", "text"), ("idsprompt", "text"),
+                         ("idsreason", "text"), ("strict", "text"), ("strict422", "text")):
         s = run_regen(_ecfg(tiny, tmp_path, f"{url}/{mode}", mode), conversations=convs)
-        assert (s.written, s.errors) == (3, 0)
-        for r in load_records(tmp_path / f"{mode}.jsonl"):
-            answers = [m["content"] for m in r["messages"] if m["role"] == "assistant"]
-            want = [t for a in answers for t in (st["ids_of"](a) if source == "server" else
-                                                 tok(a, add_special_tokens=False)["input_ids"] + [eot])]
-            assert [t for t, m in zip(r["input_ids"], r["loss_mask"]) if m] == want
-            assert [t["answer_ids"] for t in r["turns"]] == [source, source]
-    assert st["ids_of"]("echo: ab") != tok("echo: ab", add_special_tokens=False)["input_ids"] + [eot]  # the proof
-    strict = [req for m, req in st["requests"] if m == "strict"]
-    refused = sum("return_token_ids" in req for req in strict)  # the first requests in flight (concurrency 3)
-    assert 1 <= refused <= 3 and len(strict) == 6 + refused
-    assert not any("return_token_ids" in req for req in strict if len(req["messages"]) == 3)  # later turns: not asked
+        assert (s.written, s.errors) == (3, 0), mode
+        recs[mode] = {r["id"]: r for r in load_records(tmp_path / f"{mode}.jsonl")}
+        for r in recs[mode].values():
+            assert [t["answer_ids"] for t in r["turns"]] == [source, source], mode
+            assert (r["input_ids"], r["loss_mask"]) == (recs["ok"][r["id"]]["input_ids"], recs["ok"][r["id"]]["loss_mask"])
+    for mode in ("strict", "strict422"):
+        sent = [req for m, req in st["requests"] if m == mode]
+        refused = sum("return_token_ids" in req for req in sent)  # the first requests in flight (concurrency 3)
+        assert 1 <= refused <= 3 and len(sent) == 6 + refused
+        assert not any("return_token_ids" in req for req in sent if len(req["messages"]) == 3)  # later turns
 
 
 def test_endpoint_retries_then_errors(tiny, tmp_path, fake_server):

@@ -10,15 +10,18 @@ conversation (or its failure) to the sink; they differ only in who samples the a
   conversations in flight; 5xx / 408 / 429 / timeouts / connection errors are retried with
   exponential backoff, then the conversation goes to the errors file. Each request asks for
   the answer's token ids (`return_token_ids`, vLLM's and Draftsmith's): where the server sends
-  them, they are the answer's ids exactly as the target wrote them; where it sends text only
-  (or refuses the field with a 400, after which it is not asked again) the ids are the local
-  tokenizer's encoding of the text (see ChatTokens). Each turn records which (`answer_ids`:
-  "server" or "text"): a text answer's encoding can differ from the tokens the target sampled.
+  them, the prompt's ids it sends are ours (same tokenizer and template) and they decode to the
+  message's text (no reasoning split off by a server-side parser), they are the answer's ids
+  exactly as the target wrote them; otherwise (or where the server refuses the field with a 400
+  or 422, after which it is not asked again) the ids are the local tokenizer's encoding of the
+  text (see ChatTokens). Each turn records which (`answer_ids`: "server" or "text"): a text
+  answer's encoding can differ from the tokens the target sampled.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from collections import deque
 from collections.abc import Sequence
@@ -188,6 +191,16 @@ def chat_completions_url(endpoint: str) -> str:
     return u + "/v1/chat/completions"
 
 
+def _names_token_ids(r) -> bool:
+    """Whether an error response is about the return_token_ids field (its message or param)."""
+    try:
+        err = r.json()
+        err = err.get("error", err) if isinstance(err, dict) else err
+        return "return_token_ids" in json.dumps(err)
+    except ValueError:
+        return "return_token_ids" in r.text
+
+
 class _Failed(Exception):
     """The conversation cannot be completed (reason goes to the errors file)."""
 
@@ -273,6 +286,7 @@ class EndpointBackend:
                 break
             room = self.max_len - len(prompt) if self.max_len else None  # servers 400 on prompt + max_tokens > ctx
             content, finish, served = await self._complete(client, ct.messages + list(block), conv.id, k, room)
+            served = self._own_tokens(served, prompt, content)
             if served is not None:  # the target's own tokens
                 ids = served
             else:
@@ -283,8 +297,8 @@ class EndpointBackend:
         return make_record(conv, ct, self.target_info, self.sampling, dropped)
 
     async def _complete(self, client, messages: list[dict], conv_id: str, k: int,
-                        room: int | None = None) -> tuple[str, str, list[int] | None]:
-        """-> the answer's text, finish_reason and token ids (None: the server sent text only)."""
+                        room: int | None = None) -> tuple[str, str, tuple | None]:
+        """-> the answer's text, finish_reason and what the server sent of its tokens (_parse)."""
         s = self.sampling
         body: dict[str, Any] = {
             "model": self.model_name, "messages": messages,
@@ -301,7 +315,7 @@ class EndpointBackend:
                 if self.ask_ids:
                     body["return_token_ids"] = True
                 r = await client.post(self.url, json=body)
-                if r.status_code == 400 and "return_token_ids" in r.text and body.pop("return_token_ids", None):
+                if r.status_code in (400, 422) and _names_token_ids(r) and body.pop("return_token_ids", None):
                     self.ask_ids = False  # a server that refuses unknown fields: text it is
                     r = await client.post(self.url, json=body)
             except httpx.TimeoutException as e:
@@ -324,18 +338,34 @@ class EndpointBackend:
                 await asyncio.sleep(max(delay, retry_after))
         raise _Failed(f"turn {k + 1}: gave up after {attempts} attempts; last error: {reason}")
 
+    def _own_tokens(self, served: tuple | None, prompt: list[int], content: str) -> list[int] | None:
+        """The served answer ids where they are this target's for this prompt and text (None:
+        encode the text). `served`: (answer ids, the prompt ids the server saw or None, whether
+        the message had reasoning split off)."""
+        if served is None:
+            return None
+        ids, prompt_ids, reasoning = served
+        if reasoning or (prompt_ids is not None and list(prompt_ids) != list(prompt)):
+            return None  # a server-side parser took text out of the answer, or another tokenizer / template
+        body = ids[:-1] if ids and ids[-1] in self.eos else ids
+        if self.tokenizer.decode(body, skip_special_tokens=True) != content:
+            return None  # the text is not these tokens' (special tokens dropped, another tokenizer, ...)
+        return ids
+
     @staticmethod
-    def _parse(r, vocab: int) -> tuple[str, str, list[int] | None]:
+    def _parse(r, vocab: int) -> tuple[str, str, tuple | None]:
         try:
             data = r.json()
             choice = data["choices"][0]
-            content = choice["message"]["content"]
+            message = choice["message"]
+            content = message["content"]
             finish = choice.get("finish_reason") or "stop"
             ids = choice.get("token_ids")
-        except (ValueError, KeyError, IndexError, TypeError) as e:
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
             raise _Failed(f"malformed chat-completions response ({type(e).__name__}: {_one_line(e)})") from None
         if not isinstance(content, str):
             raise _Failed("chat-completions response has no text content")
         if not (isinstance(ids, list) and all(type(t) is int and 0 <= t < vocab for t in ids)):
-            ids = None  # not sent (or not this tokenizer's): the text is encoded locally
-        return content, str(finish), ids
+            return content, str(finish), None  # not sent (or not this tokenizer's): the text is encoded locally
+        reasoning = bool(message.get("reasoning") or message.get("reasoning_content"))
+        return content, str(finish), (ids, data.get("prompt_token_ids"), reasoning)
