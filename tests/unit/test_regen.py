@@ -398,10 +398,12 @@ def test_endpoint_backend_turn_by_turn_with_bounded_concurrency(tiny, tmp_path, 
 
 def test_endpoint_answer_ids_from_the_server(tiny, tmp_path, fake_server):
     """`return_token_ids`: a server that sends the answer's token ids for our prompt ids, decoding to
-    its text, gives them to the record (`answer_ids: "server"`; here the same ids the text encodes
-    to, so the records equal a text server's); ids that decode to other text, a prompt the server
-    tokenized otherwise, or reasoning split off the content fall back to encoding the text; a server
-    that refuses the field (400, or FastAPI's 422) is asked once more without it, and not again."""
+    its text, gives them to the record for the conversation's last turn (`answer_ids: "server"`;
+    an earlier answer is re-encoded from text in the next turn's prompt, so it is the text's
+    encoding; here the same ids, so the records equal a text server's); ids that decode to other
+    text, a prompt the server tokenized otherwise, or reasoning split off the content fall back to
+    encoding the text; a server that refuses the field (400, or FastAPI's 422) is asked once more
+    without it, and not again."""
     from draftsmith.models.loading import load_tokenizer
 
     url, st = fake_server
@@ -419,7 +421,7 @@ def test_endpoint_answer_ids_from_the_server(tiny, tmp_path, fake_server):
         assert (s.written, s.errors) == (3, 0), mode
         recs[mode] = {r["id"]: r for r in load_records(tmp_path / f"{mode}.jsonl")}
         for r in recs[mode].values():
-            assert [t["answer_ids"] for t in r["turns"]] == [source, source], mode
+            assert [t["answer_ids"] for t in r["turns"]] == ["text", source], mode
             assert (r["input_ids"], r["loss_mask"]) == (recs["ok"][r["id"]]["input_ids"], recs["ok"][r["id"]]["loss_mask"])
     for mode in ("strict", "strict422"):
         sent = [req for m, req in st["requests"] if m == mode]

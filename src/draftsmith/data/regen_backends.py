@@ -9,13 +9,15 @@ conversation (or its failure) to the sink; they differ only in who samples the a
 - `EndpointBackend`: `POST {url}/v1/chat/completions` with httpx, `concurrency`
   conversations in flight; 5xx / 408 / 429 / timeouts / connection errors are retried with
   exponential backoff, then the conversation goes to the errors file. Each request asks for
-  the answer's token ids (`return_token_ids`, vLLM's and Draftsmith's): where the server sends
-  them, the prompt's ids it sends are ours (same tokenizer and template) and they decode to the
-  message's text (no reasoning split off by a server-side parser), they are the answer's ids
-  exactly as the target wrote them; otherwise (or where the server refuses the field with a 400
-  or 422, after which it is not asked again) the ids are the local tokenizer's encoding of the
-  text (see ChatTokens). Each turn records which (`answer_ids`: "server" or "text"): a text
-  answer's encoding can differ from the tokens the target sampled.
+  the answer's token ids (`return_token_ids`, vLLM's and Draftsmith's). The last turn of a
+  conversation takes them where the prompt ids the server saw are ours (same tokenizer and
+  template) and they decode to the message's text (no reasoning split off by a server-side
+  parser): the answer's ids exactly as the target wrote them. Every other answer is the local
+  tokenizer's encoding of its text (see ChatTokens), because that is what the server puts in the
+  next turn's prompt (a chat endpoint renders the conversation from text), and one record holds
+  each answer once. A server that refuses the field (a 400 or 422 naming it) is asked again
+  without it, and not asked again. Each turn records which (`answer_ids`: "server" or "text"):
+  a text's encoding can differ from the tokens the target sampled.
 """
 
 from __future__ import annotations
@@ -286,7 +288,8 @@ class EndpointBackend:
                 break
             room = self.max_len - len(prompt) if self.max_len else None  # servers 400 on prompt + max_tokens > ctx
             content, finish, served = await self._complete(client, ct.messages + list(block), conv.id, k, room)
-            served = self._own_tokens(served, prompt, content)
+            last = k == len(blocks) - 1  # (an earlier answer is re-encoded from text in the next prompt)
+            served = self._own_tokens(served, prompt, content) if last else None
             if served is not None:  # the target's own tokens
                 ids = served
             else:
