@@ -173,3 +173,34 @@ def test_shared_cache_between_engines_never_reuses_a_row_another_engine_wrote(ti
     again = a.generate(["abcabc"], greedy(6))[0]
     assert again.stats["cached_tokens"] == 0 and again.token_ids == first.token_ids
     assert s.finished
+
+
+def test_a_cache_salt_keeps_a_prefix_to_requests_with_the_same_salt(tiny):
+    """vLLM's cache_salt: a row remembered under a salt is matched only by the same salt (None
+    only by None); the record goes with the row when it is handed out or reset; outputs do not
+    change."""
+    c = small_cache()
+    c.remember(0, [1, 2, 3], salt="a")
+    c.remember(1, [1, 2], salt=None)
+    assert c.salt(0) == "a" and c.salt(1) is None
+    assert place([[1, 2, 3, 4]], [0, 1, 2], c, salts=["a"])[0] == (0, 3)
+    assert place([[1, 2, 3, 4]], [0, 1, 2], c, salts=["b"])[0] == (2, 0)  # nothing of another tenant's
+    assert place([[1, 2, 3, 4]], [0, 1, 2], c)[0] == (1, 2)  # no salt: only unsalted rows
+    c.reuse(0, 3)
+    assert c.salt(0) is None
+    llm = LLM(str(tiny), max_batch=1, max_len=256, enable_prefix_caching=True)
+    eng, ids = llm.engine, llm.encode("the same prompt, again and again")
+
+    def run(salt):
+        s = eng.add_request(ids, greedy(6), cache_salt=salt)
+        while eng.has_unfinished():
+            eng.step()
+        return s
+
+    first = run("tenant-a")
+    assert run("tenant-b").stats.cached_tokens == 0  # (and now the row is tenant-b's)
+    assert run(None).stats.cached_tokens == 0
+    again = run(None)
+    assert again.stats.cached_tokens == len(ids) - 1 and again.output_ids == first.output_ids
+    assert run("tenant-a").stats.cached_tokens == 0  # the row was handed to others since
+    assert run("tenant-a").stats.cached_tokens == len(ids) - 1

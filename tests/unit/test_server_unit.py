@@ -542,7 +542,8 @@ def test_api_key(tiny_server):
 
 def test_prefix_caching_is_reported_in_usage_and_metrics(tiny_server):
     """--enable-prefix-caching: the same prompt again reuses all of it but the last token
-    (`usage.prompt_tokens_details.cached_tokens`, OpenAI's field, read by the official client)."""
+    (`usage.prompt_tokens_details.cached_tokens`, OpenAI's field, read by the official client);
+    vLLM's `cache_salt` keeps a prefix to requests with the same salt."""
     from openai import OpenAI
 
     url = tiny_server(llm_kw={"enable_prefix_caching": True})
@@ -562,6 +563,15 @@ def test_prefix_caching_is_reported_in_usage_and_metrics(tiny_server):
     two = c.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0.8, n=2, seed=1)
     assert two.usage.prompt_tokens == n and two.usage.prompt_tokens_details.cached_tokens <= n - 1
     assert _metrics(url)["draftsmith_prompt_tokens_cached_total"] >= 2 * (n - 1)
+    # vLLM's cache_salt: a prefix is shared only with requests that send the same salt
+    salted = lambda salt: c.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0,  # noqa: E731
+                                               extra_body={"cache_salt": salt}).usage.prompt_tokens_details
+    assert salted("tenant-a").cached_tokens == 0 and salted("tenant-a").cached_tokens == n - 1
+    assert salted("tenant-b").cached_tokens == 0
+    import httpx
+
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 2, "cache_salt": ""}, timeout=30)
+    _assert_openai_error(r, 400, "cache_salt")
     off = OpenAI(base_url=f"{tiny_server()}/v1", api_key="unused", max_retries=0, timeout=60)  # the default
     for _ in range(2):
         r = off.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0)

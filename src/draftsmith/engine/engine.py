@@ -111,8 +111,11 @@ class Engine:
     # ---- requests -------------------------------------------------------------------
 
     def add_request(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> Request:
+        """Queue a request. `cache_salt` (vLLM's): with prefix caching, it reuses KV only from
+        requests with the same salt (engine/prefix_cache.py)."""
         if not prompt_ids:
             raise DraftsmithError("prompt is empty: give at least one token")
         if params.truncate_prompt_tokens is not None:  # vLLM's: the prompt's last k tokens (LLM does it first)
@@ -152,6 +155,7 @@ class Engine:
             prompt_logprobs=None if params.prompt_logprobs is None else [None],
             grammar=grammar,
             bad_words_ids=bad_words_ids,
+            cache_salt=cache_salt,
         )
         self.waiting.append(seq)
         return seq
@@ -235,7 +239,8 @@ class Engine:
         if self.prefix_caching:
             # (a request that asks for its prompt's logprobs prefills all of it: no reuse)
             placed = [(r, 0 if s.prompt_logprobs is not None else max(0, n - self._reuse_margin))
-                      for s, (r, n) in zip(new, place(feeds, self.free_rows, self.cache, self._drafter_held))]
+                      for s, (r, n) in zip(new, place(feeds, self.free_rows, self.cache, self._drafter_held,
+                                                      [s.cache_salt for s in new]))]
         else:
             placed = [(r, 0) for r in self.free_rows[: len(new)]]
         for s, (row, reused) in zip(new, placed):
@@ -448,7 +453,7 @@ class Engine:
                 # The row's KV holds the tokens fed so far: all_ids but the pending last one (and
                 # none past a stop rule's cut, where accepted drafts were fed but not kept).
                 ids = s.all_ids
-                self.cache.remember(s.row, ids[: min(int(self.cache.lengths[s.row]), len(ids))])
+                self.cache.remember(s.row, ids[: min(int(self.cache.lengths[s.row]), len(ids))], s.cache_salt)
             else:
                 self.cache.reset(s.row)
             self.free_rows.append(s.row)

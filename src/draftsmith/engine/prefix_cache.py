@@ -18,6 +18,10 @@ none of 23 sampled float32 multi-turn conversations). That is why it is opt-in f
 (`LLM(enable_prefix_caching=True)`, `serve --enable-prefix-caching`) and on by default only for
 `regen`, whose data needs the target's distribution, not one run's bits.
 
+A request's `cache_salt` (vLLM's) keeps its prefix to requests with the same salt: a row is
+matched only by requests whose salt equals the one its KV was computed under (none for none),
+so tenants that cannot share a salt cannot learn from timing that another sent a prompt.
+
 A context-cache drafter needs the target's features of every prompt token, which a reused prefix
 does not recompute. EAGLE-3, DFlash and DSpark keep their context per row as the KV cache keeps
 keys and values (drafters/feature_queue.py: `follows_prefix_cache`), so a prompt reuses what the
@@ -45,19 +49,23 @@ def common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
 
 
 def place(feeds: Sequence[Sequence[int]], free_rows: Sequence[int], cache: KVCache,
-          drafter_held: Callable[[int], torch.Tensor | None] | None = None) -> list[tuple[int, int]]:
+          drafter_held: Callable[[int], torch.Tensor | None] | None = None,
+          salts: Sequence[str | None] | None = None) -> list[tuple[int, int]]:
     """(row, reused tokens) for each feed (the prompt tokens a request prefills), one distinct
     free row each (len(feeds) <= len(free_rows)). Longest matches are served first, so that a
     conversation's next turn gets its own row back even when a new request matches it too; a
     request whose best row went to a longer match takes its next best. `drafter_held(row)`: the
     ids whose context a drafter that follows the prefix cache holds in the row (None: nothing);
-    a row is then matched on what it and the KV cache both hold."""
+    a row is then matched on what it and the KV cache both hold. `salts`: each feed's
+    cache_salt; a feed matches only rows remembered under the same one."""
     held = {r: t for r in free_rows if (t := cache.remembered(r)) is not None}
     match = held
     if drafter_held is not None:
         match = {r: t[:n] for r, t in held.items() if (d := drafter_held(r)) is not None and (n := common_prefix(t, d))}
     ids = [torch.tensor(f, dtype=torch.int32) for f in feeds] if match else []  # nothing to match: no copies
-    pairs = [(common_prefix(f, t), i, r) for i, f in enumerate(ids) for r, t in match.items()]
+    salts = salts or [None] * len(feeds)
+    pairs = [(common_prefix(f, t), i, r) for i, f in enumerate(ids) for r, t in match.items()
+             if cache.salt(r) == salts[i]]
     out: list[tuple[int, int] | None] = [None] * len(feeds)
     taken: set[int] = set()
     for m, i, r in sorted((p for p in pairs if p[0] > 0), key=lambda p: (-p[0], p[1], p[2])):

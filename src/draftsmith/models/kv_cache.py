@@ -36,6 +36,7 @@ class KVCache:
         self.max_rows = max_rows
         self.max_len = max_len
         self._held: dict[int, torch.Tensor] = {}  # free row -> ids whose KV it holds, oldest first
+        self._salt: dict[int, str] = {}  # free row -> the cache_salt its KV was computed under
 
     @property
     def bytes(self) -> int:
@@ -54,15 +55,18 @@ class KVCache:
     def reset(self, row: int) -> None:
         self.lengths[row] = 0
         self._held.pop(row, None)
+        self._salt.pop(row, None)
 
-    def remember(self, row: int, ids: list[int]) -> None:
-        """Row `row` is free and its first len(ids) entries hold the KV of `ids`."""
+    def remember(self, row: int, ids: list[int], salt: str | None = None) -> None:
+        """Row `row` is free and its first len(ids) entries hold the KV of `ids`, computed for a
+        request with this `cache_salt` (only a request with the same salt may reuse them)."""
         if len(ids) > self.max_len:
             raise ValueError(f"{len(ids)} ids do not fit a row of {self.max_len}")
-        self.lengths[row] = 0
-        self._held.pop(row, None)
+        self.reset(row)
         if ids:
             self._held[row] = torch.tensor(ids, dtype=torch.int32)
+            if salt is not None:
+                self._salt[row] = salt
 
     def forget(self) -> None:
         """Drop every free row's record: the next requests start with nothing cached."""
@@ -73,6 +77,10 @@ class KVCache:
         """The ids whose KV a free row holds (int32), or None."""
         return self._held.get(row)
 
+    def salt(self, row: int) -> str | None:
+        """The cache_salt of the request whose KV a free row holds (None: none)."""
+        return self._salt.get(row)
+
     def remembered_order(self) -> list[int]:
         """Rows with a record, least recently remembered first."""
         return list(self._held)
@@ -80,6 +88,7 @@ class KVCache:
     def reuse(self, row: int, n: int) -> None:
         """Hand the row out again keeping its first n entries (n <= what it remembers)."""
         held = self._held.pop(row, None)
+        self._salt.pop(row, None)
         if n > (0 if held is None else held.numel()):
             raise ValueError(f"row {row} holds {0 if held is None else held.numel()} remembered tokens, not {n}")
         self.lengths[row] = n

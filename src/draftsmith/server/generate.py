@@ -84,7 +84,8 @@ async def generate(st: ServerState, request: Request, req: Any, prompts: list[li
                                      vocab_size=st.vocab_size, structured=structured)
             index = p * n + i
             subs.append(SubRequest(request_id=f"{fmt.rid}-{index}", index=index, prompt_ids=ids,
-                                   params=params, stream=req.stream, sink=sink, t_arrival=now))
+                                   params=params, stream=req.stream, sink=sink, t_arrival=now,
+                                   cache_salt=req.cache_salt))
     prompt_tokens = sum(len(ids) for ids in prompts)
     reserved = sum(len(s.prompt_ids) + s.params.max_tokens for s in subs)
     st.reserve(reserved, len(subs))

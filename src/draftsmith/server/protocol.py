@@ -89,6 +89,7 @@ class _Sampling(_Req):
     truncate_prompt_tokens: StrictInt | None = None
     prompt_logprobs: StrictInt | None = None  # vLLM's: the prompt's tokens scored (whole responses only)
     return_token_ids: StrictBool = False  # vLLM's: the prompt's and each choice's token ids beside the text
+    cache_salt: StrictStr | None = Field(default=None, min_length=1)  # vLLM's: prefix cache shared per salt
     # structured outputs (server/sampling.structured_outputs): OpenAI's response_format, vLLM's
     # structured_outputs object and its older guided_* fields
     response_format: dict[str, Any] | None = None
