@@ -9,7 +9,7 @@ import json
 
 import httpx
 import pytest
-from test_server_unit import _assert_openai_error, tiny_dir, tiny_server  # noqa: F401 (fixtures)
+from test_server_unit import _assert_openai_error, serve_cli, tiny_dir, tiny_server  # noqa: F401 (fixtures)
 
 from draftsmith.api import LLM
 from draftsmith.core.sampling import SamplingParams
@@ -197,27 +197,13 @@ def test_bad_tool_requests_are_clear_400s(tiny_server, extra, param, says):
         _assert_openai_error(r, 400, param, says=says)
 
 
-def test_serve_tool_and_template_flags(monkeypatch, tmp_path):
+def test_serve_tool_and_template_flags(serve_cli, tmp_path):
     """`serve --chat-template` (a file or the template itself, its syntax checked before the model
     loads), `--enable-auto-tool-choice --tool-call-parser hermes`, `--reasoning-parser`, and their
     errors."""
-    from types import SimpleNamespace
-
-    import draftsmith.api
-    import draftsmith.server.app
-    from draftsmith.cli import build_parser
     from draftsmith.errors import DraftsmithError
 
-    calls, loads = [], []
-    fake = SimpleNamespace(target=SimpleNamespace(target_id="t"), engine=SimpleNamespace(max_len=64))
-    monkeypatch.setattr(draftsmith.api, "LLM", lambda *a, **k: loads.append(k) or fake)
-    monkeypatch.setattr(draftsmith.server.app, "serve", lambda llm, **kw: calls.append(kw))
-
-    def run(*flags):
-        args = build_parser().parse_args(["serve", *flags])
-        assert args.func(args) == 0
-        return calls[-1]
-
+    run, loads = serve_cli, serve_cli.loads
     kw = run()
     assert kw["chat_template"] is None and kw["tool_call_parser"] is None
     path = tmp_path / "t.jinja"

@@ -1088,18 +1088,19 @@ def test_truncate_prompt_tokens(tiny_dir, tiny_server):
                              says="echo")
 
 
-def test_serve_flags_reach_the_server(monkeypatch):
-    """`serve --api-key / $DRAFTSMITH_API_KEY` and the limit flags, down to `serve(...)` (no model loaded)."""
+@pytest.fixture
+def serve_cli(monkeypatch):
+    """`draftsmith serve FLAGS` with the model and the server faked: `run(*flags)` -> the keyword
+    arguments `serve(...)` got; `run.loads`: LLM(...)'s keyword arguments, one per model load."""
     from types import SimpleNamespace
 
     import draftsmith.api
     import draftsmith.server.app
     from draftsmith.cli import build_parser
-    from draftsmith.server.app import Limits
 
-    calls, llm_kw = [], []
+    calls, loads = [], []
     fake = SimpleNamespace(target=SimpleNamespace(target_id="t"), engine=SimpleNamespace(max_len=64))
-    monkeypatch.setattr(draftsmith.api, "LLM", lambda *a, **k: llm_kw.append(k) or fake)
+    monkeypatch.setattr(draftsmith.api, "LLM", lambda *a, **k: loads.append(k) or fake)
     monkeypatch.setattr(draftsmith.server.app, "serve", lambda llm, **kw: calls.append(kw))
 
     def run(*flags):
@@ -1107,6 +1108,15 @@ def test_serve_flags_reach_the_server(monkeypatch):
         assert args.func(args) == 0
         return calls[-1]
 
+    run.loads = loads
+    return run
+
+
+def test_serve_flags_reach_the_server(monkeypatch, serve_cli):
+    """`serve --api-key / $DRAFTSMITH_API_KEY` and the limit flags, down to `serve(...)` (no model loaded)."""
+    from draftsmith.server.app import Limits
+
+    run, llm_kw = serve_cli, serve_cli.loads
     monkeypatch.delenv("DRAFTSMITH_API_KEY", raising=False)
     kw = run()
     assert kw["api_key"] is None and kw["limits"] == Limits()
