@@ -76,6 +76,8 @@ def test_reasoning_then_tool_calls():
     assert merged(deltas) == ("Ok.", [("w", '{"c": 1}')]) and r.finish_reason("stop") == "tool_calls"
     quiet = AnswerReader(ReasoningReader(False), None, include_reasoning=False).message(text)
     assert quiet["reasoning"] is None and quiet["content"].startswith("Ok.<tool_call>")
+    for include in (True, False):  # all reasoning: content null either way
+        assert AnswerReader(ReasoningReader(True), None, include).message("still thinking")["content"] is None
 
 
 MSGS = [{"role": "user", "content": "think first"}]

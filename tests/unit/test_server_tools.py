@@ -166,6 +166,8 @@ def test_a_conversation_with_calls_reaches_the_chat_template(tiny_dir, tiny_serv
     with httpx.Client(base_url=url, timeout=60) as h:
         r = h.post("/tokenize", json={"messages": msgs, "tools": TOOLS, "add_generation_prompt": False}).json()
         assert llm.tokenizer.decode(r["tokens"]) == want
+        for tools in ([], TOOLS + TOOLS[:1]):  # the tool checks of chat requests
+            _assert_openai_error(h.post("/tokenize", json={"messages": msgs, "tools": tools}), 400, "tools")
         body = {"messages": msgs, "tools": TOOLS, "tool_choice": "none", "max_tokens": 6, "temperature": 0}
         msg, _ = _whole(h, body)
         sp = SamplingParams(max_tokens=6, temperature=0.0)

@@ -82,6 +82,7 @@ def test_hermes_reader_whole_and_every_split(text, content, calls):
     assert msg["content"] == (content or (None if calls else ""))
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in msg.get("tool_calls", [])] == calls
     assert len({c["id"] for c in msg.get("tool_calls", [])}) == len(calls)  # ids are unique
+    assert all(set(c) == {"id", "type", "function"} for c in msg.get("tool_calls", []))  # no delta "index"
 
 
 def test_hermes_reader_one_call_when_parallel_calls_are_off():
@@ -156,7 +157,7 @@ def test_tool_choice_checks(body, param, says):
 def test_tool_plans_and_forced_schemas():
     assert tool_plan(_req(), None) is None and tool_plan(_req(tool_choice="none"), None) is None
     plan = tool_plan(_req(tools=TOOLS, tool_choice="none"), None)
-    assert plan.mode == "none" and plan.tools == TOOLS  # the template still sees the tools
+    assert plan.mode == "none"
     assert forced_schema(_req(tools=TOOLS, tool_choice="none")) is None
     assert tool_plan(_req(tools=TOOLS), "hermes").mode == "auto" and forced_schema(_req(tools=TOOLS)) is None
     named = _req(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}})
@@ -188,6 +189,10 @@ def test_required_schema_lifts_defs_to_its_root():
         "type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}}}}
     with pytest.raises(APIError, match="refer to their own root"):
         forced_schema(_req(tools=[tree], tool_choice="required"))
+    for bad in (5, [item]):
+        odd = {"type": "function", "function": {"name": "o", "parameters": {"type": "object", "$defs": bad}}}
+        with pytest.raises(APIError, match=r"\$defs that is not an object"):
+            forced_schema(_req(tools=[odd], tool_choice="required"))
     assert forced_schema(_req(tools=[tree], tool_choice={"type": "function", "function": {"name": "t"}}))  # fine
 
 

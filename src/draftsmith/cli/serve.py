@@ -89,6 +89,10 @@ def cmd_serve(args) -> int:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise DraftsmithError("--enable-auto-tool-choice needs --tool-call-parser (how the model writes its calls, "
                               "e.g. hermes)")
+    for flag, needs, given in (("--tool-call-parser", "--enable-auto-tool-choice", args.enable_auto_tool_choice),
+                               ("--structured-outputs-in-reasoning", "--reasoning-parser", args.reasoning_parser)):
+        if getattr(args, flag[2:].replace("-", "_")) and not given:
+            print(f"draftsmith: warning: {flag} does nothing without {needs}", file=sys.stderr)
     chat_template = read_chat_template(args.chat_template) if args.chat_template else None
     llm = LLM(
         args.target, drafter=args.drafter, drafter_dtype=args.drafter_dtype,

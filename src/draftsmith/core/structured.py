@@ -97,14 +97,13 @@ class StructuredOutputsParams:
                 raise DraftsmithError(f"structured outputs: choice must be a non-empty list of strings, got {self.choice!r}")
             object.__setattr__(self, "choice", tuple(self.choice))
         try:
-            key = self._body_text()
+            object.__setattr__(self, "_key", self._body_text())
             if self.reasoning is not None:
                 import llguidance
 
                 llguidance.LLMatcher.grammar_from_lark(self.grammar_text())  # (the wrapper parses)
         except (ValueError, TypeError) as e:
             raise DraftsmithError(f"structured outputs: the {self.describe()} does not compile: {_one_line(str(e))}") from None
-        object.__setattr__(self, "_key", key)
 
     def describe(self) -> str:
         return _KIND_NAMES[self.kind]

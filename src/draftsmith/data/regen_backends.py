@@ -10,9 +10,9 @@ conversation (or its failure) to the sink; they differ only in who samples the a
   conversations in flight; 5xx / 408 / 429 / timeouts / connection errors are retried with
   exponential backoff, then the conversation goes to the errors file. Each request asks for
   the answer's token ids (`return_token_ids`, vLLM's and Draftsmith's). The last turn of a
-  conversation takes them where the prompt ids the server saw are ours (same tokenizer and
-  template) and they decode to the message's text (no reasoning split off by a server-side
-  parser): the answer's ids exactly as the target wrote them. Every other answer is the local
+  conversation takes them where they decode to the message's text (no reasoning split off by a
+  server-side parser) and the prompt ids the server sends back, if it does, are ours (same
+  tokenizer and template): the answer's ids exactly as the target wrote them. Every other answer is the local
   tokenizer's encoding of its text (see ChatTokens), because that is what the server puts in the
   next turn's prompt (a chat endpoint renders the conversation from text), and one record holds
   each answer once. A server that refuses the field (a 400 or 422 naming it) is asked again

@@ -49,12 +49,14 @@ class AnswerReader:
     def __init__(self, reasoning: ReasoningReader | None, tools: ToolCallReader | None,
                  include_reasoning: bool = True) -> None:
         self.reasoning, self.tools, self.include_reasoning = reasoning, tools, include_reasoning
+        self.thought = False  # the answer had reasoning (shown or not)
 
     def _delta(self, text: str, last: bool) -> dict:
         delta: dict[str, Any] = {}
         content = text
         if self.reasoning is not None:
             thought, content = self.reasoning.finish(text) if last else self.reasoning.push(text)
+            self.thought = self.thought or bool(thought)
             if thought and self.include_reasoning:
                 delta["reasoning"] = delta["reasoning_content"] = thought
         if self.tools is not None:
@@ -76,10 +78,11 @@ class AnswerReader:
     def message(self, text: str) -> dict:
         """The whole answer's message (`content` None where there are calls or reasoning and no text)."""
         d = self.finish(text)
-        calls, thought = d.get("tool_calls", []), d.get("reasoning")
-        msg: dict[str, Any] = {"role": "assistant", "content": d.get("content") or (None if calls or thought else "")}
+        calls = [{k: v for k, v in c.items() if k != "index"} for c in d.get("tool_calls", [])]  # (a delta's)
+        msg: dict[str, Any] = {"role": "assistant",
+                               "content": d.get("content") or (None if calls or self.thought else "")}
         if self.reasoning is not None:
-            msg["reasoning"] = msg["reasoning_content"] = thought
+            msg["reasoning"] = msg["reasoning_content"] = d.get("reasoning")
         if calls:
             msg["tool_calls"] = calls
         return msg

@@ -43,6 +43,7 @@ async def generate(st: ServerState, request: Request, req: Any, prompts: list[li
     if not st.loop.alive:
         raise APIError(503, "the engine is not running", type="service_unavailable")
     n = req.n
+    req.prompt_logprobs_k()  # (its range first)
     if req.prompt_logprobs and req.stream:  # (0 is allowed, as vLLM's: nothing to send)
         raise APIError(400, "prompt_logprobs are not available when streaming (stream: true); ask for them in a "
                        "whole response", param="prompt_logprobs", code="invalid_value")

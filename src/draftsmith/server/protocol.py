@@ -49,7 +49,7 @@ def validation_error(e: ValidationError) -> APIError:
 def _in_range(k: int | None, param: str) -> int | None:
     if k is not None and not 0 <= k <= MAX_LOGPROBS:
         raise APIError(400, f"{param} must be an integer in [0, {MAX_LOGPROBS}] (the most likely tokens to list "
-                       f"beside each generated one), got {k}", param=param, code="invalid_value")
+                       f"beside each token), got {k}", param=param, code="invalid_value")
     return k
 
 

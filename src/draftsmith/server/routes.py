@@ -21,7 +21,7 @@ from draftsmith.server.responses import ResponseFormat
 from draftsmith.server.reasoning import leaves_open, opens_thinking
 from draftsmith.server.state import ServerState
 from draftsmith.server.structured import asks_structure
-from draftsmith.server.tools import prompt_texts, template_messages, tool_plan
+from draftsmith.server.tools import check_tools, prompt_texts, template_messages, tool_plan
 
 
 _THINK_TAIL = 8  # prompt tokens read for a <think> the template's generation prompt ends in
@@ -122,6 +122,7 @@ def add_routes(app: FastAPI, st: ServerState) -> None:
             st.check_size(1, 1, text_bytes([req.prompt]), "prompt")
             ids = st.front.encode(req.prompt, req.add_special_tokens)
         else:
+            check_tools(req.tools)
             ids = _chat_ids(req)
         strs = st.front.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None  # vLLM's: pieces
         return {"count": len(ids), "max_model_len": st.max_len, "tokens": ids, "token_strs": strs}

@@ -209,4 +209,5 @@ def reader(plan) -> ToolCallReader | None:
         return NamedReader(plan.name)
     if plan.mode == "required":
         return RequiredReader()
-    return HermesReader(None if plan.parallel else 1)
+    parsers = {"hermes": HermesReader}  # (TOOL_CALL_PARSERS)
+    return parsers[plan.parser](None if plan.parallel else 1)

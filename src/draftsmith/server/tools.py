@@ -34,42 +34,49 @@ class ToolPlan:
     the named function; `parallel`: more than one call allowed; `parser`: auto's text parser."""
 
     mode: str
-    tools: list[dict]  # the OpenAI definitions, for the chat template
     name: str | None = None
     parallel: bool = True
     parser: str | None = None
+
+
+def check_tools(tools: list | None) -> list[str]:
+    """The functions' names; a 400 for an empty list or two functions of one name (chat and
+    /tokenize alike)."""
+    if tools is None:
+        return []
+    if not tools:
+        raise APIError(400, "tools must not be an empty list: give at least one tool or leave the field out",
+                       param="tools", code="invalid_value")
+    names = [t.function.name for t in tools]
+    dup = next((n for i, n in enumerate(names) if n in names[:i]), None)
+    if dup is not None:
+        raise APIError(400, f"tools: two functions are named {dup!r}; names must be unique", param="tools",
+                       code="invalid_value")
+    return names
 
 
 def tool_plan(req: Any, parser: str | None) -> ToolPlan | None:
     """The request's tool plan (None without tools), checked as vLLM checks it; `parser`: the
     server's auto tool-call parser (None: auto tool choice is off)."""
     tools, choice = req.tools, req.tool_choice
-    if tools is not None and not tools:
-        raise APIError(400, "tools must not be an empty list: give at least one tool or leave the field out",
-                       param="tools", code="invalid_value")
+    names = check_tools(tools)
     if tools is None:
         if choice not in (None, "none"):
             raise APIError(400, "tool_choice needs tools: list the functions the model may call in `tools`",
                            param="tool_choice", code="invalid_value")
         return None
-    names = [t.function.name for t in tools]
-    dup = next((n for i, n in enumerate(names) if n in names[:i]), None)
-    if dup is not None:
-        raise APIError(400, f"tools: two functions are named {dup!r}; names must be unique", param="tools",
-                       code="invalid_value")
-    defs = [t.model_dump(exclude_none=True) for t in tools]
     if isinstance(choice, NamedToolChoice):
         if choice.function.name not in names:
             raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not in tools "
                            f"({', '.join(names)})", param="tool_choice", code="invalid_value")
-        return ToolPlan("named", defs, name=choice.function.name, parallel=req.parallel_tool_calls)
+        return ToolPlan("named", name=choice.function.name, parallel=req.parallel_tool_calls)
     mode = choice or "auto"
     if mode == "auto" and parser is None:
         raise APIError(400, '"auto" tool choice (the default when tools are given) needs a server started with '
                        "`draftsmith serve --enable-auto-tool-choice --tool-call-parser hermes`; or send "
                        'tool_choice "required", "none" or {"type": "function", "function": {"name": ...}}',
                        param="tool_choice", code="invalid_value")
-    return ToolPlan(mode, defs, parallel=req.parallel_tool_calls, parser=parser if mode == "auto" else None)
+    return ToolPlan(mode, parallel=req.parallel_tool_calls, parser=parser if mode == "auto" else None)
 
 
 def forced_schema(req: Any) -> dict | None:
@@ -88,12 +95,16 @@ def forced_schema(req: Any) -> dict | None:
         params = dict(_parameters(t.function.parameters))
         # a function's "#/$defs/..." refer to its own schema's root: move them to the new root
         for where in defs:
-            for key, sub in (params.pop(where, None) or {}).items():
+            moved = params.pop(where, None) or {}
+            if not isinstance(moved, dict):
+                raise APIError(400, f"tools: {t.function.name}'s parameters have a {where} that is not an object",
+                               param="tools", code="invalid_value")
+            for key, sub in moved.items():
                 if key in defs[where] and defs[where][key] != sub:
                     raise APIError(400, f"tools: two functions define {where}/{key} differently; tool_choice "
                                    "\"required\" needs one meaning for each name", param="tools", code="invalid_value")
                 defs[where][key] = sub
-        ref = _root_ref(params)
+        ref = _root_ref([params, *(d for d in defs.values())])
         if ref is not None:
             raise APIError(400, f"tools: {t.function.name}'s parameters refer to their own root ({{\"$ref\": {ref!r}}}), "
                            "which tool_choice \"required\" cannot keep (its schema has a root of its own); use $defs, "
