@@ -150,7 +150,7 @@ class _FakeEngine:
         self.fail_next = False
         self.idle = threading.Event()  # set by a poll that found nothing to do, cleared by a busy one
 
-    def add_request(self, prompt_ids, params, request_id):
+    def add_request(self, prompt_ids, params, request_id, cache_salt=None):
         from draftsmith.core.request import Request
         from draftsmith.errors import DraftsmithError
 
