@@ -13,6 +13,8 @@ both parsers (vLLM's qwen3 parser returns it as content).
 
 from __future__ import annotations
 
+from draftsmith.server.text import stop_holdback
+
 REASONING_PARSERS = ("qwen3", "deepseek_r1")  # both write <think> ... </think>
 _OPEN, _CLOSE = "<think>", "</think>"
 
@@ -28,11 +30,6 @@ def leaves_open(message_text: str) -> bool:
     `<think>` block open."""
     i = message_text.rfind(_OPEN)
     return i >= 0 and message_text.find(_CLOSE, i) < 0
-
-
-def _partial_tail(text: str, tag: str) -> int:
-    """How many last characters of `text` may still become `tag`."""
-    return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-k:])), 0)
 
 
 class ReasoningReader:
@@ -63,7 +60,7 @@ class ReasoningReader:
                     reasoning += self.buf[:j]
                     self.buf, self.state = self.buf[j + len(_CLOSE):], "content"
                     continue
-                keep = _partial_tail(self.buf, _CLOSE)
+                keep = stop_holdback(self.buf, [_CLOSE])  # may still become </think>
                 reasoning += self.buf[:len(self.buf) - keep]
                 self.buf = self.buf[len(self.buf) - keep:]
                 break

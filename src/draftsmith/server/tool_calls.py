@@ -26,6 +26,8 @@ import json
 import uuid
 from typing import Any
 
+from draftsmith.server.text import stop_holdback
+
 _START, _END = "<tool_call>", "</tool_call>"
 
 
@@ -181,8 +183,7 @@ class HermesReader(ToolCallReader):
                 content += self._content(self.buf[:i])
                 self.buf, self.in_call = self.buf[i + len(_START):], True
                 continue
-            keep = next((k for k in range(min(len(_START) - 1, len(self.buf)), 0, -1)
-                         if _START.startswith(self.buf[-k:])), 0)  # may still become <tool_call>
+            keep = stop_holdback(self.buf, [_START])  # may still become <tool_call>
             content += self._content(self.buf[:len(self.buf) - keep])
             self.buf = self.buf[len(self.buf) - keep:]
             break
