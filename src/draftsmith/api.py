@@ -185,7 +185,10 @@ class LLM:
         prompts: str | Seq[str] | Seq[list[int]],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_chat_template: bool = False,
+        priority: Seq[int] | None = None,
     ) -> list[RequestOutput]:
+        """vLLM's LLM.generate: outputs in the prompts' order. `priority` (vLLM's): one per prompt;
+        where the prompts are more than max_batch rows, lower ones start first."""
         if isinstance(prompts, str):
             prompts = [prompts]
         prompts = list(prompts)
@@ -195,6 +198,9 @@ class LLM:
         plist = list(params) if not isinstance(params, SamplingParams) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise DraftsmithError(f"{len(plist)} sampling params for {len(prompts)} prompts")
+        prio = list(priority) if priority is not None else [0] * len(prompts)
+        if len(prio) != len(prompts):
+            raise DraftsmithError(f"{len(prio)} priorities for {len(prompts)} prompts")
         encoded: list[tuple[list[int], SamplingParams]] = []
         texts: list[str | None] = []
         for p, sp in zip(prompts, plist):
@@ -211,8 +217,9 @@ class LLM:
             self._check_context(len(ids), sp.max_tokens)
         # n samples per prompt: sample i is seeded seed + i (as the server's choices), so
         # sample 0 is what n=1 gives
-        groups = [[self.engine.add_request(ids, sp if i == 0 or sp.seed is None else replace(sp, seed=sp.seed + i))
-                   for i in range(sp.n)] for ids, sp in encoded]
+        groups = [[self.engine.add_request(ids, sp if i == 0 or sp.seed is None else replace(sp, seed=sp.seed + i),
+                                           priority=p)
+                   for i in range(sp.n)] for (ids, sp), p in zip(encoded, prio)]
         return self._run(groups, texts)
 
     def _check_context(self, prompt_len: int, max_tokens: int) -> None:

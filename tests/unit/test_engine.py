@@ -378,3 +378,33 @@ def test_drafting_time_excludes_consumed_context_features(tiny, consumes):
     assert llm.engine.last_step.drafted and seq.stats.rounds == 1
     d = llm.engine.last_step.draft_s
     assert (d < 0.04) if consumes else (d >= 0.05)
+
+
+def test_priority_orders_admission_and_changes_no_output(tiny):
+    """vLLM's priority: free rows go to waiting requests lowest priority first, arrival order within
+    one (all 0: first come, first served); a running request is not preempted; outputs are each
+    request's own. LLM.generate(priority=...) passes them on."""
+    llm = LLM(str(tiny), max_batch=1, max_len=128)
+    eng = llm.engine
+    ids = [llm.encode(p) for p in PROMPTS]
+    alone = [llm.generate([i], greedy(4))[0].token_ids for i in ids]
+    running = eng.add_request(ids[0], greedy(4), priority=9)
+    eng.step()  # admitted alone: a later, more urgent request does not take its row
+    reqs = [eng.add_request(ids[k], greedy(4), priority=p) for k, p in ((1, 5), (2, 0), (3, 5))]
+    urgent = eng.add_request(ids[0], greedy(4), priority=-1)
+    while eng.has_unfinished():
+        eng.step()
+    order = sorted([running, *reqs, urgent], key=lambda s: s.stats.t_finish)
+    assert order == [running, urgent, reqs[1], reqs[0], reqs[2]]  # 9 (running), -1, 0, 5, 5 (in arrival order)
+    assert [s.output_ids for s in (running, *reqs, urgent)] == [alone[0], alone[1], alone[2], alone[3], alone[0]]
+    fifo = [eng.add_request(i, greedy(2)) for i in ids]
+    while eng.has_unfinished():
+        eng.step()
+    assert sorted(fifo, key=lambda s: s.stats.t_finish) == fifo
+    seen, add = [], eng.add_request
+    eng.add_request = lambda *a, **k: seen.append(k.get("priority")) or add(*a, **k)
+    outs = llm.generate(PROMPTS, greedy(4), priority=[3, 2, 1, 0])  # outputs still in the prompts' order
+    eng.add_request = add
+    assert seen == [3, 2, 1, 0] and [o.token_ids for o in outs] == alone
+    with pytest.raises(DraftsmithError, match="3 priorities for 4 prompts"):
+        llm.generate(PROMPTS, greedy(4), priority=[0, 0, 0])

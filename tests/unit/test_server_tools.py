@@ -219,6 +219,7 @@ def test_serve_tool_and_template_flags(serve_cli, tmp_path):
     assert kw["reasoning_parser"] is None and run("--reasoning-parser", "deepseek_r1")["reasoning_parser"] == "deepseek_r1"
     assert kw["structured_outputs_in_reasoning"] is False
     assert run("--reasoning-parser", "qwen3", "--structured-outputs-in-reasoning")["structured_outputs_in_reasoning"]
+    assert kw["scheduling_policy"] == "fcfs" and run("--scheduling-policy", "priority")["scheduling_policy"] == "priority"
     n = len(loads)
     for flags, says in [(["--chat-template", str(tmp_path / "missing.jinja")], "neither a file nor"),
                         (["--chat-template", "{% for m in messages %}"], "not a valid Jinja template"),

@@ -150,7 +150,7 @@ class _FakeEngine:
         self.fail_next = False
         self.idle = threading.Event()  # set by a poll that found nothing to do, cleared by a busy one
 
-    def add_request(self, prompt_ids, params, request_id, cache_salt=None):
+    def add_request(self, prompt_ids, params, request_id, cache_salt=None, priority=0):
         from draftsmith.core.request import Request
         from draftsmith.errors import DraftsmithError
 
@@ -576,6 +576,27 @@ def test_prefix_caching_is_reported_in_usage_and_metrics(tiny_server):
     for _ in range(2):
         r = off.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0)
         assert r.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_priority_needs_the_priority_policy(tiny_server):
+    """vLLM's `priority` field: a 400 on a first-come-first-served server (as vLLM's), accepted on
+    `serve --scheduling-policy priority`, where it reaches the engine (tests/unit/test_engine.py
+    checks the order it admits)."""
+    import httpx
+
+    body = {"prompt": "abc", "max_tokens": 2, "temperature": 0, "priority": 3}
+    with httpx.Client(base_url=tiny_server(), timeout=60) as h:
+        _assert_openai_error(h.post("/v1/completions", json=body), 400, "priority", says="--scheduling-policy priority")
+        assert h.post("/v1/completions", json={**body, "priority": 0}).status_code == 200
+    servers = tiny_server.servers
+    url = tiny_server(scheduling_policy="priority")
+    seen, engine = [], servers[-1].app.app.state.server.llm.engine
+    add = engine.add_request
+    engine.add_request = lambda *a, **k: seen.append(k["priority"]) or add(*a, **k)
+    with httpx.Client(base_url=url, timeout=60) as h:
+        assert h.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                                    "priority": -2, "n": 2}).status_code == 200
+    assert seen == [-2, -2]
 
 
 def test_continuous_usage_stats(tiny_server):

@@ -44,6 +44,9 @@ def add_parser(sub) -> None:
     s.add_argument("--structured-outputs-in-reasoning", action="store_true",
                    help="with --reasoning-parser: a request's grammar constrains the reasoning too (vLLM's "
                         "enable_in_reasoning)")
+    s.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="fcfs: requests start in arrival order; priority: a request's `priority` field orders "
+                        "admission (lower first; running requests are not preempted)")
     s.set_defaults(func=cmd_serve)
 
 
@@ -116,5 +119,6 @@ def cmd_serve(args) -> int:
           api_key=api_key, limits=limits, chat_template=chat_template,
           tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
           reasoning_parser=args.reasoning_parser,
-          structured_outputs_in_reasoning=args.structured_outputs_in_reasoning)
+          structured_outputs_in_reasoning=args.structured_outputs_in_reasoning,
+          scheduling_policy=args.scheduling_policy)
     return 0

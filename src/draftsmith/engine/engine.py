@@ -112,10 +112,12 @@ class Engine:
 
     def add_request(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-        cache_salt: str | None = None,
+        cache_salt: str | None = None, priority: int = 0,
     ) -> Request:
         """Queue a request. `cache_salt` (vLLM's): with prefix caching, it reuses KV only from
-        requests with the same salt (engine/prefix_cache.py)."""
+        requests with the same salt (engine/prefix_cache.py). `priority` (vLLM's): free rows go to
+        waiting requests lowest priority first, in arrival order within one (running requests are
+        never preempted)."""
         if not prompt_ids:
             raise DraftsmithError("prompt is empty: give at least one token")
         if params.truncate_prompt_tokens is not None:  # vLLM's: the prompt's last k tokens (LLM does it first)
@@ -156,6 +158,7 @@ class Engine:
             grammar=grammar,
             bad_words_ids=bad_words_ids,
             cache_salt=cache_salt,
+            priority=priority,
         )
         self.waiting.append(seq)
         return seq
@@ -227,6 +230,8 @@ class Engine:
 
     def _admit(self) -> None:
         new: list[Request] = []
+        if self.free_rows and any(s.priority for s in self.waiting):  # (stable: arrival order within a priority)
+            self.waiting = deque(sorted(self.waiting, key=lambda s: s.priority))
         while self.waiting and len(new) < len(self.free_rows):
             new.append(self.waiting.popleft())
         if not new:

@@ -53,6 +53,7 @@ class SubRequest:
     sink: Callable[[Event], None]
     t_arrival: float = field(default_factory=time.perf_counter)
     cache_salt: str | None = None  # vLLM's: prefix-cached KV shared only with the same salt
+    priority: int = 0  # vLLM's: lower is admitted first (serve --scheduling-policy priority)
 
 
 @dataclass
@@ -157,7 +158,8 @@ class EngineLoop:
         added: list[SubRequest] = []
         try:
             for sub in subs:
-                seq = self.engine.add_request(sub.prompt_ids, sub.params, sub.request_id, cache_salt=sub.cache_salt)
+                seq = self.engine.add_request(sub.prompt_ids, sub.params, sub.request_id, cache_salt=sub.cache_salt,
+                                              priority=sub.priority)
                 self._live[sub.request_id] = _Live(sub=sub, seq=seq)
                 added.append(sub)
         except Exception as e:  # DraftsmithError = bad input; anything else is reported too

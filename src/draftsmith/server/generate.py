@@ -47,6 +47,9 @@ async def generate(st: ServerState, request: Request, req: Any, prompts: list[li
     if req.prompt_logprobs and req.stream:  # (0 is allowed, as vLLM's: nothing to send)
         raise APIError(400, "prompt_logprobs are not available when streaming (stream: true); ask for them in a "
                        "whole response", param="prompt_logprobs", code="invalid_value")
+    if req.priority and st.scheduling_policy != "priority":
+        raise APIError(400, "priority needs a server started with `draftsmith serve --scheduling-policy priority` "
+                       "(this one admits requests first come, first served)", param="priority", code="invalid_value")
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options",
                        code="invalid_value")
@@ -86,7 +89,7 @@ async def generate(st: ServerState, request: Request, req: Any, prompts: list[li
             index = p * n + i
             subs.append(SubRequest(request_id=f"{fmt.rid}-{index}", index=index, prompt_ids=ids,
                                    params=params, stream=req.stream, sink=sink, t_arrival=now,
-                                   cache_salt=req.cache_salt))
+                                   cache_salt=req.cache_salt, priority=req.priority))
     prompt_tokens = sum(len(ids) for ids in prompts)
     reserved = sum(len(s.prompt_ids) + s.params.max_tokens for s in subs)
     st.reserve(reserved, len(subs))

@@ -90,6 +90,7 @@ class _Sampling(_Req):
     prompt_logprobs: StrictInt | None = None  # vLLM's: the prompt's tokens scored (whole responses only)
     return_token_ids: StrictBool = False  # vLLM's: the prompt's and each choice's token ids beside the text
     cache_salt: StrictStr | None = Field(default=None, min_length=1)  # vLLM's: prefix cache shared per salt
+    priority: StrictInt = 0  # vLLM's: lower is admitted first (serve --scheduling-policy priority)
     # structured outputs (server/sampling.structured_outputs): OpenAI's response_format, vLLM's
     # structured_outputs object and its older guided_* fields
     response_format: dict[str, Any] | None = None

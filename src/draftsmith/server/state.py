@@ -22,6 +22,9 @@ from draftsmith.server.metrics import ServerMetrics
 from draftsmith.server.protocol import APIError
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy names
+
+
 @dataclass(frozen=True)
 class Limits:
     """What one request may ask for, and how much work may wait (see the module docstring)."""
@@ -66,8 +69,9 @@ class ServerState:
     def __init__(self, llm: LLM, model_name: str | None = None, api_key: str | None = None,
                  limits: Limits | None = None, chat_template: str | None = None,
                  tool_call_parser: str | None = None, reasoning_parser: str | None = None,
-                 grammar_in_reasoning: bool = False) -> None:
+                 grammar_in_reasoning: bool = False, scheduling_policy: str = "fcfs") -> None:
         self.llm = llm
+        self.scheduling_policy = scheduling_policy  # fcfs, or priority: requests' `priority` orders admission
         self.reasoning_parser = reasoning_parser  # answers split into reasoning and content (None: not)
         self.grammar_in_reasoning = grammar_in_reasoning  # a grammar constrains the reasoning too
         self.chat_template = chat_template  # Jinja in place of the target's own (serve --chat-template)
