@@ -982,8 +982,8 @@ def test_tokenize_and_detokenize(tiny_dir, tiny_server):
 def test_chat_template_options(tiny_dir, tiny_server):
     """vLLM's chat-template options, in LLM.chat and on the server (chat and /tokenize):
     continue_final_message leaves the assistant's started message open (no end-of-turn, no new
-    turn) and the answer continues it; chat_template_kwargs reach the template; conflicts are
-    clear errors."""
+    turn) and the answer continues it (with chat `echo`, after that message's text); chat_template_kwargs
+    reach the template; conflicts are clear errors; GET /version."""
     import httpx
 
     from draftsmith.api import LLM
@@ -1020,6 +1020,17 @@ def test_chat_template_options(tiny_dir, tiny_server):
         assert h.post("/tokenize", json={**body, "max_tokens": None}).json()["tokens"] == opened
         _assert_openai_error(h.post("/v1/chat/completions", json={**body, "add_generation_prompt": True}), 400,
                              "continue_final_message", says="add_generation_prompt")
+        # vLLM's chat echo: the continued message's text first in the content, whole and streamed
+        r = h.post("/v1/chat/completions", json={**body, "echo": True}).json()
+        assert r["choices"][0]["message"]["content"] == "1 2 3" + cont.text
+        streamed, _ = _stream_choices(h, "/v1/chat/completions", {**body, "echo": True})
+        assert streamed == "1 2 3" + cont.text
+        plain = {"messages": msgs[:1], "max_tokens": 8, "temperature": 0}  # a user's last message: nothing echoed
+        assert h.post("/v1/chat/completions", json={**plain, "echo": True}).json()["choices"][0]["message"]["content"] \
+            == h.post("/v1/chat/completions", json=plain).json()["choices"][0]["message"]["content"]
+        from draftsmith import __version__
+
+        assert h.get("/version").json() == {"version": __version__}
         _assert_openai_error(h.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {"tokenize": 1}}),
                              400, "chat_template_kwargs", says="not a template variable")
 

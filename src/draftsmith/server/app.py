@@ -1,7 +1,7 @@
 """OpenAI-compatible HTTP API over one Engine: `create_app(llm)` and `serve(llm, host, port)`.
 
 Endpoints (server/routes.py): POST /v1/completions, POST /v1/chat/completions,
-GET /v1/models[/{id}], POST /tokenize, POST /detokenize, GET /health, GET /metrics (Prometheus
+GET /v1/models[/{id}], POST /tokenize, POST /detokenize, GET /health, GET /version, GET /metrics (Prometheus
 text). With an API key, the /v1 routes and /tokenize, /detokenize need `Authorization: Bearer
 KEY`; /health and /metrics stay open.
 

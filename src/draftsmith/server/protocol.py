@@ -207,6 +207,7 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool = True
     include_reasoning: StrictBool = True  # with a reasoning parser: False leaves the reasoning out
+    echo: StrictBool = False  # vLLM's: the answer's content starts with the last message's when it is the assistant's
     # vLLM's chat-template options
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False

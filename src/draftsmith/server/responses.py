@@ -25,6 +25,12 @@ class ResponseFormat:
         self.answer = AnswerFormat()
         self.prompt_lp: tuple | None = None  # prompt_logprobs: (k, prompts, n, token text)
         self.ids_of_prompts: list[list[int]] | None = None  # return_token_ids: each prompt's ids
+        self.chat_echo = ""  # chat's echo: the continued assistant message's text, first in the content
+
+    def with_chat_echo(self, text: str) -> None:
+        """vLLM's chat `echo` (with a last assistant message, e.g. continue_final_message): the
+        content starts with that message's text (streamed: a chunk of its own after the role's)."""
+        self.chat_echo = text
 
     def with_token_ids(self, prompts: list[list[int]], n: int) -> None:
         """vLLM's `return_token_ids`: the prompt's ids (chat: at the top of the response or of its
@@ -127,6 +133,8 @@ class ResponseFormat:
                 message, finish, r = {"role": "assistant", "content": e.text}, e.finish_reason, self.answer_reader()
                 if r is not None:
                     message, finish = r.message(e.text), r.finish_reason(e.finish_reason)
+                if self.chat_echo:
+                    message["content"] = self.chat_echo + (message["content"] or "")
                 choices.append({"index": e.index, "message": message,
                                 "logprobs": self.logprobs_of(e.index, e.token_ids, e.logprobs),
                                 "finish_reason": finish, "stop_reason": e.stop_reason})

@@ -1,6 +1,6 @@
 """The HTTP routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{id}],
 vLLM's POST /tokenize and /detokenize (behind the API key when there is one), GET /health,
-GET /metrics (Prometheus text)."""
+GET /version, GET /metrics (Prometheus text)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import uuid
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from draftsmith import __version__
 from draftsmith.errors import DraftsmithError
 from draftsmith.server.answer import AnswerFormat
 from draftsmith.server.body import parse_body, reject_unsupported, text_bytes
@@ -84,6 +85,8 @@ def add_routes(app: FastAPI, st: ServerState) -> None:
         ids = _chat_ids(req, req.n)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         fmt = ResponseFormat(chat=True, rid=f"chatcmpl-{uuid.uuid4().hex}", model=st.model_id)
+        if req.echo and req.messages[-1].role == "assistant":  # vLLM's: the answer continues it
+            fmt.with_chat_echo(req.messages[-1].text())
         # (a grammar that constrains the reasoning too decides the whole answer: read from its start)
         thinking = st.reasoning_parser is not None and not (st.grammar_in_reasoning and asks_structure(req)) and (
             leaves_open(req.messages[-1].text()) if req.continue_final_message
@@ -155,6 +158,10 @@ def add_routes(app: FastAPI, st: ServerState) -> None:
         if st.loop.alive:
             return JSONResponse({"status": "ok", "model": st.model_id})
         return JSONResponse({"status": "engine not running"}, status_code=503)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}  # (vLLM's route; Draftsmith's version)
 
     @app.get("/metrics")
     async def metrics() -> Response:

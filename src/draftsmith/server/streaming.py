@@ -108,6 +108,8 @@ async def stream_events(st: ServerState, subs: list[SubRequest], q: asyncio.Queu
             opening = fmt.opening(s.index)
             if opening:
                 yield out(s.index, opening)
+            if fmt.chat_echo:
+                yield out(s.index, fmt.chunk(s.index, fmt.chat_echo, None))
         while len(finals) < len(subs):
             ev = await q.get()
             if ev.kind == "tokens":
