@@ -408,3 +408,7 @@ def test_priority_orders_admission_and_changes_no_output(tiny):
     assert seen == [3, 2, 1, 0] and [o.token_ids for o in outs] == alone
     with pytest.raises(DraftsmithError, match="3 priorities for 4 prompts"):
         llm.generate(PROMPTS, greedy(4), priority=[0, 0, 0])
+    for bad in ("1", None, 1.5, True):  # refused at once: a bad one would break every later admission
+        with pytest.raises(DraftsmithError, match="priority must be an integer"):
+            eng.add_request(ids[0], greedy(2), priority=bad)
+    assert not eng.has_unfinished()

@@ -120,6 +120,8 @@ class Engine:
         never preempted)."""
         if not prompt_ids:
             raise DraftsmithError("prompt is empty: give at least one token")
+        if type(priority) is not int:
+            raise DraftsmithError(f"priority must be an integer (lower is admitted first), got {priority!r}")
         if params.truncate_prompt_tokens is not None:  # vLLM's: the prompt's last k tokens (LLM does it first)
             prompt_ids = list(prompt_ids)[-params.truncate_prompt_tokens:]
         V = self.model.config.vocab_size

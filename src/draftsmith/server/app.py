@@ -3,7 +3,7 @@
 Endpoints (server/routes.py): POST /v1/completions, POST /v1/chat/completions,
 GET /v1/models[/{id}], POST /tokenize, POST /detokenize, GET /health, GET /version, GET /metrics (Prometheus
 text). With an API key, the /v1 routes and /tokenize, /detokenize need `Authorization: Bearer
-KEY`; /health and /metrics stay open.
+KEY`; /health, /version and /metrics stay open.
 
 Roles: state (ServerState, Limits: admission), body (reading and validating a request body),
 sampling (SamplingParams per choice, the ranges the server enforces), structured (a request's
