@@ -307,15 +307,17 @@ def tiny_dir(tiny_model_dir):
 
 @pytest.fixture
 def tiny_server(tiny_dir):
-    """Factory: `tiny_server(**create_app_kwargs) -> base URL` of a fresh server (2 KV rows, context 256)."""
+    """Factory: `tiny_server(api_key=, limits=, **ServeOptions fields) -> base URL` of a fresh server
+    (2 KV rows, context 256)."""
     from draftsmith.api import LLM
-    from draftsmith.server.app import create_app
+    from draftsmith.server.app import ServeOptions, create_app
 
     servers = []
 
     def start(llm_kw: dict | None = None, **kw) -> str:
+        app_kw = {k: kw.pop(k) for k in ("api_key", "limits") if k in kw}
         llm = LLM(str(tiny_dir), max_batch=2, max_len=256, **(llm_kw or {}))
-        servers.append(_ThreadServer(create_app(llm, "tiny", **kw)))
+        servers.append(_ThreadServer(create_app(llm, "tiny", options=ServeOptions(**kw), **app_kw)))
         return servers[-1].start()
 
     start.servers = servers  # the _ThreadServer objects, for tests that watch the server itself
@@ -1123,7 +1125,8 @@ def test_truncate_prompt_tokens(tiny_dir, tiny_server):
 @pytest.fixture
 def serve_cli(monkeypatch):
     """`draftsmith serve FLAGS` with the model and the server faked: `run(*flags)` -> the keyword
-    arguments `serve(...)` got; `run.loads`: LLM(...)'s keyword arguments, one per model load."""
+    arguments `serve(...)` got, its ServeOptions' fields among them; `run.loads`: LLM(...)'s
+    keyword arguments, one per model load."""
     from types import SimpleNamespace
 
     import draftsmith.api
@@ -1133,7 +1136,7 @@ def serve_cli(monkeypatch):
     calls, loads = [], []
     fake = SimpleNamespace(target=SimpleNamespace(target_id="t"), engine=SimpleNamespace(max_len=64))
     monkeypatch.setattr(draftsmith.api, "LLM", lambda *a, **k: loads.append(k) or fake)
-    monkeypatch.setattr(draftsmith.server.app, "serve", lambda llm, **kw: calls.append(kw))
+    monkeypatch.setattr(draftsmith.server.app, "serve", lambda llm, **kw: calls.append({**kw, **vars(kw["options"])}))
 
     def run(*flags):
         args = build_parser().parse_args(["serve", *flags])

@@ -104,7 +104,7 @@ def cmd_serve(args) -> int:
         policy=args.policy, max_batch=args.max_batch, max_len=args.max_len, device=args.device, dtype=args.dtype,
         reproducible_seeds=args.reproducible_seeds,
     )
-    from draftsmith.server.app import Limits, serve
+    from draftsmith.server.app import Limits, ServeOptions, serve
 
     given = {"max_choices": args.max_choices_per_request, "max_prompt_bytes": args.max_prompt_bytes,
              "max_queued_tokens": args.max_queued_tokens}
@@ -116,9 +116,10 @@ def cmd_serve(args) -> int:
         file=sys.stderr, flush=True,
     )
     serve(llm, host=args.host, port=args.port, log_level=args.log_level, model_name=args.served_model_name,
-          api_key=api_key, limits=limits, chat_template=chat_template,
-          tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-          reasoning_parser=args.reasoning_parser,
-          structured_outputs_in_reasoning=args.structured_outputs_in_reasoning,
-          scheduling_policy=args.scheduling_policy)
+          api_key=api_key, limits=limits,
+          options=ServeOptions(chat_template=chat_template,
+                               tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+                               reasoning_parser=args.reasoning_parser,
+                               structured_outputs_in_reasoning=args.structured_outputs_in_reasoning,
+                               scheduling_policy=args.scheduling_policy))
     return 0

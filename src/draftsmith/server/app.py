@@ -28,37 +28,20 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from draftsmith.api import LLM
-from draftsmith.errors import DraftsmithError
 from draftsmith.server.protocol import APIError
 from draftsmith.server.routes import add_routes
-from draftsmith.server.reasoning import REASONING_PARSERS
-from draftsmith.server.state import SCHEDULING_POLICIES, Limits, ServerState
-from draftsmith.server.tools import TOOL_CALL_PARSERS
+from draftsmith.server.state import Limits, ServeOptions, ServerState
 
-__all__ = ["Limits", "create_app", "serve"]
+__all__ = ["Limits", "ServeOptions", "create_app", "serve"]
 
 log = logging.getLogger("draftsmith.server")
 
 
 def create_app(llm: LLM, model_name: str | None = None, *, api_key: str | None = None,
-               limits: Limits | None = None, chat_template: str | None = None,
-               tool_call_parser: str | None = None, reasoning_parser: str | None = None,
-               structured_outputs_in_reasoning: bool = False, scheduling_policy: str = "fcfs") -> FastAPI:
+               limits: Limits | None = None, options: ServeOptions | None = None) -> FastAPI:
     """The app over `llm`. `api_key`: required as `Authorization: Bearer KEY` on /v1 routes;
-    `chat_template`: Jinja text in place of the target's template; `tool_call_parser`: turns on
-    tool_choice "auto", read with this parser (server/tools.py); `reasoning_parser`: chat answers
-    split into reasoning and content (server/reasoning.py), a request's grammar applied after the
-    reasoning unless `structured_outputs_in_reasoning` (vLLM's enable_in_reasoning);
-    `scheduling_policy`: "priority" lets requests' `priority` order admission (vLLM's), "fcfs" refuses it."""
-    if scheduling_policy not in SCHEDULING_POLICIES:
-        raise DraftsmithError(f"unknown scheduling policy {scheduling_policy!r}; known: {', '.join(SCHEDULING_POLICIES)}")
-    if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
-        raise DraftsmithError(f"unknown tool-call parser {tool_call_parser!r}; known: {', '.join(TOOL_CALL_PARSERS)}")
-    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
-        raise DraftsmithError(f"unknown reasoning parser {reasoning_parser!r}; known: {', '.join(REASONING_PARSERS)}")
-    st = ServerState(llm, model_name, api_key, limits, chat_template=chat_template, tool_call_parser=tool_call_parser,
-                     reasoning_parser=reasoning_parser, grammar_in_reasoning=structured_outputs_in_reasoning,
-                     scheduling_policy=scheduling_policy)
+    `limits`: admission; `options`: how chat requests are read and work is ordered (ServeOptions)."""
+    st = ServerState(llm, model_name, api_key, limits, options)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -103,12 +86,7 @@ def create_app(llm: LLM, model_name: str | None = None, *, api_key: str | None =
 
 def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
           model_name: str | None = None, api_key: str | None = None, limits: Limits | None = None,
-          chat_template: str | None = None, tool_call_parser: str | None = None,
-          reasoning_parser: str | None = None, structured_outputs_in_reasoning: bool = False,
-          scheduling_policy: str = "fcfs") -> None:
+          options: ServeOptions | None = None) -> None:
     """Serve `llm` until interrupted (blocking)."""
-    app = create_app(llm, model_name, api_key=api_key, limits=limits, chat_template=chat_template,
-                     tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
-                     structured_outputs_in_reasoning=structured_outputs_in_reasoning,
-                     scheduling_policy=scheduling_policy)
+    app = create_app(llm, model_name, api_key=api_key, limits=limits, options=options)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

@@ -47,7 +47,7 @@ async def generate(st: ServerState, request: Request, req: Any, prompts: list[li
     if req.prompt_logprobs and req.stream:  # (0 is allowed, as vLLM's: nothing to send)
         raise APIError(400, "prompt_logprobs are not available when streaming (stream: true); ask for them in a "
                        "whole response", param="prompt_logprobs", code="invalid_value")
-    if req.priority and st.scheduling_policy != "priority":
+    if req.priority and st.options.scheduling_policy != "priority":
         raise APIError(400, "priority needs a server started with `draftsmith serve --scheduling-policy priority` "
                        "(this one admits requests first come, first served)", param="priority", code="invalid_value")
     if req.stream_options is not None and not req.stream:

@@ -79,7 +79,8 @@ def add_routes(app: FastAPI, st: ServerState) -> None:
         req: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest, st.limits.max_body_bytes)
         st.check_model(req.model)
         reject_unsupported(req)
-        plan = tool_plan(req, st.tool_call_parser)
+        opts = st.options
+        plan = tool_plan(req, opts.tool_call_parser)
         if plan is not None and plan.mode == "auto":
             req.skip_special_tokens = False  # a model's <tool_call> tags may be special tokens (as vLLM's hermes)
         ids = _chat_ids(req, req.n)
@@ -88,13 +89,14 @@ def add_routes(app: FastAPI, st: ServerState) -> None:
         if req.echo and req.messages[-1].role == "assistant":  # vLLM's: the answer continues it
             fmt.with_chat_echo(req.messages[-1].text())
         # (a grammar that constrains the reasoning too decides the whole answer: read from its start)
-        thinking = st.reasoning_parser is not None and not (st.grammar_in_reasoning and asks_structure(req)) and (
+        thinking = opts.reasoning_parser is not None and not (opts.structured_outputs_in_reasoning
+                                                              and asks_structure(req)) and (
             leaves_open(req.messages[-1].text()) if req.continue_final_message
             else opens_thinking(st.front.decode(ids[-_THINK_TAIL:], skip_special_tokens=False)))
         fmt.with_answer(AnswerFormat(plan if plan is not None and plan.mode != "none" else None,
-                                     reasoning=st.reasoning_parser is not None, thinking=thinking,
+                                     reasoning=opts.reasoning_parser is not None, thinking=thinking,
                                      include_reasoning=req.include_reasoning,
-                                     grammar_in_reasoning=st.grammar_in_reasoning))
+                                     grammar_in_reasoning=opts.structured_outputs_in_reasoning))
         return await generate(st, request, req, [ids], max_tokens, fmt, "messages")
 
     def _chat_ids(req, n: int = 1) -> list[int]:
@@ -106,7 +108,7 @@ def add_routes(app: FastAPI, st: ServerState) -> None:
                                                 add_generation_prompt=req.add_generation_prompt,
                                                 continue_final_message=req.continue_final_message,
                                                 chat_template_kwargs=req.chat_template_kwargs, tools=tools,
-                                                chat_template=st.chat_template)
+                                                chat_template=st.options.chat_template)
         except DraftsmithError as e:
             msg = str(e)
             param = next((f for f in ("continue_final_message", "chat_template_kwargs") if msg.startswith(f)), "messages")

@@ -20,9 +20,37 @@ from draftsmith.models.token_text import TokenText
 from draftsmith.server.engine_loop import EngineLoop
 from draftsmith.server.metrics import ServerMetrics
 from draftsmith.server.protocol import APIError
+from draftsmith.server.reasoning import REASONING_PARSERS
+from draftsmith.server.tools import TOOL_CALL_PARSERS
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy names
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """How the server reads chat requests and orders work (vLLM's serve flags of the same names).
+
+    chat_template: Jinja text in place of the target's template.
+    tool_call_parser: turns tool_choice "auto" on, read with this parser (server/tools.py).
+    reasoning_parser: chat answers split into reasoning and content (server/reasoning.py), a
+        request's grammar applied after the reasoning unless `structured_outputs_in_reasoning`
+        (vLLM's enable_in_reasoning).
+    scheduling_policy: "priority" lets requests' `priority` order admission, "fcfs" refuses it.
+    """
+
+    chat_template: str | None = None
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    structured_outputs_in_reasoning: bool = False
+    scheduling_policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        for what, value, known in (("tool-call parser", self.tool_call_parser, TOOL_CALL_PARSERS),
+                                   ("reasoning parser", self.reasoning_parser, REASONING_PARSERS),
+                                   ("scheduling policy", self.scheduling_policy, SCHEDULING_POLICIES)):
+            if value is not None and value not in known:
+                raise DraftsmithError(f"unknown {what} {value!r}; known: {', '.join(known)}")
 
 
 @dataclass(frozen=True)
@@ -67,15 +95,9 @@ class _Front:
 
 class ServerState:
     def __init__(self, llm: LLM, model_name: str | None = None, api_key: str | None = None,
-                 limits: Limits | None = None, chat_template: str | None = None,
-                 tool_call_parser: str | None = None, reasoning_parser: str | None = None,
-                 grammar_in_reasoning: bool = False, scheduling_policy: str = "fcfs") -> None:
+                 limits: Limits | None = None, options: ServeOptions | None = None) -> None:
         self.llm = llm
-        self.scheduling_policy = scheduling_policy  # fcfs, or priority: requests' `priority` orders admission
-        self.reasoning_parser = reasoning_parser  # answers split into reasoning and content (None: not)
-        self.grammar_in_reasoning = grammar_in_reasoning  # a grammar constrains the reasoning too
-        self.chat_template = chat_template  # Jinja in place of the target's own (serve --chat-template)
-        self.tool_call_parser = tool_call_parser  # tool_choice "auto"'s parser (None: auto is refused)
+        self.options = options or ServeOptions()
         self.model_id = model_name or llm.target.target_id
         self.max_len = llm.engine.max_len
         self.vocab_size = llm.target.model.config.vocab_size
