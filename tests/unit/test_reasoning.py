@@ -178,7 +178,9 @@ def test_a_thinking_prompt(tiny_dir, tiny_server):
 def test_a_grammar_after_the_reasoning(tiny_dir, kind):
     """StructuredOutputsParams(reasoning=...): "open" takes free text up to </think> (the prompt
     opened the block), then whitespace, then the grammar; "optional" the same block only where the
-    answer opens it, else the grammar from the first token; None, the grammar alone."""
+    answer opens it, else the grammar from the first token, and only for a tokenizer with <think>
+    as a token (a thinking model's; with another, "optional" is the grammar alone); None, the
+    grammar alone."""
     llm = LLM(str(tiny_dir), max_batch=1, max_len=64)
     grammars = Grammars(llm.tokenizer, llm.target.model.config.vocab_size, [llm.tokenizer.eos_token_id])
 
@@ -193,8 +195,8 @@ def test_a_grammar_after_the_reasoning(tiny_dir, kind):
     assert takes(open_, "any <b>text</b> here </think>\n\n" + answer) == (True, True)
     assert takes(open_, answer) == (True, False)  # still reasoning: the grammar has not begun
     assert takes(optional, answer) == (True, True)
-    assert takes(optional, " <think>plan { } [</think>\n" + answer) == (True, True)
-    assert takes(optional, "plan")[0] is False  # neither a <think> block nor the grammar
+    assert takes(optional, "<think>")[0] is False  # no <think> token: not a thinking model, no block
+    assert takes(optional, "plan")[0] is False
     assert takes(plain, answer) == (True, True) and takes(plain, "<think>")[0] is False
     with pytest.raises(DraftsmithError, match="reasoning must be"):
         SO(**kind, reasoning="closed")
@@ -217,4 +219,6 @@ def test_a_grammar_after_the_reasoning(tiny_dir, kind):
     assert takes_ids(open_, enc("hm a") + [end] + enc("\n\n" + answer)) == (True, True)
     assert takes_ids(open_, enc(answer)) == (True, False)
     assert takes_ids(optional, [think] + enc("x") + [end] + enc(answer)) == (True, True)
+    assert takes_ids(optional, enc(" ") + [think] + enc("plan { } [") + [end] + enc("\n" + answer)) == (True, True)
     assert takes_ids(optional, enc(answer)) == (True, True)
+    assert takes_ids(optional, enc("plan"))[0] is False  # neither a <think> block nor the grammar

@@ -53,8 +53,9 @@ class StructuredOutputsParams:
     reasoning:   for a thinking model (vLLM applies the grammar after the reasoning ends):
                  "open": the answer starts inside a <think> block (the prompt opened it), free
                  text up to </think>, then the grammar; "optional": the answer may open with a
-                 <think> ... </think> block of free text before the grammar; None: the grammar
-                 from the first token.
+                 <think> ... </think> block of free text before the grammar (where the tokenizer
+                 has <think> as a token: ThinkTags; else as None); None: the grammar from the
+                 first token.
     """
 
     json: Any = None
@@ -111,9 +112,9 @@ class StructuredOutputsParams:
     def grammar_text(self, tags: ThinkTags | None = None) -> str:
         """The llguidance grammar (JSON or Lark text) this asks for, for a tokenizer whose
         <think> / </think> are written as `tags` (ThinkTags.of(tokenizer); text by default)."""
-        if self.reasoning is None:
-            return self._key
         tags = tags or ThinkTags()
+        if self.reasoning is None or (self.reasoning == "optional" and not tags.tokens):
+            return self._key
         # the grammar as one rule of a Lark grammar that lets a <think> block come first
         try:  # llguidance's JSON form ({"grammars": [...]}), or Lark text
             g = json.loads(self._key)["grammars"][0]
@@ -148,16 +149,21 @@ class StructuredOutputsParams:
 class ThinkTags:
     """How a grammar writes <think> and </think> for one tokenizer: as text, or where the
     tokenizer has them as added tokens (Qwen3's, DeepSeek-R1's), as those single tokens
-    (llguidance matches an added token only by its `<name>` form, never as text)."""
+    (llguidance matches an added token only by its `<name>` form, never as text). `tokens`:
+    the tokenizer has <think> as a token of its own, the mark of a thinking model: only then
+    may an answer open a block the prompt did not (reasoning="optional"), so that a model that
+    does not think is not let into free text before its grammar."""
 
     open: str = '"<think>"'
     think_rule: str = "think[lazy]: /(?s:.*)<\\/think>/"  # free text up to the first </think>
+    tokens: bool = False
 
     @classmethod
     def of(cls, tokenizer) -> ThinkTags:
         added = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
         return cls(open="<think>" if "<think>" in added else cls.open,
-                   think_rule="think: /(?s:.*)/ </think>" if "</think>" in added else cls.think_rule)
+                   think_rule="think: /(?s:.*)/ </think>" if "</think>" in added else cls.think_rule,
+                   tokens="<think>" in added)
 
 
 class _LLTokenizer:
