@@ -67,10 +67,11 @@ async def generate(st: ServerState, request: Request, req: Any, prompts: list[li
     structured = await asyncio.to_thread(structured_outputs, req, st.front.grammars.check,
                                          fmt.answer.grammar_reasoning()) if asks_structure(req) else None
     fmt.with_logprobs(req.top_logprobs_k(), st.front.token_text)
+    fmt.with_prompts(prompts, n)
     if req.prompt_logprobs is not None:
-        fmt.with_prompt_logprobs(req.prompt_logprobs, prompts, n, st.front.token_text)
+        fmt.with_prompt_logprobs(req.prompt_logprobs, st.front.token_text)
     if req.return_token_ids:
-        fmt.with_token_ids(prompts, n)
+        fmt.with_token_ids()
     subs: list[SubRequest] = []
     aloop = asyncio.get_running_loop()
     q: asyncio.Queue[Event] = asyncio.Queue()

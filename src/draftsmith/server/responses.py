@@ -23,8 +23,9 @@ class ResponseFormat:
         self.n = 1
         self.echo_only = False
         self.answer = AnswerFormat()
-        self.prompt_lp: tuple | None = None  # prompt_logprobs: (k, prompts, n, token text)
-        self.ids_of_prompts: list[list[int]] | None = None  # return_token_ids: each prompt's ids
+        self.prompts: list[list[int]] = []  # each prompt's ids as the engine got them (with_prompts)
+        self.prompt_lp: tuple | None = None  # prompt_logprobs: (k, token text)
+        self.token_ids = False  # return_token_ids
         self.chat_echo = ""  # chat's echo: the continued assistant message's text, first in the content
 
     def with_chat_echo(self, text: str) -> None:
@@ -32,14 +33,18 @@ class ResponseFormat:
         content starts with that message's text (streamed: a chunk of its own after the role's)."""
         self.chat_echo = text
 
-    def with_token_ids(self, prompts: list[list[int]], n: int) -> None:
+    def with_prompts(self, prompts: list[list[int]], n: int) -> None:
+        """The request's prompts as the engine got them, n choices each (choice i: prompt i // n)."""
+        self.prompts, self.n = prompts, n
+
+    def with_token_ids(self) -> None:
         """vLLM's `return_token_ids`: the prompt's ids (chat: at the top of the response or of its
         first chunk; completions: in each choice, or each choice's first chunk) and each choice's
         generated ids (whole, or those of each chunk), as the model saw and wrote them."""
-        self.ids_of_prompts, self.n = prompts, n
+        self.token_ids = True
 
-    def prompt_ids(self, index: int) -> list[int] | None:
-        return None if self.ids_of_prompts is None else list(self.ids_of_prompts[index // self.n])
+    def prompt_ids(self, index: int) -> list[int]:
+        return list(self.prompts[index // self.n])
 
     def with_answer(self, answer: AnswerFormat) -> None:
         """A chat request whose answers are read for reasoning or tool calls (server/answer.py)."""
@@ -53,21 +58,21 @@ class ResponseFormat:
         """The request asked for logprobs with k top tokens (None: it did not)."""
         self.logprobs = None if k is None else LogprobsFormat(self.chat, k, token_text)
 
-    def with_prompt_logprobs(self, k: int, prompts: list[list[int]], n: int, token_text: TokenText) -> None:
+    def with_prompt_logprobs(self, k: int, token_text: TokenText) -> None:
         """vLLM's `prompt_logprobs: k`: each prompt's tokens scored, in the whole response (chat:
         at its top; completions: in each choice, as vLLM's)."""
-        self.prompt_lp = (k, prompts, n, token_text)
+        self.prompt_lp = (k, token_text)
 
     def prompt_logprobs_of(self, e: Event) -> list | None:
         if self.prompt_lp is None or e.prompt_logprobs is None:
             return None
-        k, prompts, n, tt = self.prompt_lp
-        return prompt_logprobs_object(prompts[e.index // n], e.prompt_logprobs, k, tt)
+        k, tt = self.prompt_lp
+        return prompt_logprobs_object(self.prompt_ids(e.index), e.prompt_logprobs, k, tt)
 
-    def with_echo(self, prompts: list[tuple[str, list[int]]], n: int, echo_only: bool) -> None:
+    def with_echo(self, prompts: list[tuple[str, list[int]]], echo_only: bool) -> None:
         """Completions' `echo: true`: every choice's text (and logprobs) starts with its prompt's;
         `echo_only` (max_tokens 0): nothing else (the engine's one token is dropped)."""
-        self.echo, self.n, self.echo_only = prompts, n, echo_only
+        self.echo, self.echo_only = prompts, echo_only
 
     def echoed(self, index: int) -> tuple[str, list[int]] | None:
         return None if self.echo is None else self.echo[index // self.n]
@@ -95,7 +100,7 @@ class ResponseFormat:
         if not self.chat:
             return None
         head = self._head("chat.completion.chunk")
-        if self.ids_of_prompts is not None:
+        if self.token_ids:
             head["prompt_token_ids"] = self.prompt_ids(index)
         return {**head, "choices": [
             {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
@@ -115,9 +120,9 @@ class ResponseFormat:
         else:
             choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
                       "stop_reason": stop_reason}
-            if first and self.ids_of_prompts is not None:
+            if first and self.token_ids:
                 choice["prompt_token_ids"] = self.prompt_ids(index)
-        if self.ids_of_prompts is not None:
+        if self.token_ids:
             choice["token_ids"] = list(token_ids or [])
         return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
 
@@ -138,12 +143,12 @@ class ResponseFormat:
                 choices.append({"index": e.index, "message": message,
                                 "logprobs": self.logprobs_of(e.index, e.token_ids, e.logprobs),
                                 "finish_reason": finish, "stop_reason": e.stop_reason})
-                if self.ids_of_prompts is not None:
+                if self.token_ids:
                     choices[-1]["token_ids"] = list(e.token_ids)
             head = self._head("chat.completion")
             if self.prompt_lp is not None and finals:  # one prompt: its scores once, at the top
                 head["prompt_logprobs"] = self.prompt_logprobs_of(finals[0])
-            if self.ids_of_prompts is not None:
+            if self.token_ids:
                 head["prompt_token_ids"] = self.prompt_ids(0)
             return {**head, "choices": choices, "usage": usage}
         choices = []
@@ -154,7 +159,7 @@ class ResponseFormat:
                             "finish_reason": e.finish_reason, "stop_reason": e.stop_reason})
             if self.prompt_lp is not None:
                 choices[-1]["prompt_logprobs"] = self.prompt_logprobs_of(e)
-            if self.ids_of_prompts is not None:
+            if self.token_ids:
                 choices[-1].update(prompt_token_ids=self.prompt_ids(e.index), token_ids=list(e.token_ids))
         return {**self._head("text_completion"), "choices": choices, "usage": usage}
 

@@ -70,7 +70,7 @@ def add_routes(app: FastAPI, st: ServerState) -> None:
         max_tokens = req.max_tokens if req.max_tokens is not None else 16
         if req.echo:  # the prompt, as the client sent it, starts each choice's text (and logprobs)
             texts = [it if isinstance(it, str) else st.front.decode(it) for it in items]
-            fmt.with_echo(list(zip(texts, prompts)), req.n, echo_only=max_tokens == 0)
+            fmt.with_echo(list(zip(texts, prompts)), echo_only=max_tokens == 0)
             max_tokens = max_tokens or 1  # max_tokens 0: the prompt alone (the engine's token is dropped)
         return await generate(st, request, req, prompts, max_tokens, fmt, "prompt")
 
