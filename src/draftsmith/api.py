@@ -139,6 +139,10 @@ class LLM:
               quietly wherever it can). False (default): off. A reused prefix equals a fresh
               prefill up to float rounding, so outputs can differ from a run without it at
               near-ties (bfloat16 especially).
+    forced_drafts: requests with structured outputs draft, for free, the tokens their grammar
+              forces next (a JSON key, a regex's literal text), up to this many a round, and verify
+              them like any draft: the output is unchanged, a forced run the model follows
+              commits in one forward (core/grammar_drafts.py). 0: off.
     """
 
     def __init__(
@@ -155,6 +159,7 @@ class LLM:
         reproducible_seeds: bool = True,
         drafter_dtype: str = "auto",
         enable_prefix_caching: bool | None = False,
+        forced_drafts: int = 16,
     ) -> None:
         if isinstance(target, LoadedTarget):  # share one loaded target between several LLMs
             if threads is not None and target.model.device.type == "cpu":
@@ -165,7 +170,8 @@ class LLM:
         self.tokenizer = self.target.tokenizer
         self.engine = build_engine(self.target, drafter, policy, num_speculative_tokens, max_batch, max_len,
                                    reproducible_seeds=reproducible_seeds, drafter_dtype=drafter_dtype,
-                                   enable_prefix_caching=enable_prefix_caching, adaptive_threads=threads is None)
+                                   enable_prefix_caching=enable_prefix_caching, adaptive_threads=threads is None,
+                                   forced_drafts=forced_drafts)
         self.drafter, self.policy = self.engine.drafter, self.engine.policy
         self.last_stats: GenerateStats | None = None
         self._token_texts: TokenText | None = None  # logprobs' token texts (built on first use)

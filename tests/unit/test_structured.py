@@ -184,8 +184,9 @@ def test_greedy_speculative_equals_plain_and_keeps_the_grammar(tiny, spec):
         llm = LLM(tiny, drafter=drafter, policy="fixed", num_speculative_tokens=4, max_batch=4, max_len=256)
         outs = [o.outputs[0] for o in llm.generate(prompts, sp)]
         assert [o.token_ids for o in outs] == [o.token_ids for o in plain], drafter
-        if drafter is script:
-            assert 0 < llm.last_stats.draft_accepted < llm.last_stats.draft_proposed
+        if drafter is script:  # its wrong drafts ("~") are refused by every grammar here: cut before the
+            # forward (core/grammar_drafts.py), so every draft verified was right
+            assert 0 < llm.last_stats.draft_accepted == llm.last_stats.draft_proposed
 
 
 def test_logprobs_stay_the_raw_distribution_under_a_grammar(tiny):
@@ -274,9 +275,10 @@ def _run(target):
     return outs, slots, llm.last_stats.acceptance_rate
 
 
-def _pit(target, outs, constrained: bool = True) -> torch.Tensor:
+def _pit(target, outs, constrained: bool = True, specs: list[SO] = SPECS) -> torch.Tensor:
     """u_t = F_t(x_t-) + V p_t(x_t), p_t the teacher-forced target at T = 1, masked by a fresh
-    matcher that has consumed the output before t (or unmasked: the control)."""
+    matcher of output i's spec (specs[i % len(specs)]) that has consumed the output before t (or
+    unmasked: the control)."""
     g, m, us = _grammars(target), target.model, []
     gen = torch.Generator().manual_seed(99)
     V = m.config.vocab_size
@@ -284,7 +286,7 @@ def _pit(target, outs, constrained: bool = True) -> torch.Tensor:
         seq = o.prompt_token_ids + o.token_ids
         with torch.no_grad():
             logits = m(torch.tensor([seq]), m.new_cache(1, len(seq))).logits[0]
-        matcher = g.matcher(SPECS[i % 2])
+        matcher = g.matcher(specs[i % len(specs)])
         n0 = len(o.prompt_token_ids)
         for t, x in enumerate(o.token_ids):
             z = logits[n0 - 1 + t].clone()

@@ -35,6 +35,8 @@ class RequestStats:
     t_first_token: float | None = None
     t_finish: float | None = None
     cached_tokens: int = 0  # prompt tokens whose KV a free row already held (prefix caching)
+    forced_proposed: int = 0  # drafts the request's grammar forced (core/grammar_drafts.py; not in proposed)
+    forced_accepted: int = 0  # of those, accepted (not in accepted)
 
     def record_round(self, proposed: int, accepted: int, committed: int) -> None:
         self.rounds += 1
@@ -48,6 +50,12 @@ class RequestStats:
             self.proposed_at[k] += 1
         for k in range(accepted):
             self.accepted_at[k] += 1
+
+    def record_forced(self, proposed: int, accepted: int) -> None:
+        """A round whose drafts were the grammar's forced tokens (record_round counts it too,
+        with no drafts of the drafter's)."""
+        self.forced_proposed += proposed
+        self.forced_accepted += accepted
 
     @property
     def tau(self) -> float:
@@ -74,6 +82,8 @@ class RequestStats:
             "tau": self.tau,
             "prefix_survival": self.prefix_survival,
             "cached_tokens": self.cached_tokens,
+            "forced_proposed": self.forced_proposed,
+            "forced_accepted": self.forced_accepted,
         }
 
 

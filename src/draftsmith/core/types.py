@@ -7,7 +7,8 @@ number of tokens committed per verification round, the bonus / correction token 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -38,6 +39,21 @@ class Proposal:
     @property
     def max_len(self) -> int:
         return int(self.tokens.shape[1])
+
+    def truncated(self, lengths: Sequence[int]) -> "Proposal":
+        """This proposal with row b's drafts cut to lengths[b] (<= its own) and the block to the
+        longest kept (itself where nothing is cut)."""
+        lengths = list(lengths)
+        if not self.max_len or lengths == self.lengths.tolist():
+            return self
+        width = max(lengths, default=0)
+        return replace(
+            self,
+            tokens=self.tokens[:, :width],
+            lengths=torch.tensor(lengths, dtype=torch.long),
+            q=None if self.q is None else self.q[:, :width],
+            confidences=None if self.confidences is None else self.confidences[:, :width],
+        )
 
     @staticmethod
     def empty(batch_size: int, device: torch.device | str = "cpu") -> "Proposal":

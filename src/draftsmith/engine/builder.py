@@ -17,7 +17,7 @@ def build_engine(target: LoadedTarget, drafter: str | Drafter = "none", policy: 
                  num_speculative_tokens: int = 5, max_batch: int = 8, max_len: int = 2048,
                  cache: KVCache | None = None, reproducible_seeds: bool = True,
                  drafter_dtype: str = "auto", enable_prefix_caching: bool | None = False,
-                 adaptive_threads: bool = False) -> Engine:
+                 adaptive_threads: bool = False, forced_drafts: int = 16) -> Engine:
     """An Engine for `target` with `drafter` (a registry spec such as "ngram" or
     "dspark:CKPT", or a Drafter) and `policy` (a registered name or a policy object), K =
     num_speculative_tokens drafts per round at most, max_batch rows of max_len tokens
@@ -27,6 +27,8 @@ def build_engine(target: LoadedTarget, drafter: str | Drafter = "none", policy: 
     `enable_prefix_caching`: reuse the KV of prompt prefixes free rows still hold (engine/prefix_cache.py;
     only with drafters that read no target features; None: wherever the drafter allows).
     `adaptive_threads`: on a CPU, run on the cores other busy processes leave free (models/threads.py).
+    `forced_drafts`: at most this many tokens a request's grammar forces are its draft for a round
+    (core/grammar_drafts.py; 0: off).
     Policy "auto" (the default) is the prefix scheduler (policy/prefix_scheduler.py: it verifies a
     draft only where its expected gain pays for the bigger forward on this machine's measured
     SPS(B)) when the drafter drafts, and "fixed" for plain decoding (nothing to schedule, no profile)."""
@@ -37,6 +39,7 @@ def build_engine(target: LoadedTarget, drafter: str | Drafter = "none", policy: 
         policy = "fixed" if isinstance(drafter, NoDrafter) else "prefix-scheduler"
     if isinstance(policy, str):
         policy = make_policy(policy, num_speculative_tokens, target=target, max_batch=max_batch)
-    return Engine(target.model, target.tokenizer, drafter, policy, EngineConfig(max_batch, max_len, reproducible_seeds, enable_prefix_caching,
-                                                                          adaptive_threads),
+    config = EngineConfig(max_batch, max_len, reproducible_seeds, enable_prefix_caching, adaptive_threads,
+                          forced_drafts)
+    return Engine(target.model, target.tokenizer, drafter, policy, config,
                   eos_token_ids=eos_token_ids(target), cache=cache)

@@ -13,10 +13,11 @@ import itertools
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
+from draftsmith.core.grammar_drafts import forced_drafts, grammar_lengths, with_forced
 from draftsmith.core.logprobs import token_logprobs
 from draftsmith.core.penalties import penalize
 from draftsmith.core.sampling import SamplingParams
@@ -53,6 +54,14 @@ class EngineConfig:
     # On a CPU, leave the cores other busy processes use to them (models/threads.ThreadGovernor:
     # torch's threads re-decided every 2 s); False keeps the threads as they are set.
     adaptive_threads: bool = False
+    # Requests with a grammar (structured outputs, forced tool calls): where it forces the next
+    # tokens, up to this many are that row's draft for the round, verified like any other
+    # (jump-forward that cannot change the output; core/grammar_drafts.py). 0: off.
+    forced_drafts: int = 16
+
+    def __post_init__(self) -> None:
+        if type(self.forced_drafts) is not int or self.forced_drafts < 0:
+            raise DraftsmithError(f"forced_drafts must be an integer >= 0 (0: off), got {self.forced_drafts!r}")
 
 
 class Engine:
@@ -309,6 +318,11 @@ class Engine:
         wanted = self.policy.choose(seqs)
         room = min(self.max_len - s.num_tokens for s in seqs)
         caps = [max(0, min(k, s.remaining - 1, room)) for k, s in zip(wanted, seqs)]
+        # Rows whose grammar forces the next tokens draft those instead (core/grammar_drafts.py).
+        forced = (forced_drafts(seqs, [min(self.config.forced_drafts, s.remaining - 1, room) for s in seqs])
+                  if self.config.forced_drafts > 0 else [])
+        if any(forced):
+            caps = [0 if f else c for f, c in zip(forced, caps)]
         # A policy that decides column by column can let a drafter that supports it stop at the
         # first column that will not be verified (policy/prefix_scheduler.py, draft_gate).
         draft_gate = getattr(self.policy, "draft_gate", None)
@@ -322,16 +336,14 @@ class Engine:
         if keep != lengths:
             if any(not 0 <= k <= n for k, n in zip(keep, lengths)):
                 raise RuntimeError(f"policy {self.policy.name} kept {keep} of {lengths} drafts")
-            # Only kept drafts go through the target: cut the padded width to the longest kept.
-            width = max(keep, default=0)
-            proposal = replace(
-                proposal,
-                tokens=proposal.tokens[:, :width],
-                lengths=torch.tensor(keep, dtype=torch.long),
-                q=None if proposal.q is None else proposal.q[:, :width],
-                confidences=None if proposal.confidences is None else proposal.confidences[:, :width],
-            )
-            lengths = keep
+            proposal = proposal.truncated(keep)  # only kept drafts go through the target
+        # Drafts the grammar refuses are rejected for certain: not verified (core/grammar_drafts.py).
+        if any(s.grammar is not None for s in seqs):
+            proposal = proposal.truncated(grammar_lengths(seqs, proposal, self.eos_token_ids))
+        drafted_view = proposal  # what the drafter and the policy decided: the policy learns from it
+        if any(forced):
+            proposal = with_forced(proposal, forced)
+        lengths = proposal.lengths.tolist() if proposal.max_len else [0] * len(seqs)
         K = proposal.max_len
         drafted = any(c > 0 for c in caps)
         t1 = time.perf_counter()
@@ -374,7 +386,8 @@ class Engine:
         self.last_step = StepInfo(rows=len(seqs), block_len=1 + K, useful_tokens=len(seqs) + sum(lengths),
                                   drafted=drafted, forward_s=time.perf_counter() - t1,
                                   draft_s=draft_s,
-                                  accepted=int(result.num_accepted.sum()) if K else 0)
+                                  # a round with forced drafts says nothing about the drafter's gain
+                                  accepted=None if any(forced) else int(result.num_accepted.sum()) if K else 0)
         for b, s in enumerate(seqs):
             m = int(result.num_accepted[b])
             # KV of the pending token and the m accepted drafts is now committed;
@@ -386,9 +399,13 @@ class Engine:
             advance(s, kept)  # the request's grammar follows its output (core/structured.py)
             if s.logprobs is not None:  # the target's rows of the committed tokens (core/logprobs.py)
                 s.logprobs += token_logprobs(out.logits[b], kept, s.params.logprobs)
-            s.stats.record_round(proposed=lengths[b], accepted=m, committed=appended)
+            if forced and forced[b]:  # the grammar's drafts, not the drafter's
+                s.stats.record_round(proposed=0, accepted=0, committed=appended)
+                s.stats.record_forced(proposed=lengths[b], accepted=m)
+            else:
+                s.stats.record_round(proposed=lengths[b], accepted=m, committed=appended)
         self.drafter.on_verified(seqs, proposal, result, self._features(out))
-        self.policy.update(seqs, proposal, result)
+        self.policy.update(seqs, drafted_view, result)
         observe = getattr(self.policy, "observe", None)  # optional: policies that learn step cost
         if observe is not None:
             observe(self.last_step)
