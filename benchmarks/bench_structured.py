@@ -1,18 +1,21 @@
-"""Structured outputs with speculative decoding: what a JSON schema costs and whether drafting
-still pays under it (issues 11, 12).
+"""Structured outputs with speculative decoding: what a JSON schema costs, whether drafting
+still pays under it, and what the grammar's own drafts add (issues 11, 12).
 
     .venv/bin/python benchmarks/bench_structured.py [--prompts 8] [--max-tokens 128] [--no-write]
 
-Held-out MT-Bench questions, each asked for a JSON answer ({"answer": ..., "keywords": [...]},
-the schema below), chat template, greedy, batch 1, float32, the default policy. Per prompt, in
-a rotating order: plain decoding without the schema (what the schema costs), plain decoding
-with it, the built-in drafter with it, n-gram prompt lookup with it. Reports ms per output
-token (median over prompts; each configuration's own tokens), the speedup over plain with the
-schema (the ratio of per-prompt times over the same tokens, median and range), τ, the share of
-drafts the grammar refused, the time the grammar masks took per verify block, and whether the
-speculative outputs equal plain's under the schema (they must) and parse. Also the mask time
-per block alone at batch 1 / 8 / 32. Writes benchmarks/results/bench_structured-KIND.json and its
-BENCHMARKS.md section. Run on an idle machine.
+Held-out MT-Bench questions, each asked for a JSON answer under one of two schemas ("answer":
+{"answer": ..., "keywords": [...]}; "record": six typed fields, most of the answer's tokens in
+keys and punctuation, as tool calls and extraction are), chat template, greedy, batch 1, float32,
+the default policy. Per prompt and schema, in a rotating order: plain decoding without the
+schema (what the schema costs), plain decoding with it and no grammar drafts (the baseline:
+what an engine without them does), plain with the grammar's forced drafts
+(core/grammar_drafts.py), n-gram prompt lookup without and with them, the built-in drafter with
+them. Reports ms per output token (median over prompts; each configuration's own tokens), the
+speedup over the baseline (the ratio of per-prompt times over the same tokens, median and range),
+τ, the drafter's and the grammar's drafts accepted / proposed, the time the grammar masks took
+per verify block, and whether every output equals the baseline's (it must) and parses. Also the
+mask time per block alone at batch 1 / 8 / 32. Writes benchmarks/results/bench_structured-KIND.json
+and its BENCHMARKS.md section. Run on an idle machine.
 """
 
 from __future__ import annotations
@@ -40,26 +43,31 @@ ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"},
                                            "keywords": {"type": "array", "items": {"type": "string"}, "maxItems": 5}},
           "required": ["answer", "keywords"], "additionalProperties": False}
-ASK = '\n\nReply in JSON with the keys "answer" (your answer) and "keywords" (up to five key words).'
+RECORD = {"type": "object", "properties": {
+    "topic": {"type": "string", "maxLength": 40}, "category": {"enum": ["writing", "roleplay", "reasoning", "math",
+                                                                         "coding", "extraction", "stem", "humanities"]},
+    "difficulty": {"enum": ["easy", "medium", "hard"]}, "needs_calculation": {"type": "boolean"},
+    "expected_answer_words": {"type": "integer"}, "summary": {"type": "string", "maxLength": 80}},
+    "required": ["topic", "category", "difficulty", "needs_calculation", "expected_answer_words", "summary"],
+    "additionalProperties": False}
+SCHEMAS = {"answer": (SCHEMA, '\n\nReply in JSON with the keys "answer" (your answer) and "keywords" (up to five key '
+                              'words).'),
+           "record": (RECORD, "\n\nDo not answer the question. Describe it as a JSON record with the keys topic, "
+                              "category, difficulty, needs_calculation, expected_answer_words and summary.")}
+BASELINE = "plain, no grammar drafts"
 
 
 class MaskClock:
-    """Wraps the engine's `constrain`: the time it takes per verify block, and drafts it refused."""
+    """Wraps the engine's `constrain`: the time it takes per verify block."""
 
     def __init__(self) -> None:
-        self.seconds, self.blocks, self.drafts, self.refused = 0.0, 0, 0, 0
+        self.seconds, self.blocks = 0.0, 0
 
     def __call__(self, logits, seqs, drafts, lengths, executor, inplace=False):
         t0 = time.perf_counter()
         out = constrain(logits, seqs, drafts, lengths, executor, inplace)
         self.seconds += time.perf_counter() - t0
         self.blocks += 1
-        if drafts is not None:
-            for b, s in enumerate(seqs):
-                if s.grammar is not None and lengths[b]:
-                    d = drafts[b, : lengths[b]].tolist()
-                    self.drafts += len(d)
-                    self.refused += len(d) - min(len(d), s.grammar.validate_tokens(d))
         return out
 
 
@@ -67,7 +75,7 @@ def prompts(n: int) -> list[tuple[str, str]]:
     out = []
     for c in MTBenchSource().conversations():
         if c.split == "heldout":
-            out.append((c.id, next(m["content"] for m in c.messages if m["role"] == "user") + ASK))
+            out.append((c.id, next(m["content"] for m in c.messages if m["role"] == "user")))
         if len(out) == n:
             break
     return out
@@ -97,6 +105,55 @@ def mask_alone(llm: LLM) -> dict[int, float]:
     return out
 
 
+def run_schema(configs: dict, schema: dict, ask: str, todo: list[tuple[str, str]], max_tokens: int) -> dict:
+    """Every configuration on every prompt under one schema, in a rotating order per prompt."""
+    spec = StructuredOutputsParams(json=schema)
+    params = {True: SamplingParams(max_tokens=max_tokens, temperature=0.0, structured_outputs=spec),
+              False: SamplingParams(max_tokens=max_tokens, temperature=0.0)}
+    names = list(configs)
+    clocks = {n: MaskClock() for n in names}
+    for llm, constrained in configs.values():  # first-call costs, the grammar's compilation, the scheduler's profile
+        llm.chat([{"role": "user", "content": "Say hi." + ask}], SamplingParams(max_tokens=16, temperature=0.0,
+                                                                              structured_outputs=spec))
+    t_start, load0 = time.time(), os.getloadavg()[0]
+    rows: dict[str, list[dict]] = {n: [] for n in names}
+    for i, (pid, text) in enumerate(todo):
+        for name in names[i % len(names):] + names[: i % len(names)]:
+            llm, constrained = configs[name]
+            engine_mod.constrain = clocks[name]
+            t0 = time.perf_counter()
+            (o,) = llm.chat([{"role": "user", "content": text + ask}], params[constrained])
+            wall = time.perf_counter() - t0
+            st = o.outputs[0].stats
+            rows[name].append({"prompt": pid, "tokens": len(o.token_ids), "wall_s": wall, "ids": o.token_ids,
+                               "text": o.text, "tau": st.get("tau"), "finish": o.finish_reason,
+                               "drafts": (st["draft_accepted"], st["draft_proposed"]),
+                               "forced": (st["forced_accepted"], st["forced_proposed"])})
+    engine_mod.constrain = constrain
+    base = rows[BASELINE]
+    out = {"schema": schema, "load_average": [load0, os.getloadavg()[0]], "wall_s": round(time.time() - t_start),
+           "configs": {}}
+    for name in names:
+        rs, c = rows[name], clocks[name]
+        ms = [1e3 * r["wall_s"] / max(1, r["tokens"]) for r in rs]
+        same = [r["ids"] == b["ids"] for r, b in zip(rs, base)]
+        ratio = [b["wall_s"] / r["wall_s"] for r, b, s in zip(rs, base, same) if s]
+        parsed = sum(1 for r in rs if r["finish"] == "stop" and _parses(r["text"]))
+        constrained = configs[name][1]
+        total = lambda key, i: sum(r[key][i] for r in rs)  # noqa: E731
+        out["configs"][name] = {
+            "ms_per_token_p50": statistics.median(ms), "tokens": sum(r["tokens"] for r in rs),
+            "speedup_p50": statistics.median(ratio) if ratio and constrained else None,
+            "speedup_min": min(ratio) if ratio else None, "speedup_max": max(ratio) if ratio else None,
+            "tau": statistics.median(r["tau"] for r in rs) if constrained else None,
+            "drafts_accepted": total("drafts", 0), "drafts_proposed": total("drafts", 1),
+            "forced_accepted": total("forced", 0), "forced_proposed": total("forced", 1),
+            "outputs_equal_baseline": f"{sum(same)}/{len(same)}" if constrained else "–",
+            "json_parses": f"{parsed}/{len(rs)}" if constrained else "–",
+            "mask_ms_per_block": 1e3 * c.seconds / c.blocks if c.blocks and constrained else None}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prompts", type=int, default=8)
@@ -104,75 +161,53 @@ def main() -> None:
     ap.add_argument("--no-write", action="store_true")
     a = ap.parse_args()
     target = load_target("smollm2-135m", dtype="float32")
-    spec = StructuredOutputsParams(json=SCHEMA)
-    free = SamplingParams(max_tokens=a.max_tokens, temperature=0.0)
-    json_sp = SamplingParams(max_tokens=a.max_tokens, temperature=0.0, structured_outputs=spec)
-    configs = {"plain, no schema": (LLM(target), free), "plain": (LLM(target), json_sp),
-               "dspark:smollm2-135m": (LLM(target, drafter="dspark:smollm2-135m"), json_sp),
-               "ngram": (LLM(target, drafter="ngram"), json_sp)}
-    names = list(configs)
-    clocks = {n: MaskClock() for n in names}
-    for llm, sp in configs.values():  # first-call costs, the grammar's compilation, the scheduler's profile
-        llm.chat([{"role": "user", "content": "Say hi." + ASK}], SamplingParams(max_tokens=16, temperature=0.0,
-                                                                              structured_outputs=sp.structured_outputs))
-    t_start, load0 = time.time(), os.getloadavg()[0]
-    rows: dict[str, list[dict]] = {n: [] for n in names}
+    configs = {"plain, no schema": (LLM(target), False), BASELINE: (LLM(target, forced_drafts=0), True),
+               "plain": (LLM(target), True),
+               "ngram, no grammar drafts": (LLM(target, drafter="ngram", forced_drafts=0), True),
+               "ngram": (LLM(target, drafter="ngram"), True),
+               "dspark:smollm2-135m": (LLM(target, drafter="dspark:smollm2-135m"), True)}
     todo = prompts(a.prompts)
-    for i, (pid, text) in enumerate(todo):
-        for name in names[i % len(names):] + names[: i % len(names)]:
-            llm, sp = configs[name]
-            engine_mod.constrain = clocks[name]
-            t0 = time.perf_counter()
-            (o,) = llm.chat([{"role": "user", "content": text}], sp)
-            wall = time.perf_counter() - t0
-            rows[name].append({"prompt": pid, "tokens": len(o.token_ids), "wall_s": wall, "ids": o.token_ids,
-                               "text": o.text, "tau": o.outputs[0].stats.get("tau"), "finish": o.finish_reason})
-    engine_mod.constrain = constrain
-    base = rows["plain"]
-    result = {"prompts": [p for p, _ in todo], "max_tokens": a.max_tokens, "schema": SCHEMA,
-              "torch_threads": torch.get_num_threads(), "load_average": [load0, os.getloadavg()[0]],
-              "wall_s": round(time.time() - t_start), "mask_ms_per_block": mask_alone(configs["plain"][0]), "configs": {}}
-    for name in names:
-        rs, c = rows[name], clocks[name]
-        ms = [1e3 * r["wall_s"] / max(1, r["tokens"]) for r in rs]
-        same = [r["ids"] == b["ids"] for r, b in zip(rs, base)]
-        ratio = [b["wall_s"] / r["wall_s"] for r, b, s in zip(rs, base, same) if s]
-        parsed = sum(1 for r in rs if r["finish"] == "stop" and _parses(r["text"]))
-        result["configs"][name] = {
-            "ms_per_token_p50": statistics.median(ms), "tokens": sum(r["tokens"] for r in rs),
-            "speedup_p50": statistics.median(ratio) if ratio and name != "plain, no schema" else None,
-            "speedup_min": min(ratio) if ratio else None, "speedup_max": max(ratio) if ratio else None,
-            "tau": statistics.median(r["tau"] for r in rs) if name not in ("plain", "plain, no schema") else None,
-            "outputs_equal_plain": f"{sum(same)}/{len(same)}" if name != "plain, no schema" else "–",
-            "json_parses": f"{parsed}/{len(rs)}" if name != "plain, no schema" else "–",
-            "refused_drafts": f"{c.refused}/{c.drafts}" if c.drafts else "–",
-            "mask_ms_per_block": 1e3 * c.seconds / c.blocks if c.blocks else None}
+    t_start = time.time()
+    result = {"prompts": [p for p, _ in todo], "max_tokens": a.max_tokens, "torch_threads": torch.get_num_threads(),
+              "schemas": {name: run_schema(configs, schema, ask, todo, a.max_tokens)
+                          for name, (schema, ask) in SCHEMAS.items()},
+              "mask_ms_per_block": mask_alone(configs["plain"][0]), "wall_s": round(time.time() - t_start)}
     tag, title = sections.cpu_kind()
     key = f"bench_structured{tag}"
     (ROOT / "benchmarks/results").mkdir(exist_ok=True)
     (ROOT / f"benchmarks/results/{key}.json").write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps({k: v for k, v in result.items() if k != "schema"}, indent=1))
+    print(json.dumps({k: v for k, v in result.items()}, indent=1))
     if a.no_write:
         return
     mk = result["mask_ms_per_block"]
-    lines = [f"## Structured outputs with speculative decoding: a JSON schema (issues 11, 12){title}", "",
+    lines = [f"## Structured outputs with speculative decoding: JSON schemas and the grammar's own drafts "
+             f"(issues 11, 12){title}", "",
              f"`benchmarks/bench_structured.py` (JSON: `benchmarks/results/{key}.json`): {len(todo)} held-out MT-Bench "
-             f"questions asking for a JSON answer (`answer` string, `keywords` list of up to 5), chat template, "
-             f"greedy, batch 1, float32, the default policy, {a.max_tokens} new tokens at most; per prompt the four "
-             f"configurations in a rotating order. Speedup: per prompt, plain-with-schema's wall time over the "
-             f"configuration's (same tokens: outputs equal), median (min–max). Load average "
-             f"{result['load_average'][0]:.2f} at the start, {result['load_average'][1]:.2f} at the end; "
-             f"{result['wall_s']} s in all.", "",
-             "| configuration | ms/token (median) | speedup vs plain with the schema | τ | drafts the grammar refused "
-             "| mask ms per block | outputs = plain | JSON parses |", "|---|---|---|---|---|---|---|---|"]
-    for name, r in result["configs"].items():
-        sp = "–" if r["speedup_p50"] is None else f"{r['speedup_p50']:.2f} ({r['speedup_min']:.2f}–{r['speedup_max']:.2f})"
-        tau = "–" if r["tau"] is None else f"{r['tau']:.2f}"
-        mask = "–" if r["mask_ms_per_block"] is None else f"{r['mask_ms_per_block']:.2f}"
-        lines.append(f"| {name} | {r['ms_per_token_p50']:.1f} | {sp} | {tau} | {r['refused_drafts']} | {mask} "
-                     f"| {r['outputs_equal_plain']} | {r['json_parses']} |")
-    lines += ["", f"The grammar masks alone (`constrain` in place, 8 positions a block, rows mid-answer): "
-              f"{mk[1]:.2f} ms at batch 1, {mk[8]:.2f} ms at batch 8, {mk[32]:.2f} ms at batch 32 per block."]
+             f"questions, each asked for a JSON answer under two schemas: *answer* (`answer` string, `keywords` list "
+             f"of up to 5) and *record* (six typed fields describing the question: strings, enums, a boolean, an "
+             f"integer: most tokens are keys and punctuation, as in tool calls and extraction); chat template, "
+             f"greedy, batch 1, float32, the default policy, {a.max_tokens} new tokens at most; per prompt and schema "
+             f"the configurations in a rotating order; {result['wall_s']} s in all. Baseline: plain decoding under "
+             f"the schema without grammar drafts. \"Grammar drafts\" (core/grammar_drafts.py): where the grammar "
+             f"forces the next tokens they are the row's draft, and drafts it refuses are not verified. Speedup: "
+             f"per prompt, the baseline's wall time over the configuration's (same tokens: outputs equal), median "
+             f"(min–max). Drafts: accepted / proposed over all prompts, the drafter's and the grammar's (forced) apart."]
+    for sname, r in result["schemas"].items():
+        lines += ["", f"**{sname}** (load average {r['load_average'][0]:.2f} at the start, "
+                      f"{r['load_average'][1]:.2f} at the end):", "",
+                  "| configuration | ms/token (median) | speedup vs baseline | τ | drafter's drafts accepted | "
+                  "forced drafts accepted | mask ms per block | outputs = baseline | JSON parses |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for name, c in r["configs"].items():
+            sp = "–" if c["speedup_p50"] is None else f"{c['speedup_p50']:.2f} ({c['speedup_min']:.2f}–{c['speedup_max']:.2f})"
+            tau = "–" if c["tau"] is None else f"{c['tau']:.2f}"
+            mask = "–" if c["mask_ms_per_block"] is None else f"{c['mask_ms_per_block']:.2f}"
+            dr = f"{c['drafts_accepted']}/{c['drafts_proposed']}" if c["drafts_proposed"] else "–"
+            fo = f"{c['forced_accepted']}/{c['forced_proposed']}" if c["forced_proposed"] else "–"
+            lines.append(f"| {name} | {c['ms_per_token_p50']:.1f} | {sp} | {tau} | {dr} | {fo} | {mask} "
+                         f"| {c['outputs_equal_baseline']} | {c['json_parses']} |")
+    lines += ["", f"The grammar masks alone (`constrain` in place, 8 positions a block, rows mid-answer, *answer* "
+              f"schema): {mk[1]:.2f} ms at batch 1, {mk[8]:.2f} ms at batch 8, {mk[32]:.2f} ms at batch 32 per block."]
     sections.write_section(f"<!-- {key}:begin -->", f"<!-- {key}:end -->", "\n".join(lines))
 
 
