@@ -82,6 +82,8 @@ class GenerateStats:
     draft_proposed: int
     draft_accepted: int
     prefix_survival: list[float]
+    forced_proposed: int = 0  # drafts the requests' grammars forced (core/grammar_drafts.py), not in draft_*
+    forced_accepted: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -107,6 +109,7 @@ class GenerateStats:
             "draft_proposed": self.draft_proposed, "draft_accepted": self.draft_accepted,
             "acceptance_rate": self.acceptance_rate, "tau": self.tau,
             "prefix_survival": self.prefix_survival,
+            "forced_proposed": self.forced_proposed, "forced_accepted": self.forced_accepted,
         }
 
 
@@ -305,6 +308,8 @@ class LLM:
             rounds=sum(s.stats.rounds for s in seqs),
             draft_proposed=sum(s.stats.proposed for s in seqs),
             draft_accepted=sum(s.stats.accepted for s in seqs),
+            forced_proposed=sum(s.stats.forced_proposed for s in seqs),
+            forced_accepted=sum(s.stats.forced_accepted for s in seqs),
             prefix_survival=[a / p if p else 0.0 for a, p in zip(surv_a, surv_p)],
         )
         return outs

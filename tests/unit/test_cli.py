@@ -188,3 +188,19 @@ def test_reproducible_seeds_flag_reaches_the_engine(tiny_model_dir, monkeypatch,
                      "--temperature", "1", *flag]) == 0
         assert seen[-1] is want
     assert build_parser().parse_args(["serve", "--no-reproducible-seeds"]).reproducible_seeds is False
+
+
+def test_forced_drafts_flag_reaches_the_engine(tiny_model_dir, capsys):
+    """generate / serve --forced-drafts N: the engine's cap on a grammar's forced drafts (0: off);
+    a negative one is a usage error."""
+    from draftsmith.cli import build_parser, main
+
+    target = str(tiny_model_dir("llama", seed=0))
+    for flag, forced in (([], True), (["--forced-drafts", "0"], False)):
+        assert main(["generate", "--target", target, "--prompt", "ab", "--max-tokens", "8", "--regex", "ab(cdef)+",
+                     "--json", *flag]) == 0
+        (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("{")]
+        assert (json.loads(line)["stats"]["forced_proposed"] > 0) is forced, line
+    assert build_parser().parse_args(["serve", "--forced-drafts", "4"]).forced_drafts == 4
+    proc = _run("serve", "--forced-drafts", "-1")
+    assert proc.returncode == 2 and "must be an integer >= 0" in proc.stderr

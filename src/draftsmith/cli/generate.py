@@ -114,7 +114,7 @@ def cmd_generate(args) -> int:
         enable_prefix_caching=args.enable_prefix_caching, threads=args.threads,
         num_speculative_tokens=args.num_speculative_tokens,
         policy=args.policy, max_batch=args.max_batch, max_len=args.max_len, device=args.device, dtype=args.dtype,
-        reproducible_seeds=args.reproducible_seeds,
+        reproducible_seeds=args.reproducible_seeds, forced_drafts=args.forced_drafts,
     )
     ids = []
     for p in prompts:
@@ -147,7 +147,8 @@ def cmd_generate(args) -> int:
             f"({stats.tokens_per_s:.1f} tok/s) | target forwards/token {stats.forwards_per_token:.3f} | "
             f"τ {stats.tau:.2f} | acceptance {stats.acceptance_rate:.2f} "
             f"({stats.draft_accepted}/{stats.draft_proposed}) | prefix survival "
-            + " ".join(f"{x:.2f}" for x in stats.prefix_survival[:8]),
+            + " ".join(f"{x:.2f}" for x in stats.prefix_survival[:8])
+            + (f" | grammar's forced drafts {stats.forced_accepted}/{stats.forced_proposed}" if stats.forced_proposed else ""),
             file=sys.stderr,
         )
     return 0

@@ -39,6 +39,16 @@ def add_job(sub, name: str, help: str, example: str) -> argparse.ArgumentParser:
                           epilog=f"example:\n  {example}")
 
 
+def nonnegative_int(v: str) -> int:
+    try:
+        n = int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {v!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {n}")
+    return n
+
+
 def positive_int(v: str) -> int:
     try:
         n = int(v)
@@ -72,7 +82,8 @@ def policy_arg(text: str) -> str:
 
 
 def add_speculation_args(p: argparse.ArgumentParser) -> None:
-    """--drafter / --drafter-dtype / --num-speculative-tokens / --policy, from the registries (generate, serve)."""
+    """--drafter / --drafter-dtype / --num-speculative-tokens / --policy (from the registries),
+    --reproducible-seeds, --forced-drafts (generate, serve)."""
     p.add_argument("--drafter", default="none", help=registry.usage())
     add_drafter_dtype(p)
     p.add_argument("--num-speculative-tokens", "-k", type=int, default=5, help="draft length K")
@@ -82,6 +93,10 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
                    help="a seeded request gives one output whatever K, policy, batch or load (position-keyed "
                         "coupling); --no-reproducible-seeds verifies seeded requests by the rejection rule "
                         "(more sampled drafts accepted; reproducible only while K does not depend on load)")
+    p.add_argument("--forced-drafts", type=nonnegative_int, default=16, metavar="N",
+                   help="structured outputs: where the grammar forces the next tokens (a JSON key, a regex's "
+                        "literal text), up to N of them are the request's draft for a round, verified like any "
+                        "draft (with or without --drafter; outputs never change); 0 = off")
 
 
 def add_drafter_dtype(p: argparse.ArgumentParser) -> None:

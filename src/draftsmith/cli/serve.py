@@ -102,7 +102,7 @@ def cmd_serve(args) -> int:
         enable_prefix_caching=args.enable_prefix_caching, threads=args.threads,
         num_speculative_tokens=args.num_speculative_tokens,
         policy=args.policy, max_batch=args.max_batch, max_len=args.max_len, device=args.device, dtype=args.dtype,
-        reproducible_seeds=args.reproducible_seeds,
+        reproducible_seeds=args.reproducible_seeds, forced_drafts=args.forced_drafts,
     )
     from draftsmith.server.app import Limits, ServeOptions, serve
 
