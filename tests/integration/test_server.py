@@ -297,6 +297,38 @@ def test_tool_calls_through_the_openai_client(env):
     assert names == ["GetWeather"] and args == got["plain"][0]
 
 
+def test_responses_through_the_openai_client(env):
+    """POST /v1/responses with the official client: `responses.create` whole (the plain server) and
+    `stream=True` (the n-gram server, speculative) give the chat route's greedy answer as a
+    Response; `responses.stream` reaches its final response; `responses.parse(text_format=<a
+    pydantic model>)` parses into the model and equals the chat route's answer under that schema."""
+    from pydantic import BaseModel
+
+    ref = env["chat_ref"]
+    status = "incomplete" if ref.finish_reason == "length" else "completed"
+    kw = dict(model=MODEL, input=CHAT[0]["content"], max_output_tokens=MAX_TOKENS, temperature=0)
+    r = _client(env["plain"]).responses.create(**kw)
+    assert (r.output_text, r.status, r.output[0].type) == (ref.text, status, "message")
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (len(env["chat_ids"]), len(ref.token_ids))
+    events = list(_client(env["ngram"]).responses.create(stream=True, **kw))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == ref.text
+    assert events[-1].type == "response.completed" and events[-1].response.output_text == ref.text
+    with _client(env["ngram"]).responses.stream(**kw) as stream:
+        assert stream.get_final_response().output_text == ref.text
+
+    class City(BaseModel):
+        name: str
+        country: str
+
+    ask = "Name a city and its country, as JSON."
+    r = _client(env["plain"]).responses.parse(model=MODEL, input=ask, text_format=City, max_output_tokens=48,
+                                              temperature=0)
+    assert isinstance(r.output_parsed, City) and r.status == "completed"
+    chat = _client(env["plain"]).chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": ask}],
+                                                        max_tokens=48, temperature=0, response_format=City)
+    assert chat.choices[0].message.content == r.output_text  # (the client sends one strict schema to both)
+
+
 def test_ngram_server_drafts_and_matches_cli_generate(env):
     """Speculation happened on the ngram server (and its greedy output equals plain's above);
     the CLI's `generate --json` gives the same text as the server for the same prompt."""

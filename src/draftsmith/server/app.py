@@ -1,9 +1,11 @@
 """OpenAI-compatible HTTP API over one Engine: `create_app(llm)` and `serve(llm, host, port)`.
 
-Endpoints (server/routes.py): POST /v1/completions, POST /v1/chat/completions,
-GET /v1/models[/{id}], POST /tokenize, POST /detokenize, GET /health, GET /version, GET /metrics (Prometheus
-text). With an API key, the /v1 routes and /tokenize, /detokenize need `Authorization: Bearer
-KEY`; /health, /version and /metrics stay open.
+Endpoints (server/routes.py): POST /v1/completions, POST /v1/chat/completions, POST /v1/responses
+(OpenAI's Responses API, stateless: a chat request inside, its answer as a Response; nothing is
+stored, so GET / DELETE /v1/responses/{id} are 404s), GET /v1/models[/{id}], POST /tokenize,
+POST /detokenize, GET /health, GET /version, GET /metrics (Prometheus text). With an API key,
+the /v1 routes and /tokenize, /detokenize need `Authorization: Bearer KEY`; /health, /version
+and /metrics stay open.
 
 Roles: state (ServerState, Limits: admission), body (reading and validating a request body),
 sampling (SamplingParams per choice, the ranges the server enforces), structured (a request's
@@ -11,7 +13,9 @@ grammar from response_format / structured_outputs / guided_* / a forced tool cal
 tools and tool_choice ask), tool_calls (an answer's text -> content and tool calls), reasoning
 (<think> ... </think> -> reasoning), answer (the two together: a chat answer's message), generate (one request on
 the engine thread, whole or streamed), streaming (server-sent events), responses (the
-completions / chat objects), routes (the handlers), engine_loop, protocol, text, metrics.
+completions / chat objects), responses_request / responses_api / responses_stream (the Responses
+API: its request as a chat request, the answer as a Response, its stream's events), routes (the
+handlers), engine_loop, protocol, text, metrics.
 This module builds the app: lifespan (the engine thread), error handlers, routes.
 """
 

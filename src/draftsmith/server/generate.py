@@ -138,4 +138,4 @@ async def generate(st: ServerState, request: Request, req: Any, prompts: list[li
     opts = req.stream_options
     events = stream_events(st, subs, q, fmt, prompt_tokens, n, bool(opts and opts.include_usage), done, close,
                            continuous_usage=bool(opts and opts.include_usage and opts.continuous_usage_stats))
-    return AbortingStream(events, on_close=close)
+    return AbortingStream(fmt.events(events), on_close=close)

@@ -1,15 +1,22 @@
-"""The response objects of the completions and chat APIs: whole responses, streamed chunks,
-usage; `ResponseFormat` holds what differs between the two APIs and what one request asked
-for beyond text (logprobs, completions' `echo`)."""
+"""The response objects of the completions and chat APIs: whole responses, streamed chunks
+(written as server-sent events), usage; `ResponseFormat` holds what differs between the two
+APIs and what one request asked for beyond text (logprobs, completions' `echo`)."""
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import replace
+from typing import AsyncIterator
+
 from draftsmith.models.token_text import TokenText
 from draftsmith.server.engine_loop import Event
 from draftsmith.server.logprobs import LogprobsFormat, prompt_logprobs_object
 from draftsmith.server.answer import AnswerFormat, AnswerReader
+
+
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 class ResponseFormat:
@@ -125,6 +132,15 @@ class ResponseFormat:
         if self.token_ids:
             choice["token_ids"] = list(token_ids or [])
         return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
+
+    async def events(self, chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+        """The stream's server-sent events: each chunk a `data:` line, then `data: [DONE]` (not
+        after an error body `{"error": ...}`, which ends the stream)."""
+        async for chunk in chunks:
+            yield sse(chunk)
+            if "error" in chunk:
+                return
+        yield "data: [DONE]\n\n"
 
     def usage_chunk(self, usage: dict) -> dict:
         obj = "chat.completion.chunk" if self.chat else "text_completion"

@@ -1,4 +1,5 @@
-"""The HTTP routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{id}],
+"""The HTTP routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (with
+GET / DELETE /v1/responses/{id}: a 404, nothing is stored), GET /v1/models[/{id}],
 vLLM's POST /tokenize and /detokenize (behind the API key when there is one), GET /health,
 GET /version, GET /metrics (Prometheus text)."""
 
@@ -19,6 +20,8 @@ from draftsmith.server.metrics import CONTENT_TYPE
 from draftsmith.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                        TokenizeRequest)
 from draftsmith.server.responses import ResponseFormat
+from draftsmith.server.responses_api import ResponsesFormat
+from draftsmith.server.responses_request import NO_STORE, ResponsesRequest, chat_request, responses_error
 from draftsmith.server.reasoning import leaves_open, opens_thinking
 from draftsmith.server.state import ServerState
 from draftsmith.server.structured import asks_structure
@@ -79,13 +82,36 @@ def add_routes(app: FastAPI, st: ServerState) -> None:
         req: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest, st.limits.max_body_bytes)
         st.check_model(req.model)
         reject_unsupported(req)
+        fmt = ResponseFormat(chat=True, rid=f"chatcmpl-{uuid.uuid4().hex}", model=st.model_id)
+        return await _chat(request, req, fmt)
+
+    @app.post("/v1/responses", dependencies=auth)
+    async def responses(request: Request) -> Response:
+        """OpenAI's Responses API, stateless (server/responses_request.py): the request as a chat
+        request, its answer as a Response (server/responses_api.py, responses_stream.py)."""
+        req: ResponsesRequest = await parse_body(request, ResponsesRequest, st.limits.max_body_bytes)
+        st.check_model(req.model)
+        chat = chat_request(req)
+        fmt = ResponsesFormat(st.model_id, req.echo(), st.front.token_text, req.logprobs())
+        try:
+            return await _chat(request, chat, fmt)
+        except APIError as e:
+            raise responses_error(e) from None
+
+    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"], dependencies=auth)
+    @app.api_route("/v1/responses/{response_id}/{action:path}", methods=["GET", "POST"], dependencies=auth)
+    async def stored_response(response_id: str) -> Response:
+        raise APIError(404, f"no response {response_id!r}: {NO_STORE}", param="response_id", type="not_found_error",
+                       code="response_not_found")
+
+    async def _chat(request: Request, req: ChatCompletionRequest, fmt: ResponseFormat) -> Response:
+        """One chat request, answered in `fmt`'s shape (chat completions or a Response)."""
         opts = st.options
         plan = tool_plan(req, opts.tool_call_parser)
         if plan is not None and plan.mode == "auto":
             req.skip_special_tokens = False  # a model's <tool_call> tags may be special tokens (as vLLM's hermes)
         ids = _chat_ids(req, req.n)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        fmt = ResponseFormat(chat=True, rid=f"chatcmpl-{uuid.uuid4().hex}", model=st.model_id)
         if req.echo and req.messages[-1].role == "assistant":  # vLLM's: the answer continues it
             fmt.with_chat_echo(req.messages[-1].text())
         # (a grammar that constrains the reasoning too decides the whole answer: read from its start)

@@ -1,11 +1,11 @@
 """Server-sent events for `"stream": true`: the chunks of every choice as its tokens arrive
 (text held back while it might still become a stop string; server/text.py), the usage chunk
-when asked for, `[DONE]`; a response that cleans up however the stream ends."""
+when asked for, as dicts the request's ResponseFormat writes as events
+(`ResponseFormat.events`); a response that cleans up however the stream ends."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 from functools import partial
 from typing import AsyncIterator, Callable
 
@@ -17,10 +17,6 @@ from draftsmith.server.responses import ResponseFormat, usage
 from draftsmith.server.state import ServerState
 from draftsmith.server.text import StreamText
 from draftsmith.server.answer import AnswerReader
-
-
-def sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 class AbortingStream(StreamingResponse):
@@ -87,9 +83,10 @@ class _Choice:
 
 async def stream_events(st: ServerState, subs: list[SubRequest], q: asyncio.Queue[Event], fmt: ResponseFormat,
                         prompt_tokens: int, n: int, include_usage: bool, done: set[int],
-                        close: Callable[[], None], continuous_usage: bool = False) -> AsyncIterator[str]:
-    """The SSE lines of one request's choices, read from its event queue `q`; marks finished
-    choices in `done` and calls `close` at the end, however the stream ends. `n`: choices per prompt;
+                        close: Callable[[], None], continuous_usage: bool = False) -> AsyncIterator[dict]:
+    """The chunks of one request's choices (an error body `{"error": ...}` ends them), read from
+    its event queue `q`; marks finished choices in `done` and calls `close` at the end, however
+    the stream ends. `n`: choices per prompt;
     `continuous_usage` (vLLM's stream_options.continuous_usage_stats, with include_usage): every
     chunk carries its choice's usage so far (its prompt's tokens, the tokens sent in its chunks)."""
     choices = {s.index: _Choice(partial(st.front.decode, skip_special_tokens=s.params.skip_special_tokens),
@@ -97,11 +94,11 @@ async def stream_events(st: ServerState, subs: list[SubRequest], q: asyncio.Queu
     prompt_len = {s.index: len(s.prompt_ids) for s in subs}
     finals: list[Event] = []
 
-    def out(index: int, chunk: dict) -> str:
+    def out(index: int, chunk: dict) -> dict:
         if continuous_usage:
             p, k = prompt_len[index], choices[index].sent
             chunk["usage"] = {"prompt_tokens": p, "completion_tokens": k, "total_tokens": p + k}
-        return sse(chunk)
+        return chunk
 
     try:
         for s in subs:
@@ -127,10 +124,9 @@ async def stream_events(st: ServerState, subs: list[SubRequest], q: asyncio.Queu
                 yield out(ev.index, c.chunk(fmt, ev.index, c.finish(ev), ev.finish_reason, ev.stop_reason))
             elif ev.kind == "error":
                 st.metrics.record_error(500)
-                yield sse(APIError(500, ev.message, type="internal_error").body())
+                yield APIError(500, ev.message, type="internal_error").body()
                 return
         if include_usage:
-            yield sse(fmt.usage_chunk(usage(prompt_tokens, finals, n)))
-        yield "data: [DONE]\n\n"
+            yield fmt.usage_chunk(usage(prompt_tokens, finals, n))
     finally:
         close()

@@ -74,7 +74,7 @@ def tool_plan(req: Any, parser: str | None) -> ToolPlan | None:
     if mode == "auto" and parser is None:
         raise APIError(400, '"auto" tool choice (the default when tools are given) needs a server started with '
                        "`draftsmith serve --enable-auto-tool-choice --tool-call-parser hermes`; or send "
-                       'tool_choice "required", "none" or {"type": "function", "function": {"name": ...}}',
+                       'tool_choice "required", "none" or a named function',
                        param="tool_choice", code="invalid_value")
     return ToolPlan(mode, parallel=req.parallel_tool_calls, parser=parser if mode == "auto" else None)
 
