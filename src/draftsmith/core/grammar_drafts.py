@@ -41,6 +41,15 @@ def forced_drafts(seqs: Sequence, caps: Sequence[int]) -> list[list[int]]:
     return out
 
 
+def fit_forced(rows: int, kept: Sequence[int], forced: Sequence[int], budget: int) -> list[int]:
+    """How many of each row's forced drafts to verify where no cost model says more: the padded
+    forward (rows x the widest block) grows to at most `budget` tokens, or stays as wide as the
+    drafter's kept drafts make it. At batch 1 that is every forced draft up to the cap; a loaded
+    batch, where a wider forward costs more than one row's forced run gains, gets few or none."""
+    width = max(1 + max(kept, default=0), budget // max(rows, 1))
+    return [min(n, width - 1) for n in forced]
+
+
 def grammar_lengths(seqs: Sequence, proposal: Proposal, eos_token_ids: Collection[int]) -> list[int]:
     """Per row, how many of its drafts to verify: up to the first one its grammar refuses
     (that one included where the proposal's drafts were sampled, q given). Rows without a

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from draftsmith.core.grammar_drafts import forced_drafts, grammar_lengths, with_forced
+from draftsmith.core.grammar_drafts import fit_forced, forced_drafts, grammar_lengths, with_forced
 from draftsmith.core.logprobs import token_logprobs
 from draftsmith.core.penalties import penalize
 from draftsmith.core.sampling import SamplingParams
@@ -341,7 +341,15 @@ class Engine:
         if any(s.grammar is not None for s in seqs):
             proposal = proposal.truncated(grammar_lengths(seqs, proposal, self.eos_token_ids))
         drafted_view = proposal  # what the drafter and the policy decided: the policy learns from it
-        if any(forced):
+        if any(forced):  # as many as the wider forward pays for (the policy's cost model, else a budget)
+            kept = proposal.lengths.tolist() if proposal.max_len else [0] * len(seqs)
+            wants = [len(f) for f in forced]
+            plan = getattr(self.policy, "forced_lengths", None)
+            fit = (plan(seqs, kept, wants) if plan is not None
+                   else fit_forced(len(seqs), kept, wants, 1 + self.config.forced_drafts))
+            if any(not 0 <= k <= n for k, n in zip(fit, wants)):
+                raise RuntimeError(f"policy {self.policy.name} kept {fit} of {wants} forced drafts")
+            forced = [f[:k] for f, k in zip(forced, fit)]
             proposal = with_forced(proposal, forced)
         lengths = proposal.lengths.tolist() if proposal.max_len else [0] * len(seqs)
         K = proposal.max_len

@@ -43,3 +43,7 @@ class DraftLengthPolicy(Protocol):
     # (the prefix scheduler's column search; the drafter may stop at the first False).
     # Optional: `observe(info: engine.StepInfo) -> None`, called after update() with the
     # round's forward shape and timings (the prefix scheduler's online cost model uses it).
+    # Optional: `forced_lengths(seqs, kept, forced) -> list[int]`, called after trim() where rows'
+    # grammars force tokens (core/grammar_drafts.py): how many of each row's forced drafts to
+    # verify beside the kept drafts (the prefix scheduler weighs the wider forward; without the
+    # hook the forward grows to at most 1 + forced_drafts tokens).

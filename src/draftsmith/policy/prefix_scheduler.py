@@ -400,6 +400,24 @@ class PrefixScheduler:
             return None
         return ColumnSearch(len(seqs), self._sps())
 
+    def forced_lengths(self, seqs: list[Request], kept: list[int], forced: list[int]) -> list[int]:
+        """Engine hook, after trim: how many of each row's grammar-forced drafts to verify beside
+        the drafts kept (forced rows keep none of the drafter's). The width whose predicted
+        tokens/s is best, forced drafts counted as certain (a grammar that forces its tokens
+        leaves the target no other) and kept drafts as if all accepted (which only favours
+        verifying no forced draft): at batch 1 every one, on a loaded batch only what the wider
+        forward pays for. Deterministic drafts: any rule is lossless."""
+        R, step = len(seqs), self._step_time()
+        w0, n0 = 1 + max(kept, default=0), sum(kept)
+        tokens = float(R + n0)
+        best, best_w = tokens / step(_tokens(R, w0, n0, self.batch_tokens)), 1  # no forced drafts
+        for w in range(w0, 2 + max(forced, default=0)):
+            f = sum(min(n, w - 1) for n in forced)
+            theta = (tokens + f) / step(_tokens(R, w, n0 + f, self.batch_tokens))
+            if theta > best:
+                best, best_w = theta, w
+        return [min(n, best_w - 1) for n in forced]
+
     def update(self, seqs, proposal, result) -> None:
         record_round(seqs, proposal, result, self.prior, self.pool)
         if self._probing:  # a probe that verified nothing was wasted: probe half as often
