@@ -144,8 +144,9 @@ class LLM:
               near-ties (bfloat16 especially).
     forced_drafts: requests with structured outputs draft, for free, the tokens their grammar
               forces next (a JSON key, a regex's literal text), up to this many a round, and verify
-              them like any draft: the output is unchanged, a forced run the model follows
-              commits in one forward (core/grammar_drafts.py). 0: off.
+              them like any draft: the output law is unchanged (greedy output too, up to float
+              rounding at near-ties in the wider forward), a forced run the model follows commits
+              in one forward (core/grammar_drafts.py). 0: off.
     """
 
     def __init__(

@@ -14,7 +14,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from draftsmith import LLM, SamplingParams, StructuredOutputsParams as SO
+from draftsmith import LLM, DraftsmithError, SamplingParams, StructuredOutputsParams as SO
 from draftsmith.core.grammar_drafts import fit_forced, forced_drafts, grammar_lengths, with_forced
 from draftsmith.core.request import Request
 from draftsmith.core.structured import Grammars
@@ -172,7 +172,8 @@ def test_sampling_with_forced_drafts_is_the_masked_targets_distribution(bpe_pit)
 
 class HalfRefusedDrafter:
     """Test drafter: each draft from q = 1/2 spread over the tokens the grammar allows, 1/2 over
-    those it refuses (a refused draft ends the row's drafts). Where a refused draft was drawn the
+    those it refuses (after a refused draft it goes on drafting from the state before it, so rows
+    have drafts past their first refused one for the engine to cut). Where a refused draft was drawn the
     target must sample from the residual max(p - q, 0), which leaves out the allowed tokens p gives
     less than q: cutting the refused draft (sampling p there) changes the output law."""
 
@@ -197,9 +198,8 @@ class HalfRefusedDrafter:
                 t = int(torch.multinomial(qk, 1, generator=self.gen))
                 d.append(t)
                 q.append(qk)
-                if not ok[t]:
-                    break
-                m.consume_token(t)
+                if ok[t]:
+                    m.consume_token(t)
             drafts.append(d)
             qs.append(torch.stack(q) if q else torch.zeros(0, self.V))
         return pad_proposal(drafts, qs)
@@ -217,12 +217,23 @@ def test_a_refused_sampled_draft_is_verified_and_cutting_it_is_not_lossless(bpe,
     an engine that cuts the refused sampled draft too, as it rightly does deterministic ones.
     Seen: 3,049 tokens, 1,317 of 3,418 drafts accepted, PIT p-value 0.97; the control 3e-19."""
     V = bpe.model.config.vocab_size
+    import draftsmith.engine.engine as engine_mod
+
+    cuts = []
+    real_lengths = engine_mod.grammar_lengths
+
+    def counting(seqs, proposal, eos_token_ids):
+        out = real_lengths(seqs, proposal, eos_token_ids)
+        cuts.append(sum(proposal.lengths.tolist()) - sum(out))
+        return out
+
+    monkeypatch.setattr(engine_mod, "grammar_lengths", counting)
     outs, stats = _sample(bpe, HalfRefusedDrafter(V), PAIRS, 3 * N_REQ)
+    assert sum(cuts) > 500  # drafts past a refused one were cut before the forward
+    monkeypatch.setattr(engine_mod, "grammar_lengths", real_lengths)
     assert 0 < sum(s["draft_accepted"] for s in stats) < 0.7 * sum(s["draft_proposed"] for s in stats)
     u = _pit(bpe, outs, specs=[PAIRS])
     assert len(u) > 2000 and uniform_pvalue(u, 20) >= ALPHA
-
-    import draftsmith.engine.engine as engine_mod
 
     def as_if_deterministic(seqs, proposal, eos_token_ids):
         return grammar_lengths(seqs, replace(proposal, q=None), eos_token_ids)
@@ -249,3 +260,57 @@ def test_forced_drafts_widen_the_forward_only_where_it_pays():
     assert linear.forced_lengths(seqs[:1], [0], [12]) == [12]
     assert linear.forced_lengths(seqs, [0] * 32, [6] + [0] * 31) == [0] * 32
     assert linear.forced_lengths(seqs, [2] + [0] * 31, [0, 6] + [0] * 30) == [0, 2] + [0] * 30  # the width is paid
+
+
+def _split(target):
+    """engine.forced_drafts with every forced token split into its single bytes: drafts the mask
+    refuses after their first byte (it allows only the canonical tokens), so forced drafts get
+    rejected and the verification of forced rows is exercised."""
+    import draftsmith.engine.engine as engine_mod
+
+    real, tok = engine_mod.forced_drafts, target.tokenizer
+
+    def split(seqs, caps):
+        out = []
+        for f, cap in zip(real(seqs, caps), caps):
+            pieces = [tok.convert_tokens_to_ids(ch) for t in tok.convert_ids_to_tokens(f) for ch in t]
+            out.append(pieces[:cap])
+        return out
+
+    return split
+
+
+def test_rejected_forced_drafts_keep_greedy_and_sampled_outputs(bpe, monkeypatch):
+    """Forced drafts that the target rejects (split into bytes the mask refuses): greedy outputs
+    equal plain's without forced drafts, and sampling at T = 1 is the masked target's law.
+    Seen: 131 of 437 split forced drafts accepted; PIT p-value 0.6."""
+    import draftsmith.engine.engine as engine_mod
+
+    prompts = ["hello world", "world", "hello hello", "abc"]
+    sp = SamplingParams(max_tokens=30, temperature=0.0, structured_outputs=WORDS)
+    plain = [o.outputs[0].token_ids for o in LLM(bpe, max_batch=4, max_len=128, forced_drafts=0).generate(prompts, sp)]
+    monkeypatch.setattr(engine_mod, "forced_drafts", _split(bpe))
+    for drafter in ("none", "ngram"):
+        outs = LLM(bpe, drafter=drafter, policy="fixed", num_speculative_tokens=3, max_batch=4,
+                   max_len=128).generate(prompts, sp)
+        assert [o.outputs[0].token_ids for o in outs] == plain, drafter
+        forced = [(o.outputs[0].stats["forced_accepted"], o.outputs[0].stats["forced_proposed"]) for o in outs]
+        assert 0 < sum(a for a, _ in forced) < sum(p for _, p in forced), forced
+    outs, stats = _sample(bpe, spec=WORDS)
+    proposed, accepted = sum(s["forced_proposed"] for s in stats), sum(s["forced_accepted"] for s in stats)
+    assert proposed > 200 and 0 < accepted < 0.8 * proposed, (proposed, accepted)
+    assert uniform_pvalue(_pit(bpe, outs, specs=[WORDS]), 20) >= ALPHA
+
+
+def test_a_drafter_outside_the_vocabulary_is_refused_before_the_grammar_reads_it(bpe):
+    """An id the target does not have is the drafter's error, said as such, not a grammar matcher
+    broken by it (llguidance puts a matcher that reads one in an error state)."""
+    V = bpe.model.config.vocab_size
+
+    class OutOfRange(HalfRefusedDrafter):
+        def propose(self, seqs, max_lengths):
+            return pad_proposal([[_ids(bpe.tokenizer, "a")[0], V + 5][:k] for k in max_lengths])
+
+    llm = LLM(bpe, drafter=OutOfRange(V), policy="fixed", num_speculative_tokens=2, max_len=64)
+    with pytest.raises(DraftsmithError, match="proposed token id .* does not match this target"):
+        llm.generate(["ab", "cd"], SamplingParams(max_tokens=8, temperature=0.0, structured_outputs=PAIRS))

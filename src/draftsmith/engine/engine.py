@@ -13,7 +13,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -318,9 +318,12 @@ class Engine:
         wanted = self.policy.choose(seqs)
         room = min(self.max_len - s.num_tokens for s in seqs)
         caps = [max(0, min(k, s.remaining - 1, room)) for k, s in zip(wanted, seqs)]
-        # Rows whose grammar forces the next tokens draft those instead (core/grammar_drafts.py).
+        # Rows whose grammar forces the next tokens draft those instead (core/grammar_drafts.py;
+        # the grammar's work is not drafting time).
+        tg = time.perf_counter()
         forced = (forced_drafts(seqs, [min(self.config.forced_drafts, s.remaining - 1, room) for s in seqs])
                   if self.config.forced_drafts > 0 else [])
+        grammar_s = time.perf_counter() - tg
         if any(forced):
             caps = [0 if f else c for f, c in zip(forced, caps)]
         # A policy that decides column by column can let a drafter that supports it stop at the
@@ -332,15 +335,19 @@ class Engine:
         for b, (n, cap) in enumerate(zip(lengths, caps)):
             if n > cap:
                 raise RuntimeError(f"drafter {self.drafter.name} proposed {n} > cap {cap} tokens")
+        self._check_vocabulary(proposal)
         keep = self.policy.trim(seqs, proposal)
         if keep != lengths:
             if any(not 0 <= k <= n for k, n in zip(keep, lengths)):
                 raise RuntimeError(f"policy {self.policy.name} kept {keep} of {lengths} drafts")
             proposal = proposal.truncated(keep)  # only kept drafts go through the target
+        # What the drafter and the policy decided: the policy learns from it (a draft cut below
+        # because the grammar refuses it counts as rejected, which it certainly is).
+        drafted_view = proposal
+        tg = time.perf_counter()
         # Drafts the grammar refuses are rejected for certain: not verified (core/grammar_drafts.py).
         if any(s.grammar is not None for s in seqs):
             proposal = proposal.truncated(grammar_lengths(seqs, proposal, self.eos_token_ids))
-        drafted_view = proposal  # what the drafter and the policy decided: the policy learns from it
         if any(forced):  # as many as the wider forward pays for (the policy's cost model, else a budget)
             kept = proposal.lengths.tolist() if proposal.max_len else [0] * len(seqs)
             wants = [len(f) for f in forced]
@@ -355,17 +362,8 @@ class Engine:
         K = proposal.max_len
         drafted = any(c > 0 for c in caps)
         t1 = time.perf_counter()
-        draft_s = max(0.0, t1 - t0 - (getattr(self.drafter, "consumed_s", 0.0) - consumed0))
-        if K:
-            V = self.model.config.vocab_size
-            valid = torch.arange(K)[None, :] < proposal.lengths[:, None]  # [B, K]
-            bad = proposal.tokens[valid]
-            bad = bad[(bad < 0) | (bad >= V)]
-            if bad.numel():
-                raise DraftsmithError(
-                    f"drafter {self.drafter.name!r} proposed token id {int(bad[0])}, outside the "
-                    f"target vocabulary [0, {V}); the drafter does not match this target"
-                )
+        grammar_s += t1 - tg
+        draft_s = max(0.0, t1 - t0 - grammar_s - (getattr(self.drafter, "consumed_s", 0.0) - consumed0))
         ids = torch.zeros(len(seqs), 1 + K, dtype=torch.long)
         for b, s in enumerate(seqs):
             ids[b, 0] = s.all_ids[-1]
@@ -413,6 +411,9 @@ class Engine:
             else:
                 s.stats.record_round(proposed=lengths[b], accepted=m, committed=appended)
         self.drafter.on_verified(seqs, proposal, result, self._features(out))
+        if any(forced):  # forced rows proposed nothing of the drafter's: nothing of theirs was accepted
+            result = replace(result, num_accepted=torch.tensor(
+                [0 if f else int(m) for f, m in zip(forced, result.num_accepted.tolist())], dtype=torch.long))
         self.policy.update(seqs, drafted_view, result)
         observe = getattr(self.policy, "observe", None)  # optional: policies that learn step cost
         if observe is not None:
@@ -422,6 +423,20 @@ class Engine:
                 self._finish(s, s.finish_reason)
                 finished.append(s)
         return finished
+
+    def _check_vocabulary(self, proposal) -> None:
+        """A drafter's token ids must be the target's (before anything, the grammar included, reads them)."""
+        if not proposal.max_len:
+            return
+        V = self.model.config.vocab_size
+        valid = torch.arange(proposal.max_len, device=proposal.tokens.device)[None, :] < proposal.lengths[:, None]
+        bad = proposal.tokens[valid]
+        bad = bad[(bad < 0) | (bad >= V)]
+        if bad.numel():
+            raise DraftsmithError(
+                f"drafter {self.drafter.name!r} proposed token id {int(bad[0])}, outside the "
+                f"target vocabulary [0, {V}); the drafter does not match this target"
+            )
 
     def _append(self, s: Request, tokens: list[int]) -> int:
         """Commit tokens one by one, applying stop rules; returns how many were kept."""
