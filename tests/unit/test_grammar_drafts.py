@@ -283,7 +283,7 @@ def _split(target):
 def test_rejected_forced_drafts_keep_greedy_and_sampled_outputs(bpe, monkeypatch):
     """Forced drafts that the target rejects (split into bytes the mask refuses): greedy outputs
     equal plain's without forced drafts, and sampling at T = 1 is the masked target's law.
-    Seen: 131 of 437 split forced drafts accepted; PIT p-value 0.6."""
+    Seen at T = 1: 825 tokens, 213 of 380 split forced drafts accepted; PIT p-value 0.95."""
     import draftsmith.engine.engine as engine_mod
 
     prompts = ["hello world", "world", "hello hello", "abc"]
