@@ -7,10 +7,10 @@ Held-out MT-Bench questions, each asked for a JSON answer under one of two schem
 {"answer": ..., "keywords": [...]}; "record": six typed fields, most of the answer's tokens in
 keys and punctuation, as tool calls and extraction are), chat template, greedy, batch 1, float32,
 the default policy. Per prompt and schema, in a rotating order: plain decoding without the
-schema (what the schema costs), plain decoding with it and no grammar drafts (the baseline:
+schema (what the schema costs), plain decoding with it and no forced drafts (the baseline:
 what an engine without them does), plain with the grammar's forced drafts
-(core/grammar_drafts.py), n-gram prompt lookup without and with them, the built-in drafter with
-them. Reports ms per output token (median over prompts; each configuration's own tokens), the
+(core/grammar_drafts.py), n-gram prompt lookup and the built-in drafter without and with them
+(drafts the grammar refuses are cut before the forward in every configuration). Reports ms per output token (median over prompts; each configuration's own tokens), the
 speedup over the baseline (the ratio of per-prompt times over the same tokens, median and range),
 τ, the drafter's and the grammar's drafts accepted / proposed, the time the grammar masks took
 per verify block, and whether every output equals the baseline's (it must) and parses. Also the
@@ -54,7 +54,7 @@ SCHEMAS = {"answer": (SCHEMA, '\n\nReply in JSON with the keys "answer" (your an
                               'words).'),
            "record": (RECORD, "\n\nDo not answer the question. Describe it as a JSON record with the keys topic, "
                               "category, difficulty, needs_calculation, expected_answer_words and summary.")}
-BASELINE = "plain, no grammar drafts"
+BASELINE = "plain, no forced drafts"
 
 
 class MaskClock:
@@ -163,8 +163,10 @@ def main() -> None:
     target = load_target("smollm2-135m", dtype="float32")
     configs = {"plain, no schema": (LLM(target), False), BASELINE: (LLM(target, forced_drafts=0), True),
                "plain": (LLM(target), True),
-               "ngram, no grammar drafts": (LLM(target, drafter="ngram", forced_drafts=0), True),
+               "ngram, no forced drafts": (LLM(target, drafter="ngram", forced_drafts=0), True),
                "ngram": (LLM(target, drafter="ngram"), True),
+               "dspark:smollm2-135m, no forced drafts": (LLM(target, drafter="dspark:smollm2-135m", forced_drafts=0),
+                                                         True),
                "dspark:smollm2-135m": (LLM(target, drafter="dspark:smollm2-135m"), True)}
     todo = prompts(a.prompts)
     t_start = time.time()
@@ -188,8 +190,9 @@ def main() -> None:
              f"integer: most tokens are keys and punctuation, as in tool calls and extraction); chat template, "
              f"greedy, batch 1, float32, the default policy, {a.max_tokens} new tokens at most; per prompt and schema "
              f"the configurations in a rotating order; {result['wall_s']} s in all. Baseline: plain decoding under "
-             f"the schema without grammar drafts. \"Grammar drafts\" (core/grammar_drafts.py): where the grammar "
-             f"forces the next tokens they are the row's draft, and drafts it refuses are not verified. Speedup: "
+             f"the schema without forced drafts. Forced drafts (core/grammar_drafts.py): where the grammar forces "
+             f"the next tokens they are the row's draft; drafts it refuses are cut before the forward in every "
+             f"configuration. Speedup: "
              f"per prompt, the baseline's wall time over the configuration's (same tokens: outputs equal), median "
              f"(min–max). Drafts: accepted / proposed over all prompts, the drafter's and the grammar's (forced) apart."]
     for sname, r in result["schemas"].items():
