@@ -41,13 +41,21 @@ def forced_drafts(seqs: Sequence, caps: Sequence[int]) -> list[list[int]]:
     return out
 
 
-def fit_forced(rows: int, kept: Sequence[int], forced: Sequence[int], budget: int) -> list[int]:
-    """How many of each row's forced drafts to verify where no cost model says more: the padded
-    forward (rows x the widest block) grows to at most `budget` tokens, or stays as wide as the
-    drafter's kept drafts make it. At batch 1 that is every forced draft up to the cap; a loaded
-    batch, where a wider forward costs more than one row's forced run gains, gets few or none."""
-    width = max(1 + max(kept, default=0), budget // max(rows, 1))
-    return [min(n, width - 1) for n in forced]
+def fit_forced(rows: int, kept: Sequence[int], forced: Sequence[int]) -> list[int]:
+    """How many of each row's forced drafts to verify where no cost model is known: the padded
+    block width W (at least the kept drafts' own) whose tokens per padded position, (rows + kept +
+    forced verified at W) / (rows x W), is best, as if a forward cost time in proportion to its
+    tokens (the most a wider forward can cost; ties go to the wider). At batch 1 that is every
+    forced draft; on a batch it widens only where the forced runs fill the extra columns, so a
+    forward is never made slower than the tokens it adds."""
+    w0 = 1 + max(kept, default=0)
+    base = rows + sum(kept)
+    best_w, best = w0, (base + sum(min(n, w0 - 1) for n in forced)) / (rows * w0)
+    for w in range(w0 + 1, 2 + max(forced, default=0)):
+        rate = (base + sum(min(n, w - 1) for n in forced)) / (rows * w)
+        if rate >= best:
+            best_w, best = w, rate
+    return [min(n, best_w - 1) for n in forced]
 
 
 def grammar_lengths(seqs: Sequence, proposal: Proposal, eos_token_ids: Collection[int]) -> list[int]:

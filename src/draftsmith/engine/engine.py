@@ -348,12 +348,12 @@ class Engine:
         # Drafts the grammar refuses are rejected for certain: not verified (core/grammar_drafts.py).
         if any(s.grammar is not None for s in seqs):
             proposal = proposal.truncated(grammar_lengths(seqs, proposal, self.eos_token_ids))
-        if any(forced):  # as many as the wider forward pays for (the policy's cost model, else a budget)
+        if any(forced):  # as many as the wider forward pays for (the policy's cost model, else fit_forced)
             kept = proposal.lengths.tolist() if proposal.max_len else [0] * len(seqs)
             wants = [len(f) for f in forced]
             plan = getattr(self.policy, "forced_lengths", None)
             fit = (plan(seqs, kept, wants) if plan is not None
-                   else fit_forced(len(seqs), kept, wants, 1 + self.config.forced_drafts))
+                   else fit_forced(len(seqs), kept, wants))
             if any(not 0 <= k <= n for k, n in zip(fit, wants)):
                 raise RuntimeError(f"policy {self.policy.name} kept {fit} of {wants} forced drafts")
             forced = [f[:k] for f, k in zip(forced, fit)]

@@ -46,4 +46,4 @@ class DraftLengthPolicy(Protocol):
     # Optional: `forced_lengths(seqs, kept, forced) -> list[int]`, called after trim() where rows'
     # grammars force tokens (core/grammar_drafts.py): how many of each row's forced drafts to
     # verify beside the kept drafts (the prefix scheduler weighs the wider forward; without the
-    # hook the forward grows to at most 1 + forced_drafts tokens).
+    # hook, core/grammar_drafts.fit_forced: as if a forward cost time in proportion to its tokens).
