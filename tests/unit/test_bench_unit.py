@@ -579,3 +579,97 @@ def test_control_is_refused_where_it_cannot_run():
     with pytest.raises(DraftsmithError, match="not a drafter"):
         BenchConfig(drafters=("ngram", "control"))
     assert BenchConfig(control=True).fingerprint(["p"], "h") != BenchConfig().fingerprint(["p"], "h")
+
+
+# ---- --json-schema: structured traffic ------------------------------------------------------
+
+RECORD = {"type": "object", "properties": {"x": {"type": "integer"}, "ok": {"type": "boolean"}},
+          "required": ["x", "ok"], "additionalProperties": False}
+
+
+def test_json_schema_config_errors_and_fingerprint():
+    with pytest.raises(DraftsmithError, match="--json-schema is not JSON"):
+        BenchConfig(json_schema="{nope")
+    with pytest.raises(DraftsmithError, match="must be a JSON object"):
+        BenchConfig(json_schema="[1, 2]")
+    with pytest.raises(DraftsmithError, match="cannot be combined with --peers"):
+        BenchConfig(json_schema=json.dumps(RECORD), peers=("hf",))
+    cfg = BenchConfig(json_schema=json.dumps(RECORD))
+    assert cfg.schema == RECORD and cfg.fingerprint(["p"], "h")["json_schema"] == RECORD
+    assert "json_schema" not in BenchConfig().fingerprint(["p"], "h")
+
+
+def test_bench_with_a_json_schema_constrains_every_request(tiny_model_dir, tmp_path, monkeypatch):
+    """In-process: every request (warm-up included) carries the schema as structured outputs, the
+    answers keep to it, and the report says so."""
+    from draftsmith.bench import run_bench
+    from draftsmith.engine.engine import Engine
+
+    seen = []
+    real = Engine.add_request
+
+    def spy(self, prompt_ids, params, *a, **kw):
+        seen.append(params.structured_outputs)
+        req = real(self, prompt_ids, params, *a, **kw)
+        outputs.append(req)
+        return req
+
+    outputs: list = []
+    monkeypatch.setattr(Engine, "add_request", spy)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"x{i}", "prompt": f"x = {i}; ok ="}) + "\n" for i in range(3)))
+    cfg = BenchConfig(target=str(tiny_model_dir("llama", seed=7)), drafters=("ngram",), workload=str(prompts),
+                      concurrency=(1,), requests=3, max_tokens=24, warmup=1, out=tmp_path / "out", progress=False,
+                      json_schema=json.dumps(RECORD))
+    rep = json.loads(run_bench(cfg, log=lambda m: None).read_text())
+    assert len(seen) == 2 * (3 + 1) and all(so is not None and json.loads(so.json) == RECORD for so in seen)
+    from draftsmith.core.structured import Grammars, StructuredOutputsParams
+    from draftsmith.models.target import load_target
+
+    target = load_target(cfg.target)
+    g = Grammars(target.tokenizer, target.model.config.vocab_size, [target.tokenizer.eos_token_id])
+    for req in outputs:  # each answer is a prefix of a record the schema allows, whole where it stopped
+        assert len(req.output_ids) > 3
+        assert g.matcher(StructuredOutputsParams(json=RECORD)).validate_tokens(req.output_ids) == len(req.output_ids)
+        if req.finish_reason == "stop":
+            rec = json.loads(req.text)
+            assert set(rec) == {"x", "ok"} and isinstance(rec["x"], int) and isinstance(rec["ok"], bool)
+    assert rep["setup"]["sampling"]["json_schema"] == RECORD
+    assert "every answer keeps to a JSON schema" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_endpoint_requests_ask_for_the_schema_as_response_format():
+    import asyncio
+
+    import httpx
+
+    from draftsmith.bench.loadgen import _stream_one
+    from draftsmith.core.structured import StructuredOutputsParams
+
+    bodies = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        bodies.append(json.loads(request.content))
+        chunk = {"choices": [{"index": 0, "delta": {"content": "{}"}, "finish_reason": "stop"}]}
+        return httpx.Response(200, text=f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n")
+
+    req = BenchRequest(0, "p0", ({"role": "user", "content": "hi"},), [1, 2],
+                       SamplingParams(max_tokens=4, temperature=0.0, seed=3,
+                                      structured_outputs=StructuredOutputsParams(json=json.dumps(RECORD))))
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            return await _stream_one(client, "http://x/v1", "m", req, 0.0, 0.0)
+
+    rec, text = asyncio.run(go())
+    assert rec.error is None and text == "{}"
+    assert bodies[0]["response_format"] == {"type": "json_schema", "json_schema": {"name": "bench", "schema": RECORD}}
+    plain = replace(req, params=SamplingParams(max_tokens=4, temperature=0.0))
+    bodies.clear()
+
+    async def go_plain():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            return await _stream_one(client, "http://x/v1", "m", plain, 0.0, 0.0)
+
+    asyncio.run(go_plain())
+    assert "response_format" not in bodies[0]

@@ -204,3 +204,11 @@ def test_forced_drafts_flag_reaches_the_engine(tiny_model_dir, capsys):
     assert build_parser().parse_args(["serve", "--forced-drafts", "4"]).forced_drafts == 4
     proc = _run("serve", "--forced-drafts", "-1")
     assert proc.returncode == 2 and "must be an integer >= 0" in proc.stderr
+
+
+def test_bench_json_schema_flag_reads_a_file_or_text_and_says_what_is_wrong(tmp_path):
+    """bench --json-schema FILE|JSON: a missing file and text that is not a schema are one-line errors."""
+    _one_line_error(_run("bench", "--json-schema", str(tmp_path / "missing.json"), "--out", str(tmp_path / "o")),
+                    "--json-schema", "no such file")
+    _one_line_error(_run("bench", "--json-schema", "{not json", "--out", str(tmp_path / "o")),
+                    "--json-schema is not JSON")

@@ -24,6 +24,8 @@ the report.
 
 from __future__ import annotations
 
+import json
+
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -164,6 +166,9 @@ class BenchConfig:
     control: bool = False  # also measure plain decoding again as a configuration (the A/A control)
     turns: int = 1  # user turns per request (a conversation: each turn's prompt holds the answers so far)
     enable_prefix_caching: bool = False  # in-process engines reuse the KV of a prompt prefix a free row holds
+    # every request's answer keeps to this JSON schema (its JSON text): structured outputs in-process,
+    # response_format json_schema for --endpoint servers (tool calls, extraction, JSON APIs)
+    json_schema: str | None = None
     progress: bool | None = None  # None = only on a terminal
 
     def __post_init__(self) -> None:
@@ -218,6 +223,16 @@ class BenchConfig:
             labels = [e.label for e in self.endpoints]
             if len(set(labels)) != len(labels):
                 raise DraftsmithError(f"--endpoint labels must be unique (LABEL=URL), got {', '.join(labels)}")
+        if self.json_schema is not None:
+            try:
+                schema = json.loads(self.json_schema)
+            except ValueError as e:
+                raise DraftsmithError(f"--json-schema is not JSON ({e}); give a schema object or a file holding one") from None
+            if not isinstance(schema, dict):
+                raise DraftsmithError(f"--json-schema must be a JSON object (a schema), got {type(schema).__name__}")
+            if self.peers:
+                raise DraftsmithError("--json-schema cannot be combined with --peers: HF generate and llama.cpp "
+                                      "would decode without the schema, so their outputs would not be comparable")
         object.__setattr__(self, "goodput", parse_goodput(self.goodput) if self.goodput else ())
         if self.dollars_per_hour is not None and not self.dollars_per_hour >= 0:
             raise DraftsmithError(f"dollars per hour must be >= 0, got {self.dollars_per_hour}")
@@ -227,6 +242,11 @@ class BenchConfig:
             raise DraftsmithError("--resume and --overwrite exclude each other")
         if self.peer_lookup_tokens < 1:
             raise DraftsmithError("peer_lookup_tokens must be >= 1")
+
+    @property
+    def schema(self) -> dict | None:
+        """The parsed --json-schema (None: answers are free text)."""
+        return json.loads(self.json_schema) if self.json_schema is not None else None
 
     @property
     def endpoint_mode(self) -> bool:
@@ -253,4 +273,5 @@ class BenchConfig:
             "drafter_dtype": self.drafter_dtype, "control": self.control,
             **({"turns": self.turns} if self.turns > 1 else {}),
             **({"enable_prefix_caching": True} if self.enable_prefix_caching else {}),
+            **({"json_schema": self.schema} if self.json_schema is not None else {}),
         }

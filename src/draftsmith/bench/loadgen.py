@@ -248,6 +248,10 @@ async def _stream_one(client, url: str, model: str, req: BenchRequest, t0: float
             "stream_options": {"include_usage": True}}
     if p.seed is not None:
         body["seed"] = p.seed
+    so = p.structured_outputs
+    if so is not None and so.json is not None:  # bench --json-schema: OpenAI's response_format
+        schema = json.loads(so.json) if isinstance(so.json, str) else so.json
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "bench", "schema": schema}}
     rec = RequestRecord(index=req.index, prompt_id=req.prompt_id, turn=req.turn, t_arrival=t_arr - t0)
     parts: list[str] = []
     chunks = 0

@@ -149,7 +149,9 @@ def render_markdown(rep: dict) -> str:
            f"- workload: `{wl.get('name')}`, split **{wl.get('split')}**, {wl.get('unique_prompts')} unique prompts"
            f" ({wl.get('reused_prompts')} reused, {len(wl.get('skipped_prompts') or [])} skipped as too long)",
            f"- sampling: temperature {st['sampling']['temperature']}, top-p {st['sampling']['top_p']}, "
-           f"max tokens {st['sampling']['max_tokens']}, seed {st['sampling']['seed']}",
+           f"max tokens {st['sampling']['max_tokens']}, seed {st['sampling']['seed']}"
+           + ("; every answer keeps to a JSON schema (structured outputs; report.json setup.sampling.json_schema)"
+              if st["sampling"].get("json_schema") is not None else ""),
            f"- arrival {st.get('arrival')}, {cfgd.get('requests')} requests per tier and configuration, "
            f"warm-up {st.get('warmup')}, repeats {st.get('repeats')}"
            + (f"; each request a conversation of up to {wl['turns']} user turns ({wl.get('total_turns')} turns "

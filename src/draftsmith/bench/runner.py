@@ -111,7 +111,8 @@ def run_bench(config: BenchConfig, log: Callable[[str], None] | None = None) -> 
                          **({"turns": cfg.turns, "total_turns": wl.total_turns} if cfg.turns > 1 else {})},
             "prefix_caching": cfg.enable_prefix_caching if not cfg.endpoint_mode else "the servers' own setting",
             "sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_tokens": cfg.max_tokens,
-                         "seed": cfg.seed, "per_request_seed": "seed * 1000003 + request index"},
+                         "seed": cfg.seed, "per_request_seed": "seed * 1000003 + request index",
+                         **({"json_schema": cfg.schema} if cfg.json_schema is not None else {})},
             "arrival": cfg.arrival.label, "warmup": cfg.warmup, "repeats": cfg.repeats,
             "invocations": [],
         }

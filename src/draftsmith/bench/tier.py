@@ -17,14 +17,17 @@ from draftsmith.bench.phases import Phase
 from draftsmith.bench.tier_lines import phase_lines
 from draftsmith.bench.workload import Workload
 from draftsmith.core.sampling import SamplingParams
+from draftsmith.core.structured import StructuredOutputsParams
 
 
 def _requests(cfg: BenchConfig, wl: Workload, n: int, index_base: int = 0) -> list[BenchRequest]:
     out = []
+    grammar = StructuredOutputsParams(json=cfg.schema) if cfg.json_schema is not None else None
     for j in range(n):
         p = wl.prompts[j % len(wl.prompts)]
         seed = cfg.seed * 1_000_003 + index_base + j
-        params = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p, seed=seed)
+        params = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p, seed=seed,
+                                structured_outputs=grammar)
         out.append(BenchRequest(j, p.id, p.messages, p.token_ids, params, p.followups))
     return out
 

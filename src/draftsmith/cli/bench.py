@@ -6,8 +6,8 @@ import sys
 from pathlib import Path
 
 from draftsmith.cli.options import (
-    add_drafter_dtype, add_job, add_max_tokens, add_progress, add_target_args, opt_auto, policy_arg, policy_help,
-    positive_int,
+    add_drafter_dtype, add_job, add_max_tokens, add_progress, add_target_args, json_text_or_file, opt_auto, policy_arg,
+    policy_help, positive_int,
 )
 from draftsmith.drafters import registry
 
@@ -43,6 +43,9 @@ def add_parser(sub) -> None:
     b.add_argument("--control", action="store_true",
                    help="also measure plain decoding a second time as a configuration (an A/A control): its ratio "
                         "to the baseline is this run's noise, reported next to the speedups")
+    b.add_argument("--json-schema", default=None, metavar="FILE|JSON",
+                   help="every answer keeps to this JSON schema (structured outputs in-process, response_format "
+                        "json_schema with --endpoint): measure traffic such as tool calls and extraction")
     b.add_argument("--seed", type=int, default=0, help="prompt-selection and sampling seed")
     b.add_argument("--num-speculative-tokens", "-k", type=positive_int, default=None,
                    help="draft length K (default: the checkpoint's block size, else 5)")
@@ -99,6 +102,7 @@ def cmd_bench(args) -> int:
         resume=args.resume, overwrite=args.overwrite, device=opt_auto(args.device), dtype=opt_auto(args.dtype),
         drafter_dtype=args.drafter_dtype, control=args.control, progress=args.progress, turns=args.turns,
         enable_prefix_caching=args.enable_prefix_caching,
+        json_schema=json_text_or_file(args.json_schema, "--json-schema") if args.json_schema is not None else None,
         goodput=parse_goodput(args.goodput) if args.goodput is not None else (),
     )
     path = run_bench(cfg)

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from draftsmith.cli.options import (add_job, add_prefix_caching, add_sampling_args, add_speculation_args,
+from draftsmith.cli.options import (add_job, json_text_or_file, add_prefix_caching, add_sampling_args, add_speculation_args,
                                     add_target_args, positive_int)
 from draftsmith.errors import DraftsmithError
 
@@ -79,13 +79,8 @@ def structured_outputs(args):
     from draftsmith.core.structured import StructuredOutputsParams
 
     if args.json_schema is not None:
-        src = args.json_schema
-        if not src.lstrip().startswith("{"):
-            f = Path(src)
-            if not f.is_file():
-                raise DraftsmithError(f"--json-schema {src}: no such file (give a file or the schema's JSON text)")
-            src = f.read_text(encoding="utf-8")
-        return StructuredOutputsParams(json=src, disable_any_whitespace=not args.json_whitespace)
+        return StructuredOutputsParams(json=json_text_or_file(args.json_schema, "--json-schema"),
+                                       disable_any_whitespace=not args.json_whitespace)
     if args.grammar is not None:
         if not args.grammar.is_file():
             raise DraftsmithError(f"--grammar {args.grammar}: no such file")

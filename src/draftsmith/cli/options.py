@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import re
+from pathlib import Path
 
 from draftsmith.drafters import registry
 from draftsmith.drafters.precision import DRAFTER_DTYPES
@@ -37,6 +38,16 @@ def add_job(sub, name: str, help: str, example: str) -> argparse.ArgumentParser:
     """One job's parser: its one-line help, defaults in --help, and an example command."""
     return sub.add_parser(name, help=help, description=help, formatter_class=HelpFormatter,
                           epilog=f"example:\n  {example}")
+
+
+def json_text_or_file(src: str, flag: str) -> str:
+    """`src` itself where it is a JSON object's text, else the text of the file it names."""
+    if src.lstrip().startswith("{"):
+        return src
+    f = Path(src)
+    if not f.is_file():
+        raise DraftsmithError(f"{flag} {src}: no such file (give a file or the schema's JSON text)")
+    return f.read_text(encoding="utf-8")
 
 
 def nonnegative_int(v: str) -> int:
