@@ -68,6 +68,8 @@ class _Live:
     committed: int = 0
     proposed_at: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
+    forced_proposed: int = 0
+    forced_accepted: int = 0
 
 
 def _copy(logprobs: list | None) -> list | None:
@@ -198,8 +200,11 @@ class EngineLoop:
                 rounds=st.rounds - live.rounds, committed=st.committed - live.committed,
                 pos_proposed=_diff(st.proposed_at, live.proposed_at),
                 pos_accepted=_diff(st.accepted_at, live.accepted_at),
+                forced_proposed=st.forced_proposed - live.forced_proposed,
+                forced_accepted=st.forced_accepted - live.forced_accepted,
             )
             live.proposed, live.accepted = st.proposed, st.accepted
+            live.forced_proposed, live.forced_accepted = st.forced_proposed, st.forced_accepted
             live.rounds, live.committed = st.rounds, st.committed
             live.proposed_at, live.accepted_at = list(st.proposed_at), list(st.accepted_at)
         n = len(seq.output_ids) - live.sent
@@ -218,10 +223,11 @@ class EngineLoop:
         done: list[str] = []
         for rid, live in self._live.items():
             seq = live.seq
-            before_rounds, before_proposed = live.rounds, live.proposed
+            before_rounds, before_proposed, before_forced = live.rounds, live.proposed, live.forced_proposed
             n = self._account(live, now)
             if live.rounds > before_rounds:
-                verify_tokens += (live.rounds - before_rounds) + (live.proposed - before_proposed)
+                verify_tokens += ((live.rounds - before_rounds) + (live.proposed - before_proposed)
+                                  + (live.forced_proposed - before_forced))
             if seq.finished:
                 done.append(rid)
                 self.metrics.record_finished(seq.finish_reason or "stop", now - live.sub.t_arrival,

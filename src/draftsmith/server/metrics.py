@@ -12,7 +12,11 @@ Speculative metrics (all cumulative since start):
                                                                 at least `position` drafts
   draftsmith_draft_position_acceptance_rate{position}           accepted / proposed at position
   draftsmith_verify_tokens_per_step                             histogram: target tokens verified
-                                                                per engine step (1 + drafts per row)
+                                                                per engine step (1 + drafts per row,
+                                                                forced drafts included)
+  draftsmith_forced_tokens_{proposed,accepted}_total            the grammars' forced drafts
+                                                                (core/grammar_drafts.py; not in the
+                                                                draft_tokens counters)
 """
 
 from __future__ import annotations
@@ -78,6 +82,8 @@ class ServerMetrics:
         self.committed = 0
         self.pos_proposed: list[int] = []
         self.pos_accepted: list[int] = []
+        self.forced_proposed = 0
+        self.forced_accepted = 0
         self.steps = 0
         self.verify_tokens = Histogram(VERIFY_BUCKETS)
         # load
@@ -98,11 +104,13 @@ class ServerMetrics:
 
     def record_round_deltas(
         self, proposed: int, accepted: int, rounds: int, committed: int,
-        pos_proposed: list[int], pos_accepted: list[int],
+        pos_proposed: list[int], pos_accepted: list[int], forced_proposed: int = 0, forced_accepted: int = 0,
     ) -> None:
         with self.lock:
             self.proposed += proposed
             self.accepted += accepted
+            self.forced_proposed += forced_proposed
+            self.forced_accepted += forced_accepted
             self.rounds += rounds
             self.committed += committed
             for acc, new in ((self.pos_proposed, pos_proposed), (self.pos_accepted, pos_accepted)):
@@ -178,6 +186,11 @@ class ServerMetrics:
                    "Draft tokens proposed to the verifier.", [("", self.proposed)])
             family("draftsmith_draft_tokens_accepted_total", "counter",
                    "Draft tokens accepted by the verifier.", [("", self.accepted)])
+            family("draftsmith_forced_tokens_proposed_total", "counter",
+                   "Tokens a request's grammar forced, drafted for verification (not counted as draft tokens).",
+                   [("", self.forced_proposed)])
+            family("draftsmith_forced_tokens_accepted_total", "counter",
+                   "Forced tokens the verifier accepted.", [("", self.forced_accepted)])
             family("draftsmith_draft_acceptance_rate", "gauge",
                    "Accepted / proposed draft tokens since start (0 before any draft).",
                    [("", self.accepted / self.proposed if self.proposed else 0.0)])
