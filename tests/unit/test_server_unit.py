@@ -355,6 +355,53 @@ def _assert_openai_error(r, status: int, param=None, code=None, says: str = "") 
     return err
 
 
+def _fail_step(engine, after: int) -> None:
+    """`engine.step` raises once, at its `after`-th call from now (a bug midway through a request:
+    the engine loop fails what is in flight and serves on)."""
+    step, calls = engine.step, [0]
+
+    def failing():
+        calls[0] += 1
+        if calls[0] == after:
+            raise RuntimeError("a bug in a step")
+        return step()
+
+    engine.step = failing
+
+
+def _data_lines(h, path: str, body: dict) -> list[str]:
+    """A stream's `data:` payloads, in order."""
+    with h.stream("POST", path, json=body) as r:
+        assert r.status_code == 200
+        return [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+
+
+def test_streams_end_with_done_and_not_after_an_error(tiny_server):
+    """A completions or chat stream ends with `data: [DONE]`, after its last chunk (the usage
+    chunk where asked for); one an engine error ends midway ends with the error body instead,
+    without [DONE] (ResponseFormat.events writes both)."""
+    import httpx
+
+    url = tiny_server()
+    engine = tiny_server.servers[-1].app.app.state.server.llm.engine
+    why = "internal error in the engine; the request was aborted"
+    with httpx.Client(base_url=url, timeout=60) as h:
+        for path, body in [("/v1/completions", {"prompt": "abc"}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})]:
+            body = {**body, "max_tokens": 30, "temperature": 0, "stream": True}
+            lines = _data_lines(h, path, body)
+            assert lines[-1] == "[DONE]" and lines.count("[DONE]") == 1
+            assert all(json.loads(x)["choices"] for x in lines[:-1])
+            lines = _data_lines(h, path, {**body, "stream_options": {"include_usage": True}})
+            assert lines[-1] == "[DONE]" and json.loads(lines[-2])["usage"]["completion_tokens"] > 0
+            _fail_step(engine, after=4)
+            lines = _data_lines(h, path, body)
+            assert "[DONE]" not in lines and len(lines) >= (2 if "chat" in path else 1), lines  # (chat: its role chunk)
+            assert json.loads(lines[-1]) == {"error": {"message": why, "type": "internal_error", "param": None,
+                                                       "code": None}}
+            assert all("choices" in json.loads(x) for x in lines[:-1])
+
+
 def _no_server_errors(url: str, caplog) -> None:
     m = _metrics(url)
     assert not any(k.startswith('draftsmith_http_errors_total{status="5') for k in m), m

@@ -1,7 +1,8 @@
 """A chat answer's text -> the assistant message: `reasoning` (where the server has a reasoning
 parser: server/reasoning.py), `content` and `tool_calls` (where the request has tools:
 server/tool_calls.py). One reader gives the streamed deltas and, fed the whole text at once,
-the whole message, so the two always agree. Reasoning goes out as `reasoning` and, for clients
+the whole message, so the two always agree; its parts in the answer's order (`read`,
+server/answer_parts.py) are what a Response's items are built from. Reasoning goes out as `reasoning` and, for clients
 of the older name, `reasoning_content` (vLLM's fields); calls are read from the content only.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from draftsmith.server.answer_parts import Part, delta, moved, text_of
 from draftsmith.server.reasoning import ReasoningReader
 from draftsmith.server.tool_calls import ToolCallReader, reader
 from draftsmith.server.tools import ToolPlan
@@ -35,35 +37,54 @@ class AnswerFormat:
             return None
         return "open" if self.thinking else "optional"
 
-    def reader(self) -> AnswerReader | None:
-        """A fresh reader of one choice's text (None: the text is all content)."""
+    def reader(self, always: bool = False) -> AnswerReader | None:
+        """A fresh reader of one choice's text (None: the text is all content, unless `always`)."""
         tools = reader(self.tools)
-        if tools is None and not self.reasoning:
+        if tools is None and not self.reasoning and not always:
             return None
         return AnswerReader(ReasoningReader(self.thinking) if self.reasoning else None, tools, self.include_reasoning)
 
 
 class AnswerReader:
-    """`push(text)` / `finish(text)` -> an OpenAI delta ({} when nothing can be said yet)."""
+    """`read(text, last)` -> the answer's parts in order (server/answer_parts.py), each with its
+    end in the whole answer's text; `push(text)` / `finish(text)` -> an OpenAI delta ({} when
+    nothing can be said yet)."""
 
     def __init__(self, reasoning: ReasoningReader | None, tools: ToolCallReader | None,
                  include_reasoning: bool = True) -> None:
         self.reasoning, self.tools, self.include_reasoning = reasoning, tools, include_reasoning
         self.thought = False  # the answer had reasoning (shown or not)
+        self.pos = 0  # text read (where there is no reasoning reader)
+
+    @property
+    def thinks(self) -> bool:
+        """The answer had a <think> block (opened by the prompt or by the answer), empty or not."""
+        return self.reasoning is not None and self.reasoning.opened
+
+    def read(self, text: str, last: bool = False) -> list[Part]:
+        """The parts `text` completes (`last`: the answer ends with it); reasoning first (it
+        opens the answer), then the content's, with the calls a tool reader finds in it."""
+        if self.reasoning is not None:
+            parts = self.reasoning.read(text, last)
+            start = self.reasoning.content_start
+            start = self.reasoning.pos if start is None else start
+        else:
+            self.pos += len(text)
+            parts, start = [Part("content", text, self.pos)] if text else [], 0
+        self.thought = self.thought or any(p.kind == "reasoning" and p.value for p in parts)
+        if self.tools is None:
+            return parts
+        content = self.tools.read(text_of(parts, "content"), last)  # (offsets in the content's text)
+        return [p for p in parts if p.kind == "reasoning"] + moved(content, start)
 
     def _delta(self, text: str, last: bool) -> dict:
-        delta: dict[str, Any] = {}
-        content = text
-        if self.reasoning is not None:
-            thought, content = self.reasoning.finish(text) if last else self.reasoning.push(text)
-            self.thought = self.thought or bool(thought)
-            if thought and self.include_reasoning:
-                delta["reasoning"] = delta["reasoning_content"] = thought
-        if self.tools is not None:
-            delta.update(self.tools.finish(content) if last else self.tools.push(content))
-        elif content:
-            delta["content"] = content
-        return delta
+        parts = self.read(text, last)
+        out: dict[str, Any] = {}
+        thought = text_of(parts, "reasoning")
+        if thought and self.include_reasoning:
+            out["reasoning"] = out["reasoning_content"] = thought
+        out.update(delta(parts))
+        return out
 
     def push(self, text: str) -> dict:
         return self._delta(text, last=False)

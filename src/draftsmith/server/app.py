@@ -11,11 +11,12 @@ Roles: state (ServerState, Limits: admission), body (reading and validating a re
 sampling (SamplingParams per choice, the ranges the server enforces), structured (a request's
 grammar from response_format / structured_outputs / guided_* / a forced tool call), tools (what
 tools and tool_choice ask), tool_calls (an answer's text -> content and tool calls), reasoning
-(<think> ... </think> -> reasoning), answer (the two together: a chat answer's message), generate (one request on
+(<think> ... </think> -> reasoning), answer (the two together: a chat answer's message), answer_parts
+(an answer's pieces in the order it writes them), generate (one request on
 the engine thread, whole or streamed), streaming (server-sent events), responses (the
-completions / chat objects), responses_request / responses_api / responses_stream (the Responses
-API: its request as a chat request, the answer as a Response, its stream's events), routes (the
-handlers), engine_loop, protocol, text, metrics.
+completions / chat objects), responses_request / responses_api / responses_output / responses_stream
+(the Responses API: its request as a chat request, the answer as a Response, its output items,
+its stream's events), routes (the handlers), engine_loop, protocol, text, metrics.
 This module builds the app: lifespan (the engine thread), error handlers, routes.
 """
 

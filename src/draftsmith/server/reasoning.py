@@ -13,6 +13,7 @@ both parsers (vLLM's qwen3 parser returns it as content).
 
 from __future__ import annotations
 
+from draftsmith.server.answer_parts import Part, text_of
 from draftsmith.server.text import stop_holdback
 
 REASONING_PARSERS = ("qwen3", "deepseek_r1")  # both write <think> ... </think>
@@ -33,7 +34,8 @@ def leaves_open(message_text: str) -> bool:
 
 
 class ReasoningReader:
-    """`push(text)` / `finish(text)` -> (reasoning, content) that can be said now."""
+    """`read(text, last)` -> the parts (reasoning, content) that can be said now, each with its
+    end in the answer's text; `push(text)` / `finish(text)` -> (reasoning, content) joined."""
 
     def __init__(self, thinking: bool) -> None:
         # start: whether the answer opens with <think> is not known yet (after it: reasoning, or
@@ -41,40 +43,54 @@ class ReasoningReader:
         self.after_start = "reasoning" if thinking else "content"
         self.state = "start"
         self.buf = ""
+        self.pos = 0  # where buf starts in the answer's text
+        self.opened = False  # a <think> block was opened (by the prompt or the answer), empty or not
+        self.content_start: int | None = None  # where the content starts in the answer's text
 
-    def push(self, text: str) -> tuple[str, str]:
+    def read(self, text: str, last: bool = False) -> list[Part]:
+        """The parts `text` completes (`last`: the answer ends with it)."""
         self.buf += text
-        reasoning = content = ""
+        out: list[Part] = []
         while True:
             if self.state == "start":
                 head = self.buf.lstrip()
                 if head.startswith(_OPEN):
-                    self.buf, self.state = head[len(_OPEN):], "reasoning"
-                elif _OPEN.startswith(head):  # nothing yet, or the tag's start
+                    self._take(out, "reasoning", 0, len(self.buf) - len(head) + len(_OPEN))
+                    self.state = "reasoning"
+                elif _OPEN.startswith(head) and not last:  # nothing yet, or the tag's start
                     break
                 else:
                     self.state = self.after_start
             elif self.state == "reasoning":
+                self.opened = True
                 j = self.buf.find(_CLOSE)
-                if j >= 0:
-                    reasoning += self.buf[:j]
-                    self.buf, self.state = self.buf[j + len(_CLOSE):], "content"
+                if j >= 0:  # (a part even where empty: the reasoning's text ends past </think>)
+                    self._take(out, "reasoning", j, j + len(_CLOSE), always=True)
+                    self.state = "content"
                     continue
-                keep = stop_holdback(self.buf, [_CLOSE])  # may still become </think>
-                reasoning += self.buf[:len(self.buf) - keep]
-                self.buf = self.buf[len(self.buf) - keep:]
+                keep = 0 if last else stop_holdback(self.buf, [_CLOSE])  # may still become </think>
+                self._take(out, "reasoning", len(self.buf) - keep)
                 break
             else:
-                content += self.buf
-                self.buf = ""
+                if self.content_start is None:
+                    self.content_start = self.pos
+                self._take(out, "content", len(self.buf))
                 break
-        return reasoning, content
+        return out
+
+    def _take(self, out: list[Part], kind: str, n: int, used: int | None = None, always: bool = False) -> None:
+        """buf[:n] as a `kind` part (none where empty, unless `always`), read from buf[:used]
+        (default: n)."""
+        used = n if used is None else used
+        self.pos += used
+        if n or always:
+            out.append(Part(kind, self.buf[:n], self.pos))
+        self.buf = self.buf[used:]
+
+    def push(self, text: str) -> tuple[str, str]:
+        parts = self.read(text)
+        return text_of(parts, "reasoning"), text_of(parts, "content")
 
     def finish(self, text: str) -> tuple[str, str]:
-        reasoning, content = self.push(text)
-        if self.state == "reasoning" or (self.state == "start" and self.after_start == "reasoning"):
-            reasoning += self.buf
-        else:
-            content += self.buf
-        self.buf = ""
-        return reasoning, content
+        parts = self.read(text, last=True)
+        return text_of(parts, "reasoning"), text_of(parts, "content")

@@ -5,13 +5,19 @@
   role user, system, developer or assistant; content a string or `input_text` / `output_text`
   parts), `function_call` items (an assistant's earlier calls: consecutive ones, and one right
   after an assistant's message, are that message's `tool_calls`), `function_call_output` items
-  (tool messages), `reasoning` items (ignored). `instructions` is a system message before them.
+  (tool messages), `reasoning` items (their text, from `content`'s reasoning_text parts or else
+  `summary`, is the `reasoning` of the assistant message that follows: a message item or the one
+  its function_call items make; with no assistant message after it, an assistant message of its
+  own with only that reasoning, as vLLM makes every reasoning item). `instructions` is a system
+  message before them. Role `developer` reaches the template as `system` where the template
+  does not name it (server/tools.py's template_messages, as on chat).
 - `text.format` -> `response_format` (text, json_object, json_schema); flat function `tools`
   `{"type": "function", "name", "description", "parameters", "strict"}` and `tool_choice`
   ("auto", "none", "required", `{"type": "function", "name"}`) -> chat's tools and tool_choice;
   `max_output_tokens` -> max_tokens; `include: ["message.output_text.logprobs"]` with
-  `top_logprobs` -> logprobs; vLLM's extras seed, top_k, min_p, repetition_penalty, priority,
-  cache_salt and structured_outputs (regex, choice, grammar, ...) as on chat.
+  `top_logprobs` -> logprobs (top_logprobs is checked against OpenAI's 0..20 either way); vLLM's
+  extras seed, top_k, min_p, repetition_penalty, priority, cache_salt and structured_outputs
+  (regex, choice, grammar, ...) as on chat. Any optional field may be null: its default.
 - Stateless, as vLLM without its response store: `store` is accepted and nothing is kept, so
   `previous_response_id`, `conversation` and `background` are refused. `reasoning` is accepted
   and echoed (reasoning text comes from the server's --reasoning-parser, not from an effort).
@@ -27,9 +33,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
-from draftsmith.server.protocol import APIError, ChatCompletionRequest, _Req
+from draftsmith.server.protocol import APIError, ChatCompletionRequest, _in_range, _Req
+from draftsmith.server.state import TooManyTokens
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+_NOT_INPUT = "input must be a string or a list of input items (objects with a role or a type)"
 NO_STORE = ("this server keeps no responses (it is stateless, as vLLM without its response store): send the "
              "whole conversation in `input`, earlier outputs included (function_call and function_call_output items)")
 
@@ -40,7 +48,7 @@ class _Text(_Req):
 
 
 class _Message(_Req):
-    type: Literal["message"] = "message"
+    type: Literal["message"] | None = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: StrictStr | list[dict[str, Any]]
 
@@ -58,6 +66,35 @@ class _FunctionCallOutput(_Req):
     output: StrictStr | list[dict[str, Any]]
 
 
+class _SummaryText(_Req):
+    type: Literal["summary_text"]
+    text: StrictStr
+
+
+class _ReasoningText(_Req):
+    type: Literal["reasoning_text"]
+    text: StrictStr
+
+
+class _Reasoning(_Req):
+    type: Literal["reasoning"]
+    summary: list[_SummaryText] | None = None
+    content: list[_ReasoningText] | None = None
+    encrypted_content: StrictStr | None = None
+
+    def text(self, where: str) -> str:
+        """Its text: the content's (reasoning_text parts), else the summary's (vLLM's order)."""
+        if self.content:
+            return "".join(c.text for c in self.content)
+        if self.summary:
+            return "\n\n".join(s.text for s in self.summary)
+        if self.encrypted_content:
+            raise APIError(400, f"{where}: a reasoning item's encrypted_content cannot be read by this server; send "
+                           "its text in content (reasoning_text parts) or summary", param="input",
+                           code="unsupported_parameter")
+        return ""
+
+
 class _FunctionTool(_Req):
     type: Literal["function"]
     name: StrictStr = Field(min_length=1)
@@ -67,54 +104,55 @@ class _FunctionTool(_Req):
 
 
 class ResponsesRequest(_Req):
-    """POST /v1/responses's body (unknown fields are ignored, as on the other routes)."""
+    """POST /v1/responses's body (unknown fields are ignored, as on the other routes). Every
+    optional field may be null, as OpenAI's and vLLM's: null is the field's default."""
 
     model: StrictStr | None = None
-    input: StrictStr | list[dict[str, Any]]
+    input: Any  # a string or a list of items (input_messages checks it)
     instructions: StrictStr | None = None
     max_output_tokens: StrictInt | None = None
     temperature: StrictFloat | None = None
     top_p: StrictFloat | None = None
-    stream: StrictBool = False
+    stream: StrictBool | None = None  # (None: false)
     text: dict[str, Any] | None = None  # {"format": {...}, "verbosity": ...}
     tools: list[dict[str, Any]] | None = None
     tool_choice: StrictStr | dict[str, Any] | None = None  # (None: "auto")
-    parallel_tool_calls: StrictBool = True
+    parallel_tool_calls: StrictBool | None = None  # (None: true)
     user: StrictStr | None = None
     metadata: dict[str, StrictStr] | None = None
-    store: StrictBool = True  # accepted; nothing is stored
+    store: StrictBool | None = None  # accepted; nothing is stored
     reasoning: dict[str, Any] | None = None  # {"effort", "summary"}: echoed
     include: list[StrictStr] | None = None
     top_logprobs: StrictInt | None = None
     truncation: Literal["auto", "disabled"] | None = None
     previous_response_id: StrictStr | None = None
     conversation: Any = None
-    background: StrictBool = False
+    background: StrictBool | None = None  # (None: false)
     # vLLM's extras, as on /v1/chat/completions
     seed: StrictInt | None = None
     top_k: StrictInt | None = None
     min_p: StrictFloat | None = None
     repetition_penalty: StrictFloat | None = None
-    priority: StrictInt = 0
+    priority: StrictInt | None = None  # (None: 0)
     cache_salt: StrictStr | None = Field(default=None, min_length=1)
     structured_outputs: dict[str, Any] | None = None  # regex, choice, grammar, ... (in place of text.format)
 
     def logprobs(self) -> bool:
         return LOGPROBS_INCLUDE in (self.include or [])
 
-    def echo(self) -> dict:
-        """What a Response object repeats of its request."""
-        fmt = self.text_format() or {"type": "text"}
+    def echo(self, tools: list[dict] | None, fmt: dict | None) -> dict:
+        """What a Response object repeats of its request (`tools`: chat's, `fmt`: text.format, as read)."""
+        fmt = fmt or {"type": "text"}
         if fmt["type"] == "json_schema":
             fmt = {**fmt, "name": fmt.get("name") or "response"}  # (as the grammar's request names it)
         text = {**(self.text or {}), "format": fmt}
         return {"instructions": self.instructions, "max_output_tokens": self.max_output_tokens,
-                "metadata": self.metadata or {}, "parallel_tool_calls": self.parallel_tool_calls,
+                "metadata": self.metadata or {}, "parallel_tool_calls": self.parallel_tool_calls is not False,
                 "previous_response_id": None, "reasoning": self.reasoning, "background": False,
                 "temperature": 1.0 if self.temperature is None else self.temperature,
                 "top_p": 1.0 if self.top_p is None else self.top_p, "text": text,
                 "tool_choice": self.tool_choice or "auto", "truncation": "disabled", "user": self.user,
-                "tools": [{"type": "function", **t["function"]} for t in chat_tools(self.tools) or []],
+                "tools": [{"type": "function", **t["function"]} for t in tools or []],
                 "top_logprobs": self.top_logprobs}
 
     def text_format(self) -> dict | None:
@@ -125,10 +163,11 @@ class ResponsesRequest(_Req):
         return fmt
 
 
-def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
-    """`req` as the chat route's request (a 400 for what this server cannot do)."""
+def chat_request(req: ResponsesRequest) -> tuple[ChatCompletionRequest, dict]:
+    """`req` as the chat route's request, and what its Response repeats of it (`echo`); a 400
+    for what this server cannot do."""
     for field, asked in (("previous_response_id", req.previous_response_id is not None),
-                         ("conversation", req.conversation is not None), ("background", req.background)):
+                         ("conversation", req.conversation is not None), ("background", bool(req.background))):
         if asked:
             raise APIError(400, f"{field} is not supported: {NO_STORE}", param=field, code="unsupported_parameter")
     if req.truncation == "auto":
@@ -138,6 +177,7 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     if req.max_output_tokens is not None and req.max_output_tokens < 1:
         raise APIError(400, f"max_output_tokens must be at least 1, got {req.max_output_tokens}",
                        param="max_output_tokens", code="invalid_value")
+    top_logprobs = _in_range(req.top_logprobs, "top_logprobs")  # (OpenAI's range, with include or not)
     messages = input_messages(req.input)
     if not messages:
         raise APIError(400, "input is empty: give a string or at least one message", param="input",
@@ -146,39 +186,50 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         messages.insert(0, {"role": "system", "content": req.instructions})
     tools = chat_tools(req.tools)
     choice = chat_tool_choice(req.tool_choice)
+    fmt = req.text_format()
+    stream = bool(req.stream)
     body: dict[str, Any] = {
         "messages": messages, "max_tokens": req.max_output_tokens, "temperature": req.temperature,
-        "top_p": req.top_p, "stream": req.stream, "user": req.user, "seed": req.seed, "top_k": req.top_k,
+        "top_p": req.top_p, "stream": stream, "user": req.user, "seed": req.seed, "top_k": req.top_k,
         "min_p": req.min_p, "repetition_penalty": req.repetition_penalty, "priority": req.priority,
         "cache_salt": req.cache_salt, "structured_outputs": req.structured_outputs, "tools": tools,
         "parallel_tool_calls": req.parallel_tool_calls,
         "tool_choice": None if choice == "auto" and tools is None else choice,  # (auto without tools: none)
-        "response_format": response_format(req.text_format()),
+        "response_format": response_format(fmt),
         "logprobs": True if req.logprobs() else None,
-        "top_logprobs": (req.top_logprobs or 0) if req.logprobs() else None,
-        "stream_options": {"include_usage": True} if req.stream else None,
+        "top_logprobs": (top_logprobs or 0) if req.logprobs() else None,
+        "stream_options": {"include_usage": True} if stream else None,
     }
     try:
-        return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+        chat = ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
     except ValidationError as e:  # (every field was checked above: a server bug)
         raise APIError(500, f"could not build the chat request: {e.errors()[:1]}", type="internal_error") from None
+    return chat, req.echo(tools, fmt)
 
 
-def input_messages(items: str | list[dict[str, Any]]) -> list[dict]:
+def input_messages(items: Any) -> list[dict]:
     """`input` as chat messages (see the module docstring)."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
+    if not isinstance(items, list):
+        raise APIError(400, f"{_NOT_INPUT}; got {_json_kind(items)}", param="input", code="invalid_value")
     out: list[dict] = []
     for i, item in enumerate(items):
-        kind = item.get("type", "message")
         where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise APIError(400, f"{_NOT_INPUT}; {where} is {_json_kind(item)}", param="input", code="invalid_value")
+        kind = item.get("type") or "message"
+        last = out[-1] if out else None
         if kind == "message":
             m = _parse(_Message, item, where)
-            out.append({"role": m.role, "content": _text(m.content, f"{where}.content")})
+            text = _text(m.content, f"{where}.content")
+            if m.role == "assistant" and _reasoning_only(last):  # the reasoning before it is its own
+                last["content"] = text
+            else:
+                out.append({"role": m.role, "content": text})
         elif kind == "function_call":
             c = _parse(_FunctionCall, item, where)
             call = {"id": c.call_id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-            last = out[-1] if out else None
             if last is not None and last["role"] == "assistant":  # the same turn: one message, its calls
                 last.setdefault("tool_calls", []).append(call)
             else:
@@ -186,12 +237,34 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict]:
         elif kind == "function_call_output":
             o = _parse(_FunctionCallOutput, item, where)
             out.append({"role": "tool", "tool_call_id": o.call_id, "content": _text(o.output, f"{where}.output")})
-        elif kind != "reasoning":  # (an earlier turn's reasoning: not sent back to the template)
+        elif kind == "reasoning":
+            thought = _parse(_Reasoning, item, where).text(where)
+            if thought and _reasoning_only(last):
+                last["reasoning"] += "\n\n" + thought
+            elif thought:  # the next assistant message's (or its own, where none follows: vLLM's)
+                out.append({"role": "assistant", "content": None, "reasoning": thought})
+        else:
             raise APIError(400, f"{where}: items of type {kind!r} are not supported; this server reads message, "
                            "function_call, function_call_output and reasoning items"
                            + (f" ({NO_STORE})" if kind == "item_reference" else ""),
                            param="input", code="unsupported_parameter")
     return out
+
+
+def _reasoning_only(message: dict | None) -> bool:
+    """`message` is an assistant's built from a reasoning item alone (so far)."""
+    return (message is not None and message["role"] == "assistant" and "reasoning" in message
+            and message["content"] is None and not message.get("tool_calls"))
+
+
+def _json_kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    for t, name in ((bool, "a boolean"), (str, "a string"), (int, "a number"), (float, "a number"),
+                    (list, "an array"), (dict, "an object")):
+        if isinstance(value, t):
+            return name
+    return type(value).__name__
 
 
 def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict] | None:
@@ -269,6 +342,10 @@ _WORDS = re.compile(r"\b(max_tokens|response_format)\b")
 
 def responses_error(e: APIError) -> APIError:
     """An error of the chat machinery as a Responses request names its fields."""
+    if isinstance(e, TooManyTokens):  # (worded for chat's prompts and n, which a Response has not)
+        return APIError(e.status, f"this request may need up to {e.tokens} tokens (its input + max_output_tokens), "
+                        f"over this server's limit of {e.limit}; lower max_output_tokens or send a shorter input",
+                        type=e.type, param=e.param, code=e.code)
     message = _WORDS.sub(lambda m: {"max_tokens": "max_output_tokens", "response_format": "text.format"}[m.group(1)],
                          e.message)
     return APIError(e.status, message, type=e.type, param=_PARAMS.get(e.param, e.param), code=e.code)

@@ -1,5 +1,6 @@
 """The HTTP routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (with
-GET / DELETE /v1/responses/{id}: a 404, nothing is stored), GET /v1/models[/{id}],
+GET / DELETE /v1/responses/{id}: a 404, nothing is stored; POST /v1/responses/input_tokens: a
+404, not supported), GET /v1/models[/{id}],
 vLLM's POST /tokenize and /detokenize (behind the API key when there is one), GET /health,
 GET /version, GET /metrics (Prometheus text)."""
 
@@ -43,6 +44,8 @@ def add_routes(app: FastAPI, st: ServerState) -> None:
                            "server's key", code="invalid_api_key")
 
     auth = [Depends(_auth)]
+    # a template that does not name the developer role drops or mislabels its messages: they go as system ones
+    names_developer = "developer" in str(st.options.chat_template or getattr(st.front.tokenizer, "chat_template", ""))
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request) -> Response:
@@ -91,12 +94,18 @@ def add_routes(app: FastAPI, st: ServerState) -> None:
         request, its answer as a Response (server/responses_api.py, responses_stream.py)."""
         req: ResponsesRequest = await parse_body(request, ResponsesRequest, st.limits.max_body_bytes)
         st.check_model(req.model)
-        chat = chat_request(req)
-        fmt = ResponsesFormat(st.model_id, req.echo(), st.front.token_text, req.logprobs())
+        chat, echo = chat_request(req)
+        fmt = ResponsesFormat(st.model_id, echo, st.front.token_text)
         try:
             return await _chat(request, chat, fmt)
         except APIError as e:
             raise responses_error(e) from None
+
+    @app.post("/v1/responses/input_tokens", dependencies=auth)
+    async def input_tokens() -> Response:
+        raise APIError(404, "POST /v1/responses/input_tokens is not supported by this server; count a prompt's "
+                       "tokens with POST /tokenize (vLLM's: `messages`, and `tools`, as a chat request sends them)",
+                       type="not_found_error", code="unsupported_endpoint")
 
     @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"], dependencies=auth)
     @app.api_route("/v1/responses/{response_id}/{action:path}", methods=["GET", "POST"], dependencies=auth)
@@ -130,7 +139,7 @@ def add_routes(app: FastAPI, st: ServerState) -> None:
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         st.check_size(1, n, text_bytes(prompt_texts(req.messages, tools)), "messages")
         try:
-            return st.front.apply_chat_template(template_messages(req.messages),
+            return st.front.apply_chat_template(template_messages(req.messages, developer=names_developer),
                                                 add_generation_prompt=req.add_generation_prompt,
                                                 continue_final_message=req.continue_final_message,
                                                 chat_template_kwargs=req.chat_template_kwargs, tools=tools,

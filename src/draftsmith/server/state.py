@@ -72,6 +72,16 @@ class Limits:
         return 6 * self.max_prompt_bytes + (1 << 20)
 
 
+class TooManyTokens(APIError):
+    """A request that alone may need more tokens than the server queues (`tokens` over `limit`)."""
+
+    def __init__(self, tokens: int, choices: int, limit: int) -> None:
+        super().__init__(400, f"this request may need up to {tokens} tokens (prompt + max_tokens over its "
+                         f"{choices} choice(s)), over this server's limit of {limit}; lower max_tokens, n or "
+                         "the number of prompts", code="too_many_tokens")
+        self.tokens, self.limit = tokens, limit
+
+
 class _Front:
     """The HTTP thread's tokenizer: a private copy (the engine thread decodes with the
     original; fast tokenizers are not safe to share across threads), used through LLM's
@@ -129,9 +139,7 @@ class ServerState:
         """Count `tokens` as queued, or refuse: 400 if the request alone is over the limit, else 429."""
         limit = self.max_queued_tokens
         if tokens > limit:
-            raise APIError(400, f"this request may need up to {tokens} tokens (prompt + max_tokens over its "
-                           f"{choices} choice(s)), over this server's limit of {limit}; lower max_tokens, n or "
-                           "the number of prompts", code="too_many_tokens")
+            raise TooManyTokens(tokens, choices, limit)
         if self.queued_tokens + tokens > limit:
             raise APIError(429, f"the server is busy: {self.queued_tokens} tokens are queued and this request may "
                            f"need {tokens} more, over the limit of {limit}; retry later",

@@ -1,10 +1,11 @@
 """A chat answer's content -> the assistant message's `content` and `tool_calls`, streamed.
 
-Each tool plan (server/tools.py) reads the text as it arrives and gives OpenAI deltas: `content`
-text and `tool_calls` entries (`{"index", "id", "type", "function": {"name", "arguments"}}`
-when a call starts, then `{"index", "function": {"arguments"}}` for more of its arguments). A
-whole response is the same reader fed the whole text at once (server/answer.py), so a streamed
-answer and a whole one always agree (tests/unit/test_tool_calls.py checks every split of the text).
+Each tool plan (server/tools.py) reads the text as it arrives and gives its parts in the
+answer's order (server/answer_parts.py: content text and `tool_calls` entries, `{"index", "id",
+"type", "function": {"name", "arguments"}}` when a call starts, then `{"index", "function":
+{"arguments"}}` for more of its arguments), which a chat delta merges. A whole response is the
+same reader fed the whole text at once (server/answer.py), so a streamed answer and a whole one
+always agree (tests/unit/test_tool_calls.py checks every split of the text).
 
 - named: every token is the named function's arguments (content stays empty);
 - required: a JSON array of `{"name", "parameters"}` objects; each call is sent when its object
@@ -24,8 +25,8 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any
 
+from draftsmith.server.answer_parts import Part, delta
 from draftsmith.server.text import stop_holdback
 
 _START, _END = "<tool_call>", "</tool_call>"
@@ -36,7 +37,9 @@ def _call_id() -> str:
 
 
 class ToolCallReader:
-    """Base: `push(text)` and `finish(text)` -> a delta ({} when nothing can be said yet)."""
+    """Base: `read(text, last)` -> the parts (content, calls) that can be said now, in the
+    answer's order, each with its end in the text read; `push(text)` / `finish(text)` -> a chat
+    delta ({} when nothing can be said yet)."""
 
     finishes_with_calls = True  # finish_reason "tool_calls" where the answer made calls
 
@@ -47,25 +50,19 @@ class ToolCallReader:
         """The choice's finish_reason, "tool_calls" where calls ended the answer cleanly."""
         return "tool_calls" if self.finishes_with_calls and self.calls and finish_reason == "stop" else finish_reason
 
-    def push(self, text: str) -> dict:
+    def read(self, text: str, last: bool = False) -> list[Part]:
         raise NotImplementedError
 
+    def push(self, text: str) -> dict:
+        return delta(self.read(text))
+
     def finish(self, text: str) -> dict:
-        raise NotImplementedError
+        return delta(self.read(text, last=True))
 
     def _call(self, name: str, arguments: str) -> dict:
         self.calls += 1
         return {"index": self.calls - 1, "id": _call_id(), "type": "function",
                 "function": {"name": name, "arguments": arguments}}
-
-
-def _delta(content: str = "", calls: list[dict] | None = None) -> dict:
-    d: dict[str, Any] = {}
-    if content:
-        d["content"] = content
-    if calls:
-        d["tool_calls"] = calls
-    return d
 
 
 class NamedReader(ToolCallReader):
@@ -76,17 +73,15 @@ class NamedReader(ToolCallReader):
     def __init__(self, name: str) -> None:
         super().__init__()
         self.name = name
+        self.pos = 0  # text read
 
-    def push(self, text: str) -> dict:
+    def read(self, text: str, last: bool = False) -> list[Part]:
+        self.pos += len(text)
         if self.calls == 0:
             text = text.lstrip()  # (whitespace a grammar lets before the JSON, e.g. after a model's reasoning)
-            return _delta(calls=[self._call(self.name, text)]) if text else {}
-        return _delta(calls=[{"index": 0, "function": {"arguments": text}}]) if text else {}
-
-    def finish(self, text: str) -> dict:
-        if self.calls == 0:  # an empty answer is still the one call, with no arguments written
-            return _delta(calls=[self._call(self.name, text.lstrip())])
-        return self.push(text)
+            # (an empty answer is still the one call, with no arguments written)
+            return [Part("call", self._call(self.name, text), self.pos)] if text or last else []
+        return [Part("call", {"index": 0, "function": {"arguments": text}}, self.pos)] if text else []
 
 
 class RequiredReader(ToolCallReader):
@@ -94,13 +89,13 @@ class RequiredReader(ToolCallReader):
 
     def __init__(self) -> None:
         super().__init__()
-        self.buf = ""
+        self.buf = ""  # all the text read
         self.pos = -1  # where the next element starts (-1: the array has not opened)
         self.closed = False
         self._decoder = json.JSONDecoder()
 
-    def _calls(self) -> list[dict]:
-        out = []
+    def _calls(self) -> list[Part]:
+        out: list[Part] = []
         if self.pos < 0:
             head = self.buf.lstrip()
             if not head.startswith("["):
@@ -115,23 +110,23 @@ class RequiredReader(ToolCallReader):
                 break
             try:
                 obj, end = self._decoder.raw_decode(self.buf, i)
-            except (ValueError, RecursionError):  # not complete yet (or not JSON: finish() keeps it as content)
+            except (ValueError, RecursionError):  # not complete yet (or not JSON: the end keeps it as content)
                 break
             if not (isinstance(obj, dict) and isinstance(obj.get("name"), str)):
                 break
-            out.append(self._call(obj["name"], json.dumps(obj.get("parameters", {}), ensure_ascii=False)))
+            out.append(Part("call", self._call(obj["name"], json.dumps(obj.get("parameters", {}), ensure_ascii=False)),
+                            end))
             self.pos = end
         return out
 
-    def push(self, text: str) -> dict:
+    def read(self, text: str, last: bool = False) -> list[Part]:
         self.buf += text
-        return _delta(calls=self._calls())
-
-    def finish(self, text: str) -> dict:
-        self.buf += text
-        calls = self._calls()
-        rest = self.buf if self.calls == 0 else self.buf[self.pos:]
-        return _delta(rest if rest.strip(" \t\n\r,]") else "", calls)
+        out = self._calls()
+        if last:
+            rest = self.buf if self.calls == 0 else self.buf[self.pos:]
+            if rest.strip(" \t\n\r,]"):
+                out.append(Part("content", rest, len(self.buf)))
+        return out
 
 
 class HermesReader(ToolCallReader):
@@ -141,6 +136,7 @@ class HermesReader(ToolCallReader):
         super().__init__()
         self.max_calls = max_calls  # parallel_tool_calls: false -> 1 (later blocks stay text)
         self.buf = ""  # text not given out yet
+        self.pos = 0  # where buf starts in the text read
         self.in_call = False
         self.ws = ""  # after a call: whitespace held until text follows it
 
@@ -152,54 +148,62 @@ class HermesReader(ToolCallReader):
         self.ws = self.ws[len(body):]
         return body
 
-    def _block(self, body: str, closed: bool) -> tuple[str, dict | None]:
+    def _take(self, used: int) -> None:
+        self.pos += used
+        self.buf = self.buf[used:]
+
+    def _text(self, out: list[Part], n: int) -> None:
+        """buf[:n] as content (after any held whitespace; trailing whitespace after a call held:
+        the part ends before it, where it ends however the text is split)."""
+        content = self._content(self.buf[:n])
+        self._take(n)
+        if content:
+            out.append(Part("content", content, self.pos - len(self.ws)))
+
+    def _block(self, out: list[Part], body: str, used: int, closed: bool) -> None:
+        """A `<tool_call>` block's body (its start tag already read), read from buf[:used]."""
         try:
             obj = json.loads(body)
         except (ValueError, RecursionError):
             obj = None
         full = self.max_calls is not None and self.calls >= self.max_calls
+        self._take(used)
         if full or not (isinstance(obj, dict) and isinstance(obj.get("name"), str)):
-            return self._content(_START + body + (_END if closed else "")), None  # (after any held whitespace)
+            content = self._content(_START + body + (_END if closed else ""))  # (after any held whitespace)
+            if content:
+                out.append(Part("content", content, self.pos - len(self.ws)))
+            return
         self.ws = ""  # whitespace between calls
         args = obj.get("arguments")
         args = args if isinstance(args, str) else json.dumps({} if args is None else args, ensure_ascii=False)
-        return "", self._call(obj["name"], args)
+        out.append(Part("call", self._call(obj["name"], args), self.pos))
 
-    def push(self, text: str) -> dict:
+    def read(self, text: str, last: bool = False) -> list[Part]:
         self.buf += text
-        content, calls = "", []
+        out: list[Part] = []
         while True:
             if self.in_call:
                 j = self.buf.find(_END)
                 if j < 0:
                     break
-                body, self.buf, self.in_call = self.buf[:j], self.buf[j + len(_END):], False
-                more, call = self._block(body, True)
-                content += more
-                calls += [call] if call else []
+                self.in_call = False
+                self._block(out, self.buf[:j], j + len(_END), closed=True)
                 continue
             i = self.buf.find(_START)
             if i >= 0:
-                content += self._content(self.buf[:i])
-                self.buf, self.in_call = self.buf[i + len(_START):], True
+                self._text(out, i)
+                self._take(len(_START))
+                self.in_call = True
                 continue
-            keep = stop_holdback(self.buf, [_START])  # may still become <tool_call>
-            content += self._content(self.buf[:len(self.buf) - keep])
-            self.buf = self.buf[len(self.buf) - keep:]
+            keep = 0 if last else stop_holdback(self.buf, [_START])  # may still become <tool_call>
+            self._text(out, len(self.buf) - keep)
             break
-        return _delta(content, calls)
-
-    def finish(self, text: str) -> dict:
-        d = self.push(text)
-        content, calls = d.get("content", ""), list(d.get("tool_calls", []))
-        if self.in_call:  # a block the answer did not close
-            more, call = self._block(self.buf, False)
-            content += more
-            calls += [call] if call else []
-        else:
-            content += self._content(self.buf)
-        self.buf, self.ws = "", ""
-        return _delta(content, calls)
+        if last:
+            if self.in_call:  # a block the answer did not close
+                self.in_call = False
+                self._block(out, self.buf, len(self.buf), closed=False)
+            self.buf, self.ws = "", ""
+        return out
 
 
 def reader(plan) -> ToolCallReader | None:

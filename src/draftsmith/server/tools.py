@@ -137,14 +137,18 @@ def _parameters(params: dict | None) -> dict:
     return params if params is not None else {"type": "object", "properties": {}}
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict]:
+def template_messages(messages: list[ChatMessage], developer: bool = True) -> list[dict]:
     """The messages as a chat template reads them: text content ("" for none), an assistant's
     earlier calls with their arguments as objects (as vLLM hands them to HF templates, which
     write them with `tojson`) and its reasoning (`reasoning` or `reasoning_content`, handed on
-    as `reasoning_content`), a tool message's `tool_call_id`."""
+    as `reasoning_content`), a tool message's `tool_call_id`. `developer`: the template names the
+    developer role; where it does not (Qwen2.5's drops such a message unseen; SmolLM2's writes a
+    role its model never saw, after its own default system prompt), a developer message is a
+    system message, OpenAI's meaning of the role."""
     out = []
     for m in messages:
-        d: dict[str, Any] = {"role": m.role, "content": m.text()}
+        role = m.role if developer or m.role != "developer" else "system"
+        d: dict[str, Any] = {"role": role, "content": m.text()}
         if m.tool_calls:
             d["tool_calls"] = [{"id": c.id, "type": "function",
                                 "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
