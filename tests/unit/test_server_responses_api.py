@@ -4,14 +4,17 @@ against the official `openai` package's types; each item closed before the next 
 text.format = the chat route's response_format; function tools named, required and auto (with
 reasoning) as function_call items, text before / between / after calls as messages of their own
 (also without a model, however the answer is split); input items (function_call,
-function_call_output, reasoning, developer messages, ...) reaching the chat template; incomplete
-at max_output_tokens (the item that got the last token); null optional fields; an engine error
+function_call_output, reasoning, developer messages, ...) reaching the chat template (developer
+messages folded into one leading system message where the template does not name the role);
+incomplete at max_output_tokens (the items the cut left unfinished); logprobs read from the
+decoding that wrote the text (a SentencePiece tokenizer); null optional fields; an engine error
 midway as `error` + `response.failed`; bad requests and stored-response routes as clear 4xx
 errors."""
 
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import httpx
 import pytest
@@ -353,36 +356,35 @@ def test_an_engine_error_midway_is_error_then_response_failed(tiny_server):
         stream.get_final_response()
 
 
-class _ByteTokens:
-    """A byte-level TokenText: token t is the byte t."""
-
-    @staticmethod
-    def bytes(t: int) -> bytes:
-        return bytes([t])
+def _byte_decode(ids: list[int]) -> str:
+    """A byte-level tokenizer's decoding: token t is the byte t."""
+    return bytes(ids).decode("utf-8", errors="replace")
 
 
 THINK_TEXT_CALLS = ('<think>plan</think>Hi.<tool_call>{"name": "now", "arguments": {}}</tool_call>\nThen ü.\n'
                     '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>\nDo')
 
 
-def _built(text: str, cuts: list[int], cut: bool = False) -> tuple[list[dict], list[dict]]:
-    """`text` read (reasoning, hermes calls) in pieces cut at `cuts` (character offsets), each
-    piece's tokens its UTF-8 bytes, token i's logprobs entry {"i": i}: the output items and
-    their events, as a stream sends them (`cut`: the answer ran out of tokens)."""
-    from draftsmith.server.answer import AnswerReader
-    from draftsmith.server.reasoning import ReasoningReader
+def _built(text: str, cuts: list[int], cut: bool = False, answer=None) -> tuple[list[dict], list[dict]]:
+    """`text` read (by `answer`'s reader, an AnswerFormat; default: reasoning, hermes calls) in
+    pieces cut at `cuts` (character offsets), each piece's tokens its UTF-8 bytes, token i's
+    logprobs entry {"i": i}: the output items and their events, as a stream sends them (`cut`:
+    the answer ran out of tokens)."""
+    from draftsmith.server.answer import AnswerFormat
     from draftsmith.server.responses_api import PartsReader
     from draftsmith.server.responses_output import ResponseOutput
-    from draftsmith.server.tool_calls import HermesReader
+    from draftsmith.server.tools import ToolPlan
 
-    reader = PartsReader(AnswerReader(ReasoningReader(False), HermesReader()))
-    out = ResponseOutput("h", _ByteTokens(), logprobs=True)
+    answer = answer or AnswerFormat(ToolPlan("auto", parser="hermes"), reasoning=True)
+    reader = PartsReader(answer.reader(always=True))
+    out = ResponseOutput("h", _byte_decode, logprobs=True)
     bounds, events, n = [0, *cuts, len(text)], [], 0
     for k in range(len(bounds) - 1):
         piece = text[bounds[k]:bounds[k + 1]]
         ids = list(piece.encode())
-        d = reader.finish(piece) if k == len(bounds) - 2 else reader.push(piece)
-        events += out.read(d.get("parts", []), ids, [{"i": i} for i in range(n, n + len(ids))])
+        last = k == len(bounds) - 2
+        d = reader.finish(piece) if last else reader.push(piece)
+        events += out.read(d.get("parts", []), ids, [{"i": i} for i in range(n, n + len(ids))], cut=cut and last)
         n += len(ids)
     events += out.end(cut)
     return out.items, [{"type": kind, **fields} for kind, fields in events]
@@ -391,10 +393,11 @@ def _built(text: str, cuts: list[int], cut: bool = False) -> tuple[list[dict], l
 def test_items_follow_the_answer_however_it_is_split():
     """The output builder alone: reasoning, text, a call, text, a call, text are six items in that
     order, each closed before the next is added; the same items (logprobs included) whether the
-    answer comes whole, in three pieces or a character at a time (a stream's final Response =
-    the whole one); each message's logprobs are its own text's tokens (not </think>'s, a call's
-    or the whitespace dropped before one); cut by max_output_tokens, the last item (the text that
-    got the last token) is "incomplete", the calls are not."""
+    answer comes whole, in two pieces (every cut), in three (about 300 of the ~10,700 ways, evenly
+    spread: all of them take ~20 s) or a character at a time (a stream's final Response = the
+    whole one); each message's logprobs are its own text's tokens (not </think>'s, a call's or the
+    whitespace dropped before one); cut by max_output_tokens, the last item (the text that got the
+    last character) is "incomplete", the calls are not."""
     import itertools
 
     items, events = _built(THINK_TEXT_CALLS, [])
@@ -410,14 +413,140 @@ def test_items_follow_the_answer_however_it_is_split():
         start = raw.index(text, raw.index(b"</think>"))
         assert [e["i"] for e in item["content"][0]["logprobs"]] == list(range(start, start + len(text)))
     whole = _bare(items)
-    cuts = list(itertools.combinations(range(1, len(THINK_TEXT_CALLS)), 2))
-    for split in [*map(list, cuts[::max(1, len(cuts) // 300)]), list(range(1, len(THINK_TEXT_CALLS)))]:
+    ones = [[i] for i in range(1, len(THINK_TEXT_CALLS))]
+    twos = list(itertools.combinations(range(1, len(THINK_TEXT_CALLS)), 2))  # (a sample of them: docstring)
+    for split in [*ones, *map(list, twos[::len(twos) // 300]), list(range(1, len(THINK_TEXT_CALLS)))]:
         items, events = _built(THINK_TEXT_CALLS, split)
         _items_one_at_a_time(events, items)
         assert _bare(items) == whole, split
     items, events = _built(THINK_TEXT_CALLS, list(range(1, len(THINK_TEXT_CALLS))), cut=True)
     _items_one_at_a_time(events, items)
     assert [i["status"] for i in items] == ["completed"] * 5 + ["incomplete"]
+
+
+def test_cut_marks_the_items_it_left_unfinished():
+    """Cut by max_output_tokens, an item is "incomplete" where the cut left it unfinished (the
+    last character went to it and did not close it), not because it is the last one: a hermes
+    call closed by </tool_call> with only dropped whitespace after it, or a reasoning closed by
+    </think>, is "completed"; a call block without its end tag, a reasoning cut before a named
+    call's (empty) arguments, and that call, are "incomplete"; whole = a character at a time."""
+    from draftsmith.server.answer import AnswerFormat
+    from draftsmith.server.tools import ToolPlan
+
+    hermes, named = ToolPlan("auto", parser="hermes"), ToolPlan("named", name="f")
+    cases = [
+        (AnswerFormat(hermes), 'Hi<tool_call>{"name": "f", "arguments": {}}</tool_call>\n\n',
+         [("message", "completed"), ("function_call", "completed")]),
+        (AnswerFormat(hermes), 'Hi<tool_call>{"name": "f", "arguments": {}}',
+         [("message", "completed"), ("function_call", "incomplete")]),
+        (AnswerFormat(hermes), 'Hi<tool_call>{"name": "f", "arguments": {}}</tool_call>\nBy',
+         [("message", "completed"), ("function_call", "completed"), ("message", "incomplete")]),
+        (AnswerFormat(reasoning=True), "<think>plan</think>", [("reasoning", "completed")]),
+        (AnswerFormat(reasoning=True), "<think>plan</think>Hi",
+         [("reasoning", "completed"), ("message", "incomplete")]),
+        (AnswerFormat(reasoning=True), "<think>plan", [("reasoning", "incomplete")]),
+        (AnswerFormat(named, reasoning=True), "<think>plan, still thinking",
+         [("reasoning", "incomplete"), ("function_call", "incomplete")]),
+        (AnswerFormat(named, reasoning=True), '<think>plan</think>{"a": ', [("reasoning", "completed"),
+                                                                          ("function_call", "incomplete")]),
+        (AnswerFormat(ToolPlan("required")), '[{"name": "f", "parameters": {}}, {"na',
+         [("function_call", "completed"), ("message", "incomplete")]),
+        (AnswerFormat(reasoning=True), "<think></think>", [("message", "incomplete")]),  # (no item: an empty message)
+    ]
+    for answer, text, want in cases:
+        items, events = _built(text, [], cut=True, answer=answer)
+        _items_one_at_a_time(events, items)
+        assert [(i["type"], i["status"]) for i in items] == want, text
+        assert _bare(_built(text, list(range(1, len(text))), cut=True, answer=answer)[0]) == _bare(items), text
+        assert {i["status"] for i in _built(text, [], answer=answer)[0]} == {"completed"}  # (not cut)
+
+
+def _metaspace_tokenizer():
+    """A SentencePiece-style tokenizer (Llama 2's, Mistral's: "▁" for a space, a Metaspace
+    decoder that drops the first token's leading space), with the think and tool-call tags as
+    added tokens (as Qwen's and Hermes') and a special token <|x|> that decoding skips."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["<unk>", "<s>", "</s>", "\u2581Hi", "!", "\u2581there", "\u2581plan", "\u2581ok", "\u2581",
+              '{"name":\u2581"now",\u2581"arguments":\u2581{}}', "\u2581Done"]
+    tok = Tokenizer(models.BPE({p: i for i, p in enumerate(pieces)}, [], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="first")
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t in ("<think>", "</think>", "<tool_call>", "</tool_call>")])
+    tok.add_special_tokens(["<|x|>"])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    return fast, fast.convert_tokens_to_ids
+
+
+def _decoded(answer, decode, ids: list[int], per_token: bool, cut: bool = False) -> tuple[list[dict], list, int]:
+    """The items, events and reasoning_tokens of an answer of token `ids` whose text is `decode`'s
+    (the engine's): whole, or streamed a token at a time as the server streams it (each push's
+    text from server/text.py's StreamText, the last one the whole text)."""
+    from draftsmith.server.responses_api import PartsReader
+    from draftsmith.server.responses_output import ResponseOutput
+    from draftsmith.server.text import StreamText
+
+    reader, out = PartsReader(answer.reader(always=True)), ResponseOutput("h", decode, logprobs=True)
+    chunks = [[t] for t in ids] if per_token else [list(ids)]
+    stream, events, n, d = StreamText(decode, []), [], 0, {}
+    for k, chunk in enumerate(chunks):
+        last = k == len(chunks) - 1
+        d = reader.finish(stream.finish(decode(ids))) if last else reader.push(stream.push(chunk))
+        events += out.read(d.get("parts", []), chunk, [{"i": i} for i in range(n, n + len(chunk))], cut=cut and last)
+        n += len(chunk)
+    events += out.end(cut)
+    return out.items, [{"type": kind, **fields} for kind, fields in events], out.reasoning_tokens(d["thinks"], n)
+
+
+def test_logprobs_follow_the_decoding_on_sentencepiece_tokenizers():
+    """A SentencePiece-style tokenizer (Metaspace: the answer's first "▁" is dropped from the
+    text) and a special token skipped mid-answer: every token's logprobs entry lands on the
+    message whose text it wrote, none lost, none shifted (a token's bytes say " Hi", the text
+    "Hi"); an end-of-text token on none; reasoning_tokens through </think>; whole = streamed a
+    token at a time."""
+    from draftsmith.server.answer import AnswerFormat
+    from draftsmith.server.tools import ToolPlan
+
+    tok, ids = _metaspace_tokenizer()
+    decode = partial(tok.decode, skip_special_tokens=True)
+    plain = AnswerFormat()
+    for pieces, text in [(["\u2581Hi", "!", "\u2581there", "!"], "Hi! there!"),
+                         (["\u2581Hi", "<|x|>", "!", "\u2581there", "<|x|>", "!", "</s>"], "Hi! there!"),
+                         (["\u2581", "\u2581Hi", "!"], " Hi!")]:
+        answer = ids(pieces)
+        assert decode(answer) == text
+        for per_token in (False, True):
+            items, events, _ = _decoded(plain, decode, answer, per_token)
+            _items_one_at_a_time(events, items)
+            (msg,) = items
+            assert msg["content"][0]["text"] == text
+            written = len(pieces) - (pieces[-1] == "</s>")  # (the end-of-text token wrote nothing of it)
+            assert [e["i"] for e in msg["content"][0]["logprobs"]] == list(range(written)), (pieces, per_token)
+    # the prompt opened <think> (Qwen3's): the answer's first piece is "▁ok"; text before, between
+    # and after a hermes call; a skipped special token in the first text
+    thinking = AnswerFormat(ToolPlan("auto", parser="hermes"), reasoning=True, thinking=True)
+    pieces = ["\u2581ok", "\u2581plan", "</think>", "\u2581Hi", "<|x|>", "!", "<tool_call>",
+              '{"name":\u2581"now",\u2581"arguments":\u2581{}}', "</tool_call>", "\u2581Done", "!", "</s>"]
+    answer = ids(pieces)
+    assert decode(answer) == 'ok plan</think> Hi!<tool_call>{"name": "now", "arguments": {}}</tool_call> Done!'
+    whole = None
+    for per_token in (False, True):
+        items, events, reasoning = _decoded(thinking, decode, answer, per_token)
+        _items_one_at_a_time(events, items)
+        assert [(i["type"], i.get("name") or i["content"][0]["text"]) for i in items] == [
+            ("reasoning", "ok plan"), ("message", " Hi!"), ("function_call", "now"), ("message", " Done!")]
+        assert [[e["i"] for e in i["content"][0]["logprobs"]] for i in items if i["type"] == "message"] == [
+            [3, 4, 5], [9, 10]]
+        assert reasoning == 3  # ("▁ok", "▁plan", "</think>")
+        whole = whole or _bare(items)
+        assert _bare(items) == whole
+    # cut in the reasoning: all of the tokens are reasoning_tokens
+    items, _, reasoning = _decoded(thinking, decode, answer[:2], False, cut=True)
+    assert [(i["type"], i["status"]) for i in items] == [("reasoning", "incomplete")] and reasoning == 2
+
+
 
 
 def test_calls_as_items_without_a_model():
@@ -430,7 +559,7 @@ def test_calls_as_items_without_a_model():
     from draftsmith.server.tools import ToolPlan
 
     def answer(plan: ToolPlan, text: str, finish: str) -> dict:
-        fmt = ResponsesFormat("m", {}, token_text=None)
+        fmt = ResponsesFormat("m", {})
         fmt.with_answer(AnswerFormat(plan))
         fmt.with_prompts([[1, 2]], 1)
         ev = Event("finished", 0, token_ids=[7] * 5, text=text, finish_reason=finish)
@@ -498,14 +627,55 @@ def test_input_items_reach_the_chat_template(tiny_dir, tiny_server):
         assert _text(d) == chat["choices"][0]["message"]["content"]
 
 
+# TEMPLATE, naming the developer role as a template that reads it does (a quoted literal)
+DEVELOPER_TEMPLATE = TEMPLATE.replace("{{ m.role }}:", "{% if m.role == 'developer' %}developer{% else %}"
+                                      "{{ m.role }}{% endif %}:")
+# TEMPLATE behind a guard that refuses a system message anywhere but first (as Qwen3.5's-style
+# templates raise "System message must be at the beginning"); "developer" only in a comment
+GUARD_TEMPLATE = ("{# no developer role here #}{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
+                  "{{ raise_exception('System message must be at the beginning.') }}{% endif %}{% endfor %}"
+                  + TEMPLATE)
+
+
+def test_which_templates_name_the_developer_role():
+    """A template names the developer role where it holds 'developer' or "developer" (a quoted
+    literal, as `m.role == 'developer'`); the word in a comment or prose does not count. Where it
+    does not, the leading system and developer messages are one system message (their texts
+    joined by a blank line, empty ones left out); a later developer message, and a leading run
+    without one, go as sent."""
+    from draftsmith.server.protocol import ChatMessage
+    from draftsmith.server.tools import names_developer, template_messages
+
+    assert names_developer(DEVELOPER_TEMPLATE) and names_developer('{% if m.role == "developer" %}{% endif %}')
+    assert names_developer({"default": TEMPLATE, "tool_use": DEVELOPER_TEMPLATE})
+    assert names_developer([{"name": "default", "template": DEVELOPER_TEMPLATE}])
+    for no in (TEMPLATE, GUARD_TEMPLATE, "{# the developer role is written as sent #}" + TEMPLATE,
+               "You are a developer's assistant. " + TEMPLATE, None, "", {"default": TEMPLATE}):
+        assert not names_developer(no), no
+
+    def roles(msgs: list[tuple[str, str]], developer: bool = False) -> list[tuple[str, str]]:
+        got = template_messages([ChatMessage(role=r, content=c) for r, c in msgs], developer=developer)
+        return [(m["role"], m["content"]) for m in got]
+
+    sd = [("system", "instr"), ("developer", "dev"), ("user", "hi")]
+    assert roles(sd) == [("system", "instr\n\ndev"), ("user", "hi")]
+    assert roles(sd, developer=True) == sd
+    assert roles([("developer", "a"), ("system", ""), ("developer", "b"), ("user", "hi"), ("developer", "c")]) == [
+        ("system", "a\n\nb"), ("user", "hi"), ("developer", "c")]
+    later = [("user", "hi"), ("assistant", "yo"), ("developer", "dev"), ("user", "q")]
+    assert roles(later) == later
+    systems = [("system", "a"), ("system", "b"), ("user", "hi")]
+    assert roles(systems) == systems
+
+
 def test_developer_messages_are_system_ones_where_the_template_has_no_developer(tiny_dir, tiny_server):
     """A template that does not name the developer role (Qwen2.5's drops such a message, SmolLM2's
-    and TEMPLATE write a role the model never saw) gets a developer message as a system message,
-    on chat, /tokenize and responses alike; a template that names the role gets it as sent."""
+    and TEMPLATE write a role the model never saw) gets a leading developer message as a system
+    message, on chat, /tokenize and responses alike; a template that names the role (as a quoted
+    literal: DEVELOPER_TEMPLATE) gets it as sent."""
     llm = LLM(str(tiny_dir), max_batch=1, max_len=256)
     dev = [{"role": "developer", "content": "be kind"}, {"role": "user", "content": "hi"}]
-    for template, role in [(TEMPLATE, "system"), ("{# the developer role is written as sent #}" + TEMPLATE,
-                                                  "developer")]:
+    for template, role in [(TEMPLATE, "system"), (DEVELOPER_TEMPLATE, "developer")]:
         with httpx.Client(base_url=tiny_server(chat_template=template), timeout=60) as h:
             tok = h.post("/tokenize", json={"messages": dev}).json()
             assert llm.tokenizer.decode(tok["tokens"]) == f"{role}:be kind|user:hi|"
@@ -515,6 +685,43 @@ def test_developer_messages_are_system_ones_where_the_template_has_no_developer(
             assert chat["usage"] == same["usage"] and chat["choices"][0]["message"] == same["choices"][0]["message"]
             d = _whole(h, {"input": dev, "max_output_tokens": 4, "temperature": 0})
             assert d["usage"]["input_tokens"] == tok["count"] and _text(d) == chat["choices"][0]["message"]["content"]
+
+
+def test_developer_messages_on_a_template_that_wants_one_leading_system_message(tiny_dir, tiny_server):
+    """A template that refuses a system message anywhere but first and does not name the
+    developer role: `instructions` + a developer item (responses) and system + developer (chat,
+    as agent SDKs send them) are one leading system message, not a 400 naming a role the client
+    never sent; a developer message later in the conversation goes as sent (not a second system
+    message the template would refuse); the template's own rule still holds."""
+    llm = LLM(str(tiny_dir), max_batch=1, max_len=256)
+    body = {"max_tokens": 4, "temperature": 0}
+    with httpx.Client(base_url=tiny_server(chat_template=GUARD_TEMPLATE), timeout=60) as h:
+        def prompt(msgs: list[dict]) -> tuple[str, int]:
+            r = h.post("/tokenize", json={"messages": msgs})
+            assert r.status_code == 200, r.text
+            return llm.tokenizer.decode(r.json()["tokens"]), r.json()["count"]
+
+        def chat(msgs: list[dict]) -> dict:
+            r = h.post("/v1/chat/completions", json={"messages": msgs, **body})
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        sd = [{"role": "system", "content": "be brief"}, {"role": "developer", "content": "be kind"},
+              {"role": "user", "content": "hi"}]
+        text, count = prompt(sd)
+        assert text == "system:be brief\n\nbe kind|user:hi|"
+        got, same = chat(sd), chat([{"role": "system", "content": "be brief\n\nbe kind"}, sd[2]])
+        assert got["usage"] == same["usage"] and got["choices"][0]["message"] == same["choices"][0]["message"]
+        d = _whole(h, {"instructions": "be brief", "input": sd[1:], "max_output_tokens": 4, "temperature": 0})
+        assert d["usage"]["input_tokens"] == count and _text(d) == got["choices"][0]["message"]["content"]
+        later = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+                 {"role": "developer", "content": "be kind"}, {"role": "user", "content": "q"}]
+        text, count = prompt(later)
+        assert text == "user:hi|assistant:yo|developer:be kind|user:q|"
+        assert chat(later)["usage"]["prompt_tokens"] == count
+        assert _whole(h, {"input": later, "max_output_tokens": 4, "temperature": 0})["usage"]["input_tokens"] == count
+        _assert_openai_error(h.post("/v1/chat/completions", json={"messages": [sd[2], sd[0]], **body}), 400,
+                             "messages", says="System message must be at the beginning")
 
 
 BAD = [

@@ -18,11 +18,14 @@ class Part:
     text the reader was given, just past the text this part was read from (a reasoning's closing
     `</think>` and a call's tags included; whitespace a reader drops after a call not), the same
     however the text was split into pieces. A reasoning part may be empty: it only says where the
-    reasoning ends (at `</think>`)."""
+    reasoning ends (at `</think>`). `done`: the part's text closes what it belongs to (a reasoning's
+    through `</think>`, a hermes call's through `</tool_call>`, a "required" call's object), so an
+    answer cut right after it did not cut that item (content has no closing mark: never done)."""
 
     kind: Literal["reasoning", "content", "call"]
     value: Any
     end: int
+    done: bool = False
 
 
 def moved(parts: list[Part], by: int) -> list[Part]:

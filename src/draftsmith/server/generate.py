@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from functools import partial
 from typing import Any
 
 from fastapi import Request
@@ -67,6 +68,7 @@ async def generate(st: ServerState, request: Request, req: Any, prompts: list[li
     structured = await asyncio.to_thread(structured_outputs, req, st.front.grammars.check,
                                          fmt.answer.grammar_reasoning()) if asks_structure(req) else None
     fmt.with_logprobs(req.top_logprobs_k(), st.front.token_text)
+    fmt.with_decode(partial(st.front.decode, skip_special_tokens=req.skip_special_tokens))
     fmt.with_prompts(prompts, n)
     if req.prompt_logprobs is not None:
         fmt.with_prompt_logprobs(req.prompt_logprobs, st.front.token_text)

@@ -65,7 +65,7 @@ class ReasoningReader:
                 self.opened = True
                 j = self.buf.find(_CLOSE)
                 if j >= 0:  # (a part even where empty: the reasoning's text ends past </think>)
-                    self._take(out, "reasoning", j, j + len(_CLOSE), always=True)
+                    self._take(out, "reasoning", j, j + len(_CLOSE), closes=True)
                     self.state = "content"
                     continue
                 keep = 0 if last else stop_holdback(self.buf, [_CLOSE])  # may still become </think>
@@ -78,13 +78,13 @@ class ReasoningReader:
                 break
         return out
 
-    def _take(self, out: list[Part], kind: str, n: int, used: int | None = None, always: bool = False) -> None:
-        """buf[:n] as a `kind` part (none where empty, unless `always`), read from buf[:used]
-        (default: n)."""
+    def _take(self, out: list[Part], kind: str, n: int, used: int | None = None, closes: bool = False) -> None:
+        """buf[:n] as a `kind` part (none where empty, unless it `closes` the reasoning: a part
+        that says where it ends), read from buf[:used] (default: n)."""
         used = n if used is None else used
         self.pos += used
-        if n or always:
-            out.append(Part(kind, self.buf[:n], self.pos))
+        if n or closes:
+            out.append(Part(kind, self.buf[:n], self.pos, done=closes))
         self.buf = self.buf[used:]
 
     def push(self, text: str) -> tuple[str, str]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import replace
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from draftsmith.models.token_text import TokenText
 from draftsmith.server.engine_loop import Event
@@ -34,11 +34,18 @@ class ResponseFormat:
         self.prompt_lp: tuple | None = None  # prompt_logprobs: (k, token text)
         self.token_ids = False  # return_token_ids
         self.chat_echo = ""  # chat's echo: the continued assistant message's text, first in the content
+        self.decode: Callable[[list[int]], str] | None = None  # the choices' text from their ids (with_decode)
 
     def with_chat_echo(self, text: str) -> None:
         """vLLM's chat `echo` (with a last assistant message, e.g. continue_final_message): the
         content starts with that message's text (streamed: a chunk of its own after the role's)."""
         self.chat_echo = text
+
+    def with_decode(self, decode: Callable[[list[int]], str]) -> None:
+        """How a choice's text is decoded from its ids (the engine's and the stream's decoding,
+        special tokens skipped or kept as the request asked): a Response reads from it which
+        token wrote which character."""
+        self.decode = decode
 
     def with_prompts(self, prompts: list[list[int]], n: int) -> None:
         """The request's prompts as the engine got them, n choices each (choice i: prompt i // n)."""

@@ -9,8 +9,9 @@
   `summary`, is the `reasoning` of the assistant message that follows: a message item or the one
   its function_call items make; with no assistant message after it, an assistant message of its
   own with only that reasoning, as vLLM makes every reasoning item). `instructions` is a system
-  message before them. Role `developer` reaches the template as `system` where the template
-  does not name it (server/tools.py's template_messages, as on chat).
+  message before them. Where the template does not name the `developer` role, the leading
+  system and developer messages (`instructions` included) reach it as one system message and a
+  later developer message as sent (server/tools.py's template_messages, as on chat).
 - `text.format` -> `response_format` (text, json_object, json_schema); flat function `tools`
   `{"type": "function", "name", "description", "parameters", "strict"}` and `tool_choice`
   ("auto", "none", "required", `{"type": "function", "name"}`) -> chat's tools and tool_choice;

@@ -40,7 +40,6 @@ class ResponsesStream:
         self.fmt = fmt
         self.seq = 0
         self.out = fmt.output()
-        self.token_ids: list[int] = []
         self.finish: str | None = None
         self.thinks = False  # the answer had a think block (its last delta says)
         self.usage: dict | None = None
@@ -63,7 +62,7 @@ class ResponsesStream:
             for choice in chunk["choices"]:
                 for kind, fields in self._choice(choice):
                     yield self._event(kind, fields)
-        events, response = self.fmt.final(self.out, self.finish, self.usage, self.token_ids, self.thinks)
+        events, response = self.fmt.final(self.out, self.finish, self.usage, self.thinks)
         for kind, fields in events:
             yield self._event(kind, fields)
         yield self._event("response.completed", {"response": response})
@@ -71,11 +70,10 @@ class ResponsesStream:
     def _choice(self, choice: dict) -> list[tuple[str, dict]]:
         delta = choice["delta"]
         ids = choice.get("token_ids") or []
-        self.token_ids += ids
         self.finish = choice["finish_reason"] or self.finish
         self.thinks = delta.get("thinks", self.thinks)
         entries = (choice["logprobs"] or {}).get("content") or []
-        return self.out.read(delta.get("parts", []), ids, entries)
+        return self.out.read(delta.get("parts", []), ids, entries, cut=choice["finish_reason"] == "length")
 
     def _failed(self, err: dict) -> list[str]:
         error = {"code": "server_error", "message": err["message"]}

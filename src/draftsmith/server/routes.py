@@ -26,7 +26,7 @@ from draftsmith.server.responses_request import NO_STORE, ResponsesRequest, chat
 from draftsmith.server.reasoning import leaves_open, opens_thinking
 from draftsmith.server.state import ServerState
 from draftsmith.server.structured import asks_structure
-from draftsmith.server.tools import check_tools, prompt_texts, template_messages, tool_plan
+from draftsmith.server.tools import check_tools, names_developer, prompt_texts, template_messages, tool_plan
 
 
 _THINK_TAIL = 8  # prompt tokens read for a <think> the template's generation prompt ends in
@@ -44,8 +44,9 @@ def add_routes(app: FastAPI, st: ServerState) -> None:
                            "server's key", code="invalid_api_key")
 
     auth = [Depends(_auth)]
-    # a template that does not name the developer role drops or mislabels its messages: they go as system ones
-    names_developer = "developer" in str(st.options.chat_template or getattr(st.front.tokenizer, "chat_template", ""))
+    # a template that does not name the developer role drops or mislabels its messages: the leading
+    # ones go as (one) system message (tools.template_messages)
+    developer_role = names_developer(st.options.chat_template or getattr(st.front.tokenizer, "chat_template", None))
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request) -> Response:
@@ -95,7 +96,7 @@ def add_routes(app: FastAPI, st: ServerState) -> None:
         req: ResponsesRequest = await parse_body(request, ResponsesRequest, st.limits.max_body_bytes)
         st.check_model(req.model)
         chat, echo = chat_request(req)
-        fmt = ResponsesFormat(st.model_id, echo, st.front.token_text)
+        fmt = ResponsesFormat(st.model_id, echo)
         try:
             return await _chat(request, chat, fmt)
         except APIError as e:
@@ -139,7 +140,7 @@ def add_routes(app: FastAPI, st: ServerState) -> None:
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         st.check_size(1, n, text_bytes(prompt_texts(req.messages, tools)), "messages")
         try:
-            return st.front.apply_chat_template(template_messages(req.messages, developer=names_developer),
+            return st.front.apply_chat_template(template_messages(req.messages, developer=developer_role),
                                                 add_generation_prompt=req.add_generation_prompt,
                                                 continue_final_message=req.continue_final_message,
                                                 chat_template_kwargs=req.chat_template_kwargs, tools=tools,

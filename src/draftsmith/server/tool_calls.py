@@ -115,7 +115,7 @@ class RequiredReader(ToolCallReader):
             if not (isinstance(obj, dict) and isinstance(obj.get("name"), str)):
                 break
             out.append(Part("call", self._call(obj["name"], json.dumps(obj.get("parameters", {}), ensure_ascii=False)),
-                            end))
+                            end, done=True))
             self.pos = end
         return out
 
@@ -176,7 +176,7 @@ class HermesReader(ToolCallReader):
         self.ws = ""  # whitespace between calls
         args = obj.get("arguments")
         args = args if isinstance(args, str) else json.dumps({} if args is None else args, ensure_ascii=False)
-        out.append(Part("call", self._call(obj["name"], args), self.pos))
+        out.append(Part("call", self._call(obj["name"], args), self.pos, done=closed))
 
     def read(self, text: str, last: bool = False) -> list[Part]:
         self.buf += text

@@ -20,6 +20,7 @@ A forced call is a grammar like any other, so speculative decoding stays lossles
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -137,18 +138,47 @@ def _parameters(params: dict | None) -> dict:
     return params if params is not None else {"type": "object", "properties": {}}
 
 
+_DEVELOPER = re.compile(r"""(['"])developer\1""")
+
+
+def names_developer(template: Any) -> bool:
+    """Whether a chat template (a string, or named templates: a dict or a list of
+    `{"name", "template"}`) names the developer role: `'developer'` or `"developer"` as a
+    quoted literal, as a template that reads the role compares it (`message.role ==
+    'developer'`); the word in a comment or in prose does not count."""
+    if isinstance(template, dict):
+        return any(names_developer(t) for t in template.values())
+    if isinstance(template, (list, tuple)):
+        return any(names_developer(t.get("template") if isinstance(t, dict) else t) for t in template)
+    return isinstance(template, str) and _DEVELOPER.search(template) is not None
+
+
 def template_messages(messages: list[ChatMessage], developer: bool = True) -> list[dict]:
     """The messages as a chat template reads them: text content ("" for none), an assistant's
     earlier calls with their arguments as objects (as vLLM hands them to HF templates, which
     write them with `tojson`) and its reasoning (`reasoning` or `reasoning_content`, handed on
-    as `reasoning_content`), a tool message's `tool_call_id`. `developer`: the template names the
-    developer role; where it does not (Qwen2.5's drops such a message unseen; SmolLM2's writes a
-    role its model never saw, after its own default system prompt), a developer message is a
-    system message, OpenAI's meaning of the role."""
-    out = []
-    for m in messages:
-        role = m.role if developer or m.role != "developer" else "system"
-        d: dict[str, Any] = {"role": role, "content": m.text()}
+    as `reasoning_content`), a tool message's `tool_call_id`.
+
+    `developer`: the template names the developer role (`names_developer`). Where it does not
+    (Qwen2.5's drops such a message unseen; SmolLM2's writes a role its model never saw, after
+    its own default system prompt), developer messages among the conversation's leading system
+    and developer messages are one system message: that run's texts joined by a blank line (the
+    empty ones left out), OpenAI's meaning of the role. One system message, first: templates that
+    refuse a system message anywhere else ("System message must be at the beginning") still take
+    `instructions` + a developer message, or an SDK's system + developer. A developer message
+    later in the conversation goes as sent (a second system message there would be refused by
+    those templates); so does a leading run without a developer message."""
+    lead = 0
+    if not developer:
+        while lead < len(messages) and messages[lead].role in ("system", "developer"):
+            lead += 1
+        if not any(m.role == "developer" for m in messages[:lead]):
+            lead = 0
+    out: list[dict] = []
+    if lead:
+        out.append({"role": "system", "content": "\n\n".join(t for t in (m.text() for m in messages[:lead]) if t)})
+    for m in messages[lead:]:
+        d: dict[str, Any] = {"role": m.role, "content": m.text()}
         if m.tool_calls:
             d["tool_calls"] = [{"id": c.id, "type": "function",
                                 "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
