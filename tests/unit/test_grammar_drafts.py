@@ -18,14 +18,13 @@ from draftsmith import LLM, DraftsmithError, SamplingParams, StructuredOutputsPa
 from draftsmith.core.grammar_drafts import fit_forced, forced_drafts, grammar_lengths, with_forced
 from draftsmith.core.request import Request
 from draftsmith.core.structured import Grammars
-from draftsmith.core.structured import allowed_now
 from draftsmith.core.types import Proposal
-from draftsmith.drafters.base import FeatureSpec, pad_proposal
+from draftsmith.drafters.base import pad_proposal
 from draftsmith.models.target import load_target
 from draftsmith.policy.prefix_scheduler import PrefixScheduler
 from draftsmith.policy.profile import SPSTable
 from test_engine_pit import SHARPEN, _scale_lm_head, uniform_pvalue  # noqa: E402
-from test_structured import _pit  # noqa: E402
+from test_structured import GrammarDrafter, _pit  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -119,7 +118,7 @@ def test_forced_rows_replace_empty_rows_with_one_hot_q_and_full_confidence():
     assert torch.equal(out.q[1].argmax(-1), torch.tensor([7, 8, 9])) and torch.equal(out.q[1].sum(-1), torch.ones(3))
     assert out.confidences.tolist() == [[0.75, 0.5, 0.0], [1.0, 1.0, 1.0]]
     assert with_forced(drafted, [[], []]) is drafted
-    with pytest.raises(RuntimeError, match="both forced drafts"):
+    with pytest.raises(RuntimeError, match="drafts of its own and 1 of another source"):
         with_forced(drafted, [[3], []])
 
 
@@ -170,45 +169,13 @@ def test_sampling_with_forced_drafts_is_the_masked_targets_distribution(bpe_pit)
     assert uniform_pvalue(_pit(bpe_pit, outs, constrained=False, specs=[WORDS]), 20) < 1e-12
 
 
-class HalfRefusedDrafter:
+def HalfRefusedDrafter(V: int) -> GrammarDrafter:
     """Test drafter: each draft from q = 1/2 spread over the tokens the grammar allows, 1/2 over
     those it refuses (after a refused draft it goes on drafting from the state before it, so rows
     have drafts past their first refused one for the engine to cut). Where a refused draft was drawn the
     target must sample from the residual max(p - q, 0), which leaves out the allowed tokens p gives
     less than q: cutting the refused draft (sampling p there) changes the output law."""
-
-    name = "half-refused"
-    needs = FeatureSpec()
-
-    def __init__(self, V: int) -> None:
-        self.V, self.gen = V, torch.Generator().manual_seed(11)
-
-    def start(self, seq, features) -> None:
-        pass
-
-    def propose(self, seqs, max_lengths):
-        drafts, qs = [], []
-        for s, cap in zip(seqs, max_lengths):
-            m, d, q = s.grammar.deep_copy(), [], []
-            for _ in range(cap):
-                ok = allowed_now(m, self.V)
-                if not ok.any():
-                    break
-                qk = (~ok).float() * (0.5 / float((~ok).sum())) + ok.float() * (0.5 / float(ok.sum()))
-                t = int(torch.multinomial(qk, 1, generator=self.gen))
-                d.append(t)
-                q.append(qk)
-                if ok[t]:
-                    m.consume_token(t)
-            drafts.append(d)
-            qs.append(torch.stack(q) if q else torch.zeros(0, self.V))
-        return pad_proposal(drafts, qs)
-
-    def on_verified(self, seqs, proposal, result, features) -> None:
-        pass
-
-    def release(self, seq) -> None:
-        pass
+    return GrammarDrafter(V, refused_mass=0.5, seed=11)
 
 
 def test_a_refused_sampled_draft_is_verified_and_cutting_it_is_not_lossless(bpe, monkeypatch):
@@ -309,7 +276,7 @@ def test_a_drafter_outside_the_vocabulary_is_refused_before_the_grammar_reads_it
     broken by it (llguidance puts a matcher that reads one in an error state)."""
     V = bpe.model.config.vocab_size
 
-    class OutOfRange(HalfRefusedDrafter):
+    class OutOfRange(GrammarDrafter):
         def propose(self, seqs, max_lengths):
             return pad_proposal([[_ids(bpe.tokenizer, "a")[0], V + 5][:k] for k in max_lengths])
 

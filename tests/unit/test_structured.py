@@ -214,14 +214,17 @@ N_REQ, K = 64, 4
 
 class GrammarDrafter:
     """Test drafter: drafts that keep to the request's grammar, drawn from q = uniform over the
-    tokens its own copy of the matcher allows (so many are accepted, and q != p)."""
+    tokens its own copy of the matcher allows (so many are accepted, and q != p). With
+    `refused_mass` r > 0: q = (1 - r) uniform over the allowed tokens + r uniform over the refused
+    ones, and after a refused draft it goes on drafting from the state before it
+    (test_grammar_drafts.py: refused sampled drafts)."""
 
     name = "grammar-uniform"
     needs = FeatureSpec()
 
-    def __init__(self, V: int) -> None:
-        self.V = V
-        self.gen = torch.Generator().manual_seed(5)
+    def __init__(self, V: int, refused_mass: float = 0.0, seed: int = 5) -> None:
+        self.V, self.refused_mass = V, refused_mass
+        self.gen = torch.Generator().manual_seed(seed)
         self.rounds: dict[str, list[tuple[int, int]]] = {}  # request -> [(accepted, proposed)]
 
     def start(self, seq, features) -> None:
@@ -235,11 +238,14 @@ class GrammarDrafter:
                 ok = allowed_now(m, self.V)
                 if not ok.any():
                     break
-                qk = ok.float() / ok.sum()
+                r = self.refused_mass
+                qk = (ok.float() / ok.sum() if r == 0 else
+                      (~ok).float() * (r / float((~ok).sum())) + ok.float() * ((1 - r) / float(ok.sum())))
                 t = int(torch.multinomial(qk, 1, generator=self.gen))
                 d.append(t)
                 q.append(qk)
-                m.consume_token(t)
+                if ok[t]:
+                    m.consume_token(t)
             drafts.append(d)
             qs.append(torch.stack(q) if q else torch.zeros(0, self.V))
         return pad_proposal(drafts, qs)

@@ -23,7 +23,6 @@ compute_ff_tokens do not consume).
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-import torch
 
 from draftsmith.core.types import Proposal
 
@@ -84,31 +83,4 @@ def grammar_lengths(seqs: Sequence, proposal: Proposal, eos_token_ids: Collectio
 def with_forced(proposal: Proposal, forced: Sequence[Sequence[int]]) -> Proposal:
     """`proposal` with row b's drafts replaced by forced[b] where that is non-empty (the drafter
     proposed nothing there): one-hot q and confidence 1 where the proposal has them."""
-    if not any(forced):
-        return proposal
-    B = len(forced)
-    K = max([len(f) for f in forced] + [proposal.max_len])
-    tokens = torch.zeros(B, K, dtype=torch.long)
-    lengths = torch.zeros(B, dtype=torch.long)
-    tokens[:, : proposal.max_len] = proposal.tokens.cpu()
-    lengths[:] = proposal.lengths.cpu() if proposal.max_len else 0
-    q = conf = None
-    if proposal.q is not None:
-        q = torch.zeros(B, K, proposal.q.shape[-1], dtype=proposal.q.dtype, device=proposal.q.device)
-        q[:, : proposal.max_len] = proposal.q
-    if proposal.confidences is not None:
-        conf = torch.zeros(B, K, dtype=torch.float32)
-        conf[:, : proposal.max_len] = proposal.confidences.float().cpu()
-    for b, f in enumerate(forced):
-        if not f:
-            continue
-        n = len(f)
-        if lengths[b]:
-            raise RuntimeError(f"row {b} has both forced drafts and {int(lengths[b])} of the drafter's")
-        tokens[b, :n] = torch.tensor(list(f), dtype=torch.long)
-        lengths[b] = n
-        if q is not None:
-            q[b, torch.arange(n), torch.tensor(list(f))] = 1
-        if conf is not None:
-            conf[b, :n] = 1.0
-    return Proposal(tokens=tokens, lengths=lengths, q=q, confidences=conf)
+    return proposal.with_rows(forced, [[1.0] * len(f) for f in forced])

@@ -55,6 +55,42 @@ class Proposal:
             confidences=None if self.confidences is None else self.confidences[:, :width],
         )
 
+    def with_rows(self, rows: Sequence[Sequence[int]], confidences: Sequence[Sequence[float]]) -> "Proposal":
+        """This proposal with row b's drafts set to rows[b] wherever that is non-empty (deterministic
+        drafts of another source, e.g. a lookup or the grammar's forced tokens, for a row this
+        proposal left empty): q one-hot at them where the proposal has q, confidences[b] (one per
+        draft) where it has confidences. Itself where every row is empty."""
+        if not any(rows):
+            return self
+        B, K0 = len(rows), self.max_len
+        K = max([len(r) for r in rows] + [K0])
+        tokens = torch.zeros(B, K, dtype=torch.long)
+        lengths = torch.zeros(B, dtype=torch.long)
+        tokens[:, :K0] = self.tokens.cpu()
+        lengths[:] = self.lengths.cpu() if K0 else 0
+        q = conf = None
+        if self.q is not None:
+            q = torch.zeros(B, K, self.q.shape[-1], dtype=self.q.dtype, device=self.q.device)
+            q[:, :K0] = self.q
+        if self.confidences is not None:
+            conf = torch.zeros(B, K, dtype=torch.float32)
+            conf[:, :K0] = self.confidences.float().cpu()
+        for b, row in enumerate(rows):
+            if not row:
+                continue
+            if lengths[b]:
+                raise RuntimeError(f"row {b} has {int(lengths[b])} drafts of its own and {len(row)} of another source")
+            n = len(row)
+            tokens[b, :n] = torch.tensor(list(row), dtype=torch.long)
+            lengths[b] = n
+            if q is not None:  # the row's q padding need not be zero: one-hot rows only
+                q[b] = 0
+                q[b, torch.arange(n), torch.tensor(list(row))] = 1
+            if conf is not None:
+                conf[b] = 0
+                conf[b, :n] = torch.tensor(list(confidences[b])[:n], dtype=torch.float32)
+        return Proposal(tokens=tokens, lengths=lengths, q=q, confidences=conf)
+
     @staticmethod
     def empty(batch_size: int, device: torch.device | str = "cpu") -> "Proposal":
         return Proposal(

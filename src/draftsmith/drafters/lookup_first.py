@@ -21,8 +21,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from draftsmith.core.request import Request
 from draftsmith.core.types import Proposal
 from draftsmith.drafters.base import Drafter
@@ -92,35 +90,10 @@ class LookupFirstDrafter:
         self._rows = [len(d) for d in found]
         self.lookup_rounds += sum(1 for d in found if d)
         self.model_rounds += sum(1 for k in rest if k)
-        if not any(found):
-            return mp
-        B = len(seqs)
-        K = max([len(d) for d in found] + [mp.max_len])
-        tokens = torch.zeros(B, K, dtype=torch.long)
-        lengths = torch.zeros(B, dtype=torch.long)
-        tokens[:, : mp.max_len] = mp.tokens.cpu()
-        lengths[:] = mp.lengths.cpu()
-        q = conf = None
-        if mp.q is not None:
-            q = torch.zeros(B, K, mp.q.shape[-1], dtype=mp.q.dtype, device=mp.q.device)
-            q[:, : mp.max_len] = mp.q
-        if mp.confidences is not None:
-            conf = torch.zeros(B, K, dtype=torch.float32)
-            conf[:, : mp.max_len] = mp.confidences.float().cpu()
-            running = torch.tensor(self.running_acceptance(K), dtype=torch.float32)
-        for b, d in enumerate(found):  # lookup rows: their drafts, a one-hot q, the running acceptance
-            if not d:
-                continue
-            n = len(d)
-            tokens[b, :n] = torch.tensor(d, dtype=torch.long)
-            lengths[b] = n
-            if q is not None:
-                q[b] = 0
-                q[b, torch.arange(n), torch.tensor(d)] = 1
-            if conf is not None:
-                conf[b] = 0
-                conf[b, :n] = running[:n]
-        return Proposal(tokens=tokens, lengths=lengths, q=q, confidences=conf)
+        # lookup rows: their drafts, a one-hot q, the running acceptance (where the model gives
+        # confidences)
+        running = self.running_acceptance(max(len(d) for d in found)) if any(found) else []
+        return mp.with_rows(found, [running[: len(d)] for d in found])
 
     # -- the lookup drafts' track record
 
