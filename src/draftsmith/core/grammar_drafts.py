@@ -22,7 +22,7 @@ compute_ff_tokens do not consume).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from draftsmith.core.types import Proposal
 
@@ -40,21 +40,31 @@ def forced_drafts(seqs: Sequence, caps: Sequence[int]) -> list[list[int]]:
     return out
 
 
-def fit_forced(rows: int, kept: Sequence[int], forced: Sequence[int]) -> list[int]:
-    """How many of each row's forced drafts to verify where no cost model is known: the padded
-    block width W (at least the kept drafts' own) whose tokens per padded position, (rows + kept +
-    forced verified at W) / (rows x W), is best, as if a forward cost time in proportion to its
-    tokens (the most a wider forward can cost; ties go to the wider). At batch 1 that is every
-    forced draft; on a batch it widens only where the forced runs fill the extra columns, so a
-    forward is never made slower than the tokens it adds."""
-    w0 = 1 + max(kept, default=0)
-    base = rows + sum(kept)
-    best_w, best = w0, (base + sum(min(n, w0 - 1) for n in forced)) / (rows * w0)
-    for w in range(w0 + 1, 2 + max(forced, default=0)):
-        rate = (base + sum(min(n, w - 1) for n in forced)) / (rows * w)
-        if rate >= best:
-            best_w, best = w, rate
+def forced_widths(kept: Sequence[int], forced: Sequence[int], cost: Callable[[int, int], float],
+                  prefer_wider: bool = False) -> list[int]:
+    """How many of each row's forced drafts to verify beside the kept drafts: the block width W
+    (at least the kept drafts' own; or none of them) with the most tokens per second, forced drafts
+    counted as certain and kept drafts as if all accepted. `cost(W, drafts)`: seconds of a forward
+    W wide holding that many drafts; `prefer_wider`: ties go to the wider."""
+    if not kept:
+        return []
+    n0 = sum(kept)
+    w0, tokens = 1 + max(kept, default=0), float(len(kept) + n0)
+    best, best_w = tokens / cost(w0, n0), 1  # no forced drafts
+    for w in range(w0, 2 + max(forced, default=0)):
+        f = sum(min(n, w - 1) for n in forced)
+        rate = (tokens + f) / cost(w, n0 + f)
+        if rate > best or (prefer_wider and rate == best):
+            best, best_w = rate, w
     return [min(n, best_w - 1) for n in forced]
+
+
+def fit_forced(rows: int, kept: Sequence[int], forced: Sequence[int]) -> list[int]:
+    """forced_widths where no cost model is known: as if a forward cost time in proportion to its
+    padded tokens (rows x W, the most a wider forward can cost; ties go to the wider). At batch 1
+    that is every forced draft; on a batch it widens only where the forced runs fill the extra
+    columns, so a forward is never made slower than the tokens it adds."""
+    return forced_widths(kept, forced, lambda w, n: rows * w, prefer_wider=True)
 
 
 def grammar_lengths(seqs: Sequence, proposal: Proposal, eos_token_ids: Collection[int]) -> list[int]:

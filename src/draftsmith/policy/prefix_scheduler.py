@@ -86,6 +86,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from draftsmith.core.grammar_drafts import forced_widths
 from draftsmith.core.types import Proposal
 from draftsmith.core.request import Request
 from draftsmith.errors import DraftsmithError
@@ -408,15 +409,7 @@ class PrefixScheduler:
         verifying no forced draft): at batch 1 every one, on a loaded batch only what the wider
         forward pays for. Deterministic drafts: any rule is lossless."""
         R, step = len(seqs), self._step_time()
-        w0, n0 = 1 + max(kept, default=0), sum(kept)
-        tokens = float(R + n0)
-        best, best_w = tokens / step(_tokens(R, w0, n0, self.batch_tokens)), 1  # no forced drafts
-        for w in range(w0, 2 + max(forced, default=0)):
-            f = sum(min(n, w - 1) for n in forced)
-            theta = (tokens + f) / step(_tokens(R, w, n0 + f, self.batch_tokens))
-            if theta > best:
-                best, best_w = theta, w
-        return [min(n, best_w - 1) for n in forced]
+        return forced_widths(kept, forced, lambda w, n: step(_tokens(R, w, n, self.batch_tokens)))
 
     def update(self, seqs, proposal, result) -> None:
         record_round(seqs, proposal, result, self.prior, self.pool)
