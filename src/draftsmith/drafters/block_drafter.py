@@ -15,6 +15,7 @@ from typing import Protocol
 
 import torch
 
+from draftsmith.core.draft_masks import DraftMasks
 from draftsmith.core.request import Request
 from draftsmith.core.sampling import SamplingParams
 from draftsmith.core.types import Proposal
@@ -39,12 +40,14 @@ class BlockSampler(Protocol):
         params: Sequence[SamplingParams],
         uniforms: torch.Tensor,  # [B, n] one uniform per drafted position
         stop: Callable[[int, torch.Tensor], bool] | None = None,
+        masks: DraftMasks | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """→ tokens [B, n'], q [B, n', V] (the warped distributions sampled from; one-hot on
         greedy rows; None when every row is greedy: the proposal then carries no q),
         confidence logits [B, n'] or None. n' = n unless a sampler with confidences is given
         `stop`: it calls stop(k, confidence logits of draft k + 1 [B]) before drafting position
-        k and, on True, returns the k positions drafted so far (n' = k)."""
+        k and, on True, returns the k positions drafted so far (n' = k). `masks`: draft left to
+        right under each row's grammar (core/draft_masks.py; n' < n once every row has ended)."""
         ...
 
 
@@ -66,6 +69,9 @@ class BlockDrafter(FeatureQueueDrafter):
     # A context position is that position's features projected (no other token, no other
     # position), so a row's context follows the engine's prefix cache (feature_queue.py).
     follows_prefix_cache = True
+    # rows with a grammar draft under it (core/draft_masks.py); False: unconstrained drafts,
+    # cut at the first refused one by the engine (a benchmark's baseline)
+    grammar_masks = True
 
     def __init__(
         self,
@@ -186,11 +192,19 @@ class BlockDrafter(FeatureQueueDrafter):
                     if caps[b] > k:
                         column[i] = c[b]
                 return not gate.open_next(column)
-        if stop is None:
-            tokens, q, conf_logits = self.sampler.draft(h, anchors, params, u)
-        else:
-            tokens, q, conf_logits = self.sampler.draft(h, anchors, params, u, stop)
+        masks = DraftMasks.of(act, self.backbone.head.vocab_size, self.backbone.draft_ids) if self.grammar_masks else None
+        extra = {} if masks is None else {"masks": masks}
+        try:
+            if stop is None and masks is None:
+                tokens, q, conf_logits = self.sampler.draft(h, anchors, params, u)
+            else:
+                tokens, q, conf_logits = self.sampler.draft(h, anchors, params, u, stop, **extra)
+        finally:
+            if masks is not None:
+                masks.release()
         caps = [min(c, tokens.shape[1]) for c in caps]  # a stopped sampler drafted fewer columns
+        if masks is not None:  # a row ended under its grammar keeps only its drafts before that
+            caps = [masks.limit(b, c) for b, c in enumerate(caps)]
         return self._assemble(len(seqs), active, caps, tokens, q, conf_logits, params)
 
     def _confidences(self, z: torch.Tensor, k: int) -> torch.Tensor:
@@ -205,6 +219,9 @@ class BlockDrafter(FeatureQueueDrafter):
         K = max(caps)
         if K == 0:  # the gate opened no column
             return Proposal.empty(B)
+        tokens = tokens[:, :K]  # (columns past every row's cap: drafted after each grammar ended)
+        q = q[:, :K] if q is not None else None
+        conf_logits = conf_logits[:, :K] if conf_logits is not None else None
         out_tokens = torch.zeros(B, K, dtype=torch.long)
         lengths = torch.zeros(B, dtype=torch.long)
         idx = torch.tensor(active)

@@ -85,18 +85,43 @@ class DFlashModel(BlockModel):
         parts["blocks"] = float(pf.pack.num_blocks)
         return LossOutput(total=terms.total, parts=parts)
 
-    def draft(self, hidden, anchors, params: Sequence[SamplingParams], uniforms, stop=None):
+    def draft(self, hidden, anchors, params: Sequence[SamplingParams], uniforms, stop=None, masks=None):
         """Independent positions: q_k = warp(lm_head(h_k)); x_k by inverse CDF (argmax when greedy).
         With a reduced vocabulary q is scattered back into target ids (zero outside). No
-        confidences, so `stop` is never asked."""
+        confidences, so `stop` is never asked. `masks` (core/draft_masks.py): position by
+        position, each row's logits masked by its grammar after the drafts before it."""
         bb = self.backbone
         logits = bb.draft_logits(hidden)  # [B, n, Vd]
+        if masks is not None:
+            return self._draft_masked(logits, params, uniforms, masks)
         if all(p.greedy for p in params):  # the argmax is what inverse_cdf draws from the one-hot q
             return bb.to_target(logits.argmax(-1)), None, None
         q = target_probs(logits, list(params))  # [B, n, Vd]; one-hot rows for greedy requests
         B, n, Vd = q.shape
         tokens = inverse_cdf(q.reshape(B * n, Vd), uniforms.reshape(-1)).view(B, n)
         return bb.to_target(tokens), bb.to_target_q(q), None
+
+    def _draft_masked(self, logits, params, uniforms, masks):
+        bb = self.backbone
+        greedy = all(p.greedy for p in params)
+        toks, qs = [], []
+        for k in range(logits.shape[1]):
+            if masks.all_ended():
+                break
+            lk = masks.restrict(logits[:, k])
+            if greedy:
+                t = lk.argmax(-1)
+            else:
+                q = target_probs(lk[:, None], list(params))[:, 0]
+                t = inverse_cdf(q, uniforms[:, k])
+                qs.append(q)
+            masks.consume(bb.to_target(t).tolist())
+            toks.append(t)
+        B = logits.shape[0]
+        if not toks:
+            return logits.new_zeros(B, 0, dtype=torch.long), None if greedy else logits.new_zeros(B, 0, 1), None
+        tokens = bb.to_target(torch.stack(toks, 1))
+        return tokens, None if greedy else bb.to_target_q(torch.stack(qs, 1)), None
 
     def make_drafter(self, target: Decoder, max_rows: int, max_len: int, temperatures=None) -> BlockDrafter:
         return BlockDrafter("dflash", self.backbone, self, self.config.block_size, self.config.anchor_first,

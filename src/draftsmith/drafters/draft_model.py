@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from draftsmith.core.draft_masks import DraftMasks
 from draftsmith.core.types import Proposal
 from draftsmith.core.warp import argmax_rows, inverse_cdf, position_uniforms, sample_from, target_probs
 from draftsmith.drafters.base import (
@@ -39,6 +40,7 @@ class DraftModelState(DrafterRequestState):
 class DraftModelDrafter:
     name = "draft-model"
     needs = FeatureSpec()
+    grammar_masks = True  # rows with a grammar draft under it (core/draft_masks.py)
 
     def __init__(self, model: Decoder, target_vocab_size: int, max_rows: int, max_len: int) -> None:
         if model.config.vocab_size != target_vocab_size:
@@ -86,8 +88,30 @@ class DraftModelDrafter:
                     f"request {seqs[i].request_id!r} has committed only {seqs[i].num_tokens} (the drafter's "
                     "rollback invariant is broken)")
         logits = self._forward_last([seqs[i] for i in idx], feeds)  # [B', V]
-        all_greedy = all(seqs[i].params.greedy for i in active)
+        masks = DraftMasks.of([seqs[i] for i in active], logits.shape[-1]) if self.grammar_masks else None
+        try:
+            self._draft(seqs, idx, logits, max_lengths, drafts, step_q, masks)
+        finally:
+            if masks is not None:
+                masks.release()
+        if masks is not None:  # a row ended under its grammar keeps only its drafts before that
+            for j, i in enumerate(active):
+                n = masks.limit(j, len(drafts[i]))
+                drafts[i], step_q[i] = drafts[i][:n], step_q[i][:n]
+        for i in active:  # what the cache holds past `base`: drafts 1 .. k - 1
+            self.states[seqs[i]].k = len(drafts[i])
+        if all(seqs[i].params.greedy for i in active):
+            return pad_proposal(drafts)  # deterministic drafts: one-hot q, never materialised
+        qs: list[torch.Tensor | None] = [torch.stack(step_q[i]) if step_q.get(i) else None for i in range(len(seqs))]
+        return pad_proposal(drafts, qs)
+
+    def _draft(self, seqs, idx, logits, max_lengths, drafts, step_q, masks: DraftMasks | None) -> None:
+        """The drafting loop of `propose` from the first logits: appends to drafts[i] / step_q[i]."""
+        col = {i: j for j, i in enumerate(idx)}  # row i's index among the masks' rows
+        all_greedy = all(seqs[i].params.greedy for i in idx)
         while True:
+            if masks is not None:
+                logits = masks.restrict(logits, [col[i] for i in idx])
             if all_greedy:  # each row's argmax (what the one-hot q below would pick); no q to keep
                 for i, tok in zip(idx, argmax_rows(logits.float()).tolist()):
                     drafts[i].append(tok)
@@ -105,14 +129,12 @@ class DraftModelDrafter:
                         tok = int(sample_from(q[j], self.states[s].drafter_gen))
                     drafts[i].append(tok)
                     step_q[i].append(q[j])
-            idx = [i for i in idx if len(drafts[i]) < max_lengths[i]]
+            if masks is not None:
+                masks.consume([drafts[i][-1] for i in idx], [col[i] for i in idx])
+            idx = [i for i in idx if len(drafts[i]) < max_lengths[i] and not (masks is not None and masks.ended[col[i]])]
             if not idx:
                 break
             logits = self._forward_last([seqs[i] for i in idx], [[drafts[i][-1]] for i in idx])
-        if all_greedy:
-            return pad_proposal(drafts)  # deterministic drafts: one-hot q, never materialised
-        qs: list[torch.Tensor | None] = [torch.stack(step_q[i]) if i in step_q else None for i in range(len(seqs))]
-        return pad_proposal(drafts, qs)
 
     def on_verified(self, seqs, proposal, result, features) -> None:
         for b, s in enumerate(seqs):

@@ -167,9 +167,11 @@ class DSparkModel(BlockModel):
         parts["blocks"] = float(pf.pack.num_blocks)
         return LossOutput(total=terms.total, parts=parts)
 
-    def draft(self, hidden, anchors, params: Sequence[SamplingParams], uniforms, stop=None):
+    def draft(self, hidden, anchors, params: Sequence[SamplingParams], uniforms, stop=None, masks=None):
         """Left to right: q_k = warp(U_k + B_k(x_0, x_<k)), x_k ~ q_k (argmax when greedy), in
         draft ids; tokens and q go back to target ids (q zero outside a reduced vocabulary).
+        `masks` (core/draft_masks.py): U_k + B_k masked by each row's grammar after x_<k; the
+        loop ends once every row has ended under its grammar.
 
         The confidence's h part of every position is one product before the loop
         (`SequentialHead.confidence_parts`), so a step is the W1 row, the confidence's r-wide
@@ -188,18 +190,24 @@ class DSparkModel(BlockModel):
         toks, qs, confs = [], [], []
         greedy = all(p.greedy for p in plist)  # argmax = what inverse_cdf draws from the one-hot q; no q needed
         for k in range(n):
+            if masks is not None and masks.all_ended():
+                break
             e = F.embedding(prev, sh.w1.weight)  # [B, r]
             z = z_h[:, k] + (e @ w_e).float()
             if stop is not None and stop(k, z):
                 break
             o, state = sh.step(hidden[:, k], e, state)
             logits = U[:, k] + sh.w2(o).float()
+            if masks is not None:
+                logits = masks.restrict(logits)
             if greedy:
                 prev = argmax_rows(logits)  # through the CPU kernel where built (torch: ~40 us a row)
             else:
                 q = target_probs(logits[:, None], plist)[:, 0]  # [B, V]; one-hot on greedy rows
                 prev = inverse_cdf(q, uniforms[:, k])
                 qs.append(q)
+            if masks is not None:
+                masks.consume(bb.to_target(prev).tolist())
             toks.append(prev)
             confs.append(z)
         if not toks:  # stopped before the first draft

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftsmith.core.draft_masks import DraftMasks
 from draftsmith.core.types import Proposal
 from draftsmith.core.warp import inverse_cdf, target_probs
 from draftsmith.drafters.base import FeatureSpec, RequestStates, row_uniforms
@@ -270,6 +271,7 @@ class EagleDrafter(FeatureQueueDrafter):
 
     name = "eagle3"
     follows_prefix_cache = True
+    grammar_masks = True  # rows with a grammar draft under it (core/draft_masks.py)
 
     def __init__(self, model: Eagle3Model, max_rows: int, max_len: int) -> None:
         self.model = pack_linears_for_inference_(model)  # prepacked at inference; trains as before
@@ -357,18 +359,42 @@ class EagleDrafter(FeatureQueueDrafter):
         qs: dict[int, list[torch.Tensor]] = {i: [] for i in active}
         idx = list(active)
         h = self.last_hidden[[seqs[i].row for i in idx]]  # [B', H]
+        masks = DraftMasks.of([seqs[i] for i in active], V, draft_ids if m.reduced_vocab else None) \
+            if self.grammar_masks else None
+        try:
+            self._draft(seqs, idx, h, ctx, caps, u, col, drafts, qs, masks)
+        finally:
+            if masks is not None:
+                masks.release()
+        if masks is not None:  # a row ended under its grammar keeps only its drafts before that
+            for i in active:
+                n = masks.limit(col[i], len(drafts[i]))
+                drafts[i], qs[i] = drafts[i][:n], qs[i][:n]
+            if not any(drafts.values()):
+                return Proposal.empty(len(seqs))
+        return _proposal(len(seqs), drafts, qs, all(seqs[i].params.greedy for i in active))
+
+    def _draft(self, seqs, idx, h, ctx, caps, u, col, drafts, qs, masks: DraftMasks | None) -> None:
+        """The drafting loop of `propose`: appends to drafts[i] / qs[i] for every row i in idx."""
+        m = self.model
+        draft_ids = m.draft_ids
+        V = m.head.vocab_size
         k = 0
         while True:
             logits = m.draft_logits(h)  # [B', Vd]
+            if masks is not None:
+                logits = masks.restrict(logits, [col[i] for i in idx])
             qd = target_probs(logits[:, None], [seqs[i].params for i in idx])[:, 0]  # [B', Vd]
             pick = inverse_cdf(qd, u[[col[i] for i in idx], k])  # draft ids [B']
             tok = draft_ids[pick]
             q = qd if not m.reduced_vocab else qd.new_zeros(len(idx), V).index_copy_(1, draft_ids, qd)
+            if masks is not None:
+                masks.consume(tok.tolist(), [col[i] for i in idx])
             for j, i in enumerate(idx):
                 drafts[i].append(int(tok[j]))
                 qs[i].append(q[j])
             k += 1
-            keep = [j for j, i in enumerate(idx) if caps[i] > k]
+            keep = [j for j, i in enumerate(idx) if caps[i] > k and not (masks is not None and masks.ended[col[i]])]
             if not keep:
                 break
             idx = [idx[j] for j in keep]
@@ -379,7 +405,6 @@ class EagleDrafter(FeatureQueueDrafter):
             q_, k_, v_ = m.layer.project(m.head.embed_ids(tok[:, None], m.dtype), h[:, None], cos, sin)
             self._write(rows, pos[:, 0].tolist(), [1] * len(rows), k_, v_)  # temporary: past the context
             h = m.layer.finish(h[:, None], self._attend(torch.tensor(rows), q_, pos))[:, 0]
-        return _proposal(len(seqs), drafts, qs, all(seqs[i].params.greedy for i in active))
 
 
 def _proposal(B: int, drafts: dict[int, list[int]], qs: dict[int, list[torch.Tensor]], greedy: bool) -> Proposal:
@@ -388,7 +413,7 @@ def _proposal(B: int, drafts: dict[int, list[int]], qs: dict[int, list[torch.Ten
     lengths = torch.zeros(B, dtype=torch.long)
     q_full = None
     if not greedy:
-        first = next(iter(qs.values()))[0]
+        first = next(q[0] for q in qs.values() if q)
         q_full = torch.zeros(B, K, first.shape[-1], dtype=torch.float32, device=first.device)
     for i, d in drafts.items():
         tokens[i, : len(d)] = torch.tensor(d, dtype=torch.long)
