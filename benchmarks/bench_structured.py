@@ -10,7 +10,10 @@ the default policy. Per prompt and schema, in a rotating order: plain decoding w
 schema (what the schema costs), plain decoding with it and no forced drafts (the baseline:
 what an engine without them does), plain with the grammar's forced drafts
 (core/grammar_drafts.py), n-gram prompt lookup and the built-in drafter without and with them
-(drafts the grammar refuses are cut before the forward in every configuration). Reports ms per output token (median over prompts; each configuration's own tokens), the
+(drafts the grammar refuses are cut before the forward in every configuration), and the built-in
+drafter with forced drafts but without grammar-masked drafting (core/draft_masks.py: every other
+configuration of it drafts under the grammar). Torch threads pinned (no thread governor).
+Reports ms per output token (median over prompts; each configuration's own tokens), the
 speedup over the baseline (the ratio of per-prompt times over the same tokens, median and range),
 τ, the drafter's and the grammar's drafts accepted / proposed, the time the grammar masks took
 per verify block, and whether every output equals the baseline's (it must) and parses. Also the
@@ -161,16 +164,24 @@ def main() -> None:
     ap.add_argument("--no-write", action="store_true")
     a = ap.parse_args()
     target = load_target("smollm2-135m", dtype="float32")
-    configs = {"plain, no schema": (LLM(target), False), BASELINE: (LLM(target, forced_drafts=0), True),
-               "plain": (LLM(target), True),
-               "ngram, no forced drafts": (LLM(target, drafter="ngram", forced_drafts=0), True),
-               "ngram": (LLM(target, drafter="ngram"), True),
-               "dspark:smollm2-135m, no forced drafts": (LLM(target, drafter="dspark:smollm2-135m", forced_drafts=0),
-                                                         True),
-               "dspark:smollm2-135m": (LLM(target, drafter="dspark:smollm2-135m"), True)}
+    threads = torch.get_num_threads()
+
+    def llm(drafter: str = "none", forced_drafts: int = 16, grammar_masks: bool = True) -> LLM:
+        out = LLM(target, drafter=drafter, forced_drafts=forced_drafts, threads=threads)
+        if not grammar_masks:
+            out.drafter.grammar_masks = False
+        return out
+
+    configs = {"plain, no schema": (llm(), False), BASELINE: (llm(forced_drafts=0), True),
+               "plain": (llm(), True),
+               "ngram, no forced drafts": (llm("ngram", forced_drafts=0), True),
+               "ngram": (llm("ngram"), True),
+               "dspark:smollm2-135m, no forced drafts": (llm("dspark:smollm2-135m", forced_drafts=0), True),
+               "dspark:smollm2-135m, drafts not masked": (llm("dspark:smollm2-135m", grammar_masks=False), True),
+               "dspark:smollm2-135m": (llm("dspark:smollm2-135m"), True)}
     todo = prompts(a.prompts)
     t_start = time.time()
-    result = {"prompts": [p for p, _ in todo], "max_tokens": a.max_tokens, "torch_threads": torch.get_num_threads(),
+    result = {"prompts": [p for p, _ in todo], "max_tokens": a.max_tokens, "torch_threads": threads,
               "schemas": {name: run_schema(configs, schema, ask, todo, a.max_tokens)
                           for name, (schema, ask) in SCHEMAS.items()},
               "mask_ms_per_block": mask_alone(configs["plain"][0]), "wall_s": round(time.time() - t_start)}
@@ -192,7 +203,8 @@ def main() -> None:
              f"the configurations in a rotating order; {result['wall_s']} s in all. Baseline: plain decoding under "
              f"the schema without forced drafts. Forced drafts (core/grammar_drafts.py): where the grammar forces "
              f"the next tokens they are the row's draft; drafts it refuses are cut before the forward in every "
-             f"configuration. Speedup: "
+             f"configuration; the built-in drafter drafts under the grammar (core/draft_masks.py) except in the "
+             f"configuration that says *drafts not masked*; {threads} torch threads pinned. Speedup: "
              f"per prompt, the baseline's wall time over the configuration's (same tokens: outputs equal), median "
              f"(min–max). Drafts: accepted / proposed over all prompts, the drafter's and the grammar's (forced) apart."]
     for sname, r in result["schemas"].items():

@@ -8,8 +8,9 @@ the tokens before it: position j of a verify block is masked with the matcher's 
 the committed output *and drafts 0..j-1*, the context the target reaches j in. So p_j is the
 constrained target's distribution there, the ratio test and the residual stay exact, and
 greedy takes the constrained argmax. A draft the grammar refuses gets p = 0 and is rejected,
-so the positions after the first refused draft are never reached and stay unmasked. Drafters
-propose unconstrained (any q is lossless; a constrained q would only raise acceptance).
+so the positions after the first refused draft are never reached and stay unmasked. Any q is
+lossless: n-gram drafts come unconstrained (core/grammar_drafts.py cuts what the grammar
+refuses), the model drafters draft inside the grammar (core/draft_masks.py).
 
 Per request the matcher follows the committed output (`advance`); a block only borrows it:
 it consumes the valid drafts to read each position's mask and rolls them back.
