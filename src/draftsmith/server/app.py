@@ -2,10 +2,12 @@
 
 Endpoints (server/routes.py): POST /v1/completions, POST /v1/chat/completions, POST /v1/responses
 (OpenAI's Responses API, stateless: a chat request inside, its answer as a Response; nothing is
-stored, so GET / DELETE /v1/responses/{id} are 404s), GET /v1/models[/{id}], POST /tokenize,
+stored, so GET / DELETE /v1/responses/{id} are 404s), POST /v1/messages and
+/v1/messages/count_tokens (Anthropic's Messages API: a chat request inside, its answer as a
+Message, errors in Anthropic's shape), GET /v1/models[/{id}], POST /tokenize,
 POST /detokenize, GET /health, GET /version, GET /metrics (Prometheus text). With an API key,
-the /v1 routes and /tokenize, /detokenize need `Authorization: Bearer KEY`; /health, /version
-and /metrics stay open.
+the /v1 routes and /tokenize, /detokenize need `Authorization: Bearer KEY` (the Messages routes
+take `x-api-key: KEY` too); /health, /version and /metrics stay open.
 
 Roles: state (ServerState, Limits: admission), body (reading and validating a request body),
 sampling (SamplingParams per choice, the ranges the server enforces), structured (a request's
@@ -16,7 +18,10 @@ tools and tool_choice ask), tool_calls (an answer's text -> content and tool cal
 the engine thread, whole or streamed), streaming (server-sent events), responses (the
 completions / chat objects), responses_request / responses_api / responses_output / responses_stream
 (the Responses API: its request as a chat request, the answer as a Response, its output items,
-its stream's events), routes (the handlers), engine_loop, protocol, text, metrics.
+its stream's events), messages_request / messages_api / messages_content / messages_stream /
+messages_error (Anthropic's Messages API: its request as a chat request, the answer as a Message,
+its content blocks, its stream's events, its errors), routes (the handlers), engine_loop,
+protocol, text, metrics.
 This module builds the app: lifespan (the engine thread), error handlers, routes.
 """
 

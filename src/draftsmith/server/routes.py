@@ -1,6 +1,7 @@
 """The HTTP routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (with
 GET / DELETE /v1/responses/{id}: a 404, nothing is stored; POST /v1/responses/input_tokens: a
-404, not supported), GET /v1/models[/{id}],
+404, not supported), Anthropic's POST /v1/messages and /v1/messages/count_tokens (the key also
+as `x-api-key`; errors in Anthropic's shape), GET /v1/models[/{id}],
 vLLM's POST /tokenize and /detokenize (behind the API key when there is one), GET /health,
 GET /version, GET /metrics (Prometheus text)."""
 
@@ -17,6 +18,10 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.server.answer import AnswerFormat
 from draftsmith.server.body import parse_body, reject_unsupported, text_bytes
 from draftsmith.server.generate import generate
+from draftsmith.server.messages_api import MessagesFormat
+from draftsmith.server.messages_error import AnthropicError, messages_error
+from draftsmith.server.messages_request import CountTokensRequest, MessagesRequest, count_request
+from draftsmith.server.messages_request import chat_request as messages_chat_request
 from draftsmith.server.metrics import CONTENT_TYPE
 from draftsmith.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                        TokenizeRequest)
@@ -44,6 +49,19 @@ def add_routes(app: FastAPI, st: ServerState) -> None:
                            "server's key", code="invalid_api_key")
 
     auth = [Depends(_auth)]
+
+    async def _anthropic_auth(request: Request) -> None:
+        """Anthropic's clients send the key as `x-api-key: KEY`; `Authorization: Bearer KEY` works too."""
+        key = request.headers.get("x-api-key")
+        if st.api_key is None or (key is not None and hmac.compare_digest(key.strip().encode(), st.api_key.encode())):
+            return
+        try:
+            await _auth(request)
+        except APIError:
+            raise AnthropicError(401, "missing or incorrect API key: send `x-api-key: KEY` (or `Authorization: "
+                                 "Bearer KEY`) with this server's key", code="invalid_api_key") from None
+
+    anthropic_auth = [Depends(_anthropic_auth)]
     # a template that does not name the developer role drops or mislabels its messages: the leading
     # ones go as (one) system message (tools.template_messages)
     developer_role = names_developer(st.options.chat_template or getattr(st.front.tokenizer, "chat_template", None))
@@ -114,8 +132,37 @@ def add_routes(app: FastAPI, st: ServerState) -> None:
         raise APIError(404, f"no response {response_id!r}: {NO_STORE}", param="response_id", type="not_found_error",
                        code="response_not_found")
 
+    @app.post("/v1/messages", dependencies=anthropic_auth)
+    async def messages(request: Request) -> Response:
+        """Anthropic's Messages API (server/messages_request.py): the request as a chat request,
+        its answer as a Message (server/messages_api.py, messages_stream.py)."""
+        try:
+            req: MessagesRequest = await parse_body(request, MessagesRequest, st.limits.max_body_bytes)
+            st.check_model(req.model)
+            chat = messages_chat_request(req, auto_tools=st.options.tool_call_parser is not None)
+            return await _chat(request, chat, MessagesFormat(st.model_id))
+        except APIError as e:
+            raise messages_error(e) from None
+
+    @app.post("/v1/messages/count_tokens", dependencies=anthropic_auth)
+    async def count_tokens(request: Request) -> dict:
+        """The tokens of the prompt /v1/messages would render (system, messages, tools)."""
+        try:
+            req: CountTokensRequest = await parse_body(request, CountTokensRequest, st.limits.max_body_bytes)
+            st.check_model(req.model)
+            chat = count_request(req)
+            check_tools(chat.tools)
+            return {"input_tokens": len(_chat_ids(chat))}
+        except APIError as e:
+            raise messages_error(e) from None
+
+    @app.api_route("/v1/messages/{action:path}", methods=["GET", "POST", "DELETE"], dependencies=anthropic_auth)
+    async def other_messages(action: str) -> Response:
+        raise AnthropicError(404, f"/v1/messages/{action} is not supported by this server (it serves POST "
+                             "/v1/messages and /v1/messages/count_tokens; message batches are not kept)")
+
     async def _chat(request: Request, req: ChatCompletionRequest, fmt: ResponseFormat) -> Response:
-        """One chat request, answered in `fmt`'s shape (chat completions or a Response)."""
+        """One chat request, answered in `fmt`'s shape (chat completions, a Response or a Message)."""
         opts = st.options
         plan = tool_plan(req, opts.tool_call_parser)
         if plan is not None and plan.mode == "auto":
