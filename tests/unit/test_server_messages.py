@@ -174,8 +174,8 @@ def test_a_tool_use_round_trip(client, h):
     """tool_choice {"type": "tool"} forces a call: one tool_use block (toolu_ id, the name, an input
     that keeps to the schema, the chat route's arguments), stop_reason "tool_use"; streamed as
     input_json_delta pieces, the final message the whole one. The assistant's turn sent back (a
-    thinking block, the tool_use) with a tool_result (and text) is the chat route's conversation:
-    the same prompt (count_tokens = /tokenize) and answer. "any" with disable_parallel_tool_use is
+    thinking block, the tool_use) with a tool_result (is_error accepted) and text is the chat route's
+    conversation: the same prompt (count_tokens = /tokenize) and answer. "any" with disable_parallel_tool_use is
     the chat route's "required" with parallel_tool_calls false."""
     msgs = [{"role": "user", "content": "weather?"}]
     body = {"model": "tiny", "max_tokens": 40, "messages": msgs, "tools": TOOLS,
@@ -196,7 +196,8 @@ def test_a_tool_use_round_trip(client, h):
     turn = {"role": "assistant", "content": [{"type": "thinking", "thinking": "look", "signature": "sig"},
                                              *[b.to_dict() for b in m.content]]}
     back = [*msgs, turn, {"role": "user", "content": [
-        {"type": "tool_result", "tool_use_id": call.id, "content": [{"type": "text", "text": "sunny"}]},
+        {"type": "tool_result", "tool_use_id": call.id, "content": [{"type": "text", "text": "sunny"}],
+         "is_error": False},
         {"type": "text", "text": "thanks"}]}]
     chat_back = [*msgs, {"role": "assistant", "content": None, "reasoning": "look", "tool_calls": [
         {"id": call.id, "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(call.input)}}]},
