@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from draftsmith import LLM, SamplingParams, StructuredOutputsParams as SO
-from draftsmith.core.draft_masks import DraftMasks
+from draftsmith.core.draft_masks import DraftMasks, MaskPool
 from draftsmith.core.structured import allowed_now
 from draftsmith.drafters import dflash, dspark, eagle3
 from draftsmith.drafters.block_drafter import BlockDrafter
@@ -47,6 +47,17 @@ def test_restrict_masks_what_each_grammar_refuses_and_release_rolls_back(bpe):
     masks.release()
     assert pairs.grammar.validate_tokens(_ids(tok, "bfcg")) == 4 and not pairs.grammar.is_error()  # at "ae" again
     assert DraftMasks.of([free], V) is None
+
+
+def test_rows_masked_at_once_on_the_pool_get_their_own_masks(bpe):
+    """Several rows at one position: one call on the pool's threads, each row's mask its own."""
+    tok, V = bpe.tokenizer, bpe.model.config.vocab_size
+    rows = [_request(bpe, PAIRS, "ae"), _request(bpe, PAIRS, "a"), _request(bpe, WORDS, "hello w"), _request(bpe, None),
+            _request(bpe, SO(regex="ab"), "ab")]
+    expect = [allowed_now(r.grammar, V) if r.grammar is not None else torch.ones(V, dtype=torch.bool) for r in rows]
+    out = DraftMasks(rows, V, pool=MaskPool()).restrict(torch.zeros(len(rows), V))
+    assert [torch.equal(o.isfinite(), e) for o, e in zip(out, expect)] == [True] * len(rows)
+    assert len({tuple(e.nonzero().flatten().tolist()) for e in expect}) == 5  # five different masks
 
 
 def test_greedy_rows_compute_the_mask_only_where_the_argmax_is_refused(bpe, monkeypatch):

@@ -24,29 +24,48 @@ from collections.abc import Sequence
 
 import torch
 
-from draftsmith.core.structured import allowed_now
+from draftsmith.core.structured import allowed_now, allowed_tokens
+
+
+class MaskPool:
+    """llguidance's thread pool for the masks of several rows at once, started on first use
+    (each drafter owns one; the engine's verify masks use the Grammars' own)."""
+
+    def __init__(self) -> None:
+        self._executor = None
+
+    def executor(self):
+        if self._executor is None:
+            import llguidance
+
+            self._executor = llguidance.LLExecutor()
+        return self._executor
 
 
 class DraftMasks:
     """The grammar masks of one drafting round over `seqs` (the rows being drafted, in the
     drafter's order). `draft_ids`: the target id of each drafter logit (a reduced draft
-    vocabulary), None when the drafter's logits are over the target's V tokens."""
+    vocabulary), None when the drafter's logits are over the target's V tokens. `pool`: where
+    several rows need their mask at one position, they are computed in one call on its threads."""
 
-    def __init__(self, seqs: Sequence, vocab_size: int, draft_ids: torch.Tensor | None = None) -> None:
+    def __init__(self, seqs: Sequence, vocab_size: int, draft_ids: torch.Tensor | None = None,
+                 pool: MaskPool | None = None) -> None:
         self.matchers = [getattr(s, "grammar", None) for s in seqs]
         self.greedy = [s.params.greedy for s in seqs]
         self.vocab_size = vocab_size
         self.draft_ids = draft_ids.cpu() if draft_ids is not None else None
+        self.pool = pool
         self.consumed = [0] * len(seqs)  # drafts each matcher took (rolled back by release)
         self.kept = [0] * len(seqs)  # drafts each row keeps
         self.ended = [False] * len(seqs)
 
     @classmethod
-    def of(cls, seqs: Sequence, vocab_size: int, draft_ids: torch.Tensor | None = None) -> DraftMasks | None:
+    def of(cls, seqs: Sequence, vocab_size: int, draft_ids: torch.Tensor | None = None,
+           pool: MaskPool | None = None) -> DraftMasks | None:
         """Masks for `seqs`, or None where no row has a grammar (nothing to mask)."""
         if all(getattr(s, "grammar", None) is None for s in seqs):
             return None
-        return cls(seqs, vocab_size, draft_ids)
+        return cls(seqs, vocab_size, draft_ids, pool)
 
     def __enter__(self) -> DraftMasks:
         return self
@@ -63,7 +82,7 @@ class DraftMasks:
         and rows that have ended, as they are. A row whose grammar allows none of the drafter's
         tokens ends here. Returns `logits` itself where nothing was masked, else a new tensor."""
         rows = range(len(self.matchers)) if rows is None else rows
-        out = logits
+        need = []  # (j, b): the rows whose mask is read
         for j, b in enumerate(rows):
             m = self.matchers[b]
             if m is None or self.ended[b]:
@@ -75,16 +94,31 @@ class DraftMasks:
                 # the unmasked argmax is the masked one where the grammar allows it
                 if m.validate_tokens([self._target_id(int(logits[j].argmax()))]) == 1:
                     continue
-            allowed = allowed_now(m, self.vocab_size)
-            if self.draft_ids is not None:
-                allowed = allowed[self.draft_ids]
-            if not bool(allowed.any()):
+            need.append((j, b))
+        if not need:
+            return logits
+        allowed = self._allowed([self.matchers[b] for _, b in need])  # [n, V]
+        if self.draft_ids is not None:
+            allowed = allowed[:, self.draft_ids]
+        out = logits.clone()
+        for (j, b), a in zip(need, allowed):
+            if not bool(a.any()):
                 self.ended[b] = True
                 continue
-            if out is logits:
-                out = logits.clone()
-            out[j].masked_fill_(~allowed.to(logits.device), float("-inf"))
+            out[j].masked_fill_(~a.to(logits.device), float("-inf"))
         return out
+
+    def _allowed(self, matchers: list) -> torch.Tensor:
+        """The tokens each matcher allows next, bools [n, V]: one call on the pool's threads for
+        several, the matcher itself for one."""
+        V = self.vocab_size
+        if len(matchers) == 1 or self.pool is None:
+            return torch.stack([allowed_now(m, V) for m in matchers])
+        words = (V + 31) // 32
+        bits = torch.zeros(len(matchers), words, dtype=torch.int32)
+        self.pool.executor().unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bits.data_ptr(),
+                                                     4 * words, len(matchers))
+        return allowed_tokens(bits, V)
 
     def consume(self, tokens: Sequence[int], rows: Sequence[int] | None = None) -> None:
         """The drafts just drawn (target ids) for `rows`: each grammar row's matcher takes its

@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from draftsmith.core.draft_masks import DraftMasks
+from draftsmith.core.draft_masks import DraftMasks, MaskPool
 from draftsmith.core.request import Request
 from draftsmith.core.sampling import SamplingParams
 from draftsmith.core.types import Proposal
@@ -103,6 +103,7 @@ class BlockDrafter(FeatureQueueDrafter):
         self.temperatures = tuple(float(t) for t in temperatures) if temperatures else None
         self.flush_tokens = FLUSH_TOKENS
         self.states: RequestStates[FeatureRequestState] = RequestStates(name)
+        self.mask_pool = MaskPool()
         c = backbone.cfg
         self.device = backbone.fc.weight.device
         self.cache = KVCache(c.num_layers, max_rows, c.num_kv_heads, max_len, c.head_dim,
@@ -192,7 +193,8 @@ class BlockDrafter(FeatureQueueDrafter):
                     if caps[b] > k:
                         column[i] = c[b]
                 return not gate.open_next(column)
-        masks = DraftMasks.of(act, self.backbone.head.vocab_size, self.backbone.draft_ids) if self.grammar_masks else None
+        masks = DraftMasks.of(act, self.backbone.head.vocab_size, self.backbone.draft_ids, self.mask_pool) \
+            if self.grammar_masks else None
         extra = {} if masks is None else {"masks": masks}
         try:
             if stop is None and masks is None:

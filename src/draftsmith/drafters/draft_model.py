@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from draftsmith.core.draft_masks import DraftMasks
+from draftsmith.core.draft_masks import DraftMasks, MaskPool
 from draftsmith.core.types import Proposal
 from draftsmith.core.warp import argmax_rows, inverse_cdf, position_uniforms, sample_from, target_probs
 from draftsmith.drafters.base import (
@@ -51,6 +51,7 @@ class DraftModelDrafter:
         self.model = model
         self.cache: KVCache = model.new_cache(max_rows, max_len)
         self.states: RequestStates[DraftModelState] = RequestStates(self.name)
+        self.mask_pool = MaskPool()
 
     def start(self, seq: Request, features: TargetFeatures | None) -> None:
         self.cache.reset(seq.row)
@@ -88,7 +89,8 @@ class DraftModelDrafter:
                     f"request {seqs[i].request_id!r} has committed only {seqs[i].num_tokens} (the drafter's "
                     "rollback invariant is broken)")
         logits = self._forward_last([seqs[i] for i in idx], feeds)  # [B', V]
-        masks = DraftMasks.of([seqs[i] for i in active], logits.shape[-1]) if self.grammar_masks else None
+        masks = DraftMasks.of([seqs[i] for i in active], logits.shape[-1], pool=self.mask_pool) \
+            if self.grammar_masks else None
         try:
             self._draft(seqs, idx, logits, max_lengths, drafts, step_q, masks)
         finally:

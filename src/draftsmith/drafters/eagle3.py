@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.core.draft_masks import DraftMasks
+from draftsmith.core.draft_masks import DraftMasks, MaskPool
 from draftsmith.core.types import Proposal
 from draftsmith.core.warp import inverse_cdf, target_probs
 from draftsmith.drafters.base import FeatureSpec, RequestStates, row_uniforms
@@ -281,6 +281,7 @@ class EagleDrafter(FeatureQueueDrafter):
                                  reuse_margin=1)
         self.feature_layers = model.layer_ids
         self.states: RequestStates[FeatureRequestState] = RequestStates(self.name)
+        self.mask_pool = MaskPool()
         c = model.cfg
         self.device = model.fc.weight.device
         self.cache = KVCache(1, max_rows, c.num_kv_heads, max_len, c.head_dim, dtype=model.dtype, device=self.device)
@@ -359,7 +360,7 @@ class EagleDrafter(FeatureQueueDrafter):
         qs: dict[int, list[torch.Tensor]] = {i: [] for i in active}
         idx = list(active)
         h = self.last_hidden[[seqs[i].row for i in idx]]  # [B', H]
-        masks = DraftMasks.of([seqs[i] for i in active], V, draft_ids if m.reduced_vocab else None) \
+        masks = DraftMasks.of([seqs[i] for i in active], V, draft_ids if m.reduced_vocab else None, self.mask_pool) \
             if self.grammar_masks else None
         try:
             self._draft(seqs, idx, h, ctx, caps, u, col, drafts, qs, masks)
