@@ -3,7 +3,9 @@
 #   1. the CUDA tests (pytest -m gpu),
 #   2. `draftsmith profile --device cuda --dtype bfloat16 --json` (step times vs the floor),
 #   3. a short side-by-side bench: plain vs n-gram vs the built-in DSpark drafter, interleaved,
-#      greedy, held-out HumanEval and MT-Bench prompts.
+#      greedy, held-out HumanEval and MT-Bench prompts;
+#   4. the same under a JSON schema (bench_structured.py's *record*): plain without and with the
+#      grammar's forced drafts, the built-in drafter without and with drafting inside the grammar.
 # Results go under $OUT (the device tool's folder), default ./device-out.
 #   bash benchmarks/device_check.sh            # on the GPU machine
 #   bash benchmarks/device_check.sh --dry-run  # the same steps on the CPU, small (part of make test)
@@ -92,5 +94,45 @@ if not res["all_identical"]:
           f"(a bug if > {NEAR_TIE})")
     if dtype == "float32" or res["max_gap_at_divergence"] > NEAR_TIE:
         sys.exit("device_check: a drafter's output differs from plain decoding at T=0, not at a near-tie")
+PYEOF
+echo "== 4. structured outputs: forced drafts, drafting inside the grammar"
+"$PY" - "$DEVICE" "$DTYPE" "$PROMPTS" "$TOKENS" "$OUT/structured.json" <<'PYEOF'
+import itertools, json, statistics, sys
+sys.path.insert(0, "benchmarks")
+from bench_structured import RECORD, SCHEMAS
+from draftsmith import LLM, SamplingParams, StructuredOutputsParams
+from draftsmith.data.sources import MTBenchSource
+device, dtype, n, tokens, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+base = LLM("smollm2-135m", device=device, dtype=dtype, forced_drafts=0)
+configs = {"plain, no forced drafts": base, "plain": LLM(base.target),
+           "dspark, drafts not masked": LLM(base.target, drafter="dspark:smollm2-135m"),
+           "dspark": LLM(base.target, drafter="dspark:smollm2-135m")}
+configs["dspark, drafts not masked"].drafter.grammar_masks = False
+params = SamplingParams(max_tokens=tokens, temperature=0.0, structured_outputs=StructuredOutputsParams(json=RECORD))
+ask = SCHEMAS["record"][1]
+for llm in configs.values():  # warm up: first calls, the grammar's compilation
+    llm.chat([{"role": "user", "content": "Say hi." + ask}], params)
+rows = []
+for c in itertools.islice(MTBenchSource().conversations(split="heldout"), n):
+    msgs = [{"role": "user", "content": c.messages[0]["content"] + ask}]
+    row, first = {}, None
+    for name, llm in configs.items():  # interleaved per prompt (docs/MEASURING.md)
+        (o,) = llm.chat(msgs, params)
+        st = llm.last_stats
+        first = first or o.token_ids
+        row[name] = {"ms_per_token": 1e3 * st.wall_time_s / st.output_tokens, "tau": st.tau,
+                     "identical": o.token_ids == first}
+    rows.append(row)
+res = {"device": device, "dtype": dtype, "prompts": len(rows), "max_tokens": tokens, "rows": rows,
+       "all_identical": all(r[k]["identical"] for r in rows for k in configs), "configs": {}}
+for k in configs:
+    res["configs"][k] = {"speedup_p50": statistics.median(r["plain, no forced drafts"]["ms_per_token"] / r[k]["ms_per_token"]
+                                                          for r in rows),
+                         "tau_mean": statistics.fmean(r[k]["tau"] for r in rows)}
+json.dump(res, open(out, "w"), indent=1)
+print("; ".join(f"{k} {v['speedup_p50']:.2f}x (tau {v['tau_mean']:.2f})" for k, v in res["configs"].items())
+      + f"; outputs identical: {res['all_identical']}")
+if not res["all_identical"] and dtype == "float32":
+    sys.exit("device_check: an output under the schema differs from plain decoding's at T=0 in float32")
 PYEOF
 echo "== device_check: done; results in $OUT"

@@ -33,4 +33,6 @@ def test_device_check_dry_run(tmp_path, default_target_dir):
     assert prof["cpu_kernels"].startswith("loaded" if st.ok else "not available") and st.reason in prof["cpu_kernels"]
     quick = json.loads((tmp_path / "quick_bench.json").read_text())
     assert quick["all_identical"] and len(quick["rows"]) == 2
+    structured = json.loads((tmp_path / "structured.json").read_text())
+    assert structured["all_identical"] and len(structured["rows"]) == 2 and len(structured["configs"]) == 4
     assert "skipped" in (tmp_path / "gpu_tests.txt").read_text() or "passed" in (tmp_path / "gpu_tests.txt").read_text()
