@@ -11,9 +11,10 @@ whenever the grammar allows it, so the full mask is computed only where it does 
 validate_tokens call otherwise).
 
 A row ends where its grammar allows none of the drafter's tokens (a reduced draft vocabulary
-may hold none of them) and after an EOS draft: its drafts from there on are not kept (`limit`).
-The matchers are borrowed: every draft consumed is rolled back by `release` (a `with` block
-does it), so verification finds each matcher at the committed output. Where a grammar has
+may hold none of them), after an EOS draft and at its cap: its drafts from there on are not
+kept (`limit`), and it is masked no more. The matchers are borrowed: every draft consumed is
+rolled back by `release` (the drafter calls it in a `finally`, before verification), so
+verification finds each matcher at the committed output. Where a grammar has
 ended (llguidance: stopped) only EOS may follow; the matcher takes it without recording it
 (llguidance 1.9), so that draft is kept without being consumed.
 """
@@ -46,35 +47,29 @@ class DraftMasks:
     """The grammar masks of one drafting round over `seqs` (the rows being drafted, in the
     drafter's order). `draft_ids`: the target id of each drafter logit (a reduced draft
     vocabulary), None when the drafter's logits are over the target's V tokens. `pool`: where
-    several rows need their mask at one position, they are computed in one call on its threads."""
+    several rows need their mask at one position, they are computed in one call on its threads.
+    `caps`: the most drafts each row may keep (a row that has them ends; none by default)."""
 
     def __init__(self, seqs: Sequence, vocab_size: int, draft_ids: torch.Tensor | None = None,
-                 pool: MaskPool | None = None) -> None:
+                 pool: MaskPool | None = None, caps: Sequence[int] | None = None) -> None:
         self.matchers = [getattr(s, "grammar", None) for s in seqs]
         self.greedy = [s.params.greedy for s in seqs]
         self.vocab_size = vocab_size
         self.draft_ids = draft_ids.cpu() if draft_ids is not None else None
         self.pool = pool
+        self.caps = list(caps) if caps is not None else None
         self.consumed = [0] * len(seqs)  # drafts each matcher took (rolled back by release)
         self.kept = [0] * len(seqs)  # drafts each row keeps
-        self.ended = [False] * len(seqs)
+        self.ended = [m is not None and self.caps is not None and self.caps[b] <= 0
+                      for b, m in enumerate(self.matchers)]
 
     @classmethod
     def of(cls, seqs: Sequence, vocab_size: int, draft_ids: torch.Tensor | None = None,
-           pool: MaskPool | None = None) -> DraftMasks | None:
+           pool: MaskPool | None = None, caps: Sequence[int] | None = None) -> DraftMasks | None:
         """Masks for `seqs`, or None where no row has a grammar (nothing to mask)."""
         if all(getattr(s, "grammar", None) is None for s in seqs):
             return None
-        return cls(seqs, vocab_size, draft_ids, pool)
-
-    def __enter__(self) -> DraftMasks:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
-    def _target_id(self, j: int) -> int:
-        return j if self.draft_ids is None else int(self.draft_ids[j])
+        return cls(seqs, vocab_size, draft_ids, pool, caps)
 
     def restrict(self, logits: torch.Tensor, rows: Sequence[int] | None = None) -> torch.Tensor:
         """logits [R, Vd] of the next draft of `rows` (indices into `seqs`; all of them by
@@ -82,30 +77,34 @@ class DraftMasks:
         and rows that have ended, as they are. A row whose grammar allows none of the drafter's
         tokens ends here. Returns `logits` itself where nothing was masked, else a new tensor."""
         rows = range(len(self.matchers)) if rows is None else rows
+        live = [(j, b) for j, b in enumerate(rows) if self.matchers[b] is not None and not self.ended[b]]
+        if not live:
+            return logits
+        top = None
+        if any(self.greedy[b] for _, b in live):  # the unmasked argmax is the masked one where allowed
+            top = logits.argmax(-1).tolist()
+            if self.draft_ids is not None:
+                top = self.draft_ids[top].tolist()
         need = []  # (j, b): the rows whose mask is read
-        for j, b in enumerate(rows):
+        for j, b in live:
             m = self.matchers[b]
-            if m is None or self.ended[b]:
+            if self.greedy[b] and not m.is_stopped() and m.validate_tokens([top[j]]) == 1:
                 continue
-            if m.is_stopped() and m.stop_reason() == "EndOfSentence":  # an EOS draft: nothing follows
-                self.ended[b] = True
-                continue
-            if self.greedy[b] and not m.is_stopped():
-                # the unmasked argmax is the masked one where the grammar allows it
-                if m.validate_tokens([self._target_id(int(logits[j].argmax()))]) == 1:
-                    continue
             need.append((j, b))
         if not need:
             return logits
         allowed = self._allowed([self.matchers[b] for _, b in need])  # [n, V]
         if self.draft_ids is not None:
             allowed = allowed[:, self.draft_ids]
+        some = allowed.any(-1).tolist()
+        for (_, b), ok in zip(need, some):
+            self.ended[b] = self.ended[b] or not ok  # nothing of the drafter's allowed: the row ends here
+        fill = [i for i, ok in enumerate(some) if ok]
+        if not fill:
+            return logits
+        js = torch.tensor([need[i][0] for i in fill], device=logits.device)
         out = logits.clone()
-        for (j, b), a in zip(need, allowed):
-            if not bool(a.any()):
-                self.ended[b] = True
-                continue
-            out[j].masked_fill_(~a.to(logits.device), float("-inf"))
+        out[js] = out[js].masked_fill(~allowed[fill].to(logits.device), float("-inf"))
         return out
 
     def _allowed(self, matchers: list) -> torch.Tensor:
@@ -123,7 +122,8 @@ class DraftMasks:
     def consume(self, tokens: Sequence[int], rows: Sequence[int] | None = None) -> None:
         """The drafts just drawn (target ids) for `rows`: each grammar row's matcher takes its
         draft (checked first: a refused token would leave the matcher in its error state); a
-        row that has ended, or whose grammar refuses the draft, keeps no more drafts."""
+        row that has ended, or whose grammar refuses the draft, keeps no more drafts; one that
+        took an EOS or reached its cap ends."""
         rows = range(len(self.matchers)) if rows is None else rows
         for t, b in zip(tokens, rows):
             m = self.matchers[b]
@@ -136,6 +136,8 @@ class DraftMasks:
             elif m.validate_tokens([t]) == 1 and m.consume_token(t):
                 self.consumed[b] += 1
                 self.kept[b] += 1
+                self.ended[b] = m.is_stopped() and m.stop_reason() == "EndOfSentence" or (
+                    self.caps is not None and self.kept[b] >= self.caps[b])
             else:
                 self.ended[b] = True
 

@@ -184,23 +184,23 @@ class BlockDrafter(FeatureQueueDrafter):
         h = h[:, self.offset : self.offset + n]  # [B', n, H]
         u = row_uniforms(act, [self.states[s].drafter_gen for s in act], caps, n, dev)
         params = [s.params for s in act]
+        masks = DraftMasks.of(act, self.backbone.head.vocab_size, self.backbone.draft_ids, self.mask_pool, caps) \
+            if self.grammar_masks else None
         stop = None
         if gate is not None:
             def stop(k: int, z: torch.Tensor) -> bool:
                 c = self._confidences(z, k).tolist()
                 column: list[float | None] = [None] * len(seqs)
                 for b, i in enumerate(active):
-                    if caps[b] > k:
+                    if caps[b] > k and not (masks is not None and masks.ended[b]):
                         column[i] = c[b]
                 return not gate.open_next(column)
-        masks = DraftMasks.of(act, self.backbone.head.vocab_size, self.backbone.draft_ids, self.mask_pool) \
-            if self.grammar_masks else None
-        extra = {} if masks is None else {"masks": masks}
         try:
             if stop is None and masks is None:
                 tokens, q, conf_logits = self.sampler.draft(h, anchors, params, u)
-            else:
-                tokens, q, conf_logits = self.sampler.draft(h, anchors, params, u, stop, **extra)
+            else:  # (a sampler without confidences or grammar support is never given either)
+                tokens, q, conf_logits = self.sampler.draft(h, anchors, params, u, stop,
+                                                            **({} if masks is None else {"masks": masks}))
         finally:
             if masks is not None:
                 masks.release()

@@ -78,7 +78,7 @@ class DraftModelDrafter:
         step_q: dict[int, list[torch.Tensor]] = {i: [] for i in active}
         for i in active:
             st = self.states[seqs[i]]
-            st.base, st.k = seqs[i].num_tokens, max_lengths[i]
+            st.base = seqs[i].num_tokens  # (st.k: the drafts kept, set below)
         # First pass catches the draft cache up with everything committed since last round.
         idx = active
         feeds = [seqs[i].all_ids[int(self.cache.lengths[seqs[i].row]) :] for i in idx]
@@ -89,8 +89,8 @@ class DraftModelDrafter:
                     f"request {seqs[i].request_id!r} has committed only {seqs[i].num_tokens} (the drafter's "
                     "rollback invariant is broken)")
         logits = self._forward_last([seqs[i] for i in idx], feeds)  # [B', V]
-        masks = DraftMasks.of([seqs[i] for i in active], logits.shape[-1], pool=self.mask_pool) \
-            if self.grammar_masks else None
+        masks = DraftMasks.of([seqs[i] for i in active], logits.shape[-1], pool=self.mask_pool,
+                              caps=[max_lengths[i] for i in active]) if self.grammar_masks else None
         try:
             self._draft(seqs, idx, logits, max_lengths, drafts, step_q, masks)
         finally:

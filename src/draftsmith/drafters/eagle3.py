@@ -360,8 +360,8 @@ class EagleDrafter(FeatureQueueDrafter):
         qs: dict[int, list[torch.Tensor]] = {i: [] for i in active}
         idx = list(active)
         h = self.last_hidden[[seqs[i].row for i in idx]]  # [B', H]
-        masks = DraftMasks.of([seqs[i] for i in active], V, draft_ids if m.reduced_vocab else None, self.mask_pool) \
-            if self.grammar_masks else None
+        masks = DraftMasks.of([seqs[i] for i in active], V, draft_ids if m.reduced_vocab else None, self.mask_pool,
+                              [caps[i] for i in active]) if self.grammar_masks else None
         try:
             self._draft(seqs, idx, h, ctx, caps, u, col, drafts, qs, masks)
         finally:
@@ -417,6 +417,8 @@ def _proposal(B: int, drafts: dict[int, list[int]], qs: dict[int, list[torch.Ten
         first = next(q[0] for q in qs.values() if q)
         q_full = torch.zeros(B, K, first.shape[-1], dtype=torch.float32, device=first.device)
     for i, d in drafts.items():
+        if not d:  # a row that kept none (its grammar allowed nothing of the draft vocabulary)
+            continue
         tokens[i, : len(d)] = torch.tensor(d, dtype=torch.long)
         lengths[i] = len(d)
         if q_full is not None:
