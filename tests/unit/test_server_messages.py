@@ -6,9 +6,13 @@ stop_sequence (with the sequence), end_turn and tool_use; a forced tool call who
 to the schema, and its round trip (tool_use, thinking and tool_result blocks reaching the chat
 template as the chat route's messages: the same prompt, the same answer); an open think block
 answered as a thinking block; count_tokens = the chat route's prompt; usage with the prefix
-cache's tokens apart; the key as x-api-key (or Bearer); bad requests as Anthropic's 400s naming
-the field; an engine error midway as `event: error`. Without a model: reasoning, text and calls
-as blocks in order, whatever the split of the answer.
+cache's tokens apart (whole: the chat route's cached_tokens; a stream gives the prompt whole in
+both its usages); system messages and Claude Code's billing header; vLLM's extras (seed,
+priority, chat_template_kwargs); the key as x-api-key (or Bearer); bad requests as Anthropic's
+400s naming the field, and every other error on these paths (405, 413, 429, 500, 503) in
+Anthropic's shape; an engine error midway as `event: error`. Without a model: reasoning, text and
+calls as blocks in order, whatever the split of the answer; a cut call's input read as the
+anthropic package reads it (jiter's partial mode), whole = streamed.
 
 One server serves the module (starting one per test would cost more than the tests)."""
 
@@ -20,6 +24,7 @@ import anthropic
 import httpx
 import pytest
 from anthropic.types import Message, RawMessageStreamEvent
+from fastapi.testclient import TestClient
 from pydantic import TypeAdapter
 from test_server_responses_api import THINKING_TEMPLATE
 from test_server_unit import _fail_step, _ThreadServer, tiny_dir  # noqa: F401 (fixture)
@@ -36,7 +41,8 @@ TOOLS = [{"name": "get_weather", "description": "The weather now.", "input_schem
 CHAT_TOOLS = [{"type": "function", "function": {"name": t["name"], "parameters": t["input_schema"],
                                                 **({"description": t["description"]} if "description" in t else {})}}
               for t in TOOLS]
-GREEDY = {"extra_body": {"temperature": 0}}  # (anthropic 1.x's create has no temperature argument)
+GREEDY = {"extra_body": {"temperature": 0}}
+TEMPLATE = THINKING_TEMPLATE + "{% if shout %}SHOUT{% endif %}"  # (a variable for chat_template_kwargs)  # (anthropic 1.x's create has no temperature argument)
 _EVENT = TypeAdapter(RawMessageStreamEvent)
 
 
@@ -47,7 +53,7 @@ def server(tiny_dir):
     from draftsmith.server.app import ServeOptions, create_app
 
     llm = LLM(str(tiny_dir), max_batch=2, max_len=256, enable_prefix_caching=True)
-    opts = ServeOptions(chat_template=THINKING_TEMPLATE, reasoning_parser="qwen3", tool_call_parser="hermes")
+    opts = ServeOptions(chat_template=TEMPLATE, reasoning_parser="qwen3", tool_call_parser="hermes")
     s = _ThreadServer(create_app(llm, "tiny", api_key=KEY, options=opts))
     s.url = s.start()
     yield s
@@ -104,7 +110,7 @@ def _bare(m: Message) -> dict:
     differently from one request to the next)."""
     d = m.model_dump(exclude={"id"})
     u = d["usage"]
-    u["input_tokens"] += u.pop("cache_read_input_tokens")
+    u["input_tokens"] += u.pop("cache_read_input_tokens") or 0  # (None in a stream)
     for block in d["content"]:
         block.pop("id", None)
         block.pop("parsed_output", None)  # (the stream's ParsedTextBlock)
@@ -118,8 +124,10 @@ def _count(client: anthropic.Anthropic, **body) -> int:
 def test_a_message_is_the_chat_routes_answer(client, h):
     """system + a user message: the chat route's greedy answer as one text block, max_tokens as
     stop_reason, usage (input_tokens + cache_read_input_tokens = the chat route's prompt =
-    count_tokens; the second request reads the prompt from the prefix cache); streamed
-    (text_stream, the final message) = whole, ids aside; the raw events in Anthropic's order."""
+    count_tokens; the second request reads the prompt from the prefix cache, as many tokens as
+    the chat route's cached_tokens for the same request); streamed (text_stream, the final
+    message) = whole, ids aside; the raw events in Anthropic's order, both usages the whole prompt
+    as input_tokens (the split is not known when message_start goes out)."""
     msgs = [{"role": "user", "content": "hi"}]
     chat = _chat(h, [{"role": "system", "content": "Be brief."}, *msgs], max_tokens=8)
     body = {"model": "tiny", "max_tokens": 8, "system": "Be brief.", "messages": msgs, "metadata": {"user_id": "u"},
@@ -132,6 +140,9 @@ def test_a_message_is_the_chat_routes_answer(client, h):
     assert m.usage.input_tokens + m.usage.cache_read_input_tokens == prompt == _count(client, system="Be brief.",
                                                                                        messages=msgs)
     assert m.usage.output_tokens == 8 and m.usage.cache_read_input_tokens > 0  # (chat's request cached its prompt)
+    again = _chat(h, [{"role": "system", "content": "Be brief."}, *msgs], max_tokens=8)["usage"]
+    m2 = client.messages.create(**body, **GREEDY)
+    assert m2.usage.cache_read_input_tokens == again["prompt_tokens_details"]["cached_tokens"] > 0
     with client.messages.stream(**body, **GREEDY) as s:
         text = "".join(s.text_stream)
         final = s.get_final_message()
@@ -140,12 +151,12 @@ def test_a_message_is_the_chat_routes_answer(client, h):
     start = events[0]["message"]
     assert (start["content"], start["stop_reason"], start["usage"]) == ([], None,
                                                                           {"input_tokens": prompt, "output_tokens": 0})
+    assert final.usage.input_tokens == prompt and final.usage.cache_read_input_tokens is None
     assert [e["type"] for e in events[1:3]] == ["content_block_start", "content_block_delta"] and events[1][
         "content_block"] == {"type": "text", "text": ""}
     assert "".join(e["delta"]["text"] for e in events if e["type"] == "content_block_delta") == text
     assert events[-2]["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
-    u = events[-2]["usage"]
-    assert u["input_tokens"] + u["cache_read_input_tokens"] == prompt and u["output_tokens"] == 8
+    assert events[-2]["usage"] == {"input_tokens": prompt, "output_tokens": 8}
 
 
 def test_stop_sequences_and_end_turn(client, h):
@@ -174,9 +185,12 @@ def test_a_tool_use_round_trip(client, h):
     """tool_choice {"type": "tool"} forces a call: one tool_use block (toolu_ id, the name, an input
     that keeps to the schema, the chat route's arguments), stop_reason "tool_use"; streamed as
     input_json_delta pieces, the final message the whole one. The assistant's turn sent back (a
-    thinking block, the tool_use) with a tool_result (is_error accepted) and text is the chat route's
-    conversation: the same prompt (count_tokens = /tokenize) and answer. "any" with disable_parallel_tool_use is
-    the chat route's "required" with parallel_tool_calls false."""
+    thinking block, the tool_use) with a tool_result (is_error: its content after "Error: ") and,
+    in a user message of its own (one turn with the one before, as Anthropic merges them), text
+    is the chat route's conversation: the same prompt (count_tokens = /tokenize) and answer.
+    "any" (sampled, seed 0: the random model writes the call array's whitespace forever when
+    greedy) with disable_parallel_tool_use is the chat route's "required" with
+    parallel_tool_calls false: one tool_use; without it the same seed makes two calls."""
     msgs = [{"role": "user", "content": "weather?"}]
     body = {"model": "tiny", "max_tokens": 40, "messages": msgs, "tools": TOOLS,
             "tool_choice": {"type": "tool", "name": "get_weather"}}
@@ -197,26 +211,29 @@ def test_a_tool_use_round_trip(client, h):
                                              *[b.to_dict() for b in m.content]]}
     back = [*msgs, turn, {"role": "user", "content": [
         {"type": "tool_result", "tool_use_id": call.id, "content": [{"type": "text", "text": "sunny"}],
-         "is_error": False},
-        {"type": "text", "text": "thanks"}]}]
+         "is_error": True}]}, {"role": "user", "content": [{"type": "text", "text": "thanks"}]}]
     chat_back = [*msgs, {"role": "assistant", "content": None, "reasoning": "look", "tool_calls": [
         {"id": call.id, "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(call.input)}}]},
-                 {"role": "tool", "tool_call_id": call.id, "content": "sunny"}, {"role": "user", "content": "thanks"}]
+                 {"role": "tool", "tool_call_id": call.id, "content": "Error: sunny"},
+                 {"role": "user", "content": "thanks"}]
     tok = h.post("/tokenize", json={"messages": chat_back, "tools": CHAT_TOOLS}).json()
     assert _count(client, messages=back, tools=TOOLS) == tok["count"]
-    assert f'assistant:(look)<get_weather {json.dumps(call.input)}>|tool:sunny#{call.id}|user:thanks|' in (
+    assert f'assistant:(look)<get_weather {json.dumps(call.input)}>|tool:Error: sunny#{call.id}|user:thanks|' in (
         h.post("/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"])
     m = client.messages.create(model="tiny", max_tokens=6, messages=back, tools=TOOLS, tool_choice={"type": "none"},
                                **GREEDY)
     chat = _chat(h, chat_back, max_tokens=6, tools=CHAT_TOOLS, tool_choice="none")
     assert [b.text for b in m.content] == [chat["choices"][0]["message"]["content"]]
 
-    m = client.messages.create(**{**body, "tool_choice": {"type": "any", "disable_parallel_tool_use": True}}, **GREEDY)
-    msg = _chat(h, msgs, max_tokens=40, tools=CHAT_TOOLS, tool_choice="required",
-                parallel_tool_calls=False)["choices"][0]["message"]
-    assert [(b.name, b.input) for b in m.content if b.type == "tool_use"] == [
-        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg.get("tool_calls") or []]
-    assert [b.text for b in m.content if b.type == "text"] == ([msg["content"]] if msg["content"] else [])
+    sampled = {**body, "max_tokens": 200, "extra_body": {"temperature": 1, "seed": 0}}
+    m = client.messages.create(**{**sampled, "tool_choice": {"type": "any", "disable_parallel_tool_use": True}})
+    msg = _chat(h, msgs, max_tokens=200, tools=CHAT_TOOLS, tool_choice="required", parallel_tool_calls=False,
+                temperature=1, seed=0)["choices"][0]["message"]
+    (one,) = m.content
+    assert one.type == "tool_use" and m.stop_reason == "tool_use" and [(one.name, one.input)] == [
+        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg["tool_calls"]]
+    m = client.messages.create(**{**sampled, "tool_choice": {"type": "any"}})
+    assert [b.type for b in m.content] == ["tool_use", "tool_use"] and m.stop_reason == "tool_use"
 
 
 def test_an_open_think_block_is_a_thinking_block(client, h):
@@ -270,10 +287,15 @@ def test_bad_requests_are_anthropic_400s_naming_the_field(client, h):
     for body, says in [
         ({"model": "tiny", "messages": user}, "max_tokens: Field required"),
         ({**base, "max_tokens": 0}, "max_tokens must be at least 1"),
-        ({**base, "messages": []}, "messages: give at least one message"),
+        ({**base, "messages": []}, "messages: give at least one user or assistant message"),
+        ({**base, "messages": [{"role": "system", "content": "x"}]}, "give at least one user or assistant message"),
+        ({**base, "messages": [{"role": "tool", "content": "x"}]},
+         "messages[0].role: must be 'user', 'assistant' or 'system'"),
+        ({**base, "messages": [*user, {"role": "assistant", "content": [{"type": "text", "text": "a"},
+                                                                        {**call, "input": {}}]}]},
+         "messages[1].content[1]: the last message is an assistant's"),
         ({**base, "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, image]}]},
          "messages[0].content[1]: image blocks are not supported"),
-        ({**base, "messages": [{"role": "system", "content": "x"}]}, "messages[0].role: must be 'user' or 'assistant'"),
         ({**base, "messages": [*user, {"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "t"}]}]},
          "messages[1].content[0]: tool_result blocks do not belong in assistant messages"),
         ({**base, "messages": [{"role": "user", "content": [{**call, "input": {}}]}]},
@@ -293,7 +315,11 @@ def test_bad_requests_are_anthropic_400s_naming_the_field(client, h):
         ({**base, "tools": TOOLS, "tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice names 'nope'"),
         ({**base, "tool_choice": {"type": "any"}}, "tool_choice needs tools"),
         ({**base, "tool_choice": {"type": "sometimes"}}, "tool_choice.type: Input should be"),
-        ({**base, "thinking": {"type": "enabled"}}, "thinking.budget_tokens"),
+        ({**base, "thinking": "on"}, "thinking: Input should be a valid dictionary"),
+        ({**base, "tools": [TOOLS[0], {"name": "f", "input_schema": {"type": "object", "properties": {
+            "a": {"type": "nonsense"}}}}], "tool_choice": {"type": "any"}}, "tools[1].input_schema: "),
+        ({**base, "chat_template_kwargs": {"tokenize": 1}},
+         "chat_template_kwargs: tokenize is not a template variable"),
         ({**base, "output_config": {"format": {"type": "xml"}}}, "output_config.format must be"),
         ({**base, "max_tokens": 500}, "maximum context length is 256 tokens"),
         ({**base, "temperature": "hot"}, "temperature: Input should be a valid number"),
@@ -305,6 +331,111 @@ def test_bad_requests_are_anthropic_400s_naming_the_field(client, h):
         client.messages.create(model="tiny", max_tokens=4, messages=[{"role": "user", "content": [image]}])
     _assert_anthropic_error(h.post("/v1/messages", json={**base, "model": "claude"}), 404, "tiny", "not_found_error")
     _assert_anthropic_error(h.post("/v1/messages/batches", json={}), 404, "not supported", "not_found_error")
+
+
+def test_every_error_on_these_paths_is_anthropics(server, h, monkeypatch):
+    """Not only the handlers' own errors: a 405 (GET /v1/messages), a body over the size limit
+    (413 request_too_large), a busy server (429 rate_limit_error), the engine not running (503,
+    api_error: Anthropic's overloaded_error is its 529) and an unexpected exception (500 api_error)
+    are in Anthropic's shape on these paths; the chat route's stay OpenAI's."""
+    from draftsmith.server import routes
+
+    st = server.app.app.state.server
+    body = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    _assert_anthropic_error(h.get("/v1/messages"), 405, "Method Not Allowed")
+    big = {**body, "metadata": {"pad": "x" * st.limits.max_body_bytes}}
+    _assert_anthropic_error(h.post("/v1/messages", json=big), 413, "larger than this server's limit",
+                            "request_too_large")
+    st.queued_tokens = st.max_queued_tokens  # (as if other requests held the queue)
+    try:
+        _assert_anthropic_error(h.post("/v1/messages", json=body), 429, "the server is busy", "rate_limit_error")
+    finally:
+        st.queued_tokens = 0
+    monkeypatch.setattr(type(st.loop), "alive", property(lambda self: False))
+    _assert_anthropic_error(h.post("/v1/messages", json=body), 503, "the engine is not running", "api_error")
+    monkeypatch.undo()
+
+    def boom(*a, **k):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(routes, "messages_chat_request", boom)
+    t = TestClient(server.app.app, raise_server_exceptions=False)  # (uvicorn drops the connection after it;
+    _assert_anthropic_error(t.post("/v1/messages", json=body, headers={"x-api-key": KEY}), 500,  # no lifespan)
+                            "internal server error: RuntimeError", "api_error")
+    monkeypatch.undo()
+    r = h.get("/v1/chat/completions")
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def _billing(nonce: str) -> str:
+    return f"x-anthropic-billing-header: cc_version=2.1.154.abc; cc_entrypoint=cli; cch={nonce};"
+
+
+def test_system_messages_and_the_billing_header(client, h):
+    """Messages of role system (a string or text blocks, anywhere) join `system` in one system
+    message, in order; a user message on each side of one is one turn. Claude Code's billing
+    header (a block of `system`, a line of a system string) is left out: two requests that differ
+    only in its nonce render the same prompt, so the second reads it from the prefix cache (as
+    many tokens as the chat route's same conversation does)."""
+    msgs = [{"role": "user", "content": "hi"},
+            {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+            {"role": "user", "content": "there"}, {"role": "system", "content": _billing("ffff") + "\nNo lies."}]
+    chat_msgs = [{"role": "system", "content": "You are Claude Code.\nBe brief.\nNo lies."},
+                 {"role": "user", "content": "hi\nthere"}]
+    tok = h.post("/tokenize", json={"messages": chat_msgs}).json()
+    blocks = [{"type": "text", "text": _billing("1a2b3")}, {"type": "text", "text": "You are Claude Code."}]
+    assert _count(client, system=blocks, messages=msgs) == tok["count"]
+    assert _count(client, system=_billing("zz") + "\nYou are Claude Code.", messages=msgs) == tok["count"]
+    body = {"model": "tiny", "max_tokens": 2, "messages": msgs}
+    first = client.messages.create(**body, system=blocks, **GREEDY)
+    cached = _chat(h, chat_msgs, max_tokens=2)["usage"]["prompt_tokens_details"]["cached_tokens"]
+    blocks[0]["text"] = _billing("9f8e7")
+    m = client.messages.create(**body, system=blocks, **GREEDY)
+    assert m.usage.cache_read_input_tokens == cached > 0 and m.content == first.content
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == tok["count"]
+
+
+def test_vllm_extras_reach_the_chat_request(client, h):
+    """vLLM's fields, sent in extra_body: temperature 1 with seed 7 is one answer three times (the
+    chat route's); priority without --scheduling-policy priority is the chat route's 400;
+    chat_template_kwargs reaches the template (count_tokens and usage count what /tokenize does);
+    structured_outputs constrains the answer; min_p, repetition_penalty and cache_salt are taken.
+    `thinking` of any type is accepted (and has no effect)."""
+    user = [{"role": "user", "content": "hi"}]
+    body = {"model": "tiny", "max_tokens": 6, "messages": user}
+    seeded = {"temperature": 1, "seed": 7, "min_p": 0.0, "repetition_penalty": 1.0, "cache_salt": "s"}
+    got = [_bare(client.messages.create(**body, extra_body=seeded)) for _ in range(3)]
+    assert got[0] == got[1] == got[2]
+    chat = _chat(h, user, max_tokens=6, **seeded)["choices"][0]["message"]
+    assert "".join(b.get("text") or b.get("thinking") for b in got[0]["content"]) == (
+        (chat["reasoning"] or "") + (chat["content"] or ""))
+    r, c = (h.post(path, json={**body, "priority": 1}) for path in ("/v1/messages", "/v1/chat/completions"))
+    _assert_anthropic_error(r, 400, c.json()["error"]["message"])
+    shout = {"chat_template_kwargs": {"shout": True}}
+    tok = h.post("/tokenize", json={"messages": user, **shout}).json()
+    assert h.post("/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"].endswith("SHOUT")
+    assert _count(client, messages=user, extra_body=shout) == tok["count"] > _count(client, messages=user)
+    u = client.messages.create(**body, extra_body={**shout, "temperature": 0}).usage
+    assert u.input_tokens + u.cache_read_input_tokens == tok["count"]
+    m = client.messages.create(**body, extra_body={"structured_outputs": {"choice": ["yes", "no"]}, "temperature": 0})
+    assert m.content[0].text in ("yes", "no") and m.stop_reason == "end_turn"
+    for thinking in ({"type": "enabled"}, {"type": "adaptive"}, {"type": "enabled", "budget_tokens": 1024}):
+        assert h.post("/v1/messages", json={**body, "max_tokens": 1, "thinking": thinking}).status_code == 200
+
+
+def test_a_call_cut_by_max_tokens_is_the_same_whole_and_streamed(client, h):
+    """A forced call cut by max_tokens: the whole Message (its input what the anthropic package's
+    stream accumulator reads from the cut arguments) is the streamed one, at every cut (the
+    compact arguments' keys end in tokens that close the object too: the input is {} or whole)."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "weather?"}], "tools": TOOLS,
+            "tool_choice": {"type": "tool", "name": "get_weather"}}
+    inputs = []
+    for n in range(2, 12):
+        m = client.messages.create(**body, max_tokens=n, **GREEDY)
+        with client.messages.stream(**body, max_tokens=n, **GREEDY) as s:
+            assert _bare(s.get_final_message()) == _bare(m), n
+        inputs.append(m.content[0].input)
+    assert inputs[0] == {} and inputs[-1].get("unit") in ("c", "f"), inputs
 
 
 def test_auto_tool_choice_needs_the_tool_call_parser():
@@ -345,7 +476,7 @@ def _blocks(text: str, cuts: list[int], finish: str = "stop") -> tuple[list[dict
     content blocks, their events, the stop_reason."""
     from draftsmith.server.answer import AnswerFormat
     from draftsmith.server.messages_content import MessageContent
-    from draftsmith.server.responses_api import PartsReader
+    from draftsmith.server.answer import PartsReader
     from draftsmith.server.tools import ToolPlan
 
     reader = PartsReader(AnswerFormat(ToolPlan("auto", parser="hermes"), reasoning=True).reader(always=True))
@@ -396,3 +527,46 @@ def test_blocks_follow_the_answer_however_it_is_split():
         {"type": "content_block_delta", "index": 0, "delta": {"type": "thinking_delta", "thinking": "a"}},
         {"type": "content_block_stop", "index": 0}], ("max_tokens", None))
     assert _blocks("", [])[0] == [] and _blocks("", [])[2] == ("end_turn", None)
+
+
+def test_a_cut_call_is_read_as_the_anthropic_package_reads_it():
+    """A call the answer's end cuts: its block's input is what the package's accumulator makes of
+    the streamed input_json_delta pieces (jiter's partial mode: completed keys kept, an unfinished
+    string, number or literal dropped); partial_json agrees with jiter at every cut of JSON texts."""
+    from jiter import from_json
+
+    from draftsmith.server.partial_json import loads_partial
+
+    from anthropic.lib.streaming._messages import accumulate_event
+
+    from draftsmith.server.answer import AnswerFormat
+    from draftsmith.server.messages_content import MessageContent
+    from draftsmith.server.tools import ToolPlan
+
+    reader, content = AnswerFormat(ToolPlan("named", name="f")).parts_reader(), MessageContent()
+    cut = '{"unit": "fahrenheit", "days": [1, 2], "note": "it is'
+    events = content.read(reader.push(cut[:20])["parts"]) + content.read(reader.finish(cut[20:])["parts"])
+    events += content.end()
+    blocks = content.blocks
+    assert blocks[0]["input"] == {"unit": "fahrenheit", "days": [1, 2]}
+    assert content.stop_reason(reader.finish_reason("length"), None) == ("max_tokens", None)
+
+    snap, bufs = None, {}
+    for e in [{"type": "message_start", "message": {"id": "m", "type": "message", "role": "assistant", "model": "t",
+                                                    "content": [], "stop_reason": None, "stop_sequence": None,
+                                                    "usage": {"input_tokens": 1, "output_tokens": 0}}}, *events]:
+        snap = accumulate_event(event=_EVENT.validate_python(e), current_snapshot=snap, json_bufs=bufs)
+    assert snap.content[0].input == blocks[0]["input"]
+    for doc in ['{"unit": "fahrenheit", "n": [1, 2.5, -3e2, true, false, null, {"k": "v\\"q\\u00e9"}], "o": {}, '
+                '"e": [], "z": -0, "t": "\u00e9\U0001F600"}', '{ "a" : [ 1 , { "b" : null } ] , "c" : "x y" }',
+                '[1, "a", {"b": [true]}]']:
+        for k in range(len(doc) + 1):
+            try:
+                want = ("ok", from_json(doc[:k].encode(), partial_mode=True))
+            except ValueError:
+                want = ("error",)
+            try:
+                got = ("ok", loads_partial(doc[:k]))
+            except ValueError:
+                got = ("error",)
+            assert got == want, doc[:k]

@@ -371,7 +371,7 @@ def _built(text: str, cuts: list[int], cut: bool = False, answer=None) -> tuple[
     logprobs entry {"i": i}: the output items and their events, as a stream sends them (`cut`:
     the answer ran out of tokens)."""
     from draftsmith.server.answer import AnswerFormat
-    from draftsmith.server.responses_api import PartsReader
+    from draftsmith.server.answer import PartsReader
     from draftsmith.server.responses_output import ResponseOutput
     from draftsmith.server.tools import ToolPlan
 
@@ -484,7 +484,7 @@ def _decoded(answer, decode, ids: list[int], per_token: bool, cut: bool = False)
     """The items, events and reasoning_tokens of an answer of token `ids` whose text is `decode`'s
     (the engine's): whole, or streamed a token at a time as the server streams it (each push's
     text from server/text.py's StreamText, the last one the whole text)."""
-    from draftsmith.server.responses_api import PartsReader
+    from draftsmith.server.answer import PartsReader
     from draftsmith.server.responses_output import ResponseOutput
     from draftsmith.server.text import StreamText
 

@@ -44,6 +44,10 @@ class AnswerFormat:
             return None
         return AnswerReader(ReasoningReader(self.thinking) if self.reasoning else None, tools, self.include_reasoning)
 
+    def parts_reader(self) -> PartsReader:
+        """A fresh reader of one choice's text whose deltas are its parts in order (PartsReader)."""
+        return PartsReader(self.reader(always=True))
+
 
 class AnswerReader:
     """`read(text, last)` -> the answer's parts in order (server/answer_parts.py), each with its
@@ -107,3 +111,22 @@ class AnswerReader:
         if calls:
             msg["tool_calls"] = calls
         return msg
+
+
+class PartsReader:
+    """A chat answer's reader whose deltas are its parts in order, `{"parts": [...]}` (the last
+    one with `thinks`: the answer had a think block): what a Response's items and a Message's
+    content blocks are built from, streamed (server/streaming.py's chunks carry these deltas) or whole."""
+
+    def __init__(self, reader: AnswerReader) -> None:
+        self.reader = reader
+
+    def push(self, text: str) -> dict:
+        parts = self.reader.read(text)
+        return {"parts": parts} if parts else {}
+
+    def finish(self, text: str) -> dict:
+        return {"parts": self.reader.read(text, last=True), "thinks": self.reader.thinks}
+
+    def finish_reason(self, engine_reason: str | None) -> str | None:
+        return self.reader.finish_reason(engine_reason)

@@ -28,6 +28,12 @@ class Part:
     done: bool = False
 
 
+def call_hex(call: dict) -> str:
+    """The hex of a call's chat id (`chatcmpl-tool-<hex>`), which its ids in a Response
+    (fc_<hex>, call_<hex>) and a Message (toolu_<hex>) are made of."""
+    return call["id"].rsplit("-", 1)[-1]
+
+
 def moved(parts: list[Part], by: int) -> list[Part]:
     """`parts` read from a text that starts `by` characters into the answer's."""
     return [replace(p, end=p.end + by) for p in parts] if by else parts

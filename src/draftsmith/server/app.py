@@ -20,7 +20,9 @@ completions / chat objects), responses_request / responses_api / responses_outpu
 (the Responses API: its request as a chat request, the answer as a Response, its output items,
 its stream's events), messages_request / messages_api / messages_content / messages_stream /
 messages_error (Anthropic's Messages API: its request as a chat request, the answer as a Message,
-its content blocks, its stream's events, its errors), routes (the handlers), engine_loop,
+its content blocks, its stream's events, its errors), request_fields (what the Responses and
+Messages requests share: vLLM's extras, field errors), partial_json (a cut call's arguments, read
+as the anthropic package reads them), routes (the handlers), engine_loop,
 protocol, text, metrics.
 This module builds the app: lifespan (the engine thread), error handlers, routes.
 """
@@ -38,6 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from draftsmith.api import LLM
+from draftsmith.server.messages_error import messages_error
 from draftsmith.server.protocol import APIError
 from draftsmith.server.routes import add_routes
 from draftsmith.server.state import Limits, ServeOptions, ServerState
@@ -64,22 +67,26 @@ def create_app(llm: LLM, model_name: str | None = None, *, api_key: str | None =
     app = FastAPI(title="Draftsmith", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = st
 
-    def _error(e: APIError) -> JSONResponse:
+    def _error(request: Request, e: APIError) -> JSONResponse:
+        """`e` as JSON: in Anthropic's shape on the Messages API's paths (every error there), else OpenAI's."""
+        path = request.url.path
+        if path == "/v1/messages" or path.startswith("/v1/messages/"):
+            e = messages_error(e)
         st.metrics.record_error(e.status)
         return JSONResponse(e.body(), status_code=e.status)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
-        return _error(e)
+        return _error(request, e)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, e: RequestValidationError) -> JSONResponse:
-        return _error(APIError(400, str(e.errors()[:1])))
+        return _error(request, APIError(400, str(e.errors()[:1])))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
         typ = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return _error(APIError(e.status_code, str(e.detail), type=typ))
+        return _error(request, APIError(e.status_code, str(e.detail), type=typ))
 
     @app.exception_handler(ClientDisconnect)
     async def _gone(request: Request, e: ClientDisconnect) -> Response:
@@ -88,7 +95,7 @@ def create_app(llm: LLM, model_name: str | None = None, *, api_key: str | None =
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception) -> JSONResponse:
         log.exception("unhandled error")
-        return _error(APIError(500, f"internal server error: {type(e).__name__}", type="internal_error"))
+        return _error(request, APIError(500, f"internal server error: {type(e).__name__}", type="internal_error"))
 
     add_routes(app, st)
     return app

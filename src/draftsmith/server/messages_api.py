@@ -5,11 +5,14 @@ server/answer.py's reader, with its finish_reason, stop string and usage) as a M
 `thinking` (the server's --reasoning-parser), `text`, `tool_use`; `stop_reason` end_turn,
 max_tokens, stop_sequence (with `stop_sequence`) or tool_use. `usage`: `input_tokens` the
 prompt's tokens that were not read from the prefix cache, `cache_read_input_tokens` those that
-were (Anthropic's meaning: the prompt is their sum, what count_tokens returns), `output_tokens`.
+were (Anthropic's meaning: the prompt is their sum, what count_tokens returns; the chat route's
+prompt_tokens_details.cached_tokens), `output_tokens`.
 
 A whole Message and a streamed one (server/messages_stream.py) are built by the same reader and
-content builder, so the stream adds up to the whole Message but for its id. Ids: "msg_<hex>";
-a tool_use block's "toolu_<hex>".
+content builder, so the `anthropic` package's accumulator adds the stream up to the whole
+Message's content, stop_reason and output_tokens, but for ids; a tool_use block's input too,
+unless the model's arguments are not JSON (messages_content.py). A stream's usage does not split
+the prompt (see messages_stream.py). Ids: "msg_<hex>"; a tool_use block's "toolu_<hex>".
 """
 
 from __future__ import annotations
@@ -17,11 +20,11 @@ from __future__ import annotations
 import uuid
 from typing import AsyncIterator
 
+from draftsmith.server.answer import PartsReader
 from draftsmith.server.engine_loop import Event
 from draftsmith.server.messages_content import MessageContent
 from draftsmith.server.messages_stream import MessagesStream
 from draftsmith.server.responses import ResponseFormat
-from draftsmith.server.responses_api import PartsReader
 
 
 class MessagesFormat(ResponseFormat):
@@ -31,7 +34,7 @@ class MessagesFormat(ResponseFormat):
         super().__init__(chat=True, rid=f"msg_{uuid.uuid4().hex}", model=model)
 
     def answer_reader(self) -> PartsReader:  # type: ignore[override]
-        return PartsReader(self.answer.reader(always=True))
+        return self.answer.parts_reader()
 
     def message(self, content: list[dict], stop: tuple[str | None, str | None], usage: dict) -> dict:
         """The Message object around `content`; `stop`: its stop_reason and stop_sequence."""

@@ -1,11 +1,16 @@
 """A Message's `content` blocks, built from an answer's parts (server/answer_parts.py) in the order
 the answer writes them, with the stream events that build them; and its stop_reason. A whole
-Message is the same builder given every part at once, so a stream adds up to the whole Message.
+Message is the same builder given every part at once, so a stream adds up to the whole Message
+as the `anthropic` package's accumulator adds it up.
 
 - A `thinking` block per run of reasoning (the server's --reasoning-parser; `signature` ""), a
   `text` block per run of text (text before, between and after calls are blocks of their own), a
-  `tool_use` block per call: id "toolu_<hex>" (<hex>: the chat call id's), its name, its `input`
-  (the arguments' JSON object; {} where they are not one: a call cut by max_tokens).
+  `tool_use` block per call: id "toolu_<hex>" (<hex>: the chat call id's), its name, its `input`:
+  the arguments' JSON object, read as the accumulator reads the streamed input_json_delta
+  pieces (server/partial_json.py), so a call cut by max_tokens keeps what its arguments
+  completed (`{"unit": "f", "da` -> {"unit": "f"}), whole or streamed alike. Arguments that are
+  not the start of a JSON object (a model's malformed call) are input {} in the whole Message,
+  where the accumulator raises (the stream's input_json_delta pieces are the model's text as is).
 - Events, each block's in turn: content_block_start (the block, empty: "" text, input {}),
   content_block_delta (text_delta, thinking_delta, input_json_delta with the arguments' text as
   the model wrote it), content_block_stop, before the next block starts. An answer with no text,
@@ -16,9 +21,8 @@ Message is the same builder given every part at once, so a stream adds up to the
 
 from __future__ import annotations
 
-import json
-
-from draftsmith.server.answer_parts import Part
+from draftsmith.server.answer_parts import Part, call_hex
+from draftsmith.server.partial_json import loads_partial
 
 _DELTA = {"text": ("text_delta", "text"), "thinking": ("thinking_delta", "thinking")}
 
@@ -77,8 +81,8 @@ class MessageContent:
     def _call(self, call: dict) -> list[dict]:
         out: list[dict] = []
         if "id" in call:  # a call begins
-            h = call["id"].rsplit("-", 1)[-1]  # (chatcmpl-tool-<hex>)
-            out += self._start({"type": "tool_use", "id": f"toolu_{h}", "name": call["function"]["name"], "input": {}})
+            out += self._start({"type": "tool_use", "id": f"toolu_{call_hex(call)}", "name": call["function"]["name"],
+                                "input": {}})
             self.calls[call["index"]] = self.open
             self.arguments[self.open] = ""
         i = self.calls[call["index"]]
@@ -97,8 +101,9 @@ class MessageContent:
 
 
 def _input(arguments: str) -> dict:
+    """A tool_use block's input from its arguments' text, whole or cut ({} for no object)."""
     try:
-        value = json.loads(arguments)
+        value = loads_partial(arguments)
     except ValueError:
         return {}
     return value if isinstance(value, dict) else {}

@@ -2,27 +2,38 @@
 /v1/messages/count_tokens), read into the chat request that /v1/chat/completions serves: the same
 messages, chat template, sampling, grammar and tool plan.
 
-- `system` (a string or text blocks) -> a system message first.
-- `messages`, role user or assistant, `content` a string or blocks:
+- `system` (a string or text blocks) and the `messages` of role system (the anthropic package's
+  MessageParam allows it; Claude Code sends its system prompt so) -> one system message first:
+  their text, `system`'s first, joined by "\n". Claude Code's `x-anthropic-billing-header: ...;
+  cch=<nonce>;` text block (a line of a string) is left out: its nonce changes with every request
+  and would make every prompt differ from its first tokens on, so the prefix cache never matched.
+- `messages`, role user or assistant, `content` a string or blocks; consecutive messages of one
+  role are one turn (their blocks in order, as Anthropic merges them; system messages between
+  them do not part them):
   - user: a run of `text` blocks -> a user message; each `tool_result` block (`content` a string
-    or text blocks; `is_error` accepted: the model reads the content) -> a tool message answering
-    its `tool_use_id`; in the order the blocks come;
+    or text blocks) -> a tool message answering its `tool_use_id`, its content after "Error: "
+    where `is_error` is true (so the model reads that the call failed); in the order the blocks come;
   - assistant: `text` blocks -> its content, `tool_use` blocks {id, name, input} -> its
     `tool_calls` (input as JSON arguments), `thinking` blocks -> its `reasoning` (as the
     Responses API's reasoning items: the template reads it as reasoning_content; several joined
-    by a blank line; the signature is not checked);
-  - the last message an assistant's: the answer continues it (Anthropic's prefill; chat's
-    continue_final_message).
+    by a blank line; the signature is not checked). A chat message holds its text apart from its
+    calls, so the template writes the text first, also text that came after a tool_use block;
+  - the last turn an assistant's: the answer continues it (Anthropic's prefill; chat's
+    continue_final_message); one that ends with a tool_use block is a 400 (its result is missing).
   A message's (and `system`'s) text blocks are joined by "\n": clients such as Claude Code send
-  a prompt and its reminders as blocks of their own. Consecutive messages of one role go to the
-  template as sent. `image`, `document`, `redacted_thinking` and server tools' blocks are a 400.
+  a prompt and its reminders as blocks of their own. `image`, `document`, `redacted_thinking`
+  and server tools' blocks are a 400.
 - `max_tokens` (required, at least 1) -> max_tokens; `stop_sequences` -> stop; `temperature`,
   `top_p`, `top_k` as sent; `tools` [{name, description, input_schema}] -> chat's function tools;
   `tool_choice` auto / any / tool / none -> "auto" (needs the server's tool-call parser) /
   "required" / the named function / "none", `disable_parallel_tool_use` -> parallel_tool_calls
   false; `output_config.format` {"type": "json_schema", "schema"} -> response_format.
-- Accepted and ignored: `metadata`, `service_tier`, `thinking` (enabled, with budget_tokens;
-  disabled; adaptive: reasoning text comes from the server's --reasoning-parser), `output_config.effort`,
+- vLLM's extras, as on /v1/chat/completions and /v1/responses (the anthropic package sends them
+  in `extra_body`): seed, min_p, repetition_penalty, priority, cache_salt, structured_outputs
+  (server/request_fields.py) and chat_template_kwargs (count_tokens reads it too: it changes the
+  prompt).
+- Accepted and ignored: `metadata`, `service_tier`, `thinking` (any object: enabled, disabled,
+  adaptive; reasoning text comes from the server's --reasoning-parser), `output_config.effort`,
   blocks' `cache_control` and `citations`; unknown fields, as on the other routes. Any optional
   field may be null: its default.
 
@@ -35,12 +46,14 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from draftsmith.server.messages_error import AnthropicError
 from draftsmith.server.protocol import ChatCompletionRequest, _Req
+from draftsmith.server.request_fields import VllmExtras, chat_of, parse
 
 _TEXT_ONLY = "this server's models read text only"
+BILLING_HEADER = "x-anthropic-billing-header"  # Claude Code's per-request line (see the module docstring)
 
 
 class _TextBlock(_Req):
@@ -87,11 +100,6 @@ class _ToolChoice(_Req):
     disable_parallel_tool_use: StrictBool | None = None
 
 
-class _ThinkingConfig(_Req):
-    type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: StrictInt | None = None
-
-
 class CountTokensRequest(_Req):
     """POST /v1/messages/count_tokens's body: the prompt's fields."""
 
@@ -100,10 +108,11 @@ class CountTokensRequest(_Req):
     system: StrictStr | list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
-    thinking: dict[str, Any] | None = None  # accepted (checked, no effect)
+    thinking: dict[str, Any] | None = None  # accepted, ignored
+    chat_template_kwargs: dict[str, Any] | None = None  # (vLLM's)
 
 
-class MessagesRequest(CountTokensRequest):
+class MessagesRequest(CountTokensRequest, VllmExtras):
     """POST /v1/messages's body."""
 
     max_tokens: StrictInt
@@ -123,7 +132,7 @@ def chat_request(req: MessagesRequest, auto_tools: bool) -> ChatCompletionReques
     if req.max_tokens < 1:
         raise AnthropicError(400, f"max_tokens must be at least 1, got {req.max_tokens}", param="max_tokens")
     stream = bool(req.stream)
-    body = {**prompt_fields(req), "max_tokens": req.max_tokens, "stop": req.stop_sequences or None,
+    body = {**prompt_fields(req), **req.extras(), "max_tokens": req.max_tokens, "stop": req.stop_sequences or None,
             "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "stream": stream,
             "stream_options": {"include_usage": True} if stream else None,
             "response_format": response_format(req.output_config)}
@@ -133,55 +142,69 @@ def chat_request(req: MessagesRequest, auto_tools: bool) -> ChatCompletionReques
                              "started with `draftsmith serve --enable-auto-tool-choice --tool-call-parser hermes`; "
                              'or send tool_choice {"type": "any"}, {"type": "tool", "name": ...} or {"type": "none"}',
                              param="tool_choice")
-    return _validated(body)
+    return chat_of(body)
 
 
 def count_request(req: CountTokensRequest) -> ChatCompletionRequest:
     """`req` as a chat request whose prompt (chat template, tools) is the one /v1/messages renders."""
-    return _validated(prompt_fields(req))
+    return chat_of(prompt_fields(req))
 
 
 def prompt_fields(req: CountTokensRequest) -> dict[str, Any]:
     """The chat request's fields that make its prompt: messages, template options, tools."""
-    if req.thinking is not None:
-        thinking = _parse(_ThinkingConfig, req.thinking, "thinking", param="thinking")
-        if thinking.type == "enabled" and thinking.budget_tokens is None:
-            raise AnthropicError(400, "thinking.budget_tokens: Field required (with type enabled)", param="thinking")
-    messages = chat_messages(req.messages)
-    if req.system:
-        messages.insert(0, {"role": "system", "content": _text(req.system, "system")})
+    system, messages, prefill = chat_messages(req.messages)
+    if req.system is not None:
+        system.insert(0, _system(req.system, "system"))
+    system = [text for text in system if text]
+    if system:
+        messages.insert(0, {"role": "system", "content": "\n".join(system)})
     tools = chat_tools(req.tools)
     choice, parallel = chat_tool_choice(req.tool_choice, tools)
-    prefill = req.messages[-1].get("role") == "assistant"  # (a dict: chat_messages checked it)
     return {"messages": messages, "tools": tools, "tool_choice": choice, "parallel_tool_calls": parallel,
-            "add_generation_prompt": not prefill, "continue_final_message": prefill}
+            "add_generation_prompt": not prefill, "continue_final_message": prefill,
+            "chat_template_kwargs": req.chat_template_kwargs}
 
 
-def chat_messages(messages: list[Any]) -> list[dict]:
-    """`messages` as chat messages (see the module docstring)."""
-    if not messages:
-        raise AnthropicError(400, "messages: give at least one message", param="messages")
-    out: list[dict] = []
+def chat_messages(messages: list[Any]) -> tuple[list[str], list[dict], bool]:
+    """`messages` as chat messages (see the module docstring): (the system messages' texts, the
+    user and assistant turns' chat messages, the last turn is an assistant's prefill)."""
+    system: list[str] = []
+    turns: list[tuple[str, list[tuple[dict, str]]]] = []  # (role, its blocks with where each is)
     for i, item in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(item, dict):
             raise AnthropicError(400, f"{where}: a message is an object with a role and content", param="messages")
         m = _parse(_Message, item, where)
+        if m.role == "system":
+            system.append(_system(m.content, f"{where}.content"))
+            continue
         if m.role not in ("user", "assistant"):
-            hint = " (a system prompt goes in the top-level `system` field)" if m.role == "system" else ""
-            raise AnthropicError(400, f"{where}.role: must be 'user' or 'assistant', got {m.role!r}{hint}",
+            raise AnthropicError(400, f"{where}.role: must be 'user', 'assistant' or 'system', got {m.role!r}",
                                  param="messages")
         blocks = [{"type": "text", "text": m.content}] if isinstance(m.content, str) else m.content
-        out += _user(blocks, where) if m.role == "user" else [_assistant(blocks, where)]
-    return out
+        located = [(b, f"{where}.content[{j}]") for j, b in enumerate(blocks)]
+        if turns and turns[-1][0] == m.role:  # (one turn, as Anthropic merges them)
+            turns[-1][1].extend(located)
+        else:
+            turns.append((m.role, located))
+    if not turns:
+        raise AnthropicError(400, "messages: give at least one user or assistant message", param="messages")
+    out: list[dict] = []
+    for role, located in turns:
+        out += _user(located) if role == "user" else [_assistant(located)]
+    prefill = turns[-1][0] == "assistant"
+    if prefill and located and located[-1][0].get("type") == "tool_use":
+        raise AnthropicError(400, f"{located[-1][1]}: the last message is an assistant's, which the answer would "
+                             "continue, and it ends with a tool_use block; send the tool's result in a user "
+                             "message's tool_result block after it", param="messages")
+    return system, out, prefill
 
 
-def _user(blocks: list[dict], where: str) -> list[dict]:
+def _user(blocks: list[tuple[dict, str]]) -> list[dict]:
     """A user's blocks: its runs of text user messages, its tool results tool messages, in order."""
     out: list[dict] = []
     texts: list[str] = []
-    for j, block in enumerate(blocks):
-        at = f"{where}.content[{j}]"
+    for block, at in blocks:
         kind = _kind(block, at, ("text", "tool_result"), "user")
         if kind == "text":
             texts.append(_parse(_TextBlock, block, at).text)
@@ -191,17 +214,18 @@ def _user(blocks: list[dict], where: str) -> list[dict]:
             texts = []
         r = _parse(_ToolResult, block, at)
         content = "" if r.content is None else _text(r.content, f"{at}.content")
+        if r.is_error:
+            content = f"Error: {content}" if content else "Error"
         out.append({"role": "tool", "tool_call_id": r.tool_use_id, "content": content})
     if texts or not out:  # (no blocks at all: an empty user message, as sent)
         out.append({"role": "user", "content": "\n".join(texts)})
     return out
 
 
-def _assistant(blocks: list[dict], where: str) -> dict:
+def _assistant(blocks: list[tuple[dict, str]]) -> dict:
     """An assistant's blocks as one message: its text, its calls, its reasoning."""
     texts, thoughts, calls = [], [], []
-    for j, block in enumerate(blocks):
-        at = f"{where}.content[{j}]"
+    for block, at in blocks:
         kind = _kind(block, at, ("text", "tool_use", "thinking"), "assistant")
         if kind == "text":
             texts.append(_parse(_TextBlock, block, at).text)
@@ -281,32 +305,31 @@ def response_format(config: dict[str, Any] | None) -> dict | None:
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
 
 
-def _text(content: str | list[dict[str, Any]], where: str) -> str:
-    """A string, or text blocks joined by "\n" (`system`, a tool result's content)."""
+def _system(content: str | list[dict[str, Any]], where: str) -> str:
+    """A system prompt's text (`system`, a system message's content) without Claude Code's
+    billing-header block or line."""
+    if isinstance(content, str):
+        return "".join(line for line in content.splitlines(keepends=True) if not line.startswith(BILLING_HEADER))
+    kept = [(j, b) for j, b in enumerate(content)
+            if not (isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str)
+                    and b["text"].startswith(BILLING_HEADER))]
+    return _text([b for _, b in kept], where, [j for j, _ in kept])
+
+
+def _text(content: str | list[dict[str, Any]], where: str, at: list[int] | None = None) -> str:
+    """A string, or text blocks joined by "\n" (`at`: each block's index in what was sent)."""
     if isinstance(content, str):
         return content
     texts = []
-    for j, block in enumerate(content):
-        at = f"{where}[{j}]"
+    for j, block in zip(at or range(len(content)), content):
+        loc = f"{where}[{j}]"
         kind = block.get("type") if isinstance(block, dict) else None
         if kind != "text":
             why = f"{kind} blocks are not supported: {_TEXT_ONLY}" if isinstance(kind, str) else "not a text block"
-            raise AnthropicError(400, f"{at}: {why}; give text blocks", param=where.split("[")[0])
-        texts.append(_parse(_TextBlock, block, at).text)
+            raise AnthropicError(400, f"{loc}: {why}; give text blocks", param=where.split("[")[0])
+        texts.append(_parse(_TextBlock, block, loc).text)
     return "\n".join(texts)
 
 
 def _parse(model: type[BaseModel], item: Any, where: str, param: str = "messages") -> Any:
-    try:
-        return model.model_validate(item)
-    except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(x) for x in err.get("loc", ()))
-        raise AnthropicError(400, f"{where}{'.' + loc if loc else ''}: {err.get('msg')}", param=param) from None
-
-
-def _validated(body: dict[str, Any]) -> ChatCompletionRequest:
-    try:
-        return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
-    except ValidationError as e:  # (every field was checked above: a server bug)
-        raise AnthropicError(500, f"could not build the chat request: {e.errors()[:1]}") from None
+    return parse(model, item, where, param, error=AnthropicError)

@@ -19,6 +19,12 @@ def sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+def sse_event(obj: dict) -> str:
+    """A named server-sent event, `event: TYPE` + its data (`obj`, whose type is TYPE): the
+    Responses and Messages APIs' form."""
+    return f"event: {obj['type']}\n" + sse(obj)
+
+
 class ResponseFormat:
     """What differs between the completions and chat APIs: the shape of the objects."""
 

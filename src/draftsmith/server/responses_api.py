@@ -21,30 +21,11 @@ from __future__ import annotations
 import uuid
 from typing import AsyncIterator
 
-from draftsmith.server.answer import AnswerReader
+from draftsmith.server.answer import PartsReader
 from draftsmith.server.engine_loop import Event
 from draftsmith.server.responses import ResponseFormat
 from draftsmith.server.responses_output import ResponseOutput
 from draftsmith.server.responses_stream import ResponsesStream
-
-
-class PartsReader:
-    """A chat answer's reader whose deltas are its parts in order, `{"parts": [...]}` (the last
-    one with `thinks`: the answer had a think block): what a Response's items are built from,
-    streamed (server/streaming.py's chunks carry these deltas) or whole."""
-
-    def __init__(self, reader: AnswerReader) -> None:
-        self.reader = reader
-
-    def push(self, text: str) -> dict:
-        parts = self.reader.read(text)
-        return {"parts": parts} if parts else {}
-
-    def finish(self, text: str) -> dict:
-        return {"parts": self.reader.read(text, last=True), "thinks": self.reader.thinks}
-
-    def finish_reason(self, engine_reason: str | None) -> str | None:
-        return self.reader.finish_reason(engine_reason)
 
 
 class ResponsesFormat(ResponseFormat):
@@ -58,7 +39,7 @@ class ResponsesFormat(ResponseFormat):
         self.token_ids = True  # (the chat objects carry the generated ids: logprobs and reasoning_tokens read them)
 
     def answer_reader(self) -> PartsReader:  # type: ignore[override]
-        return PartsReader(self.answer.reader(always=True))
+        return self.answer.parts_reader()
 
     def output(self) -> ResponseOutput:
         """A fresh builder of one answer's items (`decode`: the request's, server/generate.py)."""

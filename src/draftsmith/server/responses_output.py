@@ -35,7 +35,7 @@ from __future__ import annotations
 import copy
 from typing import Callable
 
-from draftsmith.server.answer_parts import Part
+from draftsmith.server.answer_parts import Part, call_hex
 
 Event = tuple[str, dict]  # a stream event's type and fields (server/responses_stream.py numbers and writes it)
 _PARTIAL = "\ufffd"  # what a decoding ends in where a character continues in a later token
@@ -204,7 +204,7 @@ class ResponseOutput:
         out: list[Event] = []
         if "id" in call:  # a call begins
             out += self._next()
-            h = call["id"].rsplit("-", 1)[-1]  # (chatcmpl-tool-<hex>)
+            h = call_hex(call)
             i = self._new({"id": f"fc_{h}", "type": "function_call", "call_id": f"call_{h}",
                            "name": call["function"]["name"], "arguments": "", "status": "in_progress"})
             self.calls[call["index"]] = i

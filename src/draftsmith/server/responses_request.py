@@ -32,9 +32,10 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from draftsmith.server.protocol import APIError, ChatCompletionRequest, _in_range, _Req
+from draftsmith.server.request_fields import VllmExtras, chat_of, parse
 from draftsmith.server.state import TooManyTokens
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -104,9 +105,10 @@ class _FunctionTool(_Req):
     strict: StrictBool | None = None
 
 
-class ResponsesRequest(_Req):
+class ResponsesRequest(VllmExtras):
     """POST /v1/responses's body (unknown fields are ignored, as on the other routes). Every
-    optional field may be null, as OpenAI's and vLLM's: null is the field's default."""
+    optional field may be null, as OpenAI's and vLLM's: null is the field's default. vLLM's
+    extras (seed, min_p, ... : server/request_fields.py) and top_k as on /v1/chat/completions."""
 
     model: StrictStr | None = None
     input: Any  # a string or a list of items (input_messages checks it)
@@ -129,14 +131,7 @@ class ResponsesRequest(_Req):
     previous_response_id: StrictStr | None = None
     conversation: Any = None
     background: StrictBool | None = None  # (None: false)
-    # vLLM's extras, as on /v1/chat/completions
-    seed: StrictInt | None = None
-    top_k: StrictInt | None = None
-    min_p: StrictFloat | None = None
-    repetition_penalty: StrictFloat | None = None
-    priority: StrictInt | None = None  # (None: 0)
-    cache_salt: StrictStr | None = Field(default=None, min_length=1)
-    structured_outputs: dict[str, Any] | None = None  # regex, choice, grammar, ... (in place of text.format)
+    top_k: StrictInt | None = None  # (vLLM's)
 
     def logprobs(self) -> bool:
         return LOGPROBS_INCLUDE in (self.include or [])
@@ -191,9 +186,7 @@ def chat_request(req: ResponsesRequest) -> tuple[ChatCompletionRequest, dict]:
     stream = bool(req.stream)
     body: dict[str, Any] = {
         "messages": messages, "max_tokens": req.max_output_tokens, "temperature": req.temperature,
-        "top_p": req.top_p, "stream": stream, "user": req.user, "seed": req.seed, "top_k": req.top_k,
-        "min_p": req.min_p, "repetition_penalty": req.repetition_penalty, "priority": req.priority,
-        "cache_salt": req.cache_salt, "structured_outputs": req.structured_outputs, "tools": tools,
+        "top_p": req.top_p, "stream": stream, "user": req.user, "top_k": req.top_k, **req.extras(), "tools": tools,
         "parallel_tool_calls": req.parallel_tool_calls,
         "tool_choice": None if choice == "auto" and tools is None else choice,  # (auto without tools: none)
         "response_format": response_format(fmt),
@@ -201,11 +194,7 @@ def chat_request(req: ResponsesRequest) -> tuple[ChatCompletionRequest, dict]:
         "top_logprobs": (top_logprobs or 0) if req.logprobs() else None,
         "stream_options": {"include_usage": True} if stream else None,
     }
-    try:
-        chat = ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
-    except ValidationError as e:  # (every field was checked above: a server bug)
-        raise APIError(500, f"could not build the chat request: {e.errors()[:1]}", type="internal_error") from None
-    return chat, req.echo(tools, fmt)
+    return chat_of(body), req.echo(tools, fmt)
 
 
 def input_messages(items: Any) -> list[dict]:
@@ -326,13 +315,7 @@ def _text(content: str | list[dict[str, Any]], where: str) -> str:
 
 
 def _parse(model: type[BaseModel], item: dict, where: str, param: str = "input") -> Any:
-    try:
-        return model.model_validate(item)
-    except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(x) for x in err.get("loc", ()))
-        raise APIError(400, f"{where}{'.' + loc if loc else ''}: {err.get('msg')}", param=param,
-                       code="invalid_value") from None
+    return parse(model, item, where, param)
 
 
 # what the chat machinery calls a field, and its name in a Responses request

@@ -1,5 +1,5 @@
 """A streamed Response (POST /v1/responses with `stream: true`): the chat stream's chunks
-(server/streaming.py: one choice's deltas, here its answer's parts in order (responses_api's
+(server/streaming.py: one choice's deltas, here its answer's parts in order (server/answer.py's
 PartsReader), with its logprobs and token ids, then the usage chunk) as the Responses API's
 server-sent events, each `event: TYPE` + `data: {"type": TYPE, "sequence_number": n, ...}`
 (OpenAI's and vLLM's form):
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, AsyncIterator
 
-from draftsmith.server.responses import sse
+from draftsmith.server.responses import sse_event
 
 if TYPE_CHECKING:
     from draftsmith.server.responses_api import ResponsesFormat
@@ -45,7 +45,7 @@ class ResponsesStream:
         self.usage: dict | None = None
 
     def _event(self, kind: str, fields: dict) -> str:
-        line = f"event: {kind}\n" + sse({"type": kind, "sequence_number": self.seq, **fields})
+        line = sse_event({"type": kind, "sequence_number": self.seq, **fields})
         self.seq += 1
         return line
 

@@ -7,6 +7,7 @@ GET /version, GET /metrics (Prometheus text)."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import uuid
 
@@ -14,12 +15,13 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from draftsmith import __version__
+from draftsmith.core.structured import StructuredOutputsParams
 from draftsmith.errors import DraftsmithError
 from draftsmith.server.answer import AnswerFormat
 from draftsmith.server.body import parse_body, reject_unsupported, text_bytes
 from draftsmith.server.generate import generate
 from draftsmith.server.messages_api import MessagesFormat
-from draftsmith.server.messages_error import AnthropicError, messages_error
+from draftsmith.server.messages_error import AnthropicError
 from draftsmith.server.messages_request import CountTokensRequest, MessagesRequest, count_request
 from draftsmith.server.messages_request import chat_request as messages_chat_request
 from draftsmith.server.metrics import CONTENT_TYPE
@@ -136,25 +138,35 @@ def add_routes(app: FastAPI, st: ServerState) -> None:
     async def messages(request: Request) -> Response:
         """Anthropic's Messages API (server/messages_request.py): the request as a chat request,
         its answer as a Message (server/messages_api.py, messages_stream.py)."""
+        # (errors on these paths are Anthropic's: server/app.py's handlers, messages_error)
+        req: MessagesRequest = await parse_body(request, MessagesRequest, st.limits.max_body_bytes)
+        st.check_model(req.model)
+        chat = messages_chat_request(req, auto_tools=st.options.tool_call_parser is not None)
         try:
-            req: MessagesRequest = await parse_body(request, MessagesRequest, st.limits.max_body_bytes)
-            st.check_model(req.model)
-            chat = messages_chat_request(req, auto_tools=st.options.tool_call_parser is not None)
             return await _chat(request, chat, MessagesFormat(st.model_id))
-        except APIError as e:
-            raise messages_error(e) from None
+        except APIError as e:  # a forced call's grammar: name the tool whose input_schema does not compile
+            if e.status == 400 and e.param == "tool_choice" and chat.tools:
+                raise await _bad_input_schema(chat) or e from None
+            raise
+
+    async def _bad_input_schema(chat: ChatCompletionRequest) -> AnthropicError | None:
+        """The first of `chat`'s tools whose schema alone does not compile, as `tools[i].input_schema`'s 400."""
+        for i, tool in enumerate(chat.tools):
+            schema = tool.function.parameters or {"type": "object"}
+            try:
+                await asyncio.to_thread(st.front.grammars.check, StructuredOutputsParams(json=schema))
+            except (DraftsmithError, TypeError) as e:
+                return AnthropicError(400, f"tools[{i}].input_schema: {e}", param="tools")
+        return None
 
     @app.post("/v1/messages/count_tokens", dependencies=anthropic_auth)
     async def count_tokens(request: Request) -> dict:
         """The tokens of the prompt /v1/messages would render (system, messages, tools)."""
-        try:
-            req: CountTokensRequest = await parse_body(request, CountTokensRequest, st.limits.max_body_bytes)
-            st.check_model(req.model)
-            chat = count_request(req)
-            check_tools(chat.tools)
-            return {"input_tokens": len(_chat_ids(chat))}
-        except APIError as e:
-            raise messages_error(e) from None
+        req: CountTokensRequest = await parse_body(request, CountTokensRequest, st.limits.max_body_bytes)
+        st.check_model(req.model)
+        chat = count_request(req)
+        check_tools(chat.tools)
+        return {"input_tokens": len(_chat_ids(chat))}
 
     @app.api_route("/v1/messages/{action:path}", methods=["GET", "POST", "DELETE"], dependencies=anthropic_auth)
     async def other_messages(action: str) -> Response:
