@@ -18,7 +18,8 @@ from draftsmith.drafters import dflash, dspark, eagle3
 from draftsmith.drafters.block_drafter import BlockDrafter
 from draftsmith.drafters.draft_model import DraftModelDrafter
 from test_engine_pit import uniform_pvalue  # noqa: E402
-from test_grammar_drafts import PAIRS, WORDS, _ids, _request, _sample, _with_bpe, bpe, bpe_pit  # noqa: E402,F401
+from test_grammar_drafts import (  # noqa: E402,F401
+    PAIRS, WORDS, _ids, _request, _sample, _with_bpe, bpe, bpe_pit, count_grammar_cuts)
 from test_structured import _pit  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -174,17 +175,7 @@ def test_greedy_equals_plain_and_masked_drafts_are_never_refused(name, bpe, draf
     """Greedy, four rows at once, three grammars: the same tokens as plain decoding; with masks no
     draft is cut for the grammar and more are accepted than unmasked. Seen (untrained drafters):
     7-74 drafts accepted masked, 0 (once 1) unmasked."""
-    import draftsmith.engine.engine as engine_mod
-
-    cuts = []
-    real = engine_mod.grammar_lengths
-
-    def counting(seqs, proposal, eos_token_ids):
-        out = real(seqs, proposal, eos_token_ids)
-        cuts.append(sum(proposal.lengths.tolist()) - sum(out))
-        return out
-
-    monkeypatch.setattr(engine_mod, "grammar_lengths", counting)
+    cuts, _ = count_grammar_cuts(monkeypatch)
     prompts = ["hello world", "world", "abc", "h"]
     for spec in (WORDS, PAIRS, RECORD):
         sp = SamplingParams(max_tokens=24, temperature=0.0, structured_outputs=spec)

@@ -169,6 +169,22 @@ def test_sampling_with_forced_drafts_is_the_masked_targets_distribution(bpe_pit)
     assert uniform_pvalue(_pit(bpe_pit, outs, constrained=False, specs=[WORDS]), 20) < 1e-12
 
 
+def count_grammar_cuts(monkeypatch) -> tuple[list[int], object]:
+    """Wraps the engine's grammar_lengths: per round, how many drafts it cut (appended to the list
+    returned), and the real function (to put back)."""
+    import draftsmith.engine.engine as engine_mod
+
+    cuts, real = [], engine_mod.grammar_lengths
+
+    def counting(seqs, proposal, eos_token_ids):
+        out = real(seqs, proposal, eos_token_ids)
+        cuts.append(sum(proposal.lengths.tolist()) - sum(out))
+        return out
+
+    monkeypatch.setattr(engine_mod, "grammar_lengths", counting)
+    return cuts, real
+
+
 def HalfRefusedDrafter(V: int) -> GrammarDrafter:
     """Test drafter: each draft from q = 1/2 spread over the tokens the grammar allows, 1/2 over
     those it refuses (after a refused draft it goes on drafting from the state before it, so rows
@@ -186,15 +202,7 @@ def test_a_refused_sampled_draft_is_verified_and_cutting_it_is_not_lossless(bpe,
     V = bpe.model.config.vocab_size
     import draftsmith.engine.engine as engine_mod
 
-    cuts = []
-    real_lengths = engine_mod.grammar_lengths
-
-    def counting(seqs, proposal, eos_token_ids):
-        out = real_lengths(seqs, proposal, eos_token_ids)
-        cuts.append(sum(proposal.lengths.tolist()) - sum(out))
-        return out
-
-    monkeypatch.setattr(engine_mod, "grammar_lengths", counting)
+    cuts, real_lengths = count_grammar_cuts(monkeypatch)
     outs, stats = _sample(bpe, HalfRefusedDrafter(V), PAIRS, 3 * N_REQ)
     assert sum(cuts) > 500  # drafts past a refused one were cut before the forward
     monkeypatch.setattr(engine_mod, "grammar_lengths", real_lengths)
