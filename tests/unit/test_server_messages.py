@@ -293,7 +293,10 @@ def test_bad_requests_are_anthropic_400s_naming_the_field(client, h):
          "messages[0].role: must be 'user', 'assistant' or 'system'"),
         ({**base, "messages": [*user, {"role": "assistant", "content": [{"type": "text", "text": "a"},
                                                                         {**call, "input": {}}]}]},
-         "messages[1].content[1]: the last message is an assistant's"),
+         "messages[1].content[1]: the last assistant turn, which the answer would continue, has a tool_use"),
+        ({**base, "messages": [*user, {"role": "assistant", "content": [{**call, "input": {}}]},
+                               {"role": "assistant", "content": "more"}]},  # (one turn: the call would be lost)
+         "messages[1].content[0]: the last assistant turn, which the answer would continue, has a tool_use"),
         ({**base, "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, image]}]},
          "messages[0].content[1]: image blocks are not supported"),
         ({**base, "messages": [*user, {"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "t"}]}]},
@@ -386,6 +389,8 @@ def test_system_messages_and_the_billing_header(client, h):
     blocks = [{"type": "text", "text": _billing("1a2b3")}, {"type": "text", "text": "You are Claude Code."}]
     assert _count(client, system=blocks, messages=msgs) == tok["count"]
     assert _count(client, system=_billing("zz") + "\nYou are Claude Code.", messages=msgs) == tok["count"]
+    one_block = [{"type": "text", "text": _billing("77") + "\nYou are Claude Code."}]  # header and text in one block
+    assert _count(client, system=one_block, messages=msgs) == tok["count"]
     body = {"model": "tiny", "max_tokens": 2, "messages": msgs}
     first = client.messages.create(**body, system=blocks, **GREEDY)
     cached = _chat(h, chat_msgs, max_tokens=2)["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -570,3 +575,6 @@ def test_a_cut_call_is_read_as_the_anthropic_package_reads_it():
             except ValueError:
                 got = ("error",)
             assert got == want, doc[:k]
+    from draftsmith.server.messages_content import _input
+
+    assert _input('{"a": ' + "[" * 5000) == {}  # nesting deeper than the reader follows: no input, no 500

@@ -69,7 +69,7 @@ def create_app(llm: LLM, model_name: str | None = None, *, api_key: str | None =
 
     def _error(request: Request, e: APIError) -> JSONResponse:
         """`e` as JSON: in Anthropic's shape on the Messages API's paths (every error there), else OpenAI's."""
-        path = request.url.path
+        path = request.url.path.removeprefix(request.scope.get("root_path", "") or "")  # (behind a --root-path)
         if path == "/v1/messages" or path.startswith("/v1/messages/"):
             e = messages_error(e)
         st.metrics.record_error(e.status)

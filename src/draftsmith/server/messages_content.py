@@ -104,6 +104,6 @@ def _input(arguments: str) -> dict:
     """A tool_use block's input from its arguments' text, whole or cut ({} for no object)."""
     try:
         value = loads_partial(arguments)
-    except ValueError:
+    except (ValueError, RecursionError):  # (nesting deeper than the reader follows: no object either)
         return {}
     return value if isinstance(value, dict) else {}

@@ -193,10 +193,11 @@ def chat_messages(messages: list[Any]) -> tuple[list[str], list[dict], bool]:
     for role, located in turns:
         out += _user(located) if role == "user" else [_assistant(located)]
     prefill = turns[-1][0] == "assistant"
-    if prefill and located and located[-1][0].get("type") == "tool_use":
-        raise AnthropicError(400, f"{located[-1][1]}: the last message is an assistant's, which the answer would "
-                             "continue, and it ends with a tool_use block; send the tool's result in a user "
-                             "message's tool_result block after it", param="messages")
+    calls = [at for b, at in located if b.get("type") == "tool_use"] if prefill else []
+    if calls:  # (a continued message's calls would be rendered after the text the answer continues: lost)
+        raise AnthropicError(400, f"{calls[0]}: the last assistant turn, which the answer would continue, has a "
+                             "tool_use block; send the tool's result in a user message's tool_result block after "
+                             "it", param="messages")
     return system, out, prefill
 
 
@@ -308,11 +309,19 @@ def response_format(config: dict[str, Any] | None) -> dict | None:
 def _system(content: str | list[dict[str, Any]], where: str) -> str:
     """A system prompt's text (`system`, a system message's content) without Claude Code's
     billing-header block or line."""
+    def strip(text: str) -> str:
+        return "".join(line for line in text.splitlines(keepends=True) if not line.startswith(BILLING_HEADER))
+
     if isinstance(content, str):
-        return "".join(line for line in content.splitlines(keepends=True) if not line.startswith(BILLING_HEADER))
-    kept = [(j, b) for j, b in enumerate(content)
-            if not (isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str)
-                    and b["text"].startswith(BILLING_HEADER))]
+        return strip(content)
+    kept = []  # (index, block): text blocks without the header's lines, left out where nothing else is left
+    for j, b in enumerate(content):
+        if isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str) \
+                and BILLING_HEADER in b["text"]:
+            b = {**b, "text": strip(b["text"])}
+            if not b["text"].strip():
+                continue
+        kept.append((j, b))
     return _text([b for _, b in kept], where, [j for j, _ in kept])
 
 
