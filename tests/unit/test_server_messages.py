@@ -391,6 +391,9 @@ def test_system_messages_and_the_billing_header(client, h):
     assert _count(client, system=_billing("zz") + "\nYou are Claude Code.", messages=msgs) == tok["count"]
     one_block = [{"type": "text", "text": _billing("77") + "\nYou are Claude Code."}]  # header and text in one block
     assert _count(client, system=one_block, messages=msgs) == tok["count"]
+    after = [*msgs, {"role": "assistant", "content": "ok"}]  # a system message after an assistant's: no prefill
+    turn = _count(client, system="S", messages=[*after, {"role": "system", "content": "T"}])
+    assert turn > _count(client, system="S\nT", messages=after)  # the turn closed, a new one opened: not continued
     body = {"model": "tiny", "max_tokens": 2, "messages": msgs}
     first = client.messages.create(**body, system=blocks, **GREEDY)
     cached = _chat(h, chat_msgs, max_tokens=2)["usage"]["prompt_tokens_details"]["cached_tokens"]

@@ -18,8 +18,9 @@ messages, chat template, sampling, grammar and tool plan.
     Responses API's reasoning items: the template reads it as reasoning_content; several joined
     by a blank line; the signature is not checked). A chat message holds its text apart from its
     calls, so the template writes the text first, also text that came after a tool_use block;
-  - the last turn an assistant's: the answer continues it (Anthropic's prefill; chat's
-    continue_final_message); one that ends with a tool_use block is a 400 (its result is missing).
+  - the last message sent an assistant's: the answer continues its turn (Anthropic's prefill;
+    chat's continue_final_message; not where a system message comes after it); a continued turn
+    with a tool_use block is a 400 (its result is missing, and the call would not be rendered).
   A message's (and `system`'s) text blocks are joined by "\n": clients such as Claude Code send
   a prompt and its reminders as blocks of their own. `image`, `document`, `redacted_thinking`
   and server tools' blocks are a 400.
@@ -170,11 +171,13 @@ def chat_messages(messages: list[Any]) -> tuple[list[str], list[dict], bool]:
     user and assistant turns' chat messages, the last turn is an assistant's prefill)."""
     system: list[str] = []
     turns: list[tuple[str, list[tuple[dict, str]]]] = []  # (role, its blocks with where each is)
+    last = ""  # the last message's role
     for i, item in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(item, dict):
             raise AnthropicError(400, f"{where}: a message is an object with a role and content", param="messages")
         m = _parse(_Message, item, where)
+        last = m.role
         if m.role == "system":
             system.append(_system(m.content, f"{where}.content"))
             continue
@@ -192,7 +195,8 @@ def chat_messages(messages: list[Any]) -> tuple[list[str], list[dict], bool]:
     out: list[dict] = []
     for role, located in turns:
         out += _user(located) if role == "user" else [_assistant(located)]
-    prefill = turns[-1][0] == "assistant"
+    # Anthropic's prefill: the last message sent is an assistant's (a system message after it is not)
+    prefill = last == "assistant"
     calls = [at for b, at in located if b.get("type") == "tool_use"] if prefill else []
     if calls:  # (a continued message's calls would be rendered after the text the answer continues: lost)
         raise AnthropicError(400, f"{calls[0]}: the last assistant turn, which the answer would continue, has a "
