@@ -110,7 +110,7 @@ def _bare(m: Message) -> dict:
     differently from one request to the next)."""
     d = m.model_dump(exclude={"id"})
     u = d["usage"]
-    u["input_tokens"] += u.pop("cache_read_input_tokens") or 0  # (None in a stream)
+    u["input_tokens"] += u.pop("cache_read_input_tokens") or 0
     for block in d["content"]:
         block.pop("id", None)
         block.pop("parsed_output", None)  # (the stream's ParsedTextBlock)
@@ -126,8 +126,9 @@ def test_a_message_is_the_chat_routes_answer(client, h):
     stop_reason, usage (input_tokens + cache_read_input_tokens = the chat route's prompt =
     count_tokens; the second request reads the prompt from the prefix cache, as many tokens as
     the chat route's cached_tokens for the same request); streamed (text_stream, the final
-    message) = whole, ids aside; the raw events in Anthropic's order, both usages the whole prompt
-    as input_tokens (the split is not known when message_start goes out)."""
+    message) = whole, ids aside; the raw events in Anthropic's order, message_start's and
+    message_delta's usage split as the whole Message's (message_start goes out with the first
+    content, when the prefix cache's count is known)."""
     msgs = [{"role": "user", "content": "hi"}]
     chat = _chat(h, [{"role": "system", "content": "Be brief."}, *msgs], max_tokens=8)
     body = {"model": "tiny", "max_tokens": 8, "system": "Be brief.", "messages": msgs, "metadata": {"user_id": "u"},
@@ -149,14 +150,14 @@ def test_a_message_is_the_chat_routes_answer(client, h):
     assert text == m.content[0].text and _bare(final) == _bare(m)
     events = _events(h, {**body, "temperature": 0})
     start = events[0]["message"]
-    assert (start["content"], start["stop_reason"], start["usage"]) == ([], None,
-                                                                          {"input_tokens": prompt, "output_tokens": 0})
-    assert final.usage.input_tokens == prompt and final.usage.cache_read_input_tokens is None
+    usage = {"input_tokens": m2.usage.input_tokens, "cache_read_input_tokens": m2.usage.cache_read_input_tokens}
+    assert (start["content"], start["stop_reason"], start["usage"]) == ([], None, {**usage, "output_tokens": 0})
+    assert (final.usage.input_tokens, final.usage.cache_read_input_tokens) == tuple(usage.values())
     assert [e["type"] for e in events[1:3]] == ["content_block_start", "content_block_delta"] and events[1][
         "content_block"] == {"type": "text", "text": ""}
     assert "".join(e["delta"]["text"] for e in events if e["type"] == "content_block_delta") == text
     assert events[-2]["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
-    assert events[-2]["usage"] == {"input_tokens": prompt, "output_tokens": 8}
+    assert events[-2]["usage"] == {**usage, "output_tokens": 8}
 
 
 def test_stop_sequences_and_end_turn(client, h):

@@ -38,7 +38,7 @@ class Event:
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop_token_id or stop string that ended it (finished)
     message: str = ""  # error
-    cached_tokens: int = 0  # prompt tokens whose KV was reused (finished; prefix caching)
+    cached_tokens: int = 0  # prompt tokens whose KV was reused (finished, the first tokens event; prefix caching)
     logprobs: list | None = None  # per token of token_ids, when the request asked (core/logprobs.py)
     prompt_logprobs: list | None = None  # per prompt token (finished; the first tokens event)
 
@@ -237,9 +237,11 @@ class EngineLoop:
                                     cached_tokens=seq.stats.cached_tokens, logprobs=_copy(seq.logprobs),
                                     prompt_logprobs=_copy(seq.prompt_logprobs)))
             elif n > 0 and live.sub.stream:
+                first = live.sent == 0
                 live.sub.sink(Event("tokens", index=live.sub.index, token_ids=list(seq.output_ids[live.sent :]),
                                     logprobs=None if seq.logprobs is None else seq.logprobs[live.sent :],
-                                    prompt_logprobs=_copy(seq.prompt_logprobs) if live.sent == 0 else None))
+                                    prompt_logprobs=_copy(seq.prompt_logprobs) if first else None,
+                                    cached_tokens=seq.stats.cached_tokens if first else 0))
             live.sent = len(seq.output_ids)
         for rid in done:
             del self._live[rid]

@@ -32,6 +32,10 @@ class MessagesFormat(ResponseFormat):
 
     def __init__(self, model: str) -> None:
         super().__init__(chat=True, rid=f"msg_{uuid.uuid4().hex}", model=model)
+        self.cache_read = 0  # a stream's prompt tokens read from the prefix cache (told with its first tokens)
+
+    def cached(self, index: int, tokens: int) -> None:
+        self.cache_read = tokens
 
     def answer_reader(self) -> PartsReader:  # type: ignore[override]
         return self.answer.parts_reader()

@@ -97,6 +97,10 @@ class ResponseFormat:
     def echoed(self, index: int) -> tuple[str, list[int]] | None:
         return None if self.echo is None else self.echo[index // self.n]
 
+    def cached(self, index: int, tokens: int) -> None:
+        """A stream's choice `index` read `tokens` of its prompt from the prefix cache (told with its
+        first tokens and when it finishes; a stream's usage chunk has them too)."""
+
     def visible(self, ev: Event) -> Event:
         """A finished choice as the client sees it: without the generated token of an echo-only request."""
         if not self.echo_only:

@@ -109,6 +109,8 @@ async def stream_events(st: ServerState, subs: list[SubRequest], q: asyncio.Queu
                 yield out(s.index, fmt.chunk(s.index, fmt.chat_echo, None))
         while len(finals) < len(subs):
             ev = await q.get()
+            if ev.kind in ("tokens", "finished") and ev.cached_tokens:
+                fmt.cached(ev.index, ev.cached_tokens)
             if ev.kind == "tokens":
                 if fmt.echo_only:  # the engine's one token is not the client's
                     continue
