@@ -322,6 +322,9 @@ def test_bad_requests_are_anthropic_400s_naming_the_field(client, h):
         ({**base, "thinking": "on"}, "thinking: Input should be a valid dictionary"),
         ({**base, "tools": [TOOLS[0], {"name": "f", "input_schema": {"type": "object", "properties": {
             "a": {"type": "nonsense"}}}}], "tool_choice": {"type": "any"}}, "tools[1].input_schema: "),
+        ({**base, "tools": [{"name": "g", "input_schema": {"type": "object", "properties": {"a": {"type": "bad"}}}},
+                            {"name": "f", "input_schema": {"type": "object", "properties": {"a": {"type": "bad"}}}}],
+          "tool_choice": {"type": "tool", "name": "f"}}, "tools[1].input_schema: "),  # the named tool's
         ({**base, "chat_template_kwargs": {"tokenize": 1}},
          "chat_template_kwargs: tokenize is not a template variable"),
         ({**base, "output_config": {"format": {"type": "xml"}}}, "output_config.format must be"),

@@ -150,8 +150,11 @@ def add_routes(app: FastAPI, st: ServerState) -> None:
             raise
 
     async def _bad_input_schema(chat: ChatCompletionRequest) -> AnthropicError | None:
-        """The first of `chat`'s tools whose schema alone does not compile, as `tools[i].input_schema`'s 400."""
-        for i, tool in enumerate(chat.tools):
+        """The first of `chat`'s tools whose schema alone does not compile (the one tool_choice names
+        first), as `tools[i].input_schema`'s 400."""
+        named = chat.tool_choice.function.name if hasattr(chat.tool_choice, "function") else None
+        order = sorted(enumerate(chat.tools), key=lambda it: it[1].function.name != named)
+        for i, tool in order:
             schema = tool.function.parameters or {"type": "object"}
             try:
                 await asyncio.to_thread(st.front.grammars.check, StructuredOutputsParams(json=schema))
