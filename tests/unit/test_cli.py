@@ -206,6 +206,30 @@ def test_forced_drafts_flag_reaches_the_engine(tiny_model_dir, capsys):
     assert proc.returncode == 2 and "must be an integer >= 0" in proc.stderr
 
 
+def test_serve_takes_the_model_as_vllm_serve_does(monkeypatch):
+    """`draftsmith serve MODEL` (vLLM's form) or --target, smollm2-135m by default; both, naming
+    two different targets, is a one-line error."""
+    from draftsmith import api
+    from draftsmith.cli import main
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def spy(self, target, *a, **kw):
+        seen.append(target)
+        raise Stop
+
+    monkeypatch.setattr(api.LLM, "__init__", spy)
+    for argv, want in ((["serve", "m1"], "m1"), (["serve", "--target", "m2"], "m2"), (["serve"], "smollm2-135m"),
+                       (["serve", "m3", "--target", "m3"], "m3")):
+        with pytest.raises(Stop):
+            main(argv)
+        assert seen[-1] == want, argv
+    _one_line_error(_run("serve", "a", "--target", "b"), "the target is given twice: 'a' and --target 'b'")
+
+
 def test_bench_json_schema_flag_reads_a_file_or_text_and_says_what_is_wrong(tmp_path):
     """bench --json-schema FILE|JSON: a missing file and text that is not a schema are one-line errors."""
     _one_line_error(_run("bench", "--json-schema", str(tmp_path / "missing.json"), "--out", str(tmp_path / "o")),

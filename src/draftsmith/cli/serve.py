@@ -14,7 +14,10 @@ EXAMPLE = "draftsmith serve --drafter dspark:runs/smollm2-135m-dspark --policy p
 
 def add_parser(sub) -> None:
     s = add_job(sub, "serve", HELP, EXAMPLE)
+    s.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                   help="the target, as `vllm serve MODEL` takes it (the same as --target)")
     add_target_args(s)
+    s.set_defaults(target=None)  # (smollm2-135m where neither MODEL nor --target is given: cmd_serve)
     add_speculation_args(s)
     add_prefix_caching(s, "a shared system prompt, the conversation so far, a repeated prompt", on=False)
     s.add_argument("--max-batch", type=positive_int, default=8, help="KV rows = requests running at once")
@@ -77,6 +80,9 @@ def read_chat_template(value: str) -> str:
 def cmd_serve(args) -> int:
     from draftsmith.api import LLM
 
+    if args.model is not None and args.target is not None and args.model != args.target:
+        raise DraftsmithError(f"the target is given twice: {args.model!r} and --target {args.target!r}; give one")
+    args.target = args.model or args.target or "smollm2-135m"
     if args.num_speculative_tokens < 0:
         raise DraftsmithError("--num-speculative-tokens must be >= 0")
     if not 0 <= args.port <= 65535:
