@@ -6,14 +6,17 @@ token ids, finish reason) plus the speculative stats Draftsmith is about.
 
 from __future__ import annotations
 
+import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Sequence as Seq
+from typing import Any, Sequence as Seq
 
 from draftsmith.core.logprobs import TokenLogprobs, with_text
 from draftsmith.core.sampling import SamplingParams
 from draftsmith.drafters.base import Drafter
 from draftsmith.engine.builder import build_engine
+from draftsmith.engine.speculative_config import with_speculative_config
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.loading import LoadedTarget
 from draftsmith.models.prompts import encode_chat, encode_text
@@ -119,7 +122,11 @@ class LLM:
     target:   built-in alias (e.g. "smollm2-135m"), a local HF-format directory, or an already
               loaded target (`LLM(...).target`; device / dtype then come from it).
     drafter:  "none", "ngram", "draft-model:PATH", or a Drafter instance.
-    num_speculative_tokens / policy: drafts per round: "auto" (default) = DSpark's prefix scheduler
+    speculative_config: vLLM's (a dict or its JSON text), in place of drafter and K: e.g.
+              {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4} or
+              {"method": "eagle3", "model": DIR, "num_speculative_tokens": 3}
+              (engine/speculative_config.py says what is read and how it differs from vLLM).
+    num_speculative_tokens / policy: drafts per round (K default 5): "auto" (default) = DSpark's prefix scheduler
               with at most K drafts (it verifies a draft only where its expected gain pays for the
               bigger forward on this machine; profiled once per machine), "fixed" = always K, or
               another registered policy (draftsmith.policy.registry).
@@ -153,7 +160,7 @@ class LLM:
         self,
         target: str | LoadedTarget = "smollm2-135m",
         drafter: str | Drafter = "none",
-        num_speculative_tokens: int = 5,
+        num_speculative_tokens: int | None = None,
         policy: str | DraftLengthPolicy = "auto",
         max_batch: int = 8,
         max_len: int = 2048,
@@ -164,7 +171,12 @@ class LLM:
         drafter_dtype: str = "auto",
         enable_prefix_caching: bool | None = False,
         forced_drafts: int = 16,
+        speculative_config: str | Mapping[str, Any] | None = None,
     ) -> None:
+        drafter, num_speculative_tokens, policy, notes = with_speculative_config(
+            speculative_config, drafter, num_speculative_tokens, policy)  # (checked before the target loads)
+        for note in notes:
+            print(f"draftsmith: warning: {note}", file=sys.stderr, flush=True)
         if isinstance(target, LoadedTarget):  # share one loaded target between several LLMs
             if threads is not None and target.model.device.type == "cpu":
                 configure_threads(threads)
@@ -177,6 +189,9 @@ class LLM:
                                    enable_prefix_caching=enable_prefix_caching, adaptive_threads=threads is None,
                                    forced_drafts=forced_drafts)
         self.drafter, self.policy = self.engine.drafter, self.engine.policy
+        # the drafter as a spec ("ngram:prompt_lookup_min=2,...", "dspark:DIR"), or a Drafter object's name
+        self.drafter_spec: str = (drafter if isinstance(drafter, str)
+                                  else str(getattr(drafter, "name", type(drafter).__name__)))
         self.last_stats: GenerateStats | None = None
         self._token_texts: TokenText | None = None  # logprobs' token texts (built on first use)
 

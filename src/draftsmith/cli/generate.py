@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from draftsmith.cli.options import (add_job, json_text_or_file, add_prefix_caching, add_sampling_args, add_speculation_args,
-                                    add_target_args, positive_int)
+                                    add_target_args, positive_int, speculative_config)
 from draftsmith.errors import DraftsmithError
 
 HELP = "generate text, optionally with speculative decoding"
@@ -101,11 +101,10 @@ def cmd_generate(args) -> int:
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, structured_outputs=structured_outputs(args),
     )
-    if args.num_speculative_tokens < 0:
-        raise DraftsmithError("--num-speculative-tokens must be >= 0")
     prompts = read_prompts(args)
     llm = LLM(
-        args.target, drafter=args.drafter, drafter_dtype=args.drafter_dtype,
+        args.target, drafter=args.drafter, speculative_config=speculative_config(args),
+        drafter_dtype=args.drafter_dtype,
         enable_prefix_caching=args.enable_prefix_caching, threads=args.threads,
         num_speculative_tokens=args.num_speculative_tokens,
         policy=args.policy, max_batch=args.max_batch, max_len=args.max_len, device=args.device, dtype=args.dtype,
@@ -123,7 +122,7 @@ def cmd_generate(args) -> int:
     stats = llm.last_stats
     if args.json:
         print(json.dumps({
-            "target": llm.target.target_id, "drafter": args.drafter,
+            "target": llm.target.target_id, "drafter": llm.drafter_spec,
             "results": [
                 {"prompt": p if isinstance(p, str) else None, "text": o.text, "token_ids": o.token_ids,
                  "finish_reason": o.finish_reason, "stats": o.stats}
@@ -138,7 +137,7 @@ def cmd_generate(args) -> int:
             print("-" * 40)
     if stats:
         print(
-            f"\n[{args.drafter}] {stats.output_tokens} tokens in {stats.wall_time_s:.2f}s "
+            f"\n[{llm.drafter_spec}] {stats.output_tokens} tokens in {stats.wall_time_s:.2f}s "
             f"({stats.tokens_per_s:.1f} tok/s) | target forwards/token {stats.forwards_per_token:.3f} | "
             f"τ {stats.tau:.2f} | acceptance {stats.acceptance_rate:.2f} "
             f"({stats.draft_accepted}/{stats.draft_proposed}) | prefix survival "

@@ -46,7 +46,7 @@ def json_text_or_file(src: str, flag: str) -> str:
         return src
     f = Path(src)
     if not f.is_file():
-        raise DraftsmithError(f"{flag} {src}: no such file (give a file or the schema's JSON text)")
+        raise DraftsmithError(f"{flag} {src}: no such file (give a file or the JSON object's text)")
     return f.read_text(encoding="utf-8")
 
 
@@ -93,11 +93,17 @@ def policy_arg(text: str) -> str:
 
 
 def add_speculation_args(p: argparse.ArgumentParser) -> None:
-    """--drafter / --drafter-dtype / --num-speculative-tokens / --policy (from the registries),
+    """--drafter / --speculative-config / --drafter-dtype / --num-speculative-tokens / --policy (from the registries),
     --reproducible-seeds, --forced-drafts (generate, serve)."""
     p.add_argument("--drafter", default="none", help=registry.usage())
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="vLLM's speculative config, in place of --drafter and -k (a JSON object or a file "
+                        "holding one), "
+                        """e.g. '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}' or """
+                        """'{"method": "eagle3", "model": "DIR", "num_speculative_tokens": 3}'""")
     add_drafter_dtype(p)
-    p.add_argument("--num-speculative-tokens", "-k", type=int, default=5, help="draft length K")
+    p.add_argument("--num-speculative-tokens", "-k", type=nonnegative_int, default=None,
+                   help="draft length K (default: 5)")
     p.add_argument("--policy", default="auto", type=policy_arg, metavar="POLICY[:KEY=VALUE,...]",
                    help=policy_help())
     p.add_argument("--reproducible-seeds", action=argparse.BooleanOptionalAction, default=True,
@@ -108,6 +114,12 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
                    help="structured outputs: where the grammar forces the next tokens (a JSON key, a regex's "
                         "literal text), up to N of them are the request's draft for a round, verified like any "
                         "draft (with or without --drafter; outputs never change); 0 = off")
+
+
+def speculative_config(args) -> str | None:
+    """--speculative-config's JSON text (the value itself, or the file it names); None if not given."""
+    sc = args.speculative_config
+    return None if sc is None else json_text_or_file(sc, "--speculative-config")
 
 
 def add_drafter_dtype(p: argparse.ArgumentParser) -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import sys
 
-from draftsmith.cli.options import add_job, add_prefix_caching, add_speculation_args, add_target_args, positive_int
+from draftsmith.cli.options import (add_job, add_prefix_caching, add_speculation_args, add_target_args, positive_int,
+                                    speculative_config)
 from draftsmith.errors import DraftsmithError
 
 HELP = "OpenAI-compatible HTTP server (completions, chat, /metrics)"
@@ -83,8 +84,6 @@ def cmd_serve(args) -> int:
     if args.model is not None and args.target is not None and args.model != args.target:
         raise DraftsmithError(f"the target is given twice: {args.model!r} and --target {args.target!r}; give one")
     args.target = args.model or args.target or "smollm2-135m"
-    if args.num_speculative_tokens < 0:
-        raise DraftsmithError("--num-speculative-tokens must be >= 0")
     if not 0 <= args.port <= 65535:
         raise DraftsmithError(f"--port must be in 0..65535, got {args.port}")
     # (the server's modules load fastapi: here, not at startup)
@@ -104,7 +103,8 @@ def cmd_serve(args) -> int:
             print(f"draftsmith: warning: {flag} does nothing without {needs}", file=sys.stderr)
     chat_template = read_chat_template(args.chat_template) if args.chat_template else None
     llm = LLM(
-        args.target, drafter=args.drafter, drafter_dtype=args.drafter_dtype,
+        args.target, drafter=args.drafter, speculative_config=speculative_config(args),
+        drafter_dtype=args.drafter_dtype,
         enable_prefix_caching=args.enable_prefix_caching, threads=args.threads,
         num_speculative_tokens=args.num_speculative_tokens,
         policy=args.policy, max_batch=args.max_batch, max_len=args.max_len, device=args.device, dtype=args.dtype,
@@ -117,7 +117,7 @@ def cmd_serve(args) -> int:
     limits = Limits(**{k: v for k, v in given.items() if v is not None})
     api_key = args.api_key or os.environ.get("DRAFTSMITH_API_KEY") or None
     print(
-        f"draftsmith: serving {args.served_model_name or llm.target.target_id} (drafter {args.drafter}, "
+        f"draftsmith: serving {args.served_model_name or llm.target.target_id} (drafter {llm.drafter_spec}, "
         f"max batch {args.max_batch}, context {llm.engine.max_len}) on http://{args.host}:{args.port}/v1",
         file=sys.stderr, flush=True,
     )

@@ -4,7 +4,8 @@ kind reads it (the CLI's help, `LLM(drafter=...)`, recipes, eval, bench, serve).
 A drafter spec is `KIND` or `KIND:ARG`. Built-in kinds:
 
     none                 plain decoding
-    ngram                prompt lookup (drafters/ngram.py)
+    ngram[:SETTINGS]     prompt lookup (drafters/ngram.py); SETTINGS as vLLM names them:
+                         ngram:prompt_lookup_min=2,prompt_lookup_max=4
     draft-model:PATH     a smaller model of the same tokenizer (drafters/draft_model.py)
     eagle3:CKPT          trained kinds, from a checkpoint directory (drafters/checkpoint.py)
     dflash:CKPT          or a built-in drafter's name (drafters/builtin.py), e.g.
@@ -59,6 +60,9 @@ class DrafterKind:
     config_cls: type | None = None  # trainable: the typed config a recipe's `drafter:` fills
     build: Callable[..., Any] | None = None  # trainable: build(target Decoder, config) -> model
     needs_arg: bool = False  # the spec must carry ":ARG"
+    # a kind without needs_arg takes ":ARG" only where it has this: ARG's check before anything
+    # loads (ngram's settings); elsewhere ":ARG" is an error
+    check_arg: Callable[[str], Any] | None = None
     wrap: Callable[[Drafter], Drafter] | None = None  # ARG is another drafter's spec; this wraps it
     # dtype "auto" may run it in another dtype than the target's (drafters/precision.py): its
     # inference casts the target's features to its own dtype. A kind without it gets the target's
@@ -83,12 +87,39 @@ def _none(arg: str, target, max_rows: int, max_len: int, dtype: torch.dtype) -> 
     return NoDrafter()
 
 
+NGRAM_SETTINGS = {"prompt_lookup_min": "min_ngram", "prompt_lookup_max": "max_ngram"}  # vLLM's names -> NgramConfig
+
+
+def ngram_config(arg: str) -> NgramConfig:
+    """NgramConfig of `ngram:ARG`, ARG = `prompt_lookup_min=N,prompt_lookup_max=M` (either or both,
+    n-gram sizes >= 1, min <= max) or empty (the defaults)."""
+    values: dict[str, int] = {}
+    for item in filter(None, (x.strip() for x in arg.split(","))):
+        key, eq, raw = (x.strip() for x in item.partition("="))
+        if not eq or key not in NGRAM_SETTINGS:
+            raise DraftsmithError(f"drafter ngram:{arg}: expected ngram:KEY=N[,KEY=N] with KEY one of "
+                                  f"{', '.join(NGRAM_SETTINGS)}, got {item!r}")
+        if NGRAM_SETTINGS[key] in values:
+            raise DraftsmithError(f"drafter ngram:{arg} sets {key} twice")
+        if not raw.isdigit() or int(raw) < 1:
+            raise DraftsmithError(f"drafter ngram:{arg}: {key} must be an integer >= 1 (an n-gram size), got {raw!r}")
+        values[NGRAM_SETTINGS[key]] = int(raw)
+    config = NgramConfig(**values)
+    if config.min_ngram > config.max_ngram:
+        raise DraftsmithError(f"drafter ngram:{arg}: prompt_lookup_min {config.min_ngram} is above prompt_lookup_max "
+                              f"{config.max_ngram}")
+    return config
+
+
 def _ngram(arg: str, target, max_rows: int, max_len: int, dtype: torch.dtype) -> Drafter:
-    return NgramDrafter(NgramConfig())
+    return NgramDrafter(ngram_config(arg))
 
 
 def _draft_model(arg: str, target, max_rows: int, max_len: int, dtype: torch.dtype) -> Drafter:
-    draft = load_target(arg, device=str(target.model.device), dtype=str(dtype).removeprefix("torch."))
+    try:
+        draft = load_target(arg, device=str(target.model.device), dtype=str(dtype).removeprefix("torch."))
+    except DraftsmithError as e:  # (load_target speaks of a target; here the model is the drafter)
+        raise DraftsmithError(f"drafter draft-model:{arg}: {e}") from None
     return DraftModelDrafter(draft.model, target.model.config.vocab_size, max_rows, max_len)
 
 
@@ -125,7 +156,8 @@ def unregister(name: str) -> None:
 
 for _k in (
     DrafterKind("none", "none", "plain decoding, no drafter", _none),
-    DrafterKind("ngram", "ngram", "prompt lookup: copy what followed the last n-gram seen before", _ngram),
+    DrafterKind("ngram", "ngram[:prompt_lookup_min=N,prompt_lookup_max=M]",
+                "prompt lookup: copy what followed the last n-gram seen before", _ngram, check_arg=ngram_config),
     DrafterKind("draft-model", "draft-model:PATH", "a smaller model with the target's tokenizer (alias or HF dir)",
                 _draft_model, needs_arg=True, auto_dtype=True),
     DrafterKind("eagle3", "eagle3:CKPT", "EAGLE-3 head trained by `draftsmith train`", checkpoint_loader("eagle3"),
@@ -171,6 +203,10 @@ def parse_spec(spec: str) -> tuple[DrafterKind, str]:
 
     if kind.needs_arg and not arg:
         raise DraftsmithError(f"drafter {name} needs an argument: --drafter {kind.usage}{shipped()}")
+    if arg and not (kind.needs_arg or kind.check_arg):
+        raise DraftsmithError(f"drafter {name} takes no argument (got {spec!r}); use --drafter {name}")
+    if kind.check_arg is not None:
+        kind.check_arg(arg)
     if kind.wrap is not None:
         inner, _ = parse_spec(arg)  # checked now, with the inner kind's own errors
         if inner.wrap is not None or inner.name == "none":
