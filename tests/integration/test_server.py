@@ -337,6 +337,14 @@ def test_ngram_server_drafts_and_matches_cli_generate(env):
     assert m["draftsmith_draft_tokens_accepted_total"] > 0  # the repeat prompt is n-gram friendly
     assert m["draftsmith_mean_accepted_length"] > 1.0
     assert 'draftsmith_draft_position_acceptance_rate{position="1"}' in m
+    # the same counters under vLLM's names (server/metrics_vllm.py)
+    vllm = lambda name, extra="": m[f'vllm:{name}{{model_name="{MODEL}",engine="0"{extra}}}']  # noqa: E731
+    assert vllm("spec_decode_num_draft_tokens_total") == m["draftsmith_draft_tokens_proposed_total"]
+    assert vllm("spec_decode_num_accepted_tokens_total") == m["draftsmith_draft_tokens_accepted_total"]
+    assert vllm("spec_decode_num_drafts_total") == m['draftsmith_draft_position_proposed_total{position="1"}']
+    assert vllm("spec_decode_num_accepted_tokens_per_pos_total", ',position="0"') == \
+        m['draftsmith_draft_position_accepted_total{position="1"}']
+    assert vllm("generation_tokens_total") == m["draftsmith_generation_tokens_total"] > 0
     assert _metrics(env["plain"])["draftsmith_draft_tokens_proposed_total"] == 0
     cli = env["cli"]()["results"][0]
     r = _client(env["ngram"]).completions.create(model=MODEL, prompt=CLI_PROMPT, max_tokens=MAX_TOKENS, temperature=0)

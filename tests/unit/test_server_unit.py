@@ -101,6 +101,58 @@ def test_metrics_render_and_parse():
     assert v['draftsmith_http_errors_total{status="400"}'] == 1
 
 
+def test_metrics_under_vllms_names_read_by_the_reference_parser():
+    """The vllm:* families (server/metrics_vllm.py) as prometheus_client's parser reads them:
+    vLLM's names, types and labels, the same numbers as draftsmith_*, and vLLM's PromQL for
+    acceptance and mean acceptance length giving Draftsmith's own values."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    m = ServerMetrics('ti"ny', kv_rows_total=4, prefix_caching=True)
+    # 3 rounds: 2 drafted (3 and 2 drafts; 2 and 1 accepted), 1 plain step
+    m.record_round_deltas(proposed=5, accepted=3, rounds=3, committed=6, pos_proposed=[2, 2, 1], pos_accepted=[2, 1])
+    m.set_load(waiting=1, running=3, rows_in_use=3)
+    m.record_admitted(10)
+    m.record_tokens(ttft=0.2, itl=None, n=1)
+    m.record_tokens(ttft=None, itl=0.3, n=3)
+    m.record_finished("length", 1.5, cached_tokens=7, prompt_tokens=10)
+    m.record_finished("abort", 0.5, cached_tokens=0, prompt_tokens=4)
+    fams = {f.name: f for f in text_string_to_metric_families(m.render())}
+    labels = {"model_name": 'ti"ny', "engine": "0"}
+
+    def value(name: str, **extra: str) -> float:
+        (s,) = [s for s in fams[name].samples if s.name == name + "_total" * (fams[name].type == "counter")
+                and s.labels == {**labels, **extra}]
+        return s.value
+
+    kinds = {"vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",
+             "vllm:kv_cache_usage_perc": "gauge", "vllm:prompt_tokens": "counter", "vllm:generation_tokens": "counter",
+             "vllm:request_success": "counter", "vllm:num_preemptions": "counter", "vllm:prefix_cache_queries": "counter",
+             "vllm:prefix_cache_hits": "counter", "vllm:spec_decode_num_drafts": "counter",
+             "vllm:spec_decode_num_draft_tokens": "counter", "vllm:spec_decode_num_accepted_tokens": "counter",
+             "vllm:spec_decode_num_accepted_tokens_per_pos": "counter",
+             "vllm:time_to_first_token_seconds": "histogram", "vllm:inter_token_latency_seconds": "histogram",
+             "vllm:e2e_request_latency_seconds": "histogram"}
+    assert {n: fams[n].type for n in kinds if n in fams} == kinds
+    assert (value("vllm:num_requests_running"), value("vllm:num_requests_waiting")) == (3, 1)
+    assert value("vllm:kv_cache_usage_perc") == 0.75
+    assert (value("vllm:prompt_tokens"), value("vllm:generation_tokens")) == (10, 4)
+    assert [value("vllm:request_success", finished_reason=r) for r in ("stop", "length", "abort")] == [0, 1, 1]
+    assert (value("vllm:prefix_cache_queries"), value("vllm:prefix_cache_hits")) == (14, 7)
+    drafts, drafted = value("vllm:spec_decode_num_drafts"), value("vllm:spec_decode_num_draft_tokens")
+    accepted = value("vllm:spec_decode_num_accepted_tokens")
+    assert (drafts, drafted, accepted) == (2, 5, 3)
+    assert [value("vllm:spec_decode_num_accepted_tokens_per_pos", position=str(k)) for k in range(3)] == [2, 1, 0]
+    assert accepted / drafted == pytest.approx(parse_metrics(m.render())["draftsmith_draft_acceptance_rate"])
+    assert 1 + accepted / drafts == 2.5  # vLLM's mean acceptance length: over the rounds that drafted
+    ttft = {s.labels["le"]: s.value for s in fams["vllm:time_to_first_token_seconds"].samples
+            if s.name.endswith("_bucket") and {k: v for k, v in s.labels.items() if k != "le"} == labels}
+    assert ttft["0.1"] == 0 and ttft["0.25"] == 1 and ttft["+Inf"] == 1
+    # without prefix caching no prompt token is looked up
+    off = ServerMetrics("m", 1)
+    off.record_finished("stop", 1.0, prompt_tokens=9)
+    assert parse_metrics(off.render())['vllm:prefix_cache_queries_total{model_name="m",engine="0"}'] == 0
+
+
 @pytest.mark.parametrize(
     "body,param",
     [

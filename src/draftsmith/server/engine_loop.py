@@ -185,7 +185,8 @@ class EngineLoop:
                 continue  # finished already
             self.engine.abort(rid)
             self._account(live, now)
-            self.metrics.record_finished("abort", now - live.sub.t_arrival, live.seq.stats.cached_tokens)
+            self.metrics.record_finished("abort", now - live.sub.t_arrival, live.seq.stats.cached_tokens,
+                                         len(live.sub.prompt_ids))
             live.sub.sink(Event("finished", index=live.sub.index, token_ids=list(live.seq.output_ids),
                                 text=live.seq.text, finish_reason="abort",
                                 cached_tokens=live.seq.stats.cached_tokens, logprobs=_copy(live.seq.logprobs),
@@ -231,7 +232,7 @@ class EngineLoop:
             if seq.finished:
                 done.append(rid)
                 self.metrics.record_finished(seq.finish_reason or "stop", now - live.sub.t_arrival,
-                                             seq.stats.cached_tokens)
+                                             seq.stats.cached_tokens, len(live.sub.prompt_ids))
                 live.sub.sink(Event("finished", index=live.sub.index, token_ids=list(seq.output_ids),
                                     text=seq.text, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
                                     cached_tokens=seq.stats.cached_tokens, logprobs=_copy(seq.logprobs),

@@ -17,6 +17,9 @@ Speculative metrics (all cumulative since start):
   draftsmith_forced_tokens_{proposed,accepted}_total            the grammars' forced drafts
                                                                 (core/grammar_drafts.py; not in the
                                                                 draft_tokens counters)
+
+The same numbers under vLLM's names (`vllm:...`, labels model_name and engine="0") follow, so
+dashboards and autoscalers built for vLLM read this server: server/metrics_vllm.py.
 """
 
 from __future__ import annotations
@@ -30,6 +33,11 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40
 ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 VERIFY_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+def escape_label(v: str) -> str:
+    """A Prometheus label value: backslash, double quote and newline escaped."""
+    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def _fmt(v: float) -> str:
@@ -57,24 +65,27 @@ class Histogram:
         self.sum += v * times
         self.count += times
 
-    def lines(self, name: str) -> list[str]:
+    def lines(self, name: str, labels: str = "") -> list[str]:
+        """Exposition lines; `labels` ('a="x",b="y"') go before `le` and on _sum / _count."""
         out, acc = [], 0
+        pre, own = (f"{labels},", f"{{{labels}}}") if labels else ("", "")
         for b, c in zip(self.buckets, self.counts):
             acc += c
-            out.append(f'{name}_bucket{{le="{_fmt(float(b))}"}} {acc}')
-        out.append(f'{name}_bucket{{le="+Inf"}} {self.count}')
-        out.append(f"{name}_sum {_fmt(self.sum)}")
-        out.append(f"{name}_count {self.count}")
+            out.append(f'{name}_bucket{{{pre}le="{_fmt(float(b))}"}} {acc}')
+        out.append(f'{name}_bucket{{{pre}le="+Inf"}} {self.count}')
+        out.append(f"{name}_sum{own} {_fmt(self.sum)}")
+        out.append(f"{name}_count{own} {self.count}")
         return out
 
 
 class ServerMetrics:
     """Everything /metrics reports. Mutators are called from the engine thread."""
 
-    def __init__(self, model: str, kv_rows_total: int) -> None:
+    def __init__(self, model: str, kv_rows_total: int, prefix_caching: bool = False) -> None:
         self.lock = threading.Lock()
         self.model = model
         self.kv_rows_total = kv_rows_total
+        self.prefix_caching = prefix_caching  # (vLLM's prefix-cache queries count only where it is on)
         # speculative decoding
         self.proposed = 0
         self.accepted = 0
@@ -93,6 +104,7 @@ class ServerMetrics:
         # requests
         self.prompt_tokens = 0
         self.cached_prompt_tokens = 0
+        self.finished_prompt_tokens = 0  # prompt tokens of finished requests (vLLM's prefix-cache queries)
         self.generation_tokens = 0
         self.finished: dict[str, int] = {}
         self.errors: dict[str, int] = {}
@@ -142,9 +154,10 @@ class ServerMetrics:
         with self.lock:
             self.prompt_tokens += prompt_tokens
 
-    def record_finished(self, reason: str, e2e: float, cached_tokens: int = 0) -> None:
+    def record_finished(self, reason: str, e2e: float, cached_tokens: int = 0, prompt_tokens: int = 0) -> None:
         with self.lock:
             self.cached_prompt_tokens += cached_tokens
+            self.finished_prompt_tokens += prompt_tokens
             self.finished[reason] = self.finished.get(reason, 0) + 1
             self.e2e.observe(e2e)
 
@@ -181,7 +194,7 @@ class ServerMetrics:
                 lines.extend(h.lines(name))
 
             m = ""
-            family("draftsmith_model_info", "gauge", "The served model.", [(f'{{model="{self.model}"}}', 1)])
+            family("draftsmith_model_info", "gauge", "The served model.", [(f'{{model="{escape_label(self.model)}"}}', 1)])
             family("draftsmith_draft_tokens_proposed_total", "counter",
                    "Draft tokens proposed to the verifier.", [("", self.proposed)])
             family("draftsmith_draft_tokens_accepted_total", "counter",
@@ -240,6 +253,9 @@ class ServerMetrics:
                  self.itl)
             hist("draftsmith_e2e_request_latency_seconds",
                  "Time from request arrival to finish.", self.e2e)
+            from draftsmith.server.metrics_vllm import vllm_lines  # (it reads this module's classes)
+
+            lines.extend(vllm_lines(self))
             return "\n".join(lines) + "\n"
 
 

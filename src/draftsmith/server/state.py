@@ -116,7 +116,7 @@ class ServerState:
         self.max_queued_tokens = self.limits.max_queued_tokens or 32 * llm.engine.config.max_batch * self.max_len
         self.queued_tokens = 0  # prompt + max_tokens of the choices admitted and unfinished (event loop only)
         self.front = _Front(llm)
-        self.metrics = ServerMetrics(self.model_id, llm.engine.config.max_batch)
+        self.metrics = ServerMetrics(self.model_id, llm.engine.config.max_batch, llm.engine.prefix_caching)
         self.loop = EngineLoop(llm.engine, self.metrics)
         self.created = int(time.time())
 
