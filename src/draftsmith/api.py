@@ -18,6 +18,7 @@ from draftsmith.drafters.base import Drafter
 from draftsmith.engine.builder import build_engine
 from draftsmith.engine.speculative_config import with_speculative_config
 from draftsmith.errors import DraftsmithError
+from draftsmith.metrics import Metric, OfflineTotals
 from draftsmith.models.loading import LoadedTarget
 from draftsmith.models.prompts import encode_chat, encode_text
 from draftsmith.models.target import load_target
@@ -193,7 +194,14 @@ class LLM:
         self.drafter_spec: str = (drafter if isinstance(drafter, str)
                                   else str(getattr(drafter, "name", type(drafter).__name__)))
         self.last_stats: GenerateStats | None = None
+        self._totals = OfflineTotals()  # get_metrics(): since this LLM was made
         self._token_texts: TokenText | None = None  # logprobs' token texts (built on first use)
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's LLM.get_metrics(): counters since this LLM was made, under vLLM's names
+        (prompt / generation tokens, finished requests, the spec_decode counters and the
+        per-position acceptance Vector; draftsmith/metrics.py)."""
+        return self._totals.metrics(self.target.target_id)
 
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
                             continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
@@ -308,6 +316,10 @@ class LLM:
             )
             for g, t in zip(groups, texts)
         ]
+        for g in groups:
+            for i, s in enumerate(g):  # (n samples share one prompt: it counts once, as in usage)
+                self._totals.add(len(s.prompt_ids) if i == 0 else 0, len(s.output_ids), s.finish_reason or "stop",
+                                 s.stats)
         surv_p: list[int] = []
         surv_a: list[int] = []
         for s in seqs:

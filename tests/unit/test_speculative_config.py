@@ -225,3 +225,43 @@ def test_generate_and_serve_take_the_flag(tiny_model_dir, tmp_path, monkeypatch,
     proc = _run("generate", "--target", target, "--prompt", "x", "--speculative-config", '{"method": "eagle"}')
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and "Warning" not in ln]
     assert proc.returncode == 2 and len(lines) == 1 and "EAGLE-3 is (method eagle3)" in lines[0], proc.stderr[-2000:]
+
+
+def test_get_metrics_reads_as_vllms_offline_metrics(tiny_model_dir):
+    """LLM.get_metrics() (draftsmith/metrics.py) as vLLM's speculative-decoding example reads it:
+    Counter values by name, the per-position Vector; cumulative over calls; a prompt of n samples
+    counted once."""
+    from draftsmith.metrics import Counter, Gauge, Vector
+
+    target = load_target(str(tiny_model_dir("llama", seed=0)))
+    llm = LLM(target, speculative_config={"method": "ngram", "num_speculative_tokens": 3}, policy="fixed", max_len=96)
+    p = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    a, b = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11, 9, 10, 11, 9]
+
+    def read():
+        out: dict = {}
+        for m in llm.get_metrics():
+            assert m.labels["model_name"] == target.target_id and m.labels["engine"] == "0"
+            if isinstance(m, Vector):
+                out[m.name] = m.values
+            elif isinstance(m, Counter):
+                out[(m.name, m.labels.get("finished_reason"))] = m.value
+            else:
+                assert isinstance(m, Gauge) and m.value == 0  # nothing runs between calls
+        return out
+
+    llm.generate([a], p)
+    first, m = llm.last_stats, read()
+    accepted = m[("vllm:spec_decode_num_accepted_tokens", None)]
+    # every round commits its accepted drafts + 1: the counters agree with the engine's own rounds
+    assert m[("vllm:generation_tokens", None)] == 30 == first.rounds + accepted
+    assert m[("vllm:spec_decode_num_draft_tokens", None)] == first.draft_proposed > 0
+    per_pos = m["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    assert sum(per_pos) == accepted > 0 and per_pos == sorted(per_pos, reverse=True)
+    assert per_pos[0] <= m[("vllm:spec_decode_num_drafts", None)] <= first.rounds
+    assert m[("vllm:prompt_tokens", None)] == len(a) and m[("vllm:request_success", "length")] == 1
+    llm.generate([a, b], SamplingParams(max_tokens=30, temperature=0.8, seed=3, n=2, ignore_eos=True))
+    m2 = read()
+    assert m2[("vllm:prompt_tokens", None)] == 2 * len(a) + len(b)  # (n = 2: each prompt once)
+    assert m2[("vllm:generation_tokens", None)] == 30 * 5 and m2[("vllm:request_success", "length")] == 5
+    assert m2[("vllm:spec_decode_num_draft_tokens", None)] == first.draft_proposed + llm.last_stats.draft_proposed
