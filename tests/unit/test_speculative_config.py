@@ -27,10 +27,8 @@ BUILTIN_K = 7  # the built-in dspark:smollm2-135m's block size (its config.json)
     ({"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
      "ngram:prompt_lookup_min=2,prompt_lookup_max=4", 5),
     # one of the two given: the other equals it (vLLM's rule); neither: Draftsmith's 1..3
-    ({"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4},
-     "ngram:prompt_lookup_min=4,prompt_lookup_max=4", 5),
-    ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2},
-     "ngram:prompt_lookup_min=2,prompt_lookup_max=2", 3),
+    ({"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}, "ngram:prompt_lookup_max=4", 5),
+    ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}, "ngram:prompt_lookup_min=2", 3),
     ({"method": "ngram", "num_speculative_tokens": 3}, "ngram", 3),
     ({"method": "ngram_gpu", "num_speculative_tokens": 3}, "ngram", 3),
     ({"model": "[ngram]", "num_speculative_tokens": 2}, "ngram", 2),
@@ -45,7 +43,9 @@ BUILTIN_K = 7  # the built-in dspark:smollm2-135m's block size (its config.json)
 ])
 def test_vllm_configs_become_a_drafter_spec_and_k(config, drafter, k):
     setup = speculative_setup(config)
-    assert (setup.drafter, setup.num_speculative_tokens, setup.policy, setup.warnings) == (drafter, k, None, ())
+    assert (setup.drafter, setup.num_speculative_tokens, setup.policy) == (drafter, k, None)
+    # (ngram with neither size warns that Draftsmith's 1..3 is not vLLM's 5..5; nothing else warns)
+    assert [w.split(": ")[1][:5] for w in setup.warnings] == (["ngram"] if drafter == "ngram" else [])
     assert speculative_setup(json.dumps(config)) == setup  # JSON text reads the same
     registry.parse_spec(setup.drafter)  # a spec the registry takes
 
@@ -63,6 +63,14 @@ def test_a_trained_directory_names_its_kind_and_k(tmp_path, tiny_model_dir):
     # an HF model directory is not a drafter checkpoint: a draft model, as in vLLM
     plain_dir = str(tiny_model_dir("llama", seed=1))
     assert speculative_setup({"model": plain_dir, "num_speculative_tokens": 2}).drafter == f"draft-model:{plain_dir}"
+    # K above the block size drafts no more than the block: lowered, with a word
+    big = speculative_setup({"model": str(ckpt), "num_speculative_tokens": 5})
+    assert big.num_speculative_tokens == 3 and "above the 3 drafts" in big.warnings[0]
+    # a drafter checkpoint that fails its own checks is that error, not a draft model
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**cfg, "format_version": 999}))
+    with pytest.raises(DraftsmithError, match="format_version 999"):
+        speculative_setup({"model": str(ckpt), "num_speculative_tokens": 3})
 
 
 def _vllm_lookup(entries: list[list[int]], cap: int, bs: int) -> int:
@@ -80,6 +88,7 @@ def _vllm_lookup(entries: list[list[int]], cap: int, bs: int) -> int:
     ([[1, 2, 7], [5, 8, 2], [12, 12, 0], [20, 30, 4]], 5),  # gaps, a K above the cap, K 0
     ([[3, 4, 1], [1, 2, 4]], 4),  # given out of order
     ([[1, 64, 3]], 8),
+    ([[1, 2, 1], [3, 8, 9]], 4),  # the last range's K above the cap
 ])
 def test_batch_schedule_is_vllms_lookup(entries, cap):
     schedule = batch_schedule(entries, cap)
@@ -102,8 +111,16 @@ def test_batch_schedule_is_vllms_lookup(entries, cap):
     ({"method": "draft_model", "num_speculative_tokens": 3}, "method draft_model needs a model"),
     ({"method": "dspark", "num_speculative_tokens": 3}, "method dspark needs a model"),
     ({"method": "ngram", "model": "smollm2-135m", "num_speculative_tokens": 3}, "method ngram takes no model"),
-    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
-    ({"method": "ngram", "num_speculative_tokens": 2.5}, "num_speculative_tokens must be an integer >= 1"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer in 1..64"),
+    ({"method": "ngram", "num_speculative_tokens": 2.5}, "num_speculative_tokens must be an integer in 1..64"),
+    ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens must be an integer in 1..64"),
+    ({"method": "ngram", "num_speculative_tokens": 65}, "num_speculative_tokens must be an integer in 1..64"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": True}, "prompt_lookup_max must be"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "tensor_parallel_size": 1}, "not a speculative setting"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "draft_tensor_parallel_size": True}, "one device"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "enable_adaptive_verification": True}, "needs method dspark"),
+    ({"model": "mypkg.MyProposer", "num_speculative_tokens": 3}, "proposer class"),
+    ({"method": "deepseek_mtp", "num_speculative_tokens": 1}, "MTP layers"),
     ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
      "prompt_lookup_min 4 must be <= prompt_lookup_max 2"),
     ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 0}, "prompt_lookup_max must be an integer"),
@@ -122,7 +139,7 @@ def test_batch_schedule_is_vllms_lookup(entries, cap):
      "ranges overlap at batch size 3"),
     ({"method": "ngram", "num_speculative_tokens": 3, "num_speculative_tokens_per_batch_size": [[1, 4, 1, 8, 2]]},
      "by context length"),
-    ({"method": "ngram", "num_speculative_tokens": 3, "num_speculative_tokens_per_batch_size": [[1, 4, 1]],
+    ({"method": "dspark", "model": "smollm2-135m", "num_speculative_tokens_per_batch_size": [[1, 4, 1]],
       "enable_adaptive_verification": True}, "give one"),
     ({"method": "ngram", "num_speculative_tokens": 3, "model": 7}, "model must be a non-empty string"),
     ("[1, 2]", "must be a JSON object, got list"),
@@ -136,27 +153,36 @@ def test_what_cannot_run_as_written_is_an_error_that_names_it(config, needle):
 
 
 def test_settings_of_vllms_gpu_runtime_warn_and_change_nothing():
-    base = {"method": "ngram", "num_speculative_tokens": 4}
+    base = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
     setup = speculative_setup({**base, "enforce_eager": True, "attention_backend": "FLASH_ATTN",
                                "disable_padded_drafter_batch": False, "draft_tensor_parallel_size": 1})
-    assert (setup.drafter, setup.num_speculative_tokens) == ("ngram", 4)
+    assert (setup.drafter, setup.num_speculative_tokens) == ("ngram:prompt_lookup_max=3", 4)
     assert [w.split(":")[1].split()[0] for w in setup.warnings] == ["enforce_eager", "attention_backend"]
     assert speculative_setup({**base, "draft_sample_method": "greedy"}).warnings  # drafts are sampled here
     assert not speculative_setup({**base, "draft_sample_method": "probabilistic"}).warnings
-    assert speculative_setup({**base, "enable_adaptive_verification": True}).policy == "prefix-scheduler"
+    dspark = {"method": "dspark", "model": "smollm2-135m", "enable_adaptive_verification": True}
+    assert speculative_setup(dspark).policy == "prefix-scheduler"
+    capped = speculative_setup({"method": "ngram", "num_speculative_tokens": 15, "prompt_lookup_max": 3})
+    assert capped.num_speculative_tokens == 10 and "above the 10 drafts" in capped.warnings[0]
+    assert speculative_setup({"method": "ngram_gpu", "model": "ngram_gpu", "num_speculative_tokens": 3}).drafter == \
+        "ngram"
 
 
 def test_given_twice_is_an_error_and_a_policy_with_settings_stays():
-    cfg = {"method": "ngram", "num_speculative_tokens": 4}
+    cfg = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
     assert with_speculative_config(None, "none", None, "auto") == ("none", 5, "auto", ())
+    with pytest.raises(DraftsmithError, match=r"must be in 0\.\.64, got 1000000000"):
+        with_speculative_config(None, "ngram", 10**9, "auto")  # (it would profile verify forwards that long)
     assert with_speculative_config(None, "ngram", 3, "fixed") == ("ngram", 3, "fixed", ())
-    assert with_speculative_config(cfg, "none", None, "fixed") == ("ngram", 4, "fixed", ())
-    assert with_speculative_config(cfg, "none", 4, "auto")[:2] == ("ngram", 4)  # the same K twice is fine
+    ngram = "ngram:prompt_lookup_max=3"
+    assert with_speculative_config(cfg, "none", None, "fixed") == (ngram, 4, "fixed", ())
+    assert with_speculative_config(cfg, "none", 4, "auto")[:2] == (ngram, 4)  # the same K twice is fine
     with pytest.raises(DraftsmithError, match="a drafter is given twice"):
         with_speculative_config(cfg, "ngram", None, "auto")
     with pytest.raises(DraftsmithError, match="K is given twice: num_speculative_tokens 3"):
         with_speculative_config(cfg, "none", 3, "auto")
-    adaptive = {**cfg, "enable_adaptive_verification": True}
+    adaptive = {"method": "dspark", "model": "smollm2-135m", "num_speculative_tokens": 4,
+                "enable_adaptive_verification": True}
     assert with_speculative_config(adaptive, "none", None, "auto")[2] == "prefix-scheduler"
     assert with_speculative_config(adaptive, "none", None, "prefix-scheduler:min_gain=0.1")[2] == \
         "prefix-scheduler:min_gain=0.1"
@@ -169,7 +195,11 @@ def test_given_twice_is_an_error_and_a_policy_with_settings_stays():
 def test_ngram_spec_takes_vllms_settings_and_other_kinds_refuse_an_argument():
     assert registry.ngram_config("") == NgramConfig()
     assert registry.ngram_config("prompt_lookup_min=2,prompt_lookup_max=4") == NgramConfig(max_ngram=4, min_ngram=2)
+    # one alone sets both, as vLLM reads its JSON (so both forms run the same)
+    assert registry.ngram_config("prompt_lookup_max=4") == NgramConfig(max_ngram=4, min_ngram=4)
+    assert registry.ngram_config("prompt_lookup_min=5") == NgramConfig(max_ngram=5, min_ngram=5)
     for bad, needle in (("ngram:foo", "expected ngram:KEY=N"), ("ngram:prompt_lookup_max=x", "integer >= 1"),
+                        ("ngram:prompt_lookup_max=²", "integer >= 1"),
                         ("ngram:prompt_lookup_min=3,prompt_lookup_max=2", "above prompt_lookup_max"),
                         ("ngram:prompt_lookup_min=1,prompt_lookup_min=2", "twice"),
                         ("none:x", "drafter none takes no argument")):
@@ -183,7 +213,7 @@ def test_llm_takes_the_config_and_decodes_as_plain_greedy(tiny_model_dir):
     llm = LLM(target, speculative_config=cfg, policy="fixed", max_len=96)
     assert isinstance(llm.drafter, NgramDrafter)
     assert llm.drafter.config == NgramConfig(max_ngram=2, min_ngram=2)
-    assert llm.policy.k == 3 and llm.drafter_spec == "ngram:prompt_lookup_min=2,prompt_lookup_max=2"
+    assert llm.policy.k == 3 and llm.drafter_spec == "ngram:prompt_lookup_max=2"
     plain = LLM(target, max_len=96)
     p = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]

@@ -5,7 +5,7 @@ A drafter spec is `KIND` or `KIND:ARG`. Built-in kinds:
 
     none                 plain decoding
     ngram[:SETTINGS]     prompt lookup (drafters/ngram.py); SETTINGS as vLLM names them:
-                         ngram:prompt_lookup_min=2,prompt_lookup_max=4
+                         ngram:prompt_lookup_min=2,prompt_lookup_max=4 (one alone sets both)
     draft-model:PATH     a smaller model of the same tokenizer (drafters/draft_model.py)
     eagle3:CKPT          trained kinds, from a checkpoint directory (drafters/checkpoint.py)
     dflash:CKPT          or a built-in drafter's name (drafters/builtin.py), e.g.
@@ -91,8 +91,8 @@ NGRAM_SETTINGS = {"prompt_lookup_min": "min_ngram", "prompt_lookup_max": "max_ng
 
 
 def ngram_config(arg: str) -> NgramConfig:
-    """NgramConfig of `ngram:ARG`, ARG = `prompt_lookup_min=N,prompt_lookup_max=M` (either or both,
-    n-gram sizes >= 1, min <= max) or empty (the defaults)."""
+    """NgramConfig of `ngram:ARG`, ARG = `prompt_lookup_min=N,prompt_lookup_max=M` (n-gram sizes
+    >= 1, min <= max; one of them alone sets both, as vLLM reads them) or empty (1..3)."""
     values: dict[str, int] = {}
     for item in filter(None, (x.strip() for x in arg.split(","))):
         key, eq, raw = (x.strip() for x in item.partition("="))
@@ -101,9 +101,12 @@ def ngram_config(arg: str) -> NgramConfig:
                                   f"{', '.join(NGRAM_SETTINGS)}, got {item!r}")
         if NGRAM_SETTINGS[key] in values:
             raise DraftsmithError(f"drafter ngram:{arg} sets {key} twice")
-        if not raw.isdigit() or int(raw) < 1:
+        if not (raw.isascii() and raw.isdigit()) or int(raw) < 1:
             raise DraftsmithError(f"drafter ngram:{arg}: {key} must be an integer >= 1 (an n-gram size), got {raw!r}")
         values[NGRAM_SETTINGS[key]] = int(raw)
+    if len(values) == 1:  # one given: the other equals it (vLLM's rule)
+        (n,) = values.values()
+        values = {"min_ngram": n, "max_ngram": n}
     config = NgramConfig(**values)
     if config.min_ngram > config.max_ngram:
         raise DraftsmithError(f"drafter ngram:{arg}: prompt_lookup_min {config.min_ngram} is above prompt_lookup_max "

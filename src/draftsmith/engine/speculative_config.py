@@ -13,13 +13,15 @@ built-in target alias or an HF-format directory. Without `method`, a drafter dir
 config.json names its kind (vLLM guesses from the model's name); anything else is a draft model,
 as in vLLM.
 
-Where vLLM and Draftsmith differ (README "Speculative decoding the vLLM way"):
+Where vLLM and Draftsmith differ (README, `--speculative-config`):
 - the draft-length policy stays Draftsmith's `--policy` (default: the prefix scheduler, which
   verifies drafts only where they pay on this machine); `num_speculative_tokens` is its cap.
   `num_speculative_tokens_per_batch_size` is vLLM's batch-size schedule (the batch-schedule
   policy; gaps and the sizes past the last range take the K before them, as vLLM's lookup does).
-- ngram without prompt_lookup_min/max keeps Draftsmith's 1..3 (vLLM's default is 5..5); with
-  one of them, the other equals it, as in vLLM.
+- ngram without prompt_lookup_min/max keeps Draftsmith's 1..3 (vLLM's default is 5..5; a
+  warning says so); with one of them, the other equals it, as in vLLM.
+- K above what the drafter drafts in a round (a DFlash / DSpark block size, prompt lookup's 10)
+  is lowered to it, with a warning; K is at most 64.
 - settings of vLLM's GPU runtime (enforce_eager, attention_backend, kv_cache_dtype, ...) change
   nothing here: a warning names them. Settings Draftsmith cannot honour (tensor parallel drafts,
   quantized or revisioned drafters, lossy or block verification, heterogeneous vocabularies) are
@@ -36,7 +38,9 @@ from typing import Any
 
 from draftsmith.drafters import registry
 from draftsmith.drafters.checkpoint import read_checkpoint_config
+from draftsmith.drafters.ngram import NgramConfig
 from draftsmith.errors import DraftsmithError
+from draftsmith.export.detect import config_path, markers
 from draftsmith.policy.batch_schedule import BatchSizeSchedule
 
 # vLLM's method names -> Draftsmith's drafter kinds
@@ -58,6 +62,7 @@ UNSUPPORTED_METHODS = {
 NO_EFFECT = ("enforce_eager", "attention_backend", "kv_cache_dtype", "moe_backend", "disable_padded_drafter_batch",
              "disable_eagle_block_drop", "use_local_argmax_reduction", "draft_load_config", "code_revision",
              "max_model_len", "dspark_draft_topk", "parallel_drafting", "index_share_for_mtp_iteration")
+MAX_SPECULATIVE_TOKENS = 64  # K above it is a mistake (and would profile verify forwards that long)
 HONOURED = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
             "num_speculative_tokens_per_batch_size", "enable_adaptive_verification", "draft_tensor_parallel_size",
             "tensor_parallel_size", "quantization", "revision", "rejection_sample_method", "draft_sample_method",
@@ -88,8 +93,14 @@ def parse_speculative_config(config: str | Mapping[str, Any]) -> dict[str, Any]:
         except json.JSONDecodeError as e:
             raise DraftsmithError(f"{_WHERE}: not valid JSON ({e.msg} at column {e.colno}); give a JSON object such "
                                   """as '{"method": "ngram", "num_speculative_tokens": 5}'""") from None
+        except RecursionError:
+            raise DraftsmithError(f"{_WHERE}: JSON nested too deeply; its settings are numbers, strings and "
+                                  "one list of [bs_lo, bs_hi, K] entries") from None
     if not isinstance(config, Mapping):
         raise DraftsmithError(f"{_WHERE} must be a JSON object, got {type(config).__name__}")
+    bad = [k for k in config if not isinstance(k, str)]
+    if bad:
+        raise DraftsmithError(f"{_WHERE}: setting names are strings, got {bad[0]!r}")
     return dict(config)
 
 
@@ -113,21 +124,37 @@ def speculative_setup(config: str | Mapping[str, Any], checkpoint_config: Callab
                         "outputs follow the target either way")
     kind, arg = _method_and_model(c, checkpoint_config)
     k = c.get("num_speculative_tokens")
-    if k is not None and not _positive_int(k):
-        raise DraftsmithError(f"{_WHERE}: num_speculative_tokens must be an integer >= 1, got {k!r}")
+    if k is not None and not (_positive_int(k) and k <= MAX_SPECULATIVE_TOKENS):
+        raise DraftsmithError(f"{_WHERE}: num_speculative_tokens must be an integer in 1..{MAX_SPECULATIVE_TOKENS}, "
+                              f"got {k!r}")
+    if c.get("enable_adaptive_verification") and kind != "dspark":
+        raise DraftsmithError(f"{_WHERE}: enable_adaptive_verification needs method dspark (its confidence head), as "
+                              "in vLLM; Draftsmith's --policy prefix-scheduler (the default) adapts K for every drafter")
     if kind == "ngram":
         arg = _ngram_settings(c)
+        if not arg:
+            warnings.append(f"{_WHERE}: ngram without prompt_lookup_min / prompt_lookup_max matches 1..3 tokens "
+                            "(Draftsmith's default; vLLM's is 5..5)")
     elif any(c.get(key) is not None for key in ("prompt_lookup_min", "prompt_lookup_max")):
         raise DraftsmithError(f"{_WHERE}: prompt_lookup_min / prompt_lookup_max are settings of method ngram, "
                               f"not of {c.get('method') or kind}")
     spec = f"{kind}:{arg}" if arg else kind
-    if k is None:
-        entry = registry.get(kind)
-        if not entry.trainable:
-            raise DraftsmithError(f"{_WHERE}: method {c.get('method') or kind} needs num_speculative_tokens "
-                                  "(the most drafts a round verifies)")
+    entry = registry.get(kind)
+    cap = None  # the most drafts the drafter makes a round
+    if kind == "ngram":
+        cap = NgramConfig().max_draft
+    elif entry.trainable:
         _, path = registry.parse_spec(spec)
-        k = entry.default_k(checkpoint_config(path))
+        default = entry.default_k(checkpoint_config(path))
+        cap = default if kind in ("dflash", "dspark") else None  # (EAGLE-3 drafts past its TTT depth)
+        k = default if k is None else k
+    if k is None:
+        raise DraftsmithError(f"{_WHERE}: method {c.get('method') or kind} needs num_speculative_tokens "
+                              "(the most drafts a round verifies)")
+    if cap is not None and k > cap:
+        warnings.append(f"{_WHERE}: num_speculative_tokens {k} is above the {cap} drafts {spec} makes a round; "
+                        f"K = {cap}")
+        k = cap
     return SpeculativeSetup(spec, int(k), _policy(c, int(k)), tuple(warnings))
 
 
@@ -136,10 +163,13 @@ def _positive_int(v: Any) -> bool:
 
 
 def _refuse_what_cannot_run(c: Mapping[str, Any]) -> None:
-    for key in ("draft_tensor_parallel_size", "tensor_parallel_size"):
-        if c.get(key) not in (None, 1):
-            raise DraftsmithError(f"{_WHERE}: {key} {c[key]!r}: Draftsmith runs the drafter on the target's one "
-                                  "device; leave it out or give 1")
+    tp = c.get("draft_tensor_parallel_size")
+    if tp is not None and not (_positive_int(tp) and tp == 1):
+        raise DraftsmithError(f"{_WHERE}: draft_tensor_parallel_size {tp!r}: Draftsmith runs the drafter on the "
+                              "target's one device; leave it out or give 1")
+    if "tensor_parallel_size" in c:
+        raise DraftsmithError(f"{_WHERE}: tensor_parallel_size is not a speculative setting (vLLM refuses it too: "
+                              "draft_tensor_parallel_size is); leave it out")
     for key, why in (("quantization", "load a drafter Draftsmith quantized itself is not possible; give the "
                                       "unquantized drafter (--drafter-dtype picks what it computes in)"),
                      ("revision", "Draftsmith loads drafters from local directories and built-in names, not "
@@ -179,10 +209,15 @@ def _method_and_model(c: Mapping[str, Any], checkpoint_config) -> tuple[str, str
                                   """'{"method": "ngram", "num_speculative_tokens": 5}'""")
         if model in ("ngram", "[ngram]"):
             return "ngram", ""
+        parts = model.split(".")
+        if "/" not in model and len(parts) >= 2 and all(p.isidentifier() for p in parts):  # vLLM: a class path
+            raise DraftsmithError(f"{_WHERE}: model {model!r} reads as a proposer class (vLLM's custom_class): "
+                                  f"{UNSUPPORTED_METHODS['custom_class']}")
         kind = _checkpoint_kind(model, checkpoint_config)
         return (kind, model) if kind else ("draft-model", model)
-    if method in UNSUPPORTED_METHODS:
-        raise DraftsmithError(f"{_WHERE}: method {method!r}: {UNSUPPORTED_METHODS[method]}")
+    if method in UNSUPPORTED_METHODS or method.endswith("_mtp"):  # (vLLM's deprecated names of mtp: deepseek_mtp ...)
+        why = UNSUPPORTED_METHODS.get(method, UNSUPPORTED_METHODS["mtp"])
+        raise DraftsmithError(f"{_WHERE}: method {method!r}: {why}")
     if method not in METHODS:
         close = difflib.get_close_matches(method, list(METHODS), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -190,7 +225,7 @@ def _method_and_model(c: Mapping[str, Any], checkpoint_config) -> tuple[str, str
                               f"{', '.join(m for m in METHODS if not m.startswith('['))}")
     kind = METHODS[method]
     if kind == "ngram":
-        if model not in (None, "ngram", "[ngram]"):
+        if model not in (None, "ngram", "[ngram]", "ngram_gpu"):
             raise DraftsmithError(f"{_WHERE}: method ngram takes no model (got {model!r})")
         return kind, ""
     if model is None:
@@ -206,14 +241,24 @@ def _method_and_model(c: Mapping[str, Any], checkpoint_config) -> tuple[str, str
 
 
 def _checkpoint_kind(model: str, checkpoint_config) -> str | None:
-    """The trained drafter kind in directory or built-in name `model`, None where it is none."""
+    """The trained drafter kind in directory or built-in name `model`; None where it is no
+    drafter (no config.json, or one without a drafter layout's markers: a model directory). A
+    drafter directory that fails its own checks is that error, not a draft model."""
     for kind in registry.trainable_kinds():
         try:
             _, path = registry.parse_spec(f"{kind}:{model}")
-            found = checkpoint_config(path).get("kind")
         except DraftsmithError:
-            continue
-        return str(found) if found in registry.trainable_kinds() else None
+            continue  # neither a directory nor this kind's built-in name
+        f = config_path(path)
+        if not f.is_file():
+            return None
+        try:
+            cfg = json.loads(f.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError):
+            cfg = {"kind": None}  # unreadable: the checkpoint reader says why
+        if not isinstance(cfg, dict) or not markers(cfg) and "kind" not in cfg:
+            return None
+        return str(checkpoint_config(path)["kind"])
     return None
 
 
@@ -222,18 +267,15 @@ def _vllm_name(kind: str) -> str:
 
 
 def _ngram_settings(c: Mapping[str, Any]) -> str:
-    """ngram's ARG from prompt_lookup_min / _max: one given, the other equals it (vLLM's rule);
-    neither, Draftsmith's defaults (empty ARG)."""
+    """ngram's ARG from prompt_lookup_min / _max (one given sets both: vLLM's rule, which the
+    ngram spec applies too); neither, Draftsmith's defaults (empty ARG)."""
     lo, hi = c.get("prompt_lookup_min"), c.get("prompt_lookup_max")
     for key, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
         if v is not None and not _positive_int(v):
             raise DraftsmithError(f"{_WHERE}: {key} must be an integer >= 1, got {v!r}")
-    if lo is None and hi is None:
-        return ""
-    lo, hi = lo if lo is not None else hi, hi if hi is not None else lo
-    if lo > hi:
+    if lo is not None and hi is not None and lo > hi:
         raise DraftsmithError(f"{_WHERE}: prompt_lookup_min {lo} must be <= prompt_lookup_max {hi}")
-    return f"prompt_lookup_min={lo},prompt_lookup_max={hi}"
+    return ",".join(f"{key}={v}" for key, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)) if v is not None)
 
 
 def _policy(c: Mapping[str, Any], k: int) -> str | BatchSizeSchedule | None:
@@ -287,6 +329,9 @@ def with_speculative_config(config: str | Mapping[str, Any] | None, drafter: Any
     drafter and K, so a drafter or K given beside it (other than the defaults "none" / None) is
     an error, and a policy the config asks for (a batch schedule, adaptive verification) beside
     another policy than "auto" too. Returns (drafter, K, policy, warnings)."""
+    if num_speculative_tokens is not None and not 0 <= num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+        raise DraftsmithError(f"num_speculative_tokens (K) must be in 0..{MAX_SPECULATIVE_TOKENS}, "
+                              f"got {num_speculative_tokens}")
     if config is None:
         return drafter, 5 if num_speculative_tokens is None else num_speculative_tokens, policy, ()
     setup = speculative_setup(config)
