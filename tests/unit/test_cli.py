@@ -129,7 +129,8 @@ def test_every_job_help_shows_defaults():
             assert "default" in fmt._get_help_string(action).lower(), (name, action.option_strings)
         assert "example:\n  draftsmith " + name in parser.format_help(), name
     generate = " ".join(jobs["generate"].format_help().split())
-    assert "--max-len MAX_LEN context limit per prompt (prompt + output) (default: 2048)" in generate
+    assert "--max-len MAX_LEN, --max-model-len MAX_LEN context limit per prompt (prompt + output) (default: 2048)" \
+        in generate
     assert "(default: none)" in generate and "(default: auto)" in generate  # --drafter, --policy
 
 
@@ -236,3 +237,14 @@ def test_bench_json_schema_flag_reads_a_file_or_text_and_says_what_is_wrong(tmp_
                     "--json-schema", "no such file")
     _one_line_error(_run("bench", "--json-schema", "{not json", "--out", str(tmp_path / "o")),
                     "--json-schema is not JSON")
+
+
+def test_vllms_names_for_the_batch_and_context_limits():
+    """serve / generate take vLLM's --max-num-seqs and --max-model-len for --max-batch / --max-len."""
+    from draftsmith.cli import build_parser
+
+    for job in (["serve", "m"], ["generate", "--prompt", "x"]):
+        a = build_parser().parse_args([*job, "--max-model-len", "512", "--max-num-seqs", "4"])
+        assert (a.max_len, a.max_batch) == (512, 4)
+        a = build_parser().parse_args(job)
+        assert (a.max_len, a.max_batch) == (2048, 8)

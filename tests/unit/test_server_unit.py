@@ -1294,3 +1294,35 @@ def test_prefix_caching_keeps_a_dspark_drafter_on_a_chats_next_turn(tiny_dir, ti
         if name == "dspark":
             assert _metrics(url)["draftsmith_draft_tokens_proposed_total"] > 0
     assert answers["dspark"] == answers["plain"]
+
+
+def test_default_chat_template_kwargs_apply_and_a_request_overrides_them(tiny_server, tiny_dir):
+    """serve --default-chat-template-kwargs (vLLM's): the template's variables for every chat
+    request (chat, /tokenize with messages), a request's own chat_template_kwargs winning key by key;
+    a JSON that is not an object, or a name the template cannot take, stops serve with one line."""
+    import subprocess
+    import sys
+
+    import httpx
+
+    template = "{% for m in messages %}{{ m.content }}|{% endfor %}{{ flavour | default('plain') }}"
+    url = tiny_server(chat_template=template, default_chat_template_kwargs={"flavour": "salty"})
+
+    def rendered(**extra) -> str:
+        r = httpx.post(f"{url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}], **extra}, timeout=30)
+        assert r.status_code == 200, r.text
+        return httpx.post(f"{url}/detokenize", json={"tokens": r.json()["tokens"]}, timeout=30).json()["prompt"]
+
+    assert rendered() == "hi|salty"
+    assert rendered(chat_template_kwargs={"flavour": "sweet"}) == "hi|sweet"
+    assert rendered(chat_template_kwargs={"other": 1}) == "hi|salty"  # (merged, not replaced)
+    plain = tiny_server(chat_template=template)
+    r = httpx.post(f"{plain}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}, timeout=30)
+    assert httpx.post(f"{plain}/detokenize", json={"tokens": r.json()["tokens"]}, timeout=30).json()["prompt"] == \
+        "hi|plain"
+    for value, needle in (("[1]", "is not a JSON object"),
+                          ('{"tokenize": true}', "tokenize is not a template variable")):
+        proc = subprocess.run([sys.executable, "-m", "draftsmith.cli", "serve", str(tiny_dir), "--port", "0",
+                               "--default-chat-template-kwargs", value], capture_output=True, text=True, timeout=300)
+        lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("draftsmith: error:")]
+        assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], proc.stderr[-2000:]

@@ -24,8 +24,10 @@ def add_parser(sub) -> None:
     g.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
     g.add_argument("--prompt-file", type=Path, help="one prompt per line (.txt) or JSONL with prompt/messages")
     g.add_argument("--chat", action="store_true", help="apply the target's chat template")
-    g.add_argument("--max-batch", type=positive_int, default=8, help="prompts decoded together (KV rows)")
-    g.add_argument("--max-len", type=positive_int, default=2048, help="context limit per prompt (prompt + output)")
+    g.add_argument("--max-batch", "--max-num-seqs", dest="max_batch", type=positive_int, default=8,
+                   help="prompts decoded together (KV rows)")
+    g.add_argument("--max-len", "--max-model-len", dest="max_len", type=positive_int, default=2048,
+                   help="context limit per prompt (prompt + output)")
     add_sampling_args(g)
     so = g.add_mutually_exclusive_group()  # structured outputs (core/structured.py), vLLM's kinds
     so.add_argument("--json-schema", metavar="FILE|JSON", help="every output is JSON that keeps to this schema "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -21,8 +22,10 @@ def add_parser(sub) -> None:
     s.set_defaults(target=None)  # (smollm2-135m where neither MODEL nor --target is given: cmd_serve)
     add_speculation_args(s)
     add_prefix_caching(s, "a shared system prompt, the conversation so far, a repeated prompt", on=False)
-    s.add_argument("--max-batch", type=positive_int, default=8, help="KV rows = requests running at once")
-    s.add_argument("--max-len", type=positive_int, default=2048, help="context limit per request (prompt + output)")
+    s.add_argument("--max-batch", "--max-num-seqs", dest="max_batch", type=positive_int, default=8,
+                   help="KV rows = requests running at once (vLLM's --max-num-seqs)")
+    s.add_argument("--max-len", "--max-model-len", dest="max_len", type=positive_int, default=2048,
+                   help="context limit per request, prompt + output (vLLM's --max-model-len)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     s.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     s.add_argument("--served-model-name", default=None, help="model id clients send (default: the target id)")
@@ -48,6 +51,9 @@ def add_parser(sub) -> None:
     s.add_argument("--structured-outputs-in-reasoning", action="store_true",
                    help="with --reasoning-parser: a request's grammar constrains the reasoning too (vLLM's "
                         "enable_in_reasoning)")
+    s.add_argument("--default-chat-template-kwargs", default=None, metavar="JSON",
+                   help="the chat template's variables for every chat request, a JSON object (vLLM's), e.g. "
+                        """'{"enable_thinking": false}' for Qwen3; a request's chat_template_kwargs win key by key""")
     s.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                    help="fcfs: requests start in arrival order; priority: a request's `priority` field orders "
                         "admission (lower first; running requests are not preempted)")
@@ -78,6 +84,20 @@ def read_chat_template(value: str) -> str:
     return text
 
 
+def read_template_kwargs(value: str | None) -> dict | None:
+    """--default-chat-template-kwargs: a JSON object of template variables (None if not given)."""
+    if value is None:
+        return None
+    try:
+        kwargs = json.loads(value)
+    except (json.JSONDecodeError, RecursionError):
+        kwargs = None
+    if not isinstance(kwargs, dict):
+        raise DraftsmithError(f"--default-chat-template-kwargs {value!r} is not a JSON object; give one such as "
+                              """'{"enable_thinking": false}'""")
+    return kwargs
+
+
 def cmd_serve(args) -> int:
     from draftsmith.api import LLM
 
@@ -102,6 +122,7 @@ def cmd_serve(args) -> int:
         if getattr(args, flag[2:].replace("-", "_")) and not given:
             print(f"draftsmith: warning: {flag} does nothing without {needs}", file=sys.stderr)
     chat_template = read_chat_template(args.chat_template) if args.chat_template else None
+    template_kwargs = read_template_kwargs(args.default_chat_template_kwargs)
     llm = LLM(
         args.target, drafter=args.drafter, speculative_config=speculative_config(args),
         drafter_dtype=args.drafter_dtype,
@@ -110,6 +131,10 @@ def cmd_serve(args) -> int:
         policy=args.policy, max_batch=args.max_batch, max_len=args.max_len, device=args.device, dtype=args.dtype,
         reproducible_seeds=args.reproducible_seeds, forced_drafts=args.forced_drafts,
     )
+    if template_kwargs and (chat_template or getattr(llm.tokenizer, "chat_template", None)):
+        # (a name the template cannot take is refused now, not at the first request)
+        llm.apply_chat_template([{"role": "user", "content": "hi"}], chat_template_kwargs=template_kwargs,
+                                chat_template=chat_template)
     from draftsmith.server.app import Limits, ServeOptions, serve
 
     given = {"max_choices": args.max_choices_per_request, "max_prompt_bytes": args.max_prompt_bytes,
@@ -127,5 +152,6 @@ def cmd_serve(args) -> int:
                                tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
                                reasoning_parser=args.reasoning_parser,
                                structured_outputs_in_reasoning=args.structured_outputs_in_reasoning,
-                               scheduling_policy=args.scheduling_policy))
+                               scheduling_policy=args.scheduling_policy,
+                               default_chat_template_kwargs=template_kwargs))
     return 0

@@ -201,11 +201,12 @@ def add_routes(app: FastAPI, st: ServerState) -> None:
         """The request's messages through the chat template, with its template options and tools."""
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         st.check_size(1, n, text_bytes(prompt_texts(req.messages, tools)), "messages")
+        kwargs = {**(st.options.default_chat_template_kwargs or {}), **(req.chat_template_kwargs or {})}
         try:
             return st.front.apply_chat_template(template_messages(req.messages, developer=developer_role),
                                                 add_generation_prompt=req.add_generation_prompt,
                                                 continue_final_message=req.continue_final_message,
-                                                chat_template_kwargs=req.chat_template_kwargs, tools=tools,
+                                                chat_template_kwargs=kwargs, tools=tools,
                                                 chat_template=st.options.chat_template)
         except DraftsmithError as e:
             msg = str(e)

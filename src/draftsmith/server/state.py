@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from draftsmith.api import LLM
 from draftsmith.core.structured import Grammars
@@ -37,6 +38,8 @@ class ServeOptions:
         request's grammar applied after the reasoning unless `structured_outputs_in_reasoning`
         (vLLM's enable_in_reasoning).
     scheduling_policy: "priority" lets requests' `priority` order admission, "fcfs" refuses it.
+    default_chat_template_kwargs: the chat template's variables for every chat request (e.g.
+        Qwen3's {"enable_thinking": false}); a request's own chat_template_kwargs win, key by key.
     """
 
     chat_template: str | None = None
@@ -44,6 +47,7 @@ class ServeOptions:
     reasoning_parser: str | None = None
     structured_outputs_in_reasoning: bool = False
     scheduling_policy: str = "fcfs"
+    default_chat_template_kwargs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         for what, value, known in (("tool-call parser", self.tool_call_parser, TOOL_CALL_PARSERS),
