@@ -190,6 +190,7 @@ class LLM:
                                    enable_prefix_caching=enable_prefix_caching, adaptive_threads=threads is None,
                                    forced_drafts=forced_drafts)
         self.drafter, self.policy = self.engine.drafter, self.engine.policy
+        self.num_speculative_tokens = num_speculative_tokens  # K: the most drafts a round verifies
         # the drafter as a spec ("ngram:prompt_lookup_min=2,...", "dspark:DIR"), or a Drafter object's name
         self.drafter_spec: str = (drafter if isinstance(drafter, str)
                                   else str(getattr(drafter, "name", type(drafter).__name__)))

@@ -1326,3 +1326,62 @@ def test_default_chat_template_kwargs_apply_and_a_request_overrides_them(tiny_se
                                "--default-chat-template-kwargs", value], capture_output=True, text=True, timeout=300)
         lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("draftsmith: error:")]
         assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], proc.stderr[-2000:]
+
+
+def test_per_request_metrics_as_vllm_returns_them(tiny_server):
+    """serve --enable-per-request-metrics --per-request-spec-decode-metrics detailed (vLLM's):
+    a one-choice response carries `metrics` (timing + speculative_decoding, server/request_metrics.py)
+    whole, on a stream's usage chunk, in a Response; null for n > 1; absent without the flags. The
+    per-request spec-decode counts reconcile with the server's vllm:spec_decode_* counters, as
+    vLLM documents (two independent tallies: the step log and the engine loop's deltas)."""
+    from openai import OpenAI
+
+    url = tiny_server(llm_kw={"drafter": "ngram", "policy": "fixed", "num_speculative_tokens": 3},
+                      per_request_metrics=True, per_request_spec_decode_metrics="detailed")
+    c = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+    prompt = "one two three one two three one two three one two"
+    r = c.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+    m = r.model_extra["metrics"]
+    tokens = r.usage.completion_tokens
+    assert tokens == 24
+    for key in ("time_to_first_token_ms", "generation_time_ms", "queue_time_ms", "mean_itl_ms", "tokens_per_second"):
+        assert isinstance(m[key], float) and m[key] >= 0, (key, m)
+    assert m["mean_itl_ms"] == pytest.approx(m["generation_time_ms"] / (tokens - 1))
+    sd = m["speculative_decoding"]
+    steps, hist = sd["num_spec_steps"], sd["acceptance_histogram"]
+    assert sd["num_spec_tokens"] == 3 and len(hist) == 4 and sum(hist) == steps > 0
+    assert sum(j * h for j, h in enumerate(hist)) == sd["num_accepted_draft_tokens"] == sum(sd["per_step_accepted"])
+    assert sd["num_draft_tokens"] == sum(sd["per_step_drafted"]) and len(sd["per_step_drafted"]) == steps
+    assert sd["mean_acceptance_length"] == pytest.approx(1 + sd["num_accepted_draft_tokens"] / steps)
+    assert sd["draft_acceptance_rate"] == pytest.approx(sd["num_accepted_draft_tokens"] / sd["num_draft_tokens"])
+    assert sum(sum(v) for v in sd["acceptance_histogram_by_draft_length"].values()) == steps
+    assert all(len(v) == int(k) + 1 for k, v in sd["acceptance_histogram_by_draft_length"].items())
+    # a step that drafted commits its accepted drafts + 1; a step without drafts commits 1
+    assert steps + sd["num_accepted_draft_tokens"] <= tokens
+    prom = _metrics(url)
+    lab = '{model_name="tiny",engine="0"}'
+    assert prom[f"vllm:spec_decode_num_drafts_total{lab}"] == steps
+    assert prom[f"vllm:spec_decode_num_draft_tokens_total{lab}"] == sd["num_draft_tokens"]
+    assert prom[f"vllm:spec_decode_num_accepted_tokens_total{lab}"] == sd["num_accepted_draft_tokens"]
+    # n > 1: one object cannot describe two generations
+    two = c.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0.7, n=2, seed=1)
+    assert two.model_extra["metrics"] is None
+    # a stream: on its usage chunk, and only there
+    chunks = list(c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
+                                            max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert [ch.model_extra.get("metrics") is not None for ch in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert chunks[-1].model_extra["metrics"]["speculative_decoding"]["num_spec_tokens"] == 3
+    # a Response, whole and streamed (response.completed)
+    resp = c.responses.create(model="tiny", input=prompt, max_output_tokens=12, temperature=0)
+    assert resp.model_extra["metrics"]["speculative_decoding"]["num_spec_tokens"] == 3
+    done = [e for e in c.responses.create(model="tiny", input=prompt, max_output_tokens=12, temperature=0,
+                                          stream=True) if e.type == "response.completed"]
+    assert done[0].response.model_extra["metrics"]["time_to_first_token_ms"] >= 0
+    # without the flags, responses are unchanged; without a drafter, speculative_decoding is null
+    plain = OpenAI(base_url=f"{tiny_server()}/v1", api_key="unused", max_retries=0, timeout=60)
+    assert "metrics" not in plain.completions.create(model="tiny", prompt=prompt, max_tokens=4).model_extra
+    nodraft = OpenAI(base_url=f"{tiny_server(per_request_spec_decode_metrics='summary')}/v1", api_key="unused",
+                     max_retries=0, timeout=60)
+    assert nodraft.completions.create(model="tiny", prompt=prompt, max_tokens=4).model_extra["metrics"] == \
+        {"speculative_decoding": None}

@@ -54,6 +54,12 @@ def add_parser(sub) -> None:
     s.add_argument("--default-chat-template-kwargs", default=None, metavar="JSON",
                    help="the chat template's variables for every chat request, a JSON object (vLLM's), e.g. "
                         """'{"enable_thinking": false}' for Qwen3; a request's chat_template_kwargs win key by key""")
+    s.add_argument("--enable-per-request-metrics", action="store_true",
+                   help="vLLM's: each response carries `metrics` (queue, TTFT, generation time, mean ITL, tokens/s) "
+                        "for a one-choice request; streams on their usage chunk")
+    s.add_argument("--per-request-spec-decode-metrics", default="none", choices=["none", "summary", "detailed"],
+                   help="vLLM's: `metrics.speculative_decoding` in each one-choice response (steps, drafted and "
+                        "accepted tokens, mean acceptance length, acceptance histograms; detailed: per step)")
     s.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                    help="fcfs: requests start in arrival order; priority: a request's `priority` field orders "
                         "admission (lower first; running requests are not preempted)")
@@ -131,6 +137,9 @@ def cmd_serve(args) -> int:
         policy=args.policy, max_batch=args.max_batch, max_len=args.max_len, device=args.device, dtype=args.dtype,
         reproducible_seeds=args.reproducible_seeds, forced_drafts=args.forced_drafts,
     )
+    if args.per_request_spec_decode_metrics != "none" and args.drafter == "none" and not args.speculative_config:
+        print("draftsmith: warning: --per-request-spec-decode-metrics without a drafter: "
+              "metrics.speculative_decoding is null", file=sys.stderr)
     if template_kwargs and (chat_template or getattr(llm.tokenizer, "chat_template", None)):
         # (a name the template cannot take is refused now, not at the first request)
         llm.apply_chat_template([{"role": "user", "content": "hi"}], chat_template_kwargs=template_kwargs,
@@ -153,5 +162,7 @@ def cmd_serve(args) -> int:
                                reasoning_parser=args.reasoning_parser,
                                structured_outputs_in_reasoning=args.structured_outputs_in_reasoning,
                                scheduling_policy=args.scheduling_policy,
-                               default_chat_template_kwargs=template_kwargs))
+                               default_chat_template_kwargs=template_kwargs,
+                               per_request_metrics=args.enable_per_request_metrics,
+                               per_request_spec_decode_metrics=args.per_request_spec_decode_metrics))
     return 0

@@ -259,9 +259,11 @@ class Engine:
                                                       [s.cache_salt for s in new]))]
         else:
             placed = [(r, 0) for r in self.free_rows[: len(new)]]
+        now = time.perf_counter()
         for s, (row, reused) in zip(new, placed):
             s.row = row
             s.status = Status.RUNNING
+            s.stats.t_scheduled = now
             self.free_rows.remove(row)
             if self.prefix_caching:
                 self.cache.reuse(row, reused)

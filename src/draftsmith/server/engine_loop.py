@@ -25,6 +25,7 @@ from draftsmith.engine.engine import Engine
 from draftsmith.core.request import Request
 from draftsmith.errors import DraftsmithError
 from draftsmith.server.metrics import ServerMetrics
+from draftsmith.server.request_metrics import RequestMetricsOptions, request_metrics
 
 log = logging.getLogger("draftsmith.server")
 
@@ -41,6 +42,7 @@ class Event:
     cached_tokens: int = 0  # prompt tokens whose KV was reused (finished, the first tokens event; prefix caching)
     logprobs: list | None = None  # per token of token_ids, when the request asked (core/logprobs.py)
     prompt_logprobs: list | None = None  # per prompt token (finished; the first tokens event)
+    metrics: dict | None = None  # the request's metrics object (finished; serve --enable-per-request-metrics ...)
 
 
 @dataclass
@@ -81,9 +83,11 @@ def _diff(new: list[int], old: list[int]) -> list[int]:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, metrics: ServerMetrics) -> None:
+    def __init__(self, engine: Engine, metrics: ServerMetrics,
+                 request_metrics: RequestMetricsOptions | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.request_metrics = request_metrics or RequestMetricsOptions()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._cond = threading.Condition()
         self._stopping = False
@@ -162,6 +166,8 @@ class EngineLoop:
             for sub in subs:
                 seq = self.engine.add_request(sub.prompt_ids, sub.params, sub.request_id, cache_salt=sub.cache_salt,
                                               priority=sub.priority)
+                if self.request_metrics.keeps_steps:
+                    seq.stats.step_log = []
                 self._live[sub.request_id] = _Live(sub=sub, seq=seq)
                 added.append(sub)
         except Exception as e:  # DraftsmithError = bad input; anything else is reported too
@@ -190,7 +196,7 @@ class EngineLoop:
             live.sub.sink(Event("finished", index=live.sub.index, token_ids=list(live.seq.output_ids),
                                 text=live.seq.text, finish_reason="abort",
                                 cached_tokens=live.seq.stats.cached_tokens, logprobs=_copy(live.seq.logprobs),
-                                prompt_logprobs=_copy(live.seq.prompt_logprobs)))
+                                prompt_logprobs=_copy(live.seq.prompt_logprobs), metrics=self._metrics_of(live.seq)))
 
     def _account(self, live: _Live, now: float) -> int:
         """Report new tokens and speculative-stat deltas of one request; returns #new tokens."""
@@ -236,7 +242,7 @@ class EngineLoop:
                 live.sub.sink(Event("finished", index=live.sub.index, token_ids=list(seq.output_ids),
                                     text=seq.text, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
                                     cached_tokens=seq.stats.cached_tokens, logprobs=_copy(seq.logprobs),
-                                    prompt_logprobs=_copy(seq.prompt_logprobs)))
+                                    prompt_logprobs=_copy(seq.prompt_logprobs), metrics=self._metrics_of(seq)))
             elif n > 0 and live.sub.stream:
                 first = live.sent == 0
                 live.sub.sink(Event("tokens", index=live.sub.index, token_ids=list(seq.output_ids[live.sent :]),
@@ -248,6 +254,12 @@ class EngineLoop:
             del self._live[rid]
         if verify_tokens:
             self.metrics.record_step(verify_tokens)
+
+    def _metrics_of(self, seq: Request) -> dict | None:
+        """A finished request's metrics object (server/request_metrics.py); None where not asked."""
+        if not self.request_metrics.enabled:
+            return None
+        return request_metrics(self.request_metrics, seq.stats, len(seq.output_ids))
 
     def _fail_all(self, message: str) -> None:
         for rid, live in list(self._live.items()):

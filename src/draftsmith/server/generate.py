@@ -74,6 +74,8 @@ async def generate(st: ServerState, request: Request, req: Any, prompts: list[li
         fmt.with_prompt_logprobs(req.prompt_logprobs, st.front.token_text)
     if req.return_token_ids:
         fmt.with_token_ids()
+    if st.request_metrics.enabled:
+        fmt.with_request_metrics()
     subs: list[SubRequest] = []
     aloop = asyncio.get_running_loop()
     q: asyncio.Queue[Event] = asyncio.Queue()

@@ -41,6 +41,7 @@ class ResponseFormat:
         self.token_ids = False  # return_token_ids
         self.chat_echo = ""  # chat's echo: the continued assistant message's text, first in the content
         self.decode: Callable[[list[int]], str] | None = None  # the choices' text from their ids (with_decode)
+        self.request_metrics = False  # a `metrics` object in the response (with_request_metrics)
 
     def with_chat_echo(self, text: str) -> None:
         """vLLM's chat `echo` (with a last assistant message, e.g. continue_final_message): the
@@ -52,6 +53,20 @@ class ResponseFormat:
         special tokens skipped or kept as the request asked): a Response reads from it which
         token wrote which character."""
         self.decode = decode
+
+    def with_request_metrics(self) -> None:
+        """vLLM's per-request metrics (serve --enable-per-request-metrics,
+        --per-request-spec-decode-metrics): the response (a stream: its usage chunk) carries
+        `metrics`, the one choice's (server/request_metrics.py), null for several choices."""
+        self.request_metrics = True
+
+    def metrics_of(self, finals: list[Event]) -> dict | None:
+        return finals[0].metrics if len(finals) == 1 else None
+
+    def _with_metrics(self, body: dict, finals: list[Event]) -> dict:
+        if self.request_metrics:
+            body["metrics"] = self.metrics_of(finals)
+        return body
 
     def with_prompts(self, prompts: list[list[int]], n: int) -> None:
         """The request's prompts as the engine got them, n choices each (choice i: prompt i // n)."""
@@ -159,9 +174,9 @@ class ResponseFormat:
                 return
         yield "data: [DONE]\n\n"
 
-    def usage_chunk(self, usage: dict) -> dict:
+    def usage_chunk(self, usage: dict, finals: list[Event]) -> dict:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return {**self._head(obj), "choices": [], "usage": usage}
+        return self._with_metrics({**self._head(obj), "choices": [], "usage": usage}, finals)
 
     def response(self, finals: list[Event], usage: dict) -> dict:
         """The whole response of `finals` (visible events, in choice order)."""
@@ -183,7 +198,7 @@ class ResponseFormat:
                 head["prompt_logprobs"] = self.prompt_logprobs_of(finals[0])
             if self.token_ids:
                 head["prompt_token_ids"] = self.prompt_ids(0)
-            return {**head, "choices": choices, "usage": usage}
+            return self._with_metrics({**head, "choices": choices, "usage": usage}, finals)
         choices = []
         for e in finals:
             echo = self.echoed(e.index)
@@ -194,7 +209,7 @@ class ResponseFormat:
                 choices[-1]["prompt_logprobs"] = self.prompt_logprobs_of(e)
             if self.token_ids:
                 choices[-1].update(prompt_token_ids=self.prompt_ids(e.index), token_ids=list(e.token_ids))
-        return {**self._head("text_completion"), "choices": choices, "usage": usage}
+        return self._with_metrics({**self._head("text_completion"), "choices": choices, "usage": usage}, finals)
 
 
 def usage(prompt_tokens: int, finals: list[Event], n: int = 1) -> dict:

@@ -45,15 +45,20 @@ class ResponsesFormat(ResponseFormat):
         """A fresh builder of one answer's items (`decode`: the request's, server/generate.py)."""
         return ResponseOutput(self.hex, self.decode, logprobs=self.logprobs is not None)
 
-    def envelope(self, status: str, output: list[dict], usage: dict | None, error: dict | None = None) -> dict:
-        """The Response object around `output`."""
+    def envelope(self, status: str, output: list[dict], usage: dict | None, error: dict | None = None,
+                 metrics: dict | None = None) -> dict:
+        """The Response object around `output` (`metrics`: vLLM's per-request metrics, where the
+        server reports them: with_request_metrics)."""
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
-        return {"id": self.rid, "object": "response", "created_at": self.created, "status": status,
+        body = {"id": self.rid, "object": "response", "created_at": self.created, "status": status,
                 "error": error, "incomplete_details": incomplete, "model": self.model, "output": output,
                 **self.request_echo, "usage": usage}
+        if self.request_metrics and usage is not None:
+            body["metrics"] = metrics
+        return body
 
     def final(self, out: ResponseOutput, finish_reason: str | None, chat_usage: dict,
-              thinks: bool) -> tuple[list[tuple[str, dict]], dict]:
+              thinks: bool, metrics: dict | None = None) -> tuple[list[tuple[str, dict]], dict]:
         """The events that close an answer's items and its whole Response (whole and streamed
         alike): "incomplete", with the items the cut left unfinished, where the answer ran out of
         tokens."""
@@ -65,7 +70,7 @@ class ResponsesFormat(ResponseFormat):
                  "output_tokens": chat_usage["completion_tokens"],
                  "output_tokens_details": {"reasoning_tokens": reasoning},
                  "total_tokens": chat_usage["total_tokens"]}
-        return events, self.envelope("incomplete" if cut else "completed", out.items, usage)
+        return events, self.envelope("incomplete" if cut else "completed", out.items, usage, metrics=metrics)
 
     def response(self, finals: list[Event], usage: dict) -> dict:
         """The whole Response of the request's one answer."""
@@ -74,7 +79,7 @@ class ResponsesFormat(ResponseFormat):
         lp = self.logprobs_of(e.index, e.token_ids, e.logprobs)
         out.read(reader.finish(e.text)["parts"], list(e.token_ids), (lp or {}).get("content") or [],
                  cut=e.finish_reason == "length")
-        return self.final(out, e.finish_reason, usage, reader.reader.thinks)[1]
+        return self.final(out, e.finish_reason, usage, reader.reader.thinks, self.metrics_of(finals))[1]
 
     async def events(self, chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
         """The Responses API's server-sent events (server/responses_stream.py)."""

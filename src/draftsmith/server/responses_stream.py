@@ -43,6 +43,7 @@ class ResponsesStream:
         self.finish: str | None = None
         self.thinks = False  # the answer had a think block (its last delta says)
         self.usage: dict | None = None
+        self.metrics: dict | None = None  # the usage chunk's, where the server reports per-request metrics
 
     def _event(self, kind: str, fields: dict) -> str:
         line = sse_event({"type": kind, "sequence_number": self.seq, **fields})
@@ -59,10 +60,11 @@ class ResponsesStream:
                     yield line
                 return
             self.usage = chunk.get("usage") or self.usage
+            self.metrics = chunk.get("metrics", self.metrics)
             for choice in chunk["choices"]:
                 for kind, fields in self._choice(choice):
                     yield self._event(kind, fields)
-        events, response = self.fmt.final(self.out, self.finish, self.usage, self.thinks)
+        events, response = self.fmt.final(self.out, self.finish, self.usage, self.thinks, self.metrics)
         for kind, fields in events:
             yield self._event(kind, fields)
         yield self._event("response.completed", {"response": response})

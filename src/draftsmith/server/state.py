@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from draftsmith.api import LLM
+from draftsmith.drafters.base import NoDrafter
 from draftsmith.core.structured import Grammars
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.token_text import TokenText
@@ -22,6 +23,7 @@ from draftsmith.server.engine_loop import EngineLoop
 from draftsmith.server.metrics import ServerMetrics
 from draftsmith.server.protocol import APIError
 from draftsmith.server.reasoning import REASONING_PARSERS
+from draftsmith.server.request_metrics import SPEC_DECODE_LEVELS, RequestMetricsOptions
 from draftsmith.server.tools import TOOL_CALL_PARSERS
 
 
@@ -40,6 +42,8 @@ class ServeOptions:
     scheduling_policy: "priority" lets requests' `priority` order admission, "fcfs" refuses it.
     default_chat_template_kwargs: the chat template's variables for every chat request (e.g.
         Qwen3's {"enable_thinking": false}); a request's own chat_template_kwargs win, key by key.
+    per_request_metrics / per_request_spec_decode_metrics ("none", "summary", "detailed"): a
+        response's `metrics` object, timing / speculative_decoding (server/request_metrics.py).
     """
 
     chat_template: str | None = None
@@ -48,11 +52,15 @@ class ServeOptions:
     structured_outputs_in_reasoning: bool = False
     scheduling_policy: str = "fcfs"
     default_chat_template_kwargs: dict[str, Any] | None = None
+    per_request_metrics: bool = False
+    per_request_spec_decode_metrics: str = "none"
 
     def __post_init__(self) -> None:
         for what, value, known in (("tool-call parser", self.tool_call_parser, TOOL_CALL_PARSERS),
                                    ("reasoning parser", self.reasoning_parser, REASONING_PARSERS),
-                                   ("scheduling policy", self.scheduling_policy, SCHEDULING_POLICIES)):
+                                   ("scheduling policy", self.scheduling_policy, SCHEDULING_POLICIES),
+                                   ("per-request spec decode metrics level", self.per_request_spec_decode_metrics,
+                                    SPEC_DECODE_LEVELS)):
             if value is not None and value not in known:
                 raise DraftsmithError(f"unknown {what} {value!r}; known: {', '.join(known)}")
 
@@ -121,7 +129,10 @@ class ServerState:
         self.queued_tokens = 0  # prompt + max_tokens of the choices admitted and unfinished (event loop only)
         self.front = _Front(llm)
         self.metrics = ServerMetrics(self.model_id, llm.engine.config.max_batch, llm.engine.prefix_caching)
-        self.loop = EngineLoop(llm.engine, self.metrics)
+        k = 0 if isinstance(llm.drafter, NoDrafter) else llm.num_speculative_tokens  # (no drafter: no spec metrics)
+        self.request_metrics = RequestMetricsOptions(self.options.per_request_metrics,
+                                                     self.options.per_request_spec_decode_metrics, k)
+        self.loop = EngineLoop(llm.engine, self.metrics, self.request_metrics)
         self.created = int(time.time())
 
     def check_model(self, model: str | None) -> None:

@@ -129,6 +129,6 @@ async def stream_events(st: ServerState, subs: list[SubRequest], q: asyncio.Queu
                 yield APIError(500, ev.message, type="internal_error").body()
                 return
         if include_usage:
-            yield fmt.usage_chunk(usage(prompt_tokens, finals, n))
+            yield fmt.usage_chunk(usage(prompt_tokens, finals, n), sorted(finals, key=lambda e: e.index))
     finally:
         close()
