@@ -276,6 +276,53 @@ def test_counters_from_server_metrics():
     assert "unavailable" in diff_counters(None, after)
 
 
+def test_counters_from_a_vllm_server():
+    """bench --endpoint against vLLM: its vllm:spec_decode_* counters, written here by
+    prometheus_client as vLLM writes them (counters named without _total, labels model_name and
+    engine, two engines summed, 0-based positions, _created series), read as the draftsmith_*
+    ones: tau = vLLM's mean acceptance length; per-position acceptance only where every step
+    proposed K (exact), not for n-gram's shorter drafts."""
+    from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+    reg = CollectorRegistry()
+    lab = ["model_name", "engine"]
+    c = {n: Counter(f"vllm:spec_decode_{n}", n, lab, registry=reg)
+         for n in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "p", lab + ["position"], registry=reg)
+    gen = Counter("vllm:generation_tokens", "g", lab, registry=reg)
+    ok = Counter("vllm:request_success", "s", lab + ["finished_reason"], registry=reg)
+    engines = (("m", "0"), ("m", "1"))
+    for e in engines:  # (vLLM makes every series at start: per engine, each position of K = 3)
+        for counter in (*c.values(), gen):
+            counter.labels(*e).inc(0)
+        for pos in range(3):
+            per_pos.labels(*e, str(pos)).inc(0)
+    before = counters_from_text(generate_latest(reg).decode())
+    # the run: 10 steps on engine 0 and 6 on engine 1, each proposing K = 3
+    for e, steps, acc_at in ((engines[0], 10, [8, 5, 2]), (engines[1], 6, [4, 1, 0])):
+        c["num_drafts"].labels(*e).inc(steps)
+        c["num_draft_tokens"].labels(*e).inc(3 * steps)
+        c["num_accepted_tokens"].labels(*e).inc(sum(acc_at))
+        for pos, a in enumerate(acc_at):
+            per_pos.labels(*e, str(pos)).inc(a)
+        gen.labels(*e).inc(steps + sum(acc_at))
+        ok.labels(*e, "length").inc(2)
+    d = diff_counters(before, counters_from_text(generate_latest(reg).decode()))
+    assert d["source"].startswith("vLLM's /metrics")
+    assert (d["proposed"], d["accepted"], d["rounds"], d["committed"]) == (48, 20, 16, 36)
+    assert d["generation_tokens"] == 36 and d["target_forwards"] is None
+    assert d["position_proposed"] == [16, 16, 16] and d["position_accepted"] == [12, 6, 2]
+    s = summarize([RunResult([_rec(0, 36, 1.0, 0.1)], wall_s=1.0, counters=d)], counts_from_endpoint=d)
+    assert s["tau"] == pytest.approx(1 + 20 / 16) and s["acceptance_rate"] == pytest.approx(20 / 48)
+    assert s["per_position_acceptance"][0] == pytest.approx(12 / 16)
+    # n-gram: a step may propose fewer than K: no per-position reading
+    before = counters_from_text(generate_latest(reg).decode())
+    c["num_drafts"].labels(*engines[0]).inc(4)
+    c["num_draft_tokens"].labels(*engines[0]).inc(7)
+    d = diff_counters(before, counters_from_text(generate_latest(reg).decode()))
+    assert (d["rounds"], d["proposed"], d["position_proposed"], d["position_accepted"]) == (4, 7, [], [])
+
+
 # ---- the in-process load generator on a tiny model ------------------------------------------------
 
 

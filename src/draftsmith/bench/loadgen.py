@@ -306,7 +306,8 @@ async def _stream_one(client, url: str, model: str, req: BenchRequest, t0: float
 
 
 def scrape_counters(url: str, timeout: float = 30.0) -> dict | None:
-    """draftsmith_* counters from {server}/metrics, or None if it exposes none."""
+    """draftsmith_* (or vLLM's vllm:spec_decode_*) counters from {server}/metrics, or None if it
+    exposes none."""
     try:
         r = httpx.get(f"{base_url(url)}/metrics", timeout=timeout)
         if r.status_code != 200:
@@ -317,14 +318,15 @@ def scrape_counters(url: str, timeout: float = 30.0) -> dict | None:
 
 
 def counters_from_text(text: str) -> dict | None:
-    """The draftsmith_* counters of a Prometheus exposition text, or None if there are none."""
+    """The draftsmith_* counters of a Prometheus exposition text, else vLLM's (a vLLM server's
+    vllm:spec_decode_*: _vllm_counters), or None if there are neither."""
     # Imported here: importing draftsmith.server loads FastAPI and the app (0.55 s measured),
     # which only endpoint runs need.
     from draftsmith.server.metrics import parse_metrics
 
     m = parse_metrics(text)
     if "draftsmith_draft_tokens_proposed_total" not in m:
-        return None
+        return _vllm_counters(m)
 
     def positions(name: str) -> dict[int, float]:
         out = {}
@@ -349,10 +351,44 @@ def counters_from_text(text: str) -> dict | None:
     }
 
 
+def _series_sum(m: dict[str, float], name: str) -> float | None:
+    """The sum of every series of `name` (all label sets: engines, models), None where there is none."""
+    vals = [v for k, v in m.items() if k == name or k.startswith(name + "{")]
+    return sum(vals) if vals else None
+
+
+def _vllm_counters(m: dict[str, float]) -> dict | None:
+    """A vLLM server's speculative counters (vllm:spec_decode_*), in the draftsmith_* reading:
+    rounds = the steps that drafted, committed = their drafts accepted + one token each (so τ is
+    vLLM's mean acceptance length, over the steps that drafted; vLLM does not count the others);
+    positions from vllm:spec_decode_num_accepted_tokens_per_pos (diff_counters decides whether
+    they can be read as conditional acceptance). None where the server has no such counters."""
+    if not any(k.startswith("vllm:spec_decode_") for k in m):
+        return None
+    drafts = _series_sum(m, "vllm:spec_decode_num_drafts_total") or 0.0  # (a series not yet written: 0)
+    accepted_at: dict[int, float] = {}
+    for k, v in m.items():
+        if k.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total{") and 'position="' in k:
+            pos = int(k.split('position="', 1)[1].split('"', 1)[0]) + 1  # (vLLM's positions are 0-based)
+            accepted_at[pos] = accepted_at.get(pos, 0.0) + v
+    accepted = _series_sum(m, "vllm:spec_decode_num_accepted_tokens_total") or 0.0
+    return {
+        "names": "vllm",
+        "proposed": _series_sum(m, "vllm:spec_decode_num_draft_tokens_total") or 0.0,
+        "accepted": accepted, "rounds": drafts, "committed": drafts + accepted,
+        "generation_tokens": _series_sum(m, "vllm:generation_tokens_total"),
+        "finished": _series_sum(m, "vllm:request_success_total") or 0.0,
+        "engine_steps": None, "position_proposed": {}, "position_accepted": accepted_at,
+        "rss_bytes": m.get("process_resident_memory_bytes"),
+    }
+
+
 def diff_counters(before: dict | None, after: dict | None) -> dict:
     """Counts for one measured run from two scrapes; {"unavailable": why} when there are none."""
     if before is None or after is None:
-        return {"unavailable": "the server exposes no draftsmith_* counters on /metrics"}
+        return {"unavailable": "the server exposes no draftsmith_* or vllm:spec_decode_* counters on /metrics"}
+    if after.get("names") == "vllm":
+        return _diff_vllm(before, after)
 
     def d(k: str) -> int | None:
         if before.get(k) is None or after.get(k) is None:
@@ -370,4 +406,30 @@ def diff_counters(before: dict | None, after: dict | None) -> dict:
         # a request takes part in one prefill forward and one forward per round
         "target_forwards": None if rounds is None or finished is None else rounds + finished,
         "position_proposed": pos_p, "position_accepted": pos_a, "server_rss_bytes": after.get("rss_bytes"),
+    }
+
+
+def _diff_vllm(before: dict, after: dict) -> dict:
+    """diff_counters of two vLLM scrapes. Per position: vLLM counts the steps that accepted more
+    than k drafts, not those that proposed k; where every drafting step of the run proposed the
+    same K drafts (draft tokens = K x steps: EAGLE, draft models, DFlash at a fixed K), each
+    position was proposed by every step, so conditional acceptance is exact; otherwise (n-gram's
+    shorter drafts) it is left out rather than guessed."""
+    def d(k: str) -> int | None:
+        if before.get(k) is None or after.get(k) is None:
+            return None
+        return int(round(after[k] - before[k]))
+
+    rounds, proposed = d("rounds"), d("proposed")
+    width = max(list(after["position_accepted"]) + [0])
+    pos_a = [int(after["position_accepted"].get(k, 0) - before["position_accepted"].get(k, 0))
+             for k in range(1, width + 1)]
+    exact = bool(rounds) and proposed == rounds * width
+    return {
+        "source": "vLLM's /metrics (vllm:spec_decode_*, difference around the measured run; tau over the steps "
+                  "that drafted)",
+        "proposed": proposed, "accepted": d("accepted"), "rounds": rounds, "committed": d("committed"),
+        "generation_tokens": d("generation_tokens"), "engine_steps": None, "target_forwards": None,
+        "position_proposed": [rounds] * width if exact else [], "position_accepted": pos_a if exact else [],
+        "server_rss_bytes": after.get("rss_bytes"),
     }
