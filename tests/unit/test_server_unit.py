@@ -1385,3 +1385,18 @@ def test_per_request_metrics_as_vllm_returns_them(tiny_server):
                      max_retries=0, timeout=60)
     assert nodraft.completions.create(model="tiny", prompt=prompt, max_tokens=4).model_extra["metrics"] == \
         {"speculative_decoding": None}
+
+
+def test_force_include_usage_ends_every_stream_with_its_usage(tiny_server):
+    """serve --enable-force-include-usage (vLLM's): a stream that did not ask for usage gets the
+    usage chunk (with per-request metrics where on); without the flag it does not."""
+    from openai import OpenAI
+
+    for forced in (True, False):
+        url = tiny_server(force_include_usage=forced, per_request_metrics=True)
+        c = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        chunks = list(c.completions.create(model="tiny", prompt="a b c", max_tokens=5, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True}))
+        assert (chunks[-1].usage is not None) is forced
+        if forced:
+            assert chunks[-1].usage.completion_tokens == 5 and chunks[-1].model_extra["metrics"]["mean_itl_ms"] >= 0

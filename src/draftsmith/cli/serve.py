@@ -60,6 +60,9 @@ def add_parser(sub) -> None:
     s.add_argument("--per-request-spec-decode-metrics", default="none", choices=["none", "summary", "detailed"],
                    help="vLLM's: `metrics.speculative_decoding` in each one-choice response (steps, drafted and "
                         "accepted tokens, mean acceptance length, acceptance histograms; detailed: per step)")
+    s.add_argument("--enable-force-include-usage", action="store_true",
+                   help="vLLM's: every stream ends with its usage chunk (and per-request metrics), as if it sent "
+                        "stream_options.include_usage")
     s.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                    help="fcfs: requests start in arrival order; priority: a request's `priority` field orders "
                         "admission (lower first; running requests are not preempted)")
@@ -164,5 +167,6 @@ def cmd_serve(args) -> int:
                                scheduling_policy=args.scheduling_policy,
                                default_chat_template_kwargs=template_kwargs,
                                per_request_metrics=args.enable_per_request_metrics,
-                               per_request_spec_decode_metrics=args.per_request_spec_decode_metrics))
+                               per_request_spec_decode_metrics=args.per_request_spec_decode_metrics,
+                               force_include_usage=args.enable_force_include_usage))
     return 0

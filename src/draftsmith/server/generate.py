@@ -140,6 +140,7 @@ async def generate(st: ServerState, request: Request, req: Any, prompts: list[li
         return JSONResponse(fmt.response(ordered, usage(prompt_tokens, ordered, n)))
 
     opts = req.stream_options
-    events = stream_events(st, subs, q, fmt, prompt_tokens, n, bool(opts and opts.include_usage), done, close,
-                           continuous_usage=bool(opts and opts.include_usage and opts.continuous_usage_stats))
+    include_usage = bool(opts and opts.include_usage) or st.options.force_include_usage
+    events = stream_events(st, subs, q, fmt, prompt_tokens, n, include_usage, done, close,
+                           continuous_usage=bool(include_usage and opts and opts.continuous_usage_stats))
     return AbortingStream(fmt.events(events), on_close=close)

@@ -44,6 +44,8 @@ class ServeOptions:
         Qwen3's {"enable_thinking": false}); a request's own chat_template_kwargs win, key by key.
     per_request_metrics / per_request_spec_decode_metrics ("none", "summary", "detailed"): a
         response's `metrics` object, timing / speculative_decoding (server/request_metrics.py).
+    force_include_usage: every stream ends with its usage chunk, as if it asked
+        (stream_options.include_usage; vLLM's --enable-force-include-usage).
     """
 
     chat_template: str | None = None
@@ -54,6 +56,7 @@ class ServeOptions:
     default_chat_template_kwargs: dict[str, Any] | None = None
     per_request_metrics: bool = False
     per_request_spec_decode_metrics: str = "none"
+    force_include_usage: bool = False
 
     def __post_init__(self) -> None:
         for what, value, known in (("tool-call parser", self.tool_call_parser, TOOL_CALL_PARSERS),
