@@ -21,8 +21,14 @@ N_NEW = 64
 
 
 @pytest.fixture(scope="module")
-def prompts(default_target_dir) -> list[list[int]]:
-    plain = LLM(str(default_target_dir), drafter="none")
+def plain(default_target_dir) -> LLM:
+    """Plain decoding on the float32 default target, loaded once for the module: every float32
+    LLM below shares its target (LLM(plain.target, ...): the same weights, not loaded again)."""
+    return LLM(str(default_target_dir), drafter="none", max_batch=16)
+
+
+@pytest.fixture(scope="module")
+def prompts(plain) -> list[list[int]]:
     # Short prompts keep prefill cheap on 2 CPU cores; both kinds stay represented. The
     # code prompts keep their (repetitive) signature + docstring head, which n-gram feeds on.
     code = [c.messages[0]["content"][-160:] for c in itertools.islice(HumanEvalSource().conversations(), 16)]
@@ -31,14 +37,13 @@ def prompts(default_target_dir) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def plain_outputs(default_target_dir, prompts):
-    llm = LLM(str(default_target_dir), drafter="none", max_batch=16)
-    return [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=N_NEW, temperature=0))]
+def plain_outputs(plain, prompts):
+    return [o.token_ids for o in plain.generate(prompts, SamplingParams(max_tokens=N_NEW, temperature=0))]
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "draft-model:smollm2-135m", "dspark:smollm2-135m"])
-def test_speculative_equals_plain_greedy(default_target_dir, prompts, plain_outputs, drafter):
-    llm = LLM(str(default_target_dir), drafter=drafter, policy="fixed", num_speculative_tokens=4, max_batch=16)
+def test_speculative_equals_plain_greedy(plain, prompts, plain_outputs, drafter):
+    llm = LLM(plain.target, drafter=drafter, policy="fixed", num_speculative_tokens=4, max_batch=16)
     outs = llm.generate(prompts, SamplingParams(max_tokens=N_NEW, temperature=0))
     assert len(prompts) >= 32 and all(len(p) > 0 for p in plain_outputs)
     mismatches = [i for i, (o, ref) in enumerate(zip(outs, plain_outputs)) if o.token_ids != ref]
@@ -58,7 +63,7 @@ class _CountingGate:
         return opened
 
 
-def test_built_in_dspark_with_the_draft_gate_equals_plain_greedy(default_target_dir, prompts, plain_outputs):
+def test_built_in_dspark_with_the_draft_gate_equals_plain_greedy(plain, prompts, plain_outputs):
     """The prefix scheduler's column search stops the built-in DSpark drafter at the first column
     that will not be verified (draft_gate): greedy outputs stay plain's. A fixed CPU-like cost
     curve (no profiling, no timing-driven choices), all rows of a batch at once; every fourth
@@ -75,7 +80,7 @@ def test_built_in_dspark_with_the_draft_gate_equals_plain_greedy(default_target_
 
     sps = SPSTable.from_step_times((1, 4, 8, 16, 32, 64, 128), (1.0, 1.1, 1.25, 1.5, 2.0, 3.2, 6.0))
     policy = Counting(sps, max_k=7, adapt=False, min_gain=0.0)
-    llm = LLM(str(default_target_dir), drafter="dspark:smollm2-135m", policy=policy, max_batch=16)
+    llm = LLM(plain.target, drafter="dspark:smollm2-135m", policy=policy, max_batch=16)
     picked = list(range(0, len(prompts), 4))
     outs = llm.generate([prompts[i] for i in picked], SamplingParams(max_tokens=N_NEW, temperature=0))
     mismatches = [i for i, o in zip(picked, outs) if o.token_ids != plain_outputs[i]]
@@ -105,14 +110,15 @@ def test_bfloat16_speculative_equals_bfloat16_plain_greedy(default_target_dir, p
     sp = SamplingParams(max_tokens=N_NEW, temperature=0)
     plain = LLM(str(default_target_dir), drafter="none", dtype="bfloat16", max_batch=16)
     ref = [o.token_ids for o in plain.generate(prompts, sp)]
-    llm = LLM(str(default_target_dir), drafter="ngram", dtype="bfloat16", policy="fixed", num_speculative_tokens=4, max_batch=16)
+    llm = LLM(plain.target, drafter="ngram", policy="fixed", num_speculative_tokens=4, max_batch=16)  # the bf16 target
+    assert llm.target.model.dtype == torch.bfloat16
     outs = llm.generate(prompts, sp)
     mismatches = [i for i, (o, r) in enumerate(zip(outs, ref)) if o.token_ids != r]
     assert not mismatches, f"bf16 n-gram: prompts {mismatches} differ from bf16 plain greedy"
     assert llm.last_stats.draft_accepted > 0
 
 
-def test_built_in_dspark_follows_prefix_caching_on_a_chats_next_turn(default_target_dir):
+def test_built_in_dspark_follows_prefix_caching_on_a_chats_next_turn(plain):
     """`enable_prefix_caching` keeps the built-in DSpark drafter on (its rows keep their context
     with the KV: drafters/feature_queue.py): a chat's second turn reuses the first, its drafter
     context equals a fresh engine's, and greedy outputs equal plain decoding's with prefix caching
@@ -121,12 +127,12 @@ def test_built_in_dspark_follows_prefix_caching_on_a_chats_next_turn(default_tar
 
     convs = [c for c in itertools.islice(MTBenchSource().conversations(), 2)]
     greedy = SamplingParams(max_tokens=24, temperature=0)
-    spec = LLM(str(default_target_dir), drafter="dspark:smollm2-135m", policy="fixed", num_speculative_tokens=4,
+    spec = LLM(plain.target, drafter="dspark:smollm2-135m", policy="fixed", num_speculative_tokens=4,
                max_batch=2, enable_prefix_caching=True)
-    plain = LLM(spec.target, max_batch=2, enable_prefix_caching=True)
+    cached_plain = LLM(spec.target, max_batch=2, enable_prefix_caching=True)
     assert spec.engine.prefix_caching
     turns: dict[str, list] = {}
-    for name, llm in (("spec", spec), ("plain", plain)):
+    for name, llm in (("spec", spec), ("plain", cached_plain)):
         msgs = [[{"role": "user", "content": c.messages[0]["content"][:200]}] for c in convs]
         first = llm.generate([llm.apply_chat_template(m) for m in msgs], greedy)
         second = [m + [{"role": "assistant", "content": o.text}, {"role": "user", "content": "Say more."}]
