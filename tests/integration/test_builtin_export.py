@@ -38,7 +38,7 @@ def test_builtin_exports_to_speculators_and_imports_back(default_target_dir, tmp
         assert torch.equal(again.state_dict()[k], v), k
     p = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
     runs = []
-    for spec in ("dspark:smollm2-135m", f"dspark:{back}"):
-        llm = LLM(str(default_target_dir), policy="fixed", drafter=spec, num_speculative_tokens=7)
+    for spec in ("dspark:smollm2-135m", f"dspark:{back}"):  # on the target loaded above, not loaded again
+        llm = LLM(target, policy="fixed", drafter=spec, num_speculative_tokens=7)
         runs.append(([o.token_ids for o in llm.generate(PROMPTS, p)], llm.last_stats.draft_accepted))
     assert runs[0] == runs[1] and runs[0][1] > 0
