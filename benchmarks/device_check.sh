@@ -28,8 +28,9 @@ echo "== 2. profile"
 "$PY" -m draftsmith.cli profile --device "$DEVICE" --dtype "$DTYPE" --repeats "$REPEATS" --json > "$OUT/profile.json"
 "$PY" -c "import json,sys; d=json.load(open(sys.argv[1])); print('decode %.2f ms, floor %.2f ms, verify(8) %.2f steps' % (d['decode_ms'], d['floor_ms'], d['verify_in_decode_steps'][d['tokens'].index(8)]))" "$OUT/profile.json"
 
+# Steps 3 and 4 run in one Python process: the target is imported and loaded once for both.
 echo "== 3. plain vs n-gram vs built-in DSpark"
-"$PY" - "$DEVICE" "$DTYPE" "$PROMPTS" "$TOKENS" "$OUT/quick_bench.json" <<'PYEOF'
+"$PY" - "$DEVICE" "$DTYPE" "$PROMPTS" "$TOKENS" "$OUT/quick_bench.json" "$OUT/structured.json" <<'PYEOF'
 import itertools, json, statistics, sys
 from draftsmith import LLM, SamplingParams
 from draftsmith.data.sources import HumanEvalSource, MTBenchSource
@@ -94,16 +95,14 @@ if not res["all_identical"]:
           f"(a bug if > {NEAR_TIE})")
     if dtype == "float32" or res["max_gap_at_divergence"] > NEAR_TIE:
         sys.exit("device_check: a drafter's output differs from plain decoding at T=0, not at a near-tie")
-PYEOF
-echo "== 4. structured outputs: forced drafts, drafting inside the grammar"
-"$PY" - "$DEVICE" "$DTYPE" "$PROMPTS" "$TOKENS" "$OUT/structured.json" <<'PYEOF'
-import itertools, json, statistics, sys
+drafters.clear()
+llm = reference = None  # step 3's drafters and float32 reference go; step 4 builds on plain.target
+print("== 4. structured outputs: forced drafts, drafting inside the grammar", flush=True)
 sys.path.insert(0, "benchmarks")
 from bench_structured import RECORD, SCHEMAS
-from draftsmith import LLM, SamplingParams, StructuredOutputsParams
-from draftsmith.data.sources import MTBenchSource
-device, dtype, n, tokens, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-base = LLM("smollm2-135m", device=device, dtype=dtype, forced_drafts=0)
+from draftsmith import StructuredOutputsParams
+out = sys.argv[6]
+base = LLM(plain.target, forced_drafts=0)  # smollm2-135m on device / dtype, as loaded for step 3
 configs = {"plain, no forced drafts": base, "plain": LLM(base.target),
            "dspark, drafts not masked": LLM(base.target, drafter="dspark:smollm2-135m"),
            "dspark": LLM(base.target, drafter="dspark:smollm2-135m")}
