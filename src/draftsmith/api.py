@@ -14,7 +14,7 @@ from typing import Any, Sequence as Seq
 
 from draftsmith.core.logprobs import TokenLogprobs, with_text
 from draftsmith.core.sampling import SamplingParams
-from draftsmith.drafters.base import Drafter
+from draftsmith.drafters.base import Drafter, NoDrafter
 from draftsmith.engine.builder import build_engine
 from draftsmith.engine.speculative_config import with_speculative_config
 from draftsmith.errors import DraftsmithError
@@ -202,7 +202,8 @@ class LLM:
         """vLLM's LLM.get_metrics(): counters since this LLM was made, under vLLM's names
         (prompt / generation tokens, finished requests, the spec_decode counters and the
         per-position acceptance Vector; draftsmith/metrics.py)."""
-        return self._totals.metrics(self.target.target_id)
+        k = 0 if isinstance(self.drafter, NoDrafter) else self.num_speculative_tokens
+        return self._totals.metrics(self.target.target_id, k)
 
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
                             continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
@@ -317,10 +318,8 @@ class LLM:
             )
             for g, t in zip(groups, texts)
         ]
-        for g in groups:
-            for i, s in enumerate(g):  # (n samples share one prompt: it counts once, as in usage)
-                self._totals.add(len(s.prompt_ids) if i == 0 else 0, len(s.output_ids), s.finish_reason or "stop",
-                                 s.stats)
+        for s in seqs:  # (each sample its prompt, as vLLM counts its child requests)
+            self._totals.add(len(s.prompt_ids), len(s.output_ids), s.finish_reason or "stop", s.stats)
         surv_p: list[int] = []
         surv_a: list[int] = []
         for s in seqs:

@@ -7,13 +7,14 @@ the spec_decode counters this way) runs here unchanged:
         if m.name == "vllm:spec_decode_num_drafts": drafts += m.value
         elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos": per_pos = m.values
 
-Counters since the LLM was made, over every generate() / chat() call: vllm:prompt_tokens,
-vllm:generation_tokens, vllm:request_success{finished_reason}, vllm:spec_decode_num_drafts
-(rounds that drafted), _num_draft_tokens, _num_accepted_tokens, and the Vector
-_num_accepted_tokens_per_pos ([k] = rounds that accepted more than k drafts); gauges
-vllm:num_requests_running / _waiting (0 between calls: generate() runs to the end). The HTTP
-server's /metrics has the same names (server/metrics_vllm.py). A grammar's forced drafts are not
-drafts here, as there.
+Counters since the LLM was made, over every generate() / chat() call: vllm:prompt_tokens
+(each sample's: n samples of a prompt count it n times, as vLLM's child requests do),
+vllm:generation_tokens, vllm:request_success{finished_reason}, and with a drafter
+vllm:spec_decode_num_drafts (rounds that drafted), _num_draft_tokens, _num_accepted_tokens and
+the Vector _num_accepted_tokens_per_pos ([k] = rounds that accepted more than k drafts; K
+entries); gauges vllm:num_requests_running / _waiting (0 between calls: generate() runs to the
+end). The HTTP server's /metrics has the same names (server/metrics_vllm.py). A grammar's forced
+drafts are not drafts here, as there.
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ class OfflineTotals:
         for k, a in enumerate(stats.accepted_at):
             self.accepted_per_pos[k] += a
 
-    def metrics(self, model_name: str) -> list[Metric]:
+    def metrics(self, model_name: str, num_spec_tokens: int) -> list[Metric]:
+        """vLLM's list; the spec_decode ones only with a drafter (K = num_spec_tokens > 0)."""
         labels = {"model_name": model_name, "engine": "0"}
         out: list[Metric] = [
             Gauge("vllm:num_requests_running", dict(labels), 0.0),
@@ -80,10 +82,13 @@ class OfflineTotals:
         ]
         out += [Counter("vllm:request_success", {**labels, "finished_reason": r}, n)
                 for r, n in sorted(self.finished.items())]
+        if num_spec_tokens <= 0:
+            return out
+        per_pos = self.accepted_per_pos + [0] * max(0, num_spec_tokens - len(self.accepted_per_pos))
         out += [
             Counter("vllm:spec_decode_num_drafts", dict(labels), self.drafts),
             Counter("vllm:spec_decode_num_draft_tokens", dict(labels), self.draft_tokens),
             Counter("vllm:spec_decode_num_accepted_tokens", dict(labels), self.accepted_tokens),
-            Vector("vllm:spec_decode_num_accepted_tokens_per_pos", dict(labels), list(self.accepted_per_pos)),
+            Vector("vllm:spec_decode_num_accepted_tokens_per_pos", dict(labels), per_pos),
         ]
         return out

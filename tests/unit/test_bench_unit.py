@@ -321,6 +321,13 @@ def test_counters_from_a_vllm_server():
     c["num_draft_tokens"].labels(*engines[0]).inc(7)
     d = diff_counters(before, counters_from_text(generate_latest(reg).decode()))
     assert (d["rounds"], d["proposed"], d["position_proposed"], d["position_accepted"]) == (4, 7, [], [])
+    # another model on the same /metrics (a router) is not this run's; a restart is no difference
+    c["num_drafts"].labels("other", "0").inc(1000)
+    after = counters_from_text(generate_latest(reg).decode(), model="m")
+    assert after["rounds"] == 20 and counters_from_text(generate_latest(reg).decode())["rounds"] == 1020
+    restarted = dict(after, rounds=3, proposed=9)
+    assert diff_counters(after, restarted) == {"unavailable": "the server's counters went backwards during the run "
+                                                              "(restarted?)"}
 
 
 # ---- the in-process load generator on a tiny model ------------------------------------------------

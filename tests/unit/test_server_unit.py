@@ -103,21 +103,33 @@ def test_metrics_render_and_parse():
 
 def test_metrics_under_vllms_names_read_by_the_reference_parser():
     """The vllm:* families (server/metrics_vllm.py) as prometheus_client's parser reads them:
-    vLLM's names, types and labels, the same numbers as draftsmith_*, and vLLM's PromQL for
-    acceptance and mean acceptance length giving Draftsmith's own values."""
+    vLLM's names on the wire (the _total suffix), types and labels (a model name with a quote, a
+    backslash and a newline), the same numbers as draftsmith_*, K per-position series from the
+    start, and vLLM's PromQL for acceptance and mean acceptance length giving Draftsmith's values."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    m = ServerMetrics('ti"ny', kv_rows_total=4, prefix_caching=True)
+    model = 'ti"n\\y\nü'
+    m = ServerMetrics(model, kv_rows_total=4, num_spec_tokens=4)
+    wire = parse_metrics(m.render())
+    lab = 'model_name="ti\\"n\\\\y\\nü",engine="0"'
+    assert [wire[f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{lab},position="{k}"}}'] for k in range(4)] \
+        == [0, 0, 0, 0]  # (a series that appears later would lose its first increment in rate())
     # 3 rounds: 2 drafted (3 and 2 drafts; 2 and 1 accepted), 1 plain step
     m.record_round_deltas(proposed=5, accepted=3, rounds=3, committed=6, pos_proposed=[2, 2, 1], pos_accepted=[2, 1])
     m.set_load(waiting=1, running=3, rows_in_use=3)
     m.record_admitted(10)
+    m.record_scheduled(10, looked_up=True, cached_tokens=7)
+    m.record_scheduled(4, looked_up=False, cached_tokens=0)  # (it asked for its prompt's logprobs)
     m.record_tokens(ttft=0.2, itl=None, n=1)
     m.record_tokens(ttft=None, itl=0.3, n=3)
-    m.record_finished("length", 1.5, cached_tokens=7, prompt_tokens=10)
-    m.record_finished("abort", 0.5, cached_tokens=0, prompt_tokens=4)
+    m.record_finished("length", 1.5, cached_tokens=7)
+    m.record_finished("abort", 0.5, cached_tokens=0)
+    wire = parse_metrics(m.render())
+    for name in ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total", "prompt_tokens_total",
+                 "request_success_total", "num_preemptions_total", "prefix_cache_hits_total"):
+        assert any(k.startswith(f"vllm:{name}{{{lab}") for k in wire), name  # the names on the wire
     fams = {f.name: f for f in text_string_to_metric_families(m.render())}
-    labels = {"model_name": 'ti"ny', "engine": "0"}
+    labels = {"model_name": model, "engine": "0"}
 
     def value(name: str, **extra: str) -> float:
         (s,) = [s for s in fams[name].samples if s.name == name + "_total" * (fams[name].type == "counter")
@@ -135,22 +147,24 @@ def test_metrics_under_vllms_names_read_by_the_reference_parser():
     assert {n: fams[n].type for n in kinds if n in fams} == kinds
     assert (value("vllm:num_requests_running"), value("vllm:num_requests_waiting")) == (3, 1)
     assert value("vllm:kv_cache_usage_perc") == 0.75
-    assert (value("vllm:prompt_tokens"), value("vllm:generation_tokens")) == (10, 4)
+    assert (value("vllm:prompt_tokens"), value("vllm:generation_tokens")) == (14, 4)
     assert [value("vllm:request_success", finished_reason=r) for r in ("stop", "length", "abort")] == [0, 1, 1]
-    assert (value("vllm:prefix_cache_queries"), value("vllm:prefix_cache_hits")) == (14, 7)
+    assert (value("vllm:prefix_cache_queries"), value("vllm:prefix_cache_hits")) == (10, 7)
     drafts, drafted = value("vllm:spec_decode_num_drafts"), value("vllm:spec_decode_num_draft_tokens")
     accepted = value("vllm:spec_decode_num_accepted_tokens")
     assert (drafts, drafted, accepted) == (2, 5, 3)
-    assert [value("vllm:spec_decode_num_accepted_tokens_per_pos", position=str(k)) for k in range(3)] == [2, 1, 0]
-    assert accepted / drafted == pytest.approx(parse_metrics(m.render())["draftsmith_draft_acceptance_rate"])
+    assert [value("vllm:spec_decode_num_accepted_tokens_per_pos", position=str(k)) for k in range(4)] == [2, 1, 0, 0]
+    assert accepted / drafted == pytest.approx(wire["draftsmith_draft_acceptance_rate"])
     assert 1 + accepted / drafts == 2.5  # vLLM's mean acceptance length: over the rounds that drafted
     ttft = {s.labels["le"]: s.value for s in fams["vllm:time_to_first_token_seconds"].samples
             if s.name.endswith("_bucket") and {k: v for k, v in s.labels.items() if k != "le"} == labels}
     assert ttft["0.1"] == 0 and ttft["0.25"] == 1 and ttft["+Inf"] == 1
-    # without prefix caching no prompt token is looked up
-    off = ServerMetrics("m", 1)
-    off.record_finished("stop", 1.0, prompt_tokens=9)
-    assert parse_metrics(off.render())['vllm:prefix_cache_queries_total{model_name="m",engine="0"}'] == 0
+    # ITL: vLLM observes each delivery's whole gap once; draftsmith_ splits it over its 3 tokens
+    itl = [s for s in fams["vllm:inter_token_latency_seconds"].samples if s.name.endswith(("_count", "_sum"))]
+    assert sorted((s.name.rsplit("_", 1)[1], s.value) for s in itl) == [("count", 1), ("sum", 0.3)]
+    assert wire["draftsmith_inter_token_latency_seconds_count"] == 3
+    # without a drafter (K = 0) the spec_decode families are left out, as vLLM leaves them out
+    assert not any(k.startswith("vllm:spec_decode") for k in parse_metrics(ServerMetrics("m", 1).render()))
 
 
 @pytest.mark.parametrize(
@@ -1363,9 +1377,23 @@ def test_per_request_metrics_as_vllm_returns_them(tiny_server):
     assert prom[f"vllm:spec_decode_num_drafts_total{lab}"] == steps
     assert prom[f"vllm:spec_decode_num_draft_tokens_total{lab}"] == sd["num_draft_tokens"]
     assert prom[f"vllm:spec_decode_num_accepted_tokens_total{lab}"] == sd["num_accepted_draft_tokens"]
-    # n > 1: one object cannot describe two generations
+    # a grammar's forced drafts are not the drafter's: neither here nor in /metrics (still reconciled)
+    forced = c.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0,
+                                  extra_body={"structured_outputs": {"regex": "(one two three )+"}})
+    fsd = forced.model_extra["metrics"]["speculative_decoding"]
+    prom = _metrics(url)
+    assert prom["draftsmith_forced_tokens_proposed_total"] > 0
+    assert prom[f"vllm:spec_decode_num_drafts_total{lab}"] == steps + fsd["num_spec_steps"]
+    assert prom[f"vllm:spec_decode_num_draft_tokens_total{lab}"] == sd["num_draft_tokens"] + fsd["num_draft_tokens"]
+    # n > 1: one object cannot describe two generations (whole or streamed)
     two = c.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0.7, n=2, seed=1)
     assert two.model_extra["metrics"] is None
+    last = list(c.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0.7, n=2, seed=1,
+                                     stream=True, stream_options={"include_usage": True}))[-1]
+    assert last.usage is not None and last.model_extra["metrics"] is None
+    # completions' echo with max_tokens 0: no token of the client's, no generation timing
+    echo = c.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True).model_extra["metrics"]
+    assert echo["tokens_per_second"] is None and echo["generation_time_ms"] is None and echo["queue_time_ms"] >= 0
     # a stream: on its usage chunk, and only there
     chunks = list(c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
                                             max_tokens=12, temperature=0, stream=True,
@@ -1375,9 +1403,11 @@ def test_per_request_metrics_as_vllm_returns_them(tiny_server):
     # a Response, whole and streamed (response.completed)
     resp = c.responses.create(model="tiny", input=prompt, max_output_tokens=12, temperature=0)
     assert resp.model_extra["metrics"]["speculative_decoding"]["num_spec_tokens"] == 3
-    done = [e for e in c.responses.create(model="tiny", input=prompt, max_output_tokens=12, temperature=0,
-                                          stream=True) if e.type == "response.completed"]
+    events = list(c.responses.create(model="tiny", input=prompt, max_output_tokens=12, temperature=0, stream=True))
+    done = [e for e in events if e.type == "response.completed"]
     assert done[0].response.model_extra["metrics"]["time_to_first_token_ms"] >= 0
+    assert all("metrics" not in e.response.model_extra for e in events
+               if e.type in ("response.created", "response.in_progress"))
     # without the flags, responses are unchanged; without a drafter, speculative_decoding is null
     plain = OpenAI(base_url=f"{tiny_server()}/v1", api_key="unused", max_retries=0, timeout=60)
     assert "metrics" not in plain.completions.create(model="tiny", prompt=prompt, max_tokens=4).model_extra
@@ -1400,3 +1430,34 @@ def test_force_include_usage_ends_every_stream_with_its_usage(tiny_server):
         assert (chunks[-1].usage is not None) is forced
         if forced:
             assert chunks[-1].usage.completion_tokens == 5 and chunks[-1].model_extra["metrics"]["mean_itl_ms"] >= 0
+
+
+def test_request_metrics_formulas_on_a_fixed_clock():
+    """server/request_metrics.py's fields from known times and steps (vLLM's definitions)."""
+    from draftsmith.core.request import RequestStats
+    from draftsmith.server.request_metrics import RequestMetricsOptions, request_metrics, spec_decoding
+
+    st = RequestStats(t_arrival=10.0)
+    st.t_scheduled, st.t_first_token, st.t_last_token, st.t_finish = 10.5, 10.7, 11.7, 11.9
+    st.step_counts, st.step_log = {}, []
+    for p, a in ((3, 3), (3, 0), (2, 1), (3, 3)):
+        st.record_round(proposed=p, accepted=a, committed=a + 1)
+    st.record_round(proposed=0, accepted=0, committed=1)  # no drafts: not a step
+    m = request_metrics(RequestMetricsOptions(timing=True, spec_decode="detailed", num_spec_tokens=3), st, 11)
+    assert m["queue_time_ms"] == pytest.approx(500) and m["time_to_first_token_ms"] == pytest.approx(200)
+    assert m["generation_time_ms"] == pytest.approx(1000) and m["mean_itl_ms"] == pytest.approx(100)
+    assert m["tokens_per_second"] == pytest.approx(11 / 1.2)  # scheduled -> last token (not t_finish)
+    assert m["speculative_decoding"] == {
+        "mean_acceptance_length": pytest.approx(1 + 7 / 4), "draft_acceptance_rate": pytest.approx(7 / 11),
+        "acceptance_histogram": [1, 1, 0, 2], "acceptance_histogram_by_draft_length": {"2": [0, 1, 0],
+                                                                                       "3": [1, 0, 0, 2]},
+        "num_spec_steps": 4, "num_accepted_draft_tokens": 7, "num_draft_tokens": 11, "num_spec_tokens": 3,
+        "per_step_accepted": [3, 0, 1, 3], "per_step_drafted": [3, 3, 2, 3]}
+    summary = request_metrics(RequestMetricsOptions(spec_decode="summary", num_spec_tokens=3), st, 11)
+    assert set(summary) == {"speculative_decoding"} and "per_step_drafted" not in summary["speculative_decoding"]
+    assert spec_decoding({}, 3) == {"mean_acceptance_length": 1.0, "draft_acceptance_rate": 0.0,
+                                    "acceptance_histogram": [0, 0, 0, 0], "acceptance_histogram_by_draft_length": {},
+                                    "num_spec_steps": 0, "num_accepted_draft_tokens": 0, "num_draft_tokens": 0,
+                                    "num_spec_tokens": 3}
+    waiting = RequestStats(t_arrival=1.0)  # aborted before it ran: nothing but nulls
+    assert set(request_metrics(RequestMetricsOptions(timing=True), waiting, 0).values()) == {None}

@@ -259,8 +259,8 @@ def test_generate_and_serve_take_the_flag(tiny_model_dir, tmp_path, monkeypatch,
 
 def test_get_metrics_reads_as_vllms_offline_metrics(tiny_model_dir):
     """LLM.get_metrics() (draftsmith/metrics.py) as vLLM's speculative-decoding example reads it:
-    Counter values by name, the per-position Vector; cumulative over calls; a prompt of n samples
-    counted once."""
+    Counter values by name, the per-position Vector (K entries); cumulative over calls; a prompt
+    of n samples counted n times (vLLM's child requests); no spec_decode metrics without a drafter."""
     from draftsmith.metrics import Counter, Gauge, Vector
 
     target = load_target(str(tiny_model_dir("llama", seed=0)))
@@ -287,11 +287,15 @@ def test_get_metrics_reads_as_vllms_offline_metrics(tiny_model_dir):
     assert m[("vllm:generation_tokens", None)] == 30 == first.rounds + accepted
     assert m[("vllm:spec_decode_num_draft_tokens", None)] == first.draft_proposed > 0
     per_pos = m["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    assert len(per_pos) == 3  # K entries, as vLLM's Vector
     assert sum(per_pos) == accepted > 0 and per_pos == sorted(per_pos, reverse=True)
     assert per_pos[0] <= m[("vllm:spec_decode_num_drafts", None)] <= first.rounds
     assert m[("vllm:prompt_tokens", None)] == len(a) and m[("vllm:request_success", "length")] == 1
     llm.generate([a, b], SamplingParams(max_tokens=30, temperature=0.8, seed=3, n=2, ignore_eos=True))
     m2 = read()
-    assert m2[("vllm:prompt_tokens", None)] == 2 * len(a) + len(b)  # (n = 2: each prompt once)
+    assert m2[("vllm:prompt_tokens", None)] == len(a) + 2 * (len(a) + len(b))  # (n = 2: each sample's, as vLLM's)
     assert m2[("vllm:generation_tokens", None)] == 30 * 5 and m2[("vllm:request_success", "length")] == 5
     assert m2[("vllm:spec_decode_num_draft_tokens", None)] == first.draft_proposed + llm.last_stats.draft_proposed
+    plain = LLM(target, max_len=96)
+    plain.generate([a], p)
+    assert not [x for x in plain.get_metrics() if x.name.startswith("vllm:spec_decode")]

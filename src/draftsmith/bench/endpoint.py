@@ -20,9 +20,9 @@ class EndpointRunner:
         self.info = {"url": url, "model": model}
 
     def run(self, requests, concurrency, offsets, on_done) -> RunResult:
-        before = scrape_counters(self.url)
+        before = scrape_counters(self.url, model=self.model)
         res = run_endpoint(self.url, self.model, requests, concurrency, offsets, self.timeout, on_done)
-        res.counters = diff_counters(before, scrape_counters(self.url))
+        res.counters = diff_counters(before, scrape_counters(self.url, model=self.model))
         return res
 
 

@@ -305,28 +305,29 @@ async def _stream_one(client, url: str, model: str, req: BenchRequest, t0: float
     return rec, text
 
 
-def scrape_counters(url: str, timeout: float = 30.0) -> dict | None:
-    """draftsmith_* (or vLLM's vllm:spec_decode_*) counters from {server}/metrics, or None if it
-    exposes none."""
+def scrape_counters(url: str, timeout: float = 30.0, model: str | None = None) -> dict | None:
+    """draftsmith_* (or vLLM's vllm:spec_decode_*, of `model` where the series name models)
+    counters from {server}/metrics, or None if it exposes none."""
     try:
         r = httpx.get(f"{base_url(url)}/metrics", timeout=timeout)
         if r.status_code != 200:
             return None
-        return counters_from_text(r.text)
+        return counters_from_text(r.text, model)
     except (httpx.HTTPError, ValueError):
         return None
 
 
-def counters_from_text(text: str) -> dict | None:
+def counters_from_text(text: str, model: str | None = None) -> dict | None:
     """The draftsmith_* counters of a Prometheus exposition text, else vLLM's (a vLLM server's
-    vllm:spec_decode_*: _vllm_counters), or None if there are neither."""
+    vllm:spec_decode_*: _vllm_counters; only `model`'s series where they carry a model_name), or
+    None if there are neither."""
     # Imported here: importing draftsmith.server loads FastAPI and the app (0.55 s measured),
     # which only endpoint runs need.
     from draftsmith.server.metrics import parse_metrics
 
     m = parse_metrics(text)
     if "draftsmith_draft_tokens_proposed_total" not in m:
-        return _vllm_counters(m)
+        return _vllm_counters(m, model)
 
     def positions(name: str) -> dict[int, float]:
         out = {}
@@ -352,17 +353,30 @@ def counters_from_text(text: str) -> dict | None:
 
 
 def _series_sum(m: dict[str, float], name: str) -> float | None:
-    """The sum of every series of `name` (all label sets: engines, models), None where there is none."""
+    """The sum of every series of `name` (all label sets: engines), None where there is none."""
     vals = [v for k, v in m.items() if k == name or k.startswith(name + "{")]
     return sum(vals) if vals else None
 
 
-def _vllm_counters(m: dict[str, float]) -> dict | None:
+def _of_model(m: dict[str, float], model: str | None) -> dict[str, float]:
+    """The series of `model` (vLLM's model_name label), and those without the label; all where
+    `model` is None or no series names it (a server that labels with another name)."""
+    if model is None:
+        return m
+    from draftsmith.server.metrics import escape_label
+
+    mine = f'model_name="{escape_label(model)}"'
+    kept = {k: v for k, v in m.items() if "model_name=" not in k or mine in k}
+    return kept if any(mine in k for k in kept) else m
+
+
+def _vllm_counters(m: dict[str, float], model: str | None = None) -> dict | None:
     """A vLLM server's speculative counters (vllm:spec_decode_*), in the draftsmith_* reading:
     rounds = the steps that drafted, committed = their drafts accepted + one token each (so τ is
     vLLM's mean acceptance length, over the steps that drafted; vLLM does not count the others);
     positions from vllm:spec_decode_num_accepted_tokens_per_pos (diff_counters decides whether
     they can be read as conditional acceptance). None where the server has no such counters."""
+    m = _of_model(m, model)
     if not any(k.startswith("vllm:spec_decode_") for k in m):
         return None
     drafts = _series_sum(m, "vllm:spec_decode_num_drafts_total") or 0.0  # (a series not yet written: 0)
@@ -387,6 +401,10 @@ def diff_counters(before: dict | None, after: dict | None) -> dict:
     """Counts for one measured run from two scrapes; {"unavailable": why} when there are none."""
     if before is None or after is None:
         return {"unavailable": "the server exposes no draftsmith_* or vllm:spec_decode_* counters on /metrics"}
+    if before.get("names") != after.get("names") or any(
+            after.get(k) is not None and before.get(k) is not None and after[k] < before[k]
+            for k in ("proposed", "accepted", "rounds", "finished", "generation_tokens")):
+        return {"unavailable": "the server's counters went backwards during the run (restarted?)"}
     if after.get("names") == "vllm":
         return _diff_vllm(before, after)
 

@@ -34,12 +34,15 @@ class RequestStats:
     t_arrival: float = field(default_factory=time.perf_counter)
     t_scheduled: float | None = None  # given a KV row (the engine's admission)
     t_first_token: float | None = None
+    t_last_token: float | None = None  # its latest output token committed
     t_finish: float | None = None
     cached_tokens: int = 0  # prompt tokens whose KV a free row already held (prefix caching)
     forced_proposed: int = 0  # drafts the request's grammar forced (core/grammar_drafts.py; not in proposed)
     forced_accepted: int = 0  # of those, accepted (not in accepted)
-    # (drafted, accepted) of each round with drafts, where someone reads them (the server's
-    # --per-request-spec-decode-metrics sets a list); None: not kept
+    # rounds with drafts, where someone reads them (the server's --per-request-spec-decode-metrics):
+    # step_counts {(drafted, accepted): rounds} (summary: bounded by K), step_log each round's pair
+    # in order (detailed); None: not kept
+    step_counts: dict[tuple[int, int], int] | None = None
     step_log: list[tuple[int, int]] | None = None
 
     def record_round(self, proposed: int, accepted: int, committed: int) -> None:
@@ -54,8 +57,11 @@ class RequestStats:
             self.proposed_at[k] += 1
         for k in range(accepted):
             self.accepted_at[k] += 1
-        if self.step_log is not None and proposed > 0:
-            self.step_log.append((proposed, accepted))
+        if proposed > 0:
+            if self.step_counts is not None:
+                self.step_counts[proposed, accepted] = self.step_counts.get((proposed, accepted), 0) + 1
+            if self.step_log is not None:
+                self.step_log.append((proposed, accepted))
 
     def record_forced(self, proposed: int, accepted: int) -> None:
         """A round whose drafts were the grammar's forced tokens (record_round counts it too,

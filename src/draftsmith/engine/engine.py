@@ -459,6 +459,8 @@ class Engine:
             if len(s.output_ids) >= p.max_tokens or s.num_tokens >= self.max_len:
                 s.finish_reason = "length"
                 break
+        if kept:
+            s.stats.t_last_token = time.perf_counter()
         return kept
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

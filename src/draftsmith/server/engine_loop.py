@@ -72,6 +72,7 @@ class _Live:
     accepted_at: list[int] = field(default_factory=list)
     forced_proposed: int = 0
     forced_accepted: int = 0
+    scheduled: bool = False  # its scheduling is in the metrics
 
 
 def _copy(logprobs: list | None) -> list | None:
@@ -167,7 +168,9 @@ class EngineLoop:
                 seq = self.engine.add_request(sub.prompt_ids, sub.params, sub.request_id, cache_salt=sub.cache_salt,
                                               priority=sub.priority)
                 if self.request_metrics.keeps_steps:
-                    seq.stats.step_log = []
+                    seq.stats.step_counts = {}
+                    if self.request_metrics.spec_decode == "detailed":
+                        seq.stats.step_log = []
                 self._live[sub.request_id] = _Live(sub=sub, seq=seq)
                 added.append(sub)
         except Exception as e:  # DraftsmithError = bad input; anything else is reported too
@@ -191,8 +194,7 @@ class EngineLoop:
                 continue  # finished already
             self.engine.abort(rid)
             self._account(live, now)
-            self.metrics.record_finished("abort", now - live.sub.t_arrival, live.seq.stats.cached_tokens,
-                                         len(live.sub.prompt_ids))
+            self.metrics.record_finished("abort", now - live.sub.t_arrival, live.seq.stats.cached_tokens)
             live.sub.sink(Event("finished", index=live.sub.index, token_ids=list(live.seq.output_ids),
                                 text=live.seq.text, finish_reason="abort",
                                 cached_tokens=live.seq.stats.cached_tokens, logprobs=_copy(live.seq.logprobs),
@@ -230,6 +232,10 @@ class EngineLoop:
         done: list[str] = []
         for rid, live in self._live.items():
             seq = live.seq
+            if not live.scheduled and seq.stats.t_scheduled is not None:  # given its row in this step
+                live.scheduled = True
+                self.metrics.record_scheduled(len(seq.prompt_ids), self.engine.prefix_caching
+                                              and seq.prompt_logprobs is None, seq.stats.cached_tokens)
             before_rounds, before_proposed, before_forced = live.rounds, live.proposed, live.forced_proposed
             n = self._account(live, now)
             if live.rounds > before_rounds:
@@ -238,7 +244,7 @@ class EngineLoop:
             if seq.finished:
                 done.append(rid)
                 self.metrics.record_finished(seq.finish_reason or "stop", now - live.sub.t_arrival,
-                                             seq.stats.cached_tokens, len(live.sub.prompt_ids))
+                                             seq.stats.cached_tokens)
                 live.sub.sink(Event("finished", index=live.sub.index, token_ids=list(seq.output_ids),
                                     text=seq.text, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
                                     cached_tokens=seq.stats.cached_tokens, logprobs=_copy(seq.logprobs),

@@ -81,11 +81,11 @@ class Histogram:
 class ServerMetrics:
     """Everything /metrics reports. Mutators are called from the engine thread."""
 
-    def __init__(self, model: str, kv_rows_total: int, prefix_caching: bool = False) -> None:
+    def __init__(self, model: str, kv_rows_total: int, num_spec_tokens: int = 0) -> None:
         self.lock = threading.Lock()
         self.model = model
         self.kv_rows_total = kv_rows_total
-        self.prefix_caching = prefix_caching  # (vLLM's prefix-cache queries count only where it is on)
+        self.num_spec_tokens = num_spec_tokens  # K (0: no drafter): vLLM's spec_decode families, K positions
         # speculative decoding
         self.proposed = 0
         self.accepted = 0
@@ -104,12 +104,17 @@ class ServerMetrics:
         # requests
         self.prompt_tokens = 0
         self.cached_prompt_tokens = 0
-        self.finished_prompt_tokens = 0  # prompt tokens of finished requests (vLLM's prefix-cache queries)
+        # at scheduling (a KV row given), as vLLM counts them: prompt tokens, those looked up in the
+        # prefix cache (with it on, unless the request asked for its prompt's logprobs) and found there
+        self.scheduled_prompt_tokens = 0
+        self.prefix_queries = 0
+        self.prefix_hits = 0
         self.generation_tokens = 0
         self.finished: dict[str, int] = {}
         self.errors: dict[str, int] = {}
         self.ttft = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(ITL_BUCKETS)
+        self.itl_step = Histogram(ITL_BUCKETS)  # vLLM's reading: one observation per delivery, the whole gap
         self.e2e = Histogram(E2E_BUCKETS)
 
     # ---- updates --------------------------------------------------------------------
@@ -149,15 +154,23 @@ class ServerMetrics:
                 self.ttft.observe(ttft)
             if itl is not None and n > 0:
                 self.itl.observe(itl / n, times=n)
+                self.itl_step.observe(itl)
 
     def record_admitted(self, prompt_tokens: int) -> None:
         with self.lock:
             self.prompt_tokens += prompt_tokens
 
-    def record_finished(self, reason: str, e2e: float, cached_tokens: int = 0, prompt_tokens: int = 0) -> None:
+    def record_scheduled(self, prompt_tokens: int, looked_up: bool, cached_tokens: int) -> None:
+        """A request got its KV row (its prompt is prefilled from here)."""
+        with self.lock:
+            self.scheduled_prompt_tokens += prompt_tokens
+            if looked_up:
+                self.prefix_queries += prompt_tokens
+                self.prefix_hits += cached_tokens
+
+    def record_finished(self, reason: str, e2e: float, cached_tokens: int = 0) -> None:
         with self.lock:
             self.cached_prompt_tokens += cached_tokens
-            self.finished_prompt_tokens += prompt_tokens
             self.finished[reason] = self.finished.get(reason, 0) + 1
             self.e2e.observe(e2e)
 

@@ -6,7 +6,7 @@ per-request acceptance, for one) read this server.
 Timing (milliseconds; null where a time is missing, e.g. a request aborted before it ran):
     queue_time_ms            entered the engine -> given a KV row (scheduled)
     time_to_first_token_ms   scheduled -> its first output token committed
-    generation_time_ms       first -> last output token
+    generation_time_ms       first -> last output token committed
     mean_itl_ms              generation_time_ms / (tokens - 1); null under 2 tokens
     tokens_per_second        tokens / (scheduled -> last token)
 With speculative decoding several tokens commit in one step and share its time.
@@ -50,7 +50,8 @@ class RequestMetricsOptions:
 
     @property
     def keeps_steps(self) -> bool:
-        """Whether requests log their steps (RequestStats.step_log): only where they are reported."""
+        """Whether requests count their steps (RequestStats.step_counts, and step_log for
+        `detailed`): only where they are reported."""
         return self.spec_decode != "none" and self.num_spec_tokens > 0
 
 
@@ -60,10 +61,19 @@ def request_metrics(opts: RequestMetricsOptions, stats: RequestStats, tokens: in
     if opts.timing:
         out.update(timing(stats, tokens))
     if opts.spec_decode != "none":
-        out["speculative_decoding"] = (spec_decoding(stats.step_log or [], opts.num_spec_tokens,
-                                                     opts.spec_decode == "detailed")
+        detailed = stats.step_log if opts.spec_decode == "detailed" else None
+        out["speculative_decoding"] = (spec_decoding(stats.step_counts or {}, opts.num_spec_tokens, detailed)
                                        if opts.keeps_steps else None)
     return out
+
+
+def without_tokens(metrics: dict | None) -> dict | None:
+    """`metrics` of a request whose output the client does not see (completions' echo with
+    max_tokens 0): its timing as of zero tokens."""
+    if metrics is None or "tokens_per_second" not in metrics:
+        return metrics
+    return {**metrics, "time_to_first_token_ms": None, "generation_time_ms": None, "mean_itl_ms": None,
+            "tokens_per_second": None}
 
 
 def _ms(a: float | None, b: float | None) -> float | None:
@@ -71,7 +81,13 @@ def _ms(a: float | None, b: float | None) -> float | None:
 
 
 def timing(stats: RequestStats, tokens: int) -> dict:
-    first, last = stats.t_first_token, stats.t_finish if stats.t_first_token is not None else None
+    """The timing fields of a request with `tokens` output tokens (0: all but the queue time are
+    null, e.g. completions' echo with max_tokens 0, whose one engine token the client never sees)."""
+    if tokens <= 0:
+        return {"time_to_first_token_ms": None, "generation_time_ms": None,
+                "queue_time_ms": _ms(stats.t_arrival, stats.t_scheduled), "mean_itl_ms": None,
+                "tokens_per_second": None}
+    first, last = stats.t_first_token, stats.t_last_token
     generation = _ms(first, last)
     run = _ms(stats.t_scheduled, last)
     return {
@@ -83,27 +99,29 @@ def timing(stats: RequestStats, tokens: int) -> dict:
     }
 
 
-def spec_decoding(steps: list[tuple[int, int]], k: int, detailed: bool) -> dict:
-    """vLLM's metrics.speculative_decoding of the steps' (drafted, accepted) pairs, K = `k`."""
-    drafted = sum(p for p, _ in steps)
-    accepted = sum(a for _, a in steps)
-    width = max([k] + [p for p, _ in steps]) + 1
-    hist = [0] * width
+def spec_decoding(counts: dict[tuple[int, int], int], k: int,
+                  per_step: list[tuple[int, int]] | None = None) -> dict:
+    """vLLM's metrics.speculative_decoding from the steps' {(drafted, accepted): count}, K = `k`;
+    with `per_step` (each step's pair in order) the detailed arrays too."""
+    steps = sum(counts.values())
+    drafted = sum(p * c for (p, _), c in counts.items())
+    accepted = sum(a * c for (_, a), c in counts.items())
+    hist = [0] * (max([k] + [p for p, _ in counts]) + 1)
     by_length: dict[int, list[int]] = {}
-    for p, a in steps:
-        hist[a] += 1
-        by_length.setdefault(p, [0] * (p + 1))[a] += 1
+    for (p, a), c in counts.items():
+        hist[a] += c
+        by_length.setdefault(p, [0] * (p + 1))[a] += c
     out = {
-        "mean_acceptance_length": 1.0 + accepted / len(steps) if steps else 1.0,
+        "mean_acceptance_length": 1.0 + accepted / steps if steps else 1.0,
         "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
         "acceptance_histogram": hist,
         "acceptance_histogram_by_draft_length": {str(p): h for p, h in sorted(by_length.items())},
-        "num_spec_steps": len(steps),
+        "num_spec_steps": steps,
         "num_accepted_draft_tokens": accepted,
         "num_draft_tokens": drafted,
         "num_spec_tokens": k,
     }
-    if detailed:
-        out["per_step_accepted"] = [a for _, a in steps]
-        out["per_step_drafted"] = [p for p, _ in steps]
+    if per_step is not None:
+        out["per_step_accepted"] = [a for _, a in per_step]
+        out["per_step_drafted"] = [p for p, _ in per_step]
     return out

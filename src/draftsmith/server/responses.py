@@ -13,6 +13,7 @@ from draftsmith.models.token_text import TokenText
 from draftsmith.server.engine_loop import Event
 from draftsmith.server.logprobs import LogprobsFormat, prompt_logprobs_object
 from draftsmith.server.answer import AnswerFormat, AnswerReader
+from draftsmith.server.request_metrics import without_tokens
 
 
 def sse(obj: dict) -> str:
@@ -120,7 +121,8 @@ class ResponseFormat:
         """A finished choice as the client sees it: without the generated token of an echo-only request."""
         if not self.echo_only:
             return ev
-        return replace(ev, token_ids=[], text="", logprobs=None if ev.logprobs is None else [], stop_reason=None)
+        return replace(ev, token_ids=[], text="", logprobs=None if ev.logprobs is None else [], stop_reason=None,
+                       metrics=without_tokens(ev.metrics))
 
     def logprobs_of(self, index: int, token_ids: list[int], entries: list | None,
                     prompt_entries: list | None = None) -> dict | None:

@@ -131,8 +131,8 @@ class ServerState:
         self.max_queued_tokens = self.limits.max_queued_tokens or 32 * llm.engine.config.max_batch * self.max_len
         self.queued_tokens = 0  # prompt + max_tokens of the choices admitted and unfinished (event loop only)
         self.front = _Front(llm)
-        self.metrics = ServerMetrics(self.model_id, llm.engine.config.max_batch, llm.engine.prefix_caching)
         k = 0 if isinstance(llm.drafter, NoDrafter) else llm.num_speculative_tokens  # (no drafter: no spec metrics)
+        self.metrics = ServerMetrics(self.model_id, llm.engine.config.max_batch, k)
         self.request_metrics = RequestMetricsOptions(self.options.per_request_metrics,
                                                      self.options.per_request_spec_decode_metrics, k)
         self.loop = EngineLoop(llm.engine, self.metrics, self.request_metrics)
