@@ -129,6 +129,7 @@ def env(default_target_dir, tmp_path_factory):
         yield {
             "ngram": ngram_url, "plain": plain_url, "refs": refs, "chat_ref": chat_ref, "tok": tok,
             "prompt_ids": prompt_ids, "chat_ids": chat_ids, "cli": cli_result, "lp_refs": lp_refs,
+            "target": llm.target,  # the loaded smollm2-135m, for tests that build another LLM on it
         }
     finally:
         if thread_server is not None:
@@ -540,8 +541,8 @@ def test_a_seed_fixes_the_output_under_a_load_dependent_policy(env, default_targ
 
     from draftsmith.server.app import create_app
 
-    llm = LLM(MODEL, drafter=f"draft-model:{MODEL}", policy="batch-schedule", num_speculative_tokens=6,
-              max_batch=8, max_len=MAX_LEN)
+    llm = LLM(env["target"], drafter=f"draft-model:{MODEL}", policy="batch-schedule", num_speculative_tokens=6,
+              max_batch=8, max_len=MAX_LEN)  # MODEL as env loaded it (not loaded again)
     plain = LLM(llm.target, drafter="none", max_batch=8, max_len=MAX_LEN)
     want = plain.generate([PROMPTS[0]], SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=77))[0].text
     server = _ThreadServer(create_app(llm))
