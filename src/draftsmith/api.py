@@ -309,6 +309,9 @@ class LLM:
         while any(not s.finished for s in seqs):
             self.engine.step()
         wall = time.perf_counter() - t0
+        failed = next((s for s in seqs if s.finish_reason == "error"), None)
+        if failed is not None:  # (a grammar the engine gave up on: the other requests ran to their end)
+            raise DraftsmithError(f"request {failed.request_id}: {failed.error}")
         outs = [
             RequestOutput(
                 request_id=g[0].request_id, prompt=t, prompt_token_ids=g[0].prompt_ids,

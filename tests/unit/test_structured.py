@@ -119,6 +119,33 @@ def test_grammars_that_do_not_compile_and_conflicting_params(tiny):
     assert not llm.engine.has_unfinished()
 
 
+@pytest.mark.parametrize("grammar", ['root ::= "a', "root ::= [", "x", 'root ::= "a"*?', "%import foo", "root ::= foo"])
+def test_malformed_gbnf_is_a_clear_error(grammar):
+    """llguidance's GBNF reader raises its own kinds of errors (GbnfToLarkError, Exception): each
+    is the one DraftsmithError (a 400 on the server), not a traceback."""
+    with pytest.raises(DraftsmithError, match="the grammar does not compile: ."):
+        SO(grammar=grammar)
+
+
+def test_a_grammar_the_engine_gives_up_on_ends_its_request_alone(tiny):
+    """A grammar llguidance compiles but cannot follow (LexerTooComplex after a few tokens) ends
+    only its request, with "error" and why; the batch's other request decodes as it would alone;
+    LLM.generate says which request and why."""
+    llm = LLM(tiny, max_batch=4, max_len=128)
+    plain = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    alone = llm.generate(["hello"], plain)[0].token_ids
+    bad = SamplingParams(max_tokens=30, temperature=0.0, structured_outputs=SO(regex="a{99999999}"))
+    seqs = [llm.engine.add_request(llm.encode("x"), bad), llm.engine.add_request(llm.encode("hello"), plain)]
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    assert seqs[0].finish_reason == "error" and "gave up on this request's grammar" in seqs[0].error
+    assert "<state>" not in seqs[0].error  # (llguidance's state dump is not the client's)
+    assert seqs[1].finish_reason == "length" and seqs[1].output_ids == alone
+    with pytest.raises(DraftsmithError, match="request .*: structured outputs: the grammar engine gave up"):
+        llm.generate(["x"], bad)
+    assert not llm.engine.has_unfinished() and len(llm.engine.free_rows) == 4
+
+
 def _check(spec: SO, text: str) -> None:
     """The text of a finished output, by Python's own reading of the spec."""
     if spec.regex:

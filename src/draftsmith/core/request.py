@@ -116,7 +116,8 @@ class Request:
     row: int = -1  # KV cache row while running
     cache_salt: str | None = None  # vLLM's: only requests with the same salt share prefix-cached KV
     priority: int = 0  # vLLM's: waiting requests are admitted lowest first (arrival order within one)
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (`error` says why)
+    error: str | None = None  # why it ended with "error": its grammar failed mid-generation (core/structured.py)
     stopped_by_token: bool = False  # ended on EOS or a stop_token_id (its text is not shown)
     stop_reason: int | str | None = None  # vLLM's: the stop_token_id or stop string that ended it (None: EOS, length)
     text: str = ""  # decoded output, stop string removed

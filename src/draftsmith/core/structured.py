@@ -143,7 +143,11 @@ class StructuredOutputsParams:
             return M.grammar_from_regex(self.regex)
         if self.choice is not None:  # JSON string literals are valid Lark literals
             return M.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.choice))
-        return M.grammar_from_lark(any_to_lark(self.grammar))
+        try:
+            lark = any_to_lark(self.grammar)
+        except Exception as e:  # (llguidance's GBNF reader raises its own kinds: GbnfToLarkError, Exception)
+            raise ValueError(str(e) or type(e).__name__) from None
+        return M.grammar_from_lark(lark)
 
 
 @dataclass(frozen=True)
@@ -279,7 +283,10 @@ def constrain(logits: torch.Tensor, seqs: Sequence, drafts: torch.Tensor | None,
     (the matchers consume the valid drafts to read those masks and roll them back; llguidance
     does every row in one call, on `executor`'s threads). Returns a new tensor where any row is
     constrained, `logits` itself otherwise; `inplace`: masks `logits` itself (a pass over B x S x V
-    floats less, where nothing else reads the unmasked logits)."""
+    floats less, where nothing else reads the unmasked logits). A row whose matcher fails here (a
+    grammar the engine compiles but cannot follow: llguidance's LexerTooComplex, ParserTooComplex)
+    gets its request's `error` set and is left unmasked: the engine ends that request with
+    "error" and commits nothing of the row; the batch's other rows go on."""
     rows = [b for b, s in enumerate(seqs) if getattr(s, "grammar", None) is not None]
     if not rows:
         return logits
@@ -292,9 +299,9 @@ def constrain(logits: torch.Tensor, seqs: Sequence, drafts: torch.Tensor | None,
     if without := [j[:2] for j in jobs if not j[2]]:
         executor.unsafe_compute_mask_ptr(without, bits.data_ptr(), 4 * words, B * S)
     for b in rows:
-        if seqs[b].grammar.is_error():
-            raise RuntimeError(f"grammar matcher of request {seqs[b].request_id} is in an error state: "
-                               f"{_one_line(seqs[b].grammar.get_error())}")
+        if (why := grammar_failure(seqs[b])) is not None:
+            seqs[b].error = why
+            bits[b] = -1
     # A matcher allows at least EOS until it has consumed one: an empty mask is a position after
     # an EOS draft, where the engine stops; leave it unmasked.
     bits[(bits == 0).all(-1)] = -1
@@ -303,6 +310,17 @@ def constrain(logits: torch.Tensor, seqs: Sequence, drafts: torch.Tensor | None,
         with torch.inference_mode():  # the target's logits come from an inference-mode forward
             return logits.masked_fill_(~allowed, float("-inf"))
     return torch.where(allowed, logits, torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
+
+
+def grammar_failure(seq) -> str | None:
+    """Why `seq`'s grammar cannot go on (its matcher's error, one line), or None."""
+    m = getattr(seq, "grammar", None)
+    if m is None or not m.is_error():
+        return None
+    err = _one_line(m.get_error())
+    err = err.split(" <state>", 1)[0]  # (llguidance appends its state and the grammar: not the client's)
+    return (f"structured outputs: the grammar engine gave up on this request's grammar mid-generation ({err}); "
+            "simplify the grammar (e.g. smaller repetition counts)")
 
 
 def allowed_now(matcher, V: int) -> torch.Tensor:
@@ -314,13 +332,19 @@ def allowed_now(matcher, V: int) -> torch.Tensor:
 
 def advance(seq, tokens: Sequence[int]) -> None:
     """Feed committed tokens to the request's matcher. Every committed token comes from a masked
-    row, so one the grammar refuses means the matcher lost track of the output: it raises."""
+    row, so one the grammar refuses means the matcher lost track of the output: it raises. A
+    matcher that fails taking them (the grammar engine gave up: too complex) sets the request's
+    `error` instead, and the engine ends that request alone."""
     m = getattr(seq, "grammar", None)
     if m is None or not tokens:
         return
     tokens = list(tokens)
     n = m.validate_tokens(tokens)
-    if n and not m.consume_tokens(tokens[:n]):
+    ok = m.consume_tokens(tokens[:n]) if n else True
+    if (why := grammar_failure(seq)) is not None:  # the grammar engine gave up (too complex): this request ends
+        seq.error = why
+        return
+    if not ok:
         raise RuntimeError(f"grammar matcher refused committed tokens: {_one_line(m.get_error())}")
     # A grammar that cannot go on (stopped) allows only EOS, yet validate_tokens counts no EOS
     # there (llguidance 1.9); consume_token takes it.

@@ -398,6 +398,9 @@ class Engine:
                                   accepted=None if any(forced) else int(result.num_accepted.sum()) if K else 0)
         for b, s in enumerate(seqs):
             m = int(result.num_accepted[b])
+            if s.error is not None:  # its grammar gave up in this step (constrain): nothing of the row is kept
+                s.finish_reason = "error"
+                continue
             # KV of the pending token and the m accepted drafts is now committed;
             # entries past it (rejected drafts) are stale and get overwritten.
             self.cache.lengths[s.row] += 1 + m
@@ -405,6 +408,8 @@ class Engine:
             appended = self._append(s, committed_tokens[b][: m + 1])
             kept = s.output_ids[len(s.output_ids) - appended:]
             advance(s, kept)  # the request's grammar follows its output (core/structured.py)
+            if s.error is not None:  # (its grammar gave up taking them: the request ends here)
+                s.finish_reason = "error"
             if s.logprobs is not None:  # the target's rows of the committed tokens (core/logprobs.py)
                 s.logprobs += token_logprobs(out.logits[b], kept, s.params.logprobs)
             if forced and forced[b]:  # the grammar's drafts, not the drafter's
@@ -500,7 +505,7 @@ class Engine:
         s.stats.t_finish = time.perf_counter()
         if s.row >= 0:
             self.drafter.release(s)
-            if self.prefix_caching and reason != "abort":
+            if self.prefix_caching and reason not in ("abort", "error"):
                 # The row's KV holds the tokens fed so far: all_ids but the pending last one (and
                 # none past a stop rule's cut, where accepted drafts were fed but not kept).
                 ids = s.all_ids

@@ -43,6 +43,7 @@ class Event:
     logprobs: list | None = None  # per token of token_ids, when the request asked (core/logprobs.py)
     prompt_logprobs: list | None = None  # per prompt token (finished; the first tokens event)
     metrics: dict | None = None  # the request's metrics object (finished; serve --enable-per-request-metrics ...)
+    status: int = 500  # error: the HTTP status it answers (400: the request's own grammar failed)
 
 
 @dataclass
@@ -241,7 +242,12 @@ class EngineLoop:
             if live.rounds > before_rounds:
                 verify_tokens += ((live.rounds - before_rounds) + (live.proposed - before_proposed)
                                   + (live.forced_proposed - before_forced))
-            if seq.finished:
+            if seq.finished and seq.finish_reason == "error":  # its own grammar failed: this request alone
+                done.append(rid)
+                self.metrics.record_finished("error", now - live.sub.t_arrival, seq.stats.cached_tokens)
+                live.sub.sink(Event("error", index=live.sub.index, message=seq.error or "the request failed",
+                                    status=400))
+            elif seq.finished:
                 done.append(rid)
                 self.metrics.record_finished(seq.finish_reason or "stop", now - live.sub.t_arrival,
                                              seq.stats.cached_tokens)

@@ -129,7 +129,8 @@ async def generate(st: ServerState, request: Request, req: Any, prompts: list[li
                 if ev.kind == "disconnected":
                     return Response(status_code=499)
                 if ev.kind == "error":
-                    raise APIError(500, ev.message, type="internal_error")
+                    raise (APIError(400, ev.message) if ev.status == 400
+                           else APIError(500, ev.message, type="internal_error"))
                 if ev.kind == "finished":
                     finals[ev.index] = ev
                     done.add(ev.index)

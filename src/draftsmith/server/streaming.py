@@ -125,8 +125,9 @@ async def stream_events(st: ServerState, subs: list[SubRequest], q: asyncio.Queu
                 c = choices[ev.index]
                 yield out(ev.index, c.chunk(fmt, ev.index, c.finish(ev), ev.finish_reason, ev.stop_reason))
             elif ev.kind == "error":
-                st.metrics.record_error(500)
-                yield APIError(500, ev.message, type="internal_error").body()
+                st.metrics.record_error(ev.status)
+                yield (APIError(400, ev.message) if ev.status == 400
+                       else APIError(500, ev.message, type="internal_error")).body()
                 return
         if include_usage:
             yield fmt.usage_chunk(usage(prompt_tokens, finals, n), sorted(finals, key=lambda e: e.index))
