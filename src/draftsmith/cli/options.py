@@ -47,7 +47,10 @@ def json_text_or_file(src: str, flag: str) -> str:
     f = Path(src)
     if not f.is_file():
         raise DraftsmithError(f"{flag} {src}: no such file (give a file or the JSON object's text)")
-    return f.read_text(encoding="utf-8")
+    try:
+        return f.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DraftsmithError(f"{flag} {src} is not UTF-8 text (byte {e.start}); give a JSON file") from None
 
 
 def nonnegative_int(v: str) -> int:
@@ -58,6 +61,19 @@ def nonnegative_int(v: str) -> int:
     if n < 0:
         raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {n}")
     return n
+
+
+def int_in(lo: int, hi: int):
+    """An argparse type: an integer in lo..hi."""
+    def parse(v: str) -> int:
+        try:
+            n = int(v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {v!r}") from None
+        if not lo <= n <= hi:
+            raise argparse.ArgumentTypeError(f"must be an integer in {lo}..{hi}, got {n}")
+        return n
+    return parse
 
 
 def positive_int(v: str) -> int:
@@ -102,7 +118,7 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
                         """e.g. '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}' or """
                         """'{"method": "eagle3", "model": "DIR", "num_speculative_tokens": 3}'""")
     add_drafter_dtype(p)
-    p.add_argument("--num-speculative-tokens", "-k", type=nonnegative_int, default=None,
+    p.add_argument("--num-speculative-tokens", "-k", type=int_in(0, 64), default=None,
                    help="draft length K (default: 5)")
     p.add_argument("--policy", default="auto", type=policy_arg, metavar="POLICY[:KEY=VALUE,...]",
                    help=policy_help())

@@ -18,6 +18,25 @@ import torch
 from draftsmith.errors import DraftsmithError
 
 
+def free_memory(device: torch.device | str) -> int | None:
+    """Bytes a new allocation may take on `device`: CUDA's free memory, else the host's
+    MemAvailable (Linux); None where it cannot be read."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        try:
+            return int(torch.cuda.mem_get_info(dev)[0])
+        except (RuntimeError, AssertionError):
+            return None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 class KVCache:
     def __init__(
         self,
@@ -30,6 +49,13 @@ class KVCache:
         device: torch.device | str = "cpu",
     ) -> None:
         shape = (max_rows, num_kv_heads, max_len, head_dim)
+        need = 2 * num_layers * max_rows * num_kv_heads * max_len * head_dim * torch.empty((), dtype=dtype).element_size()
+        free = free_memory(device)
+        if free is not None and need > free:
+            raise DraftsmithError(
+                f"the KV cache for {max_rows} rows (max batch) of {max_len} tokens (max len) needs "
+                f"{need / 2**30:.1f} GiB; {torch.device(device).type} memory has {free / 2**30:.1f} GiB free: "
+                "lower --max-batch or --max-len")
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.lengths = torch.zeros(max_rows, dtype=torch.long)  # [rows], kept on CPU
