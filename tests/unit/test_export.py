@@ -288,3 +288,45 @@ def test_import_cli_round_trip_and_one_line_errors(tmp_path, llama, capsys):
                  "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "does not exist" in err[0], err
+
+
+def test_export_and_import_refuse_to_replace_what_out_holds(tmp_path, llama, capsys):
+    """A non-empty --out (a training run) or the directory being read is refused, before the
+    target loads, unless --overwrite; nothing there changes. --overwrite replaces the drafter
+    files only (import: also a calibration.json fitted to the old weights)."""
+    ckpt = _ckpt(tmp_path, llama, eagle3.build(llama.model, eagle3.Eagle3Config(ttt_steps=2)))
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in ("config.json", "model.safetensors", "train_info.json", "calibration.json"):
+        (run / name).write_text(f"the run's {name}")
+    snapshot = lambda d: {p.name: p.read_bytes() for p in d.iterdir()}  # noqa: E731
+    run_before, ckpt_before = snapshot(run), snapshot(ckpt)
+    target = ["--target", str(llama.path)]
+    export = ["export", *target, "--drafter", f"eagle3:{ckpt}", "--format", "speculators", "--out"]
+
+    def error(argv):
+        assert main(argv) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("draftsmith: error:"), lines
+        return lines[0]
+
+    assert "run is not empty; give a new --out, or pass --overwrite" in error([*export, str(run)])
+    assert "is the checkpoint being read" in error([*export, str(ckpt)])
+    spec = tmp_path / "spec"
+    assert main([*export, str(spec)]) == 0
+    spec_before = snapshot(spec)
+    assert "run is not empty" in error(["import", str(spec), *target, "--out", str(run)])
+    assert "is the drafter directory being read" in error(["import", str(spec), *target, "--out", str(spec)])
+    with pytest.raises(DraftsmithError, match="not empty"):  # the library refuses too
+        export_drafter(ckpt, llama, "speculators", run)
+    assert snapshot(run) == run_before and snapshot(ckpt) == ckpt_before and snapshot(spec) == spec_before
+    (tmp_path / "empty").mkdir()  # an empty directory is a fine --out
+    assert main([*export, str(tmp_path / "empty")]) == 0
+    assert (tmp_path / "empty" / "config.json").read_bytes() == spec_before["config.json"]
+
+    assert main(["import", str(spec), *target, "--out", str(run), "--overwrite"]) == 0
+    capsys.readouterr()
+    assert json.loads((run / "config.json").read_text())["kind"] == "eagle3"
+    assert not (run / "calibration.json").exists() and (run / "train_info.json").read_text() == "the run's train_info.json"
+    assert main([*export, str(run), "--overwrite"]) == 0
+    assert json.loads((run / "config.json").read_text())["speculators_model_type"] == "eagle3"

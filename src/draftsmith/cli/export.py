@@ -23,10 +23,14 @@ def add_parser(sub) -> None:
                         "deepspec: a DeepSpec step directory (full-vocabulary dspark; eagle3 on Qwen3 targets); "
                         "dflash-native: z-lab's DFlashDraftModel layout (full-vocabulary dflash)")
     e.add_argument("--out", type=Path, required=True, help="output directory (config.json + model.safetensors)")
+    e.add_argument("--overwrite", action="store_true",
+                   help="write into a non-empty --out (or the checkpoint's own directory), replacing its "
+                        "config.json and model.safetensors")
     e.set_defaults(func=cmd_export)
 
 
 def cmd_export(args) -> int:
+    from draftsmith.data.outdir import check_replace
     from draftsmith.drafters import registry
     from draftsmith.export.formats import export_drafter
     from draftsmith.models.target import load_target
@@ -34,7 +38,8 @@ def cmd_export(args) -> int:
     kind, arg = registry.parse_spec(args.drafter)
     if not kind.trainable:
         raise DraftsmithError(f"--drafter {kind.name} has no trained weights to export; give KIND:CHECKPOINT")
+    check_replace(args.out, args.overwrite, source=arg, source_what="checkpoint")  # before the target loads
     target = load_target(args.target, device=opt_auto(args.device), dtype=opt_auto(args.dtype))
-    out = export_drafter(arg, target, args.format, args.out)
+    out = export_drafter(arg, target, args.format, args.out, overwrite=args.overwrite)
     print(f"draftsmith: wrote the {kind.name} drafter in {args.format} format to {out}")
     return 0

@@ -28,6 +28,9 @@ def add_parser(sub) -> None:
     e.add_argument("--src", dest="src_flag", type=Path, default=None, metavar="DIR",
                    help="deprecated: the old spelling of the positional DIR (still accepted)")
     e.add_argument("--out", type=Path, required=True, help="the checkpoint directory to write (KIND:OUT loads it)")
+    e.add_argument("--overwrite", action="store_true",
+                   help="write into a non-empty --out (or DIR itself), replacing the drafter there (its "
+                        "config.json and model.safetensors; a calibration.json is removed)")
     e.set_defaults(func=cmd_import, import_parser=e)
 
 
@@ -45,6 +48,7 @@ def source_dir(args) -> Path:
 
 
 def cmd_import(args) -> int:
+    from draftsmith.data.outdir import check_replace
     from draftsmith.drafters.checkpoint import read_checkpoint_config
     from draftsmith.export.detect import detect_foreign
     from draftsmith.export.importing import import_drafter
@@ -52,8 +56,9 @@ def cmd_import(args) -> int:
 
     src = source_dir(args)
     fmt = args.format or detect_foreign(src)  # before loading the target: a wrong directory fails fast
+    check_replace(args.out, args.overwrite, source=src, source_what="drafter directory")
     target = load_target(args.target, device=opt_auto(args.device), dtype=opt_auto(args.dtype))
-    out = import_drafter(src, target, args.out, fmt)
+    out = import_drafter(src, target, args.out, fmt, overwrite=args.overwrite)
     kind = read_checkpoint_config(out)["kind"]
     how = "given" if args.format else "detected"
     print(f"draftsmith: imported a {kind} drafter ({fmt} format, {how}) for {target.target_id}; "

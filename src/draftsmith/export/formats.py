@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from draftsmith.drafters import registry
+from draftsmith.data.outdir import check_replace
 from draftsmith.errors import DraftsmithError
 from draftsmith.export.deepspec import draft_layer_hf, ours_block, to_deepspec
 from draftsmith.export.dflash_native import to_dflash_native
@@ -60,10 +61,13 @@ def _speculators_ours(target, config) -> dict[str, Any]:
     return ours_block(target, config.kind, layer_ids=list(config.layer_ids), train=train)
 
 
-def export_drafter(ckpt: str | Path, target, fmt: str, out: str | Path) -> Path:
-    """Write checkpoint `ckpt` (trained for the LoadedTarget `target`) to `out` in `fmt`."""
+def export_drafter(ckpt: str | Path, target, fmt: str, out: str | Path, overwrite: bool = False) -> Path:
+    """Write checkpoint `ckpt` (trained for the LoadedTarget `target`) to `out` in `fmt`. A
+    non-empty `out`, or `out` = `ckpt`, is refused unless `overwrite` (then config.json and
+    model.safetensors there are replaced, nothing else)."""
     if fmt not in FORMATS:
         raise DraftsmithError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    check_replace(out, overwrite, source=ckpt, source_what="checkpoint")
     model = registry.load_checkpoint_model(ckpt, target)
     kind = model.config.kind
     hf = read_json(Path(target.path) / "config.json", "target config")

@@ -29,7 +29,8 @@ import torch
 from torch import nn
 
 from draftsmith.drafters import registry
-from draftsmith.drafters.checkpoint import restore_state, save_trained_drafter
+from draftsmith.data.outdir import check_replace
+from draftsmith.drafters.checkpoint import CALIBRATION_FILE, restore_state, save_trained_drafter
 from draftsmith.drafters.kind_config import config_from_dict
 from draftsmith.errors import DraftsmithError
 from draftsmith.export import deepspec, dflash_native
@@ -63,9 +64,15 @@ def import_model(src: str | Path, target, fmt: str | None = None) -> nn.Module:
     return model
 
 
-def import_drafter(src: str | Path, target, out: str | Path, fmt: str | None = None) -> Path:
-    """`import_model`, written to `out` as our checkpoint."""
-    return save_trained_drafter(import_model(src, target, fmt), out, target.target_id, target.weights_hash)
+def import_drafter(src: str | Path, target, out: str | Path, fmt: str | None = None, overwrite: bool = False) -> Path:
+    """`import_model`, written to `out` as our checkpoint. A non-empty `out`, or `out` = `src`, is
+    refused unless `overwrite` (then its config.json and model.safetensors are replaced, and a
+    calibration.json there, fitted to other weights, is removed)."""
+    out = check_replace(out, overwrite, source=src, source_what="drafter directory")
+    model = import_model(src, target, fmt)
+    if overwrite:
+        (out / CALIBRATION_FILE).unlink(missing_ok=True)
+    return save_trained_drafter(model, out, target.target_id, target.weights_hash)
 
 
 def _speculators(src: Path, target) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
