@@ -62,9 +62,16 @@ def read_prompts(args) -> list:
                     rec = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise DraftsmithError(f"{f}:{n}: not valid JSON ({e.msg})") from None
+                except RecursionError:
+                    raise DraftsmithError(f"{f}:{n}: JSON nested too deeply") from None
                 if isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
                     prompts.append(rec["prompt"])
                 elif isinstance(rec, dict) and isinstance(rec.get("messages"), list):
+                    if not rec["messages"] or not all(
+                            isinstance(m, dict) and isinstance(m.get("role"), str)
+                            and isinstance(m.get("content"), (str, list)) for m in rec["messages"]):
+                        raise DraftsmithError(f"{f}:{n}: 'messages' must be a non-empty list of "
+                                              '{"role": ..., "content": "..."} objects')
                     prompts.append(rec["messages"])
                 else:
                     raise DraftsmithError(f"{f}:{n}: expected an object with a 'prompt' string or 'messages' list")
@@ -86,7 +93,12 @@ def structured_outputs(args):
     if args.grammar is not None:
         if not args.grammar.is_file():
             raise DraftsmithError(f"--grammar {args.grammar}: no such file")
-        return StructuredOutputsParams(grammar=args.grammar.read_text(encoding="utf-8"))
+        try:
+            text = args.grammar.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise DraftsmithError(f"--grammar {args.grammar} is not UTF-8 text (byte {e.start}); give a GBNF or "
+                                  "Lark grammar file") from None
+        return StructuredOutputsParams(grammar=text)
     if args.json_object or args.regex is not None or args.choice:
         return StructuredOutputsParams(json_object=args.json_object, regex=args.regex, choice=args.choice,
                                        disable_any_whitespace=not args.json_whitespace)
@@ -113,9 +125,14 @@ def cmd_generate(args) -> int:
         reproducible_seeds=args.reproducible_seeds, forced_drafts=args.forced_drafts,
     )
     ids = []
-    for p in prompts:
+    for i, p in enumerate(prompts):
         if isinstance(p, list):
-            ids.append(llm.apply_chat_template(p))
+            try:
+                ids.append(llm.apply_chat_template(p))
+            except DraftsmithError:
+                raise
+            except Exception as e:  # (the template's own errors: a role order or a content it cannot render)
+                raise DraftsmithError(f"prompt {i + 1}: the chat template rejected its messages: {e}") from None
         elif args.chat:
             ids.append(llm.apply_chat_template([{"role": "user", "content": p}]))
         else:

@@ -107,6 +107,25 @@ def read_template_kwargs(value: str | None) -> dict | None:
     return kwargs
 
 
+def check_listen(host: str, port: int) -> None:
+    """Refuse, before the model loads, an address this machine cannot listen on (a port another
+    server holds, a host that is not this machine's)."""
+    import socket
+
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise DraftsmithError(f"--host {host!r} is not an address of this machine ({e}); use e.g. 127.0.0.1 or "
+                              "0.0.0.0") from None
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as uvicorn binds)
+        try:
+            sock.bind(addr)
+        except OSError as e:
+            raise DraftsmithError(f"cannot listen on {host}:{port}: {e.strerror or e}; is another server using the "
+                                  "port? choose another --port") from None
+
+
 def cmd_serve(args) -> int:
     from draftsmith.api import LLM
 
@@ -115,6 +134,7 @@ def cmd_serve(args) -> int:
     args.target = args.model or args.target or "smollm2-135m"
     if not 0 <= args.port <= 65535:
         raise DraftsmithError(f"--port must be in 0..65535, got {args.port}")
+    check_listen(args.host, args.port)
     # (the server's modules load fastapi: here, not at startup)
     from draftsmith.server.reasoning import REASONING_PARSERS
     from draftsmith.server.tools import TOOL_CALL_PARSERS

@@ -81,7 +81,7 @@ class StructuredOutputsParams:
             if isinstance(schema, str):
                 try:
                     schema = json.loads(schema)
-                except ValueError as e:
+                except (ValueError, RecursionError) as e:
                     raise DraftsmithError(f"structured outputs: json must be a JSON schema; its text does not parse: {e}") from None
             if not isinstance(schema, dict):
                 raise DraftsmithError(f"structured outputs: json must be a JSON schema object ({{\"type\": ...}}), "

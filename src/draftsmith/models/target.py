@@ -25,7 +25,10 @@ def pick_device(device: str | None) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise DraftsmithError(f"device {device!r} requested but CUDA is not available; use --device cpu")
-    return torch.device(device)
+    try:
+        return torch.device(device)
+    except RuntimeError:
+        raise DraftsmithError(f"unknown device {device!r}; use cpu, cuda, cuda:N or auto") from None
 
 
 def cpu_has_fast_bf16() -> bool:

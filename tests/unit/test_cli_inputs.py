@@ -1,0 +1,80 @@
+"""Bad input files and flags of generate / serve through the CLI's main (in this process:
+test_cli.py runs the real process for the same contract): one line on stderr and exit code 2,
+never a traceback (cases a tester found giving tracebacks)."""
+
+from __future__ import annotations
+
+import json
+import socket
+from types import SimpleNamespace
+
+import pytest
+
+from draftsmith.cli import main
+
+
+@pytest.fixture
+def _run(capsys):
+    def run(*args: str) -> SimpleNamespace:
+        code = main(list(args))
+        return SimpleNamespace(returncode=code, stderr=capsys.readouterr().err)
+    return run
+
+
+def _one_line_error(proc, *needles: str) -> None:
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and "Warning" not in ln]
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("draftsmith: error:"), proc.stderr[-2000:]
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    return str(tiny_model_dir("llama", seed=0))
+
+
+@pytest.mark.parametrize("messages, needle", [
+    ([5], "'messages' must be a non-empty list"),
+    ([{"role": "user"}], "'messages' must be a non-empty list"),
+    ([], "'messages' must be a non-empty list"),
+    ([{"role": "user", "content": {"a": 1}}], "'messages' must be a non-empty list"),
+    ([{"role": "assistant", "content": "x"}, {"role": "tool", "content": "y"}], None),  # the template's own verdict
+])
+def test_prompt_file_messages_of_the_wrong_shape(_run, tiny, tmp_path, messages, needle):
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"messages": messages}) + "\n")
+    proc = _run("generate", "--target", tiny, "--prompt-file", str(f), "--max-tokens", "2")
+    if needle is None:  # a shape the template may take or refuse: never a traceback
+        assert "Traceback" not in proc.stderr and proc.returncode in (0, 2), proc.stderr[-2000:]
+        return
+    _one_line_error(proc, f"{f}:1:", needle)
+
+
+def test_binary_and_deeply_nested_files(_run, tiny, tmp_path):
+    binary = tmp_path / "bin.json"
+    binary.write_bytes(b"\xff\xfe\x00\x81garbage")
+    for flag in ("--speculative-config", "--json-schema"):
+        _one_line_error(_run("generate", "--target", tiny, "--prompt", "x", flag, str(binary)), "is not UTF-8 text")
+    _one_line_error(_run("generate", "--target", tiny, "--prompt", "x", "--grammar", str(binary)), "is not UTF-8 text")
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text("[" * 5000 + "\n")
+    _one_line_error(_run("generate", "--target", tiny, "--prompt-file", str(deep)), "nested too deeply")
+    schema = tmp_path / "deep.json"
+    schema.write_text('{"a":' * 5000 + "1" + "}" * 5000)
+    _one_line_error(_run("generate", "--target", tiny, "--prompt", "x", "--json-schema", str(schema)),
+                    "json must be a JSON schema")
+
+
+def test_a_device_that_does_not_exist(_run, tiny):
+    _one_line_error(_run("generate", "--target", tiny, "--prompt", "x", "--device", "banana"),
+                    "unknown device 'banana'")
+
+
+def test_serve_on_an_address_it_cannot_listen_on_stops_before_the_model_loads(_run, tiny):
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        _one_line_error(_run("serve", tiny, "--port", str(port)), f"cannot listen on 127.0.0.1:{port}")
+    _one_line_error(_run("serve", tiny, "--host", "999.1.1.1"), "is not an address of this machine")
