@@ -78,3 +78,10 @@ def test_serve_on_an_address_it_cannot_listen_on_stops_before_the_model_loads(_r
         port = held.getsockname()[1]
         _one_line_error(_run("serve", tiny, "--port", str(port)), f"cannot listen on 127.0.0.1:{port}")
     _one_line_error(_run("serve", tiny, "--host", "999.1.1.1"), "is not an address of this machine")
+
+
+def test_a_drafter_directory_given_as_the_target(_run):
+    from draftsmith.drafters.builtin import resolve
+
+    _one_line_error(_run("generate", "--target", resolve("dspark", "smollm2-135m"), "--prompt", "x"),
+                    "holds a dspark drafter, not a target model", "--drafter dspark:DIR")

@@ -328,6 +328,9 @@ def test_bad_requests_are_anthropic_400s_naming_the_field(client, h):
         ({**base, "chat_template_kwargs": {"tokenize": 1}},
          "chat_template_kwargs: tokenize is not a template variable"),
         ({**base, "output_config": {"format": {"type": "xml"}}}, "output_config.format must be"),
+        ({**base, "output_format": {"type": "xml"}}, "output_config.format must be"),
+        ({**base, "output_format": {"type": "json_schema", "schema": {}},
+          "output_config": {"format": {"type": "json_schema", "schema": {}}}}, "output_format and output_config.format"),
         ({**base, "max_tokens": 500}, "maximum context length is 256 tokens"),
         ({**base, "temperature": "hot"}, "temperature: Input should be a valid number"),
     ]:
@@ -433,6 +436,14 @@ def test_vllm_extras_reach_the_chat_request(client, h):
     assert m.content[0].text in ("yes", "no") and m.stop_reason == "end_turn"
     for thinking in ({"type": "enabled"}, {"type": "adaptive"}, {"type": "enabled", "budget_tokens": 1024}):
         assert h.post("/v1/messages", json={**body, "max_tokens": 1, "thinking": thinking}).status_code == 200
+    # the structured-outputs beta's output_format is output_config.format (it was ignored: free text)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    beta = h.post("/v1/messages", json={**body, "max_tokens": 24, "temperature": 0,
+                                        "output_format": {"type": "json_schema", "schema": schema}}).json()
+    fmt = {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
+    want = _chat(h, user, max_tokens=24, temperature=0, response_format=fmt)["choices"][0]["message"]["content"]
+    assert beta["content"][0]["text"] == want and want.lstrip().startswith("{"), beta
 
 
 def test_a_call_cut_by_max_tokens_is_the_same_whole_and_streamed(client, h):

@@ -1330,6 +1330,11 @@ def test_default_chat_template_kwargs_apply_and_a_request_overrides_them(tiny_se
     assert rendered() == "hi|salty"
     assert rendered(chat_template_kwargs={"flavour": "sweet"}) == "hi|sweet"
     assert rendered(chat_template_kwargs={"other": 1}) == "hi|salty"  # (merged, not replaced)
+    # a request's own chat_template is refused, not ignored (vLLM refuses it without a trust flag)
+    for path in ("/tokenize", "/v1/chat/completions"):
+        r = httpx.post(f"{url}{path}", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                             "chat_template": "{{ messages[0].content }}"}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
     plain = tiny_server(chat_template=template)
     r = httpx.post(f"{plain}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}, timeout=30)
     assert httpx.post(f"{plain}/detokenize", json={"tokens": r.json()["tokens"]}, timeout=30).json()["prompt"] == \

@@ -120,6 +120,7 @@ def test_batch_schedule_is_vllms_lookup(entries, cap):
     ({"method": "ngram", "num_speculative_tokens": 3, "draft_tensor_parallel_size": True}, "one device"),
     ({"method": "ngram", "num_speculative_tokens": 3, "enable_adaptive_verification": True}, "needs method dspark"),
     ({"model": "mypkg.MyProposer", "num_speculative_tokens": 3}, "proposer class"),
+    ({"model": "no/such/dir"}, "is no directory, built-in drafter or built-in target"),
     ({"method": "deepseek_mtp", "num_speculative_tokens": 1}, "MTP layers"),
     ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
      "prompt_lookup_min 4 must be <= prompt_lookup_max 2"),

@@ -214,6 +214,9 @@ def _method_and_model(c: Mapping[str, Any], checkpoint_config) -> tuple[str, str
             raise DraftsmithError(f"{_WHERE}: model {model!r} reads as a proposer class (vLLM's custom_class): "
                                   f"{UNSUPPORTED_METHODS['custom_class']}")
         kind = _checkpoint_kind(model, checkpoint_config)
+        if kind is None and not _a_model(model):
+            raise DraftsmithError(f"{_WHERE}: model {model!r} is no directory, built-in drafter or built-in target; "
+                                  "give a drafter directory, a model directory or an alias")
         return (kind, model) if kind else ("draft-model", model)
     if method in UNSUPPORTED_METHODS or method.endswith("_mtp"):  # (vLLM's deprecated names of mtp: deepseek_mtp ...)
         why = UNSUPPORTED_METHODS.get(method, UNSUPPORTED_METHODS["mtp"])
@@ -238,6 +241,15 @@ def _method_and_model(c: Mapping[str, Any], checkpoint_config) -> tuple[str, str
             raise DraftsmithError(f"{_WHERE}: method {method}, but {model} holds a {found} drafter; "
                                   f"give method {_vllm_name(found)} or leave method out")
     return kind, model
+
+
+def _a_model(model: str) -> bool:
+    """`model` can be a draft model: a directory, or a built-in target's alias."""
+    from pathlib import Path
+
+    from draftsmith.models.registry import BUILTIN_TARGETS
+
+    return Path(model).is_dir() or model in BUILTIN_TARGETS
 
 
 def _checkpoint_kind(model: str, checkpoint_config) -> str | None:

@@ -102,6 +102,10 @@ class DecoderConfig:
                 "Draftsmith runs only the text model: use a text-only checkpoint (model_type 'gemma3_text', "
                 "e.g. gemma-3-1b) or one saved from Gemma3ForCausalLM"
             )
+        if mt is None and ("kind" in cfg and "target_weights_hash" in cfg or "speculators_model_type" in cfg):
+            kind = cfg.get("kind") or cfg.get("speculators_model_type")
+            raise DraftsmithError(f"this directory holds a {kind} drafter, not a target model; give it as the drafter "
+                                  f"(--drafter {kind}:DIR) and the model it drafts for as the target")
         if mt not in SUPPORTED_MODEL_TYPES:
             raise DraftsmithError(
                 f"model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"

@@ -125,6 +125,7 @@ class MessagesRequest(CountTokensRequest, VllmExtras):
     metadata: dict[str, Any] | None = None  # accepted, ignored
     service_tier: StrictStr | None = None  # accepted, ignored
     output_config: dict[str, Any] | None = None  # {"format": {"type": "json_schema", "schema"}, "effort"}
+    output_format: dict[str, Any] | None = None  # the structured-outputs beta's name of output_config.format
 
 
 def chat_request(req: MessagesRequest, auto_tools: bool) -> ChatCompletionRequest:
@@ -136,7 +137,7 @@ def chat_request(req: MessagesRequest, auto_tools: bool) -> ChatCompletionReques
     body = {**prompt_fields(req), **req.extras(), "max_tokens": req.max_tokens, "stop": req.stop_sequences or None,
             "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "stream": stream,
             "stream_options": {"include_usage": True} if stream else None,
-            "response_format": response_format(req.output_config)}
+            "response_format": response_format(output_config(req))}
     choice = body.get("tool_choice")
     if choice == "auto" and not auto_tools:
         raise AnthropicError(400, 'tool_choice {"type": "auto"} (the default when tools are given) needs a server '
@@ -297,6 +298,16 @@ def chat_tool_choice(choice: dict[str, Any] | None, tools: list[dict] | None) ->
     if c.type in ("auto", "none") and not tools:
         return None, parallel
     return {"auto": "auto", "any": "required", "none": "none"}[c.type], parallel
+
+
+def output_config(req: MessagesRequest) -> dict[str, Any] | None:
+    """`output_config`, with the beta's `output_format` read as its `format`."""
+    if req.output_format is None:
+        return req.output_config
+    if (req.output_config or {}).get("format") is not None:
+        raise AnthropicError(400, "output_format and output_config.format both give the output's format; give one "
+                             "(output_format is the beta's name of output_config.format)", param="output_format")
+    return {**(req.output_config or {}), "format": req.output_format}
 
 
 def response_format(config: dict[str, Any] | None) -> dict | None:

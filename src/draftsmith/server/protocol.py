@@ -212,6 +212,7 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: Any = None  # vLLM's per-request template: refused (the route says why), never ignored
 
     def top_logprobs_k(self) -> int | None:
         """How many top tokens per generated token (None: no logprobs)."""
@@ -233,6 +234,7 @@ class TokenizeRequest(_Req):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: Any = None  # (refused, as in chat requests)
 
 
 class DetokenizeRequest(_Req):

@@ -199,6 +199,10 @@ def add_routes(app: FastAPI, st: ServerState) -> None:
 
     def _chat_ids(req, n: int = 1) -> list[int]:
         """The request's messages through the chat template, with its template options and tools."""
+        if getattr(req, "chat_template", None) is not None:
+            raise APIError(400, "a request's own chat_template is not accepted: the server's template renders every "
+                           "chat (set it with `draftsmith serve --chat-template`); vLLM refuses it too unless "
+                           "started with --trust-request-chat-template", param="chat_template")
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         st.check_size(1, n, text_bytes(prompt_texts(req.messages, tools)), "messages")
         kwargs = {**(st.options.default_chat_template_kwargs or {}), **(req.chat_template_kwargs or {})}
