@@ -265,3 +265,42 @@ def test_a_kv_cache_that_cannot_fit_is_refused_with_the_numbers(tiny_model_dir):
     for job in (["generate", "--prompt", "x"], ["serve"], ["profile"]):
         proc = _run(*job, "-k", "65")
         assert proc.returncode == 2 and "must be an integer in" in proc.stderr, proc.stderr[-500:]
+
+
+def test_an_out_of_the_wrong_kind_is_one_line_before_any_work(tiny, tmp_path, capsys):
+    """--out naming a file where a job writes a directory (cache, eval, bench, export, import,
+    train's out), a directory where it writes a file (regen, with --resume / --overwrite too) or
+    a path under a file: one line naming it (they were IsADirectoryError, NotADirectoryError or
+    FileExistsError tracebacks, eval's after the target had loaded); nothing is touched."""
+    from draftsmith.cli import main
+
+    a_file, a_dir, ckpt = tmp_path / "a-file", tmp_path / "a-dir", tmp_path / "ckpt"
+    a_file.write_text("kept")
+    a_dir.mkdir()
+    (a_dir / "x").write_text("kept")
+    ckpt.mkdir()
+    (tmp_path / "m.jsonl").write_text('{"prompt": "hi"}\n')
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"target: {tiny}\nout: {a_file}\ndrafter: {{kind: dspark, layer_ids: [0, 2], qk_norm: true}}\n"
+                      f"data: {{cache: {tmp_path / 'cache'}}}\n")
+    t = ["--target", str(tiny)]
+    is_file, is_dir = "is a file, but this job writes a directory there", "is a directory, but this job writes a file"
+    regen = ["regen", *t, "--mix", str(tmp_path / "m.jsonl"), "--out", str(a_dir)]
+    for argv, needle in (
+        (regen, is_dir), ([*regen, "--overwrite"], is_dir), ([*regen, "--resume"], is_dir),
+        (["regen", *t, "--mix", str(tmp_path / "m.jsonl"), "--out", str(tmp_path / "r.jsonl"),
+          "--features-out", str(a_file)], f"--features-out {a_file} {is_file}"),
+        (["cache", *t, "--data", str(tmp_path / "m.jsonl"), "--out", str(a_file)], f"--out {a_file} {is_file}"),
+        (["cache", *t, "--data", str(tmp_path / "m.jsonl"), "--out", str(a_file / "sub")],
+         f"{a_file} is a file, not a directory"),
+        (["eval", *t, "--drafter", "ngram", "--out", str(a_file)], is_file),
+        (["bench", *t, "--out", str(a_file)], is_file),
+        (["export", *t, "--drafter", f"dspark:{ckpt}", "--format", "speculators", "--out", str(a_file)], is_file),
+        (["import", str(ckpt), "--format", "speculators", *t, "--out", str(a_file)], is_file),
+        (["train", "--config", str(recipe)], f"the run directory (out) {a_file} {is_file}"),
+    ):
+        assert main(argv) == 2, argv
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("draftsmith: error:") and needle in lines[0], (argv, lines)
+    assert a_file.read_text() == "kept" and [p.name for p in a_dir.iterdir()] == ["x"]
+    assert not (tmp_path / "r.jsonl").exists() and not any(ckpt.iterdir())

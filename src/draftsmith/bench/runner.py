@@ -41,6 +41,7 @@ from draftsmith.bench.results import (
 )
 from draftsmith.bench.tier import run_phase
 from draftsmith.bench.workload import load_workload
+from draftsmith.data.outdir import check_out_dir
 from draftsmith.errors import DraftsmithError
 from draftsmith.policy.roofline import measure_bandwidth
 
@@ -63,7 +64,7 @@ def run_bench(config: BenchConfig, log: Callable[[str], None] | None = None) -> 
     """
     cfg = config
     log = log or _default_log
-    out = cfg.out
+    out = check_out_dir(cfg.out)
     results_path, setup_path = out / RESULTS, out / SETUP
     existing, _ = read_results(results_path)
     if (existing or setup_path.exists()) and not (cfg.resume or cfg.overwrite):

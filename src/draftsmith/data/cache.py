@@ -50,6 +50,7 @@ from draftsmith.data.features import (
     record_tensors,
     store_dtype,
 )
+from draftsmith.data.outdir import check_out_dir
 from draftsmith.data.regen_records import iter_records, record_split
 from draftsmith.data.safetensors_stream import file_sha256, safetensors_size, write_safetensors_stream
 from draftsmith.errors import DraftsmithError
@@ -113,6 +114,8 @@ def open_writer(cfg: CacheConfig, target) -> tuple[CacheWriter, set[str]]:
 def run_cache(cfg: CacheConfig, target=None) -> dict:
     """Build (or estimate) a feature cache. Returns a summary dict. `target`: the LoadedTarget
     of cfg.target when the caller has it loaded already (regen's catch-up pass)."""
+    if not cfg.estimate:
+        check_out_dir(cfg.out)  # before the target is resolved (a built-in one may be converted first)
     target_id, path = resolve_target(cfg.target)
     mcfg = read_config(path)
     layer_ids = parse_layer_ids(cfg.layers, mcfg.num_layers)
@@ -206,6 +209,7 @@ def _check_record_target(rec: Mapping[str, Any], target_id: str, weights_hash: s
 
 def _prepare_out(out: Path, cfg: CacheConfig, target_id: str, weights_hash: str, layer_ids: tuple[int, ...],
                  mcfg, dtype_name: str, legacy: str | None = None) -> dict:
+    check_out_dir(out)
     mpath = out / MANIFEST
     if out.exists() and any(out.iterdir()):
         if cfg.resume and mpath.is_file():

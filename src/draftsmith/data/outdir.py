@@ -33,6 +33,18 @@ def check_out_dir(out: str | Path, flag: str = "--out") -> Path:
     return out
 
 
+def check_out_file(out: str | Path, flag: str = "--out", example: str = "out.jsonl") -> Path:
+    """`out` names a file this job writes: refuse a directory there (or a file above it)."""
+    out = Path(out)
+    if out.is_dir():
+        raise DraftsmithError(f"{flag} {out} is a directory, but this job writes a file there; give a file path, "
+                              f"e.g. {out / example}")
+    blocker = _blocking_ancestor(out)
+    if blocker is not None:
+        raise DraftsmithError(f"{flag} {out}: {blocker} is a file, not a directory; give a path inside a directory")
+    return out
+
+
 def _same_path(a: Path, b: Path) -> bool:
     try:
         return os.path.samefile(a, b)

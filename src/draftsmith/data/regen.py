@@ -54,6 +54,7 @@ from draftsmith.data.cache import CacheConfig, open_writer, run_cache
 from draftsmith.data.cache_writer import CacheWriter
 from draftsmith.data.chat_tokens import ChatTokens, answer_slots
 from draftsmith.data.features import record_tensors
+from draftsmith.data.outdir import check_out_dir, check_out_file
 from draftsmith.data.regen_backends import EndpointBackend, EngineBackend
 from draftsmith.data.regen_config import (
     FALLBACK_TEMPERATURE,
@@ -179,7 +180,7 @@ def _prepare_output(cfg: RegenConfig, target_info: Mapping[str, Any], sampling: 
                     summary: RegenSummary, run_ids: set[str], legacy: str | None = None) -> set[str]:
     """Check what --out already holds against this run (`legacy`: the target's older-style
     weights fingerprint, which records written before the content hash carry)."""
-    out = Path(cfg.out)
+    out = check_out_file(cfg.out, example="regen.jsonl")
     errs = errors_path(out)
     if out.exists() and out.stat().st_size > 0 and not (cfg.resume or cfg.overwrite):
         raise DraftsmithError(f"{out} exists; pass --resume to continue it or --overwrite to start over")
@@ -223,6 +224,9 @@ def _prepare_output(cfg: RegenConfig, target_info: Mapping[str, Any], sampling: 
 
 def run_regen(cfg: RegenConfig, conversations: Sequence | None = None, backend=None) -> RegenSummary:
     """Regenerate a mix (or the given conversations) into cfg.out. Returns counters."""
+    check_out_file(cfg.out, example="regen.jsonl")  # before the mix is read or the target loads
+    if cfg.features_out is not None:
+        check_out_dir(cfg.features_out, "--features-out")
     if conversations is None:
         conversations = load_mix(cfg.mix, split=cfg.split, max_samples=cfg.max_samples,
                                  seed=cfg.seed if cfg.mix_seed is None else cfg.mix_seed)

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from draftsmith.data.outdir import check_out_dir
 from draftsmith.drafters.builtin import is_builtin
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval import metrics as M, plots, sts
@@ -100,6 +101,8 @@ def run_eval(opt: EvalOptions) -> dict:
         raise DraftsmithError(f"--confidence-threshold must be in [0, 1], got {opt.confidence_threshold}")
     if opt.block_size is not None and opt.block_size < 1:
         raise DraftsmithError(f"--block-size must be >= 1, got {opt.block_size}")
+    if opt.out is not None:
+        check_out_dir(opt.out)  # before the target loads
     target = load_target(opt.target, device=opt.device)
     convs = heldout_conversations(opt.tasks, opt.max_prompts)
     report: dict[str, Any] = {

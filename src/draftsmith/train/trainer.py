@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from draftsmith.data.outdir import check_out_dir
 from draftsmith.drafters.builtin import builtin_specs, resolve as builtin_resolve
 from draftsmith.drafters.kind_config import resolve_for_target
 from draftsmith.errors import DraftsmithError
@@ -117,6 +118,7 @@ class Trainer:
 
     def _setup(self) -> None:
         t = self.cfg.train
+        check_out_dir(self.out, "the run directory (out)")  # before anything loads
         self.t_start = time.perf_counter()
         self.cpu_start = time.process_time()
         if t.threads is not None:
