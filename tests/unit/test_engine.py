@@ -39,11 +39,18 @@ def test_plain_greedy_matches_hf_generate(tiny):
         assert out.token_ids == ref[0, ids.shape[1]:].tolist(), prompt
 
 
+@pytest.fixture(scope="module")
+def plain_greedy_48(tiny):
+    """Plain greedy outputs of PROMPTS (48 tokens): the reference of every parametrization below,
+    decoded once for the module."""
+    return LLM(str(tiny), drafter="none", max_batch=4, max_len=256).generate(PROMPTS, greedy(48))
+
+
 @pytest.mark.parametrize("drafter", ["ngram", "draft-model:SELF", "draft-model:OTHER"])
 @pytest.mark.parametrize("policy", ["fixed", "heuristic"])
-def test_speculative_greedy_equals_plain(tiny, tiny_draft, drafter, policy):
+def test_speculative_greedy_equals_plain(tiny, tiny_draft, plain_greedy_48, drafter, policy):
     drafter = drafter.replace("SELF", str(tiny)).replace("OTHER", str(tiny_draft))
-    plain = LLM(str(tiny), drafter="none", max_batch=4, max_len=256).generate(PROMPTS, greedy(48))
+    plain = plain_greedy_48
     # float32 drafts: the self-draft's premise (the target's own greedy tokens) needs the target's precision
     spec_llm = LLM(str(tiny), drafter=drafter, policy=policy, num_speculative_tokens=4, max_batch=4, max_len=256,
                    drafter_dtype="float32")
