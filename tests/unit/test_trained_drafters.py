@@ -212,10 +212,22 @@ def test_training_learns_and_leaves_the_target_alone(name, target, trained):
 # ---------------------------------------------------------------------------- losslessness
 
 
+@pytest.fixture(scope="module")
+def plain_greedy(target_dir):
+    """Plain greedy outputs of TEXT_PROMPTS (32 tokens), decoded once for the module on one thread
+    (as the tests run: one_thread): the reference of every test_greedy_equals_plain_greedy."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return LLM(str(target_dir), max_batch=4, max_len=128).generate(TEXT_PROMPTS, SamplingParams(max_tokens=32, temperature=0))
+    finally:
+        torch.set_num_threads(saved)
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_greedy_equals_plain_greedy(name, target_dir, target, trained):
+def test_greedy_equals_plain_greedy(name, target_dir, target, trained, plain_greedy):
     model, _ = trained(name)
-    plain = LLM(str(target_dir), max_batch=4, max_len=128).generate(TEXT_PROMPTS, SamplingParams(max_tokens=32, temperature=0))
+    plain = plain_greedy
     llm = LLM(str(target_dir), drafter=model.make_drafter(target.model, 4, 128), policy="fixed", num_speculative_tokens=5,
               max_batch=4, max_len=128)
     spec = llm.generate(TEXT_PROMPTS, SamplingParams(max_tokens=32, temperature=0))
