@@ -237,3 +237,40 @@ def test_a_cache_that_fails_before_caching_anything_leaves_nothing_behind(tiny, 
     assert out.is_dir() and not any(out.iterdir())
     s = run_cache(CacheConfig(target=str(tiny), data=_write(tmp_path / "good.jsonl", good), out=out, dtype="fp32"))
     assert s["num_samples"] == 3  # no --overwrite or --resume needed
+
+
+def test_resume_remakes_a_truncated_or_unreadable_shard(tiny, target, tmp_path, capsys):
+    """--resume checks every listed shard (size, header, the bytes the header describes): a
+    truncated one, or one whose header was overwritten, is dropped and its samples cached again
+    (it used to report "0 new tokens", and train then died on a SafetensorError). The result
+    equals a cache built in one go; the re-made shard takes a new name."""
+    recs = _records(target, 8, seed=7)
+    data = _write(tmp_path / "d.jsonl", recs)
+    cfg = dict(target=str(tiny), data=data, dtype="fp16", layers="1", shard_tokens=60)
+    fresh, out = tmp_path / "fresh", tmp_path / "c"
+    run_cache(CacheConfig(**cfg, out=fresh))
+    run_cache(CacheConfig(**cfg, out=out))
+    m0 = json.loads((out / MANIFEST).read_text())
+    assert len(m0["shards"]) >= 4
+    first, second = out / m0["shards"][1]["file"], out / m0["shards"][2]["file"]
+    with open(first, "r+b") as f:
+        f.truncate(1000)
+    with open(second, "r+b") as f:
+        f.write(b"\xff" * 8)  # a header length past the end of the file
+    capsys.readouterr()
+    s = run_cache(CacheConfig(**cfg, out=out, resume=True))
+    err = capsys.readouterr().err
+    assert f"{first} has 1000 bytes, the manifest says {m0['shards'][1]['bytes']}" in err
+    assert f"{second} has no readable safetensors header" in err
+    lost = m0["shards"][1]["num_tokens"] + m0["shards"][2]["num_tokens"]
+    assert s["new_tokens"] == lost and s["num_samples"] == len(recs)
+    m = json.loads((out / MANIFEST).read_text())
+    assert m["complete"] and len({e["file"] for e in m["shards"]}) == len(m["shards"])
+    want = json.loads((fresh / MANIFEST).read_text())
+    assert {k: m[k] for k in ("num_samples", "num_tokens", "num_loss_tokens", "splits")} == \
+        {k: want[k] for k in ("num_samples", "num_tokens", "num_loss_tokens", "splits")}
+    got = {x.id: x for x in FeatureCache(out)}  # every shard's sha256 checked
+    assert sorted(got) == sorted(r["id"] for r in recs)
+    assert all(torch.equal(got[x.id].hidden[1], x.hidden[1]) for x in FeatureCache(fresh))
+    s = run_cache(CacheConfig(**cfg, out=out, resume=True))
+    assert s["new_tokens"] == 0  # nothing left to re-make

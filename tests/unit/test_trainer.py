@@ -496,3 +496,24 @@ def test_target_statistics_are_computed_once_per_window_and_reach_every_batch(ta
     off = Trainer(make_cfg(target_dir, cache_dir, tmp_path / "c"), CATALOGUE)
     off.fit()
     assert not off.model.seen and not off.data._stats
+
+
+def test_a_damaged_cache_shard_is_one_error_that_says_how_to_remake_it(target_dir, cache_dir, tmp_path):
+    """A truncated shard (a full disk, a half copy) was a SafetensorError traceback: it is a
+    DraftsmithError naming the shard and the `draftsmith cache --resume` that re-makes it; no
+    run directory is written."""
+    import shutil
+
+    broken = tmp_path / "cache"
+    shutil.copytree(cache_dir, broken)
+    shard = sorted(broken.glob("shard-*.safetensors"))[-1]
+    with open(shard, "r+b") as f:
+        f.truncate(1000)
+    out = tmp_path / "run"
+    with pytest.raises(DraftsmithError) as e:
+        Trainer(make_cfg(target_dir, broken, out), CATALOGUE).fit()
+    msg = str(e.value)
+    assert f"shard {shard.name} has 1000 bytes" in msg and "\n" not in msg
+    assert f"draftsmith cache --target {target_dir} --data " in msg and "--layers 0,1" in msg and "--dtype fp32" in msg
+    assert f"--out {broken} --resume" in msg
+    assert not out.exists()

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from tqdm import tqdm
 
 from draftsmith.data.cache_estimate import directory_bytes, estimate_bytes, plan_shards
@@ -37,7 +38,10 @@ from draftsmith.data.cache_format import (
     manifest_view,
     new_manifest,
     read_manifest,
+    rebuild_command,
     shard_name,
+    shard_problem,
+    split_label,
     write_json_atomic,
 )
 from draftsmith.data.cache_reader import FeatureCache
@@ -63,7 +67,8 @@ __all__ = [
     "CACHE_FORMAT_VERSION", "DEFAULT_SHARD_TOKENS", "KIND", "MANIFEST",
     "CacheConfig", "CacheWriter", "FeatureCache",
     "directory_bytes", "dump_manifest", "estimate_bytes", "file_sha256", "iter_records", "new_manifest",
-    "open_writer", "plan_shards", "read_manifest", "run_cache", "safetensors_size", "shard_name", "write_json_atomic",
+    "open_writer", "plan_shards", "read_manifest", "rebuild_command", "run_cache", "safetensors_size", "shard_name",
+    "shard_problem", "write_json_atomic",
     "write_safetensors_stream",
 ]
 
@@ -221,6 +226,7 @@ def _prepare_out(out: Path, cfg: CacheConfig, target_id: str, weights_hash: str,
                 raise DraftsmithError(
                     f"cannot resume {out}: it holds layers {m['layer_ids']} in {m['dtype']}, this run asks for "
                     f"{list(layer_ids)} in {dtype_name}; use the same flags or a new --out")
+            _drop_damaged_shards(out, m)
             _clean_strays(out, m)
             m["complete"] = False
             return m
@@ -244,6 +250,33 @@ def _remove_cache_files(out: Path, remove_dir: bool) -> None:
             f.unlink()
     if remove_dir and not any(out.iterdir()):
         out.rmdir()
+
+
+def _drop_damaged_shards(out: Path, m: dict) -> None:
+    """--resume: take every listed shard that is missing, truncated or has an unreadable header
+    out of the manifest (and delete it), so that its samples are cached again by this run."""
+    damaged = [(e, why) for e in m["shards"] if (why := shard_problem(out, e)) is not None]
+    if not damaged:
+        return
+    for e, why in damaged:
+        n = e["num_samples"]
+        print(f"[draftsmith] cache: {out / e['file']} {why}; its {n} sample{'s' if n != 1 else ''} will be cached "
+              "again", file=sys.stderr)
+        (out / e["file"]).unlink(missing_ok=True)
+    bad = {id(e) for e, _ in damaged}
+    m["shards"] = [e for e in m["shards"] if id(e) not in bad]
+    m["num_samples"] = sum(e["num_samples"] for e in m["shards"])
+    m["num_tokens"] = sum(e["num_tokens"] for e in m["shards"])
+    m["num_loss_tokens"] = 0
+    for e in m["shards"]:  # the loss tokens per shard are not in the manifest: count the kept ones' masks
+        with safe_open(str(out / e["file"]), "pt") as f:
+            m["num_loss_tokens"] += int(f.get_tensor("loss_mask").sum())
+    m["splits"] = {}
+    for e in m["shards"]:
+        for s in e["splits"]:
+            m["splits"][s] = m["splits"].get(s, 0) + 1
+    m["split"] = split_label(m["splits"])
+    write_json_atomic(out / MANIFEST, m)
 
 
 def _clean_strays(out: Path, m: dict) -> None:

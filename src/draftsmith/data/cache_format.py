@@ -26,6 +26,7 @@ tensor layout, and the manifest (new / dump / write / read).
 from __future__ import annotations
 
 import json
+import struct
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,43 @@ def shard_specs(layer_ids: Sequence[int], hidden_size: int, dtype: torch.dtype,
 def shard_metadata(samples: Sequence[dict]) -> dict[str, str]:
     return {"format": KIND, "format_version": str(CACHE_FORMAT_VERSION),
             "sample_ids": json.dumps([s["id"] for s in samples], ensure_ascii=False)}
+
+
+def shard_problem(cache_dir: Path, entry: Mapping[str, Any]) -> str | None:
+    """What is wrong with the shard a manifest entry lists, or None: it must exist, have the
+    manifest's size, a readable safetensors header and exactly the bytes that header describes
+    (a truncated or half-copied shard fails one of these). Reads the header only, not the data
+    (the sha256 is checked by the reader when it loads the shard)."""
+    f = Path(cache_dir) / entry["file"]
+    if not f.is_file():
+        return "is missing"
+    size = f.stat().st_size
+    want = entry.get("bytes")
+    if isinstance(want, int) and size != want:
+        return f"has {size} bytes, the manifest says {want} (truncated?)"
+    try:
+        with open(f, "rb") as fh:
+            head = fh.read(8)
+            n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+            if not 0 < n <= size - 8:
+                return "has no readable safetensors header"
+            header = json.loads(fh.read(n).decode("utf-8"))
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, RecursionError, AttributeError, KeyError, IndexError, TypeError):
+        return "has no readable safetensors header"
+    if 8 + n + end != size:
+        return f"has {size} bytes, its header describes {8 + n + end} (truncated?)"
+    return None
+
+
+def rebuild_command(cache_dir: Path, m: Mapping[str, Any], target: str | None = None) -> str:
+    """The `draftsmith cache --resume` command that completes the cache `cache_dir` (manifest `m`)
+    and re-makes its damaged shards; `target`: how to name the target (default: the manifest's id)."""
+    data = (m.get("data") or {}).get("path") or "DATA"
+    layers = ",".join(str(i) for i in m.get("layer_ids") or ())
+    dtype = f" --dtype {m['dtype']}" if m.get("dtype") not in (None, "fp16") else ""
+    return (f"draftsmith cache --target {target or (m.get('target') or {}).get('id')} --data {data} "
+            f"--layers {layers}{dtype} --out {cache_dir} --resume")
 
 
 # ---- manifest -------------------------------------------------------------------------

@@ -73,6 +73,9 @@ class CacheWriter:
             return
         m = self.manifest
         index = len(m["shards"])
+        listed = {s["file"] for s in m["shards"]}
+        while shard_name(index) in listed:  # a resume that dropped a damaged shard leaves a gap
+            index += 1
         name = shard_name(index)
         # Not fileio.atomic_write: its mkstemp temporary would leave shards mode 0600 instead
         # of the umask default. Same steps: write + fsync (write_safetensors_stream), rename,

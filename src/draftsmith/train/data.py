@@ -27,17 +27,18 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from safetensors import SafetensorError, safe_open
 
-from draftsmith.data.cache import FeatureCache, iter_records
+from draftsmith.data.cache import FeatureCache, iter_records, rebuild_command, shard_problem
 from draftsmith.data.features import FeatureSample, OnlineFeatures, record_tensors
 from draftsmith.data.sources.conversation import split_of
 from draftsmith.drafters.protocol import TrainBatch
 from draftsmith.errors import DraftsmithError
 from draftsmith.fileio import atomic_write
+from draftsmith.models.registry import BUILTIN_TARGETS
 from draftsmith.tensorfile import load_tensors, save_tensors
 from draftsmith.train.config import DataConfig
 
@@ -167,10 +168,17 @@ class TrainData:
         if len(cache) == 0:
             raise DraftsmithError(f"feature cache {path} holds no samples; regenerate data and cache it again")
         self.cache = cache
+        # how the rebuild command names the target: its alias, else its directory
+        self._target_arg = (target.target_id if target.target_id in BUILTIN_TARGETS
+                            else str(getattr(target, "path", target.target_id)))
+        for entry in cache.manifest["shards"]:  # every shard's header and size, before any work
+            why = shard_problem(path, entry)
+            if why is not None:
+                self._damaged(entry, why)
         self.samples: list[str] = []  # sample ids
         self.windows: list[Window] = []
         for si, entry in enumerate(cache.manifest["shards"]):
-            with safe_open(str(path / entry["file"]), "pt") as f:  # only ids/masks: cheap
+            with self._open_shard(entry) as f:  # only ids/masks: cheap
                 offsets = f.get_tensor("offsets")
                 loss_mask = f.get_tensor("loss_mask").bool()
             for k, sid in enumerate(entry["sample_ids"]):
@@ -184,6 +192,19 @@ class TrainData:
                 for s, e in windows_of(loss_mask[a:b], self.cfg.max_len):
                     self.windows.append(Window(len(self.samples) - 1, si, s, e))
         self.shard_count = len(cache.manifest["shards"])
+
+    def _damaged(self, entry: Mapping[str, Any], why: str) -> NoReturn:
+        path = Path(self.cfg.cache)
+        raise DraftsmithError(f"feature cache {path}: shard {entry['file']} {why}; re-make it with `"
+                              f"{rebuild_command(path, self.cache.manifest, self._target_arg)}` (it caches the "
+                              "samples of damaged shards again)")
+
+    def _open_shard(self, entry: Mapping[str, Any]):
+        """safe_open of a cache shard; a damaged one is a DraftsmithError that says how to re-make it."""
+        try:
+            return safe_open(str(Path(self.cfg.cache) / entry["file"]), "pt")
+        except (SafetensorError, OSError) as e:
+            self._damaged(entry, f"is unreadable ({' '.join(str(e).split())})")
 
     def _init_online(self, target) -> None:
         path = Path(self.cfg.regen)
@@ -372,7 +393,7 @@ class TrainData:
 
         wanted = set(self.samples)
         for entry in self.cache.manifest["shards"]:
-            with safe_open(str(Path(self.cfg.cache) / entry["file"]), "pt") as f:
+            with self._open_shard(entry) as f:
                 offsets, ids, mask = f.get_tensor("offsets"), f.get_tensor("input_ids").long(), f.get_tensor("loss_mask").bool()
             for k, sid in enumerate(entry["sample_ids"]):
                 if sid in wanted:
