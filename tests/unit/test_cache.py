@@ -274,3 +274,27 @@ def test_resume_remakes_a_truncated_or_unreadable_shard(tiny, target, tmp_path, 
     assert all(torch.equal(got[x.id].hidden[1], x.hidden[1]) for x in FeatureCache(fresh))
     s = run_cache(CacheConfig(**cfg, out=out, resume=True))
     assert s["new_tokens"] == 0  # nothing left to re-make
+
+
+def test_regen_data_that_is_not_utf8_is_one_error(tiny, target, tmp_path):
+    """cache / calibrate --data FILE read it with iter_records: a line that is not UTF-8 was a
+    UnicodeDecodeError traceback ('utf-16-le' when json.loads guessed that encoding from a zero
+    byte); now an error naming the line. A last line cut inside a character (a killed regen) is
+    still skipped as incomplete."""
+    import re
+
+    from draftsmith.data.regen_records import iter_records
+
+    good = json.dumps(_records(target, 1)[0]).encode() + b"\n"
+    data = tmp_path / "bin.json"
+    for bad, why in ((b"caf\xe9\n", "not UTF-8 text; give the JSONL file `draftsmith regen` wrote"),
+                     (b"\x9d\x00\x01\x02\n", "not UTF-8 text"), (b"a\x00b\x00\n", "not valid JSON")):
+        data.write_bytes(good + bad + good)
+        with pytest.raises(DraftsmithError, match=r"bin\.json:2: " + re.escape(why)):
+            list(iter_records(data))
+    data.write_bytes(good + b"caf\xe9\n")
+    with pytest.raises(DraftsmithError, match=r"bin\.json:2: not UTF-8 text"):
+        run_cache(CacheConfig(target=str(tiny), data=data, out=tmp_path / "c", dtype="fp32"))
+    assert not (tmp_path / "c").exists()
+    data.write_bytes(good + good[:-1].replace(b'"', b'"\xc3', 1)[:20])
+    assert len(list(iter_records(data))) == 1

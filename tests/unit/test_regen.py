@@ -452,3 +452,16 @@ def test_endpoint_retries_then_errors(tiny, tmp_path, fake_server):
     s = run_regen(_ecfg(tiny, tmp_path, f"{url}/bad", "bad"), conversations=convs[:1])
     assert s.errors == 1 and sum(1 for m, _ in st["requests"] if m == "bad") == 1
     assert "context length" in json.loads(errors_path(tmp_path / "bad.jsonl").read_text())["reason"]
+
+
+def test_scan_output_reads_lines_as_utf8(tmp_path):
+    """--resume's scan of the output: a line that is not UTF-8 is a damaged line (it was a
+    UnicodeDecodeError traceback), and a last line cut inside a character is dropped."""
+    out = tmp_path / "r.jsonl"
+    good = [(json.dumps({"id": f"x{i}", "v": "café"}, ensure_ascii=False) + "\n").encode() for i in range(2)]
+    out.write_bytes(good[0] + b"a\x00b\x00\n" + good[1])
+    with pytest.raises(DraftsmithError, match=r"r\.jsonl:2 is not a complete regen record"):
+        scan_output(out)
+    out.write_bytes(good[0] + good[1][:-4])  # cut between the two bytes of "é"
+    done, dropped = scan_output(out)
+    assert list(done) == ["x0"] and dropped == len(good[1]) - 4 and out.read_bytes() == good[0]

@@ -119,3 +119,12 @@ def test_layer_ids_checked_against_the_real_target_depth(tiny_model_dir, tmp_pat
 def test_shipped_recipes_parse(recipe):
     cfg = load_train_config(recipe, check_target=False)  # the registry's trainable kinds
     assert cfg.target == "smollm2-135m" and cfg.kind in recipe.stem
+
+
+def test_a_recipe_that_is_not_text_is_one_error(tmp_path):
+    """A binary or non-UTF-8 --config was a UnicodeDecodeError traceback."""
+    for i, raw in enumerate((b"\x9d\x00\xff\xfe binary", "train: {lr: 1e-3}  # caf\xe9\n".encode("latin-1"))):
+        f = tmp_path / f"bin{i}.json"
+        f.write_bytes(raw)
+        with pytest.raises(DraftsmithError, match=r"recipe .*bin\d\.json is not UTF-8 text; give a recipe YAML file"):
+            load_train_config(f, catalogue=CATALOGUE, check_target=False)

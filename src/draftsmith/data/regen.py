@@ -209,8 +209,8 @@ def _prepare_output(cfg: RegenConfig, target_info: Mapping[str, Any], sampling: 
         keep = []
         for line in errs.read_bytes().splitlines(keepends=True):
             try:
-                rid = json.loads(line).get("id")
-            except (json.JSONDecodeError, AttributeError):
+                rid = json.loads(line.decode("utf-8")).get("id")
+            except (ValueError, AttributeError):  # not JSON (or not UTF-8): dropped
                 continue
             if rid not in run_ids and line.endswith(b"\n"):
                 keep.append(line)

@@ -81,8 +81,8 @@ def scan_output(path: Path, repair: bool = True) -> tuple[dict[str, dict], int]:
         rec = None
         if line.strip():
             try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
+                rec = _loads(line)
+            except ValueError:  # not JSON, or not UTF-8
                 rec = None
             last = data[end:].strip() == b""
             if rec is None or nl < 0 or not isinstance(rec, dict) or "id" not in rec:
@@ -123,8 +123,8 @@ def iter_records(path: Path) -> Iterator[dict]:
             n, line = prev
             if not line.endswith(b"\n"):
                 try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
+                    rec = _loads(line)
+                except ValueError:  # not JSON, or cut inside a UTF-8 character
                     print(f"[draftsmith] warning: {path}:{n} is an incomplete last line (a killed run?); "
                           "skipped", file=sys.stderr)
                     return
@@ -133,11 +133,19 @@ def iter_records(path: Path) -> Iterator[dict]:
                 yield _parse_record(path, n, line)
 
 
+def _loads(line: bytes) -> Any:
+    """One JSON line read as UTF-8 (json.loads of bytes guesses UTF-16 / UTF-32 from the first
+    bytes, and its UnicodeDecodeError is no JSONDecodeError); ValueError when it is neither."""
+    return json.loads(line.decode("utf-8-sig"))
+
+
 def _parse_record(path: Path, n: int, line: bytes) -> dict:
     try:
-        rec = json.loads(line)
+        rec = _loads(line)
     except json.JSONDecodeError as e:
         raise DraftsmithError(f"{path}:{n}: not valid JSON ({e.msg}); the regen file is damaged") from None
+    except UnicodeDecodeError:
+        raise DraftsmithError(f"{path}:{n}: not UTF-8 text; give the JSONL file `draftsmith regen` wrote") from None
     if not isinstance(rec, dict) or "id" not in rec:
         raise DraftsmithError(f"{path}:{n}: expected a regen record object with an 'id'")
     return rec

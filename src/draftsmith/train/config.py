@@ -275,9 +275,12 @@ def read_recipe(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise DraftsmithError(f"recipe {path} does not exist")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
         raise DraftsmithError(f"recipe {path} is not valid YAML: {' '.join(str(e).split())}") from None
+    except UnicodeDecodeError:
+        raise DraftsmithError(f"recipe {path} is not UTF-8 text; give a recipe YAML file "
+                              "(e.g. recipes/smollm2-135m-dspark.yaml)") from None
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
