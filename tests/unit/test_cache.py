@@ -298,3 +298,18 @@ def test_regen_data_that_is_not_utf8_is_one_error(tiny, target, tmp_path):
     assert not (tmp_path / "c").exists()
     data.write_bytes(good + good[:-1].replace(b'"', b'"\xc3', 1)[:20])
     assert len(list(iter_records(data))) == 1
+
+
+def test_regen_data_nested_too_deeply_is_one_error(tiny, target, tmp_path):
+    """cache / calibrate --data: a line of 5000 `[` was a RecursionError traceback."""
+    from draftsmith.data.regen_records import iter_records, scan_output
+
+    good = json.dumps(_records(target, 1)[0]) + "\n"
+    data = tmp_path / "deep.jsonl"
+    data.write_text(good + "[" * 5000 + "\n" + good)
+    with pytest.raises(DraftsmithError, match=r"deep\.jsonl:2: JSON nested too deeply to read"):
+        list(iter_records(data))
+    with pytest.raises(DraftsmithError, match=r"deep\.jsonl:2 is not a complete regen record"):
+        scan_output(data)  # regen --resume's reading of its output
+    data.write_text(good + "[" * 5000)  # an incomplete last line: skipped, as before
+    assert len(list(iter_records(data))) == 1

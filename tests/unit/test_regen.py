@@ -465,3 +465,13 @@ def test_scan_output_reads_lines_as_utf8(tmp_path):
     out.write_bytes(good[0] + good[1][:-4])  # cut between the two bytes of "é"
     done, dropped = scan_output(out)
     assert list(done) == ["x0"] and dropped == len(good[1]) - 4 and out.read_bytes() == good[0]
+
+
+def test_a_prompt_file_nested_too_deeply_is_one_error(tmp_path):
+    """regen --mix FILE.jsonl: a line of 5000 `[` was a RecursionError traceback."""
+    from draftsmith.data.sources import load_mix
+
+    f = tmp_path / "deep.jsonl"
+    f.write_text('{"prompt": "hi"}\n' + "[" * 5000 + "\n")
+    with pytest.raises(DraftsmithError, match=r"deep\.jsonl:2: JSON nested too deeply to read"):
+        load_mix(str(f))

@@ -128,3 +128,27 @@ def test_a_recipe_that_is_not_text_is_one_error(tmp_path):
         f.write_bytes(raw)
         with pytest.raises(DraftsmithError, match=r"recipe .*bin\d\.json is not UTF-8 text; give a recipe YAML file"):
             load_train_config(f, catalogue=CATALOGUE, check_target=False)
+
+
+def test_recipes_that_would_recurse_forever_are_one_error(tmp_path):
+    """A YAML alias inside itself (`a: &a [*a]`), deep nesting and aliases of aliases were a
+    RecursionError traceback (or a hang); so were the same in a KEY=VALUE override."""
+    laughs = "a0: &a0 [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]\n" for i in range(1, 8))
+    for text, why in (("a: &a [*a]\n", r"a YAML alias refers to a list or mapping that contains it"),
+                      ("train: {betas: &b [0.9, {x: *b}]}\n", "contains it"),
+                      ("a: " + "[" * 5000 + "]" * 5000 + "\n", "is nested too deeply to read"),
+                      ("a: " + "[" * 40 + "]" * 40 + "\n", "is nested more than 32 levels deep"),
+                      (laughs, "expands to more than 100000 values")):
+        f = tmp_path / "r.yaml"
+        f.write_text(text)
+        with pytest.raises(DraftsmithError, match=r"recipe .*r\.yaml.*" + why):
+            load_train_config(f, catalogue=CATALOGUE, check_target=False)
+    shared = tmp_path / "shared.yaml"  # an alias used twice is fine: the recipe is read to its fields
+    shared.write_text("drafter: &d {kind: head}\nout: runs/a\ndata: {cache: c}\nx_unused: *d\n")
+    with pytest.raises(DraftsmithError, match="x_unused: unknown field"):
+        load_train_config(shared, catalogue=CATALOGUE, check_target=False)
+    with pytest.raises(DraftsmithError, match=r"override train\.betas=…: a YAML alias"):
+        apply_overrides({}, ["train.betas=&a [*a]"])
+    with pytest.raises(DraftsmithError, match=r"override train\.betas=…: the value is nested too deeply"):
+        apply_overrides({}, ["train.betas=" + "[" * 5000])

@@ -82,7 +82,7 @@ def scan_output(path: Path, repair: bool = True) -> tuple[dict[str, dict], int]:
         if line.strip():
             try:
                 rec = _loads(line)
-            except ValueError:  # not JSON, or not UTF-8
+            except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested too deeply
                 rec = None
             last = data[end:].strip() == b""
             if rec is None or nl < 0 or not isinstance(rec, dict) or "id" not in rec:
@@ -124,7 +124,7 @@ def iter_records(path: Path) -> Iterator[dict]:
             if not line.endswith(b"\n"):
                 try:
                     rec = _loads(line)
-                except ValueError:  # not JSON, or cut inside a UTF-8 character
+                except (ValueError, RecursionError):  # not JSON, or cut inside a UTF-8 character
                     print(f"[draftsmith] warning: {path}:{n} is an incomplete last line (a killed run?); "
                           "skipped", file=sys.stderr)
                     return
@@ -146,6 +146,9 @@ def _parse_record(path: Path, n: int, line: bytes) -> dict:
         raise DraftsmithError(f"{path}:{n}: not valid JSON ({e.msg}); the regen file is damaged") from None
     except UnicodeDecodeError:
         raise DraftsmithError(f"{path}:{n}: not UTF-8 text; give the JSONL file `draftsmith regen` wrote") from None
+    except RecursionError:
+        raise DraftsmithError(f"{path}:{n}: JSON nested too deeply to read; a regen record is a flat object "
+                              "(give the JSONL file `draftsmith regen` wrote)") from None
     if not isinstance(rec, dict) or "id" not in rec:
         raise DraftsmithError(f"{path}:{n}: expected a regen record object with an 'id'")
     return rec

@@ -241,6 +241,9 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
             parsed = yaml.safe_load(value) if value.strip() else None
         except yaml.YAMLError:
             parsed = value
+        except RecursionError:
+            raise DraftsmithError(f"override {key}=…: the value is nested too deeply to read") from None
+        _check_tree(parsed, f"override {key}=…")
         if isinstance(parsed, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
             try:
                 parsed = float(parsed) if parsed.strip().lower() not in ("nan", "inf", "-inf", "infinity") else parsed
@@ -257,6 +260,42 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
             node = nxt
         node[parts[-1]] = parsed
     return out
+
+
+_MAX_DEPTH = 32  # a recipe is sections of values and short lists
+_MAX_VALUES = 100_000  # values after expanding aliases (an alias repeated inside aliases grows exponentially)
+
+
+def _check_tree(node: Any, where: str) -> None:
+    """Refuse what YAML aliases can build and a recipe never needs, before anything recurses into
+    it: a list or mapping that contains itself (`a: &a [*a]`: a RecursionError otherwise), deep
+    nesting, and aliases that expand to more values than memory holds."""
+    memo: dict[int, int] = {}  # id -> values under it: a shared node is counted once
+    on_path: set[int] = set()
+
+    def measure(n: Any) -> int:
+        if not isinstance(n, (dict, list)):
+            return 1
+        key = id(n)
+        if key in on_path:
+            raise DraftsmithError(f"{where}: a YAML alias refers to a list or mapping that contains it (e.g. "
+                                  "`a: &a [*a]`); write the value out instead")
+        if key not in memo:
+            if len(on_path) >= _MAX_DEPTH:
+                raise DraftsmithError(f"{where} is nested more than {_MAX_DEPTH} levels deep; a recipe holds "
+                                      "sections of plain values")
+            on_path.add(key)
+            values = 1
+            for child in (n.values() if isinstance(n, dict) else n):
+                values += measure(child)
+                if values > _MAX_VALUES:
+                    raise DraftsmithError(f"{where} expands to more than {_MAX_VALUES} values (aliases repeated "
+                                          "inside aliases); write the recipe out")
+            on_path.discard(key)
+            memo[key] = values
+        return memo[key]
+
+    measure(node)
 
 
 def _deepcopy(d: Any) -> Any:
@@ -281,6 +320,10 @@ def read_recipe(path: str | Path) -> dict[str, Any]:
     except UnicodeDecodeError:
         raise DraftsmithError(f"recipe {path} is not UTF-8 text; give a recipe YAML file "
                               "(e.g. recipes/smollm2-135m-dspark.yaml)") from None
+    except RecursionError:
+        raise DraftsmithError(f"recipe {path} is nested too deeply to read; a recipe holds sections of plain "
+                              "values") from None
+    _check_tree(raw, f"recipe {path}")
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):

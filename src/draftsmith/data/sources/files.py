@@ -144,6 +144,9 @@ class JsonlSource(_FileSource):
                 except json.JSONDecodeError as err:
                     yield number, BadRecord(str(self.path), number,
                                             f"invalid JSON: {err.msg} at column {err.colno}")
+                except RecursionError:
+                    yield number, BadRecord(str(self.path), number, "JSON nested too deeply to read "
+                                            "(a prompt record is an object of messages)")
 
 
 @dataclass(frozen=True)
