@@ -475,3 +475,16 @@ def test_a_prompt_file_nested_too_deeply_is_one_error(tmp_path):
     f.write_text('{"prompt": "hi"}\n' + "[" * 5000 + "\n")
     with pytest.raises(DraftsmithError, match=r"deep\.jsonl:2: JSON nested too deeply to read"):
         load_mix(str(f))
+
+
+def test_a_bad_prompt_record_says_what_a_cli_user_can_do(tmp_path):
+    """regen --mix FILE: the error for a bad record told CLI users to "pass on_error='skip'",
+    which no flag does; it says to fix or remove the line."""
+    from draftsmith.data.sources import load_mix
+
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "hi"}\n{"input_ids": [1, 2]}\n')
+    with pytest.raises(DraftsmithError) as e:
+        load_mix(str(f))
+    assert str(e.value).endswith("p.jsonl:2: needs exactly one of 'messages' (chat list) or 'prompt' (string); "
+                                 "fix or remove that line and run again"), str(e.value)

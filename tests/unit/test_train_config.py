@@ -152,3 +152,9 @@ def test_recipes_that_would_recurse_forever_are_one_error(tmp_path):
         apply_overrides({}, ["train.betas=&a [*a]"])
     with pytest.raises(DraftsmithError, match=r"override train\.betas=…: the value is nested too deeply"):
         apply_overrides({}, ["train.betas=" + "[" * 5000])
+
+
+def test_a_recipe_that_is_a_directory_is_named_so(tmp_path):
+    """`train --config /tmp` said "recipe /tmp does not exist"."""
+    with pytest.raises(DraftsmithError, match=r"recipe .* is a directory; give the recipe YAML file"):
+        load_train_config(tmp_path, catalogue=CATALOGUE, check_target=False)

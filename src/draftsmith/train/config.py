@@ -311,6 +311,9 @@ def _deepcopy(d: Any) -> Any:
 
 def read_recipe(path: str | Path) -> dict[str, Any]:
     path = Path(path)
+    if path.is_dir():
+        raise DraftsmithError(f"recipe {path} is a directory; give the recipe YAML file "
+                              "(e.g. recipes/smollm2-135m-dspark.yaml)")
     if not path.is_file():
         raise DraftsmithError(f"recipe {path} does not exist")
     try:

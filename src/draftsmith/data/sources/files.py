@@ -81,6 +81,8 @@ class _FileSource:
     heldout_fraction: float = FALLBACK_HELDOUT_FRACTION
     skipped: list[BadRecord] | None = field(default=None, compare=False, repr=False)
 
+    unit = "line"  # what a record is in the file, for errors
+
     @property
     def name(self) -> str:
         return f"file:{Path(self.path).name}"
@@ -112,9 +114,9 @@ class _FileSource:
                                                  self.heldout_fraction)
             except (ValueError, DraftsmithError) as err:
                 problem = BadRecord(str(self.path), line, str(err))
-                if self.on_error == "raise":
-                    raise DraftsmithError(f"{problem} (pass on_error='skip' to drop bad "
-                                          "records)") from err
+                if self.on_error == "raise":  # (the Python API's on_error="skip" drops bad records)
+                    raise DraftsmithError(f"{problem}; fix or remove that {self.unit} and run "
+                                          "again") from err
                 bad += 1
                 log.debug("skipping %s", problem)
                 if self.skipped is not None:
@@ -155,6 +157,7 @@ class ParquetSource(_FileSource):
     (string) column and an optional `id` column; read in batches, never all at once."""
 
     batch_rows: int = 1024
+    unit = "row"
 
     def _records(self) -> Iterator[tuple[int, Any]]:
         import pyarrow as pa  # imported here: only Parquet users pay for it
