@@ -238,3 +238,32 @@ def test_top_p_from_leading_tokens_equals_a_full_sort(scale, top_p) -> None:
     want = logits >= srt.gather(-1, n_keep - 1)
     assert torch.equal(got, want)
     assert int(n_keep.max()) > 256 or scale > 0.5  # the flat cases do need the escalation
+
+
+def test_position_uniforms_are_splitmix64_of_seed_and_position():
+    """core/warp.py's vectorised uniforms equal SplitMix64 written out on Python ints (the
+    definition seeded requests' reproducibility rests on), for any seed (negative, past 2^63),
+    any start and many rows at once."""
+    import random
+
+    from draftsmith.core.warp import position_uniforms, position_uniforms_rows
+
+    M = (1 << 64) - 1
+
+    def mix(x: int) -> int:
+        x = (x + 0x9E3779B97F4A7C15) & M
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & M
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & M
+        return x ^ (x >> 31)
+
+    def reference(seed: int, start: int, n: int) -> list[float]:
+        s = mix(seed & M)
+        return [(mix(s ^ mix(t)) >> 11) * 2.0 ** -53 for t in range(start, start + n)]
+
+    rng = random.Random(0)
+    keys = [(rng.choice([0, -5, 2**63 - 1, 2**64 - 1, rng.getrandbits(64)]), rng.randrange(10**6)) for _ in range(200)]
+    rows = position_uniforms_rows(keys, 9)
+    assert rows.dtype == torch.float64 and rows.shape == (200, 9)
+    assert rows.tolist() == [reference(s, t, 9) for s, t in keys]
+    assert position_uniforms(*keys[0], 9).tolist() == reference(*keys[0], 9)
+    assert 0.0 <= float(rows.min()) and float(rows.max()) < 1.0

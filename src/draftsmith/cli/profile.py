@@ -18,7 +18,9 @@ def add_parser(sub) -> None:
     p.add_argument("--max-batch", type=positive_int, default=8, help="rows of the SPS(B) table (as generate / serve)")
     p.add_argument("--num-speculative-tokens", "-k", type=int_in(1, 64), default=7, metavar="K",
                    help="longest verify block of the SPS(B) table (max-batch x (k + 1) tokens)")
-    p.add_argument("--context-len", type=int, default=200, help="cached tokens per row while timing")
+    p.add_argument("--context-len", type=int, default=256,
+                   help="cached tokens per row while timing (256: what the prefix scheduler profiles with, so "
+                        "the table stored here is the one it reads)")
     p.add_argument("--repeats", type=positive_int, default=7, help="timed forwards per point (median)")
     p.add_argument("--json", action="store_true", help="print the profile as JSON")
     p.set_defaults(func=cmd_profile)

@@ -42,7 +42,7 @@ from collections.abc import Sequence
 import torch
 
 from draftsmith.core.types import Proposal, VerifyResult
-from draftsmith.core.warp import draw_uniforms, inverse_cdf, position_uniforms
+from draftsmith.core.warp import draw_uniforms, inverse_cdf, position_uniforms_rows
 from draftsmith.errors import DraftsmithError
 
 # Residual mass below this is float noise from p ≈ q (a rejection there has probability of
@@ -164,7 +164,7 @@ def _coupled(tokens, lengths, valid, p, keys, num_accepted, final_token):
     keyed rows replaced."""
     B, K1, V = p.shape
     idx = [b for b, k in enumerate(keys) if k is not None]
-    u = torch.stack([position_uniforms(keys[b][0], keys[b][1], K1, p.device) for b in idx])  # [n, K+1]
+    u = position_uniforms_rows([keys[b] for b in idx], K1, p.device)  # [n, K+1]
     y = inverse_cdf(p[idx].reshape(-1, V), u.reshape(-1)).view(len(idx), K1)  # [n, K+1]
     match = (tokens[idx] == y[:, : K1 - 1]) & valid[idx]  # [n, K]
     m = match.long().cumprod(dim=-1).sum(dim=-1)  # [n]

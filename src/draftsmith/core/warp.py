@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from draftsmith.core.sampling import SamplingParams
@@ -86,25 +87,35 @@ def draw_uniforms(n: int, generator: torch.Generator | None, device: torch.devic
 _MASK64 = (1 << 64) - 1
 
 
-def _splitmix64(x: int) -> int:
-    """A 64-bit mixing function (SplitMix64's finaliser): consecutive inputs give
-    statistically independent outputs."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """A 64-bit mixing function (SplitMix64's finaliser), elementwise on uint64 arrays (their
+    arithmetic wraps mod 2**64): consecutive inputs give statistically independent outputs."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
 
 
-def position_uniforms(seed: int, start: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Uniforms in [0, 1) for output positions start .. start+n-1 of a request seeded `seed`,
-    float64 [n]: a pure function of (seed, position), never of how many were drawn before.
+def position_uniforms_rows(keys: Sequence[tuple[int, int]], n: int,
+                           device: torch.device | str = "cpu") -> torch.Tensor:
+    """Uniforms in [0, 1) for output positions start .. start+n-1 of requests seeded `seed`,
+    one row per (seed, start) of `keys`, float64 [rows, n]: a pure function of (seed, position),
+    never of how many were drawn before (u = top 53 bits of splitmix(splitmix(seed) ^
+    splitmix(t)), scaled by 2^-53: exact in float64).
 
     This is what makes a seeded request reproducible whatever the policy, batch and load:
     position t's token is always inverse_cdf(p_t, u_t), however many drafts were verified in
     the round that reached t (core/verify.py, "keys")."""
-    s = _splitmix64(int(seed) & _MASK64)
-    vals = [(_splitmix64(s ^ _splitmix64(t)) >> 11) * 2.0 ** -53 for t in range(start, start + n)]
-    return torch.tensor(vals, dtype=torch.float64, device=device)
+    seeds = np.array([int(s) & _MASK64 for s, _ in keys], dtype=np.uint64)
+    starts = np.array([int(t) for _, t in keys], dtype=np.uint64)
+    t = starts[:, None] + np.arange(n, dtype=np.uint64)[None, :]
+    bits = _splitmix64(_splitmix64(seeds)[:, None] ^ _splitmix64(t)) >> np.uint64(11)
+    return torch.from_numpy(bits.astype(np.float64) * 2.0 ** -53).to(device)
+
+
+def position_uniforms(seed: int, start: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """position_uniforms_rows of one request: float64 [n]."""
+    return position_uniforms_rows([(seed, start)], n, device)[0]
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -126,19 +126,19 @@ def load_decoder(
         state.pop("lm_head.weight", None)
     with torch.device("meta"):
         model = Decoder(cfg)
-    missing = [k for k in model.state_dict() if k not in state and not (cfg.tie_word_embeddings and k == "lm_head.weight")]
+    expected = model.state_dict()  # (once: it was rebuilt for every tensor of the checkpoint)
+    missing = [k for k in expected if k not in state and not (cfg.tie_word_embeddings and k == "lm_head.weight")]
     if missing:
         raise DraftsmithError(
             f"weights in {path} are missing {len(missing)} tensors (first: {missing[0]}); "
             "the checkpoint is incomplete or not a decoder of a supported family (decoder.SUPPORTED_MODEL_TYPES)"
         )
-    unexpected = [k for k in state if k not in model.state_dict()]
+    unexpected = [k for k in state if k not in expected]
     if unexpected:
         raise DraftsmithError(
             f"weights in {path} have unexpected tensors (first: {unexpected[0]}); "
             "not a decoder of a supported family (decoder.SUPPORTED_MODEL_TYPES) checkpoint"
         )
-    expected = model.state_dict()
     wrong = [k for k, v in state.items() if tuple(v.shape) != tuple(expected[k].shape)]
     if wrong:
         k = wrong[0]
