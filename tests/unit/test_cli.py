@@ -253,12 +253,13 @@ def test_vllms_names_for_the_batch_and_context_limits():
 def test_a_kv_cache_that_cannot_fit_is_refused_with_the_numbers(tiny_model_dir):
     """--max-batch / --max-len past the free memory: one line with the size, before allocating
     (it was an out-of-memory kill of the process); K past 64 is a usage error on every job."""
+    from draftsmith.errors import DraftsmithError
     from draftsmith.models.kv_cache import KVCache, free_memory
 
     free = free_memory("cpu")
     if free is None:
         pytest.skip("no /proc/meminfo here")
-    with pytest.raises(Exception, match=r"needs \d+\.\d GiB; cpu memory has \d+\.\d GiB free: lower --max-batch"):
+    with pytest.raises(DraftsmithError, match=r"needs \d+\.\d GiB; cpu memory has \d+\.\d GiB free: lower --max-batch"):
         KVCache(num_layers=30, max_rows=10**6, num_kv_heads=3, max_len=2048, head_dim=64)
     _one_line_error(_run("generate", "--target", str(tiny_model_dir("llama", seed=0)), "--prompt", "x",
                          "--max-batch", "100000000"), "lower --max-batch or --max-len")
