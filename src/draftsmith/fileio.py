@@ -71,3 +71,5 @@ def read_json(path: Path, what: str = "file") -> Any:
         raise DraftsmithError(f"{what} {path} is not valid JSON ({e.msg} at line {e.lineno})") from None
     except UnicodeDecodeError:
         raise DraftsmithError(f"{what} {path} is not UTF-8 text") from None
+    except RecursionError:
+        raise DraftsmithError(f"{what} {path} is JSON nested too deeply to read") from None

@@ -85,3 +85,12 @@ def test_a_drafter_directory_given_as_the_target(_run):
 
     _one_line_error(_run("generate", "--target", resolve("dspark", "smollm2-135m"), "--prompt", "x"),
                     "holds a dspark drafter, not a target model", "--drafter dspark:DIR")
+
+
+def test_deep_json_in_a_config_file_and_long_schema_text(_run, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("[" * 5000)
+    _one_line_error(_run("export", "--drafter", f"dspark:{ckpt}", "--format", "speculators", "--out",
+                         str(tmp_path / "o")), "nested too deeply")
+    _one_line_error(_run("bench", "--json-schema", "[" * 5000, "--out", str(tmp_path / "b")), "no such file")

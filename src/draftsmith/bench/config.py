@@ -226,7 +226,7 @@ class BenchConfig:
         if self.json_schema is not None:
             try:
                 schema = json.loads(self.json_schema)
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:
                 raise DraftsmithError(f"--json-schema is not JSON ({e}); give a schema object or a file holding one") from None
             if not isinstance(schema, dict):
                 raise DraftsmithError(f"--json-schema must be a JSON object (a schema), got {type(schema).__name__}")

@@ -45,8 +45,12 @@ def json_text_or_file(src: str, flag: str) -> str:
     if src.lstrip().startswith("{"):
         return src
     f = Path(src)
-    if not f.is_file():
-        raise DraftsmithError(f"{flag} {src}: no such file (give a file or the JSON object's text)")
+    try:
+        found = f.is_file()
+    except OSError:  # (text too long to be a file name: JSON that does not start with "{")
+        found = False
+    if not found:
+        raise DraftsmithError(f"{flag} {src[:60]}: no such file (give a file or the JSON object's text)")
     try:
         return f.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:

@@ -79,6 +79,9 @@ def read_checkpoint_config(ckpt_dir: str | Path) -> dict[str, Any]:
         raw = json.loads(f.read_text())
     except json.JSONDecodeError as e:
         raise DraftsmithError(f"{f} is not valid JSON ({e.msg} at line {e.lineno}); the checkpoint is damaged") from None
+    except (RecursionError, UnicodeDecodeError):
+        raise DraftsmithError(f"{f} is not a readable JSON object (nested too deeply, or not UTF-8); the checkpoint is "
+                              "damaged") from None
     if not isinstance(raw, dict) or "kind" not in raw:
         raise DraftsmithError(f"{f} has no 'kind'; not a Draftsmith drafter checkpoint")
     for k in ("target_id", "target_weights_hash"):
