@@ -309,6 +309,8 @@ class LLM:
         while any(not s.finished for s in seqs):
             self.engine.step()
         wall = time.perf_counter() - t0
+        for s in seqs:  # (each sample its prompt, as vLLM counts its child requests)
+            self._totals.add(len(s.prompt_ids), len(s.output_ids), s.finish_reason or "stop", s.stats)
         failed = next((s for s in seqs if s.finish_reason == "error"), None)
         if failed is not None:  # (a grammar the engine gave up on: the other requests ran to their end)
             raise DraftsmithError(f"request {failed.request_id}: {failed.error}")
@@ -321,8 +323,6 @@ class LLM:
             )
             for g, t in zip(groups, texts)
         ]
-        for s in seqs:  # (each sample its prompt, as vLLM counts its child requests)
-            self._totals.add(len(s.prompt_ids), len(s.output_ids), s.finish_reason or "stop", s.stats)
         surv_p: list[int] = []
         surv_a: list[int] = []
         for s in seqs:

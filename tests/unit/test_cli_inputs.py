@@ -40,6 +40,9 @@ def tiny(tiny_model_dir):
     ([], "'messages' must be a non-empty list"),
     ([{"role": "user", "content": {"a": 1}}], "'messages' must be a non-empty list"),
     ([{"role": "assistant", "content": "x"}, {"role": "tool", "content": "y"}], None),  # the template's own verdict
+    ([{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+      {"role": "tool", "tool_call_id": "c", "content": "1"}], None),  # (OpenAI's shape of a call: content null)
 ])
 def test_prompt_file_messages_of_the_wrong_shape(_run, tiny, tmp_path, messages, needle):
     f = tmp_path / "p.jsonl"
@@ -94,3 +97,29 @@ def test_deep_json_in_a_config_file_and_long_schema_text(_run, tmp_path):
     _one_line_error(_run("export", "--drafter", f"dspark:{ckpt}", "--format", "speculators", "--out",
                          str(tmp_path / "o")), "nested too deeply")
     _one_line_error(_run("bench", "--json-schema", "[" * 5000, "--out", str(tmp_path / "b")), "no such file")
+
+
+def test_a_cgroup_limit_bounds_the_free_memory(monkeypatch):
+    """In a memory-limited container MemAvailable is the host's: the cgroup's limit minus its
+    usage (page cache it may reclaim counted as free) is what a KV cache may take."""
+    import builtins
+    import io
+
+    from draftsmith.models import kv_cache
+
+    files = {"/proc/meminfo": "MemTotal: 100000000 kB\nMemAvailable: 50000000 kB\n",
+             "/sys/fs/cgroup/memory.max": "8589934592\n", "/sys/fs/cgroup/memory.current": "6442450944\n",
+             "/sys/fs/cgroup/memory.stat": "anon 1\ninactive_file 1073741824\n"}
+    real = builtins.open
+
+    def fake(path, *a, **kw):
+        if str(path) in files:
+            return io.StringIO(files[str(path)])
+        if str(path).startswith(("/sys/fs/cgroup", "/proc/meminfo")):
+            raise FileNotFoundError(path)
+        return real(path, *a, **kw)
+
+    monkeypatch.setattr(builtins, "open", fake)
+    assert kv_cache.free_memory("cpu") == 8589934592 - 6442450944 + 1073741824  # 3 GiB, not the host's 47.7
+    files["/sys/fs/cgroup/memory.max"] = "max\n"  # (no limit: the host's MemAvailable)
+    assert kv_cache.free_memory("cpu") == 50000000 * 1024

@@ -140,10 +140,22 @@ def test_a_grammar_the_engine_gives_up_on_ends_its_request_alone(tiny):
         llm.engine.step()
     assert seqs[0].finish_reason == "error" and "gave up on this request's grammar" in seqs[0].error
     assert "<state>" not in seqs[0].error  # (llguidance's state dump is not the client's)
+    assert len(seqs[0].output_ids) <= 1 and all(
+        llm.engine.decode([t]).strip("a") == "" for t in seqs[0].output_ids), seqs[0].output_ids
     assert seqs[1].finish_reason == "length" and seqs[1].output_ids == alone
     with pytest.raises(DraftsmithError, match="request .*: structured outputs: the grammar engine gave up"):
         llm.generate(["x"], bad)
     assert not llm.engine.has_unfinished() and len(llm.engine.free_rows) == 4
+    # llguidance's copies of one compiled grammar share the lexer state whose limit A hit: B, on
+    # the same grammar's other branch, must not inherit A's failure (the grammar is compiled afresh)
+    tok = lambda c: llm.encode(c, add_special_tokens=False)[-1]  # noqa: E731
+    spec = SO(regex="b+|ca{99999999}")
+    steer = lambda *cs: SamplingParams(max_tokens=8, temperature=0.0, structured_outputs=spec,  # noqa: E731
+                                       logit_bias={tok(c): 100.0 for c in cs})
+    with pytest.raises(DraftsmithError, match="gave up"):
+        llm.generate(["x"], steer("c", "a"))
+    b = llm.generate(["x"], steer("b"))[0]
+    assert b.finish_reason == "length" and set(b.text) == {"b"}
 
 
 def _check(spec: SO, text: str) -> None:

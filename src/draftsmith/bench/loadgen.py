@@ -157,7 +157,7 @@ def _engine_record(req: BenchRequest, seq, t0: float, t_arr: float, st: dict, t_
         ttft=None if first is None else first - t_arr, e2e=t_end - t_arr,
         deliveries=st["deliveries"], output_tokens=len(seq.output_ids),
         output_sha=sha_of_ids(seq.output_ids), finish_reason=seq.finish_reason,
-        error="aborted" if seq.finish_reason == "abort" else None,
+        error="aborted" if seq.finish_reason == "abort" else seq.error if seq.finish_reason == "error" else None,
         proposed=s.proposed, accepted=s.accepted, rounds=s.rounds, committed=s.committed,
         target_forwards=s.target_forwards, proposed_at=list(s.proposed_at), accepted_at=list(s.accepted_at),
         prompt_tokens=len(seq.prompt_ids), cached_tokens=s.cached_tokens,

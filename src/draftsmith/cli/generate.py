@@ -67,9 +67,11 @@ def read_prompts(args) -> list:
                 if isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
                     prompts.append(rec["prompt"])
                 elif isinstance(rec, dict) and isinstance(rec.get("messages"), list):
-                    if not rec["messages"] or not all(
+                    if not rec["messages"] or not all(  # (content null: an assistant message with tool_calls)
                             isinstance(m, dict) and isinstance(m.get("role"), str)
-                            and isinstance(m.get("content"), (str, list)) for m in rec["messages"]):
+                            and (isinstance(m.get("content"), (str, list))
+                                 or m.get("content") is None and isinstance(m.get("tool_calls"), list))
+                            for m in rec["messages"]):
                         raise DraftsmithError(f"{f}:{n}: 'messages' must be a non-empty list of "
                                               '{"role": ..., "content": "..."} objects')
                     prompts.append(rec["messages"])

@@ -112,18 +112,27 @@ def check_listen(host: str, port: int) -> None:
     server holds, a host that is not this machine's)."""
     import socket
 
+    import errno
+
     try:
         family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except (socket.gaierror, UnicodeError) as e:
         raise DraftsmithError(f"--host {host!r} is not an address of this machine ({e}); use e.g. 127.0.0.1 or "
                               "0.0.0.0") from None
-    with socket.socket(family, kind, proto) as sock:
+    try:
+        sock = socket.socket(family, kind, proto)
+    except OSError:
+        return  # (this kernel lacks that family: uvicorn picks its own, and says what fails)
+    with sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as uvicorn binds)
         try:
             sock.bind(addr)
         except OSError as e:
-            raise DraftsmithError(f"cannot listen on {host}:{port}: {e.strerror or e}; is another server using the "
-                                  "port? choose another --port") from None
+            why = {errno.EADDRINUSE: "another server is using the port; choose another --port",
+                   errno.EADDRNOTAVAIL: "the host is not an address of this machine; use e.g. 127.0.0.1 or 0.0.0.0",
+                   errno.EACCES: "a port under 1024 needs privileges; choose another --port"}.get(e.errno, "")
+            raise DraftsmithError(f"cannot listen on {host}:{port}: {e.strerror or e}" + (f"; {why}" if why else "")) \
+                from None
 
 
 def cmd_serve(args) -> int:

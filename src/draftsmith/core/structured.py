@@ -243,6 +243,11 @@ class Grammars:
             while len(self._checked) > self.capacity:
                 self._checked.popitem(last=False)
 
+    def forget(self, spec: StructuredOutputsParams) -> None:
+        """Drop `spec`'s compiled grammar: a request's matcher gave up on it, and llguidance's
+        copies share the lexer state whose limit it hit, so the next request compiles afresh."""
+        self._compiled.pop(spec.grammar_text(self._tags), None)
+
     def matcher(self, spec: StructuredOutputsParams):
         """A matcher at the start of `spec`'s grammar (`check`'s error where it does not compile)."""
         import llguidance
@@ -302,6 +307,9 @@ def constrain(logits: torch.Tensor, seqs: Sequence, drafts: torch.Tensor | None,
         if (why := grammar_failure(seqs[b])) is not None:
             seqs[b].error = why
             bits[b] = -1
+        elif seqs[b].grammar.is_error():
+            raise RuntimeError(f"grammar matcher of request {seqs[b].request_id} is in an error state: "
+                               f"{_one_line(seqs[b].grammar.get_error())}")
     # A matcher allows at least EOS until it has consumed one: an empty mask is a position after
     # an EOS draft, where the engine stops; leave it unmasked.
     bits[(bits == 0).all(-1)] = -1
@@ -312,10 +320,16 @@ def constrain(logits: torch.Tensor, seqs: Sequence, drafts: torch.Tensor | None,
     return torch.where(allowed, logits, torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
 
 
+_GAVE_UP = ("Stop: LexerTooComplex", "Stop: ParserTooComplex")  # (in llguidance 1.9's error text: stop_reason()
+# then says InternalError) a grammar past the engine's limits
+
+
 def grammar_failure(seq) -> str | None:
-    """Why `seq`'s grammar cannot go on (its matcher's error, one line), or None."""
+    """Why `seq`'s grammar cannot go on, where the grammar engine gave up on it (its limits:
+    one line for the client), or None. (A matcher in any other error state lost track of the
+    output: an engine bug, which the caller raises.)"""
     m = getattr(seq, "grammar", None)
-    if m is None or not m.is_error():
+    if m is None or not m.is_error() or not any(g in m.get_error() for g in _GAVE_UP):
         return None
     err = _one_line(m.get_error())
     err = err.split(" <state>", 1)[0]  # (llguidance appends its state and the grammar: not the client's)

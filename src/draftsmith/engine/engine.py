@@ -500,6 +500,8 @@ class Engine:
 
     def _finish(self, s: Request, reason: str) -> None:
         s.finish_reason = reason
+        if reason == "error" and s.params.structured_outputs is not None:
+            self.grammars.forget(s.params.structured_outputs)  # (its copies share what failed)
         s.text = self.visible_text(s)
         s.status = Status.FINISHED
         s.stats.t_finish = time.perf_counter()

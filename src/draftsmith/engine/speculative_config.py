@@ -249,7 +249,7 @@ def _a_model(model: str) -> bool:
 
     from draftsmith.models.registry import BUILTIN_TARGETS
 
-    return Path(model).is_dir() or model in BUILTIN_TARGETS
+    return Path(model).expanduser().is_dir() or model in BUILTIN_TARGETS
 
 
 def _checkpoint_kind(model: str, checkpoint_config) -> str | None:

@@ -19,21 +19,58 @@ from draftsmith.errors import DraftsmithError
 
 
 def free_memory(device: torch.device | str) -> int | None:
-    """Bytes a new allocation may take on `device`: CUDA's free memory, else the host's
-    MemAvailable (Linux); None where it cannot be read."""
+    """Bytes a new allocation may take on `device`: CUDA's free memory plus what torch holds
+    cached; else the host's MemAvailable (Linux), or less where a cgroup (a container) limits this
+    process; None where neither can be read (then nothing is refused)."""
     dev = torch.device(device)
     if dev.type == "cuda":
         try:
-            return int(torch.cuda.mem_get_info(dev)[0])
+            return int(torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_reserved(dev)
+                       - torch.cuda.memory_allocated(dev))
         except (RuntimeError, AssertionError):
             return None
+    free = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    free = int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
-        return None
+        pass
+    room = _cgroup_room()
+    return room if free is None else free if room is None else min(free, room)
+
+
+def _cgroup_room() -> int | None:
+    """Bytes left under this process's cgroup memory limit (v2 memory.max, v1
+    memory.limit_in_bytes), reclaimable page cache counted as free; None without a limit."""
+    def num(path: str) -> int | None:
+        try:
+            with open(path) as f:
+                v = f.read().strip()
+        except OSError:
+            return None
+        return int(v) if v.isdigit() else None
+
+    def inactive_file(path: str, key: str) -> int:
+        try:
+            with open(path) as f:
+                for line in f:
+                    name, _, v = line.partition(" ")
+                    if name == key:
+                        return int(v)
+        except (OSError, ValueError):
+            pass
+        return 0
+
+    for limit, usage, stat, key in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current",
+                                     "/sys/fs/cgroup/memory.stat", "inactive_file"),
+                                    ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                     "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+                                     "/sys/fs/cgroup/memory/memory.stat", "total_inactive_file")):
+        cap, used = num(limit), num(usage)
+        if cap is not None and used is not None and cap < 1 << 60:  # (v1 writes "no limit" as a huge number)
+            return max(0, cap - used + inactive_file(stat, key))
     return None
 
 

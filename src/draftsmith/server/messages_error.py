@@ -53,5 +53,7 @@ def messages_error(e: APIError) -> AnthropicError:
 
 
 def stream_error(err: dict) -> dict:
-    """The `error` event's body for a chat stream's error object (an engine error midway, a 500)."""
-    return {"type": "error", "error": {"type": "api_error", "message": err["message"]}}
+    """The `error` event's body for a chat stream's error object (an engine error midway, a 500;
+    the request's own grammar failing, a 400: invalid_request_error)."""
+    kind = "invalid_request_error" if err.get("type") == "invalid_request_error" else "api_error"
+    return {"type": "error", "error": {"type": kind, "message": err["message"]}}

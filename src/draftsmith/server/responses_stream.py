@@ -78,7 +78,8 @@ class ResponsesStream:
         return self.out.read(delta.get("parts", []), ids, entries, cut=choice["finish_reason"] == "length")
 
     def _failed(self, err: dict) -> list[str]:
-        error = {"code": "server_error", "message": err["message"]}
+        code = "invalid_prompt" if err.get("type") == "invalid_request_error" else "server_error"  # (OpenAI's codes)
+        error = {"code": code, "message": err["message"]}
         failed = self.fmt.envelope("failed", self.out.failed(), None, error)
         return [self._event("error", {"code": err.get("code") or err.get("type"), "message": err["message"],
                                       "param": err.get("param"), "error": err}),
