@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from draftsmith.cli import main
+from test_cli import _one_line_error  # noqa: E402  (tests/unit: the same contract, read the same way)
 
 
 @pytest.fixture
@@ -21,12 +22,6 @@ def _run(capsys):
     return run
 
 
-def _one_line_error(proc, *needles: str) -> None:
-    lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and "Warning" not in ln]
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert len(lines) == 1 and lines[0].startswith("draftsmith: error:"), proc.stderr[-2000:]
-    for n in needles:
-        assert n in lines[0], lines[0]
 
 
 @pytest.fixture(scope="module")

@@ -40,6 +40,16 @@ def escape_label(v: str) -> str:
     return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
+def family_lines(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> list[str]:
+    """One metric family's exposition: HELP, TYPE and a line per (labels, value) sample
+    (labels written in full: '{a="x"}', or '' for none)."""
+    return [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", *(f"{name}{labels} {_fmt(v)}" for labels, v in samples)]
+
+
+def histogram_lines(name: str, help_: str, h: Histogram, labels: str = "") -> list[str]:
+    return [f"# HELP {name} {help_}", f"# TYPE {name} histogram", *h.lines(name, labels)]
+
+
 def _fmt(v: float) -> str:
     if isinstance(v, int):
         return str(v)
@@ -196,15 +206,10 @@ class ServerMetrics:
             lines: list[str] = []
 
             def family(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
-                lines.append(f"# HELP {name} {help_}")
-                lines.append(f"# TYPE {name} {kind}")
-                for labels, v in samples:
-                    lines.append(f"{name}{labels} {_fmt(v)}")
+                lines.extend(family_lines(name, kind, help_, samples))
 
             def hist(name: str, help_: str, h: Histogram) -> None:
-                lines.append(f"# HELP {name} {help_}")
-                lines.append(f"# TYPE {name} histogram")
-                lines.extend(h.lines(name))
+                lines.extend(histogram_lines(name, help_, h))
 
             m = ""
             family("draftsmith_model_info", "gauge", "The served model.", [(f'{{model="{escape_label(self.model)}"}}', 1)])

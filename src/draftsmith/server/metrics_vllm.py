@@ -46,16 +46,13 @@ if TYPE_CHECKING:
 
 def vllm_lines(m: ServerMetrics) -> list[str]:
     """vLLM-named exposition lines of `m` (the caller holds m.lock)."""
-    from draftsmith.server.metrics import _fmt, escape_label
+    from draftsmith.server.metrics import escape_label, family_lines, histogram_lines
 
     labels = f'model_name="{escape_label(m.model)}",engine="0"'
     lines: list[str] = []
 
     def family(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
-        lines.append(f"# HELP {name} {help_}")
-        lines.append(f"# TYPE {name} {kind}")
-        for extra, v in samples:
-            lines.append(f"{name}{{{labels}{extra}}} {_fmt(v)}")
+        lines.extend(family_lines(name, kind, help_, [(f"{{{labels}{extra}}}", v) for extra, v in samples]))
 
     one = lambda v: [("", v)]  # noqa: E731
     family("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", one(m.running))
@@ -89,8 +86,6 @@ def vllm_lines(m: ServerMetrics) -> list[str]:
                             m.itl_step),
                            ("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
                             m.e2e)):
-        lines.append(f"# HELP {name} {help_}")
-        lines.append(f"# TYPE {name} histogram")
-        lines.extend(h.lines(name, labels))
+        lines.extend(histogram_lines(name, help_, h, labels))
     return lines
 
