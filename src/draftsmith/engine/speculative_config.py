@@ -170,8 +170,8 @@ def _refuse_what_cannot_run(c: Mapping[str, Any]) -> None:
     if "tensor_parallel_size" in c:
         raise DraftsmithError(f"{_WHERE}: tensor_parallel_size is not a speculative setting (vLLM refuses it too: "
                               "draft_tensor_parallel_size is); leave it out")
-    for key, why in (("quantization", "load a drafter Draftsmith quantized itself is not possible; give the "
-                                      "unquantized drafter (--drafter-dtype picks what it computes in)"),
+    for key, why in (("quantization", "Draftsmith does not load quantized drafters; give the unquantized one "
+                                      "(--drafter-dtype picks what it computes in)"),
                      ("revision", "Draftsmith loads drafters from local directories and built-in names, not "
                                   "Hub revisions")):
         if c.get(key) is not None:
