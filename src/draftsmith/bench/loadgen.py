@@ -29,6 +29,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 
 import httpx
 
@@ -397,6 +398,13 @@ def _vllm_counters(m: dict[str, float], model: str | None = None) -> dict | None
     }
 
 
+def _delta(before: dict, after: dict, k: str) -> int | None:
+    """Counter `k`'s increase between two scrapes (None where either lacks it)."""
+    if before.get(k) is None or after.get(k) is None:
+        return None
+    return int(round(after[k] - before[k]))
+
+
 def diff_counters(before: dict | None, after: dict | None) -> dict:
     """Counts for one measured run from two scrapes; {"unavailable": why} when there are none."""
     if before is None or after is None:
@@ -408,11 +416,7 @@ def diff_counters(before: dict | None, after: dict | None) -> dict:
     if after.get("names") == "vllm":
         return _diff_vllm(before, after)
 
-    def d(k: str) -> int | None:
-        if before.get(k) is None or after.get(k) is None:
-            return None
-        return int(round(after[k] - before[k]))
-
+    d = partial(_delta, before, after)
     width = max(list(after["position_proposed"]) + [0])
     pos_p = [int(after["position_proposed"].get(k, 0) - before["position_proposed"].get(k, 0)) for k in range(1, width + 1)]
     pos_a = [int(after["position_accepted"].get(k, 0) - before["position_accepted"].get(k, 0)) for k in range(1, width + 1)]
@@ -433,11 +437,7 @@ def _diff_vllm(before: dict, after: dict) -> dict:
     same K drafts (draft tokens = K x steps: EAGLE, draft models, DFlash at a fixed K), each
     position was proposed by every step, so conditional acceptance is exact; otherwise (n-gram's
     shorter drafts) it is left out rather than guessed."""
-    def d(k: str) -> int | None:
-        if before.get(k) is None or after.get(k) is None:
-            return None
-        return int(round(after[k] - before[k]))
-
+    d = partial(_delta, before, after)
     rounds, proposed = d("rounds"), d("proposed")
     width = max(list(after["position_accepted"]) + [0])
     pos_a = [int(after["position_accepted"].get(k, 0) - before["position_accepted"].get(k, 0))

@@ -41,6 +41,7 @@ from draftsmith.drafters.checkpoint import read_checkpoint_config
 from draftsmith.drafters.ngram import NgramConfig
 from draftsmith.errors import DraftsmithError
 from draftsmith.export.detect import config_path, markers
+from draftsmith.fileio import read_json
 from draftsmith.policy.batch_schedule import BatchSizeSchedule
 
 # vLLM's method names -> Draftsmith's drafter kinds
@@ -264,10 +265,7 @@ def _checkpoint_kind(model: str, checkpoint_config) -> str | None:
         f = config_path(path)
         if not f.is_file():
             return None
-        try:
-            cfg = json.loads(f.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, ValueError):
-            cfg = {"kind": None}  # unreadable: the checkpoint reader says why
+        cfg = read_json(f, "drafter config")  # (an unreadable one: its error, not a draft model)
         if not isinstance(cfg, dict) or not markers(cfg) and "kind" not in cfg:
             return None
         return str(checkpoint_config(path)["kind"])
