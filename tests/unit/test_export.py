@@ -331,3 +331,27 @@ def test_export_and_import_refuse_to_replace_what_out_holds(tmp_path, llama, cap
     assert (run / "train_info.json").read_text() == "the run's train_info.json"
     assert main([*export, str(run), "--overwrite"]) == 0
     assert json.loads((run / "config.json").read_text())["speculators_model_type"] == "eagle3"
+
+
+def test_export_carries_the_calibration_and_overwrite_drops_a_stale_one(tmp_path, llama):
+    """An export writes the checkpoint's STS temperatures beside the weights (the same weights:
+    `--drafter KIND:OUT` reads them); --overwrite with a drafter that has none removes the
+    calibration.json an earlier export left there (it was read as this drafter's), and touches
+    nothing else in the directory."""
+    from draftsmith.drafters.checkpoint import read_calibration
+
+    calibrated = _ckpt(tmp_path / "a", llama, eagle3.build(llama.model, eagle3.Eagle3Config(ttt_steps=2)))
+    (calibrated / "calibration.json").write_text(json.dumps({"temperatures": [1.5, 2.0], "n_bins": 10}))
+    plain = _ckpt(tmp_path / "b", llama, eagle3.build(llama.model, eagle3.Eagle3Config(ttt_steps=2)))
+    out = tmp_path / "spec"
+    export_drafter(calibrated, llama, "speculators", out)
+    assert read_calibration(out) == (1.5, 2.0)
+    (out / "notes.txt").write_text("the user's")
+    export_drafter(plain, llama, "speculators", out, overwrite=True)
+    assert read_calibration(out) is None and sorted(p.name for p in out.iterdir()) == \
+        ["config.json", "model.safetensors", "notes.txt"]
+    (calibrated / "calibration.json").write_text("{not json")  # refused before anything is written
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(DraftsmithError, match="not a calibration file"):
+        export_drafter(calibrated, llama, "speculators", out, overwrite=True)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before

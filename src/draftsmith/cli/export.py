@@ -22,10 +22,11 @@ def add_parser(sub) -> None:
                    help="speculators: vLLM --speculative-config (eagle3, dflash, dspark); sglang: EAGLE-3 drafts; "
                         "deepspec: a DeepSpec step directory (full-vocabulary dspark; eagle3 on Qwen3 targets); "
                         "dflash-native: z-lab's DFlashDraftModel layout (full-vocabulary dflash)")
-    e.add_argument("--out", type=Path, required=True, help="output directory (config.json + model.safetensors)")
+    e.add_argument("--out", type=Path, required=True,
+                   help="output directory (config.json + model.safetensors; calibration.json when the drafter has one)")
     e.add_argument("--overwrite", action="store_true",
                    help="write into a non-empty --out (or the checkpoint's own directory), replacing its "
-                        "config.json and model.safetensors")
+                        "config.json and model.safetensors (and calibration.json: the drafter's, or none)")
     e.set_defaults(func=cmd_export)
 
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from draftsmith.drafters import registry
+from draftsmith.drafters.checkpoint import CALIBRATION_FILE, read_calibration
 from draftsmith.data.outdir import check_replace
 from draftsmith.errors import DraftsmithError
 from draftsmith.export.deepspec import draft_layer_hf, ours_block, to_deepspec
@@ -62,13 +63,16 @@ def _speculators_ours(target, config) -> dict[str, Any]:
 
 
 def export_drafter(ckpt: str | Path, target, fmt: str, out: str | Path, overwrite: bool = False) -> Path:
-    """Write checkpoint `ckpt` (trained for the LoadedTarget `target`) to `out` in `fmt`. A
-    non-empty `out`, or `out` = `ckpt`, is refused unless `overwrite` (then config.json and
-    model.safetensors there are replaced, nothing else)."""
+    """Write checkpoint `ckpt` (trained for the LoadedTarget `target`) to `out` in `fmt`, with the
+    checkpoint's calibration.json when it has one (the same weights: its temperatures hold, and
+    `--drafter KIND:OUT` reads them). A non-empty `out`, or `out` = `ckpt`, is refused unless
+    `overwrite` (then the files an export writes are replaced: a calibration.json there is
+    removed when this drafter has none; nothing else is touched)."""
     if fmt not in FORMATS:
         raise DraftsmithError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
     check_replace(out, overwrite, source=ckpt, source_what="checkpoint")
     model = registry.load_checkpoint_model(ckpt, target)
+    temps = read_calibration(ckpt)  # a damaged file stops the export before anything is written
     kind = model.config.kind
     hf = read_json(Path(target.path) / "config.json", "target config")
     if fmt == "deepspec":
@@ -89,6 +93,10 @@ def export_drafter(ckpt: str | Path, target, fmt: str, out: str | Path, overwrit
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     atomic_write(out / "model.safetensors", lambda p: save_tensors(p, tensors, metadata={"format": "pt"}))
     atomic_write(out / "config.json", lambda p: p.write_text(json.dumps(config, indent=2) + "\n"))
+    if temps is None:  # one left by an earlier export would be read as this drafter's
+        (out / CALIBRATION_FILE).unlink(missing_ok=True)
+    else:
+        atomic_write(out / CALIBRATION_FILE, lambda p: p.write_text(json.dumps({"temperatures": list(temps)}) + "\n"))
     return out
 
 
