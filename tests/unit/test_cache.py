@@ -313,3 +313,63 @@ def test_regen_data_nested_too_deeply_is_one_error(tiny, target, tmp_path):
         scan_output(data)  # regen --resume's reading of its output
     data.write_text(good + "[" * 5000)  # an incomplete last line: skipped, as before
     assert len(list(iter_records(data))) == 1
+
+
+def test_the_rebuild_command_repeats_every_option_that_decides_what_the_cache_holds(tiny, target, tmp_path):
+    """The `draftsmith cache --resume` command a damaged shard's error gives (train, the reader)
+    named only --target / --data / --layers / --dtype: a cache built with --split, --model-dtype,
+    --shard-tokens or --allow-target-mismatch was re-made as another cache (heldout samples in a
+    train cache, features of another precision) or refused. It is now the full command, read from
+    the manifest; run as given, it re-makes the same cache."""
+    import shlex
+
+    from draftsmith.cli import main
+    from draftsmith.data.cache import rebuild_command
+
+    recs = _records(target, 8, seed=9)
+    recs[1]["target"] = {"id": "other", "weights_hash": "0" * 16}
+    data = _write(tmp_path / "my data.jsonl", recs)
+    cfg = dict(target=str(tiny), data=data, dtype="fp32", layers="1", shard_tokens=60, split="train",
+               model_dtype="bfloat16", allow_target_mismatch=True)
+    fresh, out = tmp_path / "fresh", tmp_path / "c"
+    run_cache(CacheConfig(**cfg, out=fresh))
+    run_cache(CacheConfig(**cfg, out=out))
+    m = json.loads((out / MANIFEST).read_text())
+    assert m["options"] == {"split": "train", "model_dtype": "bfloat16", "allow_target_mismatch": True,
+                            "target": str(target.path)}
+    (out / m["shards"][1]["file"]).unlink()
+    with pytest.raises(DraftsmithError) as e:
+        list(FeatureCache(out))
+    cmd = rebuild_command(out, m)
+    assert f"re-make it with `{cmd}`" in str(e.value)
+    argv = shlex.split(cmd)
+    assert argv[:2] == ["draftsmith", "cache"] and "--split" in argv and "--shard-tokens" in argv
+    assert main(argv[1:]) == 0
+    got, want = json.loads((out / MANIFEST).read_text()), json.loads((fresh / MANIFEST).read_text())
+    keys = ("num_samples", "num_tokens", "num_loss_tokens", "splits", "split", "shard_tokens", "dtype", "options")
+    assert {k: got[k] for k in keys} == {k: want[k] for k in keys}
+    assert sorted(x.id for x in FeatureCache(out)) == sorted(x.id for x in FeatureCache(fresh))
+
+
+def test_resume_with_other_options_is_refused_with_the_command_that_resumes_it(tiny, target, tmp_path):
+    """--resume with another --split, --shard-tokens or --model-dtype went on and mixed two caches
+    in one (a train cache with heldout samples; features of two precisions). It is refused,
+    naming what differs and the command that resumes it; --allow-target-mismatch may be added."""
+    recs = _records(target, 6, seed=10)
+    data = _write(tmp_path / "d.jsonl", recs[:3])
+    out = tmp_path / "c"
+    cfg = dict(target=str(tiny), data=data, out=out, dtype="fp16", layers="1", shard_tokens=60, split="train")
+    run_cache(CacheConfig(**cfg))
+    before = (out / MANIFEST).read_bytes()
+    for change, what in (({"split": None}, "--split train (this run: all)"),
+                         ({"shard_tokens": 100}, "--shard-tokens 60 (this run: 100)"),
+                         ({"model_dtype": "bfloat16"}, "computed with the target in float32, this run loads it "
+                                                       "in bfloat16")):
+        with pytest.raises(DraftsmithError, match="cannot resume") as e:
+            run_cache(CacheConfig(**{**cfg, **change}, resume=True))
+        assert what in str(e.value) and "--split train --shard-tokens 60 --out" in str(e.value), str(e.value)
+        assert (out / MANIFEST).read_bytes() == before
+    _write(data, recs)
+    s = run_cache(CacheConfig(**cfg, resume=True, allow_target_mismatch=True))
+    assert s["num_samples"] == sum(r["split"] == "train" for r in recs)
+    assert json.loads((out / MANIFEST).read_text())["options"]["allow_target_mismatch"] is True

@@ -59,7 +59,7 @@ from draftsmith.data.regen_records import iter_records, record_split
 from draftsmith.data.safetensors_stream import file_sha256, safetensors_size, write_safetensors_stream
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.loading import legacy_weights_fingerprint, read_config, same_weights, weights_fingerprint
-from draftsmith.models.registry import resolve_target
+from draftsmith.models.registry import BUILTIN_TARGETS, resolve_target
 from draftsmith.models.target import load_target
 from draftsmith.models.threads import ThreadGovernor
 
@@ -112,6 +112,7 @@ def open_writer(cfg: CacheConfig, target) -> tuple[CacheWriter, set[str]]:
     layer_ids = parse_layer_ids(cfg.layers, mcfg.num_layers)
     manifest = _prepare_out(Path(cfg.out), cfg, target.target_id, target.weights_hash, layer_ids, mcfg,
                             DTYPE_NAMES[store_dtype(cfg.dtype)], target.legacy_weights_hash)
+    _record_target(manifest, Path(cfg.out), cfg, target)
     done = {sid for sh in manifest["shards"] for sid in sh["sample_ids"]} | {s["id"] for s in manifest["skipped"]}
     return CacheWriter(Path(cfg.out), manifest, cfg.shard_tokens), done
 
@@ -150,6 +151,7 @@ def run_cache(cfg: CacheConfig, target=None) -> dict:
     done |= {s["id"] for s in manifest["skipped"]}
     if target is None:
         target = load_target(cfg.target, device=cfg.device, dtype=cfg.model_dtype)
+    _record_target(manifest, out, cfg, target)
     extractor = FeatureExtractor(target.model, layer_ids, cfg.chunk_tokens)
     governor = (ThreadGovernor(torch.get_num_threads())
                 if cfg.adaptive_threads and target.model.device.type == "cpu" else None)
@@ -222,10 +224,7 @@ def _prepare_out(out: Path, cfg: CacheConfig, target_id: str, weights_hash: str,
             want = {"target_id": target_id, "weights_hash": weights_hash, "layer_ids": None,
                     "hidden_size": mcfg.hidden_size, "legacy_hash": legacy}
             check_compatible(f"the cache being resumed at {out}", manifest_view(m), **want)
-            if tuple(m["layer_ids"]) != layer_ids or m["dtype"] != dtype_name:
-                raise DraftsmithError(
-                    f"cannot resume {out}: it holds layers {m['layer_ids']} in {m['dtype']}, this run asks for "
-                    f"{list(layer_ids)} in {dtype_name}; use the same flags or a new --out")
+            _check_resume_options(out, m, cfg, layer_ids, dtype_name)
             _drop_damaged_shards(out, m)
             _clean_strays(out, m)
             m["complete"] = False
@@ -237,9 +236,41 @@ def _prepare_out(out: Path, cfg: CacheConfig, target_id: str, weights_hash: str,
                 f.unlink()
     out.mkdir(parents=True, exist_ok=True)
     m = new_manifest(target_id, weights_hash, layer_ids, mcfg.hidden_size, mcfg.num_layers, dtype_name,
-                     cfg.shard_tokens, str(cfg.data))
+                     cfg.shard_tokens, str(cfg.data), cfg.split, cfg.allow_target_mismatch)
     write_json_atomic(mpath, m)
     return m
+
+
+def _check_resume_options(out: Path, m: dict, cfg: CacheConfig, layer_ids: tuple[int, ...], dtype_name: str) -> None:
+    """--resume: the options that decide what the cache holds must be the ones it was built with
+    (a cache of mixed layers, splits or shard sizes is not one any single command builds).
+    --allow-target-mismatch may be added (a resume that stopped at such a record)."""
+    opts = m.get("options")
+    have = {"--layers": ",".join(map(str, m["layer_ids"])), "--dtype": m["dtype"],
+            "--shard-tokens": m.get("shard_tokens")}
+    want = {"--layers": ",".join(map(str, layer_ids)), "--dtype": dtype_name, "--shard-tokens": cfg.shard_tokens}
+    if opts is not None:  # caches written before options were recorded: not known
+        have["--split"], want["--split"] = opts.get("split") or "all", cfg.split or "all"
+        opts["allow_target_mismatch"] = bool(opts.get("allow_target_mismatch")) or cfg.allow_target_mismatch
+    diff = [f"{k} {have[k]} (this run: {want[k]})" for k in have if have[k] is not None and have[k] != want[k]]
+    if diff:
+        raise DraftsmithError(f"cannot resume {out}: it was built with {', '.join(diff)}; resume it with "
+                              f"`{rebuild_command(out, m, cfg.target)}`, or give a new --out")
+
+
+def _record_target(m: dict, out: Path, cfg: CacheConfig, target) -> None:
+    """Record how the target was named and the dtype it computes the features in; a resume that
+    loads it in another dtype is refused (its features would differ from the cached ones)."""
+    opts = m.get("options")
+    if opts is None:  # a cache written before options were recorded: what built it is not known
+        return
+    name = str(target.model.dtype).removeprefix("torch.")
+    if opts.get("model_dtype") not in (None, name):
+        raise DraftsmithError(f"cannot resume {out}: its features were computed with the target in "
+                              f"{opts['model_dtype']}, this run loads it in {name}; resume it with "
+                              f"`{rebuild_command(out, m, cfg.target)}`, or give a new --out")
+    opts["model_dtype"] = name
+    opts["target"] = target.target_id if cfg.target in BUILTIN_TARGETS else str(target.path)
 
 
 def _remove_cache_files(out: Path, remove_dir: bool) -> None:

@@ -16,8 +16,12 @@ Tensors in a shard (T = tokens in the shard, n = samples, H = hidden size):
 
 Manifest fields: format_version, kind, target {id, weights_hash}, layer_ids, hidden_size,
 num_layers, dtype, shard_tokens, num_samples, num_tokens, num_loss_tokens, split, splits
-{split: n}, complete, data {path}, skipped [{id, reason}], shards [{file, sha256, bytes,
-num_samples, num_tokens, sample_ids, token_counts, splits}].
+{split: n}, complete, data {path}, options {split, model_dtype, allow_target_mismatch, target},
+skipped [{id, reason}], shards [{file, sha256, bytes, num_samples, num_tokens, sample_ids,
+token_counts, splits}]. `options` holds the rest of what the `draftsmith cache` command that
+built it was given (--split: the one it cached, None = all; the dtype the target computed in;
+--target as a path or alias), so that `rebuild_command` repeats that command (absent in caches
+written before it was recorded).
 
 This module holds what writer, reader and estimate share: the constants, shard names and
 tensor layout, and the manifest (new / dump / write / read).
@@ -26,6 +30,7 @@ tensor layout, and the manifest (new / dump / write / read).
 from __future__ import annotations
 
 import json
+import shlex
 import struct
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -104,19 +109,32 @@ def shard_problem(cache_dir: Path, entry: Mapping[str, Any]) -> str | None:
 
 def rebuild_command(cache_dir: Path, m: Mapping[str, Any], target: str | None = None) -> str:
     """The `draftsmith cache --resume` command that completes the cache `cache_dir` (manifest `m`)
-    and re-makes its damaged shards; `target`: how to name the target (default: the manifest's id)."""
-    data = (m.get("data") or {}).get("path") or "DATA"
-    layers = ",".join(str(i) for i in m.get("layer_ids") or ())
-    dtype = f" --dtype {m['dtype']}" if m.get("dtype") not in (None, "fp16") else ""
-    return (f"draftsmith cache --target {target or (m.get('target') or {}).get('id')} --data {data} "
-            f"--layers {layers}{dtype} --out {cache_dir} --resume")
+    and re-makes its damaged shards: every option that decides what the cache holds, from the
+    manifest; `target`: how to name the target (default: the one the manifest records)."""
+    opts = m.get("options") or {}
+    args = ["--target", target or opts.get("target") or (m.get("target") or {}).get("id"),
+            "--data", (m.get("data") or {}).get("path") or "DATA",
+            "--layers", ",".join(str(i) for i in m.get("layer_ids") or ())]
+    if m.get("dtype") not in (None, "fp16"):
+        args += ["--dtype", m["dtype"]]
+    if opts.get("model_dtype"):
+        args += ["--model-dtype", opts["model_dtype"]]
+    if opts.get("split"):
+        args += ["--split", opts["split"]]
+    if m.get("shard_tokens") not in (None, DEFAULT_SHARD_TOKENS):
+        args += ["--shard-tokens", str(m["shard_tokens"])]
+    if opts.get("allow_target_mismatch"):
+        args.append("--allow-target-mismatch")
+    args += ["--out", str(cache_dir), "--resume"]
+    return "draftsmith cache " + " ".join(shlex.quote(str(a)) for a in args)
 
 
 # ---- manifest -------------------------------------------------------------------------
 
 
 def new_manifest(target_id: str, weights_hash: str, layer_ids: Sequence[int], hidden_size: int,
-                 num_layers: int, dtype: str, shard_tokens: int, data_path: str | None) -> dict:
+                 num_layers: int, dtype: str, shard_tokens: int, data_path: str | None,
+                 split: str | None = None, allow_target_mismatch: bool = False) -> dict:
     return {
         "format_version": CACHE_FORMAT_VERSION, "kind": KIND,
         "target": {"id": target_id, "weights_hash": weights_hash},
@@ -125,7 +143,9 @@ def new_manifest(target_id: str, weights_hash: str, layer_ids: Sequence[int], hi
         "shard_tokens": int(shard_tokens),
         "features": [f"hidden.{i}" for i in layer_ids] + ["final_hidden"],
         "num_samples": 0, "num_tokens": 0, "num_loss_tokens": 0, "split": None, "splits": {},
-        "complete": False, "data": {"path": data_path}, "skipped": [], "shards": [],
+        "complete": False, "data": {"path": data_path},
+        "options": {"split": split, "model_dtype": None, "allow_target_mismatch": bool(allow_target_mismatch)},
+        "skipped": [], "shards": [],
     }
 
 

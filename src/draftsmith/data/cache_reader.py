@@ -12,7 +12,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from draftsmith.data.cache_format import manifest_view, read_manifest
+from draftsmith.data.cache_format import manifest_view, read_manifest, rebuild_command
 from draftsmith.data.features import FeatureSample, check_compatible, store_dtype
 from draftsmith.data.safetensors_stream import file_sha256
 from draftsmith.errors import DraftsmithError
@@ -75,22 +75,22 @@ class FeatureCache:
             return self._loaded[1]
         entry = self.manifest["shards"][index]
         f = self.path / entry["file"]
+        remake = f"re-make it with `{rebuild_command(self.path, self.manifest)}`"
         if not f.is_file():
-            raise DraftsmithError(f"feature cache {self.path}: shard {entry['file']} is missing; "
-                                  "rebuild the cache")
+            raise DraftsmithError(f"feature cache {self.path}: shard {entry['file']} is missing; {remake}")
         if self.verify and entry["file"] not in self._verified:
             got = file_sha256(f)
             if got != entry["sha256"]:
                 raise DraftsmithError(
                     f"feature cache {self.path}: shard {entry['file']} is corrupt (sha256 {got[:16]}… "
-                    f"!= manifest {entry['sha256'][:16]}…); delete the cache and rebuild it")
+                    f"!= manifest {entry['sha256'][:16]}…); delete that file and {remake}")
             self._verified.add(entry["file"])
         self._loaded = None  # drop the previous shard before loading the next
         try:
             tensors = load_file(str(f))
         except (SafetensorError, OSError, ValueError) as e:
             raise DraftsmithError(f"feature cache {self.path}: shard {entry['file']} is unreadable "
-                                  f"({' '.join(str(e).split())}); rebuild the cache") from None
+                                  f"({' '.join(str(e).split())}); delete that file and {remake}") from None
         T = int(entry["num_tokens"])
         names = ["offsets", "input_ids", "loss_mask", "final_hidden"] + [f"hidden.{i}" for i in self.stored_layer_ids]
         for n in names:
