@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.data.outdir import check_out_dir
+from draftsmith.drafters import registry
 from draftsmith.drafters.builtin import is_builtin
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval import metrics as M, plots, sts
@@ -103,8 +104,8 @@ def run_eval(opt: EvalOptions) -> dict:
         raise DraftsmithError(f"--block-size must be >= 1, got {opt.block_size}")
     if opt.out is not None:
         check_out_dir(opt.out)  # before the target loads
+    convs = heldout_conversations(opt.tasks, opt.max_prompts)  # before the target loads: a bad task fails fast
     target = load_target(opt.target, device=opt.device)
-    convs = heldout_conversations(opt.tasks, opt.max_prompts)
     report: dict[str, Any] = {
         "target": target.target_id, "target_weights_hash": target.weights_hash, "split": "heldout",
         "tasks": list(opt.tasks), "prompts": {t: sum(c.task == t for c in convs) for t in opt.tasks},
@@ -174,21 +175,27 @@ class CalibrateOptions:
     progress: bool | None = None
 
 
+def _refuse_builtin(spec: str, kind: str, ckpt: Path) -> None:
+    if is_builtin(ckpt):
+        raise DraftsmithError(f"{spec} is a built-in drafter (package data, calibrated when it was made); "
+                              f"to calibrate it again, copy {ckpt} to a directory of your own and pass {kind}:THAT_DIR")
+
+
 def run_calibrate(opt: CalibrateOptions) -> dict:
     """Fit STS on held-out rounds of a checkpoint's drafter and store calibration.json in it."""
     if (opt.data is None) == (not opt.tasks):
         raise DraftsmithError("give exactly one of --data HELDOUT.jsonl or --tasks T1,T2")
+    kind, arg = registry.parse_spec(opt.drafter)
+    if kind.trainable:  # before anything loads (a wrapped checkpoint is checked once loaded)
+        _refuse_builtin(opt.drafter, kind.name, Path(arg))
+    convs = heldout_from_regen(opt.data, opt.max_prompts) if opt.data is not None else \
+        heldout_conversations(opt.tasks, opt.max_prompts)  # before the target loads: bad data fails fast
     target = load_target(opt.target, device=opt.device)
     loaded = load_drafter(opt.drafter, target, opt.max_batch, min(opt.max_len, target.model.config.max_position_embeddings),
                           opt.drafter_dtype)
     if loaded.checkpoint is None:
         raise DraftsmithError(f"calibrate needs a trained drafter checkpoint (KIND:PATH), got {opt.drafter!r}")
-    if is_builtin(loaded.checkpoint):
-        raise DraftsmithError(f"{opt.drafter} is a built-in drafter (package data, calibrated when it was made); "
-                              f"to calibrate it again, copy {loaded.checkpoint} to a directory of your own and "
-                              f"pass {loaded.kind}:THAT_DIR")
-    convs = heldout_from_regen(opt.data, opt.max_prompts) if opt.data is not None else \
-        heldout_conversations(opt.tasks, opt.max_prompts)
+    _refuse_builtin(opt.drafter, loaded.kind, loaded.checkpoint)
     gamma = opt.block_size or default_block_size(loaded)
     run = run_rounds(target, loaded, convs, gamma, temperature=opt.temperature, max_new_tokens=opt.max_new_tokens,
                      max_batch=opt.max_batch, max_len=opt.max_len, seed=opt.seed, max_turns=opt.max_turns,

@@ -81,6 +81,11 @@ def heldout_from_regen(path: Path, max_prompts: int | None = None) -> list[EvalC
             skipped += 1
             continue
         msgs = rec.get("messages") or []
+        if not isinstance(msgs, list) or not all(
+                isinstance(m, dict) and (m.get("role") not in ("user", "system") or isinstance(m.get("content"), str))
+                for m in msgs):
+            raise DraftsmithError(f"{path}: record {sid!r}: messages must be a list of {{role, content}} objects "
+                                  "with text content; give the JSONL file `draftsmith regen` wrote")
         turns = tuple(m["content"] for m in msgs if m.get("role") == "user")
         if not turns:
             continue
