@@ -355,3 +355,24 @@ def test_export_carries_the_calibration_and_overwrite_drops_a_stale_one(tmp_path
     with pytest.raises(DraftsmithError, match="not a calibration file"):
         export_drafter(calibrated, llama, "speculators", out, overwrite=True)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+@pytest.mark.parametrize("edit", [
+    lambda c: c.update(transformer_layer_config="x"), lambda c: c.update(block_size="eight"),
+    lambda c: c.pop("block_size"), lambda c: c.update(draft_vocab_size="big"), lambda c: c.update(markov_rank="r"),
+    lambda c: c.update(markov_head_type=["x"]), lambda c: c["transformer_layer_config"].update(num_hidden_layers="two"),
+])
+def test_import_of_a_config_with_a_field_missing_or_of_another_type_is_one_error(tmp_path, qwen3, capsys, edit):
+    """A speculators config.json with a field of the wrong type (or a required one missing) was a
+    ValueError / KeyError / AttributeError / TypeError traceback from `import` and `--drafter
+    KIND:DIR`; it is one error naming the directory and the field."""
+    model = dspark.build(qwen3.model, dspark.DSparkConfig(block_size=3, num_layers=1, rank=4))
+    src = export_drafter(_ckpt(tmp_path, qwen3, model), qwen3, "speculators", tmp_path / "spec")
+    cfg = json.loads((src / "config.json").read_text())
+    edit(cfg)
+    (src / "config.json").write_text(json.dumps(cfg))
+    argv = ["import", str(src), "--target", str(qwen3.path), "--out", str(tmp_path / "imp")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{src}: its config.json is not a speculators drafter config" in err[0], err
+    assert not (tmp_path / "imp").exists()

@@ -49,14 +49,19 @@ def import_model(src: str | Path, target, fmt: str | None = None) -> nn.Module:
     fmt = fmt or detect_foreign(src)
     if fmt not in IMPORT_FORMATS:
         raise DraftsmithError(f"unknown import format {fmt!r}; choose one of {', '.join(IMPORT_FORMATS)}")
-    if fmt == "deepspec":
-        cfg, tensors = deepspec.read_dir(src)
-        config, state = deepspec.from_deepspec(cfg, tensors, target, src)
-    elif fmt == "dflash-native":
-        cfg, tensors = deepspec.read_dir(src, "z-lab DFlash")  # the same HF save_pretrained files
-        config, state = dflash_native.from_dflash_native(cfg, tensors, target, src)
-    else:
-        config, state = _speculators(src, target)
+    try:
+        if fmt == "deepspec":
+            cfg, tensors = deepspec.read_dir(src)
+            config, state = deepspec.from_deepspec(cfg, tensors, target, src)
+        elif fmt == "dflash-native":
+            cfg, tensors = deepspec.read_dir(src, "z-lab DFlash")  # the same HF save_pretrained files
+            config, state = dflash_native.from_dflash_native(cfg, tensors, target, src)
+        else:
+            config, state = _speculators(src, target)
+    except (KeyError, ValueError, TypeError, AttributeError) as e:  # a field missing, or not of its type
+        what = f"no {e}" if isinstance(e, KeyError) else " ".join(str(e).split())
+        raise DraftsmithError(f"{src}: its config.json is not a {fmt} drafter config Draftsmith can read ({what}); "
+                              "the file is damaged, or was written by another version of that format") from None
     kind = config["kind"]
     entry = registry.get(kind, trainable=True)
     model = entry.build(target.model, config_from_dict(config, entry.config_cls, kind))
