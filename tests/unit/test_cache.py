@@ -373,3 +373,10 @@ def test_resume_with_other_options_is_refused_with_the_command_that_resumes_it(t
     s = run_cache(CacheConfig(**cfg, resume=True, allow_target_mismatch=True))
     assert s["num_samples"] == sum(r["split"] == "train" for r in recs)
     assert json.loads((out / MANIFEST).read_text())["options"]["allow_target_mismatch"] is True
+
+
+def test_regen_data_that_is_a_directory_is_named_as_one(tiny, tmp_path):
+    """cache / calibrate --data DIR said "does not exist" of a directory that does."""
+    with pytest.raises(DraftsmithError, match="is a directory; give the JSONL file"):
+        run_cache(CacheConfig(target=str(tiny), data=tmp_path, out=tmp_path / "c", dtype="fp32"))
+    assert not (tmp_path / "c").exists()

@@ -111,6 +111,8 @@ def load_records(path: Path) -> list[dict]:
 def iter_records(path: Path) -> Iterator[dict]:
     """Stream regen records; a truncated last line (a killed regen) is skipped with a warning."""
     path = Path(path)
+    if path.is_dir():
+        raise DraftsmithError(f"regen data {path} is a directory; give the JSONL file `draftsmith regen` wrote")
     if not path.is_file():
         raise DraftsmithError(f"regen data {path} does not exist; run `draftsmith regen` first")
     with open(path, "rb") as f:
