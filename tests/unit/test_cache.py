@@ -380,3 +380,35 @@ def test_regen_data_that_is_a_directory_is_named_as_one(tiny, tmp_path):
     with pytest.raises(DraftsmithError, match="is a directory; give the JSONL file"):
         run_cache(CacheConfig(target=str(tiny), data=tmp_path, out=tmp_path / "c", dtype="fp32"))
     assert not (tmp_path / "c").exists()
+
+
+def test_an_interrupted_cache_says_how_to_continue(tiny, target, tmp_path, monkeypatch, capsys):
+    """Ctrl-C after some shards were written said only "interrupted": it now says what is kept
+    and the command that continues it, which completes the same cache."""
+    import shlex
+
+    import draftsmith.data.cache as cache_mod
+    from draftsmith.cli import main
+
+    recs = _records(target, 8, seed=11)
+    data = _write(tmp_path / "d.jsonl", recs)
+    cfg = dict(target=str(tiny), data=data, dtype="fp32", layers="1", shard_tokens=40, split="train")
+    real, calls = cache_mod.record_tensors, []
+
+    def interrupt_at_the_fifth(rec):
+        calls.append(rec["id"])
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return real(rec)
+
+    monkeypatch.setattr(cache_mod, "record_tensors", interrupt_at_the_fifth)
+    out = tmp_path / "c"
+    with pytest.raises(KeyboardInterrupt):
+        run_cache(CacheConfig(**cfg, out=out))
+    monkeypatch.setattr(cache_mod, "record_tensors", real)
+    err = capsys.readouterr().err
+    assert "samples are kept in" in err and "continue with `draftsmith cache " in err
+    cmd = err.split("continue with `")[1].split("`")[0]
+    assert main(shlex.split(cmd)[1:]) == 0
+    run_cache(CacheConfig(**cfg, out=tmp_path / "fresh"))
+    assert sorted(x.id for x in FeatureCache(out)) == sorted(x.id for x in FeatureCache(tmp_path / "fresh"))

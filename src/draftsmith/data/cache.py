@@ -182,9 +182,12 @@ def run_cache(cfg: CacheConfig, target=None) -> dict:
             new_tokens += int(ids.shape[0])
             bar.update(int(ids.shape[0]))
         writer.close(complete=True)
-    except BaseException:
+    except BaseException as e:
         if fresh and not manifest["shards"]:  # nothing was cached: leave nothing a later run could
             _remove_cache_files(out, remove_dir=not out_existed)  # take for an interrupted cache
+        elif isinstance(e, KeyboardInterrupt):
+            print(f"[draftsmith] cache: {manifest['num_samples']} samples are kept in {out}; continue with "
+                  f"`{rebuild_command(out, manifest, cfg.target)}`", file=sys.stderr)
         raise
     finally:
         bar.close()
