@@ -1468,28 +1468,38 @@ def test_request_metrics_formulas_on_a_fixed_clock():
     assert set(request_metrics(RequestMetricsOptions(timing=True), waiting, 0).values()) == {None}
 
 
-def test_a_request_whose_grammar_fails_midway_fails_alone(tiny_server):
-    """A grammar the engine compiles but gives up on mid-generation (regex a{99999999}) is a 400
-    for that request, whole or streamed; a request running beside it finishes untouched; a
-    malformed GBNF grammar is a 400 too (it was a 500)."""
+def test_a_request_whose_grammar_fails_midway_fails_alone(tiny_server, tiny_dir, monkeypatch):
+    """A grammar the engine compiles but gives up on mid-generation (test_structured's BRANCHY
+    under tight grammar-engine limits, steered to "a"s: even a fresh matcher gives up a few
+    tokens in) is a 400 for that request, whole or streamed; a request running beside it
+    finishes untouched; a malformed GBNF grammar is a 400 too (it was a 500)."""
     import concurrent.futures
+    import functools
 
+    import llguidance
     from openai import APIError, BadRequestError, OpenAI
+    from transformers import AutoTokenizer
 
+    from draftsmith.core.structured import Grammars
+    from test_structured import BRANCHY, TIGHT
+
+    monkeypatch.setattr("draftsmith.engine.engine.Grammars",
+                        functools.partial(Grammars, limits=llguidance.LLParserLimits(**TIGHT)))
     url = tiny_server()
     c = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+    steer = {str(AutoTokenizer.from_pretrained(tiny_dir).encode("a", add_special_tokens=False)[-1]): 100}
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         long = pool.submit(c.completions.create, model="tiny", prompt="Once upon a time", max_tokens=120,
                            temperature=0, extra_body={"ignore_eos": True})
         time.sleep(0.3)
         with pytest.raises(BadRequestError, match="gave up on this request's grammar"):
-            c.completions.create(model="tiny", prompt="hi", max_tokens=8,
-                                 extra_body={"structured_outputs": {"regex": "a{99999999}"}})
+            c.completions.create(model="tiny", prompt="hi", max_tokens=30,
+                                 extra_body={"structured_outputs": {"regex": BRANCHY}, "logit_bias": steer})
         done = long.result()
     assert done.choices[0].finish_reason == "length" and done.usage.completion_tokens == 120
     with pytest.raises(APIError, match="gave up on this request's grammar"):  # (in the stream: its status was sent)
-        for _ in c.completions.create(model="tiny", prompt="hi", max_tokens=8, stream=True,
-                                      extra_body={"structured_outputs": {"regex": "a{99999999}"}}):
+        for _ in c.completions.create(model="tiny", prompt="hi", max_tokens=30, stream=True,
+                                      extra_body={"structured_outputs": {"regex": BRANCHY}, "logit_bias": steer}):
             pass
     with pytest.raises(BadRequestError, match="the grammar does not compile"):
         c.completions.create(model="tiny", prompt="hi", max_tokens=8,

@@ -15,7 +15,7 @@ import torch
 
 from draftsmith import LLM, DraftsmithError, SamplingParams, StructuredOutputsParams as SO
 from draftsmith.core.request import Request
-from draftsmith.core.structured import Grammars, allowed_now, constrain
+from draftsmith.core.structured import Grammars, allowed_now, constrain, grammar_bits
 from draftsmith.core.warp import target_probs
 from draftsmith.drafters.base import FeatureSpec, pad_proposal
 from draftsmith.models.target import load_target
@@ -127,35 +127,108 @@ def test_malformed_gbnf_is_a_clear_error(grammar):
         SO(grammar=grammar)
 
 
+TIGHT = {"step_lexer_fuel": 100}  # llguidance limits under which even a fresh matcher of BRANCHY
+BRANCHY = "(a|b)*a(a|b){8}"  # gives up a few tokens in (default limits: 200k fuel per step)
+
+
+def _tight(llm: LLM) -> LLM:
+    """`llm` with its grammar engine under TIGHT limits."""
+    import llguidance
+
+    t = llm.target
+    llm.engine.grammars = Grammars(t.tokenizer, t.model.config.vocab_size, llm.engine.eos_token_ids,
+                                   limits=llguidance.LLParserLimits(**TIGHT))
+    return llm
+
+
 def test_a_grammar_the_engine_gives_up_on_ends_its_request_alone(tiny):
-    """A grammar llguidance compiles but cannot follow (LexerTooComplex after a few tokens) ends
-    only its request, with "error" and why; the batch's other request decodes as it would alone;
-    LLM.generate says which request and why."""
-    llm = LLM(tiny, max_batch=4, max_len=128)
+    """A grammar the grammar engine compiles but cannot follow (BRANCHY under TIGHT limits, the
+    output steered to "a"s: LexerTooComplex a few tokens in, on a renewed matcher too) ends only
+    its request, with
+    "error" and why; the batch's other request decodes as it would alone; LLM.generate says
+    which request and why."""
+    llm = _tight(LLM(tiny, max_batch=4, max_len=128))
     plain = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     alone = llm.generate(["hello"], plain)[0].token_ids
-    bad = SamplingParams(max_tokens=30, temperature=0.0, structured_outputs=SO(regex="a{99999999}"))
+    tok = lambda c: llm.encode(c, add_special_tokens=False)[-1]  # noqa: E731
+    bad = SamplingParams(max_tokens=30, temperature=0.0, structured_outputs=SO(regex=BRANCHY),
+                         logit_bias={tok("a"): 100.0})
     seqs = [llm.engine.add_request(llm.encode("x"), bad), llm.engine.add_request(llm.encode("hello"), plain)]
     while llm.engine.has_unfinished():
         llm.engine.step()
     assert seqs[0].finish_reason == "error" and "gave up on this request's grammar" in seqs[0].error
     assert "<state>" not in seqs[0].error  # (llguidance's state dump is not the client's)
-    assert len(seqs[0].output_ids) <= 1 and all(
-        llm.engine.decode([t]).strip("a") == "" for t in seqs[0].output_ids), seqs[0].output_ids
+    assert len(seqs[0].output_ids) < 30 and set(llm.engine.decode(seqs[0].output_ids)) <= {"a", "b"}
     assert seqs[1].finish_reason == "length" and seqs[1].output_ids == alone
     with pytest.raises(DraftsmithError, match="request .*: structured outputs: the grammar engine gave up"):
         llm.generate(["x"], bad)
     assert not llm.engine.has_unfinished() and len(llm.engine.free_rows) == 4
     # llguidance's copies of one compiled grammar share the lexer state whose limit A hit: B, on
     # the same grammar's other branch, must not inherit A's failure (the grammar is compiled afresh)
-    tok = lambda c: llm.encode(c, add_special_tokens=False)[-1]  # noqa: E731
-    spec = SO(regex="b+|ca{99999999}")
+    spec = SO(regex="c+|" + BRANCHY)
     steer = lambda *cs: SamplingParams(max_tokens=8, temperature=0.0, structured_outputs=spec,  # noqa: E731
                                        logit_bias={tok(c): 100.0 for c in cs})
     with pytest.raises(DraftsmithError, match="gave up"):
-        llm.generate(["x"], steer("c", "a"))
-    b = llm.generate(["x"], steer("b"))[0]
-    assert b.finish_reason == "length" and set(b.text) == {"b"}
+        llm.generate(["x"], steer("a"))
+    c = llm.generate(["x"], steer("c"))[0]
+    assert c.finish_reason == "length" and set(c.text) == {"c"}
+
+
+def test_a_grammar_past_the_limits_only_over_a_matchers_life_completes(tiny):
+    """llguidance counts the lexer's work over a matcher's whole life: under a{99999999} a matcher
+    gives up after a token or two, yet a fresh one takes the output so far and the next token.
+    The request renews its matcher each time (core/structured.renew) and completes, every token
+    inside the grammar, plain and speculative alike."""
+    sp = SamplingParams(max_tokens=20, temperature=0.0, structured_outputs=SO(regex="a{99999999}"))
+    for drafter in (None, "ngram"):
+        (o,) = LLM(tiny, drafter=drafter, max_batch=2, max_len=128).generate(["aaaa"], sp)
+        assert o.outputs[0].finish_reason == "length" and o.outputs[0].text == "a" * 20, drafter
+
+
+class FixedDrafter:
+    """Test drafter: proposes the same tokens every round (cut to the cap)."""
+
+    name = "fixed-drafts"
+    needs = FeatureSpec()
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+
+    def start(self, seq, features) -> None:
+        pass
+
+    def propose(self, seqs, max_lengths):
+        return pad_proposal([self.tokens[:cap] for cap in max_lengths])
+
+    def on_verified(self, seqs, proposal, result, features) -> None:
+        pass
+
+    def release(self, seq) -> None:
+        pass
+
+
+def test_a_draft_the_grammar_engine_gives_up_on_does_not_fail_its_request(tiny):
+    """Under (b|ca{99999999})+ the grammar engine gives up once it takes "c" and a few "a"s, a
+    branch the target (steered to "b") never takes. A drafter that drafts it every round must not
+    make the request fail: the row renews its matcher at its output and is verified without its
+    drafts that round, so the output is plain decoding's, token for token."""
+    tok = tiny.tokenizer
+    spec = SO(regex="(b|ca{99999999})+")
+    b, bad = _ids(tok, "b"), _ids(tok, "caaa")
+    g = _grammars(tiny)  # (the precondition: the engine does give up reading the masks of those drafts)
+    s = Request("r", [1], SamplingParams(structured_outputs=spec), None, grammar=g.matcher(spec))
+    s.output_ids = []
+    constrain(torch.zeros(1, 1 + len(bad), tiny.model.config.vocab_size), [s], torch.tensor([bad]), [len(bad)],
+              g.executor)
+    assert s.error is not None and "gave up" in s.error
+    sp = SamplingParams(max_tokens=12, temperature=0.0, structured_outputs=spec, logit_bias={b[0]: 100.0})
+    (plain,) = LLM(tiny, max_batch=2, max_len=128).generate(["x"], sp)
+    assert plain.outputs[0].finish_reason == "length" and set(plain.outputs[0].text) == {"b"}
+    for drafts in (bad, b + bad):  # the engine gives up at the first draft's mask; after a right one
+        llm = LLM(tiny, drafter=FixedDrafter(drafts), policy="fixed", num_speculative_tokens=len(drafts),
+                  max_batch=2, max_len=128)
+        (o,) = llm.generate(["x"], sp)
+        assert o.outputs[0].token_ids == plain.outputs[0].token_ids and o.outputs[0].finish_reason == "length"
 
 
 def _check(spec: SO, text: str) -> None:
@@ -362,10 +435,11 @@ def test_constrained_sampling_is_lossless_and_the_controls_fail(pit_target, monk
     # the engine commits tokens the grammar refuses and says so
     import draftsmith.engine.engine as engine_mod
 
-    def blockwide(logits, seqs, drafts, lengths, executor, inplace=False):
-        return torch.cat([constrain(logits[:, j: j + 1], seqs, None, [0] * len(seqs), executor)
-                          for j in range(logits.shape[1])], dim=1)
+    def blockwide(seqs, drafts, lengths, V, executor):
+        bits, failed = grammar_bits(seqs, None, [0] * len(seqs), V, executor)
+        S = 1 + (drafts.shape[1] if drafts is not None else 0)
+        return (None if bits is None else bits.expand(-1, S, -1).contiguous()), failed
 
-    monkeypatch.setattr(engine_mod, "constrain", blockwide)
-    with pytest.raises(RuntimeError, match="breaks request .* grammar"):
+    monkeypatch.setattr(engine_mod, "grammar_bits", blockwide)
+    with pytest.raises(RuntimeError, match="break request .* grammar"):
         _run(pit_target)

@@ -13,7 +13,11 @@ lossless: n-gram drafts come unconstrained (core/grammar_drafts.py cuts what the
 refuses), the model drafters draft inside the grammar (core/draft_masks.py).
 
 Per request the matcher follows the committed output (`advance`); a block only borrows it:
-it consumes the valid drafts to read each position's mask and rolls them back.
+it consumes the valid drafts to read each position's mask and rolls them back. Where the grammar
+engine gives up (a grammar past its limits: LexerTooComplex) while taking drafts, the request gets
+a fresh matcher at its committed output and goes on without drafts for that round (`renew`): so
+whether a request succeeds never depends on what was drafted; it ends with "error" only where its
+committed output itself is past the limits.
 """
 
 from __future__ import annotations
@@ -202,14 +206,16 @@ class Grammars:
     """Matchers for one target's tokenizer: `matcher(spec)` compiles the spec's grammar once
     (the last `capacity` grammars are kept) and gives every request a fresh copy; `check(spec)`
     only validates (remembering the last `capacity` that passed). `share`: another Grammars of
-    the same target, whose llguidance tokenizer this one uses too. One thread at a time uses
-    `matcher`; `check` may be called from several."""
+    the same target, whose llguidance tokenizer this one uses too. `limits`: the grammar
+    engine's resource limits (llguidance.LLParserLimits; None: its defaults). One thread at a
+    time uses `matcher`; `check` may be called from several."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Sequence[int], capacity: int = 64,
-                 share: Grammars | None = None) -> None:
+                 share: Grammars | None = None, limits: Any = None) -> None:
         self._hf = tokenizer
         self._tags = ThinkTags.of(tokenizer)
         self.capacity = capacity
+        self.limits = limits
         self._lltok = share._lltok if share is not None else _LLTokenizer(vocab_size, eos_token_ids)
         self._executor = None
         self._compiled: OrderedDict[str, Any] = OrderedDict()
@@ -235,7 +241,7 @@ class Grammars:
             if key in self._checked:
                 self._checked.move_to_end(key)
                 return
-        err = llguidance.LLMatcher.validate_grammar(key, self._lltok.get(self._hf))
+        err = llguidance.LLMatcher.validate_grammar(key, self._lltok.get(self._hf), limits=self.limits)
         if err:
             raise DraftsmithError(f"structured outputs: the {spec.describe()} does not compile: {_one_line(err)}")
         with self._check_lock:
@@ -255,7 +261,7 @@ class Grammars:
         key = spec.grammar_text(self._tags)
         base = self._compiled.get(key)
         if base is None:
-            base = llguidance.LLMatcher(self._lltok.get(self._hf), key, log_level=0)
+            base = llguidance.LLMatcher(self._lltok.get(self._hf), key, log_level=0, limits=self.limits)
             if base.is_error():
                 raise DraftsmithError(f"structured outputs: the {spec.describe()} does not compile: "
                                       f"{_one_line(base.get_error())}")
@@ -280,32 +286,30 @@ def allowed_tokens(bits: torch.Tensor, V: int) -> torch.Tensor:
     return torch.from_numpy(unpacked).view(torch.bool)[..., :V]
 
 
-def constrain(logits: torch.Tensor, seqs: Sequence, drafts: torch.Tensor | None, lengths: Sequence[int],
-              executor, inplace: bool = False) -> torch.Tensor:
-    """logits [B, S, V] of a verify block (position j follows drafts[b, :j]; row b has
-    lengths[b] drafts). Rows whose request has a grammar (`seq.grammar`) get -inf at every
-    token the grammar refuses at each position up to and including its first refused draft
-    (the matchers consume the valid drafts to read those masks and roll them back; llguidance
-    does every row in one call, on `executor`'s threads). Returns a new tensor where any row is
-    constrained, `logits` itself otherwise; `inplace`: masks `logits` itself (a pass over B x S x V
-    floats less, where nothing else reads the unmasked logits). A row whose matcher fails here (a
-    grammar the engine compiles but cannot follow: llguidance's LexerTooComplex, ParserTooComplex)
-    gets its request's `error` set and is left unmasked: the engine ends that request with
-    "error" and commits nothing of the row; the batch's other rows go on."""
+def grammar_bits(seqs: Sequence, drafts: torch.Tensor | None, lengths: Sequence[int], V: int,
+                 executor) -> tuple[torch.Tensor | None, list[int]]:
+    """The grammar masks of a verify block of 1 + K positions (position j follows drafts[b, :j];
+    row b has lengths[b] drafts), read from the drafts alone, before the forward: bitmasks
+    [B, 1 + K, words] int32 for `masked`, or None where no row has a grammar. Each grammar row's
+    matcher consumes its valid drafts to read its masks and rolls them back (llguidance does
+    every row in one call, on `executor`'s threads); the positions up to and including its first
+    refused draft are masked, those after it are never reached and stay all-allowed. Also
+    returned: the rows whose matcher the grammar engine gave up on here (grammar_failure: e.g.
+    on a draft the target would never choose), left all-allowed for the caller to renew."""
     rows = [b for b, s in enumerate(seqs) if getattr(s, "grammar", None) is not None]
     if not rows:
-        return logits
-    B, S, V = logits.shape
-    words = (V + 31) // 32
+        return None, []
+    B, S, words = len(seqs), 1 + (drafts.shape[1] if drafts is not None else 0), (V + 31) // 32
     bits = torch.full((B, S, words), -1, dtype=torch.int32)  # -1: all allowed (other rows; never reached)
     jobs = [(seqs[b].grammar, b * S, drafts[b, : lengths[b]].tolist() if drafts is not None else []) for b in rows]
     if with_drafts := [j for j in jobs if j[2]]:
         executor.unsafe_compute_mask_ptr_with_draft_token(with_drafts, bits.data_ptr(), 4 * words, B * S)
     if without := [j[:2] for j in jobs if not j[2]]:
         executor.unsafe_compute_mask_ptr(without, bits.data_ptr(), 4 * words, B * S)
+    failed = []
     for b in rows:
-        if (why := grammar_failure(seqs[b])) is not None:
-            seqs[b].error = why
+        if grammar_failure(seqs[b]) is not None:
+            failed.append(b)
             bits[b] = -1
         elif seqs[b].grammar.is_error():
             raise RuntimeError(f"grammar matcher of request {seqs[b].request_id} is in an error state: "
@@ -313,11 +317,29 @@ def constrain(logits: torch.Tensor, seqs: Sequence, drafts: torch.Tensor | None,
     # A matcher allows at least EOS until it has consumed one: an empty mask is a position after
     # an EOS draft, where the engine stops; leave it unmasked.
     bits[(bits == 0).all(-1)] = -1
-    allowed = allowed_tokens(bits, V).to(logits.device)
+    return bits, failed
+
+
+def masked(logits: torch.Tensor, bits: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    """logits [B, S, V] with -inf at every token `bits` (grammar_bits) refuses: a new tensor, or
+    `logits` itself masked with `inplace` (a pass over B x S x V floats less, where nothing else
+    reads the unmasked logits)."""
+    allowed = allowed_tokens(bits, logits.shape[-1]).to(logits.device)
     if inplace:
         with torch.inference_mode():  # the target's logits come from an inference-mode forward
             return logits.masked_fill_(~allowed, float("-inf"))
     return torch.where(allowed, logits, torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
+
+
+def constrain(logits: torch.Tensor, seqs: Sequence, drafts: torch.Tensor | None, lengths: Sequence[int],
+              executor, inplace: bool = False) -> torch.Tensor:
+    """logits [B, S, V] of a verify block masked by each row's grammar after the drafts before
+    each position (grammar_bits, then masked): `logits` itself where no row has a grammar. A row
+    whose grammar engine gave up gets its request's `error` set and is left unmasked."""
+    bits, failed = grammar_bits(seqs, drafts, lengths, logits.shape[-1], executor)
+    for b in failed:
+        seqs[b].error = grammar_failure(seqs[b])
+    return logits if bits is None else masked(logits, bits, inplace)
 
 
 _GAVE_UP = ("Stop: LexerTooComplex", "Stop: ParserTooComplex")  # (in llguidance 1.9's error text: stop_reason()
@@ -337,6 +359,21 @@ def grammar_failure(seq) -> str | None:
             "simplify the grammar (e.g. smaller repetition counts)")
 
 
+def renew(seq, grammars: Grammars) -> bool:
+    """After the grammar engine gave up on `seq`'s matcher (grammar_failure), possibly on drafts
+    the target would never have chosen: a matcher of a fresh compile that has taken the committed
+    output in their place (llguidance's copies of one compiled grammar share the state that hit
+    the limit), and `error` cleared. True where it follows the output; False where the output
+    itself is past the engine's limits (`error` then says why: the request ends, as it would
+    without speculation)."""
+    spec = seq.params.structured_outputs
+    grammars.forget(spec)
+    seq.grammar = grammars.matcher(spec)
+    seq.error = None
+    advance(seq, seq.output_ids)
+    return seq.error is None
+
+
 def allowed_now(matcher, V: int) -> torch.Tensor:
     """The tokens `matcher` allows next, as bools [V]."""
     bits = torch.zeros((V + 31) // 32, dtype=torch.int32)
@@ -348,19 +385,19 @@ def advance(seq, tokens: Sequence[int]) -> None:
     """Feed committed tokens to the request's matcher. Every committed token comes from a masked
     row, so one the grammar refuses means the matcher lost track of the output: it raises. A
     matcher that fails taking them (the grammar engine gave up: too complex) sets the request's
-    `error` instead, and the engine ends that request alone."""
+    `error` instead (the engine then renews the matcher, and ends that request alone where a
+    fresh one fails too)."""
     m = getattr(seq, "grammar", None)
     if m is None or not tokens:
         return
+    # (not checked first with validate_tokens: it stops short, without an error, where the grammar
+    # engine gives up on a token. The last one alone: an EOS after the grammar stopped is taken by
+    # consume_token, refused by consume_tokens; llguidance 1.9)
     tokens = list(tokens)
-    n = m.validate_tokens(tokens)
-    ok = m.consume_tokens(tokens[:n]) if n else True
+    ok = (len(tokens) == 1 or m.consume_tokens(tokens[:-1])) and m.consume_token(tokens[-1])
     if (why := grammar_failure(seq)) is not None:  # the grammar engine gave up (too complex): this request ends
         seq.error = why
         return
     if not ok:
-        raise RuntimeError(f"grammar matcher refused committed tokens: {_one_line(m.get_error())}")
-    # A grammar that cannot go on (stopped) allows only EOS, yet validate_tokens counts no EOS
-    # there (llguidance 1.9); consume_token takes it.
-    if n < len(tokens) and not (n == len(tokens) - 1 and m.is_stopped() and m.consume_token(tokens[n])):
-        raise RuntimeError(f"committed token {tokens[n]} breaks request {seq.request_id}'s grammar")
+        raise RuntimeError(f"committed tokens {tokens} break request {seq.request_id}'s grammar: "
+                           f"{_one_line(m.get_error())}")

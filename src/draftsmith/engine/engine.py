@@ -22,7 +22,7 @@ from draftsmith.core.logprobs import token_logprobs
 from draftsmith.core.penalties import penalize
 from draftsmith.core.sampling import SamplingParams
 from draftsmith.core.stops import find_stop, stop_cut
-from draftsmith.core.structured import Grammars, advance, constrain
+from draftsmith.core.structured import Grammars, advance, grammar_bits, grammar_failure, masked, renew
 from draftsmith.core.verify import verify, verify_greedy
 from draftsmith.core.warp import argmax_rows, target_probs
 from draftsmith.drafters.base import Drafter, NoDrafter, TargetFeatures
@@ -325,6 +325,8 @@ class Engine:
         tg = time.perf_counter()
         forced = (forced_drafts(seqs, [min(self.config.forced_drafts, s.remaining - 1, room) for s in seqs])
                   if self.config.forced_drafts > 0 else [])
+        if gave_up := self._renew(seqs):  # (reading what a grammar forces can hit the engine's limits too)
+            forced = [[] if b in gave_up else f for b, f in enumerate(forced)]
         grammar_s = time.perf_counter() - tg
         if any(forced):
             caps = [0 if f else c for f, c in zip(forced, caps)]
@@ -348,8 +350,13 @@ class Engine:
         drafted_view = proposal
         tg = time.perf_counter()
         # Drafts the grammar refuses are rejected for certain: not verified (core/grammar_drafts.py).
+        # A row whose grammar engine gave up on a draft (drafting inside the grammar, or checking it
+        # here) goes on from a fresh matcher at its output, without drafts this round.
         if any(s.grammar is not None for s in seqs):
-            proposal = proposal.truncated(grammar_lengths(seqs, proposal, self.eos_token_ids))
+            cut = grammar_lengths(seqs, proposal, self.eos_token_ids)
+            for b in self._renew(seqs):
+                cut[b] = 0
+            proposal = proposal.truncated(cut)
         if any(forced):  # as many as the wider forward pays for (the policy's cost model, else fit_forced)
             kept = proposal.lengths.tolist() if proposal.max_len else [0] * len(seqs)
             wants = [len(f) for f in forced]
@@ -361,6 +368,20 @@ class Engine:
             forced = [f[:k] for f, k in zip(forced, fit)]
             proposal = with_forced(proposal, forced)
         lengths = proposal.lengths.tolist() if proposal.max_len else [0] * len(seqs)
+        # structured outputs: position j masked by the grammar after drafts < j (core/structured.py),
+        # read before the forward: where the grammar engine gives up on a row's drafts, the row
+        # renews its matcher and is verified without them.
+        bits, failed = grammar_bits(seqs, proposal.tokens if proposal.max_len else None, lengths,
+                                    self.model.config.vocab_size, self.grammars.executor)
+        if failed:
+            gave_up = self._renew(seqs)
+            forced = [[] if b in gave_up else f for b, f in enumerate(forced)]
+            proposal = proposal.truncated([0 if b in gave_up else n for b, n in enumerate(lengths)])
+            lengths = proposal.lengths.tolist() if proposal.max_len else [0] * len(seqs)
+            bits, failed = grammar_bits(seqs, proposal.tokens if proposal.max_len else None, lengths,
+                                        self.model.config.vocab_size, self.grammars.executor)
+            for b in failed:  # past the limits at its own output, without drafts: the request ends
+                seqs[b].error = seqs[b].error or grammar_failure(seqs[b])
         K = proposal.max_len
         drafted = any(c > 0 for c in caps)
         t1 = time.perf_counter()
@@ -376,10 +397,9 @@ class Engine:
         # penalties, logit_bias, min_tokens, allowed_token_ids, bad_words: position j after drafts < j
         # (core/penalties.py)
         logits = penalize(out.logits, seqs, proposal.tokens if K else None, tuple(self.eos_token_ids))
-        # structured outputs: position j masked by the grammar after drafts < j (core/structured.py)
-        # (in place where no one reads the unmasked logits: a copy of penalize's, or no logprobs asked)
-        inplace = logits is not out.logits or all(s.logprobs is None for s in seqs)
-        logits = constrain(logits, seqs, proposal.tokens if K else None, lengths, self.grammars.executor, inplace)
+        if bits is not None:  # the grammar masks (in place where no one reads the unmasked logits: a
+            # copy of penalize's, or no logprobs asked)
+            logits = masked(logits, bits, inplace=logits is not out.logits or all(s.logprobs is None for s in seqs))
         if all(s.params.greedy for s in seqs):  # p one-hot at the argmax: the argmax is all verify needs
             V = logits.shape[-1]
             result = verify_greedy(proposal, argmax_rows(logits.reshape(-1, V)).view(len(seqs), 1 + K), V)
@@ -398,7 +418,7 @@ class Engine:
                                   accepted=None if any(forced) else int(result.num_accepted.sum()) if K else 0)
         for b, s in enumerate(seqs):
             m = int(result.num_accepted[b])
-            if s.error is not None:  # its grammar gave up in this step (constrain): nothing of the row is kept
+            if s.error is not None:  # its grammar is past the limits at its output: nothing of the row is kept
                 s.finish_reason = "error"
                 continue
             # KV of the pending token and the m accepted drafts is now committed;
@@ -408,7 +428,7 @@ class Engine:
             appended = self._append(s, committed_tokens[b][: m + 1])
             kept = s.output_ids[len(s.output_ids) - appended:]
             advance(s, kept)  # the request's grammar follows its output (core/structured.py)
-            if s.error is not None:  # (its grammar gave up taking them: the request ends here)
+            if s.error is not None and not renew(s, self.grammars):  # (gave up taking them, afresh too)
                 s.finish_reason = "error"
             if s.logprobs is not None:  # the target's rows of the committed tokens (core/logprobs.py)
                 s.logprobs += token_logprobs(out.logits[b], kept, s.params.logprobs)
@@ -487,6 +507,15 @@ class Engine:
         min_tokens (vLLM looks for stop strings only from there on)."""
         p = s.params
         return len(self.decode(s.output_ids[: p.min_tokens - 1], p.skip_special_tokens)) if p.min_tokens > 1 else 0
+
+    def _renew(self, seqs: list[Request]) -> list[int]:
+        """The rows whose grammar engine gave up (on drafts, or reading what the grammar forces),
+        each given a fresh matcher at its committed output (core/structured.renew; where the
+        output itself is past the limits, the request's `error` is set and it ends this round)."""
+        rows = [b for b, s in enumerate(seqs) if s.error is None and grammar_failure(s) is not None]
+        for b in rows:
+            renew(seqs[b], self.grammars)
+        return rows
 
     def visible_text(self, s: Request) -> str:
         """Decoded output (special tokens dropped unless the request keeps them) up to the first
