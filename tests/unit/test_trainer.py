@@ -335,12 +335,17 @@ def test_incomplete_or_empty_cache_is_refused(target_dir, cache_dir, tmp_path):
     train on the part that was written); nor is one without samples. Nothing is written."""
     import shutil
 
+    from draftsmith.data.cache import rebuild_command
+
     broken = tmp_path / "cache"
     shutil.copytree(cache_dir, broken)
     manifest = json.loads((broken / "manifest.json").read_text())
     (broken / "manifest.json").write_text(json.dumps({**manifest, "complete": False}))
-    with pytest.raises(DraftsmithError, match=r"incomplete .*--resume"):
+    with pytest.raises(DraftsmithError, match=r"incomplete .*--resume") as e:
         Trainer(make_cfg(target_dir, broken, tmp_path / "run"), CATALOGUE).fit()
+    # the full command that finishes it (it named only --data / --out: --target / --layers missing)
+    assert f"`{rebuild_command(broken, {**manifest, 'complete': False}, str(target_dir))}`" in str(e.value)
+    assert f"--target {target_dir} --data " in str(e.value) and "--layers 0,1" in str(e.value)
     empty = {**manifest, "shards": [], "num_samples": 0, "num_tokens": 0, "complete": True}
     (broken / "manifest.json").write_text(json.dumps(empty))
     with pytest.raises(DraftsmithError, match="no samples"):

@@ -159,18 +159,17 @@ class TrainData:
         cache.validate(target_id=target.target_id, weights_hash=target.weights_hash,
                        legacy_hash=getattr(target, "legacy_weights_hash", None), layer_ids=self.layer_ids,
                        hidden_size=target.model.config.hidden_size)
+        # how the rebuild command names the target: its alias, else its directory
+        self._target_arg = (target.target_id if target.target_id in BUILTIN_TARGETS
+                            else str(getattr(target, "path", target.target_id)))
         if not cache.manifest.get("complete", False):
-            data = cache.manifest.get("data", {}).get("path") or "DATA"
             raise DraftsmithError(
                 f"feature cache {path} is incomplete ({len(cache)} samples written before its `draftsmith cache` run "
-                f"stopped); finish it with `draftsmith cache --data {data} --out {path} --resume` before training"
+                f"stopped); finish it with `{rebuild_command(path, cache.manifest, self._target_arg)}` before training"
             )
         if len(cache) == 0:
             raise DraftsmithError(f"feature cache {path} holds no samples; regenerate data and cache it again")
         self.cache = cache
-        # how the rebuild command names the target: its alias, else its directory
-        self._target_arg = (target.target_id if target.target_id in BUILTIN_TARGETS
-                            else str(getattr(target, "path", target.target_id)))
         for entry in cache.manifest["shards"]:  # every shard's header and size, before any work
             why = shard_problem(path, entry)
             if why is not None:
