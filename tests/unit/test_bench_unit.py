@@ -106,6 +106,9 @@ def test_verdicts():
     v = verdict({"acceptance_rate": 0.3, "draft_proposed": 10, "speedup": 0.9}, base)
     assert v["decision"] == "no-go" and "acceptance 0.30" in v["reason"] and "slower" in v["reason"]
     assert verdict({"acceptance_rate": None, "draft_proposed": 0, "speedup": 1.2}, base)["decision"] == "no-go"
+    # drafts proposed but none accepted (a scheduler that turned drafting off): a speedup is noise
+    v = verdict({"acceptance_rate": 0.0, "draft_proposed": 1, "draft_accepted": 0, "speedup": 1.17}, base)
+    assert v["decision"] == "no-go" and v["reason"].startswith("accepted none of its 1 draft tokens")
     v = verdict({"acceptance_rate": 0.7, "draft_proposed": 10, "speedup": 1.25}, base)
     assert v["decision"] == "go" and v["reason"].startswith("1.25×")
     assert verdict({"acceptance_rate": 0.7, "speedup": None}, None)["decision"] == "n/a"

@@ -49,7 +49,7 @@ DEFINITIONS = {
                                     "weights once at the assumed memory bandwidth (docs/MEASURING.md #8)",
     "fraction_of_bound": "measured system tokens/s / bandwidth_bound_tokens_per_s",
     "verdict": "void if greedy outputs differ from the baseline or requests failed; no-go if slower than the "
-               "baseline (speedup < 1) or no drafts proposed; else go (acceptance is reported, not a gate)",
+               "baseline (speedup < 1) or no drafts proposed or accepted; else go (acceptance is reported, not a gate)",
 }
 
 

@@ -3,7 +3,7 @@
     void    greedy outputs differ from the baseline's (speed numbers mean nothing), or a
             request failed
     no-go   slower than the baseline (system tokens/s ratio < 1) at this tier, or no drafts
-            proposed at all
+            proposed at all, or none accepted (every round was a plain step: a speedup is noise)
     go      otherwise, with the speedup and the acceptance (acceptance is reported, not a gate:
             a block drafter that commits 2.5 tokens per round from 7 drafts accepts ~21% of
             them and still pays; speed decides)
@@ -54,6 +54,9 @@ def _decide(row: dict, baseline: dict | None, *, is_baseline: bool = False) -> d
     acc_s = "" if acc is None else f", acceptance {acc:.2f}"
     if row.get("draft_proposed") == 0:
         return {"decision": "no-go", "reason": "proposed no draft tokens (nothing to gain from speculation)"}
+    if row.get("draft_accepted") == 0:
+        return {"decision": "no-go", "reason": f"accepted none of its {row.get('draft_proposed')} draft tokens "
+                                               "(nothing gained from speculation)"}
     speedup = row.get("speedup")
     if baseline is None or speedup is None:
         return {"decision": "n/a", "reason": f"no baseline at this tier to compare speed with{acc_s}"}
