@@ -357,6 +357,31 @@ def test_export_carries_the_calibration_and_overwrite_drops_a_stale_one(tmp_path
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
+def test_import_carries_the_calibration_as_export_does(tmp_path, llama, capsys):
+    """export writes the checkpoint's calibration.json and `--drafter KIND:DIR` reads it, but
+    import dropped it: export -> import lost the STS temperatures. import carries it; with
+    --overwrite, one in --out that the source has none of is removed; a damaged one stops the
+    import (one line) before anything is written."""
+    from draftsmith.drafters.checkpoint import read_calibration
+
+    calibrated = _ckpt(tmp_path / "a", llama, eagle3.build(llama.model, eagle3.Eagle3Config(ttt_steps=2)))
+    (calibrated / "calibration.json").write_text(json.dumps({"temperatures": [1.5, 2.0], "n_bins": 10}))
+    plain = _ckpt(tmp_path / "b", llama, eagle3.build(llama.model, eagle3.Eagle3Config(ttt_steps=2)))
+    spec = export_drafter(calibrated, llama, "speculators", tmp_path / "spec")
+    plain_spec = export_drafter(plain, llama, "speculators", tmp_path / "plain-spec")
+    imp = ["import", "--target", str(llama.path), "--out", str(tmp_path / "imp")]
+    out = tmp_path / "imp"
+    assert main([*imp, str(spec)]) == 0 and read_calibration(out) == (1.5, 2.0)
+    assert main([*imp, str(plain_spec), "--overwrite"]) == 0 and read_calibration(out) is None
+    assert main([*imp, str(spec), "--overwrite"]) == 0 and read_calibration(out) == (1.5, 2.0)
+    capsys.readouterr()
+    (spec / "calibration.json").write_text("{not json")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert main([*imp, str(spec), "--overwrite"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not a calibration file" in err[0], err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
 @pytest.mark.parametrize("edit", [
     lambda c: c.update(transformer_layer_config="x"), lambda c: c.update(block_size="eight"),
     lambda c: c.pop("block_size"), lambda c: c.update(draft_vocab_size="big"), lambda c: c.update(markov_rank="r"),

@@ -27,10 +27,11 @@ def add_parser(sub) -> None:
                         "Qwen3Eagle3Model) or dflash-native (z-lab's DFlashDraftModel)")
     e.add_argument("--src", dest="src_flag", type=Path, default=None, metavar="DIR",
                    help="deprecated: the old spelling of the positional DIR (still accepted)")
-    e.add_argument("--out", type=Path, required=True, help="the checkpoint directory to write (KIND:OUT loads it)")
+    e.add_argument("--out", type=Path, required=True,
+                   help="the checkpoint directory to write (KIND:OUT loads it; DIR's calibration.json comes along)")
     e.add_argument("--overwrite", action="store_true",
                    help="write into a non-empty --out (or DIR itself), replacing the drafter there (its "
-                        "config.json and model.safetensors; a calibration.json is removed)")
+                        "config.json and model.safetensors, and calibration.json: DIR's, or none)")
     e.set_defaults(func=cmd_import, import_parser=e)
 
 

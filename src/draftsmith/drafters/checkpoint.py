@@ -130,6 +130,16 @@ def read_calibration(ckpt_dir: str | Path) -> tuple[float, ...] | None:
     return temps
 
 
+def write_calibration(ckpt_dir: str | Path, temps: tuple[float, ...] | None) -> None:
+    """calibration.json with `temps` (export / import: the same weights, so they hold), or none:
+    one left there by other weights would be read as these weights' temperatures."""
+    f = Path(ckpt_dir) / CALIBRATION_FILE
+    if temps is None:
+        f.unlink(missing_ok=True)
+    else:
+        atomic_write(f, lambda p: p.write_text(json.dumps({"temperatures": list(temps)}) + "\n"))
+
+
 def save_trained_drafter(model: nn.Module, ckpt_dir: str | Path, target_id: str, target_weights_hash: str) -> Path:
     """Write config.json + model.safetensors into ckpt_dir, each atomically (model first).
     Leaves calibration.json and train_state/ alone."""

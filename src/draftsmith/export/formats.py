@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from draftsmith.drafters import registry
-from draftsmith.drafters.checkpoint import CALIBRATION_FILE, read_calibration
+from draftsmith.drafters.checkpoint import read_calibration, write_calibration
 from draftsmith.data.outdir import check_replace
 from draftsmith.errors import DraftsmithError
 from draftsmith.export.deepspec import draft_layer_hf, ours_block, to_deepspec
@@ -93,10 +93,7 @@ def export_drafter(ckpt: str | Path, target, fmt: str, out: str | Path, overwrit
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     atomic_write(out / "model.safetensors", lambda p: save_tensors(p, tensors, metadata={"format": "pt"}))
     atomic_write(out / "config.json", lambda p: p.write_text(json.dumps(config, indent=2) + "\n"))
-    if temps is None:  # one left by an earlier export would be read as this drafter's
-        (out / CALIBRATION_FILE).unlink(missing_ok=True)
-    else:
-        atomic_write(out / CALIBRATION_FILE, lambda p: p.write_text(json.dumps({"temperatures": list(temps)}) + "\n"))
+    write_calibration(out, temps)  # none: one left by an earlier export would be read as this drafter's
     return out
 
 

@@ -30,7 +30,8 @@ from torch import nn
 
 from draftsmith.drafters import registry
 from draftsmith.data.outdir import check_replace
-from draftsmith.drafters.checkpoint import CALIBRATION_FILE, restore_state, save_trained_drafter
+from draftsmith.drafters.checkpoint import (CALIBRATION_FILE, read_calibration, restore_state, save_trained_drafter,
+                                            write_calibration)
 from draftsmith.drafters.kind_config import config_from_dict
 from draftsmith.errors import DraftsmithError
 from draftsmith.export import deepspec, dflash_native
@@ -70,14 +71,18 @@ def import_model(src: str | Path, target, fmt: str | None = None) -> nn.Module:
 
 
 def import_drafter(src: str | Path, target, out: str | Path, fmt: str | None = None, overwrite: bool = False) -> Path:
-    """`import_model`, written to `out` as our checkpoint. A non-empty `out`, or `out` = `src`, is
-    refused unless `overwrite` (then its config.json and model.safetensors are replaced, and a
-    calibration.json there, fitted to other weights, is removed)."""
+    """`import_model`, written to `out` as our checkpoint, with `src`'s calibration.json when it
+    has one (what `export` wrote, and `--drafter KIND:SRC` reads). A non-empty `out`, or `out` =
+    `src`, is refused unless `overwrite` (then its config.json and model.safetensors are replaced,
+    and a calibration.json there is src's, or removed: it was fitted to other weights)."""
     out = check_replace(out, overwrite, source=src, source_what="drafter directory")
+    temps = read_calibration(src)  # a damaged file stops the import before anything is written
     model = import_model(src, target, fmt)
     if overwrite:
         (out / CALIBRATION_FILE).unlink(missing_ok=True)
-    return save_trained_drafter(model, out, target.target_id, target.weights_hash)
+    save_trained_drafter(model, out, target.target_id, target.weights_hash)
+    write_calibration(out, temps)
+    return out
 
 
 def _speculators(src: Path, target) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
