@@ -288,6 +288,12 @@ def test_import_cli_round_trip_and_one_line_errors(tmp_path, llama, capsys):
                  "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "does not exist" in err[0], err
+    # a file (the weights, say) is named as one: it said "FILE/config.json does not exist"
+    for argv in ([str(src / "model.safetensors")], ["--src", str(src / "config.json")]):
+        assert main(["import", *argv, "--target", str(llama.path), "--out", str(tmp_path / "x")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"{argv[-1]} is a file, not a drafter directory; give the directory" in err[0], err
+    assert not (tmp_path / "x").exists()
 
 
 def test_export_and_import_refuse_to_replace_what_out_holds(tmp_path, llama, capsys):

@@ -37,7 +37,7 @@ def add_parser(sub) -> None:
 
 def source_dir(args) -> Path:
     """The directory to import: the positional DIR, or the deprecated `--src DIR`. Neither is a
-    usage error (argparse's, exit 2); both, naming different directories, a DraftsmithError."""
+    usage error (argparse's, exit 2); both, naming different directories, or a file, a DraftsmithError."""
     pos, flag = args.src, args.src_flag
     if pos is not None and flag is not None and pos != flag:
         raise DraftsmithError(f"two source directories: DIR {pos} and --src {flag} (the old spelling of DIR); "
@@ -45,6 +45,9 @@ def source_dir(args) -> Path:
     src = pos if pos is not None else flag
     if src is None:
         args.import_parser.error("the following arguments are required: DIR (the drafter directory to import)")
+    if src.is_file():  # a model.safetensors or config.json given for its directory
+        raise DraftsmithError(f"{src} is a file, not a drafter directory; give the directory that holds its "
+                              "config.json and model.safetensors")
     return src
 
 
