@@ -127,9 +127,10 @@ class LLM:
               {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4} or
               {"method": "eagle3", "model": DIR, "num_speculative_tokens": 3}
               (engine/speculative_config.py says what is read and how it differs from vLLM).
-    num_speculative_tokens / policy: drafts per round (K default 5): "auto" (default) = DSpark's prefix scheduler
-              with at most K drafts (it verifies a draft only where its expected gain pays for the
-              bigger forward on this machine; profiled once per machine), "fixed" = always K, or
+    num_speculative_tokens / policy: drafts per round (K default: a trained drafter's block size,
+              else 5): "auto" (default) = DSpark's prefix scheduler with at most K drafts (it
+              verifies a draft only where its expected gain pays for the bigger forward on this
+              machine; profiled once per machine), "fixed" = always K, or
               another registered policy (draftsmith.policy.registry).
     dtype:    "float32" (CPU default), "bfloat16" (CUDA default; on CPUs with AVX512-BF16 / AMX).
     drafter_dtype: what a trained or draft-model drafter computes in: "auto" (default: bfloat16

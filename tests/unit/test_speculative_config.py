@@ -175,6 +175,10 @@ def test_given_twice_is_an_error_and_a_policy_with_settings_stays():
     with pytest.raises(DraftsmithError, match=r"must be in 0\.\.64, got 1000000000"):
         with_speculative_config(None, "ngram", 10**9, "auto")  # (it would profile verify forwards that long)
     assert with_speculative_config(None, "ngram", 3, "fixed") == ("ngram", 3, "fixed", ())
+    # no K given: a trained drafter's block size (inside lookup: too), as with a speculative config and in bench
+    assert with_speculative_config(None, "dspark:smollm2-135m", None, "auto")[1] == 7
+    assert with_speculative_config(None, "lookup:dspark:smollm2-135m", None, "auto")[1] == 7
+    assert with_speculative_config(None, "ngram", None, "auto")[1] == 5
     ngram = "ngram:prompt_lookup_max=3"
     assert with_speculative_config(cfg, "none", None, "fixed") == (ngram, 4, "fixed", ())
     assert with_speculative_config(cfg, "none", 4, "auto")[:2] == (ngram, 4)  # the same K twice is fine

@@ -123,7 +123,7 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
                         """'{"method": "eagle3", "model": "DIR", "num_speculative_tokens": 3}'""")
     add_drafter_dtype(p)
     p.add_argument("--num-speculative-tokens", "-k", type=int_in(0, 64), default=None,
-                   help="draft length K (default: 5)")
+                   help="draft length K (default: a trained drafter's block size, else 5)")
     p.add_argument("--policy", default="auto", type=policy_arg, metavar="POLICY[:KEY=VALUE,...]",
                    help=policy_help())
     p.add_argument("--reproducible-seeds", action=argparse.BooleanOptionalAction, default=True,

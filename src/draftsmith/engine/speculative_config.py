@@ -333,6 +333,17 @@ def batch_schedule(entries: Any, k: int) -> BatchSizeSchedule:
     return BatchSizeSchedule(tuple(table))
 
 
+def default_k(drafter: Any) -> int:
+    """K where none is given: a trained drafter's block size (EAGLE-3: its TTT depth), inside
+    `lookup:SPEC` too, as with a speculative config and in `bench`; else 5."""
+    if not isinstance(drafter, str):
+        return 5
+    kind, arg = registry.parse_spec(drafter)
+    if kind.wrap is not None:
+        return default_k(arg)
+    return kind.default_k(read_checkpoint_config(arg), 5) if kind.trainable else 5
+
+
 def with_speculative_config(config: str | Mapping[str, Any] | None, drafter: Any, num_speculative_tokens: int | None,
                             policy: Any) -> tuple[Any, int, Any, tuple[str, ...]]:
     """`LLM`'s (drafter, K, policy) with vLLM's speculative config applied: the config names the
@@ -343,7 +354,7 @@ def with_speculative_config(config: str | Mapping[str, Any] | None, drafter: Any
         raise DraftsmithError(f"num_speculative_tokens (K) must be in 0..{MAX_SPECULATIVE_TOKENS}, "
                               f"got {num_speculative_tokens}")
     if config is None:
-        return drafter, 5 if num_speculative_tokens is None else num_speculative_tokens, policy, ()
+        return drafter, default_k(drafter) if num_speculative_tokens is None else num_speculative_tokens, policy, ()
     setup = speculative_setup(config)
     if not (isinstance(drafter, str) and drafter == "none"):
         raise DraftsmithError(f"a drafter is given twice: {drafter!r} and {_WHERE} (drafter {setup.drafter}); give one")
