@@ -231,6 +231,29 @@ def test_a_draft_the_grammar_engine_gives_up_on_does_not_fail_its_request(tiny):
         assert o.outputs[0].token_ids == plain.outputs[0].token_ids and o.outputs[0].finish_reason == "length"
 
 
+def test_a_row_whose_matcher_did_not_give_up_is_not_failed_by_another_rows_renewal(tiny):
+    """Two requests under (b|ca{99999999})+ in one batch, one steered into the a-branch (its
+    matcher is renewed every few tokens), one to "b"s, both drafted "caaaa" every round. Where one
+    row's grammar engine gives up on its drafts and the other's does not, only the first is renewed
+    and read again: the other's masks stand (it was read again too, and failed with "error" without
+    a renewal, llguidance counting a matcher's lexer work over its life). Each output is its plain
+    decoding's."""
+    tok = tiny.tokenizer
+    (a,), (b,), (c,) = _ids(tok, "a"), _ids(tok, "b"), _ids(tok, "c")
+    spec = SO(regex="(b|ca{99999999})+")
+    sps = [SamplingParams(max_tokens=16, temperature=0.0, structured_outputs=spec, logit_bias={c: 100.0, a: 50.0}),
+           SamplingParams(max_tokens=16, temperature=0.0, structured_outputs=spec, logit_bias={b: 100.0})]
+    plain = [LLM(tiny, max_batch=2, max_len=128).generate([p], sp)[0].outputs[0] for p, sp in zip("xy", sps)]
+    assert [set(o.text) for o in plain] == [{"c", "a"}, {"b"}]
+    llm = LLM(tiny, drafter=FixedDrafter(_ids(tok, "caaaa")), policy="fixed", num_speculative_tokens=5,
+              max_batch=2, max_len=128)
+    seqs = [llm.engine.add_request(llm.encode(p), sp) for p, sp in zip("xy", sps)]
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    assert [(s.finish_reason, s.error) for s in seqs] == [("length", None)] * 2
+    assert [s.output_ids for s in seqs] == [o.token_ids for o in plain]
+
+
 def _check(spec: SO, text: str) -> None:
     """The text of a finished output, by Python's own reading of the spec."""
     if spec.regex:

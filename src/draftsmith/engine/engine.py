@@ -378,10 +378,19 @@ class Engine:
             forced = [[] if b in gave_up else f for b, f in enumerate(forced)]
             proposal = proposal.truncated([0 if b in gave_up else n for b, n in enumerate(lengths)])
             lengths = proposal.lengths.tolist() if proposal.max_len else [0] * len(seqs)
-            bits, failed = grammar_bits(seqs, proposal.tokens if proposal.max_len else None, lengths,
-                                        self.model.config.vocab_size, self.grammars.executor)
-            for b in failed:  # past the limits at its own output, without drafts: the request ends
-                seqs[b].error = seqs[b].error or grammar_failure(seqs[b])
+            # Only the renewed rows' masks are read again (position 0, from the fresh matcher): the
+            # other rows' masks stand. (Read again, a row's matcher that did not give up the first
+            # time may give up now, llguidance counting the lexer's work over a matcher's life: that
+            # row would end with "error" without ever being renewed.)
+            bits = bits[:, : 1 + proposal.max_len].clone()
+            again, failed = grammar_bits([seqs[b] for b in gave_up], None, [0] * len(gave_up),
+                                         self.model.config.vocab_size, self.grammars.executor)
+            for i, b in enumerate(gave_up):
+                bits[b] = -1
+                if again is not None:
+                    bits[b, 0] = again[i, 0]
+            for i in failed:  # past the limits at its own output, without drafts: the request ends
+                seqs[gave_up[i]].error = seqs[gave_up[i]].error or grammar_failure(seqs[gave_up[i]])
         K = proposal.max_len
         drafted = any(c > 0 for c in caps)
         t1 = time.perf_counter()
