@@ -19,6 +19,7 @@ from draftsmith.engine.builder import build_engine
 from draftsmith.engine.speculative_config import with_speculative_config
 from draftsmith.errors import DraftsmithError
 from draftsmith.metrics import Metric, OfflineTotals
+from draftsmith.models.generation_config import sampling_defaults
 from draftsmith.models.loading import LoadedTarget
 from draftsmith.models.prompts import encode_chat, encode_text
 from draftsmith.models.target import load_target
@@ -156,6 +157,12 @@ class LLM:
               them like any draft: the output law is unchanged (greedy output too, up to float
               rounding at near-ties in the wider forward), a forced run the model follows commits
               in one forward (core/grammar_drafts.py). 0: off.
+    generation_config: the sampling defaults of `generate` / `chat` without sampling params and of
+              the server's requests, as vLLM's: "auto" (default) = the target's
+              generation_config.json recommendation (temperature, top_p, top_k, min_p,
+              repetition_penalty, max_new_tokens as max_tokens; e.g. Qwen2.5's T 0.7, top_p 0.8),
+              "vllm" = none (SamplingParams' own defaults), or a directory holding a
+              generation_config.json. override_generation_config: fields that replace it.
     """
 
     def __init__(
@@ -174,6 +181,8 @@ class LLM:
         enable_prefix_caching: bool | None = False,
         forced_drafts: int = 16,
         speculative_config: str | Mapping[str, Any] | None = None,
+        generation_config: str = "auto",
+        override_generation_config: Mapping[str, Any] | None = None,
     ) -> None:
         drafter, num_speculative_tokens, policy, notes = with_speculative_config(
             speculative_config, drafter, num_speculative_tokens, policy)  # (checked before the target loads)
@@ -186,6 +195,9 @@ class LLM:
         else:
             self.target = load_target(target, device=device, dtype=dtype, threads=threads)
         self.tokenizer = self.target.tokenizer
+        # vLLM's get_diff_sampling_param: what a request leaves unset defaults to (models/generation_config.py)
+        self.default_sampling: dict[str, Any] = sampling_defaults(self.target.path, generation_config,
+                                                                  override_generation_config)
         self.engine = build_engine(self.target, drafter, policy, num_speculative_tokens, max_batch, max_len,
                                    reproducible_seeds=reproducible_seeds, drafter_dtype=drafter_dtype,
                                    enable_prefix_caching=enable_prefix_caching, adaptive_threads=threads is None,
@@ -198,6 +210,14 @@ class LLM:
         self.last_stats: GenerateStats | None = None
         self._totals = OfflineTotals()  # get_metrics(): since this LLM was made
         self._token_texts: TokenText | None = None  # logprobs' token texts (built on first use)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: SamplingParams with the target's recommended sampling (`generation_config`)
+        where it has one, else SamplingParams' defaults; what generate / chat use without any."""
+        d = dict(self.default_sampling)
+        if not 0 < d.get("top_k", 0) < self.target.model.config.vocab_size:
+            d.pop("top_k", None)  # -1, 0 or the whole vocabulary: all tokens (SamplingParams' default)
+        return SamplingParams(**d)
 
     def get_metrics(self) -> list[Metric]:
         """vLLM's LLM.get_metrics(): counters since this LLM was made, under vLLM's names
@@ -230,7 +250,7 @@ class LLM:
         prompts = list(prompts)
         if not prompts:
             return []
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         plist = list(params) if not isinstance(params, SamplingParams) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise DraftsmithError(f"{len(plist)} sampling params for {len(prompts)} prompts")

@@ -90,7 +90,7 @@ async def generate(st: ServerState, request: Request, req: Any, prompts: list[li
     for p, ids in enumerate(prompts):
         for i in range(n):
             params = sampling_params(req, max_tokens, len(ids), i, prompt_param, max_len=st.max_len,
-                                     vocab_size=st.vocab_size, structured=structured)
+                                     vocab_size=st.vocab_size, structured=structured, defaults=st.llm.default_sampling)
             index = p * n + i
             subs.append(SubRequest(request_id=f"{fmt.rid}-{index}", index=index, prompt_ids=ids,
                                    params=params, stream=req.stream, sink=sink, t_arrival=now,

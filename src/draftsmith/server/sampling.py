@@ -8,7 +8,7 @@ size keeps all tokens too (as vLLM); stop_token_ids inside the vocabulary.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 from draftsmith.core.sampling import SamplingParams
 from draftsmith.core.structured import StructuredOutputsParams
@@ -57,9 +57,13 @@ def logit_bias(req: Any) -> dict[int, float] | None:
 
 
 def sampling_params(req: Any, max_tokens: int | None, prompt_len: int, index: int, prompt_param: str, *,
-                    max_len: int, vocab_size: int, structured: StructuredOutputsParams | None = None) -> SamplingParams:
+                    max_len: int, vocab_size: int, structured: StructuredOutputsParams | None = None,
+                    defaults: Mapping[str, Any] | None = None) -> SamplingParams:
     """Choice `index`'s SamplingParams; max_tokens None: up to the context length; `structured`:
-    the request's grammar (`structured_outputs`)."""
+    the request's grammar (`structured_outputs`); `defaults`: what a field the request leaves
+    unset takes (LLM.default_sampling: the target's generation config, as vLLM), its max_tokens
+    a cap on any request's (vLLM's get_max_tokens)."""
+    d = defaults or {}
     if prompt_len == 0:
         raise APIError(400, "the prompt is empty: give at least one token", param=prompt_param)
     if prompt_len >= max_len:
@@ -81,21 +85,24 @@ def sampling_params(req: Any, max_tokens: int | None, prompt_len: int, index: in
             "completion). Reduce the prompt or max_tokens.",
             param="max_tokens", code="context_length_exceeded",
         )
+    max_tokens = min(max_tokens, d.get("max_tokens", max_tokens))
+    top_k = d.get("top_k", 0) if req.top_k is None else req.top_k
     stop = req.stop if req.stop is not None else ()
     try:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if req.temperature is None else float(req.temperature),
-            top_p=1.0 if req.top_p is None else float(req.top_p),
-            top_k=req.top_k if req.top_k and 0 < req.top_k < vocab_size else 0,  # else all tokens
-            min_p=0.0 if req.min_p is None else float(req.min_p),
+            temperature=d.get("temperature", 1.0) if req.temperature is None else float(req.temperature),
+            top_p=d.get("top_p", 1.0) if req.top_p is None else float(req.top_p),
+            top_k=top_k if 0 < top_k < vocab_size else 0,  # -1, 0 or the whole vocabulary: all tokens
+            min_p=d.get("min_p", 0.0) if req.min_p is None else float(req.min_p),
             seed=None if req.seed is None else req.seed + index,
             stop=(stop,) if isinstance(stop, str) else tuple(stop),
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
             logprobs=req.top_logprobs_k(),
             prompt_logprobs=req.prompt_logprobs_k(),
-            repetition_penalty=1.0 if req.repetition_penalty is None else float(req.repetition_penalty),
+            repetition_penalty=(d.get("repetition_penalty", 1.0) if req.repetition_penalty is None
+                                else float(req.repetition_penalty)),
             frequency_penalty=float(req.frequency_penalty or 0.0),
             presence_penalty=float(req.presence_penalty or 0.0),
             logit_bias=logit_bias(req),
