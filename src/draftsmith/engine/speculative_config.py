@@ -272,6 +272,13 @@ def _checkpoint_kind(model: str, checkpoint_config) -> str | None:
     return None
 
 
+def drafter_kind(model: str,
+                 checkpoint_config: Callable[[str], Mapping[str, Any]] = read_checkpoint_config) -> str | None:
+    """The trained drafter kind that directory or built-in name `model` holds (what `model` without
+    `method` is read as); None where it holds none (a draft model, or no such directory)."""
+    return _checkpoint_kind(model, checkpoint_config)
+
+
 def _vllm_name(kind: str) -> str:
     return next(m for m, k in METHODS.items() if k == kind)
 
