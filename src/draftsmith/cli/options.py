@@ -12,6 +12,7 @@ from pathlib import Path
 
 from draftsmith.drafters import registry
 from draftsmith.drafters.precision import DRAFTER_DTYPES
+from draftsmith.engine.sglang_args import FLAGS, add_sglang_args, given, sglang_speculative_config
 from draftsmith.errors import DraftsmithError
 from draftsmith.policy.registry import parse_policy_spec, policies
 
@@ -134,11 +135,21 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
                    help="structured outputs: where the grammar forces the next tokens (a JSON key, a regex's "
                         "literal text), up to N of them are the request's draft for a round, verified like any "
                         "draft (with or without --drafter; outputs never change); 0 = off")
+    add_sglang_args(p)
 
 
-def speculative_config(args) -> str | None:
-    """--speculative-config's JSON text (the value itself, or the file it names); None if not given."""
-    sc = args.speculative_config
+def speculative_config(args) -> str | dict | None:
+    """--speculative-config's JSON text (the value itself, or the file it names), or SGLang's
+    speculative flags read as one (engine/sglang_args.py; their warnings printed here); None if
+    neither is given."""
+    sc, sglang = args.speculative_config, given(args)
+    if sglang:
+        flag = next(f.flag for f in FLAGS if f.field in sglang)
+        for other, is_set in (("--speculative-config", sc is not None), ("--drafter", args.drafter != "none"),
+                              ("-k/--num-speculative-tokens", args.num_speculative_tokens is not None)):
+            if is_set:
+                raise DraftsmithError(f"{other} and SGLang's {flag} both say how to speculate; give one")
+        return sglang_speculative_config(sglang)
     return None if sc is None else json_text_or_file(sc, "--speculative-config")
 
 

@@ -161,15 +161,16 @@ def cmd_serve(args) -> int:
             print(f"draftsmith: warning: {flag} does nothing without {needs}", file=sys.stderr)
     chat_template = read_chat_template(args.chat_template) if args.chat_template else None
     template_kwargs = read_template_kwargs(args.default_chat_template_kwargs)
+    spec_config = speculative_config(args)
     llm = LLM(
-        args.target, drafter=args.drafter, speculative_config=speculative_config(args),
+        args.target, drafter=args.drafter, speculative_config=spec_config,
         drafter_dtype=args.drafter_dtype,
         enable_prefix_caching=args.enable_prefix_caching, threads=args.threads,
         num_speculative_tokens=args.num_speculative_tokens,
         policy=args.policy, max_batch=args.max_batch, max_len=args.max_len, device=args.device, dtype=args.dtype,
         reproducible_seeds=args.reproducible_seeds, forced_drafts=args.forced_drafts,
     )
-    if args.per_request_spec_decode_metrics != "none" and args.drafter == "none" and not args.speculative_config:
+    if args.per_request_spec_decode_metrics != "none" and args.drafter == "none" and not spec_config:
         print("draftsmith: warning: --per-request-spec-decode-metrics without a drafter: "
               "metrics.speculative_decoding is null", file=sys.stderr)
     if template_kwargs and (chat_template or getattr(llm.tokenizer, "chat_template", None)):
