@@ -118,3 +118,27 @@ def test_a_cgroup_limit_bounds_the_free_memory(monkeypatch):
     assert kv_cache.free_memory("cpu") == 8589934592 - 6442450944 + 1073741824  # 3 GiB, not the host's 47.7
     files["/sys/fs/cgroup/memory.max"] = "max\n"  # (no limit: the host's MemAvailable)
     assert kv_cache.free_memory("cpu") == 50000000 * 1024
+
+
+def test_draftsmiths_own_warnings_are_one_line_on_the_cli(tmp_path, capsys, monkeypatch):
+    """A DraftsmithWarning (e.g. bfloat16 on a CPU without hardware bf16) prints as one
+    `draftsmith: warning:` line, not Python's UserWarning with its source line; other warnings
+    keep Python's form; Python's warning display is restored after the job."""
+    import warnings
+
+    import draftsmith.models.threads as threads
+    from draftsmith.cli import main
+    from draftsmith.errors import DraftsmithWarning
+
+    def configure(n):
+        warnings.warn("bfloat16 is emulated here; use --dtype float32", DraftsmithWarning, stacklevel=2)
+        warnings.warn("some library's own", DeprecationWarning, stacklevel=2)
+
+    monkeypatch.setattr(threads, "configure_threads", configure)
+    shown = warnings.showwarning
+    with pytest.warns(DeprecationWarning, match="some library's own") as seen:  # (passed on as Python's)
+        assert main(["import", str(tmp_path / "nowhere"), "--out", str(tmp_path / "out")]) == 2
+    assert [w.category for w in seen] == [DeprecationWarning]
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "draftsmith: warning: bfloat16 is emulated here; use --dtype float32", err
+    assert len(err) == 2 and err[1].startswith("draftsmith: error:") and warnings.showwarning is shown

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
+from functools import partial
 
 import draftsmith
 from draftsmith.cli import bench, cache, export, generate, imports, profile, regen, serve, train
 from draftsmith.cli import eval as eval_
 from draftsmith.cli.options import HelpFormatter, add_threads
-from draftsmith.errors import DraftsmithError
+from draftsmith.errors import DraftsmithError, DraftsmithWarning
 
 __all__ = ["main", "build_parser"]
 
@@ -70,14 +72,24 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None, *, python) -> None:
+    """Draftsmith's own warnings as one line, as its errors; any other as Python prints it."""
+    if issubclass(category, DraftsmithWarning):
+        print(f"draftsmith: warning: {message}", file=file or sys.stderr, flush=True)
+    else:
+        python(message, category, filename, lineno, file, line)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         from draftsmith.models.threads import configure_threads
 
-        configure_threads(args.threads)
-        return int(args.func(args) or 0)
+        with warnings.catch_warnings():  # (restores Python's showwarning on the way out)
+            warnings.showwarning = partial(_show_warning, python=warnings.showwarning)
+            configure_threads(args.threads)
+            return int(args.func(args) or 0)
     except DraftsmithError as e:
         print(f"draftsmith: error: {e}", file=sys.stderr)
         return 2

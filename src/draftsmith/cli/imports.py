@@ -65,6 +65,7 @@ def cmd_import(args) -> int:
     out = import_drafter(src, target, args.out, fmt, overwrite=args.overwrite)
     kind = read_checkpoint_config(out)["kind"]
     how = "given" if args.format else "detected"
-    print(f"draftsmith: imported a {kind} drafter ({fmt} format, {how}) for {target.target_id}; "
+    article = "an" if kind[:1] in "aeiou" else "a"
+    print(f"draftsmith: imported {article} {kind} drafter ({fmt} format, {how}) for {target.target_id}; "
           f"use it as --drafter {kind}:{out}")
     return 0

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.errors import DraftsmithError
+from draftsmith.errors import DraftsmithError, DraftsmithWarning
 from draftsmith.models.loading import (
     LoadedTarget,
     legacy_weights_fingerprint,
@@ -60,12 +60,12 @@ def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
                 f"{st.isa} kernels stream the bfloat16 weights (half the bytes) and compute in float32, so decoding "
                 "and few-token verify steps are faster than float32 but wide batched steps "
                 f"({'16+ rows) are slower' if st.isa == 'avx2' else '32+ rows) are no faster'}; "
-                "use --dtype float32 for batch throughput", stacklevel=2)
+                "use --dtype float32 for batch throughput", DraftsmithWarning, stacklevel=2)
         else:
             warnings.warn(
                 f"{dtype} on this CPU has no hardware support (no AVX512-BF16 / AMX / BF16 flag): it runs "
                 "emulated and is likely slower than float32; use --dtype float32",
-                stacklevel=2,
+                DraftsmithWarning, stacklevel=2,
             )
     return chosen
 
