@@ -49,6 +49,9 @@ E3 = {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": "DIR"}
      {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 4, "num_speculative_tokens": 11}),
     ({"speculative_algorithm": "NGRAM", "speculative_ngram_min_match_window_size": 2},  # (old SGLang's max 12)
      {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 12, "num_speculative_tokens": 11}),
+    # --speculative-adaptive lets SGLang take eagle_topk / num_draft_tokens without num_steps (it warns here)
+    ({**E3, "speculative_eagle_topk": 1, "speculative_adaptive": True},
+     {"method": "eagle3", "model": "DIR", "num_speculative_tokens": 3}),
     # exact verification asked for in so many words, the default revision, no quantization
     ({**E3, "speculative_accept_threshold_single": 1.0, "speculative_accept_threshold_acc": 1.0,
       "speculative_use_rejection_sampling": True, "speculative_draft_model_revision": "main",
@@ -58,8 +61,9 @@ E3 = {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": "DIR"}
 def test_sglang_flags_become_a_speculative_config(settings, config):
     t = translate(settings)
     assert t.config == config
-    assert [w for w in t.warnings if not w.startswith("--speculative-algorithm NGRAM runs as")] == []
-    assert translate({**settings, "speculative_token_map": None, "speculative_adaptive": False}) == t  # not given
+    assert [w.split()[0] for w in t.warnings if not w.startswith("--speculative-algorithm NGRAM runs as")] == \
+        (["--speculative-adaptive"] if "speculative_adaptive" in settings else [])
+    assert translate({**settings, "speculative_token_map": None, "enable_multi_layer_eagle": False}) == t  # not given
 
 
 @pytest.mark.parametrize("settings, needle", [
@@ -119,7 +123,7 @@ def test_tree_drafting_runs_the_chain_and_ignored_settings_warn():
         assert f"speculative_{name}" in FIELDS, name
 
 
-def test_the_config_is_checked_against_the_drafter():
+def test_the_config_is_checked_against_the_drafter(tmp_path):
     seen: list[str] = []
     spec = {"speculative_algorithm": "DSPARK", "speculative_draft_model_path": "smollm2-135m"}
     config = sglang_speculative_config(spec, warn=seen.append)
@@ -137,6 +141,12 @@ def test_the_config_is_checked_against_the_drafter():
     assert len(seen) == n + 1 and "prompt lookup" in seen[-1]  # (SGLang's default 12 lowered without a word)
     with pytest.raises(DraftsmithError, match="holds a dspark drafter; give --speculative-algorithm DSPARK"):
         sglang_speculative_config({**spec, "speculative_algorithm": "DFLASH"})
+    ckpt = tmp_path / "my-dspark"  # a drafter directory given as STANDALONE's draft model
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({"kind": "dspark", "block_size": 5}))
+    with pytest.raises(DraftsmithError, match="my-dspark holds a dspark drafter; give --speculative-algorithm DSPARK"):
+        sglang_speculative_config(speculative_algorithm="STANDALONE", speculative_draft_model_path=str(ckpt),
+                                  checkpoint_config=lambda path: {"kind": "dspark", "block_size": 5})
     with pytest.raises(DraftsmithError, match=r"^--speculative-algorithm EAGLE3: drafter eagle3:nope"):
         sglang_speculative_config(speculative_algorithm="EAGLE3", speculative_draft_model_path="nope")
 

@@ -12,7 +12,8 @@ K drafts is num_draft_tokens = K + 1, for every algorithm.
 - EAGLE3 / STANDALONE: K = `--speculative-num-steps`. SGLang takes the three numbers together or
   none of them: without num_steps it picks (num_steps, eagle_topk, num_draft_tokens) itself,
   (3, 1, 4) for STANDALONE and most targets (a 5-step top-4 tree for Llama and Grok targets),
-  and refuses eagle_topk / num_draft_tokens alone; so does Draftsmith, with K = 3. A missing
+  and refuses eagle_topk / num_draft_tokens alone (but with --speculative-adaptive); so does
+  Draftsmith, with K = 3. A missing
   eagle_topk beside num_steps is 1. With eagle_topk 1, num_draft_tokens other than num_steps + 1
   is corrected to it (as SGLang does), with a warning.
 - eagle_topk > 1 is SGLang's tree drafting (top-k candidates per step, num_draft_tokens of them
@@ -62,6 +63,7 @@ import difflib
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from draftsmith.errors import DraftsmithError
@@ -273,7 +275,7 @@ def _k(algo: str, s: Mapping[str, Any]) -> tuple[int | None, list[str]]:
     warnings: list[str] = []
     if algo in ("EAGLE3", "STANDALONE"):
         if steps is None:
-            if topk is not None or ndt is not None:
+            if (topk is not None or ndt is not None) and not s.get("speculative_adaptive"):
                 given_ = " / ".join(FIELDS[k].flag for k in ("speculative_eagle_topk", "speculative_num_draft_tokens")
                                     if k in s)
                 raise DraftsmithError(f"{given_} without --speculative-num-steps: SGLang sets num-steps, eagle-topk "
@@ -354,8 +356,8 @@ def sglang_speculative_config(settings: Mapping[str, Any] | None = None, *,
     config, warnings = dict(t.config), list(t.warnings)
     method, model = config["method"], config.get("model")
     algo = next(a for a, m in ALGORITHMS.items() if m == method)
-    if method not in ("ngram", "draft_model"):
-        found = drafter_kind(model, read)
+    if method != "ngram":
+        found = drafter_kind(model, read) if method != "draft_model" or Path(model).expanduser().is_dir() else None
         if found is not None and found != method:
             right = next((a for a, m in ALGORITHMS.items() if m == found), found)
             raise DraftsmithError(f"--speculative-algorithm {algo}, but --speculative-draft-model-path {model} holds a "
