@@ -118,6 +118,7 @@ class Request:
     priority: int = 0  # vLLM's: waiting requests are admitted lowest first (arrival order within one)
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (`error` says why)
     error: str | None = None  # why it ended with "error": its grammar failed mid-generation (core/structured.py)
+    grammar_renewals: int = 0  # fresh matchers its grammar needed (core/structured.renew): none drafts after one
     stopped_by_token: bool = False  # ended on EOS or a stop_token_id (its text is not shown)
     stop_reason: int | str | None = None  # vLLM's: the stop_token_id or stop string that ended it (None: EOS, length)
     text: str = ""  # decoded output, stop string removed

@@ -319,11 +319,12 @@ class Engine:
         consumed0 = getattr(self.drafter, "consumed_s", 0.0)  # context features consumed: not drafting time
         wanted = self.policy.choose(seqs)
         room = min(self.max_len - s.num_tokens for s in seqs)
-        caps = [max(0, min(k, s.remaining - 1, room)) for k, s in zip(wanted, seqs)]
+        caps = [0 if s.grammar_renewals else max(0, min(k, s.remaining - 1, room)) for k, s in zip(wanted, seqs)]
         # Rows whose grammar forces the next tokens draft those instead (core/grammar_drafts.py;
         # the grammar's work is not drafting time).
         tg = time.perf_counter()
-        forced = (forced_drafts(seqs, [min(self.config.forced_drafts, s.remaining - 1, room) for s in seqs])
+        forced = (forced_drafts(seqs, [0 if s.grammar_renewals else min(self.config.forced_drafts, s.remaining - 1, room)
+                                       for s in seqs])
                   if self.config.forced_drafts > 0 else [])
         if gave_up := self._renew(seqs):  # (reading what a grammar forces can hit the engine's limits too)
             forced = [[] if b in gave_up else f for b, f in enumerate(forced)]
@@ -370,7 +371,9 @@ class Engine:
         lengths = proposal.lengths.tolist() if proposal.max_len else [0] * len(seqs)
         # structured outputs: position j masked by the grammar after drafts < j (core/structured.py),
         # read before the forward: where the grammar engine gives up on a row's drafts, the row
-        # renews its matcher and is verified without them.
+        # renews its matcher and is verified without them. (Their time counts as the forward's, as
+        # when they were read after it: the policy's cost model sees what a wider block costs.)
+        tm = time.perf_counter()
         bits, failed = grammar_bits(seqs, proposal.tokens if proposal.max_len else None, lengths,
                                     self.model.config.vocab_size, self.grammars.executor)
         if failed:
@@ -394,8 +397,9 @@ class Engine:
         K = proposal.max_len
         drafted = any(c > 0 for c in caps)
         t1 = time.perf_counter()
-        grammar_s += t1 - tg
-        draft_s = max(0.0, t1 - t0 - grammar_s - (getattr(self.drafter, "consumed_s", 0.0) - consumed0))
+        mask_s = t1 - tm
+        grammar_s += tm - tg
+        draft_s = max(0.0, t1 - t0 - grammar_s - mask_s - (getattr(self.drafter, "consumed_s", 0.0) - consumed0))
         ids = torch.zeros(len(seqs), 1 + K, dtype=torch.long)
         for b, s in enumerate(seqs):
             ids[b, 0] = s.all_ids[-1]
@@ -421,7 +425,7 @@ class Engine:
         finished: list[Request] = []
         committed_tokens = result.tokens.tolist()  # waits for the device: timings end here
         self.last_step = StepInfo(rows=len(seqs), block_len=1 + K, useful_tokens=len(seqs) + sum(lengths),
-                                  drafted=drafted, forward_s=time.perf_counter() - t1,
+                                  drafted=drafted, forward_s=time.perf_counter() - t1 + mask_s,
                                   draft_s=draft_s,
                                   # a round with forced drafts says nothing about the drafter's gain
                                   accepted=None if any(forced) else int(result.num_accepted.sum()) if K else 0)
@@ -437,7 +441,7 @@ class Engine:
             appended = self._append(s, committed_tokens[b][: m + 1])
             kept = s.output_ids[len(s.output_ids) - appended:]
             advance(s, kept)  # the request's grammar follows its output (core/structured.py)
-            if s.error is not None and not renew(s, self.grammars):  # (gave up taking them, afresh too)
+            if s.error is not None and not self._renew_one(s):  # (gave up taking them, afresh too)
                 s.finish_reason = "error"
             if s.logprobs is not None:  # the target's rows of the committed tokens (core/logprobs.py)
                 s.logprobs += token_logprobs(out.logits[b], kept, s.params.logprobs)
@@ -523,8 +527,20 @@ class Engine:
         output itself is past the limits, the request's `error` is set and it ends this round)."""
         rows = [b for b, s in enumerate(seqs) if s.error is None and grammar_failure(s) is not None]
         for b in rows:
-            renew(seqs[b], self.grammars)
+            self._renew_one(seqs[b])
         return rows
+
+    def _renew_one(self, s: Request) -> bool:
+        """`s`'s grammar engine gave up: a fresh matcher at its output (core/structured.renew), and
+        the request drafts no more (drafts make the engine explore more; plain steps cost it the
+        least). Refused, with `error` set, once renewals outpace the output (more than 2 + one per
+        64 tokens: a grammar past the engine's limits at nearly every token would stall the whole
+        batch with a fresh compile and mask every round)."""
+        s.grammar_renewals += 1
+        if s.grammar_renewals > 2 + len(s.output_ids) // 64:
+            s.error = s.error or grammar_failure(s)
+            return False
+        return renew(s, self.grammars)
 
     def visible_text(self, s: Request) -> str:
         """Decoded output (special tokens dropped unless the request keeps them) up to the first
