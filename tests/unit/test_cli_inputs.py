@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from draftsmith.cli import main
+from draftsmith.errors import DraftsmithError
 from test_cli import _one_line_error  # noqa: E402  (tests/unit: the same contract, read the same way)
 
 
@@ -76,6 +77,32 @@ def test_serve_on_an_address_it_cannot_listen_on_stops_before_the_model_loads(_r
         port = held.getsockname()[1]
         _one_line_error(_run("serve", tiny, "--port", str(port)), f"cannot listen on 127.0.0.1:{port}")
     _one_line_error(_run("serve", tiny, "--host", "999.1.1.1"), "is not an address of this machine")
+
+
+def test_serve_refuses_a_bad_generation_config_before_the_model_loads(_run, tmp_path, monkeypatch):
+    """--generation-config DIR without the file, a non-object --override-generation-config, an
+    unknown or mistyped field: one line, before anything loads (the target named here does not
+    exist: had it been reached, the error would name it instead)."""
+    import draftsmith.api
+
+    monkeypatch.setattr(draftsmith.api, "load_target", lambda *a, **k: pytest.fail("the target loaded"))
+    serve = ["serve", "no-such-target", "--port", "0"]
+    _one_line_error(_run(*serve, "--generation-config", str(tmp_path / "gone")), "not a directory")
+    _one_line_error(_run(*serve, "--generation-config", str(tmp_path)), "generation_config.json does not exist")
+    _one_line_error(_run(*serve, "--override-generation-config", "[1]"), "is not a JSON object")
+    _one_line_error(_run(*serve, "--override-generation-config", '{"temprature": 0.5}'),
+                    "temprature is not a sampling default")
+    _one_line_error(_run(*serve, "--override-generation-config", '{"top_p": "high"}'), "top_p must be a number")
+    seen = {}
+
+    def fake_llm(*a, **kw):
+        seen.update(kw)
+        raise DraftsmithError("stop here")
+
+    monkeypatch.setattr(draftsmith.api, "LLM", fake_llm)
+    _one_line_error(_run(*serve, "--generation-config", "vllm", "--override-generation-config", '{"top_k": 5}'),
+                    "stop here")
+    assert seen["generation_config"] == "vllm" and seen["override_generation_config"] == {"top_k": 5}
 
 
 def test_a_drafter_directory_given_as_the_target(_run):

@@ -9,6 +9,7 @@ import sys
 from draftsmith.cli.options import (add_job, add_prefix_caching, add_speculation_args, add_target_args, positive_int,
                                     speculative_config)
 from draftsmith.errors import DraftsmithError
+from draftsmith.models.generation_config import sampling_defaults
 
 HELP = "OpenAI-compatible HTTP server (completions, chat, /metrics)"
 EXAMPLE = "draftsmith serve --drafter dspark:runs/smollm2-135m-dspark --policy prefix-scheduler --port 8000"
@@ -17,7 +18,7 @@ EXAMPLE = "draftsmith serve --drafter dspark:runs/smollm2-135m-dspark --policy p
 def add_parser(sub) -> None:
     s = add_job(sub, "serve", HELP, EXAMPLE)
     s.add_argument("model", nargs="?", default=None, metavar="MODEL",
-                   help="the target, as `vllm serve MODEL` takes it (the same as --target)")
+                   help="the target, as `vllm serve MODEL` takes it (the same as --target; default smollm2-135m)")
     add_target_args(s)
     s.set_defaults(target=None)  # (smollm2-135m where neither MODEL nor --target is given: cmd_serve)
     add_speculation_args(s)
@@ -63,6 +64,12 @@ def add_parser(sub) -> None:
     s.add_argument("--enable-force-include-usage", action="store_true",
                    help="vLLM's: every stream ends with its usage chunk (and per-request metrics), as if it sent "
                         "stream_options.include_usage")
+    s.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="vLLM's: what a request leaves unset defaults to: auto = the target's generation_config.json "
+                        "recommendation (temperature, top_p, top_k, min_p, repetition_penalty; max_new_tokens caps "
+                        "max_tokens), vllm = none (temperature 1, ...), DIR = the generation_config.json in DIR")
+    s.add_argument("--override-generation-config", default=None, metavar="JSON",
+                   help="""vLLM's: fields that replace the generation config's, a JSON object, e.g. '{"temperature": 0.5}'""")
     s.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                    help="fcfs: requests start in arrival order; priority: a request's `priority` field orders "
                         "admission (lower first; running requests are not preempted)")
@@ -93,18 +100,17 @@ def read_chat_template(value: str) -> str:
     return text
 
 
-def read_template_kwargs(value: str | None) -> dict | None:
-    """--default-chat-template-kwargs: a JSON object of template variables (None if not given)."""
+def read_json_object(flag: str, value: str | None, example: str) -> dict | None:
+    """A flag's JSON object (None if not given), else an error that shows `example`."""
     if value is None:
         return None
     try:
-        kwargs = json.loads(value)
+        obj = json.loads(value)
     except (json.JSONDecodeError, RecursionError):
-        kwargs = None
-    if not isinstance(kwargs, dict):
-        raise DraftsmithError(f"--default-chat-template-kwargs {value!r} is not a JSON object; give one such as "
-                              """'{"enable_thinking": false}'""")
-    return kwargs
+        obj = None
+    if not isinstance(obj, dict):
+        raise DraftsmithError(f"{flag} {value!r} is not a JSON object; give one such as '{example}'")
+    return obj
 
 
 def check_listen(host: str, port: int) -> None:
@@ -160,7 +166,12 @@ def cmd_serve(args) -> int:
         if getattr(args, flag[2:].replace("-", "_")) and not given:
             print(f"draftsmith: warning: {flag} does nothing without {needs}", file=sys.stderr)
     chat_template = read_chat_template(args.chat_template) if args.chat_template else None
-    template_kwargs = read_template_kwargs(args.default_chat_template_kwargs)
+    template_kwargs = read_json_object("--default-chat-template-kwargs", args.default_chat_template_kwargs,
+                                       '{"enable_thinking": false}')
+    override = read_json_object("--override-generation-config", args.override_generation_config,
+                                '{"temperature": 0.5}')
+    # (a bad directory or field is refused before the model loads; "auto" reads the target's own file later)
+    sampling_defaults("", "vllm" if args.generation_config == "auto" else args.generation_config, override)
     spec_config = speculative_config(args)
     llm = LLM(
         args.target, drafter=args.drafter, speculative_config=spec_config,
@@ -169,7 +180,11 @@ def cmd_serve(args) -> int:
         num_speculative_tokens=args.num_speculative_tokens,
         policy=args.policy, max_batch=args.max_batch, max_len=args.max_len, device=args.device, dtype=args.dtype,
         reproducible_seeds=args.reproducible_seeds, forced_drafts=args.forced_drafts,
+        generation_config=args.generation_config, override_generation_config=override,
     )
+    if llm.default_sampling:  # (vLLM says so too: a recommendation changes every request that leaves a field unset)
+        print(f"draftsmith: requests default to the generation config's {json.dumps(llm.default_sampling)} where "
+              "they leave a field unset (--generation-config vllm: none)", file=sys.stderr)
     if args.per_request_spec_decode_metrics != "none" and args.drafter == "none" and not spec_config:
         print("draftsmith: warning: --per-request-spec-decode-metrics without a drafter: "
               "metrics.speculative_decoding is null", file=sys.stderr)
