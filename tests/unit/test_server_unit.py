@@ -1247,7 +1247,8 @@ def serve_cli(monkeypatch):
     from draftsmith.cli import build_parser
 
     calls, loads = [], []
-    fake = SimpleNamespace(target=SimpleNamespace(target_id="t"), engine=SimpleNamespace(max_len=64), drafter_spec="none")
+    fake = SimpleNamespace(target=SimpleNamespace(target_id="t"), engine=SimpleNamespace(max_len=64), drafter_spec="none",
+                           default_sampling={})
     monkeypatch.setattr(draftsmith.api, "LLM", lambda *a, **k: loads.append(k) or fake)
     monkeypatch.setattr(draftsmith.server.app, "serve", lambda llm, **kw: calls.append({**kw, **vars(kw["options"])}))
 
