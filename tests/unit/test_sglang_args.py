@@ -177,20 +177,11 @@ def test_generate_with_sglang_flags_equals_plain_and_conflicts_are_one_line(caps
 
 
 def test_serve_takes_the_flags_and_refuses_a_second_drafter(monkeypatch):
-    from draftsmith import api
     from draftsmith.cli import main
+    from test_speculative_config import StopLoad, spy_llm_init
 
-    seen = []
-
-    class Stop(Exception):
-        pass
-
-    def spy(self, *a, **kw):
-        seen.append(kw.get("speculative_config"))
-        raise Stop
-
-    monkeypatch.setattr(api.LLM, "__init__", spy)
-    with pytest.raises(Stop):
+    seen = spy_llm_init(monkeypatch)
+    with pytest.raises(StopLoad):
         main(["serve", "m", "--speculative-algorithm", "ngram", "--speculative-num-draft-tokens", "5"])
     assert seen == [{"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3, "num_speculative_tokens": 4}]
     for extra in (["--drafter", "ngram"], ["-k", "3"]):

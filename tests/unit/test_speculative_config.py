@@ -50,6 +50,25 @@ def test_vllm_configs_become_a_drafter_spec_and_k(config, drafter, k):
     registry.parse_spec(setup.drafter)  # a spec the registry takes
 
 
+class StopLoad(Exception):
+    """Raised where a CLI job would load its model (spy_llm_init)."""
+
+
+def spy_llm_init(monkeypatch) -> list:
+    """LLM.__init__ replaced for the test: each call records the speculative_config it was given
+    (in the returned list) and raises StopLoad instead of loading anything."""
+    from draftsmith import api
+
+    seen: list = []
+
+    def spy(self, *a, **kw):
+        seen.append(kw.get("speculative_config"))
+        raise StopLoad
+
+    monkeypatch.setattr(api.LLM, "__init__", spy)
+    return seen
+
+
 def test_a_trained_directory_names_its_kind_and_k(tmp_path, tiny_model_dir):
     target = load_target(str(tiny_model_dir("llama", seed=0)))
     torch.manual_seed(0)
@@ -233,7 +252,6 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_generate_and_serve_take_the_flag(tiny_model_dir, tmp_path, monkeypatch, capsys):
-    from draftsmith import api
     from draftsmith.cli import main
 
     target = str(tiny_model_dir("llama", seed=0))
@@ -243,18 +261,9 @@ def test_generate_and_serve_take_the_flag(tiny_model_dir, tmp_path, monkeypatch,
                  "--speculative-config", str(f)]) == 0
     (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("{")]
     assert json.loads(line)["drafter"] == "ngram"
-    seen = []
-
-    class Stop(Exception):
-        pass
-
-    def spy(self, *a, **kw):
-        seen.append(kw.get("speculative_config"))
-        raise Stop
-
-    monkeypatch.setattr(api.LLM, "__init__", spy)
+    seen = spy_llm_init(monkeypatch)
     text = '{"method": "ngram", "num_speculative_tokens": 4}'
-    with pytest.raises(Stop):
+    with pytest.raises(StopLoad):
         main(["serve", "m", "--speculative-config", text])
     assert seen == [text]
     proc = _run("generate", "--target", target, "--prompt", "x", "--speculative-config", '{"method": "eagle"}')

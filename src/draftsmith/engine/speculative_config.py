@@ -214,7 +214,7 @@ def _method_and_model(c: Mapping[str, Any], checkpoint_config) -> tuple[str, str
         if "/" not in model and len(parts) >= 2 and all(p.isidentifier() for p in parts):  # vLLM: a class path
             raise DraftsmithError(f"{_WHERE}: model {model!r} reads as a proposer class (vLLM's custom_class): "
                                   f"{UNSUPPORTED_METHODS['custom_class']}")
-        kind = _checkpoint_kind(model, checkpoint_config)
+        kind = drafter_kind(model, checkpoint_config)
         if kind is None and not _a_model(model):
             raise DraftsmithError(f"{_WHERE}: model {model!r} is no directory, built-in drafter or built-in target; "
                                   "give a drafter directory, a model directory or an alias")
@@ -237,7 +237,7 @@ def _method_and_model(c: Mapping[str, Any], checkpoint_config) -> tuple[str, str
                               + ("a model directory or alias with the target's tokenizer" if kind == "draft-model"
                                  else f"a drafter directory or built-in name (--drafter {kind}:ARG takes the same)"))
     if kind != "draft-model":
-        found = _checkpoint_kind(model, checkpoint_config)
+        found = drafter_kind(model, checkpoint_config)
         if found and found != kind:
             raise DraftsmithError(f"{_WHERE}: method {method}, but {model} holds a {found} drafter; "
                                   f"give method {_vllm_name(found)} or leave method out")
@@ -253,10 +253,12 @@ def _a_model(model: str) -> bool:
     return Path(model).expanduser().is_dir() or model in BUILTIN_TARGETS
 
 
-def _checkpoint_kind(model: str, checkpoint_config) -> str | None:
-    """The trained drafter kind in directory or built-in name `model`; None where it is no
-    drafter (no config.json, or one without a drafter layout's markers: a model directory). A
-    drafter directory that fails its own checks is that error, not a draft model."""
+def drafter_kind(model: str,
+                 checkpoint_config: Callable[[str], Mapping[str, Any]] = read_checkpoint_config) -> str | None:
+    """The trained drafter kind in directory or built-in name `model` (what `model` without
+    `method` is read as); None where it is no drafter (no config.json, or one without a drafter
+    layout's markers: a model directory). A drafter directory that fails its own checks is that
+    error, not a draft model."""
     for kind in registry.trainable_kinds():
         try:
             _, path = registry.parse_spec(f"{kind}:{model}")
@@ -270,13 +272,6 @@ def _checkpoint_kind(model: str, checkpoint_config) -> str | None:
             return None
         return str(checkpoint_config(path)["kind"])
     return None
-
-
-def drafter_kind(model: str,
-                 checkpoint_config: Callable[[str], Mapping[str, Any]] = read_checkpoint_config) -> str | None:
-    """The trained drafter kind that directory or built-in name `model` holds (what `model` without
-    `method` is read as); None where it holds none (a draft model, or no such directory)."""
-    return _checkpoint_kind(model, checkpoint_config)
 
 
 def _vllm_name(kind: str) -> str:

@@ -78,10 +78,8 @@ def import_drafter(src: str | Path, target, out: str | Path, fmt: str | None = N
     out = check_replace(out, overwrite, source=src, source_what="drafter directory")
     temps = read_calibration(src)  # a damaged file stops the import before anything is written
     model = import_model(src, target, fmt)
-    if overwrite:
-        (out / CALIBRATION_FILE).unlink(missing_ok=True)
     save_trained_drafter(model, out, target.target_id, target.weights_hash)
-    write_calibration(out, temps)
+    write_calibration(out, temps)  # src's, or none: one there was fitted to other weights
     return out
 
 
