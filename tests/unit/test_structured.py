@@ -15,7 +15,7 @@ import torch
 
 from draftsmith import LLM, DraftsmithError, SamplingParams, StructuredOutputsParams as SO
 from draftsmith.core.request import Request
-from draftsmith.core.structured import Grammars, allowed_now, constrain, grammar_bits
+from draftsmith.core.structured import Grammars, allowed_now, grammar_bits, grammar_failure, masked
 from draftsmith.core.warp import target_probs
 from draftsmith.drafters.base import FeatureSpec, pad_proposal
 from draftsmith.models.target import load_target
@@ -36,6 +36,16 @@ def tiny(tiny_model_dir):
 
 def _grammars(target) -> Grammars:
     return Grammars(target.tokenizer, target.model.config.vocab_size, [target.tokenizer.eos_token_id])
+
+
+def constrain(logits: torch.Tensor, seqs, drafts, lengths, executor) -> torch.Tensor:
+    """A verify block's logits masked as the engine masks them (grammar_bits, then masked):
+    `logits` itself where no row has a grammar; a row whose grammar engine gave up gets its
+    request's `error` and is left unmasked."""
+    bits, failed = grammar_bits(seqs, drafts, lengths, logits.shape[-1], executor)
+    for b in failed:
+        seqs[b].error = grammar_failure(seqs[b])
+    return logits if bits is None else masked(logits, bits)
 
 
 def _ids(tok, text: str) -> list[int]:

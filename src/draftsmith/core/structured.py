@@ -331,17 +331,6 @@ def masked(logits: torch.Tensor, bits: torch.Tensor, inplace: bool = False) -> t
     return torch.where(allowed, logits, torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
 
 
-def constrain(logits: torch.Tensor, seqs: Sequence, drafts: torch.Tensor | None, lengths: Sequence[int],
-              executor, inplace: bool = False) -> torch.Tensor:
-    """logits [B, S, V] of a verify block masked by each row's grammar after the drafts before
-    each position (grammar_bits, then masked): `logits` itself where no row has a grammar. A row
-    whose grammar engine gave up gets its request's `error` set and is left unmasked."""
-    bits, failed = grammar_bits(seqs, drafts, lengths, logits.shape[-1], executor)
-    for b in failed:
-        seqs[b].error = grammar_failure(seqs[b])
-    return logits if bits is None else masked(logits, bits, inplace)
-
-
 _GAVE_UP = ("Stop: LexerTooComplex", "Stop: ParserTooComplex")  # (in llguidance 1.9's error text: stop_reason()
 # then says InternalError) a grammar past the engine's limits
 
