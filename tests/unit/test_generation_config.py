@@ -40,6 +40,7 @@ def test_the_files_sampling_fields_are_the_defaults_as_vllm_reads_them(tmp_path)
     no_file = tmp_path / "bare"
     no_file.mkdir()
     assert sampling_defaults(no_file) == {}  # a target without the file: none, as vLLM
+    assert sampling_defaults(no_file, override={"max_new_tokens": 9}) == {"max_tokens": 9}  # (renamed there too)
 
 
 @pytest.mark.parametrize("source, override, says", [

@@ -32,16 +32,14 @@ def sampling_defaults(model_dir: str | Path, source: str = "auto",
                       override: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The request defaults `source` recommends for the target at `model_dir` (see the module
     docstring), under SamplingParams' names (max_new_tokens -> max_tokens); {} where none."""
-    if source == "vllm":
+    where = Path(model_dir) if source == "auto" else Path(source).expanduser()
+    path = where / "generation_config.json"
+    if source != "vllm" and source != "auto" and not where.is_dir():
+        raise DraftsmithError(f"--generation-config {source}: not a directory; give \"auto\" (the target's own "
+                              "generation_config.json), \"vllm\" (none) or a directory that holds one")
+    if source == "vllm" or source == "auto" and not path.is_file():  # (a target without the file: none)
         found: dict[str, Any] = {}
     else:
-        where = Path(model_dir) if source == "auto" else Path(source).expanduser()
-        if source != "auto" and not where.is_dir():
-            raise DraftsmithError(f"--generation-config {source}: not a directory; give \"auto\" (the target's own "
-                                  "generation_config.json), \"vllm\" (none) or a directory that holds one")
-        path = where / "generation_config.json"
-        if source == "auto" and not path.is_file():
-            return _checked(dict(override or {}), "--override-generation-config")
         data = read_json(path, "generation config")
         if not isinstance(data, dict):
             raise DraftsmithError(f"generation config {path} is not a JSON object")
