@@ -366,7 +366,7 @@ def sglang_speculative_config(settings: Mapping[str, Any] | None = None, *,
         own = speculative_setup({k: v for k, v in config.items() if k != "num_speculative_tokens"}
                                 if method in ("dflash", "dspark") else config, read)
     except DraftsmithError as e:
-        raise DraftsmithError(f"--speculative-algorithm {algo}: {str(e).removeprefix('--speculative-config: ')}") \
+        raise DraftsmithError(f"--speculative-algorithm {algo}: {str(e).removeprefix('speculative config: ')}") \
             from None
     k = config.get("num_speculative_tokens")
     cap = own.num_speculative_tokens if method in ("dflash", "dspark") else \

@@ -71,7 +71,7 @@ HONOURED = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "p
             "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
             "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")
 KNOWN = HONOURED + NO_EFFECT
-_WHERE = "--speculative-config"
+_WHERE = "speculative config"  # (vLLM's --speculative-config and LLM(speculative_config=...) alike)
 
 
 @dataclass(frozen=True)
