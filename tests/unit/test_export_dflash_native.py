@@ -133,6 +133,25 @@ def test_export_refuses_what_zlab_cannot_express(tmp_path, qwen3, llama, tiny_mo
     refused(gemma, _dflash(gemma, qk_norm=True, layer_ids=(0, 1)), "scaled embedding")
 
 
+def test_a_dspark_refused_is_pointed_at_a_format_that_takes_it(tmp_path, qwen3, llama):
+    """The dflash-native refusal of a DSpark names deepspec only where deepspec holds that drafter
+    (a full vocabulary); each named format then exports it. Where no format holds it (draft layers
+    without q/k norms), the refusal says so instead."""
+    full = dspark.build(qwen3.model, dspark.DSparkConfig(block_size=3, num_layers=1, rank=4))
+    small = dspark.build(qwen3.model, dspark.DSparkConfig(block_size=3, num_layers=1, rank=4, draft_vocab_size=100))
+    small.init_draft_vocab(torch.arange(qwen3.model.config.vocab_size, 0, -1) % 37)
+    for i, (target, model, fmts) in enumerate([(qwen3, full, "deepspec or speculators"), (qwen3, small, "speculators")]):
+        ckpt = _ckpt(tmp_path / str(i), target, model)
+        with pytest.raises(DraftsmithError, match=f"export it with --format {fmts}$"):
+            export_drafter(ckpt, target, "dflash-native", tmp_path / str(i) / "zlab")
+        for fmt in fmts.split(" or "):
+            assert export_drafter(ckpt, target, fmt, tmp_path / str(i) / fmt).is_dir()
+    no_qk = _ckpt(tmp_path / "llama", llama, dspark.build(llama.model, dspark.DSparkConfig(block_size=3, num_layers=1)))
+    for fmt in ("dflash-native", "deepspec", "speculators"):
+        with pytest.raises(DraftsmithError, match="^every dspark format's draft layers have q/k norms"):
+            export_drafter(no_qk, llama, fmt, tmp_path / "llama" / fmt)
+
+
 def test_default_layer_ids_follow_zlab():
     """z-lab/Qwen3-4B-DFlash-b16 (36 target layers, 5 draft layers) lists [1, 9, 17, 25, 33]."""
     assert default_layer_ids(36, 5) == [1, 9, 17, 25, 33]

@@ -167,10 +167,6 @@ def _dspark_out(model, target, hf):
             f"this {name} drafter has a reduced draft vocabulary ({c.draft_vocab_size} of {V}); DeepSpec's holds the "
             "full vocabulary only (no d2t / t2d); retrain with draft_vocab_size=null, or export with --format "
             "speculators")
-    if not model.backbone.cfg.qk_norm:
-        raise DraftsmithError(
-            f"DeepSpec's {name} layers (Qwen3) have q/k norms and this drafter's have none (they follow its "
-            f"{tc.model_type} target); train it with drafter.qk_norm=true to export it")
     ids = ids_out(c.layer_ids, tc.num_layers)
     state = model.state_dict()
     tensors: dict[str, torch.Tensor] = {}

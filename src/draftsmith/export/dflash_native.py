@@ -42,8 +42,12 @@ def to_dflash_native(model, target, hf: dict[str, Any]) -> tuple[dict[str, Any],
     whose HF config is `hf`) in z-lab's layout."""
     kind = model.config.kind
     if kind != "dflash":
-        hint = ("DSpark is anchor-first with a Markov head, which z-lab's DFlash has no place for; export it with "
-                "--format deepspec or speculators" if kind == "dspark" else "export it with --format speculators")
+        hint = "export it with --format speculators"
+        if kind == "dspark":  # (deepspec holds a DSpark with the full vocabulary only: deepspec.py)
+            full = model.config.draft_vocab_size in (None, target.model.config.vocab_size)
+            fmts = "deepspec or speculators" if full else "speculators"
+            hint = ("DSpark is anchor-first with a Markov head, which z-lab's DFlash has no place for; export it "
+                    f"with --format {fmts}")
         raise DraftsmithError(f"the dflash-native format holds DFlash drafters only, not {kind}; {hint}")
     c, tc = model.config, target.model.config
     if c.anchor_first:
@@ -56,10 +60,6 @@ def to_dflash_native(model, target, hf: dict[str, Any]) -> tuple[dict[str, Any],
             f"this DFlash drafter has a reduced draft vocabulary ({c.draft_vocab_size} of {tc.vocab_size}); z-lab's "
             "DFlash drafts over the target's whole lm_head (no d2t / t2d); retrain with draft_vocab_size=null, or "
             "export with --format speculators")
-    if not model.backbone.cfg.qk_norm:
-        raise DraftsmithError(
-            f"z-lab's DFlash layers (Qwen3) have q/k norms and this drafter's have none (they follow its "
-            f"{tc.model_type} target); train it with drafter.qk_norm=true to export it")
     if tc.embed_scale or tc.local_rope is not None:
         raise DraftsmithError(
             f"the dflash-native layout cannot hold a drafter of this {tc.model_type} target: z-lab's code embeds the "

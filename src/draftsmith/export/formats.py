@@ -75,14 +75,16 @@ def export_drafter(ckpt: str | Path, target, fmt: str, out: str | Path, overwrit
     temps = read_calibration(ckpt)  # a damaged file stops the export before anything is written
     kind = model.config.kind
     hf = read_json(Path(target.path) / "config.json", "target config")
+    if fmt == "sglang" and kind != "eagle3":
+        raise DraftsmithError(f"the sglang format holds EAGLE-3 drafters only, not {kind}; "
+                              "export DFlash / DSpark with --format speculators")
+    if kind != "eagle3":  # before the formats' own refusals, which would point at one another
+        _check_attention(model.backbone.cfg, fmt, kind)
     if fmt == "deepspec":
         config, tensors = to_deepspec(model, target, hf)
     elif fmt == "dflash-native":
         config, tensors = to_dflash_native(model, target, hf)
     elif fmt == "sglang":
-        if kind != "eagle3":
-            raise DraftsmithError(f"the sglang format holds EAGLE-3 drafters only, not {kind}; "
-                                  "export DFlash / DSpark with --format speculators")
         config, tensors = _sglang_eagle3(model, target, hf)
     elif kind == "eagle3":
         config, tensors = _speculators_eagle3(model, target, hf)
@@ -201,7 +203,6 @@ def _sglang_eagle3(model, target, hf):
 def _speculators_block(model, target, hf):
     dec = target.model.config
     kind = model.config.kind
-    _check_attention(model.backbone.cfg, "speculators", kind)  # the draft layers' own attention
     c = model.config
     state = model.state_dict()
     V = dec.vocab_size
