@@ -333,6 +333,186 @@ def test_counters_from_a_vllm_server():
                                                               "(restarted?)"}
 
 
+# An SGLang server's /metrics (--enable-metrics) as SGLang writes it: prometheus_client in
+# multiprocess mode (labels sorted, no _created series), scheduler gauges labelled per rank,
+# tokenizer counters labelled model_name / engine_type (and is_streaming on the token and request
+# counts), sglang:spec_verify_calls_total counted per finished request. Shape as read in
+# sgl-project/sglang python/sglang/srt/observability/metrics_collector.py at 016d8605.
+def _sglang_metrics(*, gen=(900.0, 100.0), requests=(8.0, 2.0), verify: float | None = 300.0,
+                    accept_length=2.9, accept_rate=0.48, other_model_verify=5000.0) -> str:
+    def tok(streaming: str, model: str = "Qwen/Qwen3-8B") -> str:
+        return f'engine_type="unified",is_streaming="{streaming}",model_name="{model}"'
+
+    sched = 'engine_type="unified",model_name="Qwen/Qwen3-8B",moe_ep_rank="0",pp_rank="0",tp_rank="0"'
+    lines = [
+        "# HELP sglang:num_running_reqs The number of running requests.",
+        "# TYPE sglang:num_running_reqs gauge",
+        f"sglang:num_running_reqs{{{sched}}} 0.0",
+        "# HELP sglang:spec_accept_length Mean acceptance length of speculative decoding (accepted drafts + "
+        "bonus token per forward).",
+        "# TYPE sglang:spec_accept_length gauge",
+        f"sglang:spec_accept_length{{{sched}}} {accept_length}",
+        "# HELP sglang:spec_accept_rate Speculative acceptance rate (`accepted drafts / proposed drafts` in batch).",
+        "# TYPE sglang:spec_accept_rate gauge",
+        f"sglang:spec_accept_rate{{{sched}}} {accept_rate}",
+        "# HELP sglang:generation_tokens_total Number of generation tokens processed.",
+        "# TYPE sglang:generation_tokens_total counter",
+        f'sglang:generation_tokens_total{{{tok("false")}}} {gen[1]}',
+        f'sglang:generation_tokens_total{{{tok("true")}}} {gen[0]}',
+        "# HELP sglang:num_requests_total Number of requests processed.",
+        "# TYPE sglang:num_requests_total counter",
+        f'sglang:num_requests_total{{{tok("false")}}} {requests[1]}',
+        f'sglang:num_requests_total{{{tok("true")}}} {requests[0]}',
+        "# HELP sglang:cached_tokens_total Number of cached prompt tokens by source (device/host/storage).",
+        "# TYPE sglang:cached_tokens_total counter",
+        'sglang:cached_tokens_total{cache_source="device",engine_type="unified",model_name="Qwen/Qwen3-8B"} 4096.0',
+        "# HELP sglang:e2e_request_latency_seconds Histogram of End-to-end request latency in seconds",
+        "# TYPE sglang:e2e_request_latency_seconds histogram",
+        f'sglang:e2e_request_latency_seconds_bucket{{{tok("true")},le="1.0"}} 3.0',
+        f'sglang:e2e_request_latency_seconds_bucket{{{tok("true")},le="+Inf"}} {requests[0]}',
+        f'sglang:e2e_request_latency_seconds_count{{{tok("true")}}} {requests[0]}',
+        f'sglang:e2e_request_latency_seconds_sum{{{tok("true")}}} 41.5',
+    ]
+    if verify is not None:
+        lines += ["# HELP sglang:spec_verify_calls_total Number of speculative decoding verification calls.",
+                  "# TYPE sglang:spec_verify_calls_total counter",
+                  f'sglang:spec_verify_calls_total{{engine_type="unified",model_name="Qwen/Qwen3-8B"}} {verify}',
+                  # another model behind the same /metrics (a router): not this run's
+                  f'sglang:spec_verify_calls_total{{engine_type="unified",model_name="other"}} {other_model_verify}']
+    return "\n".join(lines) + "\n"
+
+
+def test_counters_from_an_sglang_server():
+    """bench --endpoint against SGLang (--speculative-algorithm EAGLE3 --enable-metrics): rounds =
+    the difference of sglang:spec_verify_calls_total, committed = that of generation tokens less
+    one (prefill) token per request, so tau = the run's tokens per verify step; SGLang counts no
+    proposed drafts: no acceptance rate, no positions; its acceptance gauges go along as read
+    after the run, not differenced (2.9 / 0.48 here, not the run's 3.0)."""
+    model = "Qwen/Qwen3-8B"
+    before = counters_from_text(_sglang_metrics(), model=model)
+    assert before["names"] == "sglang" and before["rounds"] == 300 and before["generation_tokens"] == 1000
+    # the run: 4 streamed requests, 400 tokens (4 from their prefills), 132 verify steps
+    after = counters_from_text(_sglang_metrics(gen=(1300.0, 100.0), requests=(12.0, 2.0), verify=432.0,
+                                               accept_length=3.4, accept_rate=0.6, other_model_verify=9000.0),
+                               model=model)
+    d = diff_counters(before, after)
+    assert d["source"].startswith("SGLang's /metrics") and "gauges" in d["source"]
+    assert (d["proposed"], d["accepted"], d["rounds"], d["committed"]) == (None, None, 132, 396)
+    assert d["generation_tokens"] == 400 and d["target_forwards"] == 132 + 4 and d["engine_steps"] is None
+    assert d["position_proposed"] == [] and d["position_accepted"] == []
+    assert d["gauges"] == {"sglang:spec_accept_length": [3.4], "sglang:spec_accept_rate": [0.6]}
+    s = summarize([RunResult([_rec(i, 100, 1.0, 0.1) for i in range(4)], wall_s=1.0, counters=d)],
+                  counts_from_endpoint=d)
+    assert s["tau"] == pytest.approx(396 / 132) and s["acceptance_rate"] is None
+    assert s["counts_source"].startswith("SGLang's /metrics")
+    assert s["target_forwards_per_token"] == pytest.approx(136 / 400) and s["per_position_acceptance"] == []
+    # without the model filter the other model's verify steps would be summed in
+    assert counters_from_text(_sglang_metrics(), model=None)["rounds"] == 5300
+    # the first speculative request finished during the run: no verify series before it (0)
+    first = diff_counters(counters_from_text(_sglang_metrics(verify=None), model=model), after)
+    assert first["rounds"] == 432 and first["committed"] == 396
+
+
+def test_sglang_endpoint_through_tier_lines_and_report():
+    """An SGLang configuration's line and report row: tau from the counters, acceptance None,
+    the verdict and the markdown tables written without an acceptance rate."""
+    from types import SimpleNamespace
+
+    from draftsmith.bench.phases import Phase
+    from draftsmith.bench.report import build_row
+    from draftsmith.bench.report_markdown import headline_table
+    from draftsmith.bench.tier_lines import phase_lines as _phase_lines
+
+    model = "Qwen/Qwen3-8B"
+    s0 = counters_from_text(_sglang_metrics(), model=model)
+    s1 = counters_from_text(_sglang_metrics(gen=(1100.0, 100.0), requests=(10.0, 2.0), verify=350.0), model=model)
+    s2 = counters_from_text(_sglang_metrics(gen=(1300.0, 100.0), requests=(12.0, 2.0), verify=400.0), model=model)
+    units = [diff_counters(s0, s1), diff_counters(s1, s2)]  # two interleaving units: 198 / 50 and 198 / 50
+    recs = [RequestRecord(index=i, prompt_id=f"p{i}", t_arrival=0.0, ttft=0.1, e2e=1.0, deliveries=[[0.1, 4]],
+                          output_tokens=100, output_sha="a") for i in range(2)]
+    plain = SimpleNamespace(label="none", kind="endpoint", info={})
+    eagle = SimpleNamespace(label="eagle3", kind="endpoint", info={})
+    missing = {"unavailable": "SGLang's /metrics has no sglang:spec_verify_calls_total counter"}
+    runs = {"none": [RunResult(recs, wall_s=2.0, counters=missing)] * 2,
+            "eagle3": [RunResult(recs, wall_s=1.0, counters=c) for c in units]}
+    lines = _phase_lines(BenchConfig(endpoints=(parse_endpoint("none=http://a"), parse_endpoint("eagle3=http://b", 1))),
+                         Phase("c2", 2, Arrival(), False, True), [plain, eagle], runs, {"none": {}, "eagle3": {}},
+                         "t0", [0.0, 0.0, 0.0], "fp", False, lambda m: None)
+    line = {ln["label"]: ln for ln in lines}["eagle3"]
+    s = line["summary"]
+    assert (s["rounds"], s["committed"], s["draft_proposed"], s["acceptance_rate"]) == (100, 396, None, None)
+    assert s["tau"] == pytest.approx(3.96) and s["counts_source"].startswith("SGLang's /metrics")
+    assert line["units"][0]["counters"]["gauges"]["sglang:spec_accept_length"] == [2.9]
+    assert line["verdict"]["decision"] == "go"
+    row = build_row(line, weights_bytes=None, bandwidth_gbs=None, dollars_per_hour=None)
+    table = headline_table({"tiers": [{"concurrency": 2, "results": [row]}]})
+    assert "| 2 | eagle3 |" in table and "| – | 3.96 |" in table
+
+
+def test_sglang_counters_backwards_gauge_only_and_none():
+    """Negative cases: counters that went backwards (a restart) give no difference; an SGLang
+    without the verify counter (older, or nothing decoded speculatively) gives no counts, only its
+    gauges named as such in the reason; a server with neither vLLM's nor SGLang's metrics, none."""
+    model = "Qwen/Qwen3-8B"
+    before = counters_from_text(_sglang_metrics(), model=model)
+    restarted = counters_from_text(_sglang_metrics(gen=(40.0, 0.0), requests=(1.0, 0.0), verify=12.0), model=model)
+    assert diff_counters(before, restarted) == {"unavailable": "the server's counters went backwards during the "
+                                                               "run (restarted?)"}
+    fewer_verify = counters_from_text(_sglang_metrics(gen=(1300.0, 100.0), requests=(12.0, 2.0), verify=299.0),
+                                      model=model)
+    assert "went backwards" in diff_counters(before, fewer_verify)["unavailable"]
+    lost = counters_from_text(_sglang_metrics(gen=(1300.0, 100.0), requests=(12.0, 2.0), verify=None), model=model)
+    assert "went backwards" in diff_counters(before, lost)["unavailable"]
+    # gauge only: nothing differenced, nothing derived from the gauges
+    old_before = counters_from_text(_sglang_metrics(verify=None), model=model)
+    old_after = counters_from_text(_sglang_metrics(gen=(1300.0, 100.0), requests=(12.0, 2.0), verify=None,
+                                                   accept_length=3.1, accept_rate=0.52), model=model)
+    assert old_after["rounds"] is None
+    d = diff_counters(old_before, old_after)
+    assert set(d) == {"unavailable", "gauges"} and "no sglang:spec_verify_calls_total" in d["unavailable"]
+    assert "sglang:spec_accept_length 3.1" in d["unavailable"] and "not this run" in d["unavailable"]
+    # neither: no reading, and the reason names SGLang's metrics too
+    plain = "# HELP process_resident_memory_bytes x\n# TYPE process_resident_memory_bytes gauge\n" \
+            "process_resident_memory_bytes 1.2e9\nhttp_requests_total{path=\"/v1\"} 3.0\n"
+    assert counters_from_text(plain, model=model) is None
+    assert "sglang:*" in diff_counters(None, counters_from_text(plain))["unavailable"]
+
+
+def test_sglang_metrics_as_prometheus_multiprocess_writes_them(tmp_path, monkeypatch):
+    """The reading of what prometheus_client's multiprocess collector writes for SGLang (two
+    tokenizer processes: their counters summed; a scheduler gauge kept per rank, mostrecent)."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest, values
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    pid = {"now": 101}
+    monkeypatch.setattr(values, "ValueClass", values.MultiProcessValue(lambda: pid["now"]))
+    tok = {"model_name": "m", "engine_type": "unified"}
+    sched = {"model_name": "m", "engine_type": "unified", "tp_rank": "0", "pp_rank": "0", "dp_rank": "0"}
+    gen = Counter("sglang:generation_tokens_total", "g", [*tok, "is_streaming"], registry=None)
+    req = Counter("sglang:num_requests_total", "r", [*tok, "is_streaming"], registry=None)
+    verify = Counter("sglang:spec_verify_calls_total", "v", list(tok), registry=None)
+    length = Gauge("sglang:spec_accept_length", "l", list(sched), multiprocess_mode="mostrecent", registry=None)
+
+    def scrape() -> dict:
+        reg = CollectorRegistry()
+        MultiProcessCollector(reg, path=str(tmp_path))
+        return counters_from_text(generate_latest(reg).decode(), model="m")
+
+    length.labels(**sched).set(1.0)  # (a series is written once set: the scheduler's first report)
+    before = scrape()
+    assert before["rounds"] is None and before["generation_tokens"] == 0
+    for p, (tokens, steps) in ((101, (60, 20)), (102, (33, 10))):  # two tokenizer processes
+        pid["now"] = p
+        gen.labels(**tok, is_streaming="true").inc(tokens)
+        req.labels(**tok, is_streaming="true").inc(1)
+        verify.labels(**tok).inc(steps)
+    length.labels(**dict(sched, dp_rank="1")).set(2.5)
+    d = diff_counters(before, scrape())
+    assert (d["rounds"], d["committed"], d["generation_tokens"], d["target_forwards"]) == (30, 91, 93, 32)
+    assert d["gauges"] == {"sglang:spec_accept_length": [1.0, 2.5]}
+
+
 # ---- the in-process load generator on a tiny model ------------------------------------------------
 
 

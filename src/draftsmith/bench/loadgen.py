@@ -307,8 +307,8 @@ async def _stream_one(client, url: str, model: str, req: BenchRequest, t0: float
 
 
 def scrape_counters(url: str, timeout: float = 30.0, model: str | None = None) -> dict | None:
-    """draftsmith_* (or vLLM's vllm:spec_decode_*, of `model` where the series name models)
-    counters from {server}/metrics, or None if it exposes none."""
+    """draftsmith_* (or vLLM's vllm:spec_decode_*, or SGLang's sglang:*, of `model` where the
+    series name models) counters from {server}/metrics, or None if it exposes none."""
     try:
         r = httpx.get(f"{base_url(url)}/metrics", timeout=timeout)
         if r.status_code != 200:
@@ -320,15 +320,15 @@ def scrape_counters(url: str, timeout: float = 30.0, model: str | None = None) -
 
 def counters_from_text(text: str, model: str | None = None) -> dict | None:
     """The draftsmith_* counters of a Prometheus exposition text, else vLLM's (a vLLM server's
-    vllm:spec_decode_*: _vllm_counters; only `model`'s series where they carry a model_name), or
-    None if there are neither."""
+    vllm:spec_decode_*: _vllm_counters), else SGLang's (sglang:*: _sglang_counters); only
+    `model`'s series where they carry a model_name. None if there are none of these."""
     # Imported here: importing draftsmith.server loads FastAPI and the app (0.55 s measured),
     # which only endpoint runs need.
     from draftsmith.server.metrics import parse_metrics
 
     m = parse_metrics(text)
     if "draftsmith_draft_tokens_proposed_total" not in m:
-        return _vllm_counters(m, model)
+        return _vllm_counters(m, model) or _sglang_counters(m, model)
 
     def positions(name: str) -> dict[int, float]:
         out = {}
@@ -398,6 +398,41 @@ def _vllm_counters(m: dict[str, float], model: str | None = None) -> dict | None
     }
 
 
+# SGLang's speculative gauges (scheduler side, one series per scheduler rank that logs): set every
+# decode-log interval (--decode-log-interval decode batches) from that window alone, so they
+# describe the scheduler's last window before the scrape, not a run; read, never differenced.
+_SGLANG_GAUGES = ("sglang:spec_accept_length", "sglang:spec_accept_rate",
+                  "sglang:spec_num_steps", "sglang:spec_num_draft_tokens")
+
+
+def _sglang_counters(m: dict[str, float], model: str | None = None) -> dict | None:
+    """An SGLang server's speculative metrics (--enable-metrics), in the draftsmith_* reading.
+    SGLang counts, per finished request, its verify steps (sglang:spec_verify_calls_total, a
+    counter since SGLang PR #25689, May 2026), output tokens (sglang:generation_tokens_total) and the request
+    (sglang:num_requests_total): rounds = verify steps, committed = output tokens less one per
+    request (a request's first token comes from its prefill, not from a verify step). It counts
+    no proposed or accepted drafts and nothing per position: None / empty. rounds is None where
+    the verify counter has no series (an older SGLang, or no speculative request finished yet);
+    the acceptance gauges are kept as read (`gauges`: name -> value per series). None where the
+    server exports no sglang:* metric (any of them marks SGLang: a series appears once written)."""
+    m = _of_model(m, model)
+    if not any(k.startswith("sglang:") for k in m):
+        return None
+    gen = _series_sum(m, "sglang:generation_tokens_total") or 0.0  # (a series not yet written: 0)
+    finished = _series_sum(m, "sglang:num_requests_total") or 0.0
+    gauges = {name: [v for k, v in sorted(m.items()) if k == name or k.startswith(name + "{")]
+              for name in _SGLANG_GAUGES}
+    return {
+        "names": "sglang",
+        "proposed": None, "accepted": None,
+        "rounds": _series_sum(m, "sglang:spec_verify_calls_total"), "committed": gen - finished,
+        "generation_tokens": gen, "finished": finished,
+        "engine_steps": None, "position_proposed": {}, "position_accepted": {},
+        "gauges": {k: v for k, v in gauges.items() if v},
+        "rss_bytes": m.get("process_resident_memory_bytes"),
+    }
+
+
 def _delta(before: dict, after: dict, k: str) -> int | None:
     """Counter `k`'s increase between two scrapes (None where either lacks it)."""
     if before.get(k) is None or after.get(k) is None:
@@ -408,13 +443,16 @@ def _delta(before: dict, after: dict, k: str) -> int | None:
 def diff_counters(before: dict | None, after: dict | None) -> dict:
     """Counts for one measured run from two scrapes; {"unavailable": why} when there are none."""
     if before is None or after is None:
-        return {"unavailable": "the server exposes no draftsmith_* or vllm:spec_decode_* counters on /metrics"}
+        return {"unavailable": "the server exposes no draftsmith_*, vllm:spec_decode_* or sglang:* metrics on "
+                               "/metrics (SGLang: launch it with --enable-metrics)"}
     if before.get("names") != after.get("names") or any(
             after.get(k) is not None and before.get(k) is not None and after[k] < before[k]
             for k in ("proposed", "accepted", "rounds", "finished", "generation_tokens")):
         return {"unavailable": "the server's counters went backwards during the run (restarted?)"}
     if after.get("names") == "vllm":
         return _diff_vllm(before, after)
+    if after.get("names") == "sglang":
+        return _diff_sglang(before, after)
 
     d = partial(_delta, before, after)
     width = max(list(after["position_proposed"]) + [0])
@@ -449,5 +487,42 @@ def _diff_vllm(before: dict, after: dict) -> dict:
         "proposed": proposed, "accepted": d("accepted"), "rounds": rounds, "committed": d("committed"),
         "generation_tokens": d("generation_tokens"), "engine_steps": None, "target_forwards": None,
         "position_proposed": [rounds] * width if exact else [], "position_accepted": pos_a if exact else [],
+        "server_rss_bytes": after.get("rss_bytes"),
+    }
+
+
+def _gauge_text(gauges: dict[str, list[float]]) -> str:
+    return "; ".join(f"{k} " + ", ".join(f"{v:.4g}" for v in vs) for k, vs in gauges.items()) or "none"
+
+
+def _diff_sglang(before: dict, after: dict) -> dict:
+    """diff_counters of two SGLang scrapes: rounds and committed are differences of counters, so
+    tau (committed / rounds) is over the run's speculative requests alone; SGLang counts no
+    proposed drafts, so there is no acceptance rate and no per-position acceptance. Its
+    acceptance gauges go along as read after the run (`gauges`), never differenced. Without the
+    verify counter nothing is derived: unavailable, with the gauges in the reason."""
+    if after["rounds"] is None:
+        if before["rounds"] is not None:
+            return {"unavailable": "the server's counters went backwards during the run (restarted?)"}
+        return {"unavailable": "SGLang's /metrics has no sglang:spec_verify_calls_total counter (an SGLang older than "
+                               "that counter, or no request of the run was decoded speculatively), so no count of the "
+                               "run; its gauges after the run (the scheduler's last decode-log window, not this run): "
+                               + _gauge_text(after["gauges"]),
+                "gauges": after["gauges"]}
+    # a series not yet written before the run (no speculative request had finished): 0
+    before = dict(before, rounds=before["rounds"] or 0.0)
+    d = partial(_delta, before, after)
+    rounds, finished = d("rounds"), d("finished")
+    return {
+        "source": "SGLang's /metrics (difference around the measured run: rounds = sglang:spec_verify_calls_total, "
+                  "committed = sglang:generation_tokens_total less one first token per sglang:num_requests_total; "
+                  "no proposed-draft counter, so no acceptance rate; sglang:spec_accept_length / spec_accept_rate "
+                  "are gauges of the scheduler's last decode-log window, kept as read after the run in each "
+                  "unit's counters.gauges, not differenced)",
+        "proposed": None, "accepted": None, "rounds": rounds, "committed": d("committed"),
+        "generation_tokens": d("generation_tokens"), "engine_steps": None,
+        # a request takes part in one prefill forward and one forward per verify step
+        "target_forwards": None if rounds is None or finished is None else rounds + finished,
+        "position_proposed": [], "position_accepted": [], "gauges": after["gauges"],
         "server_rss_bytes": after.get("rss_bytes"),
     }

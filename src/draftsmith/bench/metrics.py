@@ -188,7 +188,8 @@ def summarize(runs: Sequence[RunResult], *, counts_from_endpoint: dict | None = 
     if turns != [0]:  # conversations: what each turn waited for and how much of its prompt was cached
         s["by_turn"] = [_turn_summary([r for r in ok if r.turn == t], t) for t in turns]
     s.update({
-        "counts_source": source if proposed is not None else "unavailable",
+        # (SGLang's /metrics counts rounds but no proposed drafts: tau without an acceptance rate)
+        "counts_source": source if proposed is not None or rounds is not None else "unavailable",
         "draft_proposed": proposed, "draft_accepted": accepted, "rounds": rounds, "committed": committed,
         "acceptance_rate": accepted / proposed if proposed else None,  # None: no drafts proposed
         "tau": (committed / rounds if rounds else None),
