@@ -17,7 +17,7 @@ from transformers import PreTrainedTokenizerFast
 from draftsmith import LLM, DraftsmithError, SamplingParams, StructuredOutputsParams as SO
 from draftsmith.core.grammar_drafts import fit_forced, forced_drafts, grammar_lengths, with_forced
 from draftsmith.core.request import Request
-from draftsmith.core.structured import Grammars
+from draftsmith.core.structured import Grammars, allowed_now
 from draftsmith.core.types import Proposal
 from draftsmith.drafters.base import pad_proposal
 from draftsmith.models.target import load_target
@@ -291,3 +291,39 @@ def test_a_drafter_outside_the_vocabulary_is_refused_before_the_grammar_reads_it
     llm = LLM(bpe, drafter=OutOfRange(V), policy="fixed", num_speculative_tokens=2, max_len=64)
     with pytest.raises(DraftsmithError, match="proposed token id .* does not match this target"):
         llm.generate(["ab", "cd"], SamplingParams(max_tokens=8, temperature=0.0, structured_outputs=PAIRS))
+
+
+def test_a_row_whose_grammar_engine_gives_up_reading_its_forced_tokens_is_renewed_without_them(bpe, monkeypatch):
+    """Where the grammar engine gives up while the engine reads what a row's grammar forces (as
+    llguidance may, its lexer work counted over a matcher's life; simulated here: the row's matcher
+    is swapped for one that gave up, right after its forced tokens were read), the row is renewed
+    at its output and verifies none of those forced tokens, that round or after (a renewed row
+    drafts no more); its output is plain decoding's."""
+    import draftsmith.engine.engine as engine_mod
+
+    g = Grammars(bpe.tokenizer, bpe.model.config.vocab_size, [bpe.tokenizer.eos_token_id])
+    gave_up = g.matcher(SO(regex="(b|ca{99999999})+"))
+    for t in _ids(bpe.tokenizer, "caaaaaaaa"):  # (a mask read after each token: the engine gives up a few in)
+        allowed_now(gave_up, bpe.model.config.vocab_size)
+        if not gave_up.consume_token(t):
+            break
+    assert "LexerTooComplex" in gave_up.get_error()  # (the precondition: a matcher the engine gave up on)
+    real, hit = forced_drafts, []
+
+    def giving_up(seqs, caps):
+        forced = real(seqs, caps)
+        if not hit and forced[0]:
+            hit.append(list(forced[0]))
+            seqs[0].grammar = gave_up
+        return forced
+
+    sp = SamplingParams(max_tokens=20, temperature=0.0, structured_outputs=WORDS)
+    (plain,) = LLM(bpe, max_batch=2, max_len=128, forced_drafts=0).generate(["hello world"], sp)
+    monkeypatch.setattr(engine_mod, "forced_drafts", giving_up)
+    llm = LLM(bpe, max_batch=2, max_len=128)
+    s = llm.engine.add_request(_ids(bpe.tokenizer, "hello world"), sp)
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    assert hit and s.grammar_renewals == 1 and s.grammar is not gave_up
+    assert s.stats.forced_proposed == 0 and s.error is None
+    assert s.output_ids == plain.outputs[0].token_ids and s.finish_reason == plain.outputs[0].finish_reason
