@@ -43,9 +43,9 @@ threads, tokens = (None if sys.argv[1] == "auto" else int(sys.argv[1])), int(sys
 llm = LLM("smollm2-135m", threads=threads)
 conv = next(iter(HumanEvalSource().conversations(split="heldout")))
 ids = llm.apply_chat_template([{"role": "user", "content": conv.messages[0]["content"]}])
-llm.generate([ids], SamplingParams(max_tokens=4, temperature=0))
+llm.generate([ids], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
 t = time.perf_counter()
-out = llm.generate([ids], SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))[0]
+out = llm.generate([ids], SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True), use_tqdm=False)[0]
 wall = time.perf_counter() - t
 gov = llm.engine.governor
 print(json.dumps({"ms_per_token": 1e3 * wall / len(out.token_ids), "tokens": len(out.token_ids),

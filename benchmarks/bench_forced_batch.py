@@ -54,7 +54,7 @@ def main() -> None:
                         structured_outputs=StructuredOutputsParams(json=RECORD))
     questions = [text for _, text in prompts(40)]
     for llm in configs.values():  # first-call costs, the grammar's compilation, the scheduler's profile
-        llm.chat([[{"role": "user", "content": questions[0] + ask}]], sp)
+        llm.chat([[{"role": "user", "content": questions[0] + ask}]], sp, use_tqdm=False)
     t_start, load0 = time.time(), os.getloadavg()[0]
     rows = []
     for i, B in enumerate(batches):
@@ -65,7 +65,7 @@ def main() -> None:
             for key in order[(i + rep) % len(order):] + order[: (i + rep) % len(order)]:
                 llm = configs[key]
                 t0 = time.perf_counter()
-                outs = llm.chat(convs, sp)
+                outs = llm.chat(convs, sp, use_tqdm=False)
                 wall = time.perf_counter() - t0
                 st = llm.last_stats
                 if key not in runs or wall < runs[key]["wall_s"]:

@@ -75,7 +75,7 @@ def main() -> None:
     peers = llamacpp_peers(plain, args, max(len(p) for p in prompts))
 
     def run_ours(llm: LLM, ids: list[int]):
-        out = llm.generate([ids], params)[0]
+        out = llm.generate([ids], params, use_tqdm=False)[0]
         s = llm.last_stats
         return out.token_ids, s.wall_time_s, s.forwards_per_token, s.tau
 

@@ -62,7 +62,8 @@ def main() -> None:
     eos = sorted(eos_token_ids(plain.target))
 
     def ours(llm: LLM, ids: list[int], n: int | None = None):
-        out = llm.generate([ids], params if n is None else SamplingParams(max_tokens=n, temperature=0.0))[0]
+        out = llm.generate([ids], params if n is None else SamplingParams(max_tokens=n, temperature=0.0),
+                           use_tqdm=False)[0]
         s = llm.last_stats
         return out.token_ids, s.wall_time_s, s.tau, s.forwards_per_token
 

@@ -136,7 +136,7 @@ def run_schema(configs: dict, schema: dict, ask: str, todo: list[tuple[str, str]
             llm, constrained = configs[name]
             clocks[name].install()
             t0 = time.perf_counter()
-            (o,) = llm.chat([{"role": "user", "content": text + ask}], params[constrained])
+            (o,) = llm.chat([{"role": "user", "content": text + ask}], params[constrained], use_tqdm=False)
             wall = time.perf_counter() - t0
             st = o.outputs[0].stats
             rows[name].append({"prompt": pid, "tokens": len(o.token_ids), "wall_s": wall, "ids": o.token_ids,

@@ -6,11 +6,14 @@ token ids, finish reason) plus the speculative stats Draftsmith is about.
 
 from __future__ import annotations
 
+import numbers
 import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence as Seq
+
+from tqdm.auto import tqdm
 
 from draftsmith.core.logprobs import TokenLogprobs, with_text
 from draftsmith.core.sampling import SamplingParams
@@ -116,6 +119,31 @@ class GenerateStats:
             "prefix_survival": self.prefix_survival,
             "forced_proposed": self.forced_proposed, "forced_accepted": self.forced_accepted,
         }
+
+
+def _prompt(p: Any, i: int) -> str | list[int]:
+    """One prompt of `generate` as text or token ids: a string, a sequence of ints, or vLLM's
+    TextPrompt / TokensPrompt dicts; anything else is a DraftsmithError that says what is taken."""
+    if isinstance(p, Mapping):
+        keys = set(p)
+        if keys == {"prompt"}:
+            if not isinstance(p["prompt"], str):
+                raise DraftsmithError(f"prompt {i}: {{'prompt': ...}} takes a string, got {type(p['prompt']).__name__}")
+            return p["prompt"]
+        if keys == {"prompt_token_ids"}:
+            p = p["prompt_token_ids"]
+        else:
+            raise DraftsmithError(f"prompt {i}: a dict prompt is {{'prompt': str}} or {{'prompt_token_ids': [ints]}} "
+                                  f"(vLLM's TextPrompt / TokensPrompt), got keys {sorted(map(str, keys))}"
+                                  + ("; Draftsmith's targets take text only" if keys & {"multi_modal_data"} else ""))
+    if isinstance(p, str):
+        return p
+    if hasattr(p, "tolist") and not isinstance(p, (list, tuple)):  # numpy / torch ids
+        p = p.tolist()
+    if isinstance(p, Seq) and not isinstance(p, bytes) and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in p):
+        return [int(t) for t in p]
+    raise DraftsmithError(f"prompt {i}: give a string, a list of token ids (ints) or vLLM's {{'prompt': ...}} / "
+                          f"{{'prompt_token_ids': [...]}}, got {type(p).__name__} {str(p)[:60]}")
 
 
 class LLM:
@@ -236,18 +264,27 @@ class LLM:
     def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         return encode_text(self.tokenizer, prompt, add_special_tokens)
 
+    def get_tokenizer(self):
+        """vLLM's: the target's (HF) tokenizer."""
+        return self.tokenizer
+
     def generate(
         self,
-        prompts: str | Seq[str] | Seq[list[int]],
+        prompts: str | Mapping[str, Any] | Seq[str | Mapping[str, Any] | Seq[int]],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_chat_template: bool = False,
         priority: Seq[int] | None = None,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """vLLM's LLM.generate: outputs in the prompts' order. `priority` (vLLM's): one per prompt;
-        where the prompts are more than max_batch rows, lower ones start first."""
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        prompts = list(prompts)
+        """vLLM's LLM.generate: outputs in the prompts' order. A prompt is a string, a list of
+        token ids, or vLLM's dict forms {"prompt": str} / {"prompt_token_ids": [...]}.
+        `priority` (vLLM's): one per prompt; where the prompts are more than max_batch rows,
+        lower ones start first. `use_tqdm`: a bar of finished prompts (vLLM's), drawn only
+        where stderr is a terminal."""
+        if isinstance(prompts, (str, Mapping)) or (isinstance(prompts, list) and prompts and all(
+                isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompts)):
+            prompts = [prompts]  # one prompt (a flat list of ints: its token ids, as vLLM reads it)
+        prompts = [_prompt(p, i) for i, p in enumerate(prompts)]
         if not prompts:
             return []
         params = sampling_params or self.get_default_sampling_params()
@@ -264,7 +301,7 @@ class LLM:
                 ids = self.apply_chat_template([{"role": "user", "content": p}]) if use_chat_template else self.encode(p)
                 texts.append(p)
             else:
-                ids = [int(t) for t in p]
+                ids = list(p)
                 texts.append(None)
             if sp.truncate_prompt_tokens is not None:  # the prompt's last k tokens (vLLM's)
                 ids = ids[-sp.truncate_prompt_tokens:]
@@ -276,7 +313,7 @@ class LLM:
         groups = [[self.engine.add_request(ids, sp if i == 0 or sp.seed is None else replace(sp, seed=sp.seed + i),
                                            priority=p)
                    for i in range(sp.n)] for (ids, sp), p in zip(encoded, prio)]
-        return self._run(groups, texts)
+        return self._run(groups, texts, use_tqdm)
 
     def _check_context(self, prompt_len: int, max_tokens: int) -> None:
         limit = self.engine.max_len
@@ -298,6 +335,7 @@ class LLM:
         chat_template_kwargs: dict | None = None,
         tools: list[dict] | None = None,
         chat_template: str | None = None,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """vLLM's LLM.chat: one conversation (a list of messages) or several; the template's
         options as in apply_chat_template (e.g. continue_final_message=True with
@@ -309,7 +347,7 @@ class LLM:
                                         continue_final_message=continue_final_message,
                                         chat_template_kwargs=chat_template_kwargs, tools=tools,
                                         chat_template=chat_template) for c in conversations]
-        return self.generate(ids, sampling_params)
+        return self.generate(ids, sampling_params, use_tqdm=use_tqdm)
 
     def _output(self, i: int, s) -> CompletionOutput:
         out = CompletionOutput(i, s.text, list(s.output_ids), s.finish_reason or "", s.stats.to_dict(),
@@ -324,11 +362,15 @@ class LLM:
             self._token_texts = TokenText(self.tokenizer)
         return self._token_texts.text(token_id)
 
-    def _run(self, groups, texts) -> list[RequestOutput]:
+    def _run(self, groups, texts, use_tqdm: bool = False) -> list[RequestOutput]:
         seqs = [s for g in groups for s in g]
         t0 = time.perf_counter()
-        while any(not s.finished for s in seqs):
-            self.engine.step()
+        bar = tqdm(total=len(groups), desc="Processed prompts", unit="prompt",
+                   disable=not (use_tqdm and sys.stderr.isatty()))
+        with bar:
+            while any(not s.finished for s in seqs):
+                self.engine.step()
+                bar.update(sum(all(s.finished for s in g) for g in groups) - bar.n)
         wall = time.perf_counter() - t0
         for s in seqs:  # (each sample its prompt, as vLLM counts its child requests)
             self._totals.add(len(s.prompt_ids), len(s.output_ids), s.finish_reason or "stop", s.stats)

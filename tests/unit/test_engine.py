@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -357,6 +359,41 @@ def test_llm_generate_returns_vllm_shaped_outputs_with_n_samples(tiny_model_dir)
         first.outputs[0].text, first.outputs[0].token_ids, first.outputs[0].finish_reason)
     with pytest.raises(DraftsmithError, match="n must be a positive integer"):
         SamplingParams(n=0)
+
+
+def test_llm_generate_takes_vllms_prompt_forms_and_refuses_others_clearly(tiny, capsys, monkeypatch):
+    """A prompt is text, token ids (a list, tuple, numpy or torch vector; a flat list of ints is
+    one prompt) or vLLM's {"prompt": str} / {"prompt_token_ids": [...]}: each gives the output its
+    plain form gives. Anything else is a DraftsmithError naming the prompt (it was a ValueError /
+    TypeError from int()). use_tqdm draws vLLM's bar only where stderr is a terminal."""
+    import numpy as np
+
+    llm = LLM(tiny, max_batch=4, max_len=64)
+    assert llm.get_tokenizer() is llm.tokenizer
+    sp = greedy(5)
+    ids = llm.encode("hello world")
+    ref = llm.generate([ids], sp)[0].token_ids
+    for form in ({"prompt_token_ids": ids}, tuple(ids), np.array(ids), torch.tensor(ids)):
+        assert llm.generate([form], sp)[0].token_ids == ref, type(form)
+    assert llm.generate(ids, sp)[0].token_ids == ref and len(llm.generate(ids, sp)) == 1
+    text = llm.generate("hello world", sp)[0]
+    assert llm.generate({"prompt": "hello world"}, sp)[0].token_ids == text.token_ids
+    assert llm.generate([{"prompt": "hello world"}], sp)[0].prompt == "hello world"
+    for bad, needle in (({"prompt": 5}, "takes a string"), ({"prompt": "x", "multi_modal_data": {}}, "text only"),
+                        ({"prompt_ids": ids}, "got keys \\['prompt_ids'\\]"), (["a", 1], "got list"),
+                        ([1.0, 2.0], "got list"), (None, "got NoneType"), (b"ab", "got bytes")):
+        with pytest.raises(DraftsmithError, match=f"^prompt 1: .*{needle}"):
+            llm.generate([ids, bad], sp)
+    assert not llm.engine.has_unfinished()
+    capsys.readouterr()
+    llm.generate([ids, ids], sp, use_tqdm=True)
+    assert "Processed prompts" not in capsys.readouterr().err  # (stderr is no terminal here)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    llm.generate([ids, ids], sp, use_tqdm=False)
+    assert "Processed prompts" not in capsys.readouterr().err
+    llm.chat([{"role": "user", "content": "hi"}], sp)
+    err = capsys.readouterr().err
+    assert "Processed prompts" in err and "1/1" in err, err
 
 
 class _ConsumingDrafter(ForwardingDrafter):
