@@ -121,6 +121,16 @@ class GenerateStats:
         }
 
 
+def _one_of(ours: str, value: Any, default: Any, vllms: str, alias: Any) -> Any:
+    """A setting given under Draftsmith's name or vLLM's (LLM(model=...) for target, ...): the one
+    given; both (the ours not at its default) is an error."""
+    if alias is None:
+        return value
+    if value != default:
+        raise DraftsmithError(f"{ours} and {vllms} (vLLM's name for it) are both given; give one")
+    return alias
+
+
 def _prompt(p: Any, i: int) -> str | list[int]:
     """One prompt of `generate` as text or token ids: a string, a sequence of ints, or vLLM's
     TextPrompt / TokensPrompt dicts; anything else is a DraftsmithError that says what is taken."""
@@ -150,7 +160,8 @@ class LLM:
     """A target (+ optional drafter) ready to generate.
 
     target:   built-in alias (e.g. "smollm2-135m"), a local HF-format directory, or an already
-              loaded target (`LLM(...).target`; device / dtype then come from it).
+              loaded target (`LLM(...).target`; device / dtype then come from it). vLLM's names
+              work too: model= for target, max_model_len= for max_len, max_num_seqs= for max_batch.
     drafter:  "none", "ngram", "draft-model:PATH", or a Drafter instance.
     speculative_config: vLLM's (a dict or its JSON text), in place of drafter and K: e.g.
               {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4} or
@@ -211,7 +222,15 @@ class LLM:
         speculative_config: str | Mapping[str, Any] | None = None,
         generation_config: str = "auto",
         override_generation_config: Mapping[str, Any] | None = None,
+        *,
+        model: str | LoadedTarget | None = None,
+        max_model_len: int | None = None,
+        max_num_seqs: int | None = None,
     ) -> None:
+        # vLLM's names for the same settings: LLM(model=..., max_model_len=..., max_num_seqs=...)
+        target = _one_of("target", target, "smollm2-135m", "model", model)
+        max_len = _one_of("max_len", max_len, 2048, "max_model_len", max_model_len)
+        max_batch = _one_of("max_batch", max_batch, 8, "max_num_seqs", max_num_seqs)
         drafter, num_speculative_tokens, policy, notes = with_speculative_config(
             speculative_config, drafter, num_speculative_tokens, policy)  # (checked before the target loads)
         for note in notes:

@@ -365,7 +365,8 @@ def test_llm_generate_takes_vllms_prompt_forms_and_refuses_others_clearly(tiny, 
     """A prompt is text, token ids (a list, tuple, numpy or torch vector; a flat list of ints is
     one prompt) or vLLM's {"prompt": str} / {"prompt_token_ids": [...]}: each gives the output its
     plain form gives. Anything else is a DraftsmithError naming the prompt (it was a ValueError /
-    TypeError from int()). use_tqdm draws vLLM's bar only where stderr is a terminal."""
+    TypeError from int()). LLM takes vLLM's model= / max_model_len= / max_num_seqs= too (one name
+    or the other). use_tqdm draws vLLM's bar only where stderr is a terminal."""
     import numpy as np
 
     llm = LLM(tiny, max_batch=4, max_len=64)
@@ -385,6 +386,13 @@ def test_llm_generate_takes_vllms_prompt_forms_and_refuses_others_clearly(tiny, 
         with pytest.raises(DraftsmithError, match=f"^prompt 1: .*{needle}"):
             llm.generate([ids, bad], sp)
     assert not llm.engine.has_unfinished()
+    same = LLM(model=tiny, max_model_len=64, max_num_seqs=4)  # vLLM's names for target, max_len, max_batch
+    assert (same.engine.max_len, len(same.engine.free_rows)) == (64, 4)
+    assert same.generate([ids], sp)[0].token_ids == ref
+    for both in (dict(target=tiny, model=tiny), dict(model=tiny, max_len=32, max_model_len=64),
+                 dict(model=tiny, max_batch=2, max_num_seqs=4)):
+        with pytest.raises(DraftsmithError, match="are both given; give one"):
+            LLM(**both)
     capsys.readouterr()
     llm.generate([ids, ids], sp, use_tqdm=True)
     assert "Processed prompts" not in capsys.readouterr().err  # (stderr is no terminal here)
