@@ -1,17 +1,24 @@
 """OpenAI-compatible request models and error bodies.
 
-Types are strict where a wrong type is a client bug (a string for `max_tokens`, a bool for
-`temperature`); unknown fields are ignored, as OpenAI-compatible servers usually do.
-Options Draftsmith cannot honour (suffix, best_of != n) are rejected with a 400 rather than
+The completions and chat requests' fields read as vLLM's (pydantic's lax mode): a numeric
+string for a number ("3", "0.5"), an int for a float, 3.0 for an int, 0 / 1 or "true" / "false"
+for a bool; what lax mode refuses ("3.5" or 3.5 for an int, "abc") is a 400, and so is
+true / false for a number (a client bug, though pydantic would read it as 1 / 0). `null` for an
+optional field is the field unset (what the official client sends for a None), except where
+vLLM declares the field non-Optional (`ignore_eos`, `min_tokens`, completions' `n`, chat's
+`echo`, ...: a 400 there too). Unknown fields are ignored, as OpenAI-compatible servers usually
+do. Options Draftsmith cannot honour (suffix, best_of != n) are rejected with a 400 rather than
 silently ignored. Tool calling's fields (`tools`, `tool_choice`, `parallel_tool_calls`, messages
 with `tool_calls` and the `tool` role) are OpenAI's; server/tools.py gives them their meaning.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError,
+                      model_validator)
+from pydantic_core import PydanticCustomError
 
 from draftsmith.core.logprobs import MAX_LOGPROBS
 
@@ -57,40 +64,81 @@ class _Req(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-class StreamOptions(_Req):
-    include_usage: StrictBool = False  # a last chunk with the request's usage
-    continuous_usage_stats: StrictBool = False  # vLLM's (with include_usage): every chunk with its usage so far
+def _not_bool(v: Any) -> Any:
+    if isinstance(v, bool):
+        raise PydanticCustomError("number_type", "Input should be a number, not true or false")
+    return v
 
 
-class _Sampling(_Req):
+# vLLM's lax numbers (the module docstring): "3" / 3.0 -> 3, "0.5" / 1 -> a float; true / false refused
+Int = Annotated[int, BeforeValidator(_not_bool)]
+Float = Annotated[float, BeforeValidator(_not_bool)]
+Bool = bool  # lax: 0 / 1, "true" / "false", ... (pydantic's), as vLLM's
+
+
+class _VllmFields(_Req):
+    """A request read as vLLM reads it: lax types (Int, Float, Bool), and `null` for an optional
+    field that does not itself take None is the field unset (its default), unless vLLM refuses
+    null there too (`_NULL_REFUSED`: its non-Optional fields). A field typed `X | None` keeps the
+    None, which means what vLLM's None means (completions' `max_tokens: null`: the rest of the
+    context; `stream_options.include_usage: null`: no usage)."""
+
+    _NULL_REFUSED: ClassVar[frozenset[str]] = frozenset()
+    _null_unsets: ClassVar[frozenset[str]] = frozenset()
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        cls._null_unsets = frozenset(
+            name for name, f in cls.model_fields.items()
+            if not f.is_required() and name not in cls._NULL_REFUSED
+            and f.annotation is not Any and type(None) not in get_args(f.annotation))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            data = {k: v for k, v in data.items() if v is not None or k not in cls._null_unsets}
+        return data
+
+
+class StreamOptions(_VllmFields):
+    include_usage: Bool | None = False  # a last chunk with the request's usage
+    continuous_usage_stats: Bool | None = False  # vLLM's (with include_usage): every chunk with its usage so far
+
+
+class _Sampling(_VllmFields):
+    # vLLM's non-Optional fields of both requests
+    _NULL_REFUSED = frozenset({"ignore_eos", "min_tokens", "include_stop_str_in_output", "skip_special_tokens",
+                               "priority"})
     model: StrictStr | None = None
-    temperature: StrictFloat | None = None  # OpenAI default 1.0
-    top_p: StrictFloat | None = None
-    n: StrictInt = Field(default=1, ge=1, le=64)
-    stream: StrictBool = False
+    temperature: Float | None = None  # OpenAI default 1.0
+    top_p: Float | None = None
+    n: Int = Field(default=1, ge=1, le=64)
+    stream: Bool = False
     stream_options: StreamOptions | None = None
     stop: StrictStr | list[StrictStr] | None = None
-    seed: StrictInt | None = None
-    presence_penalty: StrictFloat | None = None
-    frequency_penalty: StrictFloat | None = None
+    seed: Int | None = None
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
     logit_bias: dict[str, Any] | None = None
     user: StrictStr | None = None
     # vLLM-style extensions
-    top_k: StrictInt | None = None
-    min_p: StrictFloat | None = None
-    ignore_eos: StrictBool = False
-    stop_token_ids: list[StrictInt] | None = None
-    repetition_penalty: StrictFloat | None = None
-    min_tokens: StrictInt = 0
-    allowed_token_ids: list[StrictInt] | None = None
+    top_k: Int | None = None
+    min_p: Float | None = None
+    ignore_eos: Bool = False
+    stop_token_ids: list[Int] | None = None
+    repetition_penalty: Float | None = None
+    min_tokens: Int = 0
+    allowed_token_ids: list[Int] | None = None
     bad_words: list[StrictStr] | None = None
-    include_stop_str_in_output: StrictBool = False
-    skip_special_tokens: StrictBool = True
-    truncate_prompt_tokens: StrictInt | None = None
-    prompt_logprobs: StrictInt | None = None  # vLLM's: the prompt's tokens scored (whole responses only)
-    return_token_ids: StrictBool = False  # vLLM's: the prompt's and each choice's token ids beside the text
+    include_stop_str_in_output: Bool = False
+    skip_special_tokens: Bool = True
+    truncate_prompt_tokens: Int | None = None
+    prompt_logprobs: Int | None = None  # vLLM's: the prompt's tokens scored (whole responses only)
+    return_token_ids: Bool = False  # vLLM's: the prompt's and each choice's token ids beside the text
     cache_salt: StrictStr | None = Field(default=None, min_length=1)  # vLLM's: prefix cache shared per salt
-    priority: StrictInt = 0  # vLLM's: lower is admitted first (serve --scheduling-policy priority)
+    priority: Int = 0  # vLLM's: lower is admitted first (serve --scheduling-policy priority)
     # structured outputs (server/sampling.structured_outputs): OpenAI's response_format, vLLM's
     # structured_outputs object and its older guided_* fields
     response_format: dict[str, Any] | None = None
@@ -114,12 +162,13 @@ Prompt = Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]
 
 
 class CompletionRequest(_Sampling):
+    _NULL_REFUSED = _Sampling._NULL_REFUSED | {"n", "add_special_tokens"}
     prompt: Prompt
-    max_tokens: StrictInt | None = 16  # OpenAI's default for completions
-    logprobs: StrictInt | None = None
-    echo: StrictBool = False
-    add_special_tokens: StrictBool = True  # vLLM's: False for a prompt already rendered with them
-    best_of: StrictInt | None = None
+    max_tokens: Int | None = 16  # OpenAI's default for completions; null: the rest of the context (vLLM's)
+    logprobs: Int | None = None
+    echo: Bool = False
+    add_special_tokens: Bool = True  # vLLM's: False for a prompt already rendered with them
+    best_of: Int | None = None
     suffix: StrictStr | None = None
 
     def top_logprobs_k(self) -> int | None:
@@ -198,19 +247,21 @@ class ChatMessage(_Req):
 
 
 class ChatCompletionRequest(_Sampling):
+    _NULL_REFUSED = _Sampling._NULL_REFUSED | {"include_reasoning", "echo", "add_generation_prompt",
+                                               "continue_final_message"}
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: StrictInt | None = None  # default: the rest of the context
-    max_completion_tokens: StrictInt | None = None
-    logprobs: StrictBool | None = None
-    top_logprobs: StrictInt | None = None
+    max_tokens: Int | None = None  # default: the rest of the context
+    max_completion_tokens: Int | None = None
+    logprobs: Bool | None = None
+    top_logprobs: Int | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: StrictBool = True
-    include_reasoning: StrictBool = True  # with a reasoning parser: False leaves the reasoning out
-    echo: StrictBool = False  # vLLM's: the answer's content starts with the last message's when it is the assistant's
+    parallel_tool_calls: Bool = True
+    include_reasoning: Bool = True  # with a reasoning parser: False leaves the reasoning out
+    echo: Bool = False  # vLLM's: the answer's content starts with the last message's when it is the assistant's
     # vLLM's chat-template options
-    add_generation_prompt: StrictBool = True
-    continue_final_message: StrictBool = False
+    add_generation_prompt: Bool = True
+    continue_final_message: Bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: Any = None  # vLLM's per-request template: refused (the route says why), never ignored
 

@@ -1,0 +1,73 @@
+"""The server against vLLM's OpenAI server, field by field (tiny model, real HTTP, the official
+`openai` client where it sends the request): null for an optional field, vLLM's lax number and
+bool coercions, stream_options' defaults, completions' `max_tokens: null`, `request_id` /
+`X-Request-Id`, `return_tokens_as_token_ids`, the vLLM fields Draftsmith refuses rather than
+ignores, seeds / logit_bias / truncate_prompt_tokens as vLLM reads them, chat `echo`'s
+prompt_logprobs. Each behaviour cites the vLLM source it follows in its test's docstring."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from test_server_unit import _assert_openai_error, tiny_dir, tiny_server  # noqa: F401 (fixtures)
+
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+def _client(url: str):
+    import openai
+
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_null_is_unset_and_lax_numbers_as_vllm_reads_them(tiny_server):
+    """vLLM's request models (entrypoints/openai/chat_completion/protocol.py, completion/protocol.py)
+    declare chat `n`, `stream`, `parallel_tool_calls`, `stream_options` and completions `echo`,
+    `stream` Optional, so null (what the openai client sends for None) is accepted: here, the field
+    unset. Its non-Optional fields (completions `n`, `ignore_eos`, `min_tokens`, chat `echo`, ...)
+    refuse null, here too. Its pydantic models are lax: "3", 3.0, "0" and chat `logprobs: 1` are
+    read as numbers / a bool; "3.5", 3.5 for an int and "abc" stay 400s, as does true for a number."""
+    url = tiny_server()
+    c = _client(url)
+    base = dict(model="tiny", messages=MSGS, max_tokens=4, temperature=0)
+    want = c.chat.completions.create(**base).choices[0].message.content
+    got = c.chat.completions.create(**base, n=None, stream=None, parallel_tool_calls=None, stream_options=None,
+                                    seed=None, top_p=None, logprobs=None, top_logprobs=None, stop=None,
+                                    presence_penalty=None, frequency_penalty=None, logit_bias=None, user=None,
+                                    extra_body={"top_k": None, "cache_salt": None, "prompt_logprobs": None})
+    assert got.choices[0].message.content == want and len(got.choices) == 1
+    comp = dict(model="tiny", prompt="abc", max_tokens=4, temperature=0)
+    want_c = c.completions.create(**comp).choices[0].text
+    got_c = c.completions.create(**comp, echo=None, stream=None, logprobs=None, seed=None, stream_options=None)
+    assert got_c.choices[0].text == want_c and got_c.choices[0].logprobs is None
+    with httpx.Client(base_url=url, timeout=60) as h:
+        # vLLM's non-Optional fields keep refusing null
+        for path, body, param in [("/v1/completions", {"prompt": "abc", "n": None}, "n"),
+                                  ("/v1/completions", {"prompt": "abc", "ignore_eos": None}, "ignore_eos"),
+                                  ("/v1/chat/completions", {"messages": MSGS, "echo": None}, "echo"),
+                                  ("/v1/chat/completions", {"messages": MSGS, "min_tokens": None}, "min_tokens"),
+                                  ("/v1/chat/completions", {"messages": None}, "messages")]:
+            _assert_openai_error(h.post(path, json={**body, "max_tokens": 2}), 400, param)
+        # lax numbers and bools, as pydantic's lax mode reads them
+        r = h.post("/v1/completions", json={"prompt": "abc", "max_tokens": "4", "temperature": "0", "n": 1.0,
+                                            "seed": 5.0, "stream": "false", "top_k": "0", "logprobs": "1"})
+        assert r.status_code == 200, r.text
+        (ch,) = r.json()["choices"]
+        assert ch["text"] == want_c and len(ch["logprobs"]["tokens"]) == r.json()["usage"]["completion_tokens"] == 4
+        assert all(len(top) <= 2 for top in ch["logprobs"]["top_logprobs"])
+        r = h.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 4, "temperature": 0, "logprobs": 1,
+                                                 "top_logprobs": "2", "presence_penalty": 0, "top_p": 1})
+        assert r.status_code == 200, r.text
+        (ch,) = r.json()["choices"]
+        assert ch["message"]["content"] == want and len(ch["logprobs"]["content"][0]["top_logprobs"]) == 2
+        r = h.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 4, "temperature": 0, "logprobs": 0})
+        assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None
+        # what lax mode refuses stays a 400 naming the field
+        for field, value in [("max_tokens", "3.5"), ("max_tokens", 3.5), ("max_tokens", "abc"), ("n", "two"),
+                             ("temperature", "hot"), ("temperature", True), ("max_tokens", True), ("stream", 2),
+                             ("seed", "1e3")]:
+            _assert_openai_error(h.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2, field: value}),
+                                 400, field)
+        _assert_openai_error(h.post("/v1/chat/completions", json={"messages": MSGS, "logprobs": 2}), 400, "logprobs")
