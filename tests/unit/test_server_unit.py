@@ -744,7 +744,9 @@ def test_continuous_usage_stats(tiny_server):
         assert seen == {c["index"]: len(c["logprobs"]["tokens"]) for c in whole["choices"]}
         _assert_openai_error(h.post("/v1/completions", json={**body, "stream_options": {"include_usage": True}}),
                              400, "stream_options", says="stream: true")
-        alone = {**stream, "stream_options": {"continuous_usage_stats": True}}  # without include_usage: off (vLLM's)
+        # include_usage false: neither (vLLM's: continuous usage only with include_usage, which
+        # defaults to true once stream_options is given: test_server_vllm_parity)
+        alone = {**stream, "stream_options": {"continuous_usage_stats": True, "include_usage": False}}
         with h.stream("POST", "/v1/completions", json=alone) as r:
             assert not any(json.loads(line[6:]).get("usage") for line in r.iter_lines()
                            if line.startswith("data: ") and line != "data: [DONE]")

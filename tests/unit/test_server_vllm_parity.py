@@ -71,3 +71,35 @@ def test_null_is_unset_and_lax_numbers_as_vllm_reads_them(tiny_server):
             _assert_openai_error(h.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2, field: value}),
                                  400, field)
         _assert_openai_error(h.post("/v1/chat/completions", json={"messages": MSGS, "logprobs": 2}), 400, "logprobs")
+
+
+def _chunks(h: httpx.Client, path: str, body: dict) -> list[dict]:
+    with h.stream("POST", path, json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+
+def test_stream_options_include_usage_defaults_to_true_once_given(tiny_server):
+    """vLLM's StreamOptions: `include_usage: Optional[bool] = True` (0.10 protocol.py @0052bed3 and
+    HEAD), read as `bool(stream_options.include_usage)` whenever stream_options is given
+    (serve/utils/api_utils.py: should_include_usage), continuous usage only with it. So `{}` sends
+    the usage chunk, `{"continuous_usage_stats": true}` usage on every chunk too; include_usage
+    false or null, none; no stream_options, none."""
+    url = tiny_server()
+    with httpx.Client(base_url=url, timeout=60) as h:
+        for path, body in [("/v1/completions", {"prompt": "abc"}), ("/v1/chat/completions", {"messages": MSGS})]:
+            body = {**body, "max_tokens": 4, "temperature": 0}
+            whole = h.post(path, json=body).json()["usage"]
+            for opts, last, every in [({}, True, False), ({"continuous_usage_stats": True}, True, True),
+                                      ({"include_usage": True}, True, False), (None, False, False),
+                                      ({"include_usage": False, "continuous_usage_stats": True}, False, False),
+                                      ({"include_usage": None}, False, False)]:
+                chunks = _chunks(h, path, {**body, "stream_options": opts})
+                tail = chunks[-1]
+                assert (not tail["choices"] and tail["usage"]["completion_tokens"] == whole["completion_tokens"]) == last
+                assert all("usage" in c for c in chunks[:-1] if c["choices"]) == every, (path, opts)
+                assert any("usage" in c for c in chunks) == (last or every), (path, opts)
+    c = _client(url)
+    chunks = list(c.chat.completions.create(model="tiny", messages=MSGS, max_tokens=4, temperature=0, stream=True,
+                                            stream_options={}))
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4

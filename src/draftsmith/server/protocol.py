@@ -103,7 +103,9 @@ class _VllmFields(_Req):
 
 
 class StreamOptions(_VllmFields):
-    include_usage: Bool | None = False  # a last chunk with the request's usage
+    # a last chunk with the request's usage; true once stream_options is given, as vLLM's StreamOptions
+    # (`{}` or `{"continuous_usage_stats": true}` alone send usage); null: none
+    include_usage: Bool | None = True
     continuous_usage_stats: Bool | None = False  # vLLM's (with include_usage): every chunk with its usage so far
 
 
