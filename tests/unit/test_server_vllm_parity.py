@@ -103,3 +103,24 @@ def test_stream_options_include_usage_defaults_to_true_once_given(tiny_server):
     chunks = list(c.chat.completions.create(model="tiny", messages=MSGS, max_tokens=4, temperature=0, stream=True,
                                             stream_options={}))
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
+
+
+def test_completions_max_tokens_null_is_the_rest_of_the_context(tiny_server):
+    """vLLM's CompletionRequest `max_tokens: Optional[int] = 16`: left out, 16; null reaches
+    get_max_tokens (serve/utils/api_utils.py) as None: the rest of the context (max_model_len -
+    prompt), within the generation config's max_tokens (max_new_tokens). Echo with null too."""
+    url = tiny_server()
+    c = _client(url)
+    prompt = "ab" * 115
+    n_prompt = len(httpx.post(f"{url}/tokenize", json={"prompt": prompt}, timeout=60).json()["tokens"])
+    rest = 256 - n_prompt  # the tiny server's context is 256
+    assert 16 < rest <= 32
+    kw = dict(model="tiny", prompt=prompt, temperature=0, extra_body={"ignore_eos": True})
+    assert c.completions.create(**kw).usage.completion_tokens == 16
+    r = c.completions.create(**kw, max_tokens=None)
+    assert r.usage.completion_tokens == rest and r.choices[0].finish_reason == "length"
+    r = c.completions.create(**kw, max_tokens=None, echo=True)
+    assert r.usage.completion_tokens == rest and r.choices[0].text.startswith(prompt)
+    # the generation config's max_new_tokens caps it, as vLLM's override_max_tokens
+    c = _client(tiny_server(llm_kw={"override_generation_config": {"max_new_tokens": rest - 3}}))
+    assert c.completions.create(**kw, max_tokens=None).usage.completion_tokens == rest - 3

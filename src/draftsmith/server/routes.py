@@ -94,11 +94,14 @@ def add_routes(app: FastAPI, st: ServerState) -> None:
                                    param="prompt", code="invalid_value")
                 prompts.append(list(it))
         fmt = ResponseFormat(chat=False, rid=f"cmpl-{uuid.uuid4().hex}", model=st.model_id)
-        max_tokens = req.max_tokens if req.max_tokens is not None else 16
+        # 16 when left out; null: the rest of the context (vLLM's get_max_tokens), both within the
+        # generation config's max_tokens (sampling.sampling_params)
+        max_tokens = req.max_tokens
         if req.echo:  # the prompt, as the client sent it, starts each choice's text (and logprobs)
             texts = [it if isinstance(it, str) else st.front.decode(it) for it in items]
             fmt.with_echo(list(zip(texts, prompts)), echo_only=max_tokens == 0)
-            max_tokens = max_tokens or 1  # max_tokens 0: the prompt alone (the engine's token is dropped)
+            if max_tokens == 0:  # the prompt alone (the engine's one token is dropped)
+                max_tokens = 1
         return await generate(st, request, req, prompts, max_tokens, fmt, "prompt")
 
     @app.post("/v1/chat/completions", dependencies=auth)
