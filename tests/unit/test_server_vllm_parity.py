@@ -124,3 +124,55 @@ def test_completions_max_tokens_null_is_the_rest_of_the_context(tiny_server):
     # the generation config's max_new_tokens caps it, as vLLM's override_max_tokens
     c = _client(tiny_server(llm_kw={"override_generation_config": {"max_new_tokens": rest - 3}}))
     assert c.completions.create(**kw, max_tokens=None).usage.completion_tokens == rest - 3
+
+
+def test_request_id_and_x_request_id_name_the_response(tiny_server):
+    """vLLM's response id is `chatcmpl-{id}` / `cmpl-{id}`, the id being the X-Request-Id header,
+    else the body's `request_id`, else random (_base_request_id: the header first, the body's
+    request_id its default; chat_completion/serving.py and completion/serving.py); every chunk of a
+    stream carries it. Two requests sent at once with one id both complete, each with its own
+    text (the engine's ids stay the server's). `X-Request-Id` comes back as a response header only
+    with vLLM's --enable-request-id-headers (XRequestIdMiddleware; ServeOptions.request_id_headers)."""
+    url = tiny_server()
+    c = _client(url)
+    r = c.chat.completions.with_raw_response.create(model="tiny", messages=MSGS, max_tokens=2,
+                                                    extra_body={"request_id": "body-1"})
+    assert r.parse().id == "chatcmpl-body-1" and "x-request-id" not in r.headers
+    r = c.chat.completions.create(model="tiny", messages=MSGS, max_tokens=2, extra_body={"request_id": "body-1"},
+                                  extra_headers={"X-Request-Id": "hdr-1"})
+    assert r.id == "chatcmpl-hdr-1"
+    assert c.completions.create(model="tiny", prompt="abc", max_tokens=2, extra_body={"request_id": "b2"}).id == "cmpl-b2"
+    assert c.completions.create(model="tiny", prompt="abc", max_tokens=2,
+                                extra_headers={"X-Request-Id": "h2"}).id == "cmpl-h2"
+    ids = {c.completions.create(model="tiny", prompt="abc", max_tokens=2).id for _ in range(2)}
+    assert len(ids) == 2 and all(i.startswith("cmpl-") and len(i) == 37 for i in ids)
+    chunks = list(c.chat.completions.create(model="tiny", messages=MSGS, max_tokens=4, stream=True,
+                                            extra_body={"request_id": "s-1"}))
+    assert {ch.id for ch in chunks} == {"chatcmpl-s-1"}
+    with httpx.Client(base_url=url, timeout=30) as h:
+        _assert_openai_error(h.post("/v1/completions", json={"prompt": "abc", "request_id": None}), 400, "request_id")
+        # two streams at once under one id: each gets its own tokens, both finish
+        bodies = [{"prompt": p, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "request_id": "same"}
+                  for p in ("abc", "xyz xyz")]
+        want = [h.post("/v1/completions", json=b).json()["choices"][0]["text"] for b in bodies]
+        with h.stream("POST", "/v1/completions", json={**bodies[0], "stream": True}) as first:
+            lines = first.iter_lines()
+            got0 = ""
+            for line in lines:  # the first one is running before the second one comes
+                if line.startswith("data: {"):
+                    got0 += json.loads(line[6:])["choices"][0]["text"]
+                    break
+            chunks = _chunks(h, "/v1/completions", bodies[1])
+            assert {ch["id"] for ch in chunks} == {"cmpl-same"}
+            assert "".join(ch["choices"][0]["text"] for ch in chunks) == want[1]
+            got0 += "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines if line.startswith("data: {"))
+        assert got0 == want[0]
+    url = tiny_server(request_id_headers=True)
+    with httpx.Client(base_url=url, timeout=30) as h:
+        r = h.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2}, headers={"X-Request-Id": "echo-me"})
+        assert r.headers["x-request-id"] == "echo-me" and r.json()["id"] == "cmpl-echo-me"
+        r = h.get("/health")
+        assert len(r.headers["x-request-id"]) == 32  # a fresh uuid4 hex, on every route
+        with h.stream("POST", "/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2, "stream": True},
+                      headers={"X-Request-Id": "s"}) as r:
+            assert r.headers["x-request-id"] == "s"

@@ -30,12 +30,14 @@ This module builds the app: lifespan (the engine thread), error handlers, routes
 from __future__ import annotations
 
 import logging
+import uuid
 from contextlib import asynccontextmanager
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -48,6 +50,26 @@ from draftsmith.server.state import Limits, ServeOptions, ServerState
 __all__ = ["Limits", "ServeOptions", "create_app", "serve"]
 
 log = logging.getLogger("draftsmith.server")
+
+
+class _RequestIdHeader:
+    """vLLM's XRequestIdMiddleware (serve --enable-request-id-headers): each HTTP response carries
+    `X-Request-Id`, the request's own header or else a fresh uuid4 hex."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        rid = Headers(scope=scope).get("x-request-id") or uuid.uuid4().hex
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message).append("X-Request-Id", rid)
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 def create_app(llm: LLM, model_name: str | None = None, *, api_key: str | None = None,
@@ -98,6 +120,8 @@ def create_app(llm: LLM, model_name: str | None = None, *, api_key: str | None =
         return _error(request, APIError(500, f"internal server error: {type(e).__name__}", type="internal_error"))
 
     add_routes(app, st)
+    if st.options.request_id_headers:
+        app.add_middleware(_RequestIdHeader)
     return app
 
 

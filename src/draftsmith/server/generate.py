@@ -92,7 +92,7 @@ async def generate(st: ServerState, request: Request, req: Any, prompts: list[li
             params = sampling_params(req, max_tokens, len(ids), i, prompt_param, max_len=st.max_len,
                                      vocab_size=st.vocab_size, structured=structured, defaults=st.llm.default_sampling)
             index = p * n + i
-            subs.append(SubRequest(request_id=f"{fmt.rid}-{index}", index=index, prompt_ids=ids,
+            subs.append(SubRequest(request_id=f"{fmt.key}-{index}", index=index, prompt_ids=ids,
                                    params=params, stream=req.stream, sink=sink, t_arrival=now,
                                    cache_salt=req.cache_salt, priority=req.priority))
     prompt_tokens = sum(len(ids) for ids in prompts)

@@ -112,7 +112,7 @@ class StreamOptions(_VllmFields):
 class _Sampling(_VllmFields):
     # vLLM's non-Optional fields of both requests
     _NULL_REFUSED = frozenset({"ignore_eos", "min_tokens", "include_stop_str_in_output", "skip_special_tokens",
-                               "priority"})
+                               "priority", "request_id"})
     model: StrictStr | None = None
     temperature: Float | None = None  # OpenAI default 1.0
     top_p: Float | None = None
@@ -141,6 +141,7 @@ class _Sampling(_VllmFields):
     return_token_ids: Bool = False  # vLLM's: the prompt's and each choice's token ids beside the text
     cache_salt: StrictStr | None = Field(default=None, min_length=1)  # vLLM's: prefix cache shared per salt
     priority: Int = 0  # vLLM's: lower is admitted first (serve --scheduling-policy priority)
+    request_id: StrictStr = ""  # vLLM's: the response's id is chatcmpl- / cmpl- + it (an X-Request-Id header wins)
     # structured outputs (server/sampling.structured_outputs): OpenAI's response_format, vLLM's
     # structured_outputs object and its older guided_* fields
     response_format: dict[str, Any] | None = None

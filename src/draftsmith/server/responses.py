@@ -29,8 +29,11 @@ def sse_event(obj: dict) -> str:
 class ResponseFormat:
     """What differs between the completions and chat APIs: the shape of the objects."""
 
-    def __init__(self, chat: bool, rid: str, model: str) -> None:
+    def __init__(self, chat: bool, rid: str, model: str, key: str | None = None) -> None:
+        """`rid`: the response's id; `key`: the engine's ids start with it (`rid` where none is
+        given: a client's id in `rid` must not meet another request's in the engine)."""
         self.chat, self.rid, self.model = chat, rid, model
+        self.key = key or rid
         self.created = int(time.time())
         self.logprobs: LogprobsFormat | None = None
         self.echo: list[tuple[str, list[int]]] | None = None  # per prompt: its text and ids

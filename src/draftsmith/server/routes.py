@@ -39,6 +39,14 @@ from draftsmith.server.tools import check_tools, names_developer, prompt_texts, 
 _THINK_TAIL = 8  # prompt tokens read for a <think> the template's generation prompt ends in
 
 
+def _ids(request: Request, req: ChatCompletionRequest | CompletionRequest, prefix: str) -> tuple[str, str]:
+    """The response's id and the engine's: vLLM's `PREFIX-{id}`, the id the client's X-Request-Id
+    header or else its body's `request_id` gives (vLLM's _base_request_id), else a random one; the
+    engine's is always the server's own, so two requests sent with one id never meet there."""
+    own = uuid.uuid4().hex
+    return f"{prefix}-{request.headers.get('x-request-id') or req.request_id or own}", f"{prefix}-{own}"
+
+
 def add_routes(app: FastAPI, st: ServerState) -> None:
     """Register every route of the server over `st` on `app`."""
 
@@ -93,7 +101,8 @@ def add_routes(app: FastAPI, st: ServerState) -> None:
                     raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {st.vocab_size})",
                                    param="prompt", code="invalid_value")
                 prompts.append(list(it))
-        fmt = ResponseFormat(chat=False, rid=f"cmpl-{uuid.uuid4().hex}", model=st.model_id)
+        rid, key = _ids(request, req, "cmpl")
+        fmt = ResponseFormat(chat=False, rid=rid, key=key, model=st.model_id)
         # 16 when left out; null: the rest of the context (vLLM's get_max_tokens), both within the
         # generation config's max_tokens (sampling.sampling_params)
         max_tokens = req.max_tokens
@@ -109,7 +118,8 @@ def add_routes(app: FastAPI, st: ServerState) -> None:
         req: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest, st.limits.max_body_bytes)
         st.check_model(req.model)
         reject_unsupported(req)
-        fmt = ResponseFormat(chat=True, rid=f"chatcmpl-{uuid.uuid4().hex}", model=st.model_id)
+        rid, key = _ids(request, req, "chatcmpl")
+        fmt = ResponseFormat(chat=True, rid=rid, key=key, model=st.model_id)
         return await _chat(request, req, fmt)
 
     @app.post("/v1/responses", dependencies=auth)

@@ -46,6 +46,8 @@ class ServeOptions:
         response's `metrics` object, timing / speculative_decoding (server/request_metrics.py).
     force_include_usage: every stream ends with its usage chunk, as if it asked
         (stream_options.include_usage; vLLM's --enable-force-include-usage).
+    request_id_headers: every HTTP response carries an `X-Request-Id` header, the request's own
+        or a fresh one (vLLM's --enable-request-id-headers).
     """
 
     chat_template: str | None = None
@@ -57,6 +59,7 @@ class ServeOptions:
     per_request_metrics: bool = False
     per_request_spec_decode_metrics: str = "none"
     force_include_usage: bool = False
+    request_id_headers: bool = False
 
     def __post_init__(self) -> None:
         for what, value, known in (("tool-call parser", self.tool_call_parser, TOOL_CALL_PARSERS),
