@@ -176,3 +176,46 @@ def test_request_id_and_x_request_id_name_the_response(tiny_server):
         with h.stream("POST", "/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2, "stream": True},
                       headers={"X-Request-Id": "s"}) as r:
             assert r.headers["x-request-id"] == "s"
+
+
+def test_return_tokens_as_token_ids(tiny_server):
+    """vLLM's `return_tokens_as_token_ids: true` (protocol.py; _get_decoded_token /
+    format_token_id_placeholder): every token of a logprobs object is `token_id:N`, the generated
+    ones and the top ones (chat's top_logprobs, completions' top_logprobs keys), an echoed prompt's
+    too, whole and streamed; numbers, bytes and text_offset are the plain request's."""
+    url = tiny_server()
+    with httpx.Client(base_url=url, timeout=60) as h:
+        body = {"prompt": "abc", "max_tokens": 5, "temperature": 0, "logprobs": 2, "echo": True,
+                "return_token_ids": True}
+        plain = h.post("/v1/completions", json=body).json()["choices"][0]
+        got = h.post("/v1/completions", json={**body, "return_tokens_as_token_ids": True}).json()["choices"][0]
+        ids = plain["prompt_token_ids"] + plain["token_ids"]
+        lp, lp0 = got["logprobs"], plain["logprobs"]
+        assert got["text"] == plain["text"] and lp["tokens"] == [f"token_id:{t}" for t in ids]
+        assert lp["token_logprobs"] == lp0["token_logprobs"] and lp["text_offset"] == lp0["text_offset"]
+        assert lp["top_logprobs"][0] is None
+        for top, top0, t, x in zip(lp["top_logprobs"][1:], lp0["top_logprobs"][1:], ids[1:], lp["token_logprobs"][1:]):
+            assert top[f"token_id:{t}"] == x and all(k.startswith("token_id:") for k in top)
+            # (text keys merge tokens that read the same, e.g. two halves of a character: ids do not)
+            assert set(top0.values()) <= set(top.values()) and len(top) >= len(top0)
+        streamed = [c["choices"][0]["logprobs"] for c in _chunks(h, "/v1/completions",
+                                                                 {**body, "return_tokens_as_token_ids": True})]
+        assert sum((x["tokens"] for x in streamed if x), []) == lp["tokens"]
+        cbody = {"messages": MSGS, "max_tokens": 5, "temperature": 0, "logprobs": True, "top_logprobs": 2,
+                 "return_token_ids": True}
+        plain = h.post("/v1/chat/completions", json=cbody).json()["choices"][0]
+        got = h.post("/v1/chat/completions", json={**cbody, "return_tokens_as_token_ids": True}).json()["choices"][0]
+        content, content0 = got["logprobs"]["content"], plain["logprobs"]["content"]
+        assert [e["token"] for e in content] == [f"token_id:{t}" for t in plain["token_ids"]]
+        assert [e["bytes"] for e in content] == [e["bytes"] for e in content0]
+        for e, e0 in zip(content, content0):
+            assert e["logprob"] == e0["logprob"] and len(e["top_logprobs"]) == 2
+            assert all(t["token"].startswith("token_id:") for t in e["top_logprobs"])
+            assert [t["logprob"] for t in e["top_logprobs"]] == [t["logprob"] for t in e0["top_logprobs"]]
+        streamed = [c["choices"][0]["logprobs"] for c in _chunks(h, "/v1/chat/completions",
+                                                                 {**cbody, "return_tokens_as_token_ids": True})
+                    if c["choices"]]
+        assert [e["token"] for x in streamed if x for e in x["content"]] == [e["token"] for e in content]
+        # false or null: plain text
+        off = h.post("/v1/chat/completions", json={**cbody, "return_tokens_as_token_ids": None}).json()["choices"][0]
+        assert off["logprobs"] == plain["logprobs"]

@@ -13,6 +13,10 @@ token, `<|im_end|>`, and tokens a stop string cut from the text included), after
 prompt's. A token's `token` / `bytes` are its own bytes (models/token_text.py): a character
 split over two tokens reads as U+FFFD in each `token`, its bytes are exact. `text_offset`
 counts from the start of the choice's text (vLLM's; with `echo` that is the prompt's start).
+
+vLLM's `return_tokens_as_token_ids: true` names every token `token_id:N` (its own and the top
+ones', completions' top_logprobs keys too), so tokens that read the same stay apart; `bytes` and
+`text_offset` keep the token's real bytes and text (vLLM's are those of the `token_id:N` string).
 """
 
 from __future__ import annotations
@@ -32,16 +36,21 @@ class LogprobsFormat:
     """One request's logprobs objects; `k` = how many top tokens it asked for; token texts and
     bytes from `token_text` (models/token_text.py). Completions' text_offset runs per choice."""
 
-    def __init__(self, chat: bool, k: int, token_text: TokenText) -> None:
+    def __init__(self, chat: bool, k: int, token_text: TokenText, as_ids: bool = False) -> None:
         self.chat, self.k = chat, k
         self._tt = token_text
+        self._as_ids = as_ids  # return_tokens_as_token_ids
         self._offset: dict[int, int] = {}
 
     def _top(self, d: TokenLogprobs) -> list[tuple[int, float]]:
         return sorted(((t, lp.logprob) for t, lp in d.items()), key=lambda x: -x[1])[: self.k]
 
+    def _name(self, token_id: int) -> str:
+        """A token as the response names it: its text, or vLLM's `token_id:N`."""
+        return f"token_id:{token_id}" if self._as_ids else self._tt.text(token_id)
+
     def _entry(self, token_id: int, logprob: float) -> dict:
-        return {"token": self._tt.text(token_id), "logprob": _num(logprob), "bytes": list(self._tt.bytes(token_id))}
+        return {"token": self._name(token_id), "logprob": _num(logprob), "bytes": list(self._tt.bytes(token_id))}
 
     def build(self, index: int, token_ids: list[int], entries: list[TokenLogprobs | None]) -> dict:
         """The logprobs object of choice `index`'s next tokens (a chunk's, or all of them) and their
@@ -53,10 +62,9 @@ class LogprobsFormat:
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         at = self._offset.get(index, 0)
         for tok, d in zip(token_ids, entries):
-            s = self._tt.text(tok)
-            out["tokens"].append(s)
+            out["tokens"].append(self._name(tok))
             out["text_offset"].append(at)
-            at += len(s)
+            at += len(self._tt.text(tok))
             if d is None:
                 out["token_logprobs"].append(None)
                 out["top_logprobs"].append(None)
@@ -64,8 +72,8 @@ class LogprobsFormat:
             out["token_logprobs"].append(_num(d[tok].logprob))
             # keyed by text: where two tokens read the same, the generated token's number stands
             # (the k most likely: an echoed prompt's entries may list more, for prompt_logprobs)
-            top = {self._tt.text(t): _num(v.logprob) for t, v in d.items() if t != tok and v.rank <= self.k}
-            top[s] = _num(d[tok].logprob)
+            top = {self._name(t): _num(v.logprob) for t, v in d.items() if t != tok and v.rank <= self.k}
+            top[self._name(tok)] = _num(d[tok].logprob)
             out["top_logprobs"].append(top)
         self._offset[index] = at
         return out

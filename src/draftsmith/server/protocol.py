@@ -139,6 +139,7 @@ class _Sampling(_VllmFields):
     truncate_prompt_tokens: Int | None = None
     prompt_logprobs: Int | None = None  # vLLM's: the prompt's tokens scored (whole responses only)
     return_token_ids: Bool = False  # vLLM's: the prompt's and each choice's token ids beside the text
+    return_tokens_as_token_ids: Bool | None = None  # vLLM's: logprobs name tokens `token_id:N`
     cache_salt: StrictStr | None = Field(default=None, min_length=1)  # vLLM's: prefix cache shared per salt
     priority: Int = 0  # vLLM's: lower is admitted first (serve --scheduling-policy priority)
     request_id: StrictStr = ""  # vLLM's: the response's id is chatcmpl- / cmpl- + it (an X-Request-Id header wins)

@@ -93,9 +93,10 @@ class ResponseFormat:
         """A fresh reader of one choice's text (None: the text is all content)."""
         return self.answer.reader()
 
-    def with_logprobs(self, k: int | None, token_text: TokenText) -> None:
-        """The request asked for logprobs with k top tokens (None: it did not)."""
-        self.logprobs = None if k is None else LogprobsFormat(self.chat, k, token_text)
+    def with_logprobs(self, k: int | None, token_text: TokenText, as_ids: bool = False) -> None:
+        """The request asked for logprobs with k top tokens (None: it did not); `as_ids`: vLLM's
+        return_tokens_as_token_ids (tokens named `token_id:N`)."""
+        self.logprobs = None if k is None else LogprobsFormat(self.chat, k, token_text, as_ids)
 
     def with_prompt_logprobs(self, k: int, token_text: TokenText) -> None:
         """vLLM's `prompt_logprobs: k`: each prompt's tokens scored, in the whole response (chat:
