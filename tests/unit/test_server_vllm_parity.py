@@ -219,3 +219,47 @@ def test_return_tokens_as_token_ids(tiny_server):
         # false or null: plain text
         off = h.post("/v1/chat/completions", json={**cbody, "return_tokens_as_token_ids": None}).json()["choices"][0]
         assert off["logprobs"] == plain["logprobs"]
+
+
+def test_vllm_options_draftsmith_does_not_honour_are_refused(tiny_server):
+    """vLLM fields that were silently ignored get a 400 that says why: use_beam_search (vLLM runs
+    beam search; here it returned n greedy copies), logits_processors (vLLM 0.10 refuses it too
+    without --logits-processor-pattern: protocol.py get_logits_processors), 0.10's top-level
+    structural_tag and response_format structural_tag (vLLM compiles them), a structured-outputs
+    backend other than llguidance's names (V1 refuses a request-level backend other than the
+    server's: v1/engine/processor.py). "auto", "guidance" and "llguidance" are accepted."""
+    import openai
+
+    url = tiny_server()
+    c = _client(url)
+    with pytest.raises(openai.BadRequestError, match="beam search"):
+        c.chat.completions.create(model="tiny", messages=MSGS, max_tokens=2, n=2, extra_body={"use_beam_search": True})
+    with httpx.Client(base_url=url, timeout=60) as h:
+        for path, base in [("/v1/completions", {"prompt": "abc"}), ("/v1/chat/completions", {"messages": MSGS})]:
+            base = {**base, "max_tokens": 3, "temperature": 0}
+            for extra, param, says in [
+                ({"use_beam_search": True, "n": 2}, "use_beam_search", "beam search"),
+                ({"logits_processors": ["my.Processor"]}, "logits_processors", "logits_processors"),
+                ({"structural_tag": '{"structures": [], "triggers": []}'}, "structural_tag", "structural_tag"),
+                ({"guided_choice": ["yes"], "guided_decoding_backend": "outlines"}, "guided_decoding_backend",
+                 "llguidance"),
+                ({"structured_outputs": {"choice": ["yes"], "backend": "xgrammar"}}, "structured_outputs",
+                 "llguidance"),
+                ({"response_format": {"type": "structural_tag", "structures": [], "triggers": []}},
+                 "response_format", "structural_tag"),
+                ({"use_beam_search": None}, "use_beam_search", ""),  # (vLLM's non-Optional bool)
+            ]:
+                _assert_openai_error(h.post(path, json={**base, **extra}), 400, param, says=says)
+            # what is accepted: false / empty, and llguidance's names, the grammar applied
+            for extra in ({"use_beam_search": False, "logits_processors": [], "length_penalty": 1.0},
+                          {"structural_tag": None, "guided_decoding_backend": None}):
+                assert h.post(path, json={**base, **extra}).status_code == 200
+            for backend in ("auto", "guidance", "llguidance"):
+                for extra in ({"guided_choice": ["yes", "no"], "guided_decoding_backend": backend},
+                              {"structured_outputs": {"choice": ["yes", "no"], "backend": backend}}):
+                    r = h.post(path, json={**base, "max_tokens": 8, **extra})
+                    assert r.status_code == 200, r.text
+                    ch = r.json()["choices"][0]
+                    assert (ch["text"] if "text" in ch else ch["message"]["content"]) in ("yes", "no")
+            # a backend alone asks for no grammar
+            assert h.post(path, json={**base, "structured_outputs": {"backend": "guidance"}}).status_code == 200

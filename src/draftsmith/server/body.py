@@ -52,6 +52,7 @@ def reject_unsupported(req: Any) -> None:
     bad = req.unsupported()
     if bad:
         raise APIError(400, f"{bad[0]} is not supported by this server", param=bad[0], code="unsupported_parameter")
+    req.check_vllm_options()
 
 
 def text_bytes(texts: list) -> int:

@@ -7,8 +7,9 @@ true / false for a number (a client bug, though pydantic would read it as 1 / 0)
 optional field is the field unset (what the official client sends for a None), except where
 vLLM declares the field non-Optional (`ignore_eos`, `min_tokens`, completions' `n`, chat's
 `echo`, ...: a 400 there too). Unknown fields are ignored, as OpenAI-compatible servers usually
-do. Options Draftsmith cannot honour (suffix, best_of != n) are rejected with a 400 rather than
-silently ignored. Tool calling's fields (`tools`, `tool_choice`, `parallel_tool_calls`, messages
+do. Options Draftsmith cannot honour (suffix, best_of != n; vLLM's use_beam_search,
+logits_processors, structural_tag, a structured-outputs backend other than llguidance) are
+rejected with a 400 rather than silently ignored. Tool calling's fields (`tools`, `tool_choice`, `parallel_tool_calls`, messages
 with `tool_calls` and the `tool` role) are OpenAI's; server/tools.py gives them their meaning.
 """
 
@@ -51,6 +52,9 @@ def validation_error(e: ValidationError) -> APIError:
     if len(errs) > 1:
         msg += f" (and {len(errs) - 1} more error(s))"
     return APIError(400, msg, param=param, code="invalid_value" if loc else None)
+
+
+_LLGUIDANCE = ("auto", "guidance", "llguidance")  # structured-outputs backends that name Draftsmith's
 
 
 def _in_range(k: int | None, param: str) -> int | None:
@@ -112,7 +116,7 @@ class StreamOptions(_VllmFields):
 class _Sampling(_VllmFields):
     # vLLM's non-Optional fields of both requests
     _NULL_REFUSED = frozenset({"ignore_eos", "min_tokens", "include_stop_str_in_output", "skip_special_tokens",
-                               "priority", "request_id"})
+                               "priority", "request_id", "use_beam_search"})
     model: StrictStr | None = None
     temperature: Float | None = None  # OpenAI default 1.0
     top_p: Float | None = None
@@ -152,6 +156,38 @@ class _Sampling(_VllmFields):
     guided_choice: list[StrictStr] | None = None
     guided_grammar: StrictStr | None = None
     guided_whitespace_pattern: StrictStr | None = None
+    # vLLM's, refused (check_vllm_options): never silently ignored
+    use_beam_search: Bool = False
+    logits_processors: Any = None
+    structural_tag: Any = None  # vLLM 0.10's top-level structural tag
+    guided_decoding_backend: StrictStr | None = None  # (and structured_outputs.backend)
+
+    def check_vllm_options(self) -> None:
+        """A 400 for a vLLM option Draftsmith does not honour (silently ignored, beam search gave n
+        greedy copies); a structured-outputs backend that names llguidance, Draftsmith's, is
+        accepted (and dropped from structured_outputs)."""
+        def refuse(param: str, why: str) -> None:
+            raise APIError(400, why, param=param, code="unsupported_parameter")
+
+        if self.use_beam_search:
+            refuse("use_beam_search", "use_beam_search is not supported: Draftsmith does not do beam search (n "
+                   "samples n independent choices); leave it out")
+        if self.logits_processors:
+            refuse("logits_processors", "The `logits_processors` argument is not supported by this server (vLLM "
+                   "refuses it too without --logits-processor-pattern): Draftsmith runs no code a request names; "
+                   "logit_bias, allowed_token_ids and bad_words shape the logits")
+        if self.structural_tag is not None:
+            refuse("structural_tag", "structural_tag is not supported: Draftsmith's structured outputs are json, "
+                   "regex, choice or grammar (structured_outputs, guided_*, response_format)")
+        so = self.structured_outputs
+        for param, backend in (("guided_decoding_backend", self.guided_decoding_backend),
+                               ("structured_outputs", so.get("backend") if so else None)):
+            if backend is not None and backend not in _LLGUIDANCE:
+                refuse(param, f"the structured-outputs backend {backend!r} is not available: Draftsmith's "
+                       f"structured outputs run on llguidance ({', '.join(map(repr, _LLGUIDANCE))} name it, as "
+                       "vLLM's guidance backend); leave the backend out")
+        if so and "backend" in so:
+            self.structured_outputs = {k: v for k, v in so.items() if k != "backend"} or None
 
     def prompt_logprobs_k(self) -> int | None:
         """How many top tokens per prompt token the engine computes (vLLM's `prompt_logprobs`;
