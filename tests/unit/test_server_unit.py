@@ -1043,8 +1043,8 @@ def test_structured_outputs_reach_the_engine(tiny_dir, tiny_server):
              ({"structured_outputs": {"json": schema}}, SO(json=schema)),
              ({"guided_json": schema}, SO(json=schema)),
              ({"structured_outputs": {"grammar": 'start: "<" /[0-9]+/ ">"'}}, SO(grammar='start: "<" /[0-9]+/ ">"')),
-             ({"guided_grammar": 'root ::= "<" [0-9]+ ">"', "guided_decoding_backend": "xgrammar"},
-              SO(grammar='root ::= "<" [0-9]+ ">"')),  # GBNF, as vLLM's docs write it; the backend is ours
+             ({"guided_grammar": 'root ::= "<" [0-9]+ ">"', "guided_decoding_backend": "guidance"},
+              SO(grammar='root ::= "<" [0-9]+ ">"')),  # GBNF, as vLLM's docs write it; the backend named ours
              ({"structured_outputs": {"json": schema, "disable_fallback": True, "whitespace_pattern": " ?"}},
               SO(json=schema, whitespace_pattern=" ?"))]
     with httpx.Client(base_url=url, timeout=60) as h:
