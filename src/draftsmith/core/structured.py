@@ -22,6 +22,7 @@ committed output itself is past the limits.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
@@ -46,6 +47,8 @@ class StructuredOutputsParams:
     json:        a JSON schema (a dict, or its JSON text); the output is one JSON value that
                  satisfies it, its properties in the schema's order. Keywords the grammar engine
                  cannot enforce (e.g. uniqueItems, which pydantic writes for a set) are ignored.
+                 Objects are closed where the schema leaves them open, as vLLM's default backend
+                 (xgrammar, strict mode) closes them: see `strict_json_schema`.
     regex:       the output matches this regular expression, whole.
     choice:      the output is exactly one of these strings.
     grammar:     a context-free grammar, in GBNF / EBNF (`root ::= ...`, as vLLM's docs write
@@ -140,7 +143,7 @@ class StructuredOutputsParams:
         if self.whitespace_pattern is not None:
             options["whitespace_pattern"] = self.whitespace_pattern
         if self.json is not None:
-            return M.grammar_from_json_schema(self.json, defaults=options)
+            return _json_grammar(self.json, json.dumps(options))
         if self.json_object:
             return M.grammar_from_json_schema({"type": "object"}, defaults=options)
         if self.regex is not None:
@@ -152,6 +155,130 @@ class StructuredOutputsParams:
         except Exception as e:  # (llguidance's GBNF reader raises its own kinds: GbnfToLarkError, Exception)
             raise ValueError(str(e) or type(e).__name__) from None
         return M.grammar_from_lark(lark)
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # name -> schema
+_SCHEMA_ONE = ("additionalProperties", "unevaluatedProperties", "items", "additionalItems", "unevaluatedItems")
+_COMBINED = ("allOf", "anyOf", "oneOf")
+
+
+def strict_json_schema(schema: Any) -> Any:
+    """`schema` with the properties and items it does not list forbidden, as vLLM's default
+    structured-outputs backend forbids them: xgrammar's `compile_json_schema(..., strict_mode=True)`
+    ("will not allow properties and items that is not specified in the schema. This is equivalent
+    to setting unevaluatedProperties and unevaluatedItems to false"). A new schema; `schema` is
+    left as it was. llguidance, the grammar engine here, lets an object schema that does not say
+    otherwise take any other property (JSON Schema's meaning), so a model could add keys.
+
+    - An object schema that lists `properties` or `patternProperties` (`{}` too) and sets neither
+      `additionalProperties` nor `unevaluatedProperties` gets `additionalProperties: false`; one that
+      sets `unevaluatedProperties` alone gets it as its `additionalProperties` (xgrammar reads it so
+      on the object itself; llguidance does not read unevaluatedProperties). One that sets
+      `additionalProperties` (true, false or a schema) keeps it.
+    - An object schema that lists no properties at all (`{"type": "object"}`, as the json_object
+      response format asks) stays any object: xgrammar's `{"type": "object"}` is its built-in any
+      object too (the same with only annotations: title, description, default, examples, ...).
+      Where such a schema has other keywords (`{"type": "object", "maxProperties": 3}`), xgrammar's
+      strict mode allows only `{}` (or refuses a minProperties, and vLLM's "auto" backend then falls
+      back to llguidance, open): here it stays open, not `{}`-only.
+    - An array schema with `prefixItems` and neither `items` nor `unevaluatedItems` gets `items:
+      false` (`unevaluatedItems` as its `items` where only that is set): the items listed, no more.
+      One that lists no items at all (`{"type": "array", ...}`) stays any array, as for objects.
+    - Closed recursively: properties, patternProperties, $defs / definitions, additionalProperties /
+      unevaluatedProperties / items / additionalItems / unevaluatedItems schemas, prefixItems and
+      anyOf / oneOf / allOf members. Not inside `not`, if / then / else, dependentSchemas or contains
+      (closing there changes the logic, not only what is listed).
+    - Combined schemas are left open where closing one would forbid a property another one lists
+      (llguidance intersects them, as JSON Schema does): an object with a `$ref` beside its
+      properties, or with `allOf` / `anyOf` / `oneOf` members that list properties (or `$ref`); a
+      member of an allOf whose other members list properties; an anyOf / oneOf member of an object
+      that lists properties itself; and the schema a `$ref` in such a place points to (`"allOf":
+      [{"$ref": "#/$defs/Base"}, {"properties": ...}]` leaves Base open, wherever it is used).
+      xgrammar has no such rule: it takes an allOf of several members as any value at all.
+    """
+    found = _Closer(frozenset())
+    found.node(schema, (), "#")  # (a first pass finds the $refs combined with properties: their schemas stay open)
+    return _Closer(frozenset(found.combined_refs)).node(schema, (), "#")
+
+
+def _contributes(member: Any) -> bool:
+    """Whether a schema combined with another may allow properties of its own."""
+    if not isinstance(member, dict):
+        return False
+    return any(isinstance(member.get(k), dict) for k in ("properties", "patternProperties")) or \
+        any(k in member for k in ("$ref", *_COMBINED))
+
+
+def _pointer(at: str, *keys: Any) -> str:
+    return at + "".join("/" + str(k).replace("~", "~0").replace("/", "~1") for k in keys)
+
+
+class _Closer:
+    """One pass of strict_json_schema. `open_refs`: the JSON pointers ("#/$defs/Base") of schemas
+    a `$ref` combines with properties elsewhere (left open); `combined_refs`: those this pass found."""
+
+    def __init__(self, open_refs: frozenset) -> None:
+        self.open_refs = open_refs
+        self.combined_refs: set[str] = set()
+
+    def node(self, node: Any, others: tuple, at: str) -> Any:
+        """`node` (at JSON pointer `at`) closed; `others`: the schemas it is combined with."""
+        if not isinstance(node, dict):
+            return node
+        out = dict(node)
+        lists = any(isinstance(out.get(k), dict) for k in ("properties", "patternProperties"))
+        for key in _SCHEMA_MAPS:
+            if isinstance(out.get(key), dict):
+                out[key] = {name: self.node(sub, (), _pointer(at, key, name)) for name, sub in out[key].items()}
+        for key in (*_SCHEMA_ONE, "prefixItems"):
+            if isinstance(out.get(key), list):  # (prefixItems; draft 7's `items: [...]`)
+                out[key] = [self.node(sub, (), _pointer(at, key, i)) for i, sub in enumerate(out[key])]
+            elif key in out:
+                out[key] = self.node(out[key], (), _pointer(at, key))
+        mine = (node,) if lists else ()
+        members = []
+        for key in _COMBINED:
+            if not isinstance(out.get(key), list):
+                continue
+            group = out[key]
+            members += group
+            # allOf: each member is combined with the others and with this schema's own properties;
+            # anyOf / oneOf: alternatives, each combined with this schema's own properties alone
+            out[key] = [self.node(m, mine + (tuple(group[:i] + group[i + 1:]) if key == "allOf" else ()),
+                                  _pointer(at, key, i)) for i, m in enumerate(group)]
+        partners = any(map(_contributes, (*others, *members)))
+        if isinstance(out.get("$ref"), str) and (lists or partners):
+            self.combined_refs.add(out["$ref"])
+        closable = lists and not partners and "$ref" not in out and at not in self.open_refs
+        if closable and "additionalProperties" not in out:
+            out["additionalProperties"] = out.get("unevaluatedProperties", False)
+        if isinstance(out.get("prefixItems"), list) and "items" not in out:
+            out["items"] = out.get("unevaluatedItems", False)
+        return out
+
+
+@functools.lru_cache(maxsize=256)
+def _json_grammar(schema_text: str, options_text: str) -> str:
+    """The llguidance grammar of a JSON schema (its text), closed as `strict_json_schema` closes it;
+    `options_text`: llguidance's JSON compile options as JSON text. A schema that only the closing
+    makes unsatisfiable (`"minProperties": 2` with one property listed) keeps its own meaning, as
+    vLLM's default "auto" backend falls back from xgrammar to llguidance (schemas left open) there."""
+    import llguidance
+
+    M = llguidance.LLMatcher
+    options = json.loads(options_text)
+    loose = M.grammar_from_json_schema(schema_text, defaults=options)
+    schema = json.loads(schema_text)
+    try:
+        closed = strict_json_schema(schema)
+    except RecursionError:
+        raise ValueError("the schema is nested too deeply") from None
+    if closed == schema:
+        return loose
+    tight = M.grammar_from_json_schema(json.dumps(closed), defaults=options)
+    if "nsatisfiable" in M.validate_grammar(tight) and not M.validate_grammar(loose):
+        return loose
+    return tight
 
 
 @dataclass(frozen=True)

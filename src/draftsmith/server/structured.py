@@ -12,7 +12,9 @@ from draftsmith.server.protocol import APIError, NamedToolChoice
 from draftsmith.server.tools import forced_schema
 
 _STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace", "whitespace_pattern")
-_IGNORED_KEYS = ("disable_fallback", "disable_additional_properties")  # vLLM backend switches, nothing to do here
+# vLLM backend switches, nothing to do here (disable_additional_properties: every JSON schema is
+# already closed as vLLM's default xgrammar backend closes it, core/structured.strict_json_schema)
+_IGNORED_KEYS = ("disable_fallback", "disable_additional_properties")
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
