@@ -449,8 +449,9 @@ def test_cut_marks_the_items_it_left_unfinished():
          [("reasoning", "incomplete"), ("function_call", "incomplete")]),
         (AnswerFormat(named, reasoning=True), '<think>plan</think>{"a": ', [("reasoning", "completed"),
                                                                           ("function_call", "incomplete")]),
-        (AnswerFormat(ToolPlan("required")), '[{"name": "f", "parameters": {}}, {"na',
-         [("function_call", "completed"), ("message", "incomplete")]),
+        (AnswerFormat(ToolPlan("required")), '[{"name": "f", "parameters": {}}, {"na',  # (the cut call: no item,
+         [("function_call", "completed")]),                                          # its JSON is not text)
+        (AnswerFormat(ToolPlan("required")), '[{"name": "f", "para', [("message", "incomplete")]),  # (no item: empty)
         (AnswerFormat(reasoning=True), "<think></think>", [("message", "incomplete")]),  # (no item: an empty message)
     ]
     for answer, text, want in cases:

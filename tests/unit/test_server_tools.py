@@ -230,3 +230,32 @@ def test_serve_tool_and_template_flags(serve_cli, tmp_path):
         with pytest.raises(DraftsmithError, match=says):
             run(*flags)
     assert len(loads) == n  # refused before loading the model
+
+
+def test_a_forced_call_cut_short_is_never_content(tiny_server):
+    """tool_choice "required" cut by max_tokens before its first call's object closed (the parity
+    report's tools.required_cut: the JSON fragment came back as the message's content): no
+    tool_calls and content "" (vLLM's whole answer), finish_reason "length"; streamed, no content
+    delta and no call; the Responses and Messages routes (tool_choice "required" / "any") show no
+    text either. A named call cut short stays a call with its arguments cut (vLLM's too)."""
+    body = {"messages": MSGS, "tools": TOOLS, "max_tokens": 3, "temperature": 0, "tool_choice": "required"}
+    with httpx.Client(base_url=tiny_server(), timeout=60) as h:
+        r = h.post("/v1/chat/completions", json={**body, "return_token_ids": True})
+        (ch,) = r.json()["choices"]
+        assert ch["finish_reason"] == "length" and len(ch["token_ids"]) == 3
+        assert ch["message"]["content"] == "" and "tool_calls" not in ch["message"]
+        assert _stream(h, body) == ("", [], "length")
+        named = {**body, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+        msg, finish = _whole(h, named)
+        assert msg["content"] is None and finish == "length" and [n for n, _ in _calls(msg)] == ["get_weather"]
+
+        rtools = [{"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"]}
+                  for t in TOOLS]
+        resp = h.post("/v1/responses", json={"input": "weather?", "tools": rtools, "tool_choice": "required",
+                                             "max_output_tokens": 3, "temperature": 0}).json()
+        assert resp["status"] == "incomplete" and [i["type"] for i in resp["output"]] == ["message"]
+        assert [c["text"] for c in resp["output"][0]["content"]] in ([], [""])  # (an empty message: no JSON)
+        mtools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS]
+        m = h.post("/v1/messages", json={"model": "tiny", "messages": MSGS, "tools": mtools, "max_tokens": 3,
+                                        "tool_choice": {"type": "any"}, "temperature": 0}).json()
+        assert m["stop_reason"] == "max_tokens" and m["content"] == []

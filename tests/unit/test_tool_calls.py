@@ -107,11 +107,14 @@ REQUIRED = [
     ('[{"name": "f", "parameters": {"a": 1}}, {"name": "g", "parameters": {}}]', "",
      [("f", '{"a": 1}'), ("g", "{}")]),
     ('  [ {"name": "f", "parameters": {"s": "]},["}} ]  ', "", [("f", '{"s": "]},["}')]),
-    ('[{"name": "f", "parameters": {"a": 1}}, {"name": "g", "para', ', {"name": "g", "para', [("f", '{"a": 1}')]),
+    # cut by max_tokens (or a grammar error): the calls completed, never the grammar's JSON as content
+    ('[{"name": "f", "parameters": {"a": 1}}, {"name": "g", "para', "", [("f", '{"a": 1}')]),
     ('[{"name": "f", "parameters": {"a": 1}}', "", [("f", '{"a": 1}')]),  # cut before the ]
-    ('[{"name": "f", "para', '[{"name": "f", "para', []),  # cut in the first call: all of it is text
-    ('{"name": "f"}', '{"name": "f"}', []),  # not an array: text
-    ("[" * 3000, "[" * 3000, []),  # too deep for json: text, no exception
+    ('[{"name": "f", "para', "", []),  # cut in the first call: nothing (vLLM: no tool_calls, content "")
+    ('[{\n    "name', "", []),  # (the parity report's fragment)
+    ('[{"name": "f", "parameters": {"s": "]},[', "", []),  # cut in a string that looks like the array's end
+    ('{"name": "f"}', "", []),  # not an array (a grammar keeps this from happening): nothing either
+    ("[" * 3000, "", []),  # too deep for json: nothing, no exception
     ("", "", []),
 ]
 
@@ -119,6 +122,21 @@ REQUIRED = [
 @pytest.mark.parametrize("text,content,calls", REQUIRED)
 def test_required_reader_whole_and_every_split(text, content, calls):
     assert every_split(RequiredReader, text) == (content, calls, "tool_calls" if calls else "stop")
+
+
+@pytest.mark.parametrize("text,content,calls", REQUIRED)
+def test_a_required_answer_cut_short_is_never_content(text, content, calls):
+    """The whole message of a "required" answer cut by max_tokens: the calls it completed, no
+    content (null beside calls, "" without: vLLM's message for an array it cannot validate), and
+    finish_reason "length"; its stream has no content delta at all (every split)."""
+    r = RequiredReader()
+    msg = AnswerReader(None, r).message(text)
+    assert msg["content"] == (None if calls else "")
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in msg.get("tool_calls", [])] == calls
+    assert r.tool_calls_finish("length") == "length"
+    r = AnswerReader(None, RequiredReader())
+    deltas = [r.push(ch) for ch in text] + [r.finish("")]
+    assert not any("content" in d for d in deltas)
 
 
 def test_named_reader_is_all_arguments():

@@ -9,8 +9,12 @@ always agree (tests/unit/test_tool_calls.py checks every split of the text).
 
 - named: every token is the named function's arguments (content stays empty);
 - required: a JSON array of `{"name", "parameters"}` objects; each call is sent when its object
-  is complete; text the array does not hold (an answer cut by max_tokens) is content (all of it,
-  when no call completed);
+  is complete. The answer is never content: its text is the grammar's JSON, so an answer cut by
+  max_tokens (or ended by a grammar error) before an object closed gives the calls it completed
+  and no more (none at all: no tool_calls and content "", as vLLM's whole answer, whose
+  validation of the unfinished array fails), streamed or whole alike. (vLLM's stream, unlike its
+  whole answer, sends the unfinished call with its arguments cut short; here a call is sent only
+  when its object is whole, so a stream always adds up to the whole answer.)
 - auto, hermes: content until `<tool_call>`; each `<tool_call>{"name": ..., "arguments": {...}}
   </tool_call>` block is a call (a block without an end tag at the end of the answer, too); a
   block that is not such JSON stays in the content, as written; after the first call, whitespace
@@ -85,7 +89,8 @@ class NamedReader(ToolCallReader):
 
 
 class RequiredReader(ToolCallReader):
-    """tool_choice "required": `[{"name": ..., "parameters": {...}}, ...]`, a call per object."""
+    """tool_choice "required": `[{"name": ..., "parameters": {...}}, ...]`, a call per object;
+    no content (what the array does not complete is dropped: JSON the grammar wrote, not text)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -110,7 +115,7 @@ class RequiredReader(ToolCallReader):
                 break
             try:
                 obj, end = self._decoder.raw_decode(self.buf, i)
-            except (ValueError, RecursionError):  # not complete yet (or not JSON: the end keeps it as content)
+            except (ValueError, RecursionError):  # not complete yet (or not JSON: never a call)
                 break
             if not (isinstance(obj, dict) and isinstance(obj.get("name"), str)):
                 break
@@ -121,12 +126,7 @@ class RequiredReader(ToolCallReader):
 
     def read(self, text: str, last: bool = False) -> list[Part]:
         self.buf += text
-        out = self._calls()
-        if last:
-            rest = self.buf if self.calls == 0 else self.buf[self.pos:]
-            if rest.strip(" \t\n\r,]"):
-                out.append(Part("content", rest, len(self.buf)))
-        return out
+        return self._calls()
 
 
 class HermesReader(ToolCallReader):
