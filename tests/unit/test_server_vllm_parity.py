@@ -263,3 +263,46 @@ def test_vllm_options_draftsmith_does_not_honour_are_refused(tiny_server):
                     assert (ch["text"] if "text" in ch else ch["message"]["content"]) in ("yes", "no")
             # a backend alone asks for no grammar
             assert h.post(path, json={**base, "structured_outputs": {"backend": "guidance"}}).status_code == 200
+
+
+def test_seed_logit_bias_and_truncate_prompt_tokens_as_vllm_reads_them(tiny_server):
+    """vLLM's sampling_params.py @00388f65: `seed: -1` is no seed (__post_init__), other seeds
+    anywhere in int64 (protocol.py: ge=-2**63, le=2**63-1); logit_bias values clamped to
+    [-100, 100] (from_optional). truncate_prompt_tokens -1 (HEAD protocol.py: ge=-1) keeps as many
+    of the prompt's last tokens as the context holds beside max_tokens (renderers/params.py:
+    max_input_tokens = max_model_len - max_tokens)."""
+    url = tiny_server()
+    engine = tiny_server.servers[-1].app.app.state.server.llm.engine
+    seen = []
+    add = engine.add_request
+    engine.add_request = lambda ids, params, *a, **k: seen.append(params) or add(ids, params, *a, **k)
+    with httpx.Client(base_url=url, timeout=60) as h:
+        body = {"prompt": "abc", "max_tokens": 2}
+        for extra, seeds in [({"seed": -1}, [None]), ({"seed": -1, "n": 2}, [None, None]),
+                             ({"seed": -5, "n": 2}, [-5, -4]), ({"seed": -(2**63)}, [-(2**63)]), ({"seed": 7}, [7])]:
+            seen.clear()
+            assert h.post("/v1/completions", json={**body, **extra}).status_code == 200
+            assert [p.seed for p in seen] == seeds, extra
+        a, b = (h.post("/v1/completions", json={**body, "max_tokens": 8, "seed": -9, "temperature": 1.5}).json()
+                ["choices"][0]["text"] for _ in range(2))
+        assert a == b  # a negative seed reproduces
+        for seed in (-(2**63) - 1, 2**63):
+            _assert_openai_error(h.post("/v1/completions", json={**body, "seed": seed}), 400, "seed", says="-1: no seed")
+        seen.clear()
+        r = h.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2,
+                                                 "logit_bias": {"5": 150, "6": -1e9, "7": 3.5}})
+        assert r.status_code == 200, r.text
+        assert seen[0].logit_bias == {5: 100.0, 6: -100.0, 7: 3.5}
+        # truncate_prompt_tokens -1: the prompt's last max_len - max_tokens tokens (the context is 256)
+        long = "the start is dropped; " * 20  # 440 byte tokens
+        for extra, kept in [({"max_tokens": 6}, 250), ({}, 240)]:  # (completions' max_tokens: 16 when left out)
+            seen.clear()
+            r = h.post("/v1/completions", json={"prompt": long, "truncate_prompt_tokens": -1, **extra})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["prompt_tokens"] == kept
+        r = h.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": long}], "max_tokens": 6,
+                                                 "truncate_prompt_tokens": -1})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 250
+        for k in (-2, 0):
+            _assert_openai_error(h.post("/v1/completions", json={"prompt": long, "truncate_prompt_tokens": k}), 400,
+                                 "truncate_prompt_tokens", says="or -1")

@@ -57,8 +57,11 @@ async def generate(st: ServerState, request: Request, req: Any, prompts: list[li
     check_sampling(req, st.vocab_size)
     k = req.truncate_prompt_tokens
     if k is not None:  # vLLM's: the prompt's last k tokens (usage counts those)
+        if k == -1:  # vLLM's (HEAD): as many as the context holds beside max_tokens
+            k = max(1, st.max_len - (max_tokens or 0))
         if k < 1:
-            raise APIError(400, f"truncate_prompt_tokens must be a positive integer, got {k}",
+            raise APIError(400, f"truncate_prompt_tokens must be a positive integer, or -1 (as many of the "
+                           f"prompt's last tokens as the context holds beside max_tokens), got {k}",
                            param="truncate_prompt_tokens", code="invalid_value")
         if getattr(req, "echo", False):
             raise APIError(400, "truncate_prompt_tokens cannot be combined with echo (which returns the whole prompt)",

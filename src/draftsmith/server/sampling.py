@@ -1,9 +1,11 @@
 """A request's sampling fields, checked and turned into one `SamplingParams` per choice.
 
 Ranges the server enforces beyond SamplingParams: temperature finite in [0, 2] (OpenAI's
-range); seed in [0, 2**63 - 1] (a torch generator's int64 range; choice i uses seed + i, so
-seed + n - 1 must fit too); top_k -1 or 0 = all tokens, and a top_k at or above the vocabulary
-size keeps all tokens too (as vLLM); stop_token_ids inside the vocabulary.
+range); seed in vLLM's int64 range [-2**63, 2**63 - 1], -1 meaning no seed as in vLLM's
+SamplingParams (choice i uses seed + i, so seed + n - 1 must fit too; a generator maps a negative
+seed to its unsigned 64 bits); top_k -1 or 0 = all tokens, and a top_k at or above the vocabulary
+size keeps all tokens too (as vLLM); stop_token_ids inside the vocabulary; logit_bias values
+clamped to [-100, 100], as vLLM's SamplingParams.from_optional.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "sto
                     "allowed_token_ids", "bad_words")
 _MAX_TEMPERATURE = 2.0
 _MAX_SEED = 2**63 - 1
+_MIN_SEED = -(2**63)
+_MAX_BIAS = 100.0
 
 
 def check_sampling(req: Any, vocab_size: int) -> None:
@@ -28,8 +32,8 @@ def check_sampling(req: Any, vocab_size: int) -> None:
     if t is not None and not 0.0 <= t <= _MAX_TEMPERATURE:  # NaN and infinity fail too
         raise APIError(400, f"temperature must be a number in [0, {_MAX_TEMPERATURE:g}] (0 = greedy), got {t!r}",
                        param="temperature", code="invalid_value")
-    if req.seed is not None and not 0 <= req.seed <= _MAX_SEED - (req.n - 1):
-        msg = "seed must be an integer in [0, 2**63 - 1]"
+    if seed_of(req) is not None and not _MIN_SEED <= req.seed <= _MAX_SEED - (req.n - 1):
+        msg = "seed must be an integer in [-2**63, 2**63 - 1] (-1: no seed)"
         if req.n > 1:
             msg += f"; choice i uses seed + i, so with n={req.n} it must be at most {_MAX_SEED - req.n + 1}"
         raise APIError(400, f"{msg}, got {req.seed}", param="seed", code="invalid_value")
@@ -45,15 +49,21 @@ def check_sampling(req: Any, vocab_size: int) -> None:
                            param=name, code="invalid_value")
 
 
+def seed_of(req: Any) -> int | None:
+    """The request's seed; -1 is none (vLLM's SamplingParams.__post_init__)."""
+    return None if req.seed == -1 else req.seed
+
+
 def logit_bias(req: Any) -> dict[int, float] | None:
-    """The request's logit_bias with token ids as integers (JSON keys are strings)."""
+    """The request's logit_bias with token ids as integers (JSON keys are strings), each bias
+    clamped to [-100, 100] (vLLM's SamplingParams.from_optional)."""
     if not req.logit_bias:
         return None
     try:
-        return {int(k): float(v) for k, v in req.logit_bias.items()}
+        return {int(k): min(_MAX_BIAS, max(-_MAX_BIAS, float(v))) for k, v in req.logit_bias.items()}
     except (TypeError, ValueError):
-        raise APIError(400, "logit_bias must map token ids (as strings, e.g. \"50256\") to numbers in [-100, 100]",
-                       param="logit_bias", code="invalid_value") from None
+        raise APIError(400, "logit_bias must map token ids (as strings, e.g. \"50256\") to numbers (clamped to "
+                       "[-100, 100])", param="logit_bias", code="invalid_value") from None
 
 
 def sampling_params(req: Any, max_tokens: int | None, prompt_len: int, index: int, prompt_param: str, *,
@@ -95,7 +105,7 @@ def sampling_params(req: Any, max_tokens: int | None, prompt_len: int, index: in
             top_p=d.get("top_p", 1.0) if req.top_p is None else float(req.top_p),
             top_k=top_k if 0 < top_k < vocab_size else 0,  # -1, 0 or the whole vocabulary: all tokens
             min_p=d.get("min_p", 0.0) if req.min_p is None else float(req.min_p),
-            seed=None if req.seed is None else req.seed + index,
+            seed=None if seed_of(req) is None else req.seed + index,
             stop=(stop,) if isinstance(stop, str) else tuple(stop),
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
