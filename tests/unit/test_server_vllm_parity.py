@@ -306,3 +306,31 @@ def test_seed_logit_bias_and_truncate_prompt_tokens_as_vllm_reads_them(tiny_serv
         for k in (-2, 0):
             _assert_openai_error(h.post("/v1/completions", json={"prompt": long, "truncate_prompt_tokens": k}), 400,
                                  "truncate_prompt_tokens", says="or -1")
+
+
+def test_echo_returns_prompt_logprobs_as_vllm_does(tiny_server):
+    """vLLM's to_sampling_params (0.10 protocol.py and HEAD): with `echo` and no prompt_logprobs,
+    chat's prompt_logprobs is top_logprobs (0 when unset) and completions' is logprobs, so a whole
+    chat response with echo carries top-level prompt_logprobs (each prompt token's own logprob,
+    plus top_logprobs more), completions with echo + logprobs per choice; the same objects as
+    asking prompt_logprobs: k. A stream shows none; an explicit prompt_logprobs wins."""
+    url = tiny_server()
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
+    with httpx.Client(base_url=url, timeout=60) as h:
+        chat = {"messages": msgs, "max_tokens": 3, "temperature": 0, "echo": True, "add_generation_prompt": False,
+                "continue_final_message": True}
+        plain = {**chat, "echo": False}
+        for extra, k in [({}, 0), ({"logprobs": True, "top_logprobs": 2}, 2), ({"prompt_logprobs": 1}, 1)]:
+            r = h.post("/v1/chat/completions", json={**chat, **extra}).json()
+            want = h.post("/v1/chat/completions", json={**plain, **extra, "prompt_logprobs": k}).json()
+            assert r["prompt_logprobs"] == want["prompt_logprobs"] and r["prompt_logprobs"][0] is None, extra
+            assert len(r["prompt_logprobs"]) == r["usage"]["prompt_tokens"]
+            assert r["choices"][0]["message"]["content"].startswith("Hel")
+        assert "prompt_logprobs" not in h.post("/v1/chat/completions", json=plain).json()
+        chunks = _chunks(h, "/v1/chat/completions", chat)
+        assert not any("prompt_logprobs" in c for c in chunks)
+        comp = {"prompt": "abcabc", "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 1}
+        (ch,) = h.post("/v1/completions", json=comp).json()["choices"]
+        (want,) = h.post("/v1/completions", json={**comp, "echo": False, "prompt_logprobs": 1}).json()["choices"]
+        assert ch["prompt_logprobs"] == want["prompt_logprobs"] and ch["prompt_logprobs"][0] is None
+        assert "prompt_logprobs" not in h.post("/v1/completions", json={**comp, "logprobs": None}).json()["choices"][0]

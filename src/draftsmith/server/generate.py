@@ -73,8 +73,9 @@ async def generate(st: ServerState, request: Request, req: Any, prompts: list[li
     fmt.with_logprobs(req.top_logprobs_k(), st.front.token_text, as_ids=bool(req.return_tokens_as_token_ids))
     fmt.with_decode(partial(st.front.decode, skip_special_tokens=req.skip_special_tokens))
     fmt.with_prompts(prompts, n)
-    if req.prompt_logprobs is not None:
-        fmt.with_prompt_logprobs(req.prompt_logprobs, st.front.token_text)
+    shown = req.shown_prompt_logprobs()
+    if shown is not None:
+        fmt.with_prompt_logprobs(shown, st.front.token_text)
     if req.return_token_ids:
         fmt.with_token_ids()
     if st.request_metrics.enabled:

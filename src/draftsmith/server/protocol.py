@@ -194,6 +194,11 @@ class _Sampling(_VllmFields):
         completions' `echo` with `logprobs` too)."""
         return _in_range(self.prompt_logprobs, "prompt_logprobs")
 
+    def shown_prompt_logprobs(self) -> int | None:
+        """The k of the `prompt_logprobs` a whole response carries (None: none): the field, or
+        with `echo` what vLLM's to_sampling_params puts in its place."""
+        return _Sampling.prompt_logprobs_k(self)
+
     def unsupported(self) -> list[str]:
         return []
 
@@ -218,6 +223,10 @@ class CompletionRequest(_Sampling):
     def prompt_logprobs_k(self) -> int | None:
         ks = [k for k in (super().prompt_logprobs_k(), self.top_logprobs_k() if self.echo else None) if k is not None]
         return max(ks) if ks else None
+
+    def shown_prompt_logprobs(self) -> int | None:
+        k = super().shown_prompt_logprobs()  # vLLM's: with echo, prompt_logprobs defaults to logprobs
+        return self.top_logprobs_k() if k is None and self.echo else k
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
@@ -310,6 +319,15 @@ class ChatCompletionRequest(_Sampling):
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
         return _in_range(self.top_logprobs or 0, "top_logprobs") if self.logprobs else None
+
+    def shown_prompt_logprobs(self) -> int | None:
+        # vLLM's: with echo, prompt_logprobs defaults to top_logprobs (0 when unset); a stream shows none
+        if self.prompt_logprobs is None and self.echo and not self.stream:
+            return _in_range(self.top_logprobs or 0, "top_logprobs")
+        return super().shown_prompt_logprobs()
+
+    def prompt_logprobs_k(self) -> int | None:
+        return self.shown_prompt_logprobs()
 
 
 class TokenizeRequest(_Req):
