@@ -11,7 +11,7 @@ import json
 
 import httpx
 import pytest
-from test_server_unit import _assert_openai_error, tiny_dir, tiny_server  # noqa: F401 (fixtures)
+from test_server_unit import _assert_openai_error, serve_cli, tiny_dir, tiny_server  # noqa: F401 (fixtures)
 
 MSGS = [{"role": "user", "content": "hi"}]
 
@@ -334,3 +334,22 @@ def test_echo_returns_prompt_logprobs_as_vllm_does(tiny_server):
         (want,) = h.post("/v1/completions", json={**comp, "echo": False, "prompt_logprobs": 1}).json()["choices"]
         assert ch["prompt_logprobs"] == want["prompt_logprobs"] and ch["prompt_logprobs"][0] is None
         assert "prompt_logprobs" not in h.post("/v1/completions", json={**comp, "logprobs": None}).json()["choices"][0]
+
+
+def test_server_default_for_token_ids_and_request_id_headers(tiny_server, serve_cli):
+    """vLLM's --return-tokens-as-token-ids: `token_id:N` where a request does not say, its own
+    false (or true) winning; serve's flags reach the server's options, both off by default."""
+    url = tiny_server(return_tokens_as_token_ids=True)
+    body = {"messages": MSGS, "max_tokens": 3, "temperature": 0, "logprobs": True, "return_token_ids": True}
+    with httpx.Client(base_url=url, timeout=60) as h:
+        as_ids = h.post("/v1/chat/completions", json=body).json()["choices"][0]
+        assert [e["token"] for e in as_ids["logprobs"]["content"]] == [f"token_id:{t}" for t in as_ids["token_ids"]]
+        for says in (None, True):
+            same = h.post("/v1/chat/completions", json={**body, "return_tokens_as_token_ids": says}).json()
+            assert same["choices"][0]["logprobs"] == as_ids["logprobs"]
+        text = h.post("/v1/chat/completions", json={**body, "return_tokens_as_token_ids": False}).json()
+        assert not any(e["token"].startswith("token_id:") for e in text["choices"][0]["logprobs"]["content"])
+    opts = serve_cli()["options"]
+    assert (opts.request_id_headers, opts.return_tokens_as_token_ids) == (False, False)
+    opts = serve_cli("--enable-request-id-headers", "--return-tokens-as-token-ids")["options"]
+    assert (opts.request_id_headers, opts.return_tokens_as_token_ids) == (True, True)

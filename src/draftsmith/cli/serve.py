@@ -64,6 +64,11 @@ def add_parser(sub) -> None:
     s.add_argument("--enable-force-include-usage", action="store_true",
                    help="vLLM's: every stream ends with its usage chunk (and per-request metrics), as if it sent "
                         "stream_options.include_usage")
+    s.add_argument("--enable-request-id-headers", action="store_true",
+                   help="vLLM's: every response carries an X-Request-Id header (the request's own, else a fresh id)")
+    s.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="vLLM's: logprobs name tokens token_id:N where a request does not say "
+                        "(its return_tokens_as_token_ids wins)")
     s.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
                    help="vLLM's: what a request leaves unset defaults to: auto = the target's generation_config.json "
                         "recommendation (temperature, top_p, top_k, min_p, repetition_penalty; max_new_tokens caps "
@@ -213,5 +218,7 @@ def cmd_serve(args) -> int:
                                default_chat_template_kwargs=template_kwargs,
                                per_request_metrics=args.enable_per_request_metrics,
                                per_request_spec_decode_metrics=args.per_request_spec_decode_metrics,
-                               force_include_usage=args.enable_force_include_usage))
+                               force_include_usage=args.enable_force_include_usage,
+                               request_id_headers=args.enable_request_id_headers,
+                               return_tokens_as_token_ids=args.return_tokens_as_token_ids))
     return 0

@@ -70,7 +70,8 @@ async def generate(st: ServerState, request: Request, req: Any, prompts: list[li
     # (a grammar compiles in a worker thread: a large schema may take a second; the event loop serves on)
     structured = await asyncio.to_thread(structured_outputs, req, st.front.grammars.check,
                                          fmt.answer.grammar_reasoning()) if asks_structure(req) else None
-    fmt.with_logprobs(req.top_logprobs_k(), st.front.token_text, as_ids=bool(req.return_tokens_as_token_ids))
+    fmt.with_logprobs(req.top_logprobs_k(), st.front.token_text, as_ids=st.options.return_tokens_as_token_ids
+                     if req.return_tokens_as_token_ids is None else bool(req.return_tokens_as_token_ids))
     fmt.with_decode(partial(st.front.decode, skip_special_tokens=req.skip_special_tokens))
     fmt.with_prompts(prompts, n)
     shown = req.shown_prompt_logprobs()

@@ -48,6 +48,8 @@ class ServeOptions:
         (stream_options.include_usage; vLLM's --enable-force-include-usage).
     request_id_headers: every HTTP response carries an `X-Request-Id` header, the request's own
         or a fresh one (vLLM's --enable-request-id-headers).
+    return_tokens_as_token_ids: logprobs name tokens `token_id:N` where a request does not say
+        (its own return_tokens_as_token_ids wins; vLLM's --return-tokens-as-token-ids).
     """
 
     chat_template: str | None = None
@@ -60,6 +62,7 @@ class ServeOptions:
     per_request_spec_decode_metrics: str = "none"
     force_include_usage: bool = False
     request_id_headers: bool = False
+    return_tokens_as_token_ids: bool = False
 
     def __post_init__(self) -> None:
         for what, value, known in (("tool-call parser", self.tool_call_parser, TOOL_CALL_PARSERS),
