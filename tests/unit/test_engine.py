@@ -404,6 +404,29 @@ def test_llm_generate_takes_vllms_prompt_forms_and_refuses_others_clearly(tiny, 
     assert "Processed prompts" in err and "1/1" in err, err
 
 
+def test_vllms_detokenize_spaces_between_special_tokens_and_extra_args(tiny, monkeypatch):
+    """SamplingParams takes vLLM's detokenize (False: the same tokens, no text; not with stop
+    strings), spaces_between_special_tokens (handed to the tokenizer's decode) and extra_args
+    (kept as given)."""
+    llm = LLM(tiny, max_batch=2, max_len=64)
+    ids = llm.encode("hello world")
+    ref = llm.generate([ids], greedy(6))[0]
+    assert ref.text
+    bare = llm.generate([ids], greedy(6, detokenize=False, extra_args={"my_ext": 1}))[0]
+    assert bare.text == "" and bare.token_ids == ref.token_ids
+    with pytest.raises(DraftsmithError, match="stop strings need the text"):
+        greedy(6, detokenize=False, stop=["x"])
+    with pytest.raises(DraftsmithError, match="extra_args must be a dict"):
+        greedy(6, extra_args=[1])
+    assert greedy(6, extra_args={"k": [1]}).extra_args == {"k": [1]}
+    seen = []
+    real = llm.engine.tokenizer.decode
+    monkeypatch.setattr(llm.engine.tokenizer, "decode", lambda i, **kw: seen.append(kw) or real(i, **kw))
+    out = llm.generate([ids], greedy(6, skip_special_tokens=False, spaces_between_special_tokens=False))[0]
+    assert out.token_ids == ref.token_ids
+    assert seen and all(kw == {"skip_special_tokens": False, "spaces_between_special_tokens": False} for kw in seen)
+
+
 class _ConsumingDrafter(ForwardingDrafter):
     """n-gram drafts after 50 ms of work; `consumes` says whether that work is reported as
     consuming context features (a queue-fed drafter's flush), which is not drafting time."""

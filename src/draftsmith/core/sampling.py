@@ -28,6 +28,10 @@ class SamplingParams:
     stop_token_ids:  extra token ids that end the output (EOS is always one unless ignore_eos).
     ignore_eos:      keep generating past EOS (benchmarks).
     skip_special_tokens: drop special tokens (EOS, chat markers) from the text (vLLM's default).
+    spaces_between_special_tokens: vLLM's, passed to the tokenizer's decode (a slow tokenizer
+                     honours it; a fast one, as vLLM's fast detokenizer, does not).
+    detokenize:      False: no text (`.text` is ""), token ids only (vLLM's; not with stop strings).
+    extra_args:      vLLM's free-form dict for extensions, kept as given (nothing in Draftsmith reads it).
     truncate_prompt_tokens: keep only the prompt's last k tokens (vLLM's; None = all).
     n:               samples per prompt (`LLM.generate`: RequestOutput.outputs; sample i is
                      seeded seed + i when a seed is given).
@@ -75,6 +79,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True
+    extra_args: dict | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -135,6 +142,10 @@ class SamplingParams:
                                   f"last k tokens), got {k!r}")
         if any(not s for s in self.stop):
             raise DraftsmithError("stop strings must be non-empty")
+        if not self.detokenize and self.stop:
+            raise DraftsmithError("stop strings need the text: give detokenize=True, or stop_token_ids instead")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise DraftsmithError(f"extra_args must be a dict (or None), got {type(self.extra_args).__name__}")
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise DraftsmithError("structured_outputs must be a StructuredOutputsParams, got "

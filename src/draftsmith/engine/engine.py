@@ -501,17 +501,22 @@ class Engine:
             s.stats.t_last_token = time.perf_counter()
         return kept
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
+                                     spaces_between_special_tokens=spaces_between_special_tokens)
+
+    def _text(self, ids: list[int], p) -> str:
+        """`ids` decoded as request params `p` ask (vLLM's skip_special_tokens / spaces_between_special_tokens)."""
+        return self.decode(ids, p.skip_special_tokens, p.spaces_between_special_tokens)
 
     def _stop_string_ends(self, s: Request) -> str | None:
         """The stop string the output now holds, ending past the first min_tokens - 1 tokens' text; or None."""
         p = s.params
         window = max(len(x) for x in p.stop) + 8
         if len(s.output_ids) - window >= p.min_tokens - 1:  # only the tail can complete a new one: decode a window
-            text, after = self.decode(s.output_ids[-window:], p.skip_special_tokens), 0
+            text, after = self._text(s.output_ids[-window:], p), 0
         else:
-            text, after = self.decode(s.output_ids, p.skip_special_tokens), self.stop_floor(s)
+            text, after = self._text(s.output_ids, p), self.stop_floor(s)
         hit = find_stop(text, p.stop, after)
         return None if hit is None else text[hit[0]: hit[1]]
 
@@ -519,7 +524,7 @@ class Engine:
         """Characters of output text a stop string must end past: the text of the tokens before
         min_tokens (vLLM looks for stop strings only from there on)."""
         p = s.params
-        return len(self.decode(s.output_ids[: p.min_tokens - 1], p.skip_special_tokens)) if p.min_tokens > 1 else 0
+        return len(self._text(s.output_ids[: p.min_tokens - 1], p)) if p.min_tokens > 1 else 0
 
     def _renew(self, seqs: list[Request]) -> list[int]:
         """The rows whose grammar engine gave up (on drafts, or reading what the grammar forces),
@@ -548,7 +553,7 @@ class Engine:
         not part of the text unless include_stop_str_in_output, as in vLLM."""
         p = s.params
         ids = s.output_ids[:-1] if s.stopped_by_token and not p.include_stop_str_in_output else s.output_ids
-        text = self.decode(ids, p.skip_special_tokens)
+        text = self._text(ids, p)
         cut = stop_cut(text, p.stop, p.include_stop_str_in_output, self.stop_floor(s)) if p.stop else None
         return text if cut is None else text[:cut]
 
@@ -556,7 +561,7 @@ class Engine:
         s.finish_reason = reason
         if reason == "error" and s.params.structured_outputs is not None:
             self.grammars.forget(s.params.structured_outputs)  # (its copies share what failed)
-        s.text = self.visible_text(s)
+        s.text = self.visible_text(s) if s.params.detokenize else ""
         s.status = Status.FINISHED
         s.stats.t_finish = time.perf_counter()
         if s.row >= 0:
