@@ -219,6 +219,19 @@ def test_bad_sampling_params_are_clear_errors():
         SamplingParams(top_p=1.01)
     with pytest.raises(DraftsmithError, match="max_tokens"):
         SamplingParams(max_tokens=0)
+    for seed in (1.5, "7", True, 2**63):  # (each was taken as given, to fail later or be cast)
+        with pytest.raises(DraftsmithError, match="seed must be None or an integer"):
+            SamplingParams(seed=seed)
+    assert SamplingParams(seed=-1).seed is None  # vLLM's: -1 is no seed
+
+
+def test_negative_and_int64_edge_seeds_sample_reproducibly(tiny):
+    """Seeds across vLLM's int64 range: each gives one output, run after run."""
+    llm = LLM(tiny, max_batch=2, max_len=64)
+    ids = llm.encode("hello")
+    for seed in (-5, -2**63, 2**63 - 1):
+        sp = SamplingParams(max_tokens=6, temperature=1.0, seed=seed)
+        assert llm.generate([ids], sp)[0].token_ids == llm.generate([ids], sp)[0].token_ids, seed
 
 
 def test_llms_can_share_one_loaded_target(tiny):

@@ -22,7 +22,7 @@ class SamplingParams:
     top_p:           nucleus mass in (0, 1]; 1 disables.
     top_k:           keep the k most likely tokens; 0 disables.
     min_p:           drop tokens with prob < min_p * max prob; 0 disables.
-    seed:            per-request generator seed; None = nondeterministic.
+    seed:            per-request generator seed; None (or -1, as vLLM's) = nondeterministic.
     stop:            stop strings; the output ends right before the first occurrence (right
                      after it with include_stop_str_in_output).
     stop_token_ids:  extra token ids that end the output (EOS is always one unless ignore_eos).
@@ -93,6 +93,12 @@ class SamplingParams:
             raise DraftsmithError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             raise DraftsmithError(f"n must be a positive integer (samples per prompt), got {self.n!r}")
+        if self.seed is not None:
+            if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not -2**63 <= self.seed < 2**63:
+                raise DraftsmithError(f"seed must be None or an integer in [-2**63, 2**63 - 1] (-1: no seed), "
+                                      f"got {self.seed!r}")
+            if self.seed == -1:  # vLLM's: no seed
+                object.__setattr__(self, "seed", None)
         if not (self.temperature >= 0.0):  # also rejects NaN
             raise DraftsmithError(
                 f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}"
