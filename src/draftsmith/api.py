@@ -61,6 +61,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     # with SamplingParams(prompt_logprobs=k): per prompt token, None for the first
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # vLLM's: prompt tokens whose KV came from the prefix cache (enable_prefix_caching)
+    num_cached_tokens: int = 0
+    finished: bool = True  # vLLM's (an offline generate returns finished requests only)
 
     @property
     def text(self) -> str:
@@ -402,6 +405,7 @@ class LLM:
                 outputs=[self._output(i, s) for i, s in enumerate(g)],
                 prompt_logprobs=None if g[0].prompt_logprobs is None else
                 [None] + with_text(g[0].prompt_logprobs[1:], self._token_text),
+                num_cached_tokens=g[0].stats.cached_tokens,
             )
             for g, t in zip(groups, texts)
         ]

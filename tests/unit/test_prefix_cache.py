@@ -90,6 +90,8 @@ def test_next_turn_reuses_its_conversation_and_matches_a_fresh_engine(tiny):
     # the KV of every token but the last emitted one was still in the row
     assert got.stats["cached_tokens"] == len(first.prompt_token_ids) + len(first.token_ids) - 1
     assert ref.stats["cached_tokens"] == 0 and len(got.token_ids) == len(ref.token_ids)
+    assert (got.num_cached_tokens, ref.num_cached_tokens) == (got.stats["cached_tokens"], 0)  # (vLLM's name)
+    assert got.finished and ref.finished
     # the reused row's keys equal a fresh prefill's (decode-built entries: within float rounding,
     # so the outputs may differ at near-ties and are not compared)
     row_on = [r for r in range(3) if eng.cache.remembered(r) is not None
