@@ -16,7 +16,7 @@ from typing import Any, Sequence as Seq
 from tqdm.auto import tqdm
 
 from draftsmith.core.logprobs import TokenLogprobs, with_text
-from draftsmith.core.sampling import SamplingParams
+from draftsmith.core.sampling import SamplingParams, sample_seed
 from draftsmith.drafters.base import Drafter, NoDrafter
 from draftsmith.engine.builder import build_engine
 from draftsmith.engine.speculative_config import with_speculative_config
@@ -330,10 +330,10 @@ class LLM:
             encoded.append((ids, sp))
         for ids, sp in encoded:  # refuse before running anything, as the server (and vLLM) do
             self._check_context(len(ids), sp.max_tokens)
-        # n samples per prompt: sample i is seeded seed + i (as the server's choices), so
-        # sample 0 is what n=1 gives
-        groups = [[self.engine.add_request(ids, sp if i == 0 or sp.seed is None else replace(sp, seed=sp.seed + i),
-                                           priority=p)
+        # n samples per prompt: sample i is seeded seed + i (as the server's choices; sample_seed),
+        # so sample 0 is what n=1 gives
+        groups = [[self.engine.add_request(ids, sp if i == 0 or sp.seed is None
+                                           else replace(sp, seed=sample_seed(sp.seed, i, sp.n)), priority=p)
                    for i in range(sp.n)] for (ids, sp), p in zip(encoded, prio)]
         return self._run(groups, texts, use_tqdm)
 

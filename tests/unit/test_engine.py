@@ -232,6 +232,13 @@ def test_negative_and_int64_edge_seeds_sample_reproducibly(tiny):
     for seed in (-5, -2**63, 2**63 - 1):
         sp = SamplingParams(max_tokens=6, temperature=1.0, seed=seed)
         assert llm.generate([ids], sp)[0].token_ids == llm.generate([ids], sp)[0].token_ids, seed
+    # n samples take seed + i; where that is -1 (no seed), seed + n: every sample stays seeded
+    from draftsmith.core.sampling import sample_seed
+
+    assert [sample_seed(-3, i, 4) for i in range(4)] == [-3, -2, 1, 0]
+    sp = SamplingParams(max_tokens=6, temperature=1.0, seed=-3, n=4)
+    runs = [[o.token_ids for o in llm.generate([ids], sp)[0].outputs] for _ in range(2)]
+    assert runs[0] == runs[1] and len({tuple(t) for t in runs[0]}) > 1
 
 
 def test_llms_can_share_one_loaded_target(tiny):

@@ -13,6 +13,12 @@ from draftsmith.core.structured import StructuredOutputsParams
 from draftsmith.errors import DraftsmithError
 
 
+def sample_seed(seed: int, i: int, n: int) -> int:
+    """Sample i's seed of a request seeded `seed` with n samples: seed + i, except where that is -1
+    (no seed, to SamplingParams and vLLM): seed + n then, a seed none of the n samples uses."""
+    return seed + n if seed + i == -1 else seed + i
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling parameters (names follow vLLM / the OpenAI API).

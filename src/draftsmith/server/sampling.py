@@ -2,17 +2,17 @@
 
 Ranges the server enforces beyond SamplingParams: temperature finite in [0, 2] (OpenAI's
 range); seed in vLLM's int64 range [-2**63, 2**63 - 1], -1 meaning no seed as in vLLM's
-SamplingParams (choice i uses seed + i, so seed + n - 1 must fit too; a generator maps a negative
-seed to its unsigned 64 bits); top_k -1 or 0 = all tokens, and a top_k at or above the vocabulary
-size keeps all tokens too (as vLLM); stop_token_ids inside the vocabulary; logit_bias values
-clamped to [-100, 100], as vLLM's SamplingParams.from_optional.
+SamplingParams (choice i uses seed + i, core/sampling.sample_seed, so seed + n - 1 must fit too;
+a generator maps a negative seed to its unsigned 64 bits); top_k -1 or 0 = all tokens, and a
+top_k at or above the vocabulary size keeps all tokens too (as vLLM); stop_token_ids inside the
+vocabulary; logit_bias values clamped to [-100, 100], as vLLM's SamplingParams.from_optional.
 """
 
 from __future__ import annotations
 
 from typing import Any, Mapping
 
-from draftsmith.core.sampling import SamplingParams
+from draftsmith.core.sampling import SamplingParams, sample_seed
 from draftsmith.core.structured import StructuredOutputsParams
 from draftsmith.errors import DraftsmithError
 from draftsmith.server.protocol import APIError
@@ -105,7 +105,7 @@ def sampling_params(req: Any, max_tokens: int | None, prompt_len: int, index: in
             top_p=d.get("top_p", 1.0) if req.top_p is None else float(req.top_p),
             top_k=top_k if 0 < top_k < vocab_size else 0,  # -1, 0 or the whole vocabulary: all tokens
             min_p=d.get("min_p", 0.0) if req.min_p is None else float(req.min_p),
-            seed=None if seed_of(req) is None else req.seed + index,
+            seed=None if seed_of(req) is None else sample_seed(req.seed, index, req.n),
             stop=(stop,) if isinstance(stop, str) else tuple(stop),
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
