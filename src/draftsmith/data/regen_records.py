@@ -86,8 +86,15 @@ def scan_output(path: Path, repair: bool = True) -> tuple[dict[str, dict], int]:
                 rec = None
             last = data[end:].strip() == b""
             if rec is None or nl < 0 or not isinstance(rec, dict) or "id" not in rec:
-                if last:
+                # A killed run's last write is cut before its newline (a record is one write that
+                # ends in it): only such a line is dropped. A whole line that is no record (a
+                # prompt file given as --out) is someone's data, never cut away.
+                if last and nl < 0 and (rec is None or (isinstance(rec, dict) and "id" in rec)):
                     break  # a truncated final record: drop it
+                if last:
+                    raise DraftsmithError(f"{path}:{n} is not a regen record (a JSON object with an 'id'); is "
+                                          "--out a file `draftsmith regen` wrote? Give a new --out, or fix or "
+                                          "remove that line, then --resume")
                 raise DraftsmithError(f"{path}:{n} is not a complete regen record and is not the last line; "
                                       "the file is damaged (fix or remove that line, then --resume)")
             done[str(rec["id"])] = rec
