@@ -28,3 +28,21 @@ def test_resume_never_cuts_a_whole_line_that_is_no_record(tmp_path):
     out.write_text(good + '{"id": "x1", "v')  # a killed run's cut write: still dropped
     assert scan_output(out) == ({"x0": {"id": "x0"}}, len('{"id": "x1", "v'))
     assert out.read_text() == good
+
+
+@pytest.mark.parametrize("flags", [{"overwrite": True}, {"resume": True}])
+def test_out_that_is_the_prompt_file_is_refused(tmp_path, monkeypatch, flags):
+    """`regen --mix prompts.jsonl --out prompts.jsonl --overwrite` deleted the user's prompts (read
+    first, then replaced by the answers); with --resume their lines were read as records. Refused
+    before the target loads (the target here does not exist), the prompts untouched."""
+    from draftsmith.data.regen import RegenConfig, run_regen
+
+    monkeypatch.chdir(tmp_path)
+    prompts = tmp_path / "prompts.jsonl"
+    text = '{"prompt": "hi"}\n{"prompt": "there"}\n'
+    prompts.write_text(text)
+    for mix, out in (("prompts.jsonl", prompts), ("code:1,prompts.jsonl:2", tmp_path / "." / "prompts.jsonl")):
+        cfg = RegenConfig(target="no-such-target", mix=mix, out=out, max_samples=1, **flags)
+        with pytest.raises(DraftsmithError, match=r"is the prompt file --mix reads"):
+            run_regen(cfg)
+        assert prompts.read_text() == text

@@ -74,7 +74,7 @@ from draftsmith.data.regen_records import (
     record_split,
     scan_output,
 )
-from draftsmith.data.sources import load_mix
+from draftsmith.data.sources import load_mix, parse_mix
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.loading import same_weights
 
@@ -225,6 +225,8 @@ def _prepare_output(cfg: RegenConfig, target_info: Mapping[str, Any], sampling: 
 def run_regen(cfg: RegenConfig, conversations: Sequence | None = None, backend=None) -> RegenSummary:
     """Regenerate a mix (or the given conversations) into cfg.out. Returns counters."""
     check_out_file(cfg.out, example="regen.jsonl")  # before the mix is read or the target loads
+    if conversations is None:
+        _check_out_is_no_prompt_file(cfg)
     if cfg.features_out is not None:
         check_out_dir(cfg.features_out, "--features-out")
     if conversations is None:
@@ -260,6 +262,19 @@ def run_regen(cfg: RegenConfig, conversations: Sequence | None = None, backend=N
         done_cache = run_cache(_cache_config(cfg, resume=True), target=backend.target)
         summary.computed_features = done_cache["num_samples"] + done_cache["skipped"] - before
     return summary
+
+
+def _check_out_is_no_prompt_file(cfg: RegenConfig) -> None:
+    """--out must not be a prompt file of --mix: --overwrite would delete the prompts (read first,
+    then replaced by the answers), --resume would read them as records."""
+    out = Path(cfg.out)
+    if not out.is_file():
+        return
+    for entry in parse_mix(cfg.mix):
+        f = Path(entry.name)
+        if f.is_file() and os.path.samefile(f, out):
+            raise DraftsmithError(f"--out {out} is the prompt file --mix reads; writing there would replace "
+                                  "the prompts with the answers. Give another --out, e.g. data/regen.jsonl")
 
 
 def _cache_config(cfg: RegenConfig, resume: bool | None = None) -> CacheConfig:
