@@ -46,3 +46,105 @@ def test_out_that_is_the_prompt_file_is_refused(tmp_path, monkeypatch, flags):
         with pytest.raises(DraftsmithError, match=r"is the prompt file --mix reads"):
             run_regen(cfg)
         assert prompts.read_text() == text
+
+
+# ---- --endpoint: checked before --out is touched -----------------------------------------
+
+import socket  # noqa: E402
+import threading  # noqa: E402
+from http.server import BaseHTTPRequestHandler, SimpleHTTPRequestHandler, ThreadingHTTPServer  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    return tiny_model_dir("llama", seed=3)
+
+
+def _serve(handler):
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv, f"http://127.0.0.1:{srv.server_address[1]}"
+
+
+class _ChatOnly(BaseHTTPRequestHandler):
+    """An OpenAI-compatible server without /v1/models (it is optional)."""
+
+    posts: list = []
+
+    def log_message(self, *a):
+        pass
+
+    def do_GET(self):
+        self.send_error(404)
+
+    def do_POST(self):
+        req = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))))
+        self.posts.append(req)
+        if req["model"] != "served":
+            return self._send(404, {"error": {"message": f"The model `{req['model']}` does not exist."}})
+        self._send(200, {"choices": [{"index": 0, "finish_reason": "stop",
+                                      "message": {"role": "assistant", "content": "ok"}}]})
+
+    def _send(self, code, obj):
+        body = json.dumps(obj).encode()
+        self.send_response(code)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def _run(tiny, out, **kw):
+    from draftsmith.data.regen import RegenConfig, run_regen
+    from draftsmith.data.sources.conversation import Conversation
+
+    conv = Conversation(id="c/0", source="test", split="train", messages=[{"role": "user", "content": "hi"}])
+    base = dict(target=str(tiny), out=out, max_new_tokens=4, overwrite=True, retries=1, retry_backoff=0.01,
+                request_timeout=5.0)
+    cfg = RegenConfig(**{**base, **kw})
+    return run_regen(cfg, conversations=[conv])
+
+
+def test_an_endpoint_that_cannot_answer_is_refused_before_the_output_is_touched(tiny, tmp_path):
+    """regen --endpoint at nothing (connection refused), at a URL without http://, at a web server
+    that is no OpenAI API (python -m http.server) or with a timeout of 0: every conversation was
+    retried into the errors file and the run ended 'ok' with 0 written, --overwrite's old output
+    deleted. Now one line each, before --out is opened."""
+    out = tmp_path / "regen.jsonl"
+    old = '{"id": "earlier"}\n'
+    out.write_text(old)
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}/v1"
+    web, web_url = _serve(lambda *a, **k: SimpleHTTPRequestHandler(*a, directory=str(tmp_path), **k))
+    try:
+        for kw, match in (({"endpoint": closed}, r"cannot connect \(ConnectError"),
+                          ({"endpoint": "localhost:8000"}, r"--endpoint must be an http\(s\) URL"),
+                          ({"endpoint": f"{web_url}/v1"}, r"POST .*/v1/chat/completions answered HTTP 501"),
+                          ({"endpoint": web_url, "request_timeout": 0.0}, r"--request-timeout must be a positive")):
+            with pytest.raises(DraftsmithError, match=match):
+                _run(tiny, out, **kw)
+            assert out.read_text() == old, kw
+            assert not (tmp_path / "regen.jsonl.errors.jsonl").exists()
+    finally:
+        web.shutdown()
+        web.server_close()
+
+
+def test_a_server_without_v1_models_is_checked_with_one_chat_request(tiny, tmp_path):
+    """/v1/models is optional: where it lists nothing, one request of one token checks the URL; a
+    wrong --endpoint-model (the server's 404 for every request) is refused with the server's
+    message, the right one regenerates as before."""
+    _ChatOnly.posts = []
+    srv, url = _serve(_ChatOnly)
+    try:
+        with pytest.raises(DraftsmithError, match=r"HTTP 404 \(.*The model `typo` does not exist"):
+            _run(tiny, tmp_path / "a.jsonl", endpoint=url, endpoint_model="typo")
+        assert not (tmp_path / "a.jsonl").exists()
+        s = _run(tiny, tmp_path / "b.jsonl", endpoint=url, endpoint_model="served")
+        assert (s.written, s.errors) == (1, 0)
+        assert [p["max_tokens"] for p in _ChatOnly.posts] == [1, 1, 4]  # the two checks, then the answer
+    finally:
+        srv.shutdown()
+        srv.server_close()

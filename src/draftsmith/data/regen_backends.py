@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 from collections import deque
 from collections.abc import Sequence
@@ -203,6 +204,22 @@ def _names_token_ids(r) -> bool:
         return "return_token_ids" in r.text
 
 
+def _check_endpoint_options(cfg: RegenConfig) -> None:
+    """--endpoint's URL and request settings, before anything is sent or written (a URL without
+    http:// or a timeout of 0 failed every request into the errors file)."""
+    try:
+        url = httpx.URL(cfg.endpoint)
+        ok = url.scheme in ("http", "https") and bool(url.host)
+    except (httpx.InvalidURL, TypeError):
+        ok = False
+    if not ok:
+        raise DraftsmithError(f"--endpoint must be an http(s) URL, e.g. http://host:8000/v1; got {cfg.endpoint!r}")
+    if not (math.isfinite(cfg.request_timeout) and cfg.request_timeout > 0):
+        raise DraftsmithError(f"--request-timeout must be a positive number of seconds, got {cfg.request_timeout}")
+    if not (math.isfinite(cfg.retry_backoff) and cfg.retry_backoff >= 0):
+        raise DraftsmithError(f"--retry-backoff must be a number of seconds >= 0, got {cfg.retry_backoff}")
+
+
 class _Failed(Exception):
     """The conversation cannot be completed (reason goes to the errors file)."""
 
@@ -215,6 +232,7 @@ class EndpointBackend:
             raise DraftsmithError("EndpointBackend needs --endpoint URL")
         if cfg.concurrency <= 0:
             raise DraftsmithError(f"--concurrency must be positive, got {cfg.concurrency}")
+        _check_endpoint_options(cfg)
         self.cfg = cfg
         target_id, path = resolve_target(cfg.target)
         self.tokenizer = load_tokenizer(path)
@@ -229,18 +247,34 @@ class EndpointBackend:
         self.eos = tuple(sorted(eos))
         self.sampling = resolve_sampling(path, cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_new_tokens, cfg.seed)
         self.url = chat_completions_url(cfg.endpoint)
-        self.model_name = cfg.endpoint_model or self._served_model() or target_id
+        self.vocab = max(len(self.tokenizer), config.vocab_size)  # the ids the target may write
+        served = self._probe()
+        self.model_name = cfg.endpoint_model or served or target_id
+        if served is None:  # /v1/models (optional) listed nothing: is the URL a chat endpoint at all?
+            self._check_chat()
         self.target_info = {"id": target_id, "weights_hash": weights_fingerprint(path),
                             "endpoint": cfg.endpoint, "served_model": self.model_name}
         self.legacy_weights_hash = legacy_weights_fingerprint(path)
         self.max_len = cfg.max_len
         self.ask_ids = True  # send return_token_ids (off once the server refuses the field)
-        self.vocab = max(len(self.tokenizer), config.vocab_size)  # the ids the target may write
 
-    def _served_model(self) -> str | None:
+    def _unreachable(self, e: Exception) -> DraftsmithError:
+        return DraftsmithError(f"--endpoint {self.cfg.endpoint}: cannot connect ({type(e).__name__}: {_one_line(e)}); "
+                               "start the server or fix the URL, e.g. http://host:8000/v1")
+
+    def _probe(self) -> str | None:
+        """GET /v1/models before anything is written: the served model's name (None where the server
+        lists none). A server that cannot be reached (refused, no such host) is an error here; it
+        was each conversation retried into the errors file, the run ending 'ok' with 0 written (and
+        --overwrite's old output gone). A slow answer is left to the run's timeouts and retries."""
         models_url = self.url[: -len("/chat/completions")] + "/models"
         try:
             r = httpx.get(models_url, timeout=min(10.0, self.cfg.request_timeout))
+        except httpx.TimeoutException:
+            return None
+        except httpx.TransportError as e:
+            raise self._unreachable(e) from None
+        try:
             if r.status_code == 200:
                 data = r.json().get("data") or []
                 if data and isinstance(data[0], dict) and data[0].get("id"):
@@ -248,6 +282,31 @@ class EndpointBackend:
         except Exception:  # /v1/models is optional; fall back to the target id
             return None
         return None
+
+    def _check_chat(self) -> None:
+        """One request of one token where /v1/models listed nothing: a URL that is no OpenAI-compatible
+        chat endpoint (a web server's 404 / 405 / 501, a 200 that is no chat completion) or that
+        refuses every request (a 4xx: wrong model name, a key needed) is an error before anything is
+        written. 5xx, 408 / 429 and timeouts are left to the run's retries."""
+        body = {"model": self.model_name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+        try:
+            r = httpx.post(self.url, json=body, timeout=self.cfg.request_timeout)
+        except httpx.TimeoutException:
+            return
+        except httpx.TransportError as e:
+            raise self._unreachable(e) from None
+        why = None
+        if r.status_code == 200:
+            try:
+                self._parse(r, self.vocab)
+            except _Failed as e:
+                why = f"answered 200 with {e}"
+        elif r.status_code in (501, 505) or (400 <= r.status_code < 500 and r.status_code not in (408, 409, 429)):
+            json_body = "json" in r.headers.get("content-type", "")  # an error's message; not a web page
+            why = f"answered HTTP {r.status_code} ({' '.join(r.text.split())[:200] if json_body else r.reason_phrase})"
+        if why is not None:
+            raise DraftsmithError(f"--endpoint {self.cfg.endpoint}: POST {self.url} {why}; give an OpenAI-compatible "
+                                  "server's URL, e.g. http://host:8000/v1 (and --endpoint-model, the name it serves)")
 
     def run(self, todo: Sequence, sink) -> None:
         asyncio.run(self._run_all(list(todo), sink))
