@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -41,7 +42,7 @@ def cmd_train(args) -> int:
         args.resume = True
     if args.resume and args.overwrite:
         raise DraftsmithError("--resume and --overwrite exclude each other")
-    if args.budget is not None and args.budget <= 0:
+    if args.budget is not None and not (args.budget > 0 and math.isfinite(args.budget)):
         raise DraftsmithError(f"--budget must be a positive number of minutes, got {args.budget}")
     if args.budget_clock is not None:
         overrides.append(f"train.budget_clock={args.budget_clock}")

@@ -30,7 +30,7 @@ import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
@@ -138,6 +138,9 @@ class _DataSection(_Strict):
     eval_samples: int = Field(64, ge=1, description="held-out samples evaluated")
 
 
+_Beta = Annotated[float, Field(ge=0, lt=1)]  # AdamW's: 0 <= beta < 1
+
+
 class _TrainSection(_Strict):
     seed: int = 0
     device: str = Field("auto", description="cpu, cuda, cuda:N or auto")
@@ -145,18 +148,18 @@ class _TrainSection(_Strict):
         "fp32", description="autocast dtype of the drafter's compute (auto: bf16 on CUDA and on CPUs with "
         "bf16 hardware, else fp32)")
     batch_size: int = Field(8, ge=1, description="samples per step, over all processes")
-    epochs: float = Field(1.0, gt=0)
+    epochs: float = Field(1.0, gt=0, allow_inf_nan=False)
     max_steps: int | None = Field(None, ge=1, description="overrides epochs when set")
-    lr: float = Field(6e-4, gt=0)
+    lr: float = Field(6e-4, gt=0, allow_inf_nan=False)
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine floor as a fraction of lr")
     warmup_ratio: float = Field(0.04, ge=0, lt=1)
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.95)
-    grad_clip: float = Field(1.0, gt=0)
+    weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False)
+    betas: tuple[_Beta, _Beta] = (0.9, 0.95)
+    grad_clip: float = Field(1.0, gt=0)  # inf: no clipping
     log_every: int = Field(10, ge=1)
     save_every: int = Field(200, ge=1)
     keep_checkpoints: int = Field(2, ge=1)
-    budget_minutes: float | None = Field(None, gt=0, description="training budget in minutes (sets the step count)")
+    budget_minutes: float | None = Field(None, gt=0, allow_inf_nan=False, description="training budget in minutes (sets the step count)")
     budget_clock: Literal["wall", "cpu"] = Field(
         "wall", description="what the budget counts: wall clock, or this process's CPU time (all its threads, "
                             "summed over resumes): runs that share a machine get equal work, not equal hours")
