@@ -47,3 +47,14 @@ def test_budget_must_be_finite(budget, tmp_path, capsys):
     assert main(["train", "--config", str(recipe), "--budget", budget]) == 2
     assert capsys.readouterr().err.strip() == (f"draftsmith: error: --budget must be a positive number of minutes, "
                                                 f"got {budget}")
+
+
+def test_progress_and_tensorboard_take_on_and_off_as_written():
+    """train.progress=off (or `tensorboard: off` in a recipe): YAML reads off as false, and the
+    error said "Input should be 'auto', 'on' or 'off' (got False)" for the value it asked for."""
+    cfg = parse_config(_raw("train.progress=off", "train.tensorboard=on"), CATALOGUE)
+    assert (cfg.train.progress, cfg.train.tensorboard) == ("off", "on")
+    cfg = parse_config(_raw("train.progress=yes", "train.tensorboard=no"), CATALOGUE)
+    assert (cfg.train.progress, cfg.train.tensorboard) == ("on", "off")
+    with pytest.raises(DraftsmithError, match=r"train\.progress: Input should be 'auto', 'on' or 'off' \(got 'loud'\)"):
+        parse_config(_raw("train.progress=loud"), CATALOGUE)

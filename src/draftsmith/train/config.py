@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
 from draftsmith.drafters.registry import trainable_kinds
 from draftsmith.errors import DraftsmithError
@@ -170,6 +170,12 @@ class _TrainSection(_Strict):
     init_from: str | None = Field(None, description="start from this trained drafter's weights (a run or checkpoint "
                                   "directory, or a built-in KIND:NAME) with a fresh optimizer and schedule: "
                                   "fine-tune on more or other data")
+
+    @field_validator("tensorboard", "progress", mode="before")
+    @classmethod
+    def _on_off(cls, v: Any) -> Any:
+        """YAML 1.1 reads the words `on` / `off` (train.progress=off, `tensorboard: off`) as booleans."""
+        return ("on" if v else "off") if isinstance(v, bool) else v
 
 
 class _Root(_Strict):
