@@ -58,3 +58,45 @@ def test_progress_and_tensorboard_take_on_and_off_as_written():
     assert (cfg.train.progress, cfg.train.tensorboard) == ("on", "off")
     with pytest.raises(DraftsmithError, match=r"train\.progress: Input should be 'auto', 'on' or 'off' \(got 'loud'\)"):
         parse_config(_raw("train.progress=loud"), CATALOGUE)
+
+
+def _drafter_dir(d):
+    d.mkdir(parents=True)
+    files = {"config.json": '{"kind": "head"}\n', "model.safetensors": "weights", "calibration.json": "{}\n"}
+    for name, text in files.items():
+        (d / name).write_text(text)
+    return files
+
+
+def _cfg(out, **train):
+    return parse_config(_raw(f"out={out}", *(f"train.{k}={v}" for k, v in train.items())), CATALOGUE)
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_out_that_is_a_drafter_directory_is_not_replaced(tmp_path, resume):
+    """train out=DIR where DIR is a drafter but no run (an export / import --out, a copy of a
+    built-in): its model.safetensors and config.json were replaced at the first checkpoint and its
+    calibration.json deleted, silently. Refused before anything loads (the target 't' does not
+    exist: the error would be another without the check)."""
+    from draftsmith.train.trainer import Trainer
+
+    out = tmp_path / "drafter"
+    files = _drafter_dir(out)
+    with pytest.raises(DraftsmithError, match=r"holds a drafter \(config\.json, model\.safetensors, "
+                                              r"calibration\.json\) that is no training run's"):
+        Trainer(_cfg(out), CATALOGUE, resume=resume).fit()
+    assert {f.name: f.read_text() for f in out.iterdir()} == files
+
+
+def test_overwrite_does_not_delete_the_weights_init_from_reads(tmp_path):
+    """out=DIR train.init_from=DIR --overwrite (fine-tune in place): --overwrite deleted the files
+    init_from was about to read, then the run failed."""
+    from draftsmith.train.trainer import Trainer
+
+    out = tmp_path / "run"
+    files = _drafter_dir(out)
+    (out / "checkpoint-00000004").mkdir()
+    for init in (str(out), f"head:{out}", str(out / "checkpoint-00000004")):
+        with pytest.raises(DraftsmithError, match=r"is in out=.*which --overwrite empties first"):
+            Trainer(_cfg(out, init_from=init), CATALOGUE, overwrite=True).fit()
+        assert {f.name: f.read_text() for f in out.iterdir() if f.is_file()} == files

@@ -119,6 +119,7 @@ class Trainer:
     def _setup(self) -> None:
         t = self.cfg.train
         check_out_dir(self.out, "the run directory (out)")  # before anything loads
+        self._check_out_is_no_other_drafter()
         self.t_start = time.perf_counter()
         self.cpu_start = time.process_time()
         if t.threads is not None:
@@ -204,6 +205,28 @@ class Trainer:
         if self.info.is_main:
             print(f"[draftsmith] starting from the weights of {d}", file=sys.stderr)
         return d
+
+    def _check_out_is_no_other_drafter(self) -> None:
+        """out= must not be a drafter directory that is no run's (an export / import --out, a copy of
+        a built-in): the first checkpoint replaced its config.json / model.safetensors and dropped its
+        calibration.json. --overwrite replaces it, but not where train.init_from reads from it."""
+        if not self.out.is_dir():
+            return
+        init = self.cfg.train.init_from
+        if self.overwrite and init is not None and not self.resume:
+            out = self.out.resolve()
+            for cand in {init, init.partition(":")[2]} - {""}:
+                p = Path(cand)
+                if p.exists() and (p.resolve() == out or out in p.resolve().parents):
+                    raise DraftsmithError(f"train.init_from={init!r} is in out={self.out}, which --overwrite empties "
+                                          "first: the run would delete the weights it starts from; give a new out=")
+        if self.overwrite or ckpt_io.list_checkpoints(self.out):
+            return  # a run directory (checkpoint-* beside its inference files), or to be replaced
+        files = [n for n in ("config.json", "model.safetensors", "calibration.json") if (self.out / n).is_file()]
+        if files:
+            raise DraftsmithError(f"out={self.out} holds a drafter ({', '.join(files)}) that is no training run's; "
+                                  "training there would replace it. Give a new out=, or pass --overwrite to "
+                                  "replace it")
 
     def _prepare_out_dir(self) -> None:
         if not self.info.is_main:
