@@ -3,6 +3,8 @@ error or a silently replaced drafter, and is now one line naming what to change.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from draftsmith.errors import DraftsmithError
@@ -100,3 +102,20 @@ def test_overwrite_does_not_delete_the_weights_init_from_reads(tmp_path):
         with pytest.raises(DraftsmithError, match=r"is in out=.*which --overwrite empties first"):
             Trainer(_cfg(out, init_from=init), CATALOGUE, overwrite=True).fit()
         assert {f.name: f.read_text() for f in out.iterdir() if f.is_file()} == files
+
+
+def test_resume_of_another_kinds_run_says_which_recipe_to_use(tmp_path):
+    """train --resume with a dflash recipe on a dspark run said 'use --drafter dspark:...' (a flag
+    of generate / serve, not train); now it names both kinds and what to do, before the target loads."""
+    from draftsmith.train.trainer import Trainer
+
+    out = tmp_path / "run"
+    ck = out / "checkpoint-00000002"
+    (ck / "train_state").mkdir(parents=True)
+    (ck / "train_state" / "state.pt").write_bytes(b"")
+    (ck / "model.safetensors").write_bytes(b"")
+    (ck / "config.json").write_text(json.dumps({"kind": "dspark", "target_id": "t", "target_weights_hash": "h"}))
+    with pytest.raises(DraftsmithError) as e:
+        Trainer(_cfg(out), CATALOGUE, resume=True).fit()
+    assert str(e.value) == (f"cannot resume from {ck}: it is a dspark run, and this recipe trains head; resume with "
+                            "the recipe that run used, or give a new out=")

@@ -136,15 +136,20 @@ class Trainer:
             self.resume = False
         self._prepare_out_dir()
         torch.manual_seed(t.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
-        self.target = load_target(self.cfg.target, device=str(info.device), dtype="float32")
-        for p in self.target.model.parameters():
-            p.requires_grad_(False)
         self.resume_from: Path | None = None
         if self.resume:  # refuse a foreign checkpoint before anything else is loaded
             self.resume_from = ckpt_io.find_resume_checkpoint(self.out if self.resume is True else Path(self.resume))
-            ckpt_io.check_target(ckpt_io.read_checkpoint_config(self.resume_from), self.target.target_id,
-                                 self.target.weights_hash, str(self.resume_from), kind=self.cfg.kind,
-                                 legacy_hash=self.target.legacy_weights_hash)
+            saved = ckpt_io.read_checkpoint_config(self.resume_from)
+            if saved.get("kind") != self.cfg.kind:
+                raise DraftsmithError(f"cannot resume from {self.resume_from}: it is a {saved.get('kind')} run, and "
+                                      f"this recipe trains {self.cfg.kind}; resume with the recipe that run used, or "
+                                      "give a new out=")
+        self.target = load_target(self.cfg.target, device=str(info.device), dtype="float32")
+        for p in self.target.model.parameters():
+            p.requires_grad_(False)
+        if self.resume:
+            ckpt_io.check_target(saved, self.target.target_id, self.target.weights_hash, str(self.resume_from),
+                                 kind=self.cfg.kind, legacy_hash=self.target.legacy_weights_hash)
         entry = self.catalogue[self.cfg.kind]
         self.model = entry.build(self.target.model, resolve_for_target(self.cfg.drafter, self.target)).to(info.device)
         self.model.train()
