@@ -27,12 +27,21 @@ def add_parser(sub) -> None:
 
 
 def cmd_profile(args) -> int:
+    from draftsmith.models.loading import read_config
+    from draftsmith.models.registry import resolve_target
     from draftsmith.models.target import load_target
     from draftsmith.policy.profile import ProfileConfig, load_or_profile
     from draftsmith.policy.roofline import runtime_profile
 
     if args.context_len < 0:
         raise DraftsmithError(f"--context-len must be >= 0, got {args.context_len}")
+    # the forwards timed after the context: runtime_profile's up to 64 tokens, the table's up to k + 1
+    widest = max(64, args.num_speculative_tokens + 1)
+    ctx = read_config(resolve_target(args.target)[1]).max_position_embeddings
+    if args.context_len + widest + 1 > ctx:  # (past it: positions the target never saw, minutes of attention)
+        raise DraftsmithError(f"--context-len {args.context_len} leaves no room in the target's {ctx}-token context "
+                              f"for the timed forwards (up to {widest} tokens after it); give at most "
+                              f"{max(0, ctx - widest - 1)}")
     target = load_target(args.target, device=args.device, dtype=args.dtype, threads=args.threads)
     doc = {"target": target.target_id, **runtime_profile(target.model, context_len=args.context_len,
                                                           repeats=args.repeats)}
