@@ -119,3 +119,26 @@ def test_resume_of_another_kinds_run_says_which_recipe_to_use(tmp_path):
         Trainer(_cfg(out), CATALOGUE, resume=True).fit()
     assert str(e.value) == (f"cannot resume from {ck}: it is a dspark run, and this recipe trains head; resume with "
                             "the recipe that run used, or give a new out=")
+
+
+def test_a_diverged_loss_is_the_one_line_error_alone(monkeypatch):
+    """train.lr=1e30: the 'loss is nan' error came after torch's UserWarning and its source line
+    ('Converting a tensor with requires_grad=True to a scalar ...'): three lines before the one."""
+    import types
+    import warnings
+
+    import torch
+
+    from draftsmith.train.trainer import Trainer
+
+    t = Trainer.__new__(Trainer)
+    t.cfg = types.SimpleNamespace(train=types.SimpleNamespace(seed=0))
+    t.info = types.SimpleNamespace(rank=0, device=torch.device("cpu"))
+    t.bf16 = False
+    t.data = types.SimpleNamespace(batch=lambda step: None)
+    w = torch.ones((), requires_grad=True)
+    t.wrapped = lambda batch, gen: (w * float("nan"), {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(DraftsmithError, match=r"^loss is nan at step 1; lower train\.lr"):
+            t._forward_backward(1)

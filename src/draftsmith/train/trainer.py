@@ -303,8 +303,8 @@ class Trainer:
         gen.manual_seed(step_seed(t.seed, info.rank, step))
         with torch.autocast(device_type=info.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             total, parts = self.wrapped(batch, gen)
-        if not torch.isfinite(total):
-            raise DraftsmithError(f"loss is {float(total)} at step {step}; lower train.lr or check the data "
+        if not torch.isfinite(total):  # (detached: float() of a tensor that needs grad prints torch's warning)
+            raise DraftsmithError(f"loss is {float(total.detach())} at step {step}; lower train.lr or check the data "
                                   "(train.dtype=fp32 if bf16 overflows)")
         total.backward()
         return float(total.detach()), parts, int(batch.loss_mask.sum())
