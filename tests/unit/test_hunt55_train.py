@@ -142,3 +142,21 @@ def test_a_diverged_loss_is_the_one_line_error_alone(monkeypatch):
         warnings.simplefilter("error")
         with pytest.raises(DraftsmithError, match=r"^loss is nan at step 1; lower train\.lr"):
             t._forward_backward(1)
+
+
+@pytest.mark.parametrize("argv,overrides,resume", [
+    # KEY=VALUE on both sides of an option: "unrecognized arguments: out=r1"
+    (["a.b=1", "--config", "r.yaml", "out=r1"], ["a.b=1", "out=r1"], False),
+    (["--config", "r.yaml", "out=r1", "--resume", "train.lr=1", "train.max_steps=3"],
+     ["out=r1", "train.lr=1", "train.max_steps=3"], True),
+    # `--resume KEY=VALUE` went first, so an earlier value of the same key won
+    (["--config", "r.yaml", "train.max_steps=5", "--resume", "train.max_steps=6"],
+     ["train.max_steps=5", "train.max_steps=6"], True),
+    (["--config", "r.yaml", "--resume", "runs/x/checkpoint-00000002", "out=runs/x"], ["out=runs/x"],
+     "runs/x/checkpoint-00000002"),
+])
+def test_overrides_may_stand_anywhere_in_command_line_order(argv, overrides, resume):
+    from draftsmith.cli import build_parser
+
+    args = build_parser().parse_args(["train", *argv])
+    assert (args.overrides, args.resume) == (overrides, resume)

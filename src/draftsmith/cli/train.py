@@ -30,16 +30,35 @@ def add_parser(sub) -> None:
     t.add_argument("--overwrite", action="store_true", help="discard the run dir's checkpoints and start again")
     t.add_argument("--json", action="store_true", help="print the result as JSON (rank 0)")
     t.set_defaults(func=cmd_train)
+    _overrides_anywhere(t)
+
+
+def _overrides_anywhere(t) -> None:
+    """KEY=VALUE wherever it stands: argparse fills the positional from the first run of them and
+    called any after an option unrecognized (`train --config R out=x --resume train.lr=1e-3 a=b`
+    failed on a=b), and `--resume KEY=VALUE` took the override as the checkpoint. The overrides
+    keep their command-line order: a key given twice takes its last value."""
+    parse = t.parse_known_args
+
+    def parse_known_args(args=None, namespace=None):
+        argv = list(sys.argv[1:] if args is None else args)
+        ns, extras = parse(argv, namespace)
+        more = [a for a in extras if "=" in a and not a.startswith("-")]
+        ns.overrides = list(ns.overrides) + more
+        if isinstance(ns.resume, str) and "=" in ns.resume and not Path(ns.resume).exists():
+            ns.overrides.append(ns.resume)
+            ns.resume = True
+        ns.overrides.sort(key=lambda o: argv.index(o) if o in argv else len(argv))
+        return ns, [a for a in extras if a not in more]
+
+    t.parse_known_args = parse_known_args
 
 
 def cmd_train(args) -> int:
     from draftsmith.train.config import load_train_config
     from draftsmith.train.trainer import Trainer
 
-    overrides = list(args.overrides)
-    if isinstance(args.resume, str) and "=" in args.resume and not Path(args.resume).exists():
-        overrides.insert(0, args.resume)  # `--resume key=value`: argparse took an override as the path
-        args.resume = True
+    overrides = list(args.overrides)  # (in command-line order, `--resume KEY=VALUE` among them: add_parser)
     if args.resume and args.overwrite:
         raise DraftsmithError("--resume and --overwrite exclude each other")
     if args.budget is not None and not (args.budget > 0 and math.isfinite(args.budget)):
