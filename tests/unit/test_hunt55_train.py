@@ -160,3 +160,24 @@ def test_overrides_may_stand_anywhere_in_command_line_order(argv, overrides, res
 
     args = build_parser().parse_args(["train", *argv])
     assert (args.overrides, args.resume) == (overrides, resume)
+
+
+@pytest.mark.parametrize("key", ["block_size", "ttt_steps"])
+def test_a_draft_length_past_64_is_refused(key):
+    """drafter.block_size=1000 trained, and the drafter's K (its block size / TTT depth) made generate
+    profile the SPS(B) table for 1000-token blocks, minutes past any -k that generate / serve accept."""
+    raw = _raw()
+    raw["drafter"] = {"kind": "head", "layer_ids": [0, 2], key: 65}
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class Config:
+        layer_ids: tuple = (0,)
+        block_size: int = 3
+        ttt_steps: int = 1
+
+    kind = type("Kind", (), {"config_cls": Config, "build": None})
+    with pytest.raises(DraftsmithError, match=rf"drafter\.{key} must be at most 64 .*got 65"):
+        parse_config(raw, {"head": kind})
+    raw["drafter"][key] = 64
+    assert getattr(parse_config(raw, {"head": kind}).drafter, key) == 64

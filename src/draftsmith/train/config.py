@@ -273,6 +273,8 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
     return out
 
 
+MAX_K = 64  # the longest draft generate / serve (-k 0..64) and profile (1..64) take
+
 _MAX_DEPTH = 32  # a recipe is sections of values and short lists
 _MAX_VALUES = 100_000  # values after expanding aliases (an alias repeated inside aliases grows exponentially)
 
@@ -401,6 +403,11 @@ def _check_drafter_values(values: Mapping[str, Any], num_layers: int | None, sou
         if name == "block_size" or name.endswith("_block_size"):
             if v is not None and int(v) < 1:
                 raise DraftsmithError(f"{source}: drafter.{name} must be >= 1 (draft tokens per block), got {v}")
+        if name in ("block_size", "ttt_steps") and v is not None and int(v) > MAX_K:
+            # the drafter's K where it is used: generate / serve / profile take K up to MAX_K (a larger
+            # one had generate profile the SPS(B) table for minutes)
+            raise DraftsmithError(f"{source}: drafter.{name} must be at most {MAX_K} (the draft length K it "
+                                  f"sets on generate / serve / bench), got {v}")
         if name == "layer_ids" or name.endswith("layer_ids"):
             if v is None:
                 continue
