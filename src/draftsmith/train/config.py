@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import typing
 from collections.abc import Mapping, Sequence
@@ -408,6 +409,14 @@ def _check_drafter_values(values: Mapping[str, Any], num_layers: int | None, sou
             # one had generate profile the SPS(B) table for minutes)
             raise DraftsmithError(f"{source}: drafter.{name} must be at most {MAX_K} (the draft length K it "
                                   f"sets on generate / serve / bench), got {v}")
+        if name.endswith("_weight") and isinstance(v, float) and not math.isfinite(v):
+            # (a loss weight of inf / nan was 'loss is inf at step 0; lower train.lr' after the target loaded)
+            raise DraftsmithError(f"{source}: drafter.{name} must be a finite number, got {v}")
+        if name == "num_layers" and num_layers is not None and isinstance(v, int) and v > num_layers:
+            # (num_layers=1000 built a drafter of tens of GB: killed, or the machine thrashing)
+            raise DraftsmithError(f"{source}: drafter.num_layers {v} is deeper than the target ({num_layers} "
+                                  "layers): a drafter that costs as much as the target cannot pay; use a few "
+                                  "(the recipes use 1-2)")
         if name == "layer_ids" or name.endswith("layer_ids"):
             if v is None:
                 continue
