@@ -68,15 +68,19 @@ def _serve(handler):
 
 
 class _ChatOnly(BaseHTTPRequestHandler):
-    """An OpenAI-compatible server without /v1/models (it is optional)."""
+    """An OpenAI-compatible server serving the model `served`; /v1/models (optional) lists `models`,
+    or is a 404 where that is None."""
 
     posts: list = []
+    models: list | None = None
 
     def log_message(self, *a):
         pass
 
     def do_GET(self):
-        self.send_error(404)
+        if self.models is None:
+            return self.send_error(404)
+        self._send(200, {"object": "list", "data": [{"id": m} for m in self.models]})
 
     def do_POST(self):
         req = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))))
@@ -146,5 +150,23 @@ def test_a_server_without_v1_models_is_checked_with_one_chat_request(tiny, tmp_p
         assert (s.written, s.errors) == (1, 0)
         assert [p["max_tokens"] for p in _ChatOnly.posts] == [1, 1, 4]  # the two checks, then the answer
     finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_an_endpoint_model_the_server_does_not_list_is_checked(tiny, tmp_path):
+    """--endpoint-model with a typo, against a server that lists its models (vLLM, Draftsmith's):
+    every request was a 404 into the errors file; the name it lists needs no check request."""
+    _ChatOnly.posts, _ChatOnly.models = [], ["served"]
+    srv, url = _serve(_ChatOnly)
+    try:
+        with pytest.raises(DraftsmithError, match=r"HTTP 404 \(.*The model `typo` does not exist"):
+            _run(tiny, tmp_path / "a.jsonl", endpoint=url, endpoint_model="typo")
+        for name in ("served", None):  # given, or the first listed
+            s = _run(tiny, tmp_path / f"{name}.jsonl", endpoint=url, endpoint_model=name)
+            assert (s.written, s.errors) == (1, 0)
+        assert [p["max_tokens"] for p in _ChatOnly.posts] == [1, 4, 4]
+    finally:
+        _ChatOnly.models = None
         srv.shutdown()
         srv.server_close()

@@ -249,8 +249,10 @@ class EndpointBackend:
         self.url = chat_completions_url(cfg.endpoint)
         self.vocab = max(len(self.tokenizer), config.vocab_size)  # the ids the target may write
         served = self._probe()
-        self.model_name = cfg.endpoint_model or served or target_id
-        if served is None:  # /v1/models (optional) listed nothing: is the URL a chat endpoint at all?
+        self.model_name = cfg.endpoint_model or (served[0] if served else target_id)
+        if not served or self.model_name not in served:
+            # /v1/models (optional) listed nothing, or not --endpoint-model: is the URL a chat endpoint
+            # at all, and does it serve that name (vLLM and Draftsmith's server 404 any other)?
             self._check_chat()
         self.target_info = {"id": target_id, "weights_hash": weights_fingerprint(path),
                             "endpoint": cfg.endpoint, "served_model": self.model_name}
@@ -262,8 +264,8 @@ class EndpointBackend:
         return DraftsmithError(f"--endpoint {self.cfg.endpoint}: cannot connect ({type(e).__name__}: {_one_line(e)}); "
                                "start the server or fix the URL, e.g. http://host:8000/v1")
 
-    def _probe(self) -> str | None:
-        """GET /v1/models before anything is written: the served model's name (None where the server
+    def _probe(self) -> list[str]:
+        """GET /v1/models before anything is written: the served models' names (none where the server
         lists none). A server that cannot be reached (refused, no such host) is an error here; it
         was each conversation retried into the errors file, the run ending 'ok' with 0 written (and
         --overwrite's old output gone). A slow answer is left to the run's timeouts and retries."""
@@ -271,23 +273,22 @@ class EndpointBackend:
         try:
             r = httpx.get(models_url, timeout=min(10.0, self.cfg.request_timeout))
         except httpx.TimeoutException:
-            return None
+            return []
         except httpx.TransportError as e:
             raise self._unreachable(e) from None
         try:
             if r.status_code == 200:
                 data = r.json().get("data") or []
-                if data and isinstance(data[0], dict) and data[0].get("id"):
-                    return str(data[0]["id"])
+                return [str(m["id"]) for m in data if isinstance(m, dict) and m.get("id")]
         except Exception:  # /v1/models is optional; fall back to the target id
-            return None
-        return None
+            return []
+        return []
 
     def _check_chat(self) -> None:
-        """One request of one token where /v1/models listed nothing: a URL that is no OpenAI-compatible
-        chat endpoint (a web server's 404 / 405 / 501, a 200 that is no chat completion) or that
-        refuses every request (a 4xx: wrong model name, a key needed) is an error before anything is
-        written. 5xx, 408 / 429 and timeouts are left to the run's retries."""
+        """One request of one token where /v1/models listed nothing (or not the model asked for): a
+        URL that is no OpenAI-compatible chat endpoint (a web server's 404 / 405 / 501, a 200 that is
+        no chat completion) or that refuses every request (a 4xx: wrong model name, a key needed) is
+        an error before anything is written. 5xx, 408 / 429 and timeouts are left to the run's retries."""
         body = {"model": self.model_name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
         try:
             r = httpx.post(self.url, json=body, timeout=self.cfg.request_timeout)
