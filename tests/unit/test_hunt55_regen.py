@@ -170,3 +170,21 @@ def test_an_endpoint_model_the_server_does_not_list_is_checked(tiny, tmp_path):
         _ChatOnly.models = None
         srv.shutdown()
         srv.server_close()
+
+
+def test_a_run_in_which_every_conversation_failed_is_an_error(tiny, tmp_path, capsys):
+    """regen --max-len 3 (no prompt fits): '0 written, 1 errors' and exit 0, so `regen && cache`
+    went on with an empty file; now the summary, then one error line with the first reason, exit 2."""
+    from draftsmith.cli import main
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi there"}\n')
+    out = tmp_path / "r.jsonl"
+    argv = ["regen", "--target", str(tiny), "--mix", str(prompts), "--out", str(out), "--max-tokens", "2",
+            "--threads", "1"]
+    capsys.readouterr()
+    assert main([*argv, "--max-len", "3"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith("draftsmith: error: every conversation failed (1); the first: prompt of turn 1 has ")
+    assert err[-1].endswith(f"the context limit (--max-len) is 3, which leaves no room to answer (all in {out}.errors.jsonl)")
+    assert main([*argv, "--overwrite"]) == 0  # one that answers

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -75,4 +76,15 @@ def cmd_regen(args) -> int:
           + (f" (errors: {errors_path(args.out)})" if s.errors else "")
           + (f"; features of {s.recorded_features} conversations recorded, {s.computed_features} computed after "
              f"-> {args.features_out}" if args.features_out else ""), file=sys.stderr)
+    if s.errors and not s.written and not s.skipped_done:  # (exit 0 here let `regen && cache` go on with nothing)
+        raise DraftsmithError(f"every conversation failed ({s.errors}); the first: {_first_reason(errors_path(args.out))} "
+                              f"(all in {errors_path(args.out)})")
     return 0
+
+
+def _first_reason(errors: Path) -> str:
+    try:
+        with open(errors, encoding="utf-8") as f:
+            return str(json.loads(f.readline())["reason"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return "(unreadable)"
