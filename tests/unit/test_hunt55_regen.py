@@ -186,5 +186,6 @@ def test_a_run_in_which_every_conversation_failed_is_an_error(tiny, tmp_path, ca
     assert main([*argv, "--max-len", "3"]) == 2
     err = capsys.readouterr().err.splitlines()
     assert err[-1].startswith("draftsmith: error: every conversation failed (1); the first: prompt of turn 1 has ")
-    assert err[-1].endswith(f"the context limit (--max-len) is 3, which leaves no room to answer (all in {out}.errors.jsonl)")
+    assert err[-1].endswith("the context limit (--max-len) is 3, which leaves no room to answer "
+                            f"(all in {out}.errors.jsonl)")
     assert main([*argv, "--overwrite"]) == 0  # one that answers

@@ -77,8 +77,9 @@ def cmd_regen(args) -> int:
           + (f"; features of {s.recorded_features} conversations recorded, {s.computed_features} computed after "
              f"-> {args.features_out}" if args.features_out else ""), file=sys.stderr)
     if s.errors and not s.written and not s.skipped_done:  # (exit 0 here let `regen && cache` go on with nothing)
-        raise DraftsmithError(f"every conversation failed ({s.errors}); the first: {_first_reason(errors_path(args.out))} "
-                              f"(all in {errors_path(args.out)})")
+        errors = errors_path(args.out)
+        raise DraftsmithError(f"every conversation failed ({s.errors}); the first: {_first_reason(errors)} "
+                              f"(all in {errors})")
     return 0
 
 

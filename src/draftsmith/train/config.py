@@ -161,7 +161,8 @@ class _TrainSection(_Strict):
     log_every: int = Field(10, ge=1)
     save_every: int = Field(200, ge=1)
     keep_checkpoints: int = Field(2, ge=1)
-    budget_minutes: float | None = Field(None, gt=0, allow_inf_nan=False, description="training budget in minutes (sets the step count)")
+    budget_minutes: float | None = Field(None, gt=0, allow_inf_nan=False,
+                                         description="training budget in minutes (sets the step count)")
     budget_clock: Literal["wall", "cpu"] = Field(
         "wall", description="what the budget counts: wall clock, or this process's CPU time (all its threads, "
                             "summed over resumes): runs that share a machine get equal work, not equal hours")
@@ -169,7 +170,8 @@ class _TrainSection(_Strict):
     progress: Literal["auto", "on", "off"] = "auto"
     ddp_find_unused: bool = False
     threads: int | None = Field(None, ge=1, le=os.cpu_count() or 1,  # (100000: a segfault in torch's thread pool)
-                                description="CPU threads per process, at most the machine's CPUs (None: torch's default)")
+                                description="CPU threads per process, at most the machine's CPUs "
+                                            "(None: torch's default)")
     init_from: str | None = Field(None, description="start from this trained drafter's weights (a run or checkpoint "
                                   "directory, or a built-in KIND:NAME) with a fresh optimizer and schedule: "
                                   "fine-tune on more or other data")
