@@ -414,11 +414,6 @@ def _check_drafter_values(values: Mapping[str, Any], num_layers: int | None, sou
         if name.endswith("_weight") and isinstance(v, float) and not math.isfinite(v):
             # (a loss weight of inf / nan was 'loss is inf at step 0; lower train.lr' after the target loaded)
             raise DraftsmithError(f"{source}: drafter.{name} must be a finite number, got {v}")
-        if name == "num_layers" and num_layers is not None and isinstance(v, int) and v > num_layers:
-            # (num_layers=1000 built a drafter of tens of GB: killed, or the machine thrashing)
-            raise DraftsmithError(f"{source}: drafter.num_layers {v} is deeper than the target ({num_layers} "
-                                  "layers): a drafter that costs as much as the target cannot pay; use a few "
-                                  "(the recipes use 1-2)")
         if name == "layer_ids" or name.endswith("layer_ids"):
             if v is None:
                 continue
