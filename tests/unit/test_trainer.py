@@ -522,3 +522,16 @@ def test_a_damaged_cache_shard_is_one_error_that_says_how_to_remake_it(target_di
     assert f"draftsmith cache --target {target_dir} --data " in msg and "--layers 0,1" in msg and "--dtype fp32" in msg
     assert f"--out {broken} --resume" in msg
     assert not out.exists()
+
+
+def test_train_threads_past_the_cpus_train_on_the_cpus(target_dir, cache_dir, tmp_path, monkeypatch):
+    """train.threads past the machine's CPUs (100000 crashed torch's thread pool) trains on its
+    CPUs, with a warning; torch's own count comes back after the run."""
+    from draftsmith.errors import DraftsmithWarning
+
+    calls, real = [], torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: calls.append(n) or real(n))
+    before = torch.get_num_threads()
+    with pytest.warns(DraftsmithWarning, match="100000 threads asked for"):
+        Trainer(make_cfg(target_dir, cache_dir, tmp_path / "run", max_steps=1, threads=100000), CATALOGUE).fit()
+    assert calls[0] == (os.cpu_count() or 1) and calls[-1] == before == torch.get_num_threads()

@@ -7,7 +7,6 @@ OpenAI API and vLLM say it), with `--max-new-tokens` kept as an alias.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 from pathlib import Path
 
@@ -197,19 +196,9 @@ def add_prefix_caching(p: argparse.ArgumentParser, what: str, on: bool) -> None:
                         f"(default: {'on wherever the drafter allows' if on else 'off'})")
 
 
-def threads_arg(v: str) -> int:
-    """argparse type of --threads: 1 .. the machine's CPUs (torch took 100000 and the process
-    died of a segmentation fault in its thread pool; past the CPUs threads only wait on each other)."""
-    n = positive_int(v)
-    cpus = os.cpu_count() or 1
-    if n > cpus:
-        raise argparse.ArgumentTypeError(f"must be at most the {cpus} CPUs of this machine, got {n}")
-    return n
-
-
 def add_threads(p: argparse.ArgumentParser) -> None:
     """One CPU-threads option, the same on every job."""
-    p.add_argument("--threads", type=threads_arg, default=None,
+    p.add_argument("--threads", type=positive_int, default=None,
                    help="CPU threads for the model's kernels (default: the physical cores; serve, generate, "
                         "regen and cache use fewer while other processes keep some busy)")
 

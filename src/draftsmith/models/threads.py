@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from draftsmith.errors import DraftsmithError
+from draftsmith.errors import DraftsmithError, DraftsmithWarning
 
 
 def physical_cores() -> int:
@@ -47,14 +48,28 @@ def physical_cores() -> int:
     return max(1, len(cores))
 
 
+def within_cpus(threads: int) -> int:
+    """`threads`, or the machine's CPU count where it asks for more, with a warning: past the CPUs
+    threads only wait on each other, and torch's thread pool died of a segmentation fault at 100000
+    (no message). A command written for a bigger machine still runs."""
+    cpus = os.cpu_count() or 1
+    if threads > cpus:
+        warnings.warn(DraftsmithWarning(f"{threads} threads asked for, but this machine has {cpus} CPUs; "
+                                        f"using {cpus}"), stacklevel=2)
+        return cpus
+    return threads
+
+
 def configure_threads(threads: int | None = None) -> int:
-    """Set torch's intra-op threads to `threads`. None keeps the current setting (so a caller's
-    own `torch.set_num_threads` stands) but never more than the physical cores: torch's
-    default on an SMT machine is one thread per logical CPU. Returns the count in force."""
+    """Set torch's intra-op threads to `threads` (at most the CPUs: within_cpus). None keeps the
+    current setting (so a caller's own `torch.set_num_threads` stands) but never more than the
+    physical cores: torch's default on an SMT machine is one thread per logical CPU. Returns the
+    count in force."""
     if threads is None:
         threads = min(torch.get_num_threads(), physical_cores())
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise DraftsmithError(f"threads must be a positive integer, got {threads!r}")
+    threads = within_cpus(threads)
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     return threads

@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-import os
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -169,9 +168,8 @@ class _TrainSection(_Strict):
     tensorboard: Literal["auto", "on", "off"] = "auto"
     progress: Literal["auto", "on", "off"] = "auto"
     ddp_find_unused: bool = False
-    threads: int | None = Field(None, ge=1, le=os.cpu_count() or 1,  # (100000: a segfault in torch's thread pool)
-                                description="CPU threads per process, at most the machine's CPUs "
-                                            "(None: torch's default)")
+    threads: int | None = Field(None, ge=1, description="CPU threads per process, at most the machine's CPUs "
+                                "(more: its CPUs, with a warning; None: torch's default)")
     init_from: str | None = Field(None, description="start from this trained drafter's weights (a run or checkpoint "
                                   "directory, or a built-in KIND:NAME) with a fresh optimizer and schedule: "
                                   "fine-tune on more or other data")
