@@ -643,6 +643,14 @@ def test_turns_config_and_workload_errors(tmp_path):
         BenchConfig(endpoints=(parse_endpoint("none=http://a"),), enable_prefix_caching=True)
     with pytest.raises(DraftsmithError, match="turns must be a positive integer"):
         BenchConfig(turns=0)
+    for k in (0, 65, 1000):  # (K = 1000 profiled 1000-token verify blocks for minutes)
+        with pytest.raises(DraftsmithError, match="num_speculative_tokens must be in 1..64"):
+            BenchConfig(num_speculative_tokens=k)
+    from draftsmith.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "-k", "1000"])
+    assert build_parser().parse_args(["bench", "-k", "64"]).num_speculative_tokens == 64
     assert BenchConfig(turns=2).fingerprint(["p"], "h") != BenchConfig().fingerprint(["p"], "h")
     # runs written before --turns resume: the default fingerprint has no new keys, old records load
     assert not {"turns", "enable_prefix_caching"} & set(BenchConfig().fingerprint(["p"], "h"))

@@ -189,8 +189,11 @@ class BenchConfig:
             raise DraftsmithError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
         if self.split is not None and self.split not in SPLITS:
             raise DraftsmithError(f"split must be one of {', '.join(SPLITS)}, got {self.split!r}")
-        if self.num_speculative_tokens is not None and self.num_speculative_tokens < 1:
-            raise DraftsmithError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        from draftsmith.engine.speculative_config import MAX_SPECULATIVE_TOKENS
+
+        k = self.num_speculative_tokens
+        if k is not None and not 1 <= k <= MAX_SPECULATIVE_TOKENS:  # (K = 1000 profiled 1000-token blocks for minutes)
+            raise DraftsmithError(f"num_speculative_tokens must be in 1..{MAX_SPECULATIVE_TOKENS}, got {k}")
         if BASELINE in self.drafters:
             object.__setattr__(self, "drafters", tuple(d for d in self.drafters if d != BASELINE))
         if len(set(self.drafters)) != len(self.drafters):

@@ -6,8 +6,8 @@ import sys
 from pathlib import Path
 
 from draftsmith.cli.options import (
-    add_drafter_dtype, add_job, add_max_tokens, add_progress, add_target_args, json_text_or_file, opt_auto, policy_arg,
-    policy_help, positive_int,
+    add_drafter_dtype, add_job, add_max_tokens, add_progress, add_target_args, int_in, json_text_or_file, opt_auto,
+    policy_arg, policy_help, positive_int,
 )
 from draftsmith.drafters import registry
 
@@ -47,7 +47,7 @@ def add_parser(sub) -> None:
                    help="every answer keeps to this JSON schema (structured outputs in-process, response_format "
                         "json_schema with --endpoint): measure traffic such as tool calls and extraction")
     b.add_argument("--seed", type=int, default=0, help="prompt-selection and sampling seed")
-    b.add_argument("--num-speculative-tokens", "-k", type=positive_int, default=None,
+    b.add_argument("--num-speculative-tokens", "-k", type=int_in(1, 64), default=None,
                    help="draft length K (default: the checkpoint's block size, else 5)")
     b.add_argument("--policy", default="auto", type=policy_arg, metavar="POLICY[:KEY=VALUE,...]",
                    help=policy_help())
