@@ -134,6 +134,17 @@ def _one_of(ours: str, value: Any, default: Any, vllms: str, alias: Any) -> Any:
     return alias
 
 
+def _token_ids(p: Any) -> list[int] | None:
+    """`p` as a list of token ids where it is one (a sequence of ints, a numpy / torch vector),
+    else None."""
+    if hasattr(p, "tolist") and not isinstance(p, (list, tuple)):  # numpy / torch ids
+        p = p.tolist()
+    if isinstance(p, Seq) and not isinstance(p, (str, bytes)) and \
+            all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in p):
+        return [int(t) for t in p]
+    return None
+
+
 def _prompt(p: Any, i: int) -> str | list[int]:
     """One prompt of `generate` as text or token ids: a string, a sequence of ints, or vLLM's
     TextPrompt / TokensPrompt dicts; anything else is a DraftsmithError that says what is taken."""
@@ -151,10 +162,8 @@ def _prompt(p: Any, i: int) -> str | list[int]:
                                   + ("; Draftsmith's targets take text only" if keys & {"multi_modal_data"} else ""))
     if isinstance(p, str):
         return p
-    if hasattr(p, "tolist") and not isinstance(p, (list, tuple)):  # numpy / torch ids
-        p = p.tolist()
-    if isinstance(p, Seq) and not isinstance(p, bytes) and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in p):
-        return [int(t) for t in p]
+    if (ids := _token_ids(p)) is not None:
+        return ids
     raise DraftsmithError(f"prompt {i}: give a string, a list of token ids (ints) or vLLM's {{'prompt': ...}} / "
                           f"{{'prompt_token_ids': [...]}}, got {type(p).__name__} {str(p)[:60]}")
 
@@ -303,8 +312,7 @@ class LLM:
         `priority` (vLLM's): one per prompt; where the prompts are more than max_batch rows,
         lower ones start first. `use_tqdm`: a bar of finished prompts (vLLM's), drawn only
         where stderr is a terminal."""
-        if isinstance(prompts, (str, Mapping)) or (isinstance(prompts, list) and prompts and all(
-                isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompts)):
+        if isinstance(prompts, (str, Mapping)) or (isinstance(prompts, list) and prompts and _token_ids(prompts)):
             prompts = [prompts]  # one prompt (a flat list of ints: its token ids, as vLLM reads it)
         prompts = [_prompt(p, i) for i, p in enumerate(prompts)]
         if not prompts:
@@ -323,7 +331,7 @@ class LLM:
                 ids = self.apply_chat_template([{"role": "user", "content": p}]) if use_chat_template else self.encode(p)
                 texts.append(p)
             else:
-                ids = list(p)
+                ids = p
                 texts.append(None)
             if sp.truncate_prompt_tokens is not None:  # the prompt's last k tokens (vLLM's)
                 ids = ids[-sp.truncate_prompt_tokens:]
@@ -392,7 +400,8 @@ class LLM:
         with bar:
             while any(not s.finished for s in seqs):
                 self.engine.step()
-                bar.update(sum(all(s.finished for s in g) for g in groups) - bar.n)
+                if not bar.disable:  # (a pass over the requests per step only where the bar is drawn)
+                    bar.update(sum(all(s.finished for s in g) for g in groups) - bar.n)
         wall = time.perf_counter() - t0
         for s in seqs:  # (each sample its prompt, as vLLM counts its child requests)
             self._totals.add(len(s.prompt_ids), len(s.output_ids), s.finish_reason or "stop", s.stats)
