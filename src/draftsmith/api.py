@@ -341,7 +341,7 @@ class LLM:
         # n samples per prompt: sample i is seeded seed + i (as the server's choices; sample_seed),
         # so sample 0 is what n=1 gives
         groups = [[self.engine.add_request(ids, sp if i == 0 or sp.seed is None
-                                           else replace(sp, seed=sample_seed(sp.seed, i, sp.n)), priority=p)
+                                           else replace(sp, seed=sample_seed(sp.seed, i, sp.n), n=1), priority=p)
                    for i in range(sp.n)] for (ids, sp), p in zip(encoded, prio)]
         return self._run(groups, texts, use_tqdm)
 

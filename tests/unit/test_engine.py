@@ -223,6 +223,8 @@ def test_bad_sampling_params_are_clear_errors():
         with pytest.raises(DraftsmithError, match="seed must be None or an integer"):
             SamplingParams(seed=seed)
     assert SamplingParams(seed=-1).seed is None  # vLLM's: -1 is no seed
+    with pytest.raises(DraftsmithError, match="seed \\+ n - 1 must be below 2\\*\\*63"):
+        SamplingParams(seed=2**63 - 1, n=2)  # (sample 1 would take 2**63: LLM.generate failed on it)
 
 
 def test_negative_and_int64_edge_seeds_sample_reproducibly(tiny):
@@ -236,6 +238,8 @@ def test_negative_and_int64_edge_seeds_sample_reproducibly(tiny):
     from draftsmith.core.sampling import sample_seed
 
     assert [sample_seed(-3, i, 4) for i in range(4)] == [-3, -2, 1, 0]
+    top = SamplingParams(max_tokens=6, temperature=1.0, seed=2**63 - 3, n=3)
+    assert len(llm.generate([ids], top)[0].outputs) == 3
     sp = SamplingParams(max_tokens=6, temperature=1.0, seed=-3, n=4)
     runs = [[o.token_ids for o in llm.generate([ids], sp)[0].outputs] for _ in range(2)]
     assert runs[0] == runs[1] and len({tuple(t) for t in runs[0]}) > 1

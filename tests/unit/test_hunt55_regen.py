@@ -188,4 +188,10 @@ def test_a_run_in_which_every_conversation_failed_is_an_error(tiny, tmp_path, ca
     assert err[-1].startswith("draftsmith: error: every conversation failed (1); the first: prompt of turn 1 has ")
     assert err[-1].endswith("the context limit (--max-len) is 3, which leaves no room to answer "
                             f"(all in {out}.errors.jsonl)")
+    # a resumed run appends to the errors file: the reason quoted is this run's, not the first line's
+    errors = tmp_path / "r.jsonl.errors.jsonl"
+    errors.write_text(json.dumps({"id": "old", "reason": "an earlier run's reason"}) + "\n" + errors.read_text())
+    assert main([*argv, "--max-len", "4", "--resume"]) == 2
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert "earlier run" not in last and "the context limit (--max-len) is 4" in last, last
     assert main([*argv, "--overwrite"]) == 0  # one that answers

@@ -10,6 +10,7 @@ from draftsmith.cli.options import (
     policy_arg, policy_help, positive_int,
 )
 from draftsmith.drafters import registry
+from draftsmith.engine.speculative_config import MAX_SPECULATIVE_TOKENS
 
 HELP = "speedup / latency / cost report across concurrency tiers, go/no-go per tier"
 EXAMPLE = "draftsmith bench --drafter ngram --drafter dspark:runs/smollm2-135m-dspark --concurrency 1,4,16 --peers hf"
@@ -47,7 +48,7 @@ def add_parser(sub) -> None:
                    help="every answer keeps to this JSON schema (structured outputs in-process, response_format "
                         "json_schema with --endpoint): measure traffic such as tool calls and extraction")
     b.add_argument("--seed", type=int, default=0, help="prompt-selection and sampling seed")
-    b.add_argument("--num-speculative-tokens", "-k", type=int_in(1, 64), default=None,
+    b.add_argument("--num-speculative-tokens", "-k", type=int_in(1, MAX_SPECULATIVE_TOKENS), default=None,
                    help="draft length K (default: the checkpoint's block size, else 5)")
     b.add_argument("--policy", default="auto", type=policy_arg, metavar="POLICY[:KEY=VALUE,...]",
                    help=policy_help())

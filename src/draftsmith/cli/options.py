@@ -13,6 +13,7 @@ from pathlib import Path
 from draftsmith.drafters import registry
 from draftsmith.drafters.precision import DRAFTER_DTYPES
 from draftsmith.engine.sglang_args import FLAGS, add_sglang_args, given, sglang_speculative_config
+from draftsmith.engine.speculative_config import MAX_SPECULATIVE_TOKENS
 from draftsmith.errors import DraftsmithError
 from draftsmith.policy.registry import parse_policy_spec, policies
 
@@ -123,7 +124,7 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
                         """e.g. '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}' or """
                         """'{"method": "eagle3", "model": "DIR", "num_speculative_tokens": 3}'""")
     add_drafter_dtype(p)
-    p.add_argument("--num-speculative-tokens", "-k", type=int_in(0, 64), default=None,
+    p.add_argument("--num-speculative-tokens", "-k", type=int_in(0, MAX_SPECULATIVE_TOKENS), default=None,
                    help="draft length K (default: a trained drafter's block size, else 5)")
     p.add_argument("--policy", default="auto", type=policy_arg, metavar="POLICY[:KEY=VALUE,...]",
                    help=policy_help())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from draftsmith.cli.options import add_job, add_target_args, int_in, positive_int
+from draftsmith.engine.speculative_config import MAX_SPECULATIVE_TOKENS
 from draftsmith.errors import DraftsmithError
 
 HELP = ("what a target forward of 1..64 tokens costs here, against the memory-bandwidth floor; "
@@ -16,7 +17,7 @@ def add_parser(sub) -> None:
     p = add_job(sub, "profile", HELP, EXAMPLE)
     add_target_args(p)
     p.add_argument("--max-batch", type=positive_int, default=8, help="rows of the SPS(B) table (as generate / serve)")
-    p.add_argument("--num-speculative-tokens", "-k", type=int_in(1, 64), default=7, metavar="K",
+    p.add_argument("--num-speculative-tokens", "-k", type=int_in(1, MAX_SPECULATIVE_TOKENS), default=7, metavar="K",
                    help="longest verify block of the SPS(B) table (max-batch x (k + 1) tokens)")
     p.add_argument("--context-len", type=int, default=256,
                    help="cached tokens per row while timing (256: what the prefix scheduler profiles with, so "

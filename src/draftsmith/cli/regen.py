@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -78,14 +77,6 @@ def cmd_regen(args) -> int:
              f"-> {args.features_out}" if args.features_out else ""), file=sys.stderr)
     if s.errors and not s.written and not s.skipped_done:  # (exit 0 here let `regen && cache` go on with nothing)
         errors = errors_path(args.out)
-        raise DraftsmithError(f"every conversation failed ({s.errors}); the first: {_first_reason(errors)} "
+        raise DraftsmithError(f"every conversation failed ({s.errors}); the first: {s.first_error} "
                               f"(all in {errors})")
     return 0
-
-
-def _first_reason(errors: Path) -> str:
-    try:
-        with open(errors, encoding="utf-8") as f:
-            return str(json.loads(f.readline())["reason"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return "(unreadable)"

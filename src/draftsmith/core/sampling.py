@@ -105,6 +105,9 @@ class SamplingParams:
                                       f"got {self.seed!r}")
             if self.seed == -1:  # vLLM's: no seed
                 object.__setattr__(self, "seed", None)
+            elif self.seed + self.n - 1 >= 2**63:  # (n is checked above)
+                raise DraftsmithError(f"seed + n - 1 must be below 2**63 (sample i uses seed + i), got seed "
+                                      f"{self.seed} with n={self.n}")
         if not (self.temperature >= 0.0):  # also rejects NaN
             raise DraftsmithError(
                 f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}"

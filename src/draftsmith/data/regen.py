@@ -100,6 +100,7 @@ class RegenSummary:
     recorded_features: int = 0  # --features-out: conversations whose features regen recorded
     computed_features: int = 0  # ... and those the catch-up pass computed (earlier runs, too long)
     error_ids: list[str] = field(default_factory=list)
+    first_error: str | None = None  # this run's first failure (the errors file keeps earlier runs' too)
 
     @property
     def tokens_per_s(self) -> float:
@@ -164,6 +165,8 @@ class RegenSink:
                         "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
         self.summary.errors += 1
         self.summary.error_ids.append(conv.id)
+        if self.summary.first_error is None:
+            self.summary.first_error = reason
         self._tick()
 
     def close(self) -> None:

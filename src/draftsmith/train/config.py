@@ -37,6 +37,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
 from draftsmith.drafters.registry import trainable_kinds
+from draftsmith.engine.speculative_config import MAX_SPECULATIVE_TOKENS
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.loading import read_config
 from draftsmith.models.registry import resolve_target
@@ -274,7 +275,7 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
     return out
 
 
-MAX_K = 64  # the longest draft generate / serve (-k 0..64) and profile (1..64) take
+MAX_K = MAX_SPECULATIVE_TOKENS  # the longest draft generate / serve / bench / profile take (-k)
 
 _MAX_DEPTH = 32  # a recipe is sections of values and short lists
 _MAX_VALUES = 100_000  # values after expanding aliases (an alias repeated inside aliases grows exponentially)
