@@ -124,6 +124,9 @@ class GenerateStats:
         }
 
 
+_TARGET, _MAX_BATCH, _MAX_LEN = "smollm2-135m", 8, 2048  # LLM's defaults (also _one_of's "not given")
+
+
 def _one_of(ours: str, value: Any, default: Any, vllms: str, alias: Any) -> Any:
     """A setting given under Draftsmith's name or vLLM's (LLM(model=...) for target, ...): the one
     given; both (the ours not at its default) is an error."""
@@ -155,7 +158,10 @@ def _prompt(p: Any, i: int) -> str | list[int]:
                 raise DraftsmithError(f"prompt {i}: {{'prompt': ...}} takes a string, got {type(p['prompt']).__name__}")
             return p["prompt"]
         if keys == {"prompt_token_ids"}:
-            p = p["prompt_token_ids"]
+            if (ids := _token_ids(p["prompt_token_ids"])) is None:
+                raise DraftsmithError(f"prompt {i}: prompt_token_ids takes a list of ints, got "
+                                      f"{type(p['prompt_token_ids']).__name__}")
+            return ids
         else:
             raise DraftsmithError(f"prompt {i}: a dict prompt is {{'prompt': str}} or {{'prompt_token_ids': [ints]}} "
                                   f"(vLLM's TextPrompt / TokensPrompt), got keys {sorted(map(str, keys))}"
@@ -218,12 +224,12 @@ class LLM:
 
     def __init__(
         self,
-        target: str | LoadedTarget = "smollm2-135m",
+        target: str | LoadedTarget = _TARGET,
         drafter: str | Drafter = "none",
         num_speculative_tokens: int | None = None,
         policy: str | DraftLengthPolicy = "auto",
-        max_batch: int = 8,
-        max_len: int = 2048,
+        max_batch: int = _MAX_BATCH,
+        max_len: int = _MAX_LEN,
         device: str | None = None,
         dtype: str | None = None,
         threads: int | None = None,
@@ -240,9 +246,9 @@ class LLM:
         max_num_seqs: int | None = None,
     ) -> None:
         # vLLM's names for the same settings: LLM(model=..., max_model_len=..., max_num_seqs=...)
-        target = _one_of("target", target, "smollm2-135m", "model", model)
-        max_len = _one_of("max_len", max_len, 2048, "max_model_len", max_model_len)
-        max_batch = _one_of("max_batch", max_batch, 8, "max_num_seqs", max_num_seqs)
+        target = _one_of("target", target, _TARGET, "model", model)
+        max_len = _one_of("max_len", max_len, _MAX_LEN, "max_model_len", max_model_len)
+        max_batch = _one_of("max_batch", max_batch, _MAX_BATCH, "max_num_seqs", max_num_seqs)
         drafter, num_speculative_tokens, policy, notes = with_speculative_config(
             speculative_config, drafter, num_speculative_tokens, policy)  # (checked before the target loads)
         for note in notes:

@@ -404,7 +404,7 @@ def test_llm_generate_takes_vllms_prompt_forms_and_refuses_others_clearly(tiny, 
     text = llm.generate("hello world", sp)[0]
     assert llm.generate({"prompt": "hello world"}, sp)[0].token_ids == text.token_ids
     assert llm.generate([{"prompt": "hello world"}], sp)[0].prompt == "hello world"
-    for bad, needle in (({"prompt": 5}, "takes a string"), ({"prompt": "x", "multi_modal_data": {}}, "text only"),
+    for bad, needle in (({"prompt": 5}, "takes a string"), ({"prompt_token_ids": "hello"}, "takes a list of ints"), ({"prompt": "x", "multi_modal_data": {}}, "text only"),
                         ({"prompt_ids": ids}, "got keys \\['prompt_ids'\\]"), (["a", 1], "got list"),
                         ([1.0, 2.0], "got list"), (None, "got NoneType"), (b"ab", "got bytes")):
         with pytest.raises(DraftsmithError, match=f"^prompt 1: .*{needle}"):

@@ -195,3 +195,31 @@ def test_a_run_in_which_every_conversation_failed_is_an_error(tiny, tmp_path, ca
     last = capsys.readouterr().err.splitlines()[-1]
     assert "earlier run" not in last and "the context limit (--max-len) is 4" in last, last
     assert main([*argv, "--overwrite"]) == 0  # one that answers
+
+
+class _Shaped(_ChatOnly):
+    """A server whose chat answer is `answer` (no /v1/models)."""
+
+    answer: dict = {}
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        self._send(200, self.answer)
+
+
+def test_the_one_token_probe_checks_a_chat_completions_shape_only(tiny, tmp_path):
+    """regen --endpoint's probe (one token, where /v1/models lists nothing): a 200 that is no chat
+    completion is refused before anything is written; one whose single token leaves content null
+    (a reasoning parser's <think>) is a chat completion all the same, and the run goes on."""
+    srv, url = _serve(_Shaped)
+    try:
+        _Shaped.answer = {"hello": "world"}
+        with pytest.raises(DraftsmithError, match="answered 200 with no chat completion"):
+            _run(tiny, tmp_path / "a.jsonl", endpoint=f"{url}/v1", endpoint_model="m")
+        _Shaped.answer = {"choices": [{"index": 0, "finish_reason": "length",
+                                       "message": {"role": "assistant", "content": None}}]}
+        s = _run(tiny, tmp_path / "b.jsonl", endpoint=f"{url}/v1", endpoint_model="m")
+        assert s.written == 0 and s.errors == 1  # (the run itself: no text content to keep)
+    finally:
+        srv.shutdown()
+        srv.server_close()

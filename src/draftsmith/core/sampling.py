@@ -34,8 +34,8 @@ class SamplingParams:
     stop_token_ids:  extra token ids that end the output (EOS is always one unless ignore_eos).
     ignore_eos:      keep generating past EOS (benchmarks).
     skip_special_tokens: drop special tokens (EOS, chat markers) from the text (vLLM's default).
-    spaces_between_special_tokens: vLLM's, passed to the tokenizer's decode (a slow tokenizer
-                     honours it; a fast one, as vLLM's fast detokenizer, does not).
+    spaces_between_special_tokens: vLLM's, passed to the tokenizer's decode; transformers 5's
+                     tokenizers ignore it (as vLLM's fast detokenizer does): taken for vLLM's API.
     detokenize:      False: no text (`.text` is ""), token ids only (vLLM's; not with stop strings).
     extra_args:      vLLM's free-form dict for extensions, kept as given (nothing in Draftsmith reads it).
     truncate_prompt_tokens: keep only the prompt's last k tokens (vLLM's; None = all).

@@ -274,7 +274,7 @@ def _check_out_is_no_prompt_file(cfg: RegenConfig) -> None:
     if not out.is_file():
         return
     for entry in parse_mix(cfg.mix):
-        f = Path(entry.name)
+        f = Path(entry.name).expanduser()  # (as the sources resolve it)
         if f.is_file() and os.path.samefile(f, out):
             raise DraftsmithError(f"--out {out} is the prompt file --mix reads; writing there would replace "
                                   "the prompts with the answers. Give another --out, e.g. data/regen.jsonl")

@@ -297,11 +297,13 @@ class EndpointBackend:
         except httpx.TransportError as e:
             raise self._unreachable(e) from None
         why = None
-        if r.status_code == 200:
-            try:
-                self._parse(r, self.vocab)
-            except _Failed as e:
-                why = f"answered 200 with {e}"
+        if r.status_code == 200:  # (a chat completion's shape only: one token may leave content null,
+            try:                  # a reasoning parser's <think>, which _parse would refuse as a reply)
+                ok = isinstance(r.json()["choices"][0]["message"], dict)
+            except (ValueError, LookupError, TypeError):
+                ok = False
+            if not ok:
+                why = "answered 200 with no chat completion"
         elif r.status_code in (501, 505) or (400 <= r.status_code < 500 and r.status_code not in (408, 409, 429)):
             json_body = "json" in r.headers.get("content-type", "")  # an error's message; not a web page
             why = f"answered HTTP {r.status_code} ({' '.join(r.text.split())[:200] if json_body else r.reason_phrase})"

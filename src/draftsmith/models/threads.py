@@ -49,12 +49,15 @@ def physical_cores() -> int:
 
 
 def within_cpus(threads: int) -> int:
-    """`threads`, or the machine's CPU count where it asks for more, with a warning: past the CPUs
+    """`threads`, or the CPUs this process may use where it asks for more, with a warning: past the CPUs
     threads only wait on each other, and torch's thread pool died of a segmentation fault at 100000
     (no message). A command written for a bigger machine still runs."""
-    cpus = os.cpu_count() or 1
+    try:
+        cpus = len(os.sched_getaffinity(0))  # the CPUs this process may use (taskset, a cgroup cpuset)
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
     if threads > cpus:
-        warnings.warn(DraftsmithWarning(f"{threads} threads asked for, but this machine has {cpus} CPUs; "
+        warnings.warn(DraftsmithWarning(f"{threads} threads asked for, but this process may use {cpus} CPUs; "
                                         f"using {cpus}"), stacklevel=2)
         return cpus
     return threads

@@ -35,7 +35,7 @@ from draftsmith.drafters.builtin import builtin_specs, resolve as builtin_resolv
 from draftsmith.drafters.kind_config import resolve_for_target
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.target import cpu_has_fast_bf16, load_target
-from draftsmith.models.threads import within_cpus
+from draftsmith.models.threads import configure_threads
 from draftsmith.train import checkpoint as ckpt_io, distributed as dist_util
 from draftsmith.train.config import Catalogue, TrainConfig, trained_catalogue
 from draftsmith.train.data import TrainData
@@ -124,7 +124,7 @@ class Trainer:
         self.t_start = time.perf_counter()
         self.cpu_start = time.process_time()
         if t.threads is not None:
-            torch.set_num_threads(within_cpus(t.threads))
+            configure_threads(t.threads)
         self.info = self.info or init_from_env(t.device)
         info = self.info
         self.bf16 = resolve_bf16(t.dtype, info.device)
@@ -150,7 +150,7 @@ class Trainer:
             p.requires_grad_(False)
         if self.resume:
             ckpt_io.check_target(saved, self.target.target_id, self.target.weights_hash, str(self.resume_from),
-                                 kind=self.cfg.kind, legacy_hash=self.target.legacy_weights_hash)
+                                 legacy_hash=self.target.legacy_weights_hash)  # (its kind: checked above)
         entry = self.catalogue[self.cfg.kind]
         self.model = entry.build(self.target.model, resolve_for_target(self.cfg.drafter, self.target)).to(info.device)
         self.model.train()
