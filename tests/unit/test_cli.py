@@ -260,7 +260,7 @@ def test_a_kv_cache_that_cannot_fit_is_refused_with_the_numbers(tiny_model_dir):
     if free is None:
         pytest.skip("no /proc/meminfo here")
     with pytest.raises(DraftsmithError, match=r"needs \d+\.\d GiB; cpu memory has \d+\.\d GiB free: lower --max-batch "
-                       r"or --max-len \(regen: --batch-size or --max-len; profile: --context-len"):
+                       r"or --max-len \(regen: --batch-size or --max-len; profile: --max-batch or --context-len"):
         KVCache(num_layers=30, max_rows=10**6, num_kv_heads=3, max_len=2048, head_dim=64)
     _one_line_error(_run("generate", "--target", str(tiny_model_dir("llama", seed=0)), "--prompt", "x",
                          "--max-batch", "100000000"), "lower --max-batch or --max-len")

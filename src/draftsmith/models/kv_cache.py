@@ -92,8 +92,8 @@ class KVCache:
             raise DraftsmithError(
                 f"the KV cache for {max_rows} rows (max batch) of {max_len} tokens (max len) needs "
                 f"{need / 2**30:.1f} GiB; {torch.device(device).type} memory has {free / 2**30:.1f} GiB free: "
-                "lower --max-batch or --max-len (regen: --batch-size or --max-len; profile: --context-len; "
-                "LLM(...): max_batch or max_len)")
+                "lower --max-batch or --max-len (regen: --batch-size or --max-len; profile: --max-batch or "
+                "--context-len; LLM(...): max_batch or max_len)")
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.lengths = torch.zeros(max_rows, dtype=torch.long)  # [rows], kept on CPU
