@@ -203,3 +203,16 @@ def test_loss_weights_must_be_finite():
             parse_config(raw, cat, num_layers=3)
     raw["drafter"] = {"kind": "blk", "ce_weight": 0.5}
     assert parse_config(raw, cat, num_layers=3).drafter.ce_weight == 0.5
+
+
+def test_block_drafter_loss_weights_must_be_finite_in_python_too():
+    """DSparkConfig / DFlashConfig built in Python (no recipe): an inf or nan loss weight is the
+    config's error, not 'loss is inf at step 0' after the target loaded."""
+    from draftsmith.drafters.dflash import DFlashConfig
+    from draftsmith.drafters.dspark import DSparkConfig
+
+    for cls in (DSparkConfig, DFlashConfig):
+        for v in (float("inf"), float("nan"), -1.0):
+            with pytest.raises(DraftsmithError, match=f"ce_weight must be a finite number >= 0, got {v}"):
+                cls(ce_weight=v)
+        assert cls(ce_weight=0.5).ce_weight == 0.5

@@ -360,8 +360,8 @@ def validate_block_config(cfg) -> None:
         problems.append(f"layer_ids repeat: {list(cfg.layer_ids)}")
     for name in ("ce_weight", "tv_weight", "kl_weight", "conf_weight"):
         v = getattr(cfg, name, 0.0)
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
-            problems.append(f"{name} must be a number >= 0, got {v!r}")
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not (0 <= v < float("inf")):  # (nan, inf)
+            problems.append(f"{name} must be a finite number >= 0, got {v!r}")
     if cfg.position_decay is not None and not (isinstance(cfg.position_decay, (int, float)) and cfg.position_decay > 0):
         problems.append(f"position_decay must be > 0 or null, got {cfg.position_decay!r}")
     if problems:
