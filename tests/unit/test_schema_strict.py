@@ -149,6 +149,53 @@ def test_a_schema_only_the_closing_makes_unsatisfiable_keeps_its_own_meaning(acc
     assert accepts(spec, '{"b": 2, "c": 3}')  # (as llguidance reads the schema as written)
 
 
+def test_a_schema_xgrammar_does_not_support_stays_open(accepts):
+    """vLLM's "auto" backend gives a schema with a feature xgrammar does not support (anywhere in
+    it) to guidance, which leaves objects open (backend_xgrammar.py has_xgrammar_unsupported_json_features):
+    pydantic's set field (`uniqueItems`) keeps the model's extra key; the same schema without it
+    is closed; so is one with patternProperties beside properties."""
+    tags = {"type": "array", "items": {"type": "string"}}
+    model = {"type": "object", "properties": {"name": {"type": "string"}, "tags": tags}, "required": ["name", "tags"]}
+    as_set = {**model, "properties": {**model["properties"], "tags": {**tags, "uniqueItems": True}}}
+    extra = '{"name": "x", "tags": ["a"], "more": 1}'
+    assert accepts(SO(json=model), '{"name": "x", "tags": ["a"]}') and not accepts(SO(json=model), extra)
+    assert accepts(SO(json=as_set), extra)
+    nested = {"type": "object", "properties": {"m": as_set}}  # (anywhere: the whole schema goes to guidance)
+    assert accepts(SO(json=nested), '{"m": {"name": "x", "tags": [], "z": 0}, "y": 1}')
+    pattern = {"type": "object", "properties": {"a": {"type": "integer"}}, "patternProperties": {"^x": {"type": "integer"}}}
+    assert accepts(SO(json=pattern), '{"a": 1, "x1": 2, "other": "s"}')
+    one = {"type": "object", "patternProperties": {"^x": {"type": "integer"}}}  # (xgrammar's: closed)
+    assert accepts(SO(json=one), '{"x1": 2}') and not accepts(SO(json=one), '{"x1": 2, "other": "s"}')
+    assert not accepts(SO(json={**A, "properties": {"a": {"type": "integer", "minimum": 0}}}), '{"a": 1, "b": 2}')
+
+
+def test_the_json_grammar_cache_is_small_and_compiles_once(monkeypatch):
+    """_json_grammar keeps as many grammars as Grammars does (64: a request's schema text can be
+    megabytes), and a schema it closes is compiled once (closed), not also as written."""
+    import llguidance
+
+    from draftsmith.core.structured import _json_grammar
+
+    assert _json_grammar.cache_info().maxsize == 64
+    real, texts = llguidance.LLMatcher, []
+
+    class Counting:
+        validate_grammar = staticmethod(real.validate_grammar)
+
+        @staticmethod
+        def grammar_from_json_schema(text, defaults=None):
+            texts.append(json.loads(text))
+            return real.grammar_from_json_schema(text, defaults=defaults)
+
+    monkeypatch.setattr(llguidance, "LLMatcher", Counting)
+    options = json.dumps({"whitespace_flexible": True, "lenient": True})
+    _json_grammar.__wrapped__(json.dumps(A), options)
+    assert texts == [strict_json_schema(A)]
+    texts.clear()
+    _json_grammar.__wrapped__(json.dumps({"type": "object"}), options)  # (nothing to close: as written, once)
+    assert texts == [{"type": "object"}]
+
+
 def _req(**body) -> ChatCompletionRequest:
     return ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **body})
 

@@ -195,6 +195,20 @@ def test_text_format_is_the_chat_routes_response_format(tiny_server):
                 assert _bare(_stream(h, body)[1]) == _bare(d)
 
 
+def test_structured_outputs_backend_is_checked_on_the_responses_route(tiny_server):
+    """vLLM's structured_outputs extra with a `backend` as on the chat route: llguidance's names
+    ("guidance") accepted, the grammar applied; another backend a 400 that says why; a backend
+    alone asks for no grammar."""
+    with httpx.Client(base_url=tiny_server(), timeout=60) as h:
+        base = {"input": "json?", "max_output_tokens": 24, "temperature": 0}
+        for backend in ("guidance", "auto", "llguidance"):
+            d = _whole(h, {**base, "structured_outputs": {"json": {"enum": ["yes", "no"]}, "backend": backend}})
+            assert json.loads(_text(d)) in ("yes", "no")
+        _assert_openai_error(h.post("/v1/responses", json={**base, "structured_outputs": {
+            "choice": ["yes"], "backend": "xgrammar"}}), 400, "structured_outputs", says="llguidance")
+        _whole(h, {**base, "structured_outputs": {"backend": "guidance"}})
+
+
 def test_function_tools(tiny_server):
     """Flat function tools: a named tool_choice is a function_call item with the chat route's
     arguments (decoded under the schema); "required" and "none" give the chat route's answer

@@ -48,7 +48,9 @@ class StructuredOutputsParams:
                  satisfies it, its properties in the schema's order. Keywords the grammar engine
                  cannot enforce (e.g. uniqueItems, which pydantic writes for a set) are ignored.
                  Objects are closed where the schema leaves them open, as vLLM's default backend
-                 (xgrammar, strict mode) closes them: see `strict_json_schema`.
+                 (xgrammar, strict mode) closes them: see `strict_json_schema`; a schema with a
+                 feature xgrammar does not support (uniqueItems, multipleOf, ...) stays open, as
+                 vLLM's "auto" backend gives it to guidance.
     regex:       the output matches this regular expression, whole.
     choice:      the output is exactly one of these strings.
     grammar:     a context-free grammar, in GBNF / EBNF (`root ::= ...`, as vLLM's docs write
@@ -169,6 +171,9 @@ def strict_json_schema(schema: Any) -> Any:
     to setting unevaluatedProperties and unevaluatedItems to false"). A new schema; `schema` is
     left as it was. llguidance, the grammar engine here, lets an object schema that does not say
     otherwise take any other property (JSON Schema's meaning), so a model could add keys.
+    (The grammar compiler, `_json_grammar`, closes a schema only where vLLM's "auto" backend picks
+    xgrammar: one with a feature xgrammar does not support, `uniqueItems` or `multipleOf` among
+    them, goes to guidance there, left open, and is compiled as written here.)
 
     - An object schema that lists `properties` or `patternProperties` (`{}` too) and sets neither
       `additionalProperties` nor `unevaluatedProperties` gets `additionalProperties: false`; one that
@@ -257,27 +262,86 @@ class _Closer:
         return out
 
 
-@functools.lru_cache(maxsize=256)
+# string formats xgrammar compiles (its json_schema_converter; vLLM's STRING_SUPPORTED_FORMATS)
+_XGRAMMAR_FORMATS = frozenset({"email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid",
+                               "uri", "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"})
+
+
+def _xgrammar_unsupported(schema: Any) -> bool:
+    """Whether vLLM's "auto" structured-outputs backend would not give `schema` to xgrammar
+    (vllm/v1/structured_output/backend_xgrammar.py `has_xgrammar_unsupported_json_features`) and
+    fall back to guidance, which leaves objects open. Any dict in the schema, at any depth, is read
+    as a schema whose `type` (a name or a list of names) says which rules apply:
+    integer / number with `multipleOf`; array with `uniqueItems`, `contains`, `minContains` or
+    `maxContains`; string with a `format` xgrammar does not know, or with `pattern` / `format`
+    and `minLength` / `maxLength` together; object with `propertyNames` that has such a pattern
+    and length, or `propertyNames` beside `properties`, `patternProperties`, a schema
+    `additionalProperties` or an `unevaluatedProperties` other than true; object with
+    `patternProperties` beside `properties` or with more than one pattern."""
+    def bounded(s: Any) -> bool:
+        return isinstance(s, dict) and ("pattern" in s or "format" in s) and ("minLength" in s or "maxLength" in s)
+
+    def feature(s: dict) -> bool:
+        t = s.get("type")
+        types = {t} if isinstance(t, str) else {x for x in t if isinstance(x, str)} if isinstance(t, list) else set()
+        if types & {"integer", "number"} and "multipleOf" in s:
+            return True
+        if "array" in types and any(k in s for k in ("uniqueItems", "contains", "minContains", "maxContains")):
+            return True
+        if "string" in types and (("format" in s and s["format"] not in _XGRAMMAR_FORMATS) or bounded(s)):
+            return True
+        if "object" in types:
+            if "propertyNames" in s and (bounded(s["propertyNames"]) or "properties" in s or "patternProperties" in s
+                                         or isinstance(s.get("additionalProperties"), dict)
+                                         or s.get("unevaluatedProperties", True) is not True):
+                return True
+            pp = s.get("patternProperties")
+            if isinstance(pp, dict) and ("properties" in s or len(pp) > 1):
+                return True
+        return False
+
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if feature(node):
+                return True
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return False
+
+
+@functools.lru_cache(maxsize=64)  # (as many as Grammars keeps: schema texts can be long)
 def _json_grammar(schema_text: str, options_text: str) -> str:
     """The llguidance grammar of a JSON schema (its text), closed as `strict_json_schema` closes it;
-    `options_text`: llguidance's JSON compile options as JSON text. A schema that only the closing
-    makes unsatisfiable (`"minProperties": 2` with one property listed) keeps its own meaning, as
-    vLLM's default "auto" backend falls back from xgrammar to llguidance (schemas left open) there."""
+    `options_text`: llguidance's JSON compile options as JSON text. Compiled as written (open), as
+    vLLM's default "auto" backend falls back from xgrammar to guidance (schemas left open): a schema
+    with a feature xgrammar does not support (`_xgrammar_unsupported`: pydantic's `uniqueItems` for
+    a set among them), and one that only the closing makes unsatisfiable (`"minProperties": 2`
+    with one property listed)."""
     import llguidance
 
     M = llguidance.LLMatcher
     options = json.loads(options_text)
-    loose = M.grammar_from_json_schema(schema_text, defaults=options)
+
+    def loose() -> str:
+        return M.grammar_from_json_schema(schema_text, defaults=options)
+
     schema = json.loads(schema_text)
     try:
+        if _xgrammar_unsupported(schema):
+            return loose()
         closed = strict_json_schema(schema)
     except RecursionError:
         raise ValueError("the schema is nested too deeply") from None
     if closed == schema:
-        return loose
+        return loose()
     tight = M.grammar_from_json_schema(json.dumps(closed), defaults=options)
-    if "nsatisfiable" in M.validate_grammar(tight) and not M.validate_grammar(loose):
-        return loose
+    if "nsatisfiable" in M.validate_grammar(tight):
+        written = loose()
+        if not M.validate_grammar(written):
+            return written
     return tight
 
 

@@ -54,7 +54,16 @@ def validation_error(e: ValidationError) -> APIError:
     return APIError(400, msg, param=param, code="invalid_value" if loc else None)
 
 
-_LLGUIDANCE = ("auto", "guidance", "llguidance")  # structured-outputs backends that name Draftsmith's
+LLGUIDANCE = ("auto", "guidance", "llguidance")  # structured-outputs backends that name Draftsmith's
+
+
+def backend_refusal(backend: Any) -> str:
+    """The 400's message for a structured-outputs backend Draftsmith does not have (the top-level
+    `guided_decoding_backend` here; `structured_outputs.backend` in server/structured.py, which
+    every route's structured_outputs passes)."""
+    return (f"the structured-outputs backend {backend!r} is not available: Draftsmith's structured outputs run "
+            f"on llguidance ({', '.join(map(repr, LLGUIDANCE))} name it, as vLLM's guidance backend); leave the "
+            "backend out")
 
 
 def _in_range(k: int | None, param: str) -> int | None:
@@ -164,8 +173,8 @@ class _Sampling(_VllmFields):
 
     def check_vllm_options(self) -> None:
         """A 400 for a vLLM option Draftsmith does not honour (silently ignored, beam search gave n
-        greedy copies); a structured-outputs backend that names llguidance, Draftsmith's, is
-        accepted (and dropped from structured_outputs)."""
+        greedy copies); a `guided_decoding_backend` that names llguidance, Draftsmith's, is
+        accepted (`structured_outputs.backend`: server/structured.structured_outputs)."""
         def refuse(param: str, why: str) -> None:
             raise APIError(400, why, param=param, code="unsupported_parameter")
 
@@ -179,15 +188,8 @@ class _Sampling(_VllmFields):
         if self.structural_tag is not None:
             refuse("structural_tag", "structural_tag is not supported: Draftsmith's structured outputs are json, "
                    "regex, choice or grammar (structured_outputs, guided_*, response_format)")
-        so = self.structured_outputs
-        for param, backend in (("guided_decoding_backend", self.guided_decoding_backend),
-                               ("structured_outputs", so.get("backend") if so else None)):
-            if backend is not None and backend not in _LLGUIDANCE:
-                refuse(param, f"the structured-outputs backend {backend!r} is not available: Draftsmith's "
-                       f"structured outputs run on llguidance ({', '.join(map(repr, _LLGUIDANCE))} name it, as "
-                       "vLLM's guidance backend); leave the backend out")
-        if so and "backend" in so:
-            self.structured_outputs = {k: v for k, v in so.items() if k != "backend"} or None
+        if self.guided_decoding_backend is not None and self.guided_decoding_backend not in LLGUIDANCE:
+            refuse("guided_decoding_backend", backend_refusal(self.guided_decoding_backend))
 
     def prompt_logprobs_k(self) -> int | None:
         """How many top tokens per prompt token the engine computes (vLLM's `prompt_logprobs`;

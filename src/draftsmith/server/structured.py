@@ -8,13 +8,14 @@ from typing import Any, Callable
 
 from draftsmith.core.structured import StructuredOutputsParams
 from draftsmith.errors import DraftsmithError
-from draftsmith.server.protocol import APIError, NamedToolChoice
+from draftsmith.server.protocol import LLGUIDANCE, APIError, NamedToolChoice, backend_refusal
 from draftsmith.server.tools import forced_schema
 
 _STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace", "whitespace_pattern")
 # vLLM backend switches, nothing to do here (disable_additional_properties: every JSON schema is
-# already closed as vLLM's default xgrammar backend closes it, core/structured.strict_json_schema)
-_IGNORED_KEYS = ("disable_fallback", "disable_additional_properties")
+# already closed as vLLM's default xgrammar backend closes it, core/structured.strict_json_schema;
+# backend: llguidance's names only, checked in structured_outputs)
+_IGNORED_KEYS = ("disable_fallback", "disable_additional_properties", "backend")
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
@@ -22,7 +23,9 @@ def asks_structure(req: Any) -> bool:
     """Whether the request has any field that asks for a grammar (so the cheap path skips the rest)."""
     rf = req.response_format
     choice = getattr(req, "tool_choice", None)
-    return bool((rf and rf.get("type") not in (None, "text")) or req.structured_outputs
+    so = req.structured_outputs
+    return bool((rf and rf.get("type") not in (None, "text"))
+                or (so and (any(k != "backend" for k in so) or so["backend"] not in LLGUIDANCE))
                 or any(getattr(req, name) is not None for name in _GUIDED)
                 or choice == "required" or isinstance(choice, NamedToolChoice))
 
@@ -55,6 +58,11 @@ def structured_outputs(req: Any, check: Callable[[StructuredOutputsParams], None
                            "(or structured_outputs with regex, choice or grammar)", param="response_format",
                            code="unsupported_parameter")
     so = req.structured_outputs
+    if so and "backend" in so:  # (every route's structured_outputs: chat, completions, responses, messages)
+        if so["backend"] is not None and so["backend"] not in LLGUIDANCE:
+            raise APIError(400, backend_refusal(so["backend"]), param="structured_outputs",
+                           code="unsupported_parameter")
+        so = {k: v for k, v in so.items() if k != "backend"}  # (a backend alone asks for no grammar)
     if so:
         other = sorted(k for k, v in so.items()
                        if k not in _STRUCTURED_KEYS + _IGNORED_KEYS and v is not None and v is not False)
