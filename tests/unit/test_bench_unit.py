@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import replace
 
 import numpy as np
@@ -918,3 +919,133 @@ def test_endpoint_requests_ask_for_the_schema_as_response_format():
 
     asyncio.run(go_plain())
     assert "response_format" not in bodies[0]
+
+
+# ---- bad input: --endpoint and --out, refused before anything is measured or written -------------
+
+import threading  # noqa: E402
+from http.server import BaseHTTPRequestHandler, SimpleHTTPRequestHandler, ThreadingHTTPServer  # noqa: E402
+
+
+def _serve(handler):
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv, f"http://127.0.0.1:{srv.server_address[1]}"
+
+
+class _Quiet(SimpleHTTPRequestHandler):
+    """A plain web server (python -m http.server), no access log."""
+
+    def log_message(self, *a):
+        pass
+
+
+class _Server(BaseHTTPRequestHandler):
+    """An OpenAI-compatible server listing the model `m`: a chat request for another model is its
+    404; with `fail` every request for `m` is a 500 (a server that breaks after the probe)."""
+
+    fail = False
+
+    def log_message(self, *a):
+        pass
+
+    def do_GET(self):
+        if self.path != "/v1/models":
+            return self.send_error(404)
+        self._send(200, {"object": "list", "data": [{"id": "m"}]})
+
+    def do_POST(self):
+        req = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))))
+        if req["model"] != "m":
+            return self._send(404, {"error": {"message": f"The model `{req['model']}` does not exist."}})
+        if self.fail:
+            return self._send(500, {"error": {"message": "the engine died"}})
+        self._send(200, {"choices": [{"index": 0, "finish_reason": "length",
+                                      "message": {"role": "assistant", "content": "ok"}}]})
+
+    def _send(self, code, obj):
+        body = json.dumps(obj).encode()
+        self.send_response(code)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def _bench_argv(tmp_path, url, *more):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "x0", "prompt": "hi"}) + "\n")
+    return ["bench", "--endpoint", url, "--workload", str(prompts), "--concurrency", "1", "--requests", "1",
+            "--warmup", "0", "--max-tokens", "2", "--no-table", "--no-progress", "--out", str(tmp_path / "b"), *more]
+
+
+def test_an_endpoint_that_is_no_openai_server_or_lacks_the_model_is_one_line(tmp_path, capsys):
+    """bench --endpoint at a plain web server printed httpx's two-line error (404 ... For more
+    information check: ...); --endpoint-model naming a model the server lacks ran, failed every
+    request without a reason and exited 0. Now one line each, before --out is created."""
+    from draftsmith.cli import main
+
+    web, web_url = _serve(lambda *a, **k: _Quiet(*a, directory=str(tmp_path), **k))
+    srv, url = _serve(_Server)
+    try:
+        for argv, says in (
+                ([web_url], f"--endpoint {web_url}/v1: GET {web_url}/v1/models answered HTTP 404 (File not found), "
+                            "so there is no model name to send; give an OpenAI-compatible server's URL"),
+                ([web_url, "--endpoint-model", "m"], f"--endpoint {web_url}/v1: POST {web_url}/v1/chat/completions "
+                                                     "answered HTTP 501"),
+                ([url, "--endpoint-model", "x"], "answered HTTP 404 ({\"error\": {\"message\": \"The model `x` does "
+                                                 "not exist.\"}})")):
+            capsys.readouterr()
+            assert main(_bench_argv(tmp_path, *argv)) == 2
+            err = capsys.readouterr().err.strip()
+            assert "\n" not in err and err.startswith("draftsmith: error: ") and says in err, err
+            assert not (tmp_path / "b").exists()
+    finally:
+        for s in (web, srv):
+            s.shutdown()
+            s.server_close()
+
+
+def test_a_bench_in_which_every_request_failed_is_an_error_with_the_first_reason(tmp_path, capsys):
+    """A server that answers the probe but fails every request: 'bench: report -> ...' and exit 0,
+    the reason only inside the report; now the report, then the first reason in one line, exit 2."""
+    from draftsmith.cli import main
+
+    srv, url = _serve(_Server)
+    _Server.fail = True
+    try:
+        assert main(_bench_argv(tmp_path, url)) == 2
+    finally:
+        _Server.fail = False
+        srv.shutdown()
+        srv.server_close()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("draftsmith: error: every request failed (1); the first: HTTP 500: ")
+    assert "the engine died" in err[-1] and err[-1].endswith(f"(all in {tmp_path / 'b' / 'report.json'})")
+    assert (tmp_path / "b" / "report.json").is_file()
+
+
+@pytest.mark.parametrize("files,what", [
+    (("checkpoint-00000002/", "metrics.jsonl", "config.json", "model.safetensors"), r"a training run \(checkpoint-00000002\)"),
+    (("report.json", "report.md", "rounds-ngram.jsonl"), r"an eval report \(rounds-ngram\.jsonl\)"),
+    (("regen.jsonl", "regen.jsonl.errors.jsonl"), r"a data file \(a regen output or prompts\) \(regen\.jsonl\)"),
+    (("manifest.json", "shard-00000.safetensors"), r"a feature cache \(manifest\.json\)"),
+])
+@pytest.mark.parametrize("flag", [(), ("--overwrite",), ("--resume",)])
+def test_out_that_is_another_jobs_directory_is_refused(tmp_path, capsys, files, what, flag):
+    """bench --out DIR where DIR is a train run, an eval report, a regen output's directory or a
+    feature cache wrote report.json / report.md / PNGs among its files (--overwrite deleted an
+    eval's report.json and report.md first). Refused before the endpoint is asked (nothing listens)."""
+    from draftsmith.cli import main
+
+    out = tmp_path / "job"
+    out.mkdir()
+    for name in files:
+        (out / name).mkdir() if name.endswith("/") else (out / name).write_text("x")
+    before = sorted(p.name for p in out.iterdir())
+    assert main(["bench", "--endpoint", "http://127.0.0.1:9", "--out", str(out), *flag]) == 2
+    err = capsys.readouterr().err.strip()
+    assert re.search(rf"--out {re.escape(str(out))} holds {what}, another job's output; bench would write its "
+                     r"files among it\. Give a new or empty directory$", err), err
+    assert sorted(p.name for p in out.iterdir()) == before and (out / files[-1]).exists()

@@ -6,10 +6,28 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from draftsmith.bench.config import BenchConfig
-from draftsmith.bench.loadgen import diff_counters, endpoint_model, run_endpoint, scrape_counters
+from draftsmith.bench.loadgen import diff_counters, run_endpoint, scrape_counters
 from draftsmith.bench.machine import proc_bytes
 from draftsmith.bench.metrics import RunResult
 from draftsmith.bench.phases import Phase
+from draftsmith.data.regen_backends import check_chat, served_models
+from draftsmith.errors import DraftsmithError
+
+
+def probe(url: str, model: str | None, timeout: float) -> str:
+    """The model to send to the server at `url` (its /v1 base), checked before anything is
+    measured or written: `model`, else the first /v1/models lists; a name it does not list is
+    asked for one token (regen --endpoint's checks). A web server that is no OpenAI API, a model
+    it does not serve, a server that cannot be reached: one line each, not a run of failures."""
+    served, why = served_models(url, f"{url}/models", timeout)
+    if model is None and not served:
+        raise DraftsmithError(f"--endpoint {url}: GET {url}/models {why}, so there is no model name to send; give "
+                              "an OpenAI-compatible server's URL, e.g. http://host:8000/v1, or name the model with "
+                              "--endpoint-model")
+    model = model or served[0]
+    if model not in served:
+        check_chat(url, f"{url}/chat/completions", model, timeout)
+    return model
 
 
 class EndpointRunner:
@@ -33,10 +51,7 @@ class EndpointBackend:
 
     def __init__(self, cfg: BenchConfig, log: Callable[[str], None]) -> None:
         self.cfg = cfg
-        self.endpoints = []
-        for e in cfg.endpoints:
-            model = cfg.endpoint_model or endpoint_model(e.url)
-            self.endpoints.append((e, model))
+        self.endpoints = [(e, probe(e.url, cfg.endpoint_model, cfg.request_timeout)) for e in cfg.endpoints]
 
     tokenize = None
 

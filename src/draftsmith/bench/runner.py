@@ -41,7 +41,7 @@ from draftsmith.bench.results import (
 )
 from draftsmith.bench.tier import run_phase
 from draftsmith.bench.workload import load_workload
-from draftsmith.data.outdir import check_out_dir
+from draftsmith.data.outdir import check_no_other_job, check_out_dir
 from draftsmith.errors import DraftsmithError
 from draftsmith.policy.roofline import measure_bandwidth
 
@@ -65,11 +65,15 @@ def run_bench(config: BenchConfig, log: Callable[[str], None] | None = None) -> 
     cfg = config
     log = log or _default_log
     out = check_out_dir(cfg.out)
+    check_no_other_job(out, "bench", (SETUP, RESULTS))  # (--overwrite deleted an eval's report.json)
     results_path, setup_path = out / RESULTS, out / SETUP
     existing, _ = read_results(results_path)
     if (existing or setup_path.exists()) and not (cfg.resume or cfg.overwrite):
         raise DraftsmithError(f"{out} already holds bench results; pass --resume to continue them or "
                               "--overwrite to start again")
+    t_start, load_start = utc_now(), loadavg()
+    # the backend before --out is created or emptied: a server that does not answer is refused first
+    backend = EndpointBackend(cfg, log) if cfg.endpoint_mode else InProcessBackend(cfg, log)
     if cfg.resume and not setup_path.exists():
         log(f"bench: nothing to resume in {out}; starting a new run")
     out.mkdir(parents=True, exist_ok=True)
@@ -77,8 +81,6 @@ def run_bench(config: BenchConfig, log: Callable[[str], None] | None = None) -> 
         for name in (RESULTS, SETUP, *OUTPUT_FILES):
             (out / name).unlink(missing_ok=True)
 
-    t_start, load_start = utc_now(), loadavg()
-    backend = EndpointBackend(cfg, log) if cfg.endpoint_mode else InProcessBackend(cfg, log)
     wl = load_workload(cfg.workload, cfg.split, cfg.requests, backend.tokenize, backend.max_prompt_tokens,
                        turns=cfg.turns, answer_tokens=cfg.max_tokens + 8)
     fp = cfg.fingerprint([p.id for p in wl.prompts], backend.weights_hash)

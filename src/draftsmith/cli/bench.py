@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from draftsmith.cli.options import (
 )
 from draftsmith.drafters import registry
 from draftsmith.engine.speculative_config import MAX_SPECULATIVE_TOKENS
+from draftsmith.errors import DraftsmithError
 
 HELP = "speedup / latency / cost report across concurrency tiers, go/no-go per tier"
 EXAMPLE = "draftsmith bench --drafter ngram --drafter dspark:runs/smollm2-135m-dspark --concurrency 1,4,16 --peers hf"
@@ -112,4 +114,16 @@ def cmd_bench(args) -> int:
     if not args.no_table:
         print(headline_table(path), file=sys.stderr)
     print(f"bench: report -> {path}, {path.with_name('report.md')}", file=sys.stderr)
+    failed, total, first = _failures(path)
+    if failed == total > 0:  # (exit 0 here let a script take a report of nothing for a result)
+        raise DraftsmithError(f"every request failed ({total}); the first: {first} (all in {path})")
+    if failed:
+        print(f"bench: {failed} of {total} requests failed; the first: {first}", file=sys.stderr)
     return 0
+
+
+def _failures(report: Path) -> tuple[int, int, str | None]:
+    """(failed, all, the first failure's reason) over the measured requests of the report's tiers."""
+    rows = [r for t in json.loads(report.read_text())["tiers"] for r in t["results"]]
+    reasons = [x["error"] for r in rows for x in r["per_request"] if x.get("error") is not None]
+    return len(reasons), sum(len(r["per_request"]) for r in rows), reasons[0] if reasons else None

@@ -1,6 +1,7 @@
 """Checks of a job's --out path, made before the job loads anything: the right kind (a
-directory for cache / eval / bench / export / import, a file for regen), and, for the jobs
-that write a model directory (export, import), no silent replacement of what is there.
+directory for cache / eval / bench / export / import, a file for regen), no other job's
+output there (bench and train write their files beside what a directory holds), and, for
+the jobs that write a model directory (export, import), no silent replacement of what is there.
 
 (These belong beside fileio.py; they live here because every job that writes an --out
 reaches draftsmith.data without importing torch.)"""
@@ -8,6 +9,8 @@ reaches draftsmith.data without importing torch.)"""
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
+from fnmatch import fnmatch
 from pathlib import Path
 
 from draftsmith.errors import DraftsmithError
@@ -31,6 +34,31 @@ def check_out_dir(out: str | Path, flag: str = "--out") -> Path:
     if blocker is not None:
         raise DraftsmithError(f"{flag} {out}: {blocker} is a file, not a directory; give a path inside a directory")
     return out
+
+
+# What each job leaves in its directory, the first match naming it: bench or train writing among
+# these would mix two jobs' files (and --overwrite would delete the other's report.json).
+JOB_FILES = (
+    ("manifest.json", "a feature cache"), ("shard-*.safetensors", "a feature cache"),
+    ("checkpoint-*", "a training run"), ("train_info.json", "a training run"),
+    ("*.safetensors", "model or drafter weights"),
+    ("rounds-*.jsonl", "an eval report"),
+    ("setup.json", "a bench report"), ("results.jsonl", "a bench report"),
+    ("*.jsonl", "a data file (a regen output or prompts)"),
+)
+
+
+def check_no_other_job(out: str | Path, job: str, own: Sequence[str], where: str | None = None) -> None:
+    """Refuse a directory `out` that holds another job's output (JOB_FILES); names matching a
+    pattern in `own` are this job's own files. `where` names it in the error (default --out OUT)."""
+    out = Path(out)
+    if not out.is_dir():
+        return
+    for pattern, what in JOB_FILES:
+        for p in sorted(out.glob(pattern)):
+            if not any(fnmatch(p.name, o) for o in own):
+                raise DraftsmithError(f"{where or f'--out {out}'} holds {what} ({p.name}), another job's output; "
+                                      f"{job} would write its files among it. Give a new or empty directory")
 
 
 def check_out_file(out: str | Path, flag: str = "--out", example: str = "out.jsonl") -> Path:

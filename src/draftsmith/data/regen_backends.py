@@ -220,6 +220,60 @@ def _check_endpoint_options(cfg: RegenConfig) -> None:
         raise DraftsmithError(f"--retry-backoff must be a number of seconds >= 0, got {cfg.retry_backoff}")
 
 
+def endpoint_unreachable(endpoint: str, e: Exception) -> DraftsmithError:
+    return DraftsmithError(f"--endpoint {endpoint}: cannot connect ({type(e).__name__}: {_one_line(e)}); "
+                           "start the server or fix the URL, e.g. http://host:8000/v1")
+
+
+def served_models(endpoint: str, models_url: str, timeout: float) -> tuple[list[str], str]:
+    """GET /v1/models before anything is written: the served models' names, and where there are
+    none what the server answered (/v1/models is optional: a chat endpoint may still answer). A
+    server that cannot be reached (refused, no such host) is an error here; it was each request
+    retried into the errors file, the run ending 'ok' with 0 written (and --overwrite's old output
+    gone). A slow answer is left to the run's timeouts and retries. (regen and bench --endpoint)"""
+    try:
+        r = httpx.get(models_url, timeout=min(10.0, timeout))
+    except httpx.TimeoutException:
+        return [], "timed out"
+    except httpx.TransportError as e:
+        raise endpoint_unreachable(endpoint, e) from None
+    if r.status_code != 200:
+        return [], f"answered HTTP {r.status_code} ({r.reason_phrase})"
+    try:
+        names = [str(m["id"]) for m in r.json().get("data") or [] if isinstance(m, dict) and m.get("id")]
+    except Exception:  # not JSON, or not a model list
+        names = []
+    return names, "" if names else "answered 200 with no model list"
+
+
+def check_chat(endpoint: str, chat_url: str, model: str, timeout: float) -> None:
+    """One request of one token where /v1/models listed nothing (or not the model asked for): a
+    URL that is no OpenAI-compatible chat endpoint (a web server's 404 / 405 / 501, a 200 that is
+    no chat completion) or that refuses every request (a 4xx: wrong model name, a key needed) is
+    an error before anything is written. 5xx, 408 / 429 and timeouts are left to the run's retries."""
+    body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    try:
+        r = httpx.post(chat_url, json=body, timeout=timeout)
+    except httpx.TimeoutException:
+        return
+    except httpx.TransportError as e:
+        raise endpoint_unreachable(endpoint, e) from None
+    why = None
+    if r.status_code == 200:  # (a chat completion's shape only: one token may leave content null,
+        try:                  # a reasoning parser's <think>, which _parse would refuse as a reply)
+            ok = isinstance(r.json()["choices"][0]["message"], dict)
+        except (ValueError, LookupError, TypeError):
+            ok = False
+        if not ok:
+            why = "answered 200 with no chat completion"
+    elif r.status_code in (501, 505) or (400 <= r.status_code < 500 and r.status_code not in (408, 409, 429)):
+        json_body = "json" in r.headers.get("content-type", "")  # an error's message; not a web page
+        why = f"answered HTTP {r.status_code} ({' '.join(r.text.split())[:200] if json_body else r.reason_phrase})"
+    if why is not None:
+        raise DraftsmithError(f"--endpoint {endpoint}: POST {chat_url} {why}; give an OpenAI-compatible "
+                              "server's URL, e.g. http://host:8000/v1 (and --endpoint-model, the name it serves)")
+
+
 class _Failed(Exception):
     """The conversation cannot be completed (reason goes to the errors file)."""
 
@@ -248,68 +302,18 @@ class EndpointBackend:
         self.sampling = resolve_sampling(path, cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_new_tokens, cfg.seed)
         self.url = chat_completions_url(cfg.endpoint)
         self.vocab = max(len(self.tokenizer), config.vocab_size)  # the ids the target may write
-        served = self._probe()
+        served, _ = served_models(cfg.endpoint, self.url[: -len("/chat/completions")] + "/models",
+                                  cfg.request_timeout)
         self.model_name = cfg.endpoint_model or (served[0] if served else target_id)
-        if not served or self.model_name not in served:
+        if self.model_name not in served:
             # /v1/models (optional) listed nothing, or not --endpoint-model: is the URL a chat endpoint
             # at all, and does it serve that name (vLLM and Draftsmith's server 404 any other)?
-            self._check_chat()
+            check_chat(cfg.endpoint, self.url, self.model_name, cfg.request_timeout)
         self.target_info = {"id": target_id, "weights_hash": weights_fingerprint(path),
                             "endpoint": cfg.endpoint, "served_model": self.model_name}
         self.legacy_weights_hash = legacy_weights_fingerprint(path)
         self.max_len = cfg.max_len
         self.ask_ids = True  # send return_token_ids (off once the server refuses the field)
-
-    def _unreachable(self, e: Exception) -> DraftsmithError:
-        return DraftsmithError(f"--endpoint {self.cfg.endpoint}: cannot connect ({type(e).__name__}: {_one_line(e)}); "
-                               "start the server or fix the URL, e.g. http://host:8000/v1")
-
-    def _probe(self) -> list[str]:
-        """GET /v1/models before anything is written: the served models' names (none where the server
-        lists none). A server that cannot be reached (refused, no such host) is an error here; it
-        was each conversation retried into the errors file, the run ending 'ok' with 0 written (and
-        --overwrite's old output gone). A slow answer is left to the run's timeouts and retries."""
-        models_url = self.url[: -len("/chat/completions")] + "/models"
-        try:
-            r = httpx.get(models_url, timeout=min(10.0, self.cfg.request_timeout))
-        except httpx.TimeoutException:
-            return []
-        except httpx.TransportError as e:
-            raise self._unreachable(e) from None
-        try:
-            if r.status_code == 200:
-                data = r.json().get("data") or []
-                return [str(m["id"]) for m in data if isinstance(m, dict) and m.get("id")]
-        except Exception:  # /v1/models is optional; fall back to the target id
-            return []
-        return []
-
-    def _check_chat(self) -> None:
-        """One request of one token where /v1/models listed nothing (or not the model asked for): a
-        URL that is no OpenAI-compatible chat endpoint (a web server's 404 / 405 / 501, a 200 that is
-        no chat completion) or that refuses every request (a 4xx: wrong model name, a key needed) is
-        an error before anything is written. 5xx, 408 / 429 and timeouts are left to the run's retries."""
-        body = {"model": self.model_name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
-        try:
-            r = httpx.post(self.url, json=body, timeout=self.cfg.request_timeout)
-        except httpx.TimeoutException:
-            return
-        except httpx.TransportError as e:
-            raise self._unreachable(e) from None
-        why = None
-        if r.status_code == 200:  # (a chat completion's shape only: one token may leave content null,
-            try:                  # a reasoning parser's <think>, which _parse would refuse as a reply)
-                ok = isinstance(r.json()["choices"][0]["message"], dict)
-            except (ValueError, LookupError, TypeError):
-                ok = False
-            if not ok:
-                why = "answered 200 with no chat completion"
-        elif r.status_code in (501, 505) or (400 <= r.status_code < 500 and r.status_code not in (408, 409, 429)):
-            json_body = "json" in r.headers.get("content-type", "")  # an error's message; not a web page
-            why = f"answered HTTP {r.status_code} ({' '.join(r.text.split())[:200] if json_body else r.reason_phrase})"
-        if why is not None:
-            raise DraftsmithError(f"--endpoint {self.cfg.endpoint}: POST {self.url} {why}; give an OpenAI-compatible "
-                                  "server's URL, e.g. http://host:8000/v1 (and --endpoint-model, the name it serves)")
 
     def run(self, todo: Sequence, sink) -> None:
         asyncio.run(self._run_all(list(todo), sink))
