@@ -216,3 +216,51 @@ def test_block_drafter_loss_weights_must_be_finite_in_python_too():
             with pytest.raises(DraftsmithError, match=f"ce_weight must be a finite number >= 0, got {v}"):
                 cls(ce_weight=v)
         assert cls(ce_weight=0.5).ce_weight == 0.5
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_out_that_is_a_feature_cache_is_refused(tmp_path, overwrite):
+    """train out=DIR where DIR is a feature cache (`draftsmith cache --out`, often data.cache itself):
+    the run wrote config.json, model.safetensors and its checkpoints among the shards. Refused
+    before anything loads (the target 't' does not exist: the error would be another), with
+    --overwrite too (it deletes a run's files only)."""
+    import re
+
+    from draftsmith.train.trainer import Trainer
+
+    out = tmp_path / "cache"
+    out.mkdir()
+    files = {"manifest.json": '{"kind": "draftsmith-target-cache"}\n', "shard-00000.safetensors": "x"}
+    for name, text in files.items():
+        (out / name).write_text(text)
+    with pytest.raises(DraftsmithError, match=rf"^out={re.escape(str(out))} holds a feature cache \(manifest\.json\), "
+                                              r"another job's output; training would write its files among it\."):
+        Trainer(_cfg(out), CATALOGUE, overwrite=overwrite).fit()
+    assert {f.name: f.read_text() for f in out.iterdir()} == files
+
+
+def test_a_drafter_too_large_for_memory_is_refused_before_it_is_built(tiny_model_dir, tmp_path, monkeypatch):
+    """drafter.num_layers=1000 built tens of GB of layers before anything said no. Now its size
+    (a lower bound from the configs: draft layers as wide as the target's, 16 bytes a parameter
+    to train) is checked against the free memory first, naming the override to lower. Here the
+    free memory is made small; the cache does not exist (the error would be that one without)."""
+    from draftsmith.drafters import dspark
+    from draftsmith.drafters.kind_config import resolve_for_target
+    from draftsmith.models import kv_cache
+    from draftsmith.models.target import load_target
+    from draftsmith.train.memory import draft_layer_params
+    from draftsmith.train.trainer import Trainer
+
+    tiny = tiny_model_dir("llama")
+    cfg = parse_config({"target": str(tiny), "out": str(tmp_path / "run"), "drafter": {"kind": "dspark", "num_layers": 300},
+                        "data": {"cache": str(tmp_path / "no-cache")}, "train": {"device": "cpu"}})
+    monkeypatch.setattr(kv_cache, "free_memory", lambda device: 10**6)
+    with pytest.raises(DraftsmithError, match=r"^the dspark drafter is too large to train here: 300 draft layer\(s\) of "
+                                              r".* GB free; lower drafter\.num_layers=300$"):
+        Trainer(cfg).fit()
+    # the estimate is a lower bound of what is built, off only by the layers' norms
+    target = load_target(str(tiny), device="cpu", dtype="float32")
+    config = resolve_for_target(dspark.DSparkConfig(num_layers=2), target)
+    layers, per_layer = draft_layer_params(config, target.model.config)
+    built = sum(p.numel() for p in dspark.build(target.model, config).backbone.layers.parameters())
+    assert layers == 2 and layers * per_layer <= built <= layers * per_layer * 1.05

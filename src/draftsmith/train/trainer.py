@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from draftsmith.data.outdir import check_out_dir
+from draftsmith.data.outdir import check_no_other_job, check_out_dir
 from draftsmith.drafters.builtin import builtin_specs, resolve as builtin_resolve
 from draftsmith.drafters.kind_config import resolve_for_target
 from draftsmith.errors import DraftsmithError
@@ -40,11 +40,14 @@ from draftsmith.train import checkpoint as ckpt_io, distributed as dist_util
 from draftsmith.train.config import Catalogue, TrainConfig, trained_catalogue
 from draftsmith.train.data import TrainData
 from draftsmith.train.evaluate import HeldoutEval
+from draftsmith.train.memory import check_fits
 from draftsmith.train.distributed import DistInfo, init_from_env, shutdown
 
 StepHook = Callable[[int, "Trainer"], None]
 HELDOUT_FILE = "heldout.jsonl"  # held-out evaluation rows (train/evaluate.py), one per checkpoint
 STATS_FILE = "target_stats.safetensors"  # the training windows' target statistics, for a resume (train/data.py)
+# what a run directory holds (the rest of outdir.JOB_FILES is another job's output)
+_RUN_FILES = ("checkpoint-*", "train_info.json", "model.safetensors", STATS_FILE, "metrics.jsonl", HELDOUT_FILE)
 PROBE_STEPS = 12  # timing probe for --budget: the first two warm up, the mean of the rest counts (a
 # budget needs the mean step; EAGLE-3's variable-length windows made a median of 3 read 0.39 s for 0.52-0.6)
 # Train-section fields that may change on resume without breaking exactness.
@@ -152,6 +155,7 @@ class Trainer:
             ckpt_io.check_target(saved, self.target.target_id, self.target.weights_hash, str(self.resume_from),
                                  legacy_hash=self.target.legacy_weights_hash)  # (its kind: checked above)
         entry = self.catalogue[self.cfg.kind]
+        check_fits(self.cfg.kind, self.cfg.drafter, self.target.model.config, info.device)  # before it is built
         self.model = entry.build(self.target.model, resolve_for_target(self.cfg.drafter, self.target)).to(info.device)
         self.model.train()
         spec = self.model.feature_spec
@@ -218,6 +222,9 @@ class Trainer:
         calibration.json. --overwrite replaces it, but not where train.init_from reads from it."""
         if not self.out.is_dir():
             return
+        # a feature cache, an eval or bench report, data files: the run would write among them (even
+        # with --overwrite, which deletes only a run's files)
+        check_no_other_job(self.out, "training", _RUN_FILES, where=f"out={self.out}")
         init = self.cfg.train.init_from
         if self.overwrite and init is not None and not self.resume:
             out = self.out.resolve()
