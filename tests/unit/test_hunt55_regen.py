@@ -223,3 +223,23 @@ def test_the_one_token_probe_checks_a_chat_completions_shape_only(tiny, tmp_path
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+@pytest.mark.parametrize("argv,says", [
+    # '' was falsy: the built-in engine ran instead, the user believing the server answered
+    (["--endpoint", ""], "--endpoint is empty; give an OpenAI-compatible server's URL, e.g. http://host:8000/v1, "
+                         "or leave --endpoint out to regenerate with the built-in engine"),
+    # parsed by the cache's layer parser, which named its own flag (--layers), after the target loaded
+    (["--features-out", "feats", "--feature-layers", "abc"],
+     "--feature-layers expects comma-separated 0-based layer ids, e.g. 1,14,27 (or default), got 'abc'"),
+    (["--features-out", "feats", "--feature-layers", ","], "--feature-layers expects comma-separated"),
+])
+def test_flags_that_cannot_work_are_refused_in_their_own_names(tmp_path, monkeypatch, capsys, argv, says):
+    """Refused before the target loads (it does not exist here: the error would be another)."""
+    from draftsmith.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["regen", "--target", "no-such-target", "--out", "r.jsonl", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"draftsmith: error: {says}") and "\n" not in err, err
+    assert not (tmp_path / "r.jsonl").exists()

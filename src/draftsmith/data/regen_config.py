@@ -52,6 +52,21 @@ class RegenConfig:
     feature_layers: str | None = None  # 0-based layer ids, e.g. "1,14,27" (None: low/mid/high)
     feature_dtype: str = "fp16"  # storage dtype of the features
 
+    def __post_init__(self) -> None:
+        """What is wrong before anything loads, in the flags' own names."""
+        if self.endpoint is not None and not self.endpoint.strip():  # ('' ran the built-in engine instead)
+            raise DraftsmithError("--endpoint is empty; give an OpenAI-compatible server's URL, e.g. "
+                                  "http://host:8000/v1, or leave --endpoint out to regenerate with the built-in engine")
+        layers = self.feature_layers
+        if isinstance(layers, str) and layers.strip() not in ("", "default"):
+            try:  # (the range is checked against the target's depth once it loads)
+                ok = bool([int(x) for x in layers.split(",") if x.strip()])
+            except ValueError:
+                ok = False
+            if not ok:
+                raise DraftsmithError(f"--feature-layers expects comma-separated 0-based layer ids, e.g. 1,14,27 "
+                                      f"(or default), got {layers!r}")
+
 
 @dataclass(frozen=True)
 class RegenSampling:
