@@ -115,3 +115,24 @@ def test_bf16_without_bf16_hardware_warns_what_applies(monkeypatch, isa, ok, say
         assert target.pick_dtype("float32", cpu) == torch.float32
         monkeypatch.setattr(target, "cpu_has_fast_bf16", lambda: True)
         assert target.pick_dtype("bfloat16", cpu) == torch.bfloat16
+
+
+def test_float16_without_float16_hardware_names_the_float16_flags(monkeypatch):
+    """--dtype float16 on a CPU: the warning listed bfloat16's flags (AVX512-BF16 / AMX / BF16) and
+    keyed on them, so a CPU with bf16 but no fp16 hardware said nothing while float16 ran emulated.
+    Now float16 is judged by AVX512-FP16 / AMX-FP16 / Arm FP16, and the warning names those."""
+    import warnings
+
+    from draftsmith.models import target
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(target, "_cpu_flags", lambda: {"avx512_bf16", "amx_bf16"})  # bf16 hardware only
+    with pytest.warns(UserWarning, match="no hardware support") as rec:
+        assert target.pick_dtype("float16", cpu) == torch.float16
+    msg = str(rec[0].message)
+    assert "no AVX512-FP16 / AMX-FP16 / Arm FP16 flag" in msg and "BF16" not in msg, msg
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert target.pick_dtype("bfloat16", cpu) == torch.bfloat16
+        monkeypatch.setattr(target, "_cpu_flags", lambda: {"avx512_fp16", "amx_fp16"})
+        assert target.pick_dtype("fp16", cpu) == torch.float16

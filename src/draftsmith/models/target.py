@@ -31,19 +31,28 @@ def pick_device(device: str | None) -> torch.device:
         raise DraftsmithError(f"unknown device {device!r}; use cpu, cuda, cuda:N or auto") from None
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        return set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return set()
+
+
 def cpu_has_fast_bf16() -> bool:
     """bf16 matmuls in hardware: AVX512-BF16 or AMX on x86-64, the BF16 extension on Arm."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    words = set(flags.split())
-    return bool(words & {"avx512_bf16", "amx_bf16", "bf16"})
+    return bool(_cpu_flags() & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def cpu_has_fast_fp16() -> bool:
+    """float16 arithmetic in hardware: AVX512-FP16 or AMX-FP16 on x86-64, half-precision SIMD
+    (asimdhp) on Arm. (F16C only converts: float16 matmuls without these are emulated.)"""
+    return bool(_cpu_flags() & {"avx512_fp16", "amx_fp16", "asimdhp"})
 
 
 def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
-    """fp32 on CPU by default, bf16 on CUDA. bfloat16 on a CPU pays where the CPU computes it in
-    hardware (AVX512-BF16 / AMX / Arm BF16); elsewhere it is emulated and slower: warn."""
+    """fp32 on CPU by default, bf16 on CUDA. bfloat16 / float16 on a CPU pay where the CPU
+    computes them in hardware (AVX512-BF16 / AMX / Arm BF16, AVX512-FP16 / AMX-FP16 / Arm FP16);
+    elsewhere they are emulated and slower: warn."""
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
              "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
     if dtype in (None, "auto"):
@@ -51,19 +60,23 @@ def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     if dtype not in table:
         raise DraftsmithError(f"unknown dtype {dtype!r}; choose from {', '.join(table)}")
     chosen = table[dtype]
-    if device.type == "cpu" and chosen != torch.float32 and not cpu_has_fast_bf16():
+    if device.type != "cpu" or chosen == torch.float32:
+        return chosen
+    bf16 = chosen == torch.bfloat16
+    if not (cpu_has_fast_bf16() if bf16 else cpu_has_fast_fp16()):
         from draftsmith.kernels.build import cpu_kernels
 
-        if chosen == torch.bfloat16 and (st := cpu_kernels()).ok and st.bf16:
+        none = "no AVX512-BF16 / AMX / BF16 flag" if bf16 else "no AVX512-FP16 / AMX-FP16 / Arm FP16 flag"
+        if bf16 and (st := cpu_kernels()).ok and st.bf16:
             warnings.warn(
-                f"{dtype} on this CPU has no hardware support (no AVX512-BF16 / AMX / BF16 flag): Draftsmith's "
+                f"{dtype} on this CPU has no hardware support ({none}): Draftsmith's "
                 f"{st.isa} kernels stream the bfloat16 weights (half the bytes) and compute in float32, so decoding "
                 "and few-token verify steps are faster than float32 but wide batched steps "
                 f"({'16+ rows) are slower' if st.isa == 'avx2' else '32+ rows) are no faster'}; "
                 "use --dtype float32 for batch throughput", DraftsmithWarning, stacklevel=2)
         else:
             warnings.warn(
-                f"{dtype} on this CPU has no hardware support (no AVX512-BF16 / AMX / BF16 flag): it runs "
+                f"{dtype} on this CPU has no hardware support ({none}): it runs "
                 "emulated and is likely slower than float32; use --dtype float32",
                 DraftsmithWarning, stacklevel=2,
             )
