@@ -273,6 +273,19 @@ def test_registry_names_aliases_and_paths(tmp_path: Path) -> None:
         resolve_source(str(tmp_path / "missing.parquet"))
 
 
+def test_a_directory_named_like_a_prompt_file_is_said_to_be_one(tmp_path: Path) -> None:
+    """--mix / --workload data.jsonl where data.jsonl is a directory read as 'prompt file not found'."""
+    d = tmp_path / "data.jsonl"
+    d.mkdir()
+    says = f"prompt file {d} is a directory; give a .jsonl or .parquet file"
+    with pytest.raises(DraftsmithError) as e:
+        resolve_source(str(d))
+    assert str(e.value) == says
+    with pytest.raises(DraftsmithError) as e:
+        list(JsonlSource(d).conversations())
+    assert str(e.value) == says
+
+
 def test_parse_mix() -> None:
     assert parse_mix("code:0.4,chat:0.6") == (MixEntry("code", 0.4), MixEntry("chat", 0.6))
     assert parse_mix(" humaneval , data/p.jsonl:2") == (MixEntry("humaneval", 1.0),

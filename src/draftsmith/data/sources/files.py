@@ -72,6 +72,15 @@ def content_id(messages: tuple[dict[str, str], ...]) -> str:
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
 
 
+def check_prompt_file(path: Path, name: str | Path | None = None) -> None:
+    """A prompt file that is not there, or a directory named like one, said as what it is."""
+    name = path if name is None else name
+    if path.is_dir():
+        raise DraftsmithError(f"prompt file {name} is a directory; give a .jsonl or .parquet file")
+    if not path.is_file():
+        raise DraftsmithError(f"prompt file not found: {name}")
+
+
 @dataclass(frozen=True)
 class _FileSource:
     """Shared reading logic; subclasses only say how to get (line number, record) pairs."""
@@ -90,8 +99,7 @@ class _FileSource:
     def conversations(self, split: Split | None = None) -> Iterator[Conversation]:
         if self.on_error not in ("raise", "skip"):
             raise DraftsmithError(f"on_error must be 'raise' or 'skip', got {self.on_error!r}")
-        if not Path(self.path).is_file():
-            raise DraftsmithError(f"prompt file not found: {self.path}")
+        check_prompt_file(Path(self.path))
         return in_split(self._all(), split)
 
     def _records(self) -> Iterator[tuple[int, Any]]:

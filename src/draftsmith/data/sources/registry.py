@@ -15,7 +15,7 @@ from typing import Final
 
 from draftsmith.data.sources.base import Source
 from draftsmith.data.sources.conversation import Conversation, Split
-from draftsmith.data.sources.files import FILE_SUFFIXES, JsonlSource, OnError, ParquetSource
+from draftsmith.data.sources.files import FILE_SUFFIXES, JsonlSource, OnError, ParquetSource, check_prompt_file
 from draftsmith.data.sources.packaged import HumanEvalSource, MTBenchSource, ShareGPTSource
 from draftsmith.data.sources.stdlib_code import StdlibCodeSource
 from draftsmith.errors import DraftsmithError
@@ -53,8 +53,7 @@ def resolve_source(name: str, *, on_error: OnError = "raise") -> tuple[Source, .
         return tuple(BUILTIN_SOURCES[member]() for member in ALIASES[name])
     if is_prompt_file(name):
         path = Path(name).expanduser()
-        if not path.is_file():
-            raise DraftsmithError(f"prompt file not found: {name}")
+        check_prompt_file(path, name)
         kind = JsonlSource if name.lower().endswith(".jsonl") else ParquetSource
         return (kind(path, on_error=on_error),)
     raise DraftsmithError(f"unknown prompt source {name!r}; use one of "
