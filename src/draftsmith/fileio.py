@@ -63,12 +63,15 @@ def write_json_atomic(path: Path, data: Any) -> None:
 def read_json(path: Path, what: str = "file") -> Any:
     """Parsed JSON, or a DraftsmithError that names the file and what is wrong with it."""
     path = Path(path)
+    if path.is_dir():
+        raise DraftsmithError(f"{what} {path} is a directory; give the JSON file")
     if not path.is_file():
         raise DraftsmithError(f"{what} {path} does not exist")
     try:
-        return json.loads(path.read_text())
+        return json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
-        raise DraftsmithError(f"{what} {path} is not valid JSON ({e.msg} at line {e.lineno})") from None
+        raise DraftsmithError(f"{what} {path} is not valid JSON ({e.msg} at line {e.lineno}, "
+                              f"column {e.colno})") from None
     except UnicodeDecodeError:
         raise DraftsmithError(f"{what} {path} is not UTF-8 text") from None
     except RecursionError:

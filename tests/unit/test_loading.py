@@ -241,3 +241,15 @@ def test_weights_fingerprint_sees_every_byte(tmp_path, monkeypatch):
     assert same_weights(new, new) and same_weights(new, changed) is False
     assert same_weights(old, changed, legacy=old)  # files written before the content hash
     assert same_weights(None, changed) is None
+
+
+def test_invalid_json_names_its_line_and_column(tiny_model_dir, tmp_path):
+    """read_json said only the line (and of a directory, that it did not exist)."""
+    from draftsmith.fileio import read_json
+
+    path = tiny_model_dir("llama")
+    (path / "config.json").write_text('{\n  "a": 1,\n  "b" 2\n}\n')
+    with pytest.raises(DraftsmithError, match=r"not valid JSON \(Expecting ':' delimiter at line 3, column 7\)"):
+        load_decoder(path)
+    with pytest.raises(DraftsmithError, match=r"^settings .* is a directory; give the JSON file$"):
+        read_json(tmp_path, "settings")

@@ -313,3 +313,10 @@ def test_get_metrics_reads_as_vllms_offline_metrics(tiny_model_dir):
     plain = LLM(target, max_len=96)
     plain.generate([a], p)
     assert not [x for x in plain.get_metrics() if x.name.startswith("vllm:spec_decode")]
+
+
+def test_a_json_error_names_its_line_and_column():
+    """A --speculative-config file spans lines: 'at column 28' (no line) pointed into line 1."""
+    text = '{\n  "method": "ngram",\n  "num_speculative_tokens" 5\n}\n'
+    with pytest.raises(DraftsmithError, match=r"not valid JSON \(Expecting ':' delimiter at line 3, column 28\)"):
+        speculative_setup(text)

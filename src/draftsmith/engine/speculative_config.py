@@ -92,8 +92,9 @@ def parse_speculative_config(config: str | Mapping[str, Any]) -> dict[str, Any]:
         try:
             config = json.loads(config)
         except json.JSONDecodeError as e:
-            raise DraftsmithError(f"{_WHERE}: not valid JSON ({e.msg} at column {e.colno}); give a JSON object such "
-                                  """as '{"method": "ngram", "num_speculative_tokens": 5}'""") from None
+            # (the line too: a --speculative-config file has several)
+            raise DraftsmithError(f"{_WHERE}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); give a "
+                                  """JSON object such as '{"method": "ngram", "num_speculative_tokens": 5}'""") from None
         except RecursionError:
             raise DraftsmithError(f"{_WHERE}: JSON nested too deeply; its settings are numbers, strings and "
                                   "one list of [bs_lo, bs_hi, K] entries") from None
