@@ -393,22 +393,63 @@ def test_an_interrupted_cache_says_how_to_continue(tiny, target, tmp_path, monke
     recs = _records(target, 8, seed=11)
     data = _write(tmp_path / "d.jsonl", recs)
     cfg = dict(target=str(tiny), data=data, dtype="fp32", layers="1", shard_tokens=40, split="train")
-    real, calls = cache_mod.record_tensors, []
+    real, calls = cache_mod.CacheWriter.add, []
 
-    def interrupt_at_the_fifth(rec):
-        calls.append(rec["id"])
+    def interrupt_at_the_fifth(self, sample_id, *a):  # (the data is read once before: not record_tensors)
+        calls.append(sample_id)
         if len(calls) == 5:
             raise KeyboardInterrupt
-        return real(rec)
+        return real(self, sample_id, *a)
 
-    monkeypatch.setattr(cache_mod, "record_tensors", interrupt_at_the_fifth)
+    monkeypatch.setattr(cache_mod.CacheWriter, "add", interrupt_at_the_fifth)
     out = tmp_path / "c"
     with pytest.raises(KeyboardInterrupt):
         run_cache(CacheConfig(**cfg, out=out))
-    monkeypatch.setattr(cache_mod, "record_tensors", real)
+    monkeypatch.setattr(cache_mod.CacheWriter, "add", real)
     err = capsys.readouterr().err
     assert "samples are kept in" in err and "continue with `draftsmith cache " in err
     cmd = err.split("continue with `")[1].split("`")[0]
     assert main(shlex.split(cmd)[1:]) == 0
     run_cache(CacheConfig(**cfg, out=tmp_path / "fresh"))
     assert sorted(x.id for x in FeatureCache(out)) == sorted(x.id for x in FeatureCache(tmp_path / "fresh"))
+
+
+def test_bad_input_leaves_an_existing_cache_as_it_was(tiny, target, tmp_path):
+    """--overwrite deleted the old cache before --data was read or the target loaded: a typo in
+    --data, a file with nothing to cache or a bad --model-dtype lost it, then failed. Data with no
+    record of --split made an empty 'complete' cache (exit 0). A fresh run whose target fails to
+    load left a manifest, so the next run was told '--out is not empty; pass --resume'."""
+    good = _records(target, 4, seed=8)
+    data = _write(tmp_path / "good.jsonl", good)
+    out = tmp_path / "cache"
+    run_cache(CacheConfig(target=str(tiny), data=data, out=out, dtype="fp32"))
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    train_only = _write(tmp_path / "train.jsonl", [dict(r, split="train") for r in good])
+    for change, match in ((dict(data=tmp_path / "typo.jsonl"), "does not exist"),
+                          (dict(data=_write(tmp_path / "empty.jsonl", [])), "has no records: nothing to cache"),
+                          (dict(data=train_only, split="heldout"), r"no heldout-split records \(4 of other"),
+                          (dict(model_dtype="float33"), "unknown dtype 'float33'")):
+        with pytest.raises(DraftsmithError, match=match):
+            run_cache(CacheConfig(**{"target": str(tiny), "data": data, "out": out, "dtype": "fp32",
+                                     "overwrite": True, **change}))
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before, change
+    with pytest.raises(DraftsmithError, match="unknown dtype"):
+        run_cache(CacheConfig(target=str(tiny), data=data, out=tmp_path / "new", model_dtype="float33"))
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "mine").mkdir()  # a directory the user made stays, empty
+    with pytest.raises(DraftsmithError, match="unknown dtype"):
+        run_cache(CacheConfig(target=str(tiny), data=data, out=tmp_path / "mine", model_dtype="float33"))
+    assert not any((tmp_path / "mine").iterdir())
+    s = run_cache(CacheConfig(target=str(tiny), data=data, out=out, dtype="fp32", overwrite=True))
+    assert s["num_samples"] == 4  # a good --overwrite still replaces it
+
+
+def test_resume_of_a_directory_that_holds_no_cache_says_so(tiny, target, tmp_path):
+    """It answered '--out is not empty; pass --resume to continue it' to a command given --resume."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text("{}")
+    data = _write(tmp_path / "d.jsonl", _records(target, 2, seed=9))
+    with pytest.raises(DraftsmithError, match=r"cannot resume \S+run: it holds no feature cache \(manifest\.json"):
+        run_cache(CacheConfig(target=str(tiny), data=data, out=run, resume=True))
+    assert [p.name for p in run.iterdir()] == ["config.json"]

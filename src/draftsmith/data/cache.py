@@ -144,13 +144,21 @@ def run_cache(cfg: CacheConfig, target=None) -> dict:
 
     weights_hash = weights_fingerprint(path)
     legacy = legacy_weights_fingerprint(path)
+    _check_data(cfg, target_id, weights_hash, legacy, need_records=target is None)  # before --out changes
     out_existed = out.exists()
-    manifest = _prepare_out(out, cfg, target_id, weights_hash, layer_ids, mcfg, dtype_name, legacy)
+    prepare = lambda: _prepare_out(out, cfg, target_id, weights_hash, layer_ids, mcfg, dtype_name, legacy)  # noqa: E731
+    manifest = None if cfg.overwrite else prepare()  # --overwrite deletes the old cache once the target has loaded
+    try:
+        if target is None:
+            target = load_target(cfg.target, device=cfg.device, dtype=cfg.model_dtype)
+    except BaseException:
+        if manifest is not None and not manifest["shards"] and not manifest["skipped"]:
+            _remove_cache_files(out, remove_dir=not out_existed)  # (as below: nothing a later run could resume)
+        raise
+    manifest = manifest or prepare()
     fresh = not manifest["shards"] and not manifest["skipped"]
     done = {sid for sh in manifest["shards"] for sid in sh["sample_ids"]}
     done |= {s["id"] for s in manifest["skipped"]}
-    if target is None:
-        target = load_target(cfg.target, device=cfg.device, dtype=cfg.model_dtype)
     _record_target(manifest, out, cfg, target)
     extractor = FeatureExtractor(target.model, layer_ids, cfg.chunk_tokens)
     governor = (ThreadGovernor(torch.get_num_threads())
@@ -160,16 +168,11 @@ def run_cache(cfg: CacheConfig, target=None) -> dict:
                disable=(not sys.stderr.isatty()) if cfg.progress is None else not cfg.progress)
     t0 = time.perf_counter()
     new_tokens = 0
-    seen: set[str] = set()
     try:
-        for rec in iter_records(cfg.data):
+        for rec in iter_records(cfg.data):  # (checked by _check_data)
             sid = str(rec["id"])
-            if sid in seen:
-                raise DraftsmithError(f"{cfg.data}: id {sid!r} appears twice; the regen file is damaged")
-            seen.add(sid)
             if sid in done or (cfg.split is not None and record_split(rec) != cfg.split):
                 continue
-            _check_record_target(rec, target_id, weights_hash, cfg, legacy)
             ids, mask = record_tensors(rec)
             if ids.shape[0] > extractor.max_len:
                 manifest["skipped"].append({"id": sid, "reason": f"{ids.shape[0]} tokens exceed the "
@@ -206,6 +209,28 @@ def run_cache(cfg: CacheConfig, target=None) -> dict:
     return summary
 
 
+def _check_data(cfg: CacheConfig, target_id: str, weights_hash: str, legacy: str | None, need_records: bool) -> None:
+    """Read every record of cfg.data once before the target loads and --out changes: a missing or
+    damaged file, a repeated id, a record of another target or without tokens is an error while
+    --overwrite has deleted nothing yet; so is a file with no record to cache, when `need_records`
+    (the cache job: regen's catch-up pass caches whatever its run wrote, nothing included)."""
+    seen: set[str] = set()
+    wanted = 0
+    for rec in iter_records(cfg.data):
+        sid = str(rec["id"])
+        if sid in seen:
+            raise DraftsmithError(f"{cfg.data}: id {sid!r} appears twice; the regen file is damaged")
+        seen.add(sid)
+        if cfg.split is None or record_split(rec) == cfg.split:
+            _check_record_target(rec, target_id, weights_hash, cfg, legacy)
+            record_tensors(rec)
+            wanted += 1
+    if need_records and not wanted:
+        which = f"no {cfg.split}-split records ({len(seen)} of other splits)" if seen else "no records"
+        raise DraftsmithError(f"{cfg.data} has {which}: nothing to cache; give the JSONL file `draftsmith regen` "
+                              "wrote" + (", or another --split" if seen else ""))
+
+
 def _check_record_target(rec: Mapping[str, Any], target_id: str, weights_hash: str, cfg: CacheConfig,
                          legacy: str | None = None) -> None:
     t = rec.get("target") or {}
@@ -232,6 +257,9 @@ def _prepare_out(out: Path, cfg: CacheConfig, target_id: str, weights_hash: str,
             _clean_strays(out, m)
             m["complete"] = False
             return m
+        if cfg.resume:  # (not "pass --resume": it was passed)
+            raise DraftsmithError(f"cannot resume {out}: it holds no feature cache ({MANIFEST} is missing) but other "
+                                  "files; give the cache's directory, or a new --out")
         if not cfg.overwrite:
             raise DraftsmithError(f"{out} is not empty; pass --resume to continue it or --overwrite to replace it")
         for f in out.iterdir():
