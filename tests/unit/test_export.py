@@ -407,3 +407,40 @@ def test_import_of_a_config_with_a_field_missing_or_of_another_type_is_one_error
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"{src}: its config.json is not a speculators drafter config" in err[0], err
     assert not (tmp_path / "imp").exists()
+
+
+def test_export_and_import_never_write_into_a_built_in_drafter(tmp_path, llama, monkeypatch, capsys):
+    """`export --drafter dspark:smollm2-135m --out <its package directory> --overwrite` replaced the
+    built-in drafter's weights and config inside the installed package (calibrate refuses to write
+    there; export and import did not), and so did an import."""
+    from draftsmith.drafters import builtin
+
+    monkeypatch.setattr(builtin, "BUILTIN_ROOT", tmp_path / "package")
+    shipped = tmp_path / "package" / "eagle3" / "shipped"
+    shipped.mkdir(parents=True)
+    (shipped / "config.json").write_text("the package's config")
+    ckpt = _ckpt(tmp_path, llama, eagle3.build(llama.model, eagle3.Eagle3Config(ttt_steps=2)))
+    spec = export_drafter(ckpt, llama, "speculators", tmp_path / "spec")
+    target = ["--target", str(llama.path)]
+    for argv in (["export", *target, "--drafter", f"eagle3:{ckpt}", "--format", "speculators"],
+                 ["import", str(spec), *target]):
+        for out in (shipped, shipped.parent / "new"):
+            assert main([*argv, "--out", str(out), "--overwrite"]) == 2
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and "is inside Draftsmith's built-in drafters" in err[0], err
+    assert [p.name for p in shipped.iterdir()] == ["config.json"] and not (shipped.parent / "new").exists()
+    assert (shipped / "config.json").read_text() == "the package's config"
+    with pytest.raises(DraftsmithError, match="built-in drafters"):
+        export_drafter(ckpt, llama, "speculators", shipped, overwrite=True)
+
+
+def test_export_refuses_a_checkpoint_given_as_another_kind(tmp_path, llama, capsys):
+    """`export --drafter dspark:EAGLE3_CKPT` exported the EAGLE-3 drafter and said it wrote 'the
+    dspark drafter': KIND was not checked against the checkpoint (every other job refuses it)."""
+    ckpt = _ckpt(tmp_path, llama, eagle3.build(llama.model, eagle3.Eagle3Config(ttt_steps=2)))
+    out = tmp_path / "out"
+    assert main(["export", "--target", str(llama.path), "--drafter", f"dspark:{ckpt}", "--format", "speculators",
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"is a 'eagle3' drafter, not 'dspark'; use --drafter eagle3:{ckpt}" in err[0], err
+    assert not out.exists()

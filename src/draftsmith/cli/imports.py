@@ -52,15 +52,15 @@ def source_dir(args) -> Path:
 
 
 def cmd_import(args) -> int:
-    from draftsmith.data.outdir import check_replace
     from draftsmith.drafters.checkpoint import read_checkpoint_config
     from draftsmith.export.detect import detect_foreign
+    from draftsmith.export.formats import check_drafter_out
     from draftsmith.export.importing import import_drafter
     from draftsmith.models.target import load_target
 
     src = source_dir(args)
     fmt = args.format or detect_foreign(src)  # before loading the target: a wrong directory fails fast
-    check_replace(args.out, args.overwrite, source=src, source_what="drafter directory")
+    check_drafter_out(args.out, args.overwrite, source=src, source_what="drafter directory")
     target = load_target(args.target, device=opt_auto(args.device), dtype=opt_auto(args.dtype))
     out = import_drafter(src, target, args.out, fmt, overwrite=args.overwrite)
     kind = read_checkpoint_config(out)["kind"]

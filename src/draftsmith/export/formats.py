@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from draftsmith.drafters import registry
+from draftsmith.drafters.builtin import is_builtin
 from draftsmith.drafters.checkpoint import read_calibration, write_calibration
 from draftsmith.data.outdir import check_replace
 from draftsmith.errors import DraftsmithError
@@ -62,6 +63,16 @@ def _speculators_ours(target, config) -> dict[str, Any]:
     return ours_block(target, config.kind, layer_ids=list(config.layer_ids), train=train)
 
 
+def check_drafter_out(out: str | Path, overwrite: bool, source: str | Path, source_what: str) -> Path:
+    """export / import's --out: a new or empty directory that is not `source` unless `overwrite`
+    (data/outdir.check_replace), and never a built-in drafter's package directory."""
+    out = check_replace(out, overwrite, source=source, source_what=source_what)
+    if is_builtin(out):
+        raise DraftsmithError(f"--out {out} is inside Draftsmith's built-in drafters (package data, never written "
+                              "to, --overwrite or not); give a directory of your own")
+    return out
+
+
 def export_drafter(ckpt: str | Path, target, fmt: str, out: str | Path, overwrite: bool = False) -> Path:
     """Write checkpoint `ckpt` (trained for the LoadedTarget `target`) to `out` in `fmt`, with the
     checkpoint's calibration.json when it has one (the same weights: its temperatures hold, and
@@ -70,7 +81,7 @@ def export_drafter(ckpt: str | Path, target, fmt: str, out: str | Path, overwrit
     removed when this drafter has none; nothing else is touched)."""
     if fmt not in FORMATS:
         raise DraftsmithError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    check_replace(out, overwrite, source=ckpt, source_what="checkpoint")
+    check_drafter_out(out, overwrite, source=ckpt, source_what="checkpoint")
     model = registry.load_checkpoint_model(ckpt, target)
     temps = read_calibration(ckpt)  # a damaged file stops the export before anything is written
     kind = model.config.kind

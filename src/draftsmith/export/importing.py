@@ -29,14 +29,13 @@ import torch
 from torch import nn
 
 from draftsmith.drafters import registry
-from draftsmith.data.outdir import check_replace
 from draftsmith.drafters.checkpoint import (CALIBRATION_FILE, read_calibration, restore_state, save_trained_drafter,
                                             write_calibration)
 from draftsmith.drafters.kind_config import config_from_dict
 from draftsmith.errors import DraftsmithError
 from draftsmith.export import deepspec, dflash_native
 from draftsmith.export.detect import IMPORT_FORMATS, detect_foreign
-from draftsmith.export.formats import speculators_train_fields
+from draftsmith.export.formats import check_drafter_out, speculators_train_fields
 from draftsmith.fileio import read_json
 from draftsmith.tensorfile import load_tensors
 
@@ -75,7 +74,7 @@ def import_drafter(src: str | Path, target, out: str | Path, fmt: str | None = N
     has one (what `export` wrote, and `--drafter KIND:SRC` reads). A non-empty `out`, or `out` =
     `src`, is refused unless `overwrite` (then its config.json and model.safetensors are replaced,
     and a calibration.json there is src's, or removed: it was fitted to other weights)."""
-    out = check_replace(out, overwrite, source=src, source_what="drafter directory")
+    out = check_drafter_out(out, overwrite, source=src, source_what="drafter directory")
     temps = read_calibration(src)  # a damaged file stops the import before anything is written
     model = import_model(src, target, fmt)
     save_trained_drafter(model, out, target.target_id, target.weights_hash)
