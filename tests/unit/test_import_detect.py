@@ -185,3 +185,23 @@ def test_export_converts_a_foreign_directory(exports, qwen3, tmp_path):
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
     cfg_a, cfg_b = (json.loads((tmp_path / n / "config.json").read_text()) for n in ("via-zlab", "direct"))
     assert cfg_a == cfg_b
+
+
+@pytest.mark.parametrize("value", [["greedy"], "greedy", {"proposal_methods": "greedy"}, {"proposal_methods": [3]}])
+def test_a_speculators_config_of_another_shape_is_one_error_in_generate(exports, qwen3, tmp_path, capsys, value):
+    """generate --drafter eagle3:DIR reads the draft length from the foreign config.json first: a
+    speculators_config that is a list or a string (or proposal methods that are no objects) was an
+    AttributeError / KeyError traceback there, before the importer could name the field."""
+    import shutil
+
+    d = tmp_path / "odd"
+    shutil.copytree(exports["speculators"], d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["speculators_config"] = value
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert read_checkpoint_config(d)["ttt_steps"] == 7  # no draft length in it: vLLM's default
+    capsys.readouterr()
+    argv = ["generate", "--target", str(qwen3.path), "--drafter", f"eagle3:{d}", "--prompt", "ab", "--max-tokens", "4"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not a speculators drafter config Draftsmith can read" in err[0], err

@@ -96,9 +96,11 @@ def foreign_summary(src: str | Path, fmt: str) -> dict[str, Any]:
     cfg = _read(src)
     if fmt == "speculators":
         kind = cfg.get("speculators_model_type")
-        methods = (cfg.get("speculators_config") or {}).get("proposal_methods") or [{}]
-        if kind == "eagle3":
-            return {"kind": kind, "ttt_steps": _count(methods[0].get("speculative_tokens")) or 7, "format": fmt}
+        spec = cfg.get("speculators_config")
+        methods = spec.get("proposal_methods") if isinstance(spec, dict) else None
+        first = methods[0] if isinstance(methods, list) and methods and isinstance(methods[0], dict) else {}
+        if kind == "eagle3":  # (fields of another type: the importer names them)
+            return {"kind": kind, "ttt_steps": _count(first.get("speculative_tokens")) or 7, "format": fmt}
         slots = _count(cfg.get("block_size"))  # mask-first DFlash: the anchor + γ masks; anchor-first: γ
         mask_first = kind == "dflash" and cfg.get("sample_from_anchor") is not True
         return {"kind": kind, "block_size": max(slots - 1, 0) if mask_first else slots, "format": fmt}
