@@ -169,3 +169,15 @@ def test_draftsmiths_own_warnings_are_one_line_on_the_cli(tmp_path, capsys, monk
     err = capsys.readouterr().err.splitlines()
     assert err[0] == "draftsmith: warning: bfloat16 is emulated here; use --dtype float32", err
     assert len(err) == 2 and err[1].startswith("draftsmith: error:") and warnings.showwarning is shown
+
+
+def test_a_prompt_file_that_is_a_directory_or_named_in_capitals(tmp_path):
+    """generate --prompt-file DIR said the file did not exist; PROMPTS.JSONL was read as a text
+    file, each JSON line sent to the model as a prompt of its own (eval and regen read it as JSONL)."""
+    from draftsmith.cli.generate import read_prompts
+
+    with pytest.raises(DraftsmithError, match="is a directory; give a .txt file"):
+        read_prompts(SimpleNamespace(prompt=[], prompt_file=tmp_path))
+    f = tmp_path / "PROMPTS.JSONL"
+    f.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    assert read_prompts(SimpleNamespace(prompt=[], prompt_file=f)) == ["hi"]

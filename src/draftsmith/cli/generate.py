@@ -48,13 +48,16 @@ def read_prompts(args) -> list:
     prompts: list = list(args.prompt)
     f: Path | None = args.prompt_file
     if f is not None:
+        if f.is_dir():
+            raise DraftsmithError(f"prompt file {f} is a directory; give a .txt file (one prompt per line) or a "
+                                  ".jsonl file")
         if not f.is_file():
             raise DraftsmithError(f"prompt file {f} does not exist")
         try:
             text = f.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
             raise DraftsmithError(f"prompt file {f} is not valid UTF-8 (byte {e.start}); save it as UTF-8") from None
-        if f.suffix == ".jsonl":
+        if f.suffix.lower() == ".jsonl":  # (as eval's and regen's prompt files: PROMPTS.JSONL too)
             for n, line in enumerate(text.splitlines(), 1):
                 if not line.strip():
                     continue
