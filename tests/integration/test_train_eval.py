@@ -129,7 +129,7 @@ def test_every_command_applies_the_same_target_rule(trained, tmp_path, tiny_mode
     jobs = {
         "generate": ["generate", "--drafter", spec, "--policy", "fixed", "--prompt", "abc", "--max-new-tokens", "4"],
         "eval": ["eval", "--drafter", spec, "--tasks", str(prompts), "--max-prompts", "1", "--max-new-tokens", "4",
-                 "--no-progress", "--out", str(tmp_path / "eval")],
+                 "--no-progress", "--out", str(tmp_path / "eval"), "--overwrite"],  # (run twice into one --out)
         "calibrate": ["calibrate", "--drafter", spec, "--tasks", str(prompts), "--max-prompts", "1",
                       "--max-new-tokens", "4", "--no-progress"],
     }

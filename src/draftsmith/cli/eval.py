@@ -42,6 +42,7 @@ def add_eval_parser(sub) -> None:
     e.add_argument("--confidence-threshold", type=float, default=None,
                    help="verify only the prefix whose cumulative confidence stays >= this (default: off)")
     e.add_argument("--out", type=Path, default=Path("runs/eval"), help="report.json, report.md, PNG plots")
+    e.add_argument("--overwrite", action="store_true", help="replace the report files an earlier eval left in --out")
     _add_eval_run_args(e, max_prompts=8, seed=0)
     e.add_argument("--json", action="store_true", help="print report.json to stdout")
     e.set_defaults(func=cmd_eval)
@@ -95,8 +96,8 @@ def cmd_eval(args) -> int:
         target=args.target, drafters=tuple(args.drafter), tasks=_tasks(args.tasks), temperature=args.temperature,
         block_size=args.block_size, confidence_threshold=args.confidence_threshold, max_prompts=args.max_prompts,
         max_new_tokens=args.max_new_tokens, max_batch=args.max_batch, max_turns=args.max_turns, seed=args.seed,
-        n_bins=args.bins, out=args.out, device=opt_auto(args.device), drafter_dtype=args.drafter_dtype,
-        progress=args.progress))
+        n_bins=args.bins, out=args.out, overwrite=args.overwrite, device=opt_auto(args.device),
+        drafter_dtype=args.drafter_dtype, progress=args.progress))
     if args.json:
         print(json.dumps(report))
     print_summary(report)

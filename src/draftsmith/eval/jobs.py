@@ -58,6 +58,7 @@ class EvalOptions:
     seed: int = 0
     n_bins: int = M.DEFAULT_BINS
     out: Path | None = Path("runs/eval")
+    overwrite: bool = False  # replace the report files an earlier eval left in `out`
     device: str | None = None
     drafter_dtype: str = "auto"  # what model drafters compute in (drafters/precision.py)
     progress: bool | None = None
@@ -66,6 +67,35 @@ class EvalOptions:
 
 def _safe(label: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", label).strip("_") or "drafter"
+
+
+# What eval writes into --out (rounds-, reliability- and threshold- files: one per drafter).
+_OUTPUTS = ("report.json", "report.md", "conditional_acceptance.png", "rounds-*.jsonl", "reliability-*.png",
+            "threshold-*.png")
+
+
+def _held(out: Path) -> list[Path]:
+    return sorted(p for pattern in _OUTPUTS for p in out.glob(pattern)) if out.is_dir() else []
+
+
+def _check_out(out: Path, overwrite: bool) -> None:
+    """--out must not hold report files (an earlier eval's, or a bench's report.json) unless
+    --overwrite: they would be replaced without a word."""
+    check_out_dir(out)
+    held = [p.name for p in _held(out)]
+    if held and not overwrite:
+        raise DraftsmithError(f"--out {out} already holds {', '.join(held[:3])}{', ...' if len(held) > 3 else ''}; "
+                              "give a new --out, or pass --overwrite to replace them")
+
+
+def _unique_label(label: str, taken: list[str]) -> str:
+    """`label`, or `label (n)` when another drafter of this eval has it (two checkpoints of one
+    name, say runs/a/final and runs/b/final): each drafter keeps its own rounds file and plots."""
+    n, unique = 1, label
+    while unique in taken or _safe(unique) in {_safe(t) for t in taken}:
+        n += 1
+        unique = f"{label} ({n})"
+    return unique
 
 
 def evaluate_drafter(target, loaded: LoadedDrafter, convs, opt: EvalOptions) -> tuple[dict, list[M.RoundRecord]]:
@@ -103,7 +133,7 @@ def run_eval(opt: EvalOptions) -> dict:
     if opt.block_size is not None and opt.block_size < 1:
         raise DraftsmithError(f"--block-size must be >= 1, got {opt.block_size}")
     if opt.out is not None:
-        check_out_dir(opt.out)  # before the target loads
+        _check_out(Path(opt.out), opt.overwrite)  # before the target loads
     convs = heldout_conversations(opt.tasks, opt.max_prompts)  # before the target loads: a bad task fails fast
     target = load_target(opt.target, device=opt.device)
     report: dict[str, Any] = {
@@ -126,10 +156,13 @@ def run_eval(opt: EvalOptions) -> dict:
         loaded = load_drafter(spec, target, opt.max_batch, min(opt.max_len, target.model.config.max_position_embeddings),
                               opt.drafter_dtype)
         res, recs = evaluate_drafter(target, loaded, convs, opt)
+        res["label"] = _unique_label(res["label"], list(all_recs))
         report["drafters"].append(res)
         all_recs[res["label"]] = recs
         del loaded
     if out is not None:
+        for f in _held(out):  # --overwrite: no earlier drafter's rounds or plots stay beside these
+            f.unlink()
         for res in report["drafters"]:
             name = _safe(res["label"])
             with open(out / f"rounds-{name}.jsonl", "w") as f:
@@ -200,6 +233,10 @@ def run_calibrate(opt: CalibrateOptions) -> dict:
     run = run_rounds(target, loaded, convs, gamma, temperature=opt.temperature, max_new_tokens=opt.max_new_tokens,
                      max_batch=opt.max_batch, max_len=opt.max_len, seed=opt.seed, max_turns=opt.max_turns,
                      progress=opt.progress)
+    if not run.records:  # no round reached the drafter: not a missing confidence head
+        why = (f"{len(run.skipped)} held-out turns were skipped ({run.skipped[0]['reason']}); lower --max-tokens"
+               if run.skipped else f"--max-tokens {opt.max_new_tokens} ended every answer before a draft; raise it")
+        raise DraftsmithError(f"calibrate: no verification round ran: {why}")
     recs = [r for r in run.records if r.confidences is not None]
     if not recs:
         raise DraftsmithError(f"drafter {loaded.kind!r} reports no confidences (no confidence head); "

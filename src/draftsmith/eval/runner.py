@@ -33,7 +33,7 @@ from draftsmith.core.request import Request
 from draftsmith.core.sampling import SamplingParams
 from draftsmith.core.types import Proposal, VerifyResult
 from draftsmith.data.cache import iter_records
-from draftsmith.data.sources.registry import iter_conversations
+from draftsmith.data.sources.registry import ALIASES, iter_conversations
 from draftsmith.drafters import registry
 from draftsmith.drafters.checkpoint import read_checkpoint_config
 from draftsmith.engine.builder import build_engine
@@ -59,11 +59,17 @@ class EvalConversation:
 def heldout_conversations(tasks: Sequence[str], max_prompts: int | None = None) -> list[EvalConversation]:
     """Held-out conversations of each task (a built-in source, alias or prompt file), in file order."""
     out: list[EvalConversation] = []
+    first_task: dict[str, str] = {}  # conversation id -> the task that gave it
     for task in tasks:
         n = 0
         for conv in iter_conversations(task, split="heldout"):
             if max_prompts is not None and n >= max_prompts:
                 break
+            if conv.id in first_task:  # its rounds would be counted under one id twice: a wrong τ
+                aliases = "; ".join(f"{a} = {' + '.join(m)}" for a, m in ALIASES.items())
+                raise DraftsmithError(f"--tasks: {task} repeats the prompt {conv.id!r} of {first_task[conv.id]}; "
+                                      f"name each source once ({aliases})")
+            first_task[conv.id] = task
             system = next((m["content"] for m in conv.messages if m["role"] == "system"), None)
             out.append(EvalConversation(task, conv.id, conv.user_turns(), system))
             n += 1

@@ -154,20 +154,26 @@ def _model_sha256(ckpt: Path) -> str | None:
     return h.hexdigest()
 
 
+def _train_step(ckpt: Path) -> dict[str, Any]:
+    """{"step": N} from a training run's train_info.json; {} without one, or when it cannot be read
+    (a damaged file is no reason to lose the fit: the temperatures do not depend on it)."""
+    try:
+        info = json.loads((ckpt / "train_info.json").read_text())
+    except (OSError, ValueError, RecursionError):  # (JSONDecodeError and UnicodeDecodeError are ValueErrors)
+        return {}
+    return {"step": info.get("step")} if isinstance(info, dict) else {}
+
+
 def write_calibration(ckpt: Path, temperatures: Sequence[float], ece_before: Sequence[float | None],
                       ece_after: Sequence[float | None], fitted_on: Mapping[str, Any], n_bins: int) -> Path:
     """Store STS in the checkpoint directory (atomic replace)."""
     ckpt = Path(ckpt)
     if not (ckpt / "config.json").is_file():
         raise DraftsmithError(f"{ckpt} is not a drafter checkpoint (no config.json); cannot store calibration")
-    info = {}
-    tf = ckpt / "train_info.json"
-    if tf.is_file():
-        info = {"step": json.loads(tf.read_text()).get("step")}
     data = {"method": "sts", "format_version": CALIBRATION_FORMAT_VERSION,
             "temperatures": [float(t) for t in temperatures], "n_bins": int(n_bins),
             "ece_before": list(ece_before), "ece_after": list(ece_after), "fitted_on": dict(fitted_on),
-            "checkpoint": {**info, "model_sha256": _model_sha256(ckpt)}}
+            "checkpoint": {**_train_step(ckpt), "model_sha256": _model_sha256(ckpt)}}
     path = ckpt / CALIBRATION_FILE
     write_json_atomic(path, data)
     return path
