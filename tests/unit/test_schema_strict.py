@@ -82,6 +82,12 @@ KEPT = [  # schemas strict_json_schema leaves as they are
     {"properties": {"k": {}}, "anyOf": [{"properties": {"x": {}}}, {"required": ["k"]}]},
     {"$ref": "#/$defs/B", "properties": {"z": {}}, "$defs": {"B": {"properties": {"q": {}}}}},
     {"allOf": [{"$ref": "#/$defs/B"}, {"properties": {"z": {}}}], "$defs": {"B": {"properties": {"q": {}}}}},
+    # ... through a chain of $refs (A names B: B stays open too) and a combined schema's own members
+    {"allOf": [{"$ref": "#/$defs/A"}, {"properties": {"z": {}}}],
+     "$defs": {"A": {"$ref": "#/$defs/B"}, "B": {"properties": {"q": {}}}}},
+    {"allOf": [{"$ref": "#/$defs/A"}, {"properties": {"z": {}}}],
+     "$defs": {"A": {"anyOf": [{"properties": {"q": {}}}, {"allOf": [{"$ref": "#/$defs/C"}]}]},
+               "C": {"properties": {"r": {}}}}},
     # conditions: closing inside them changes the logic
     {"not": {"properties": {"b": {}}}, "if": {"properties": {"b": {}}}, "then": {"properties": {"c": {}}}},
     True,
@@ -118,6 +124,18 @@ def test_a_json_schema_takes_no_undeclared_property(accepts):
     assert not accepts(spec, '{"pair": [1, 2]}')  # a tuple takes the items it lists, no more
     assert not accepts(spec, '{"items": [], "z": 0}')
     assert not accepts(SO(json=json.dumps(A)), '{"a": 1, "b": 2}')  # the schema as JSON text: the same
+
+
+def test_a_schema_combined_through_a_chain_of_refs_takes_every_part_s_properties(accepts):
+    """allOf [A, {z}] where A is only {"$ref": B} and B lists q: an object with q and z is what the
+    schema asks for (closing B, the end of the chain, made it unsatisfiable); a key neither lists is
+    still refused where the schema closes it (here nothing closes the combination: JSON Schema's meaning)."""
+    schema = {"type": "object", "allOf": [{"$ref": "#/$defs/A"}, {"properties": {"z": {"type": "integer"}}}],
+              "$defs": {"A": {"$ref": "#/$defs/B"}, "B": {"properties": {"q": {"type": "integer"}}}},
+              "properties": {"inner": {"type": "object", "properties": {"k": {}}}}}
+    spec = SO(json=schema)
+    assert accepts(spec, '{"q": 1, "z": 2}')
+    assert not accepts(spec, '{"q": 1, "inner": {"k": 1, "x": 2}}')  # an uncombined object elsewhere stays closed
 
 
 def test_what_the_schema_or_xgrammar_leaves_open_stays_open(accepts):

@@ -198,12 +198,13 @@ def strict_json_schema(schema: Any) -> Any:
       properties, or with `allOf` / `anyOf` / `oneOf` members that list properties (or `$ref`); a
       member of an allOf whose other members list properties; an anyOf / oneOf member of an object
       that lists properties itself; and the schema a `$ref` in such a place points to (`"allOf":
-      [{"$ref": "#/$defs/Base"}, {"properties": ...}]` leaves Base open, wherever it is used).
+      [{"$ref": "#/$defs/Base"}, {"properties": ...}]` leaves Base open, wherever it is used, and
+      what Base is made of: the schema its own `$ref` names, its allOf / anyOf / oneOf members).
       xgrammar has no such rule: it takes an allOf of several members as any value at all.
     """
     found = _Closer(frozenset())
     found.node(schema, (), "#")  # (a first pass finds the $refs combined with properties: their schemas stay open)
-    return _Closer(frozenset(found.combined_refs)).node(schema, (), "#")
+    return _Closer(found.left_open()).node(schema, (), "#")
 
 
 def _contributes(member: Any) -> bool:
@@ -225,6 +226,18 @@ class _Closer:
     def __init__(self, open_refs: frozenset) -> None:
         self.open_refs = open_refs
         self.combined_refs: set[str] = set()
+        self.parts: dict[str, list[str]] = {}  # pointer -> what the schema there is made of: its $ref, its members
+
+    def left_open(self) -> frozenset:
+        """The combined $refs and everything they are made of: a schema left open stays open through a
+        chain of $refs (A = {"$ref": B}: B too) and its allOf / anyOf / oneOf members."""
+        seen, todo = set(self.combined_refs), list(self.combined_refs)
+        while todo:
+            for part in self.parts.get(todo.pop(), ()):
+                if part not in seen:
+                    seen.add(part)
+                    todo.append(part)
+        return frozenset(seen)
 
     def node(self, node: Any, others: tuple, at: str) -> Any:
         """`node` (at JSON pointer `at`) closed; `others`: the schemas it is combined with."""
@@ -251,6 +264,8 @@ class _Closer:
             # anyOf / oneOf: alternatives, each combined with this schema's own properties alone
             out[key] = [self.node(m, mine + (tuple(group[:i] + group[i + 1:]) if key == "allOf" else ()),
                                   _pointer(at, key, i)) for i, m in enumerate(group)]
+        self.parts[at] = [_pointer(at, key, i) for key in _COMBINED if isinstance(out.get(key), list)
+                          for i in range(len(out[key]))] + ([out["$ref"]] if isinstance(out.get("$ref"), str) else [])
         partners = any(map(_contributes, (*others, *members)))
         if isinstance(out.get("$ref"), str) and (lists or partners):
             self.combined_refs.add(out["$ref"])
