@@ -423,7 +423,8 @@ def test_auto_is_the_default_scheduler_with_a_drafter_and_fixed_without(tiny_mod
     ("prefix-scheduler:min_gain=0.1,min_gain=0.2", "sets 'min_gain' twice"),
     ("prefix-schedular:min_gain=0.1", "did you mean 'prefix-scheduler'"),
     ("prefix-scheduler:min_gain=1.5", "min_gain must be in [0, 1), got 1.5"),  # the scheduler's own check, early
-    ("prefix-scheduler:probe_every=-1", "probe_every and cheap_draft must be >= 0"),
+    ("prefix-scheduler:probe_every=-1", "probe_every, probe_verifies and cheap_draft must be >= 0"),
+    ("prefix-scheduler:probe_verifies=-1", "probe_every, probe_verifies and cheap_draft must be >= 0"),
 ])
 def test_policy_spec_errors_say_what_is_wrong(spec, message):
     with pytest.raises(DraftsmithError, match=re.escape(message)):

@@ -138,10 +138,13 @@ class ColumnSearch:
     j is sampled (the head reads x_{j-1}), so the drafter can stop at the first column that will
     not open: `open_next(c_{., j})` says whether column j opens (its drafts would be verified);
     after the first False nothing later opens. trim() on the shortened proposal then returns
-    exactly what it returns on the full one (tests/unit/test_policies.py, test_draft_gate_*)."""
+    exactly what it returns on the full one (tests/unit/test_policies.py, test_draft_gate_*).
+    `opened`: the first columns that open whatever they are predicted to pay, for every row whose
+    draft there has a confidence above 0 (a probe's: PrefixScheduler.probe_verifies); a later
+    column opens where the verify it makes pays against plain decoding."""
 
-    def __init__(self, rows: int, sps: Callable[[float], float]) -> None:
-        self.R, self.sps = rows, sps
+    def __init__(self, rows: int, sps: Callable[[float], float], opened: int = 0) -> None:
+        self.R, self.sps, self.opened = rows, sps, opened
         self.ell = [0] * rows
         self.surv = [1.0] * rows  # a_{r,j} of the last column seen
         self.alive = list(range(rows))  # rows whose every column so far opened
@@ -171,20 +174,23 @@ class ColumnSearch:
             return False
         gain = sum(self.surv[r] for r in col)
         theta = (self.tau + gain) * self.sps(self.R * (1 + j))
-        if not theta > self.best:
+        if not theta > self.best and j > self.opened:
             self.closed = True
             return False
         for r in col:
             self.ell[r] = j
-        self.tau, self.best, self.alive = self.tau + gain, theta, col
+        # (an opened column that does not pay leaves the bar where it was: a later column opens
+        # only where the verify it makes pays against plain decoding)
+        self.tau, self.best, self.alive = self.tau + gain, max(theta, self.best), col
         return True
 
 
-def admit_columns(conf: list[list[float]], sps: Callable[[float], float]) -> list[int]:
+def admit_columns(conf: list[list[float]], sps: Callable[[float], float], opened: int = 0) -> list[int]:
     """Algorithm 1 by columns for padded forwards (module doc): column j opens when the j-th
     drafts of the rows still in play pay for its width together; then all of them are
-    verified; the first column that does not pay stops the search. conf[r] = c_{r,1..n_r}."""
-    search = ColumnSearch(len(conf), sps)
+    verified; the first column that does not pay stops the search. conf[r] = c_{r,1..n_r}.
+    `opened`: columns opened whatever they pay (ColumnSearch)."""
+    search = ColumnSearch(len(conf), sps, opened)
     for j in range(max((len(c) for c in conf), default=0)):
         if not search.open_next([c[j] if len(c) > j else None for c in conf]):
             break
@@ -285,13 +291,19 @@ class PrefixScheduler:
     cheap_draft: float = 0.05
     probe_every: int = 16
     probe_backoff_max: int = 1024  # a probe that verifies nothing doubles the interval, up to this
+    # Drafts a probe verifies per row (where it drafted them) whatever the cost model predicts.
+    # A probe trimmed by the same estimates that stopped drafting verifies nothing, so it measures
+    # no verify forward and no acceptance, and the estimates never change: measured on a 2-core
+    # Zen 3 (BENCHMARKS.md, stop 56), drafting stopped after ~40 of 128 requests at batch 1 and
+    # never resumed (0.94x plain from there, 1.13x before). 0: a probe is trimmed like any round.
+    probe_verifies: int = 1
     # the online cost model's machine factor (policy/cost.py StepCost.machine_alpha; 0 = one
     # correction per forward size, the model before); used when `cost` is made here
     machine_alpha: float = StepCost.machine_alpha
     cost: StepCost | None = None  # the online cost model (made from `sps` when None)
     pool: AcceptancePool | None = None  # pooled acceptance (made when pooled_prior and None)
     name: str = "prefix-scheduler"
-    _idle: int = field(default=0, init=False, repr=False)  # rounds since the last drafting round
+    _idle: int = field(default=0, init=False, repr=False)  # rounds since the last round that verified a draft
     _interval: int = field(default=0, init=False, repr=False)  # current probe interval (backs off)
     _probing: bool = field(default=False, init=False, repr=False)  # this round is a probe
     _predicted: float | None = field(default=None, init=False, repr=False)  # this round's planned gain
@@ -309,8 +321,9 @@ class PrefixScheduler:
             raise DraftsmithError(f"running_search must be 'best-prefix' or 'early-stop', got {self.running_search!r}")
         if not 0.0 <= self.min_gain < 1.0:
             raise DraftsmithError(f"min_gain must be in [0, 1), got {self.min_gain}")
-        if self.probe_every < 0 or self.cheap_draft < 0:
-            raise DraftsmithError(f"probe_every and cheap_draft must be >= 0, got {self.probe_every}, {self.cheap_draft}")
+        if self.probe_every < 0 or self.cheap_draft < 0 or self.probe_verifies < 0:
+            raise DraftsmithError(f"probe_every, probe_verifies and cheap_draft must be >= 0, got {self.probe_every}, "
+                                  f"{self.probe_verifies}, {self.cheap_draft}")
         if self.cost is None:
             self.cost = StepCost(self.sps, machine_alpha=self.machine_alpha)
         if self.pool is None and self.pooled_prior:
@@ -342,13 +355,19 @@ class PrefixScheduler:
         full = [self.max_k] * R
         if self._probing:  # the last probe verified drafts and no timing came (no observe()): it counts as paid
             self._interval = self.probe_every
+        # A probe is due after `_interval` rounds that verified no draft, whatever this round decides:
+        # a plan that drafts can still verify nothing (trim's confidences and costs say no), round
+        # after round, and would otherwise never be checked (stop 56: drafting stayed off for good).
+        due = bool(self.probe_every) and self._idle >= self._interval
+        if due:
+            self._idle = 0  # (the interval counts from this probe)
         self._probing = False
         checked = self.adapt and self.realized_check
         calib = self.cost.calibration(R) if checked else None
         if checked and any(ell) and gain > 1.0:
             self._predicted = gain  # observe() compares the round's measured gain with it
         if any(ell) and gain * (1.0 if calib is None else calib) >= 1.0 + self.min_gain:
-            self._idle = 0
+            self._probing = due  # (then trim() verifies at least probe_verifies drafts per row)
             if self.running_at == "trim" or all(drafter_has_confidences(s) for s in seqs):
                 return full  # draft fully; trim() schedules
             # Schedule now, so that drafts that would not be verified are neither drafted
@@ -357,13 +376,11 @@ class PrefixScheduler:
                 ell = admit(conf, sps, self.batch_tokens)
             return [self.max_k if drafter_has_confidences(s) else c for s, c in zip(seqs, ell)]
         plain_step = self._step_time()(_tokens(R, 1, 0, self.batch_tokens))
-        self._idle += 1
+        self._probing = due
         if self.running_at == "trim" and draft_time <= self.cheap_draft * plain_step:
-            self._idle = 0
-            return full  # evidence for free: trim() verifies only what pays
-        if self.probe_every and self._idle >= self._interval:
-            self._idle, self._probing = 0, True
-            return full  # a probe: trim() verifies only what pays
+            return full  # evidence for free: trim() verifies only what pays (a probe: at least probe_verifies)
+        if due:
+            return full  # a probe: trim() verifies what pays, and at least probe_verifies drafts per row
         return [0] * R
 
     def trim(self, seqs: list[Request], proposal: Proposal) -> list[int]:
@@ -372,20 +389,25 @@ class PrefixScheduler:
         remember_drafts(seqs, proposal)
         lengths = proposal.lengths.tolist()
         sps = self._sps()
+        floor = self.probe_verifies if self._probing else 0  # a probe verifies at least this many
+
+        def at_least_floor(ell: list[int]) -> list[int]:
+            return [max(e, min(floor, n)) for e, n in zip(ell, lengths)]
+
         if proposal.confidences is None:
             if self.running_at == "choose":
                 return keep_all(proposal)  # already scheduled in choose()
             conf = [self._conf(s, n) for s, n in zip(seqs, lengths)]
             if self.running_search == "early-stop":
-                return admit(conf, sps, self.batch_tokens)
+                return at_least_floor(admit(conf, sps, self.batch_tokens))
             ell, gain = plan_best_prefix(conf, self._step_time(), self.batch_tokens)
-            return ell if any(ell) and gain >= 1.0 + self.min_gain else [0] * len(seqs)
+            return at_least_floor(ell if any(ell) and gain >= 1.0 + self.min_gain else [0] * len(seqs))
         raw = proposal.confidences.detach().float().cpu().tolist()
         conf = [raw[b][:n] for b, n in enumerate(lengths)]
         # Drafting is paid by now: Algorithm 1 weighs only the forward's cost.
         if self.batch_tokens == "padded" and self.padded_search == "columns":
-            return admit_columns(conf, sps)
-        return admit(conf, sps, self.batch_tokens)
+            return admit_columns(conf, sps, floor)  # (draft_gate's search: the same columns)
+        return at_least_floor(admit(conf, sps, self.batch_tokens))
 
     def draft_gate(self, seqs: list[Request], max_lengths: list[int]) -> ColumnSearch | None:
         """Engine hook, before drafting: the column search trim() will run on this round's
@@ -399,7 +421,7 @@ class PrefixScheduler:
         optimistically; verification and its losslessness do not depend on it)."""
         if not (self.stop_drafting and self.batch_tokens == "padded" and self.padded_search == "columns"):
             return None
-        return ColumnSearch(len(seqs), self._sps())
+        return ColumnSearch(len(seqs), self._sps(), self.probe_verifies if self._probing else 0)
 
     def forced_lengths(self, seqs: list[Request], kept: list[int], forced: list[int]) -> list[int]:
         """Engine hook, after trim: how many of each row's grammar-forced drafts to verify beside
@@ -413,8 +435,9 @@ class PrefixScheduler:
 
     def update(self, seqs, proposal, result) -> None:
         record_round(seqs, proposal, result, self.prior, self.pool)
+        verified = bool(proposal.max_len) and int(proposal.lengths.sum()) > 0
+        self._idle = 0 if verified else self._idle + 1
         if self._probing:  # a probe that verified nothing was wasted: probe half as often
-            verified = bool(proposal.max_len) and int(proposal.lengths.sum()) > 0
             if not verified:
                 self._interval = min(2 * self._interval, self.probe_backoff_max)
             self._probing = verified  # verified something: observe() judges it by its measured gain
