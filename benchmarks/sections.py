@@ -36,4 +36,29 @@ def cpu_kind() -> tuple[str, str]:
         return "", ""
     if isa == "avx512":
         return "-avx512", ", AVX-512 CPU without BF16"
+    zen = amd_zen()
+    # '-avx2' tagged every AVX2 run until 2026-12-06, from a Zen 3 and then a Zen 1 machine (each section's
+    # text names its machine; the latest there are Zen 1's): from then a later Zen gets a tag of its own
+    if isa == "avx2" and zen not in ("", "Zen 1"):
+        return f"-avx2-{zen.replace(' ', '').lower()}", f", AVX2 CPU ({zen})"
     return f"-{isa}", f", {isa.upper()} CPU"
+
+
+def amd_zen(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """'Zen 1' .. 'Zen 5' for an AMD CPU, from /proc/cpuinfo's family and model (family 0x17: Zen 1 below
+    model 0x30, Zen 2 from it; 0x19: Zen 3 below model 0x10 and in 0x20-0x5f, Zen 4 otherwise; 0x1a: Zen 5);
+    '' elsewhere. Two AVX2 machines of different generations keep their own results and sections."""
+    try:
+        lines = [line.split(":", 1) for line in cpuinfo.read_text().splitlines()[:30] if ":" in line]
+        fields = {key.strip(): value for key, value in lines}
+        vendor, family = fields["vendor_id"].strip(), int(fields["cpu family"])
+        model = int(fields["model"])
+    except (OSError, KeyError, ValueError):
+        return ""
+    if vendor != "AuthenticAMD":
+        return ""
+    if family == 0x17:
+        return "Zen 1" if model < 0x30 else "Zen 2"
+    if family == 0x19:
+        return "Zen 3" if model < 0x10 or 0x20 <= model < 0x60 else "Zen 4"
+    return "Zen 5" if family == 0x1A else ""
