@@ -75,7 +75,8 @@ def stages() -> list[Stage]:
               "--max-tokens", "32", "--temperature", "1")),
         Stage("eval", ("eval", "--drafter", f"dspark:{ckpt}", *shipped, "--drafter", "ngram",
               "--tasks", "humaneval,mtbench",
-              "--max-prompts", "2", "--max-tokens", "32", "--temperature", "1", "--out", str(d / "eval"))),
+              "--max-prompts", "2", "--max-tokens", "32", "--temperature", "1", "--out", str(d / "eval")),
+              "--overwrite"),  # (a killed eval is run again: eval refuses a directory holding reports)
         *(Stage(name, ("bench", "--drafter", "ngram", "--drafter", f"dspark:{ckpt}", *shipped,
                        "--workload", workload,
                        "--concurrency", "1,4,16", "--requests", "4", "--max-tokens", "32", "--warmup", "1",

@@ -43,8 +43,9 @@ def test_demo_redoes_a_bench_cut_short_and_resumes_the_long_stages(tmp_path, mon
     calls = []
     monkeypatch.setattr(demo.subprocess, "call", lambda argv: calls.append(argv) or 0)
     by_name = {s.name: s for s in demo.stages()}
-    for name in ("bench", "bench-chat", "regen-train", "train"):
+    for name in ("bench", "bench-chat", "eval", "regen-train", "train"):
         (tmp_path / f".{name}.started").touch()
         demo.run_stage(by_name[name])
-    assert [c[-1] for c in calls] == ["--overwrite", "--overwrite", "--resume", "--resume"]
-    assert all((tmp_path / f".{n}.done").exists() for n in ("bench", "bench-chat", "regen-train", "train"))
+    # (eval too: it refuses a directory that holds an earlier run's reports unless --overwrite)
+    assert [c[-1] for c in calls] == ["--overwrite", "--overwrite", "--overwrite", "--resume", "--resume"]
+    assert all((tmp_path / f".{n}.done").exists() for n in ("bench", "bench-chat", "eval", "regen-train", "train"))
