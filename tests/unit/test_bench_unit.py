@@ -923,15 +923,9 @@ def test_endpoint_requests_ask_for_the_schema_as_response_format():
 
 # ---- bad input: --endpoint and --out, refused before anything is measured or written -------------
 
-import threading  # noqa: E402
-from http.server import BaseHTTPRequestHandler, SimpleHTTPRequestHandler, ThreadingHTTPServer  # noqa: E402
+from http.server import SimpleHTTPRequestHandler  # noqa: E402
 
-
-def _serve(handler):
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    srv.daemon_threads = True
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    return srv, f"http://127.0.0.1:{srv.server_address[1]}"
+from fake_http import JsonHandler, serve as _serve  # noqa: E402
 
 
 class _Quiet(SimpleHTTPRequestHandler):
@@ -941,14 +935,11 @@ class _Quiet(SimpleHTTPRequestHandler):
         pass
 
 
-class _Server(BaseHTTPRequestHandler):
+class _Server(JsonHandler):
     """An OpenAI-compatible server listing the model `m`: a chat request for another model is its
     404; with `fail` every request for `m` is a 500 (a server that breaks after the probe)."""
 
     fail = False
-
-    def log_message(self, *a):
-        pass
 
     def do_GET(self):
         if self.path != "/v1/models":
@@ -956,21 +947,13 @@ class _Server(BaseHTTPRequestHandler):
         self._send(200, {"object": "list", "data": [{"id": "m"}]})
 
     def do_POST(self):
-        req = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))))
+        req = self.read_json()
         if req["model"] != "m":
             return self._send(404, {"error": {"message": f"The model `{req['model']}` does not exist."}})
         if self.fail:
             return self._send(500, {"error": {"message": "the engine died"}})
         self._send(200, {"choices": [{"index": 0, "finish_reason": "length",
                                       "message": {"role": "assistant", "content": "ok"}}]})
-
-    def _send(self, code, obj):
-        body = json.dumps(obj).encode()
-        self.send_response(code)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
 
 
 def _bench_argv(tmp_path, url, *more):

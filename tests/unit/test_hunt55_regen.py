@@ -51,8 +51,9 @@ def test_out_that_is_the_prompt_file_is_refused(tmp_path, monkeypatch, flags):
 # ---- --endpoint: checked before --out is touched -----------------------------------------
 
 import socket  # noqa: E402
-import threading  # noqa: E402
-from http.server import BaseHTTPRequestHandler, SimpleHTTPRequestHandler, ThreadingHTTPServer  # noqa: E402
+from http.server import SimpleHTTPRequestHandler  # noqa: E402
+
+from fake_http import JsonHandler, serve as _serve  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -60,22 +61,12 @@ def tiny(tiny_model_dir):
     return tiny_model_dir("llama", seed=3)
 
 
-def _serve(handler):
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    srv.daemon_threads = True
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    return srv, f"http://127.0.0.1:{srv.server_address[1]}"
-
-
-class _ChatOnly(BaseHTTPRequestHandler):
+class _ChatOnly(JsonHandler):
     """An OpenAI-compatible server serving the model `served`; /v1/models (optional) lists `models`,
     or is a 404 where that is None."""
 
     posts: list = []
     models: list | None = None
-
-    def log_message(self, *a):
-        pass
 
     def do_GET(self):
         if self.models is None:
@@ -83,20 +74,12 @@ class _ChatOnly(BaseHTTPRequestHandler):
         self._send(200, {"object": "list", "data": [{"id": m} for m in self.models]})
 
     def do_POST(self):
-        req = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))))
+        req = self.read_json()
         self.posts.append(req)
         if req["model"] != "served":
             return self._send(404, {"error": {"message": f"The model `{req['model']}` does not exist."}})
         self._send(200, {"choices": [{"index": 0, "finish_reason": "stop",
                                       "message": {"role": "assistant", "content": "ok"}}]})
-
-    def _send(self, code, obj):
-        body = json.dumps(obj).encode()
-        self.send_response(code)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
 
 
 def _run(tiny, out, **kw):

@@ -12,7 +12,6 @@ from dataclasses import replace
 import json
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -32,6 +31,7 @@ from draftsmith.data.regen import (
 )
 from draftsmith.data.sources.conversation import Conversation
 from draftsmith.errors import DraftsmithError
+from fake_http import JsonHandler, serve  # (tests/unit helper)
 
 
 @pytest.fixture(autouse=True)
@@ -277,26 +277,17 @@ def test_resume_guards(tiny, tmp_path):
 # ---- OpenAI-compatible endpoint backend -----------------------------------------------
 
 
-class _FakeOpenAI(BaseHTTPRequestHandler):
+class _FakeOpenAI(JsonHandler):
     """Modes by path prefix: /ok, /flaky (500 on every first try), /broken (always 503),
     /slow (answers only once the test is over: past any client timeout), /bad (400)."""
 
     state: dict = {}
 
-    def log_message(self, *a):  # keep test output clean
-        pass
-
     def do_GET(self):  # /v1/models
-        body = json.dumps({"object": "list", "data": [{"id": "fake-model"}]}).encode()
-        self.send_response(200)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        self._send(200, {"object": "list", "data": [{"id": "fake-model"}]})
 
     def do_POST(self):
-        n = int(self.headers.get("content-length", 0))
-        req = json.loads(self.rfile.read(n))
+        req = self.read_json()
         mode = self.path.strip("/").split("/")[0]
         st = self.state
         with st["lock"]:
@@ -337,28 +328,14 @@ class _FakeOpenAI(BaseHTTPRequestHandler):
             with st["lock"]:
                 st["inflight"] -= 1
 
-    def _send(self, code, obj):
-        body = json.dumps(obj).encode()
-        try:
-            self.send_response(code)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-        except (BrokenPipeError, ConnectionResetError):
-            pass
-
 
 @pytest.fixture()
 def fake_server():
     _FakeOpenAI.state = {"lock": threading.Lock(), "requests": [], "inflight": 0, "max_inflight": 0, "seen": {},
                          "release": threading.Event()}
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), _FakeOpenAI)
-    srv.daemon_threads = True
-    th = threading.Thread(target=srv.serve_forever, daemon=True)
-    th.start()
+    srv, url = serve(_FakeOpenAI)
     try:
-        yield f"http://127.0.0.1:{srv.server_address[1]}", _FakeOpenAI.state
+        yield url, _FakeOpenAI.state
     finally:
         _FakeOpenAI.state["release"].set()  # /slow handlers still stalled answer (to a client long gone)
         srv.shutdown()
