@@ -264,3 +264,26 @@ def test_a_drafter_too_large_for_memory_is_refused_before_it_is_built(tiny_model
     layers, per_layer = draft_layer_params(config, target.model.config)
     built = sum(p.numel() for p in dspark.build(target.model, config).backbone.layers.parameters())
     assert layers == 2 and layers * per_layer <= built <= layers * per_layer * 1.05
+
+
+def test_overwrite_keeps_the_earlier_run_when_the_drafter_is_too_large(tiny_model_dir, tmp_path, monkeypatch):
+    """train out=R --overwrite drafter.num_layers=1000: --overwrite deleted R's checkpoints and
+    weights, then the memory check refused the drafter. The refusal now comes first."""
+    from draftsmith.models import kv_cache
+    from draftsmith.train.trainer import Trainer
+
+    out = tmp_path / "run"
+    (out / "checkpoint-00000004").mkdir(parents=True)
+    (out / "checkpoint-00000004" / "model.safetensors").write_text("old ckpt")
+    files = {"config.json": '{"kind": "dspark"}\n', "model.safetensors": "weights", "train_info.json": "{}\n",
+             "metrics.jsonl": "{}\n"}
+    for name, text in files.items():
+        (out / name).write_text(text)
+    cfg = parse_config({"target": str(tiny_model_dir("llama")), "out": str(out),
+                        "drafter": {"kind": "dspark", "num_layers": 1000},
+                        "data": {"cache": str(tmp_path / "no-cache")}, "train": {"device": "cpu"}})
+    monkeypatch.setattr(kv_cache, "free_memory", lambda device: 10**6)
+    with pytest.raises(DraftsmithError, match=r"too large to train here"):
+        Trainer(cfg, overwrite=True).fit()
+    assert {f.name: f.read_text() for f in out.iterdir() if f.is_file()} == files
+    assert (out / "checkpoint-00000004" / "model.safetensors").read_text() == "old ckpt"

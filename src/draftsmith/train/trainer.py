@@ -138,7 +138,7 @@ class Trainer:
                       file=sys.stderr)
                 (self.out / "metrics.jsonl").unlink(missing_ok=True)
             self.resume = False
-        self._prepare_out_dir()
+        self._check_out_checkpoints()
         torch.manual_seed(t.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
         self.resume_from: Path | None = None
         if self.resume:  # refuse a foreign checkpoint before anything else is loaded
@@ -156,6 +156,7 @@ class Trainer:
                                  legacy_hash=self.target.legacy_weights_hash)  # (its kind: checked above)
         entry = self.catalogue[self.cfg.kind]
         check_fits(self.cfg.kind, self.cfg.drafter, self.target.model.config, info.device)  # before it is built
+        self._prepare_out_dir()  # --overwrite deletes only once every check before the build has passed
         self.model = entry.build(self.target.model, resolve_for_target(self.cfg.drafter, self.target)).to(info.device)
         self.model.train()
         spec = self.model.feature_spec
@@ -241,13 +242,16 @@ class Trainer:
                                   "training there would replace it. Give a new out=, or pass --overwrite to "
                                   "replace it")
 
-    def _prepare_out_dir(self) -> None:
-        if not self.info.is_main:
-            return
+    def _check_out_checkpoints(self) -> None:
         existing = ckpt_io.list_checkpoints(self.out)
         if existing and not self.resume and not self.overwrite:
             raise DraftsmithError(f"{self.out} already holds checkpoints (newest step {existing[-1][0]}); pass "
                                   "--resume to continue that run or --overwrite to start again")
+
+    def _prepare_out_dir(self) -> None:
+        if not self.info.is_main:
+            return
+        existing = ckpt_io.list_checkpoints(self.out)
         if self.overwrite and not self.resume and self.out.is_dir():
             for _, d in existing:
                 shutil.rmtree(d)
