@@ -60,7 +60,22 @@ def test_eval_refuses_an_out_that_holds_reports_unless_overwrite(tmp_path, monke
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
     assert (bench / "report.json").read_text() == "bench's report"
     with pytest.raises(AssertionError, match="the target was loaded"):  # --overwrite: on to the run
-        jobs.run_eval(replace(opt, overwrite=True))
+        jobs.run_eval(replace(opt, overwrite=True))  # (an earlier eval's reports are replaced)
+    # another job's directory is refused, --overwrite or not: --overwrite deleted a bench's
+    # report.json / report.md; a training run or a feature cache was taken as --out
+    for name, other, what in (("bench2", ("setup.json", "results.jsonl"), "a bench report"),
+                              ("run", ("train_info.json", "model.safetensors"), "a training run"),
+                              ("cache", ("manifest.json",), "a feature cache")):
+        d = tmp_path / name
+        d.mkdir()
+        for f in (*other, "report.json", "report.md"):
+            (d / f).write_text("theirs")
+        for overwrite in (False, True):
+            with pytest.raises(DraftsmithError, match=rf"holds {what} \(.*\), another job's output; eval would"):
+                jobs.run_eval(replace(opt, out=d, overwrite=overwrite))
+        assert main(["eval", "--drafter", "ngram", "--out", str(d), "--overwrite"]) == 2
+        assert len(capsys.readouterr().err.strip().splitlines()) == 1
+        assert all((d / f).read_text() == "theirs" for f in (*other, "report.json", "report.md"))
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("mine")  # files eval does not write are no obstacle
     with pytest.raises(AssertionError, match="the target was loaded"):

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from draftsmith.data.outdir import check_out_dir
+from draftsmith.data.outdir import check_no_other_job, check_out_dir
 from draftsmith.drafters import registry
 from draftsmith.drafters.builtin import is_builtin
 from draftsmith.errors import DraftsmithError
@@ -80,8 +80,10 @@ def _held(out: Path) -> list[Path]:
 
 def _check_out(out: Path, overwrite: bool) -> None:
     """--out must not hold report files (an earlier eval's, or a bench's report.json) unless
-    --overwrite: they would be replaced without a word."""
+    --overwrite: they would be replaced without a word. Another job's directory (a bench's, a
+    training run's, a feature cache) is refused whatever --overwrite says."""
     check_out_dir(out)
+    check_no_other_job(out, "eval", _OUTPUTS)
     held = [p.name for p in _held(out)]
     if held and not overwrite:
         raise DraftsmithError(f"--out {out} already holds {', '.join(held[:3])}{', ...' if len(held) > 3 else ''}; "
