@@ -425,9 +425,11 @@ def test_export_and_import_never_write_into_a_built_in_drafter(tmp_path, llama, 
     for argv in (["export", *target, "--drafter", f"eagle3:{ckpt}", "--format", "speculators"],
                  ["import", str(spec), *target]):
         for out in (shipped, shipped.parent / "new"):
-            assert main([*argv, "--out", str(out), "--overwrite"]) == 2
-            err = capsys.readouterr().err.strip().splitlines()
-            assert len(err) == 1 and "is inside Draftsmith's built-in drafters" in err[0], err
+            for flag in (["--overwrite"], []):  # without it: not "not empty ... pass --overwrite", then refused
+                assert main([*argv, "--out", str(out), *flag]) == 2
+                err = capsys.readouterr().err.strip().splitlines()
+                assert len(err) == 1 and "is inside Draftsmith's built-in drafters" in err[0], err
+                assert "pass --overwrite" not in err[0], err
     assert [p.name for p in shipped.iterdir()] == ["config.json"] and not (shipped.parent / "new").exists()
     assert (shipped / "config.json").read_text() == "the package's config"
     with pytest.raises(DraftsmithError, match="built-in drafters"):

@@ -66,11 +66,10 @@ def _speculators_ours(target, config) -> dict[str, Any]:
 def check_drafter_out(out: str | Path, overwrite: bool, source: str | Path, source_what: str) -> Path:
     """export / import's --out: a new or empty directory that is not `source` unless `overwrite`
     (data/outdir.check_replace), and never a built-in drafter's package directory."""
-    out = check_replace(out, overwrite, source=source, source_what=source_what)
-    if is_builtin(out):
+    if is_builtin(out):  # first: check_replace's "pass --overwrite" would send the user to a second refusal
         raise DraftsmithError(f"--out {out} is inside Draftsmith's built-in drafters (package data, never written "
                               "to, --overwrite or not); give a directory of your own")
-    return out
+    return check_replace(out, overwrite, source=source, source_what=source_what)
 
 
 def export_drafter(ckpt: str | Path, target, fmt: str, out: str | Path, overwrite: bool = False) -> Path:
