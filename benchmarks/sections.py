@@ -38,7 +38,8 @@ def cpu_kind() -> tuple[str, str]:
         return "-avx512", ", AVX-512 CPU without BF16"
     zen = amd_zen()
     # '-avx2' tagged every AVX2 run until 2026-12-06, from a Zen 3 and then a Zen 1 machine (each section's
-    # text names its machine; the latest there are Zen 1's): from then a later Zen gets a tag of its own
+    # text names its machine: runtime-avx2 is a Zen 3's, bench_builtin-avx2 a Zen 1's, so '-avx2' stays
+    # mixed): from then a Zen 2-5 gets a tag of its own and only a Zen 1 (or another vendor) writes '-avx2'.
     if isa == "avx2" and zen not in ("", "Zen 1"):
         return f"-avx2-{zen.replace(' ', '').lower()}", f", AVX2 CPU ({zen})"
     return f"-{isa}", f", {isa.upper()} CPU"

@@ -117,8 +117,9 @@ def test_draft_gate_stops_where_the_column_search_stops():
             c = torch.rand(int(torch.randint(0, 5, (1,), generator=g)), generator=g)
             c[torch.rand(len(c), generator=g) < 0.1] = 0.0
             conf.append(c.tolist())
-        full = admit_columns(conf, sps)
-        gate, opened = ColumnSearch(R, sps), 0
+        forced = trial % 3  # columns opened whatever they pay (a probe's: probe_verifies)
+        full = admit_columns(conf, sps, forced)
+        gate, opened = ColumnSearch(R, sps, forced), 0
         for j in range(max((len(c) for c in conf), default=0)):
             if not gate.open_next([c[j] if len(c) > j else None for c in conf]):
                 break
@@ -127,7 +128,10 @@ def test_draft_gate_stops_where_the_column_search_stops():
         if opened < max((len(c) for c in conf), default=0):
             stopped_early += 1
             assert not gate.open_next([1.0] * R)  # once refused, closed for good
-        assert admit_columns([c[:opened] for c in conf], sps) == full
+        assert admit_columns([c[:opened] for c in conf], sps, forced) == full
+        # a forced column opens for every row whose draft there has a confidence above 0
+        assert all(e >= next((j for j, x in enumerate(c[:forced]) if x <= 0), min(forced, len(c)))
+                   for e, c in zip(full, conf))
     assert stopped_early > 100
 
 

@@ -240,6 +240,36 @@ def test_a_probe_verifies_a_draft_whatever_a_stale_cost_model_says():
             assert not any(back) and pol._interval >= 32
 
 
+def test_a_probe_that_could_not_draft_stays_due_and_one_without_evidence_keeps_its_interval():
+    """A probe whose rows had nothing to draft (no room left, grammar-forced rows) is still due next
+    round, without backing off; a probe whose round reports no acceptance (a grammar-forced row in
+    the batch: StepInfo.accepted None) is no evidence either way: the interval stays."""
+    dear = SPSTable.from_step_times((1, 2, 4), (1.0, 3.0, 3.2))
+    pol = PrefixScheduler(dear, max_k=3, probe_every=2, probe_backoff_max=64)
+    for _ in range(4):
+        pol.observe(info(1, 4, forward_s=3.2, draft_s=0.5, drafted=True))  # drafting dear: no plan drafts
+    ss, nothing = seqs(1), VerifyResult(torch.zeros(1, 1, dtype=torch.long), torch.tensor([0]))
+    empty = Proposal(torch.zeros(1, 1, dtype=torch.long), torch.tensor([0]))
+    picks = []
+    for _ in range(3):
+        picks.append(pol.choose(ss)[0])
+        pol.update(ss, empty, nothing)
+    assert picks == [0, 0, 3] and pol._interval == 2
+    assert pol.choose(ss) == [3]  # the probe drafted nothing: due again at once, interval kept
+    one = VerifyResult(torch.zeros(1, 2, dtype=torch.long), torch.tensor([1]))
+    pol.update(ss, proposal([1], 1), one)
+    pol.observe(info(1, 2, forward_s=9.0, draft_s=0.5, drafted=True, accepted=None))  # slow, but no acceptance
+    assert pol._interval == 2 and not pol._probing
+    pol.choose(ss)
+    pol.update(ss, empty, nothing)
+    pol.choose(ss)
+    pol.update(ss, empty, nothing)
+    assert pol.choose(ss) == [3]  # a probe after 2 rounds that verified nothing
+    pol.update(ss, proposal([1], 1), one)
+    pol.observe(info(1, 2, forward_s=9.0, draft_s=0.5, drafted=True, accepted=0))  # lost: back off
+    assert pol._interval == 4
+
+
 def test_pooled_prior_moves_a_new_request_towards_the_servers_acceptance():
     pool = AcceptancePool(min_weight=2.0)
     prior = AcceptancePrior()

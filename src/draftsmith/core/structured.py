@@ -199,7 +199,10 @@ def strict_json_schema(schema: Any) -> Any:
       member of an allOf whose other members list properties; an anyOf / oneOf member of an object
       that lists properties itself; and the schema a `$ref` in such a place points to (`"allOf":
       [{"$ref": "#/$defs/Base"}, {"properties": ...}]` leaves Base open, wherever it is used, and
-      what Base is made of: the schema its own `$ref` names, its allOf / anyOf / oneOf members).
+      what Base is made of: the schema its own `$ref` names, its allOf / anyOf / oneOf members and
+      the schemas their `$ref`s name, these too wherever they are used (Base = {"oneOf": [{"$ref":
+      "#/$defs/Cat"}, ...]} leaves Cat open also as another property's items: a $defs entry is one
+      schema here, closed or open for every use).
       xgrammar has no such rule: it takes an allOf of several members as any value at all.
     """
     found = _Closer(frozenset())

@@ -62,10 +62,13 @@ profiled SPS(B) online from measured rounds and learns the drafter's time per ro
 trained drafter costs a real share of a CPU round). A round drafts only if the best plan
 beats plain decoding by `min_gain`; otherwise every row decodes plainly, except that a
 drafter cheaper than `cheap_draft` of a plain step still drafts (evidence for free) and a
-dear one drafts once per `probe_every` rounds, so estimates made under other conditions are
-revisited (a probe that verifies nothing doubles the interval, up to `probe_backoff_max`:
-a drafter that never pays on this machine costs next to nothing). All of this uses past
-rounds and timings only: lossless whatever it decides.
+probe comes after `probe_every` rounds that verified no draft (whatever choose() planned: a
+plan can draft while the column search opens nothing), so estimates made under other
+conditions are revisited. A probe verifies at least `probe_verifies` drafts per row whatever
+the estimates say (a probe trimmed by them measured nothing: drafting could stop for good);
+one whose measured gain falls below plain decoding's doubles the interval, up to
+`probe_backoff_max`, so a drafter that never pays on this machine costs one short verify per
+interval. All of this uses past rounds and timings only: lossless whatever it decides.
 
 An optional check on the prediction (`realized_check`, off by default: measured, it did not
 pay; see the field): after every round drafted on a predicted
@@ -286,8 +289,8 @@ class PrefixScheduler:
     realized_check: bool = False
     pooled_prior: bool = True  # a new request's prior = this server's pooled acceptance (else prior.mean)
     # When the estimates say "do not draft": draft anyway if drafting costs at most this share
-    # of a plain step (evidence for free), else once per `probe_every` rounds (0 = never), so
-    # that estimates made under other conditions (or by the prior) get revisited.
+    # of a plain step (evidence for free); and probe after `probe_every` rounds that verified no
+    # draft (0 = never), so that estimates made under other conditions (or by the prior) get revisited.
     cheap_draft: float = 0.05
     probe_every: int = 16
     probe_backoff_max: int = 1024  # a probe that verifies nothing doubles the interval, up to this
@@ -437,10 +440,12 @@ class PrefixScheduler:
         record_round(seqs, proposal, result, self.prior, self.pool)
         verified = bool(proposal.max_len) and int(proposal.lengths.sum()) > 0
         self._idle = 0 if verified else self._idle + 1
-        if self._probing:  # a probe that verified nothing was wasted: probe half as often
-            if not verified:
+        if self._probing and not verified:
+            if self.probe_verifies:  # it could not draft (no room left, grammar-forced rows): still due
+                self._idle = self._interval
+            else:  # trimmed to nothing by the estimates: wasted, probe half as often
                 self._interval = min(2 * self._interval, self.probe_backoff_max)
-            self._probing = verified  # verified something: observe() judges it by its measured gain
+        self._probing = self._probing and verified  # verified something: observe() judges it by its measured gain
 
     def observe(self, info) -> None:
         """Engine hook: one round's forward shape and timings (engine.StepInfo). A probe that
@@ -455,8 +460,8 @@ class PrefixScheduler:
                 self.cost.add_calibration(info.rows, gain / self._predicted)
             self._predicted = None
         if self._probing:
-            paid = gain is None or gain >= 1.0  # None: no acceptance reported, it verified drafts
-            self._interval = self.probe_every if paid else min(2 * self._interval, self.probe_backoff_max)
+            if gain is not None:  # (None: no acceptance reported, a grammar-forced row: no evidence either way)
+                self._interval = self.probe_every if gain >= 1.0 else min(2 * self._interval, self.probe_backoff_max)
             self._probing = False
 
 
