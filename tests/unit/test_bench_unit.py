@@ -257,6 +257,25 @@ def test_bench_refuses_existing_results_without_resume(tmp_path, capsys):
     assert "--resume" in capsys.readouterr().err
 
 
+
+def test_bench_overwrite_keeps_the_earlier_results_when_the_workload_fails(tmp_path, monkeypatch):
+    """bench --overwrite --workload <typo>: the earlier results were deleted, then the workload
+    failed to load. Now they are deleted only once the workload has loaded."""
+    from types import SimpleNamespace
+
+    from draftsmith.bench import runner
+
+    monkeypatch.setattr(runner, "InProcessBackend", lambda cfg, log: SimpleNamespace(
+        tokenize=lambda text: [1] * len(text.split()), max_prompt_tokens=1000, weights_hash="h"))
+    files = {"results.jsonl": '{"phase": "c1"}\n', "setup.json": "{}\n", "report.json": "{}\n", "report.md": "old\n"}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    cfg = BenchConfig(out=str(tmp_path), overwrite=True, workload=str(tmp_path / "no-such-workload.jsonl"))
+    with pytest.raises(DraftsmithError):
+        runner.run_bench(cfg, log=lambda s: None)
+    assert {f.name: f.read_text() for f in tmp_path.iterdir()} == files
+
+
 # ---- /metrics differences ------------------------------------------------------------------------
 
 

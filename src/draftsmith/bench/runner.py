@@ -76,14 +76,13 @@ def run_bench(config: BenchConfig, log: Callable[[str], None] | None = None) -> 
     backend = EndpointBackend(cfg, log) if cfg.endpoint_mode else InProcessBackend(cfg, log)
     if cfg.resume and not setup_path.exists():
         log(f"bench: nothing to resume in {out}; starting a new run")
-    out.mkdir(parents=True, exist_ok=True)
-    if cfg.overwrite:
-        for name in (RESULTS, SETUP, *OUTPUT_FILES):
-            (out / name).unlink(missing_ok=True)
-
     wl = load_workload(cfg.workload, cfg.split, cfg.requests, backend.tokenize, backend.max_prompt_tokens,
                        turns=cfg.turns, answer_tokens=cfg.max_tokens + 8)
     fp = cfg.fingerprint([p.id for p in wl.prompts], backend.weights_hash)
+    out.mkdir(parents=True, exist_ok=True)
+    if cfg.overwrite:  # after the workload loads: a mistyped --workload / --split deletes nothing
+        for name in (RESULTS, SETUP, *OUTPUT_FILES):
+            (out / name).unlink(missing_ok=True)
     fp_sha = fingerprint_sha(fp)
     max_len = 0
     if not cfg.endpoint_mode:
