@@ -20,7 +20,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -216,6 +216,8 @@ def _check_data(cfg: CacheConfig, target_id: str, weights_hash: str, legacy: str
     (the cache job: regen's catch-up pass caches whatever its run wrote, nothing included)."""
     seen: set[str] = set()
     wanted = 0
+    if cfg.resume and not cfg.allow_target_mismatch and _saved_allow_mismatch(Path(cfg.out)):
+        cfg = replace(cfg, allow_target_mismatch=True)  # as _check_resume_options: a resume keeps the option
     for rec in iter_records(cfg.data):
         sid = str(rec["id"])
         if sid in seen:
@@ -229,6 +231,16 @@ def _check_data(cfg: CacheConfig, target_id: str, weights_hash: str, legacy: str
         which = f"no {cfg.split}-split records ({len(seen)} of other splits)" if seen else "no records"
         raise DraftsmithError(f"{cfg.data} has {which}: nothing to cache; give the JSONL file `draftsmith regen` "
                               "wrote" + (", or another --split" if seen else ""))
+
+
+def _saved_allow_mismatch(out: Path) -> bool:
+    """Whether the cache at `out` was built with --allow-target-mismatch (False where it has no
+    readable manifest: _prepare_out says what is wrong with it)."""
+    try:
+        opts = read_manifest(out).get("options") if (out / MANIFEST).is_file() else None
+    except DraftsmithError:
+        return False
+    return bool(isinstance(opts, dict) and opts.get("allow_target_mismatch"))
 
 
 def _check_record_target(rec: Mapping[str, Any], target_id: str, weights_hash: str, cfg: CacheConfig,
