@@ -187,11 +187,16 @@ def test_export_converts_a_foreign_directory(exports, qwen3, tmp_path):
     assert cfg_a == cfg_b
 
 
-@pytest.mark.parametrize("value", [["greedy"], "greedy", {"proposal_methods": "greedy"}, {"proposal_methods": [3]}])
-def test_a_speculators_config_of_another_shape_is_one_error_in_generate(exports, qwen3, tmp_path, capsys, value):
+@pytest.mark.parametrize("value, field", [(["greedy"], "speculators_config must be an object"),
+                                          ("greedy", "speculators_config must be an object"),
+                                          ({"proposal_methods": "greedy"}, "proposal_methods must be a list of objects"),
+                                          ({"proposal_methods": [3]}, "proposal_methods must be a list of objects")])
+def test_a_speculators_config_of_another_shape_is_one_error_naming_it(exports, qwen3, tmp_path, capsys, value,
+                                                                      field):
     """generate --drafter eagle3:DIR reads the draft length from the foreign config.json first: a
     speculators_config that is a list or a string (or proposal methods that are no objects) was an
-    AttributeError / KeyError traceback there, before the importer could name the field."""
+    AttributeError / KeyError traceback there, before the importer could name the field; then the
+    importer said "('list' object has no attribute 'get')": it names the field and what it expects."""
     import shutil
 
     d = tmp_path / "odd"
@@ -201,7 +206,12 @@ def test_a_speculators_config_of_another_shape_is_one_error_in_generate(exports,
     (d / "config.json").write_text(json.dumps(cfg))
     assert read_checkpoint_config(d)["ttt_steps"] == 7  # no draft length in it: vLLM's default
     capsys.readouterr()
-    argv = ["generate", "--target", str(qwen3.path), "--drafter", f"eagle3:{d}", "--prompt", "ab", "--max-tokens", "4"]
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "is not a speculators drafter config Draftsmith can read" in err[0], err
+    out = tmp_path / "imported"
+    for argv in (["generate", "--target", str(qwen3.path), "--drafter", f"eagle3:{d}", "--prompt", "ab",
+                  "--max-tokens", "4"],
+                 ["import", str(d), "--target", str(qwen3.path), "--out", str(out)]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"{d}: speculators_config" in err[0] and field in err[0], err
+        assert "has no attribute" not in err[0], err
+    assert not out.exists()

@@ -88,6 +88,20 @@ def _count(v: Any) -> int:
     return v if isinstance(v, int) and not isinstance(v, bool) else 0
 
 
+def speculators_proposal(cfg: Mapping[str, Any], src: str | Path) -> dict[str, Any]:
+    """The first of a speculators config's speculators_config.proposal_methods ({} when it has
+    none: the defaults hold). A field of another shape is a DraftsmithError that names it."""
+    spec = cfg.get("speculators_config") or {}
+    if not isinstance(spec, dict):
+        raise DraftsmithError(f"{src}: speculators_config must be an object (with proposal_methods), got "
+                              f"{type(spec).__name__} {spec!r}")
+    methods = spec.get("proposal_methods") or []
+    if not isinstance(methods, list) or not all(isinstance(m, dict) for m in methods):
+        raise DraftsmithError(f"{src}: speculators_config.proposal_methods must be a list of objects "
+                              f"(speculative_tokens, ...), got {methods!r}")
+    return methods[0] if methods else {}
+
+
 def foreign_summary(src: str | Path, fmt: str) -> dict[str, Any]:
     """What a reader of our config.json needs of a foreign directory before importing it:
     the kind it imports as and its draft length in our terms (block_size γ, or ttt_steps;
@@ -96,9 +110,10 @@ def foreign_summary(src: str | Path, fmt: str) -> dict[str, Any]:
     cfg = _read(src)
     if fmt == "speculators":
         kind = cfg.get("speculators_model_type")
-        spec = cfg.get("speculators_config")
-        methods = spec.get("proposal_methods") if isinstance(spec, dict) else None
-        first = methods[0] if isinstance(methods, list) and methods and isinstance(methods[0], dict) else {}
+        try:
+            first = speculators_proposal(cfg, src)
+        except DraftsmithError:
+            first = {}
         if kind == "eagle3":  # (fields of another type: the importer names them)
             return {"kind": kind, "ttt_steps": _count(first.get("speculative_tokens")) or 7, "format": fmt}
         slots = _count(cfg.get("block_size"))  # mask-first DFlash: the anchor + γ masks; anchor-first: γ
