@@ -194,13 +194,15 @@ def main() -> int:
         stage(f"curve-{minutes:g}min", out / "report.json", lambda out=out, minutes=minutes: cli(
             "eval", *[x for k in KINDS for x in ("--drafter", f"{k}:{nearest_checkpoint(w / k, minutes, clock)[0]}")],
             "--tasks", ",".join(WORKLOADS), "--max-prompts", str(args.eval_prompts), "--max-tokens",
-            str(args.eval_tokens), "--temperature", "0", "--block-size", str(GAMMA), "--out", str(out)))
+            str(args.eval_tokens), "--temperature", "0", "--block-size", str(GAMMA), "--out", str(out),
+            *(["--overwrite"] if out.exists() else [])))  # (a killed eval: eval refuses its leftover reports)
     for temp in ("0", "1"):
         out = w / f"eval-T{temp}"
         stage(f"eval-T{temp}", out / "report.json", lambda out=out, temp=temp: cli(
             "eval", *[x for s in specs + ["ngram"] for x in ("--drafter", s)], "--tasks", ",".join(WORKLOADS),
             "--max-prompts", str(args.eval_prompts), "--max-tokens", str(args.eval_tokens),
-            "--temperature", temp, "--block-size", str(GAMMA), "--out", str(out)))
+            "--temperature", temp, "--block-size", str(GAMMA), "--out", str(out),
+            *(["--overwrite"] if out.exists() else [])))
     for policy in () if args.no_bench else POLICIES:
         for wl in WORKLOADS:
             out = w / f"bench-{policy}-{wl}"

@@ -58,7 +58,8 @@ def main() -> int:
     report = args.work / "eval"
     if not (report / "report.json").is_file():
         cli("eval", *[a for layout in LAYOUTS for a in ("--drafter", f"dflash:{runs[layout]}")],
-            "--temperature", "0", "--block-size", "7", "--max-prompts", str(args.prompts), "--out", str(report))
+            "--temperature", "0", "--block-size", "7", "--max-prompts", str(args.prompts), "--out", str(report),
+            *(["--overwrite"] if report.exists() else []))  # (eval refuses a killed run's leftover reports)
     res["eval"] = json.loads((report / "report.json").read_text())
     res["setup"] = {"steps": args.steps, "prompts": args.prompts, "cache": str(args.cache),
                     "machine": f"{platform.machine()} {os.cpu_count()} CPUs", "loadavg_end": os.getloadavg()}
