@@ -174,19 +174,6 @@ def base_url(url: str) -> str:
     return u[: -len("/v1")] if u.endswith("/v1") else u
 
 
-def endpoint_model(url: str, timeout: float = 30.0) -> str:
-    """The first model a server lists."""
-    try:
-        r = httpx.get(f"{url}/models", timeout=timeout)
-        r.raise_for_status()
-        data = r.json().get("data") or []
-    except (httpx.HTTPError, ValueError) as e:
-        raise DraftsmithError(f"cannot list models at {url}/models: {e}") from None
-    if not data:
-        raise DraftsmithError(f"{url}/models lists no model; pass --endpoint-model")
-    return str(data[0]["id"])
-
-
 def run_endpoint(url: str, model: str, requests: Sequence[BenchRequest], concurrency: int,
                  offsets: Sequence[float] | None = None, timeout: float = 600.0,
                  on_done: Callable[[RequestRecord], None] = _noop) -> RunResult:
