@@ -39,11 +39,11 @@ def cmd_export(args) -> int:
     kind, arg = registry.parse_spec(args.drafter)
     if not kind.trainable:
         raise DraftsmithError(f"--drafter {kind.name} has no trained weights to export; give KIND:CHECKPOINT")
+    check_drafter_out(args.out, args.overwrite, source=arg, source_what="checkpoint")  # before the target loads
     have = read_checkpoint_config(arg)["kind"]  # (KIND was ignored: the checkpoint's own kind was exported)
     if have != kind.name:
         raise DraftsmithError(f"--drafter {args.drafter}: {arg} is a {have!r} drafter, not {kind.name!r}; use "
                               f"--drafter {have}:{arg}")
-    check_drafter_out(args.out, args.overwrite, source=arg, source_what="checkpoint")  # before the target loads
     target = load_target(args.target, device=opt_auto(args.device), dtype=opt_auto(args.dtype))
     out = export_drafter(arg, target, args.format, args.out, overwrite=args.overwrite)
     print(f"draftsmith: wrote the {kind.name} drafter in {args.format} format to {out}")
