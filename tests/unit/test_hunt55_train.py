@@ -287,3 +287,12 @@ def test_overwrite_keeps_the_earlier_run_when_the_drafter_is_too_large(tiny_mode
         Trainer(cfg, overwrite=True).fit()
     assert {f.name: f.read_text() for f in out.iterdir() if f.is_file()} == files
     assert (out / "checkpoint-00000004" / "model.safetensors").read_text() == "old ckpt"
+    # ... and a later check that fails (here: data.cache names no cache) deletes nothing either
+    cfg = parse_config({"target": str(tiny_model_dir("llama")), "out": str(out),
+                        "drafter": {"kind": "dspark", "num_layers": 1, "layer_ids": [0, 1]},
+                        "data": {"cache": str(tmp_path / "no-cache")}, "train": {"device": "cpu"}})
+    monkeypatch.undo()
+    with pytest.raises(DraftsmithError):
+        Trainer(cfg, overwrite=True).fit()
+    assert {f.name: f.read_text() for f in out.iterdir() if f.is_file()} == files
+    assert (out / "checkpoint-00000004" / "model.safetensors").read_text() == "old ckpt"

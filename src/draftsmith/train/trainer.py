@@ -156,7 +156,6 @@ class Trainer:
                                  legacy_hash=self.target.legacy_weights_hash)  # (its kind: checked above)
         entry = self.catalogue[self.cfg.kind]
         check_fits(self.cfg.kind, self.cfg.drafter, self.target.model.config, info.device)  # before it is built
-        self._prepare_out_dir()  # --overwrite deletes only once every check before the build has passed
         self.model = entry.build(self.target.model, resolve_for_target(self.cfg.drafter, self.target)).to(info.device)
         self.model.train()
         spec = self.model.feature_spec
@@ -184,6 +183,7 @@ class Trainer:
         resolved = resolved if dataclasses.is_dataclass(resolved) else self.cfg.drafter
         self.ckpt_config = ckpt_io.checkpoint_config(self.cfg.kind, resolved, self.target.target_id,
                                                      self.target.weights_hash)
+        self._prepare_out_dir()  # --overwrite deletes only once every check above (data, init_from, ...) has passed
 
     # what must agree between a drafter and the checkpoint it starts from, beyond tensor names and shapes
     _STRUCTURAL = ("layer_ids", "block_size", "mask_token_id", "head", "num_layers", "rank", "draft_vocab_size",
