@@ -84,7 +84,8 @@ def foreign_format(src: str | Path) -> str | None:
     return found[0] if len(found) == 1 and found[0] != "draftsmith" else None
 
 
-def _count(v: Any) -> int:
+def count_field(v: Any) -> int:
+    """A config's count field: an int as given (bools excluded), 0 (the default's turn) for anything else."""
     return v if isinstance(v, int) and not isinstance(v, bool) else 0
 
 
@@ -115,15 +116,15 @@ def foreign_summary(src: str | Path, fmt: str) -> dict[str, Any]:
         except DraftsmithError:
             first = {}
         if kind == "eagle3":  # (fields of another type: the importer names them)
-            return {"kind": kind, "ttt_steps": _count(first.get("speculative_tokens")) or 7, "format": fmt}
-        slots = _count(cfg.get("block_size"))  # mask-first DFlash: the anchor + γ masks; anchor-first: γ
+            return {"kind": kind, "ttt_steps": count_field(first.get("speculative_tokens")) or 7, "format": fmt}
+        slots = count_field(cfg.get("block_size"))  # mask-first DFlash: the anchor + γ masks; anchor-first: γ
         mask_first = kind == "dflash" and cfg.get("sample_from_anchor") is not True
         return {"kind": kind, "block_size": max(slots - 1, 0) if mask_first else slots, "format": fmt}
     if fmt == "deepspec":
         if any(str(a).endswith("Eagle3Model") for a in cfg.get("architectures") or []):
-            return {"kind": "eagle3", "ttt_steps": _count(cfg.get("ttt_length")), "format": fmt}
+            return {"kind": "eagle3", "ttt_steps": count_field(cfg.get("ttt_length")), "format": fmt}
         baseline = cfg.get("markov_rank") == 0 and cfg.get("enable_confidence_head") is False  # DeepSpec's DFlash
-        return {"kind": "dflash" if baseline else "dspark", "block_size": _count(cfg.get("block_size")), "format": fmt}
+        return {"kind": "dflash" if baseline else "dspark", "block_size": count_field(cfg.get("block_size")), "format": fmt}
     dc = cfg.get("dflash_config") if isinstance(cfg.get("dflash_config"), dict) else {}
-    slots = _count(dc.get("block_size")) or _count(cfg.get("block_size"))
+    slots = count_field(dc.get("block_size")) or count_field(cfg.get("block_size"))
     return {"kind": "dflash", "block_size": max(slots - 1, 0), "format": fmt}

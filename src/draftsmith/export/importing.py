@@ -34,7 +34,7 @@ from draftsmith.drafters.checkpoint import (CALIBRATION_FILE, read_calibration, 
 from draftsmith.drafters.kind_config import config_from_dict
 from draftsmith.errors import DraftsmithError
 from draftsmith.export import deepspec, dflash_native
-from draftsmith.export.detect import IMPORT_FORMATS, detect_foreign, speculators_proposal
+from draftsmith.export.detect import IMPORT_FORMATS, count_field, detect_foreign, speculators_proposal
 from draftsmith.export.formats import check_drafter_out, speculators_train_fields
 from draftsmith.fileio import read_json
 from draftsmith.tensorfile import load_tensors
@@ -175,7 +175,7 @@ def _eagle3(cfg, tensors, target, src):
         raise DraftsmithError(f"{src}: no EAGLE-3 layer tensors ({prefix}*)")
     inter = int(state["layer.mlp.gate_proj.weight"].shape[0])
     config = {"kind": "eagle3", "layer_ids": _layer_ids(cfg, "eagle_aux_hidden_state_layer_ids", src),
-              "ttt_steps": int(speculators_proposal(cfg, src).get("speculative_tokens") or 7),
+              "ttt_steps": count_field(speculators_proposal(cfg, src).get("speculative_tokens")) or 7,
               "draft_vocab_size": Vd if Vd < V else None,
               "intermediate_size": None if inter == target.model.config.intermediate_size else inter,
               **_train_fields(cfg, "eagle3")}
