@@ -268,6 +268,14 @@ def test_a_probe_that_could_not_draft_stays_due_and_one_without_evidence_keeps_i
     pol.update(ss, proposal([1], 1), one)
     pol.observe(info(1, 2, forward_s=9.0, draft_s=0.5, drafted=True, accepted=0))  # lost: back off
     assert pol._interval == 4
+    for _ in range(4):
+        pol.choose(ss)
+        pol.update(ss, empty, nothing)
+    assert pol.choose(ss) == [3]  # a probe whose drafts all have confidence 0: drafted, verified nothing
+    zero = Proposal(torch.zeros(1, 3, dtype=torch.long), torch.tensor([3]), confidences=torch.zeros(1, 3))
+    assert pol.trim(ss, zero) == [0]
+    pol.update(ss, empty, nothing)
+    assert pol._interval == 8  # wasted: back off (it is not "could not draft")
 
 
 def test_pooled_prior_moves_a_new_request_towards_the_servers_acceptance():

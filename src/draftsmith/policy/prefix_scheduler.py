@@ -293,7 +293,7 @@ class PrefixScheduler:
     # draft (0 = never), so that estimates made under other conditions (or by the prior) get revisited.
     cheap_draft: float = 0.05
     probe_every: int = 16
-    probe_backoff_max: int = 1024  # a probe that verifies nothing doubles the interval, up to this
+    probe_backoff_max: int = 1024  # a probe that did not pay (or, probe_verifies=0, verified nothing) doubles the interval, up to this
     # Drafts a probe verifies per row (where it drafted them) whatever the cost model predicts.
     # A probe trimmed by the same estimates that stopped drafting verifies nothing, so it measures
     # no verify forward and no acceptance, and the estimates never change: measured on a 2-core
@@ -309,6 +309,7 @@ class PrefixScheduler:
     _idle: int = field(default=0, init=False, repr=False)  # rounds since the last round that verified a draft
     _interval: int = field(default=0, init=False, repr=False)  # current probe interval (backs off)
     _probing: bool = field(default=False, init=False, repr=False)  # this round is a probe
+    _drafted: bool = field(default=False, init=False, repr=False)  # this round's drafter proposed any draft (trim)
     _predicted: float | None = field(default=None, init=False, repr=False)  # this round's planned gain
 
     def __post_init__(self) -> None:
@@ -387,6 +388,7 @@ class PrefixScheduler:
         return [0] * R
 
     def trim(self, seqs: list[Request], proposal: Proposal) -> list[int]:
+        self._drafted = bool(proposal.max_len)
         if not proposal.max_len:
             return [0] * len(seqs)
         remember_drafts(seqs, proposal)
@@ -441,10 +443,11 @@ class PrefixScheduler:
         verified = bool(proposal.max_len) and int(proposal.lengths.sum()) > 0
         self._idle = 0 if verified else self._idle + 1
         if self._probing and not verified:
-            if self.probe_verifies:  # it could not draft (no room left, grammar-forced rows): still due
+            if self.probe_verifies and not self._drafted:  # it could not draft (no room, forced rows): still due
                 self._idle = self._interval
-            else:  # trimmed to nothing by the estimates: wasted, probe half as often
+            else:  # drafted, and nothing verified (trimmed, or confidences 0): wasted, probe half as often
                 self._interval = min(2 * self._interval, self.probe_backoff_max)
+        self._drafted = False
         self._probing = self._probing and verified  # verified something: observe() judges it by its measured gain
 
     def observe(self, info) -> None:
