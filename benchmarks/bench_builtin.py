@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 import sections
-from bench_drafters import cli
+from bench_drafters import cli, eval_out
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOADS = ("humaneval", "mtbench")
@@ -75,8 +75,7 @@ def main() -> int:
             return
         nonlocal ran
         t0 = time.perf_counter()
-        # a killed eval is run again with --overwrite (eval refuses a directory holding its reports)
-        cli(*argv, "--out", str(out), *(["--overwrite"] if argv[0] == "eval" and out.exists() else []))
+        cli(*argv, *(eval_out(out) if argv[0] == "eval" else ["--out", str(out)]))
         stage_s[name] = round(time.perf_counter() - t0, 1)
         ran += 1
 

@@ -60,6 +60,12 @@ WORKLOADS = ("humaneval", "mtbench")
 POLICIES = ("fixed", "prefix-scheduler")
 
 
+def eval_out(out: Path) -> list[str]:
+    """`--out OUT` for a `draftsmith eval` stage, with --overwrite where OUT exists: a killed eval is run
+    again (eval refuses a directory holding its leftover reports)."""
+    return ["--out", str(out), *(["--overwrite"] if out.exists() else [])]
+
+
 def cli(*argv: str, threads: int | None = None, log: Path | None = None, wait: bool = True):
     env = dict(os.environ)
     if threads:
@@ -194,15 +200,13 @@ def main() -> int:
         stage(f"curve-{minutes:g}min", out / "report.json", lambda out=out, minutes=minutes: cli(
             "eval", *[x for k in KINDS for x in ("--drafter", f"{k}:{nearest_checkpoint(w / k, minutes, clock)[0]}")],
             "--tasks", ",".join(WORKLOADS), "--max-prompts", str(args.eval_prompts), "--max-tokens",
-            str(args.eval_tokens), "--temperature", "0", "--block-size", str(GAMMA), "--out", str(out),
-            *(["--overwrite"] if out.exists() else [])))  # (a killed eval: eval refuses its leftover reports)
+            str(args.eval_tokens), "--temperature", "0", "--block-size", str(GAMMA), *eval_out(out)))
     for temp in ("0", "1"):
         out = w / f"eval-T{temp}"
         stage(f"eval-T{temp}", out / "report.json", lambda out=out, temp=temp: cli(
             "eval", *[x for s in specs + ["ngram"] for x in ("--drafter", s)], "--tasks", ",".join(WORKLOADS),
             "--max-prompts", str(args.eval_prompts), "--max-tokens", str(args.eval_tokens),
-            "--temperature", temp, "--block-size", str(GAMMA), "--out", str(out),
-            *(["--overwrite"] if out.exists() else [])))
+            "--temperature", temp, "--block-size", str(GAMMA), *eval_out(out)))
     for policy in () if args.no_bench else POLICIES:
         for wl in WORKLOADS:
             out = w / f"bench-{policy}-{wl}"

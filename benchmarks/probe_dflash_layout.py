@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 import sections
-from bench_drafters import cli
+from bench_drafters import cli, eval_out
 
 ROOT = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- probe_dflash_layout:begin -->", "<!-- probe_dflash_layout:end -->"
@@ -58,8 +58,7 @@ def main() -> int:
     report = args.work / "eval"
     if not (report / "report.json").is_file():
         cli("eval", *[a for layout in LAYOUTS for a in ("--drafter", f"dflash:{runs[layout]}")],
-            "--temperature", "0", "--block-size", "7", "--max-prompts", str(args.prompts), "--out", str(report),
-            *(["--overwrite"] if report.exists() else []))  # (eval refuses a killed run's leftover reports)
+            "--temperature", "0", "--block-size", "7", "--max-prompts", str(args.prompts), *eval_out(report))
     res["eval"] = json.loads((report / "report.json").read_text())
     res["setup"] = {"steps": args.steps, "prompts": args.prompts, "cache": str(args.cache),
                     "machine": f"{platform.machine()} {os.cpu_count()} CPUs", "loadavg_end": os.getloadavg()}

@@ -144,6 +144,8 @@ def run_cache(cfg: CacheConfig, target=None) -> dict:
 
     weights_hash = weights_fingerprint(path)
     legacy = legacy_weights_fingerprint(path)
+    if cfg.resume and not cfg.allow_target_mismatch and _saved_allow_mismatch(out):
+        cfg = replace(cfg, allow_target_mismatch=True)  # a resume keeps the option the cache was built with
     _check_data(cfg, target_id, weights_hash, legacy, need_records=target is None)  # before --out changes
     out_existed = out.exists()
     prepare = lambda: _prepare_out(out, cfg, target_id, weights_hash, layer_ids, mcfg, dtype_name, legacy)  # noqa: E731
@@ -216,8 +218,6 @@ def _check_data(cfg: CacheConfig, target_id: str, weights_hash: str, legacy: str
     (the cache job: regen's catch-up pass caches whatever its run wrote, nothing included)."""
     seen: set[str] = set()
     wanted = 0
-    if cfg.resume and not cfg.allow_target_mismatch and _saved_allow_mismatch(Path(cfg.out)):
-        cfg = replace(cfg, allow_target_mismatch=True)  # as _check_resume_options: a resume keeps the option
     for rec in iter_records(cfg.data):
         sid = str(rec["id"])
         if sid in seen:

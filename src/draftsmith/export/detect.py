@@ -111,11 +111,11 @@ def foreign_summary(src: str | Path, fmt: str) -> dict[str, Any]:
     cfg = _read(src)
     if fmt == "speculators":
         kind = cfg.get("speculators_model_type")
-        try:
-            first = speculators_proposal(cfg, src)
-        except DraftsmithError:
-            first = {}
-        if kind == "eagle3":  # (fields of another type: the importer names them)
+        if kind == "eagle3":
+            try:
+                first = speculators_proposal(cfg, src)
+            except DraftsmithError:  # (fields of another type: the importer names them)
+                first = {}
             return {"kind": kind, "ttt_steps": count_field(first.get("speculative_tokens")) or 7, "format": fmt}
         slots = count_field(cfg.get("block_size"))  # mask-first DFlash: the anchor + γ masks; anchor-first: γ
         mask_first = kind == "dflash" and cfg.get("sample_from_anchor") is not True
