@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from draftsmith.cli import main
 from draftsmith.drafters import dflash, dspark, eagle3
-from draftsmith.drafters.checkpoint import save_trained_drafter
+from draftsmith.drafters.checkpoint import check_target, read_checkpoint_config, save_trained_drafter
 from draftsmith.errors import DraftsmithError
 from draftsmith.export.formats import export_drafter
 from draftsmith.models.target import load_target
@@ -438,11 +438,23 @@ def test_export_and_import_never_write_into_a_built_in_drafter(tmp_path, llama, 
 
 def test_export_refuses_a_checkpoint_given_as_another_kind(tmp_path, llama, capsys):
     """`export --drafter dspark:EAGLE3_CKPT` exported the EAGLE-3 drafter and said it wrote 'the
-    dspark drafter': KIND was not checked against the checkpoint (every other job refuses it)."""
+    dspark drafter': KIND was not checked against the checkpoint (every other job refuses it). It is
+    refused with every job's words (drafters/checkpoint.check_kind, check_target's rule) before the
+    target loads and before anything is written."""
     ckpt = _ckpt(tmp_path, llama, eagle3.build(llama.model, eagle3.Eagle3Config(ttt_steps=2)))
     out = tmp_path / "out"
     assert main(["export", "--target", str(llama.path), "--drafter", f"dspark:{ckpt}", "--format", "speculators",
                  "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and f"is a 'eagle3' drafter, not 'dspark'; use --drafter eagle3:{ckpt}" in err[0], err
+    assert len(err) == 1 and err[0] == (f"draftsmith: error: drafter checkpoint {ckpt} does not fit: it is a "
+                                        f"'eagle3' drafter, not 'dspark' (use --drafter eagle3:{ckpt})"), err
+    assert not out.exists()
+    with pytest.raises(DraftsmithError) as every_job:  # what generate / eval / ... say (load_trained_model)
+        check_target(read_checkpoint_config(ckpt), llama.target_id, llama.weights_hash, str(ckpt), kind="dspark")
+    assert err[0] == f"draftsmith: error: {every_job.value}"
+    # before the target loads: a target that is not there is never reached
+    assert main(["export", "--target", str(tmp_path / "no-target"), "--drafter", f"dspark:{ckpt}", "--format",
+                 "speculators", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is a 'eagle3' drafter, not 'dspark'" in err[0], err
     assert not out.exists()

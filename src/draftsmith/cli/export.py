@@ -32,7 +32,7 @@ def add_parser(sub) -> None:
 
 def cmd_export(args) -> int:
     from draftsmith.drafters import registry
-    from draftsmith.drafters.checkpoint import read_checkpoint_config
+    from draftsmith.drafters.checkpoint import check_kind, read_checkpoint_config
     from draftsmith.export.formats import check_drafter_out, export_drafter
     from draftsmith.models.target import load_target
 
@@ -40,10 +40,9 @@ def cmd_export(args) -> int:
     if not kind.trainable:
         raise DraftsmithError(f"--drafter {kind.name} has no trained weights to export; give KIND:CHECKPOINT")
     check_drafter_out(args.out, args.overwrite, source=arg, source_what="checkpoint")  # before the target loads
-    have = read_checkpoint_config(arg)["kind"]  # (KIND was ignored: the checkpoint's own kind was exported)
-    if have != kind.name:
-        raise DraftsmithError(f"--drafter {args.drafter}: {arg} is a {have!r} drafter, not {kind.name!r}; use "
-                              f"--drafter {have}:{arg}")
+    # KIND must be the checkpoint's (it was ignored: the checkpoint's own kind was exported); every
+    # job's kind rule (check_target's), here before the target loads: check_target needs its weights hash
+    check_kind(read_checkpoint_config(arg), kind.name, arg)
     target = load_target(args.target, device=opt_auto(args.device), dtype=opt_auto(args.dtype))
     out = export_drafter(arg, target, args.format, args.out, overwrite=args.overwrite)
     print(f"draftsmith: wrote the {kind.name} drafter in {args.format} format to {out}")

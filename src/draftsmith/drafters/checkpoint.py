@@ -100,8 +100,8 @@ def check_target(raw: Mapping[str, Any], target_id: str, weights_hash: str | Non
     """Refuse a checkpoint (its config.json `raw`) made for another target, or of another
     kind when `kind` is given. The rule is the module docstring's: the weights decide."""
     problems = []
-    if kind is not None and raw.get("kind") != kind:
-        problems.append(f"it is a {raw.get('kind')!r} drafter, not {kind!r} (use --drafter {raw.get('kind')}:{where})")
+    if kind is not None and (wrong := _wrong_kind(raw, kind, where)):
+        problems.append(wrong)
     ck_id, ck_hash = raw.get("target_id"), raw.get("target_weights_hash")
     same = same_weights(ck_hash, weights_hash, legacy_hash)
     if same is None:
@@ -111,6 +111,18 @@ def check_target(raw: Mapping[str, Any], target_id: str, weights_hash: str | Non
                         f"(weights {weights_hash}); use a drafter trained for this target")
     if problems:
         raise DraftsmithError(f"drafter checkpoint {where} does not fit: " + "; ".join(problems))
+
+
+def check_kind(raw: Mapping[str, Any], kind: str, where: str) -> None:
+    """check_target's kind rule alone, with its error: for a job that checks KIND before the
+    target loads (export), which check_target, needing the target's weights hash, cannot."""
+    if wrong := _wrong_kind(raw, kind, where):
+        raise DraftsmithError(f"drafter checkpoint {where} does not fit: {wrong}")
+
+
+def _wrong_kind(raw: Mapping[str, Any], kind: str, where: str) -> str | None:
+    have = raw.get("kind")
+    return None if have == kind else f"it is a {have!r} drafter, not {kind!r} (use --drafter {have}:{where})"
 
 
 def read_calibration(ckpt_dir: str | Path) -> tuple[float, ...] | None:
