@@ -239,6 +239,49 @@ def test_resume_without_a_checkpoint(target_dir, cache_dir, tmp_path):
         Trainer(make_cfg(target_dir, cache_dir, tmp_path / "other"), CATALOGUE, resume=tmp_path / "nope").fit()
 
 
+def test_setup_lists_the_run_directory_once(target_dir, cache_dir, tmp_path, monkeypatch):
+    """Setup listed out's checkpoints up to five times (the other-drafter check, --resume without a
+    checkpoint, the 'already holds checkpoints' check, finding the newest to resume, the --overwrite
+    deletion); once now, nothing in setup writing there in between. What each flag does is unchanged:
+    --overwrite deletes the earlier run's checkpoints, --resume continues from the newest."""
+    real_list, real_setup = ckpt_io.list_checkpoints, Trainer._setup
+    listed: list[Path] = []
+
+    def counting(run_dir):
+        listed.append(Path(run_dir))
+        return real_list(run_dir)
+
+    def setup(self):  # count setup's listings only (saving a checkpoint lists the run too)
+        monkeypatch.setattr(ckpt_io, "list_checkpoints", counting)
+        try:
+            real_setup(self)
+        finally:
+            monkeypatch.setattr(ckpt_io, "list_checkpoints", real_list)
+
+    monkeypatch.setattr(Trainer, "_setup", setup)
+    out = tmp_path / "run"
+
+    def fit(**kw):
+        listed.clear()
+        res = Trainer(make_cfg(target_dir, cache_dir, out, **kw.pop("train")), CATALOGUE, **kw).fit()
+        assert listed == [out], listed
+        return res
+
+    fit(train={"max_steps": 6})
+    assert [s for s, _ in real_list(out)] == [3, 6]
+    with pytest.raises(DraftsmithError, match="already holds checkpoints"):
+        fit(train={"max_steps": 6})
+    fit(train={"max_steps": 2, "save_every": 2}, overwrite=True)
+    assert [s for s, _ in real_list(out)] == [2]  # 3 and 6 deleted
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
+    res = fit(train={"max_steps": 4, "save_every": 2}, resume=True)
+    assert res.step == 4 and [s for s, _ in real_list(out)] == [2, 4]
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 4
+    out = tmp_path / "killed-early"  # --resume of a run with no checkpoint yet starts it again
+    res = fit(train={"max_steps": 1}, resume=True)
+    assert res.step == 1 and [s for s, _ in real_list(out)] == [1]
+
+
 def test_budget_sizes_the_run(target_dir, cache_dir, tmp_path):
     cfg = make_cfg(target_dir, cache_dir, tmp_path / "run", max_steps=None, budget_minutes=0.02, save_every=10**6)
     res = Trainer(cfg, CATALOGUE).fit()

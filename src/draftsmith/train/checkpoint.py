@@ -187,12 +187,13 @@ def prune_checkpoints(run_dir: Path, keep: int) -> None:
 # ---- load ----------------------------------------------------------------------------------
 
 
-def find_resume_checkpoint(path: Path) -> Path:
-    """A checkpoint directory, or a run directory (-> its newest complete checkpoint)."""
+def find_resume_checkpoint(path: Path, ckpts: list[tuple[int, Path]] | None = None) -> Path:
+    """A checkpoint directory, or a run directory (-> its newest complete checkpoint; `ckpts`:
+    its list_checkpoints when the caller has it already)."""
     path = Path(path)
     if (path / "train_state" / "state.pt").is_file():
         return path
-    ckpts = list_checkpoints(path)
+    ckpts = list_checkpoints(path) if ckpts is None else ckpts
     if not ckpts:
         raise DraftsmithError(f"nothing to resume in {path}: no complete checkpoint-* directory")
     return ckpts[-1][1]

@@ -123,7 +123,9 @@ class Trainer:
     def _setup(self) -> None:
         t = self.cfg.train
         check_out_dir(self.out, "the run directory (out)")  # before anything loads
-        self._check_out_is_no_other_drafter()
+        # listed once: nothing in setup adds or removes a checkpoint before _prepare_out_dir (its last step)
+        existing = ckpt_io.list_checkpoints(self.out)
+        self._check_out_is_no_other_drafter(existing)
         self.t_start = time.perf_counter()
         self.cpu_start = time.process_time()
         if t.threads is not None:
@@ -131,18 +133,19 @@ class Trainer:
         self.info = self.info or init_from_env(t.device)
         info = self.info
         self.bf16 = resolve_bf16(t.dtype, info.device)
-        if self.resume is True and not ckpt_io.list_checkpoints(self.out):
+        if self.resume is True and not existing:
             # a run killed before its first checkpoint: nothing to resume, start it again
             if info.is_main:
                 print(f"[draftsmith] --resume: {self.out} has no checkpoint yet; starting from step 0",
                       file=sys.stderr)
                 (self.out / "metrics.jsonl").unlink(missing_ok=True)
             self.resume = False
-        self._check_out_checkpoints()
+        self._check_out_checkpoints(existing)
         torch.manual_seed(t.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
         self.resume_from: Path | None = None
         if self.resume:  # refuse a foreign checkpoint before anything else is loaded
-            self.resume_from = ckpt_io.find_resume_checkpoint(self.out if self.resume is True else Path(self.resume))
+            self.resume_from = (ckpt_io.find_resume_checkpoint(self.out, existing) if self.resume is True
+                                else ckpt_io.find_resume_checkpoint(Path(self.resume)))
             saved = ckpt_io.read_checkpoint_config(self.resume_from)
             if saved.get("kind") != self.cfg.kind:
                 raise DraftsmithError(f"cannot resume from {self.resume_from}: it is a {saved.get('kind')} run, and "
@@ -183,7 +186,7 @@ class Trainer:
         resolved = resolved if dataclasses.is_dataclass(resolved) else self.cfg.drafter
         self.ckpt_config = ckpt_io.checkpoint_config(self.cfg.kind, resolved, self.target.target_id,
                                                      self.target.weights_hash)
-        self._prepare_out_dir()  # --overwrite deletes only once every check above (data, init_from, ...) has passed
+        self._prepare_out_dir(existing)  # --overwrite deletes only once every check above (data, init_from, ...) passed
 
     # what must agree between a drafter and the checkpoint it starts from, beyond tensor names and shapes
     _STRUCTURAL = ("layer_ids", "block_size", "mask_token_id", "head", "num_layers", "rank", "draft_vocab_size",
@@ -198,8 +201,9 @@ class Trainer:
         if not d.is_dir():
             raise DraftsmithError(f"train.init_from={spec!r}: no such directory and no built-in {kind} drafter of "
                                   f"that name (built-ins: {', '.join(builtin_specs(kind)) or 'none'})")
-        if not (d / "config.json").is_file() and ckpt_io.list_checkpoints(d):
-            d = ckpt_io.list_checkpoints(d)[-1][1]  # a run directory that has no inference files yet
+        ckpts = [] if (d / "config.json").is_file() else ckpt_io.list_checkpoints(d)
+        if ckpts:
+            d = ckpts[-1][1]  # a run directory that has no inference files yet
         raw = ckpt_io.read_checkpoint_config(d)
         if raw["kind"] != kind:
             raise DraftsmithError(f"train.init_from={spec!r} is a {raw['kind']} drafter; this recipe trains {kind}")
@@ -217,7 +221,7 @@ class Trainer:
             print(f"[draftsmith] starting from the weights of {d}", file=sys.stderr)
         return d
 
-    def _check_out_is_no_other_drafter(self) -> None:
+    def _check_out_is_no_other_drafter(self, existing: list[tuple[int, Path]]) -> None:
         """out= must not be a drafter directory that is no run's (an export / import --out, a copy of
         a built-in): the first checkpoint replaced its config.json / model.safetensors and dropped its
         calibration.json. --overwrite replaces it, but not where train.init_from reads from it."""
@@ -234,7 +238,7 @@ class Trainer:
                 if p.exists() and (p.resolve() == out or out in p.resolve().parents):
                     raise DraftsmithError(f"train.init_from={init!r} is in out={self.out}, which --overwrite empties "
                                           "first: the run would delete the weights it starts from; give a new out=")
-        if self.overwrite or ckpt_io.list_checkpoints(self.out):
+        if self.overwrite or existing:
             return  # a run directory (checkpoint-* beside its inference files), or to be replaced
         files = [n for n in ("config.json", "model.safetensors", "calibration.json") if (self.out / n).is_file()]
         if files:
@@ -242,16 +246,16 @@ class Trainer:
                                   "training there would replace it. Give a new out=, or pass --overwrite to "
                                   "replace it")
 
-    def _check_out_checkpoints(self) -> None:
-        existing = ckpt_io.list_checkpoints(self.out)
+    def _check_out_checkpoints(self, existing: list[tuple[int, Path]]) -> None:
         if existing and not self.resume and not self.overwrite:
             raise DraftsmithError(f"{self.out} already holds checkpoints (newest step {existing[-1][0]}); pass "
                                   "--resume to continue that run or --overwrite to start again")
 
-    def _prepare_out_dir(self) -> None:
+    def _prepare_out_dir(self, existing: list[tuple[int, Path]]) -> None:
+        """--overwrite: delete the earlier run's checkpoints (`existing`, out's as setup listed them)
+        and files; then out exists. Rank 0's."""
         if not self.info.is_main:
             return
-        existing = ckpt_io.list_checkpoints(self.out)
         if self.overwrite and not self.resume and self.out.is_dir():
             for _, d in existing:
                 shutil.rmtree(d)
