@@ -37,7 +37,8 @@ def add_parser(sub) -> None:
 
 def source_dir(args) -> Path:
     """The directory to import: the positional DIR, or the deprecated `--src DIR`. Neither is a
-    usage error (argparse's, exit 2); both, naming different directories, or a file, a DraftsmithError."""
+    usage error (argparse's, exit 2); both, naming different directories, a DraftsmithError. What
+    is there (a file, nothing, another format) is checked after --out (cmd_import)."""
     pos, flag = args.src, args.src_flag
     if pos is not None and flag is not None and pos != flag:
         raise DraftsmithError(f"two source directories: DIR {pos} and --src {flag} (the old spelling of DIR); "
@@ -45,9 +46,6 @@ def source_dir(args) -> Path:
     src = pos if pos is not None else flag
     if src is None:
         args.import_parser.error("the following arguments are required: DIR (the drafter directory to import)")
-    if src.is_file():  # a model.safetensors or config.json given for its directory
-        raise DraftsmithError(f"{src} is a file, not a drafter directory; give the directory that holds its "
-                              "config.json and model.safetensors")
     return src
 
 
@@ -59,8 +57,12 @@ def cmd_import(args) -> int:
     from draftsmith.models.target import load_target
 
     src = source_dir(args)
-    fmt = args.format or detect_foreign(src)  # before loading the target: a wrong directory fails fast
+    # --out first, as export checks it: a bad --out is the same one-line error whatever the source
     check_drafter_out(args.out, args.overwrite, source=src, source_what="drafter directory")
+    if src.is_file():  # a model.safetensors or config.json given for its directory
+        raise DraftsmithError(f"{src} is a file, not a drafter directory; give the directory that holds its "
+                              "config.json and model.safetensors")
+    fmt = args.format or detect_foreign(src)  # before loading the target: a wrong directory fails fast
     target = load_target(args.target, device=opt_auto(args.device), dtype=opt_auto(args.dtype))
     out = import_drafter(src, target, args.out, fmt, overwrite=args.overwrite)
     kind = read_checkpoint_config(out)["kind"]
