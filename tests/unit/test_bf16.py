@@ -126,7 +126,7 @@ def test_float16_without_float16_hardware_names_the_float16_flags(monkeypatch):
     from draftsmith.models import target
 
     cpu = torch.device("cpu")
-    monkeypatch.setattr(target, "_cpu_flags", lambda: {"avx512_bf16", "amx_bf16"})  # bf16 hardware only
+    monkeypatch.setattr(target, "cpu_flags", lambda: {"avx512_bf16", "amx_bf16"})  # bf16 hardware only
     with pytest.warns(UserWarning, match="no hardware support") as rec:
         assert target.pick_dtype("float16", cpu) == torch.float16
     msg = str(rec[0].message)
@@ -134,5 +134,5 @@ def test_float16_without_float16_hardware_names_the_float16_flags(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert target.pick_dtype("bfloat16", cpu) == torch.bfloat16
-        monkeypatch.setattr(target, "_cpu_flags", lambda: {"avx512_fp16", "amx_fp16"})
+        monkeypatch.setattr(target, "cpu_flags", lambda: {"avx512_fp16", "amx_fp16"})
         assert target.pick_dtype("fp16", cpu) == torch.float16

@@ -43,14 +43,18 @@ class KernelStatus:
     build: str = ""  # the build's key (source, flags, compiler, torch, CPU flags) when ok: a new key, new speeds
 
 
-def cpu_flags() -> frozenset[str]:
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The CPU's instruction-set flags: the first "flags" line of /proc/cpuinfo on x86, its "Features"
+    line on Arm; empty where neither is there. The one reader of them: the kernels' build key here, the
+    bf16 / fp16 hardware checks in models/target.py."""
     try:
-        text = Path("/proc/cpuinfo").read_text()
+        text = cpuinfo.read_text()
     except OSError:
         return frozenset()
     for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.split(":", 1)[1].split())
+        key, sep, value = line.partition(":")
+        if sep and key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
     return frozenset()
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from draftsmith.errors import DraftsmithError, DraftsmithWarning
+from draftsmith.kernels.build import cpu_flags
 from draftsmith.models.loading import (
     LoadedTarget,
     legacy_weights_fingerprint,
@@ -31,22 +32,15 @@ def pick_device(device: str | None) -> torch.device:
         raise DraftsmithError(f"unknown device {device!r}; use cpu, cuda, cuda:N or auto") from None
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        return set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return set()
-
-
 def cpu_has_fast_bf16() -> bool:
     """bf16 matmuls in hardware: AVX512-BF16 or AMX on x86-64, the BF16 extension on Arm."""
-    return bool(_cpu_flags() & {"avx512_bf16", "amx_bf16", "bf16"})
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
 def cpu_has_fast_fp16() -> bool:
     """float16 arithmetic in hardware: AVX512-FP16 or AMX-FP16 on x86-64, half-precision SIMD
     (asimdhp) on Arm. (F16C only converts: float16 matmuls without these are emulated.)"""
-    return bool(_cpu_flags() & {"avx512_fp16", "amx_fp16", "asimdhp"})
+    return bool(cpu_flags() & {"avx512_fp16", "amx_fp16", "asimdhp"})
 
 
 def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
