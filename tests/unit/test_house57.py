@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from draftsmith.data.features import parse_layer_ids, spelled_layer_ids
+from draftsmith.errors import DraftsmithError
 from draftsmith.kernels.build import cpu_flags
 
 # /proc/cpuinfo as three machines print it (cut to what matters: two processors, the other lines kept)
@@ -73,3 +75,32 @@ def test_bf16_and_fp16_hardware_checks_answer_as_the_whole_text_reader_did(tmp_p
     words = set(text.split())  # what models/target read before
     assert target.cpu_has_fast_bf16() is bf16 is bool(words & {"avx512_bf16", "amx_bf16", "bf16"})
     assert target.cpu_has_fast_fp16() is fp16 is bool(words & {"avx512_fp16", "amx_fp16", "asimdhp"})
+
+
+def test_one_layer_id_parser_for_cache_and_regen():
+    """regen's --feature-layers check parsed ids itself beside features.parse_layer_ids; both now
+    read them with spelled_layer_ids, naming their own flag and the bad value."""
+    from draftsmith.data.regen_config import RegenConfig
+
+    for spec in (None, "", " ", "default", " default "):
+        assert spelled_layer_ids(spec) is None
+        RegenConfig(feature_layers=spec)
+    assert spelled_layer_ids(" 27, 1,") == [27, 1] and spelled_layer_ids((3, 1)) == [3, 1]
+    RegenConfig(feature_layers="1,14,27")
+    RegenConfig(feature_layers="0,99")  # the depth is the target's: checked once it loads
+    for spec in ("abc", ",", "1,x", "1.5"):
+        says = (f"--feature-layers expects comma-separated 0-based layer ids, e.g. 1,14,27 (or default), "
+                f"got {spec!r}")
+        with pytest.raises(DraftsmithError) as e:
+            RegenConfig(feature_layers=spec)
+        assert str(e.value) == says
+        with pytest.raises(DraftsmithError) as e:
+            parse_layer_ids(spec, 30)
+        assert str(e.value) == says.replace("--feature-layers", "--layers")
+    assert parse_layer_ids("default", 30) == (1, 14, 27) and parse_layer_ids("27, 1", 30) == (1, 27)
+    with pytest.raises(DraftsmithError, match="no feature layers given"):
+        parse_layer_ids([], 30)
+    with pytest.raises(DraftsmithError, match=r"layer ids \[30\] are out of range"):
+        parse_layer_ids("1,30", 30)
+    with pytest.raises(DraftsmithError, match="layer ids repeat"):
+        parse_layer_ids("1,1", 30)

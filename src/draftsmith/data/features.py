@@ -59,19 +59,32 @@ def default_layer_ids(num_layers: int, n: int = 3) -> tuple[int, ...]:
     return tuple(sorted({int(lo + k * (hi - lo) / (n - 1) + 0.5) for k in range(n)}))
 
 
+def spelled_layer_ids(spec: str | Sequence[int] | None, flag: str = "--layers") -> list[int] | None:
+    """The ids '1,15,27' (or a sequence) spells, in its order; None for None / '' / 'default'
+    (`default_layer_ids`). The spelling only, so a job can refuse a bad `flag` value before the
+    target loads; `parse_layer_ids` checks the ids against the target's depth."""
+    if spec is None or (isinstance(spec, str) and spec.strip() in ("", "default")):
+        return None
+    if not isinstance(spec, str):
+        ids = [int(x) for x in spec]
+        if not ids:
+            raise DraftsmithError("no feature layers given")
+        return ids
+    try:
+        ids = [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        ids = []
+    if not ids:
+        raise DraftsmithError(f"{flag} expects comma-separated 0-based layer ids, e.g. 1,14,27 (or default), "
+                              f"got {spec!r}")
+    return ids
+
+
 def parse_layer_ids(spec: str | Sequence[int] | None, num_layers: int) -> tuple[int, ...]:
     """'1,15,27' (or a sequence, or None / 'default' for `default_layer_ids`) -> sorted ids."""
-    if spec is None or (isinstance(spec, str) and spec.strip() in ("", "default")):
+    ids = spelled_layer_ids(spec)
+    if ids is None:
         return default_layer_ids(num_layers)
-    if isinstance(spec, str):
-        try:
-            ids = [int(x) for x in spec.split(",") if x.strip()]
-        except ValueError:
-            raise DraftsmithError(f"--layers expects comma-separated integers, got {spec!r}") from None
-    else:
-        ids = [int(x) for x in spec]
-    if not ids:
-        raise DraftsmithError("no feature layers given")
     bad = [i for i in ids if not 0 <= i < num_layers]
     if bad:
         raise DraftsmithError(

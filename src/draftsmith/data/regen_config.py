@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.core.sampling import SamplingParams
+from draftsmith.data.features import spelled_layer_ids
 from draftsmith.errors import DraftsmithError
 from draftsmith.fileio import read_json
 
@@ -57,15 +58,8 @@ class RegenConfig:
         if self.endpoint is not None and not self.endpoint.strip():  # ('' ran the built-in engine instead)
             raise DraftsmithError("--endpoint is empty; give an OpenAI-compatible server's URL, e.g. "
                                   "http://host:8000/v1, or leave --endpoint out to regenerate with the built-in engine")
-        layers = self.feature_layers
-        if isinstance(layers, str) and layers.strip() not in ("", "default"):
-            try:  # (the range is checked against the target's depth once it loads)
-                ok = bool([int(x) for x in layers.split(",") if x.strip()])
-            except ValueError:
-                ok = False
-            if not ok:
-                raise DraftsmithError(f"--feature-layers expects comma-separated 0-based layer ids, e.g. 1,14,27 "
-                                      f"(or default), got {layers!r}")
+        if isinstance(self.feature_layers, str):  # the spelling; the depth is checked once the target loads
+            spelled_layer_ids(self.feature_layers, "--feature-layers")
 
 
 @dataclass(frozen=True)
