@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from draftsmith.data.features import parse_layer_ids, spelled_layer_ids
 from draftsmith.errors import DraftsmithError
@@ -104,3 +106,72 @@ def test_one_layer_id_parser_for_cache_and_regen():
         parse_layer_ids("1,30", 30)
     with pytest.raises(DraftsmithError, match="layer ids repeat"):
         parse_layer_ids("1,1", 30)
+
+
+# ---- the cache's manifest, read once on --resume ----
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir) -> Path:
+    return tiny_model_dir("qwen3", seed=5)
+
+
+@pytest.fixture
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _records(tiny: Path, n: int) -> list[dict]:
+    from draftsmith.models.loading import weights_fingerprint
+
+    g = torch.Generator().manual_seed(57)
+    recs = []
+    for i in range(n):
+        ids = torch.randint(0, 256, (12 + i,), generator=g).tolist()
+        recs.append({"id": f"r{i}", "source": "test", "split": "train", "input_ids": ids,
+                     "loss_mask": [0] * 6 + [1] * (len(ids) - 6),
+                     "target": {"id": str(tiny), "weights_hash": weights_fingerprint(tiny)}, "format_version": 1})
+    return recs
+
+
+def _write(path: Path, recs) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return path
+
+
+def test_cache_resume_reads_the_manifest_once(tiny, tmp_path, monkeypatch, one_thread):
+    """`cache --resume` read the manifest for the saved --allow-target-mismatch, then again to
+    resume it: now once, passed along; the saved option is still kept."""
+    from draftsmith.data import cache
+    from draftsmith.data.cache import MANIFEST, CacheConfig, run_cache
+
+    recs = _records(tiny, 4)
+    recs[1]["target"] = {"id": "other", "weights_hash": "0" * 16}
+    data = _write(tmp_path / "d.jsonl", recs[:2])
+    out = tmp_path / "c"
+    cfg = dict(target=str(tiny), data=data, out=out, dtype="fp32", layers="1")
+    assert run_cache(CacheConfig(**cfg, allow_target_mismatch=True))["num_samples"] == 2
+    reads = []
+    real = cache.read_manifest
+    monkeypatch.setattr(cache, "read_manifest", lambda p: reads.append(p) or real(p))
+    _write(data, recs)
+    assert run_cache(CacheConfig(**cfg, resume=True))["num_samples"] == 4
+    assert reads == [out]
+    assert json.loads((out / MANIFEST).read_text())["options"]["allow_target_mismatch"] is True
+
+
+def test_cache_resume_of_a_damaged_manifest_still_says_so_after_the_data_check(tiny, tmp_path, one_thread):
+    from draftsmith.data.cache import MANIFEST, CacheConfig, run_cache
+
+    data = _write(tmp_path / "d.jsonl", _records(tiny, 2))
+    out = tmp_path / "c"
+    run_cache(CacheConfig(target=str(tiny), data=data, out=out, layers="1"))
+    (out / MANIFEST).write_text("{not json")
+    with pytest.raises(DraftsmithError, match="does not exist"):  # the data first, as before
+        run_cache(CacheConfig(target=str(tiny), data=tmp_path / "typo.jsonl", out=out, layers="1", resume=True))
+    with pytest.raises(DraftsmithError, match="the cache is damaged, rebuild it"):
+        run_cache(CacheConfig(target=str(tiny), data=data, out=out, layers="1", resume=True))
+    assert (out / MANIFEST).read_text() == "{not json"

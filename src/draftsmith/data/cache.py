@@ -144,11 +144,13 @@ def run_cache(cfg: CacheConfig, target=None) -> dict:
 
     weights_hash = weights_fingerprint(path)
     legacy = legacy_weights_fingerprint(path)
-    if cfg.resume and not cfg.allow_target_mismatch and _saved_allow_mismatch(out):
+    resumed = _resumed_manifest(out) if cfg.resume else None  # read once: for the option here, then by _prepare_out
+    if resumed is not None and not cfg.allow_target_mismatch and _saved_allow_mismatch(resumed):
         cfg = replace(cfg, allow_target_mismatch=True)  # a resume keeps the option the cache was built with
     _check_data(cfg, target_id, weights_hash, legacy, need_records=target is None)  # before --out changes
     out_existed = out.exists()
-    prepare = lambda: _prepare_out(out, cfg, target_id, weights_hash, layer_ids, mcfg, dtype_name, legacy)  # noqa: E731
+    prepare = lambda: _prepare_out(out, cfg, target_id, weights_hash, layer_ids, mcfg, dtype_name, legacy,  # noqa: E731
+                                   resumed)
     manifest = None if cfg.overwrite else prepare()  # --overwrite deletes the old cache once the target has loaded
     try:
         if target is None:
@@ -233,13 +235,18 @@ def _check_data(cfg: CacheConfig, target_id: str, weights_hash: str, legacy: str
                               "wrote" + (", or another --split" if seen else ""))
 
 
-def _saved_allow_mismatch(out: Path) -> bool:
-    """Whether the cache at `out` was built with --allow-target-mismatch (False where it has no
-    readable manifest: _prepare_out says what is wrong with it)."""
+def _resumed_manifest(out: Path) -> dict | None:
+    """The manifest of the cache --resume continues at `out`; None where it has none or an unreadable
+    one (_prepare_out then reads it itself and says what is wrong, after the data check)."""
     try:
-        opts = read_manifest(out).get("options") if (out / MANIFEST).is_file() else None
+        return read_manifest(out) if (out / MANIFEST).is_file() else None
     except DraftsmithError:
-        return False
+        return None
+
+
+def _saved_allow_mismatch(m: Mapping[str, Any]) -> bool:
+    """Whether the cache of manifest `m` was built with --allow-target-mismatch."""
+    opts = m.get("options")
     return bool(isinstance(opts, dict) and opts.get("allow_target_mismatch"))
 
 
@@ -255,12 +262,14 @@ def _check_record_target(rec: Mapping[str, Any], target_id: str, weights_hash: s
 
 
 def _prepare_out(out: Path, cfg: CacheConfig, target_id: str, weights_hash: str, layer_ids: tuple[int, ...],
-                 mcfg, dtype_name: str, legacy: str | None = None) -> dict:
+                 mcfg, dtype_name: str, legacy: str | None = None, resumed: dict | None = None) -> dict:
+    """The manifest the job writes to: the cache at `out` resumed (`resumed`: its manifest, when the
+    caller has read it already), else a new one (an old one deleted with --overwrite)."""
     check_out_dir(out)
     mpath = out / MANIFEST
     if out.exists() and any(out.iterdir()):
         if cfg.resume and mpath.is_file():
-            m = read_manifest(out)
+            m = resumed if resumed is not None else read_manifest(out)
             want = {"target_id": target_id, "weights_hash": weights_hash, "layer_ids": None,
                     "hidden_size": mcfg.hidden_size, "legacy_hash": legacy}
             check_compatible(f"the cache being resumed at {out}", manifest_view(m), **want)
