@@ -4,7 +4,10 @@
         [--eval-prompts 12] [--tokens 128] [--requests 8] [--tiers 1,4,16,32] [--tier-requests 2]
         [--compare dspark:runs/builtin/dspark-v2 ...] [--tier-policy prefix-scheduler:padded_search=columns ...]
 
-Every stage is a plain `draftsmith` CLI call, skipped when its report exists (delete it to redo):
+Every stage is a plain `draftsmith` CLI call, skipped when its report exists (delete it to redo). A
+rerun of the script continues where it stopped: a bench stage killed before its report.json (its
+directory holds setup.json / results.jsonl) goes on with `draftsmith bench --resume`, which keeps the
+tiers it finished (its stage time is then this run's part only); an eval stage killed so runs again.
 
 1. eval   held-out HumanEval + MT-Bench, T = 0, γ = the drafter's block size: τ, conditional
           acceptance per position; n-gram prompt lookup as the training-free reference
@@ -34,7 +37,7 @@ import time
 from pathlib import Path
 
 import sections
-from bench_drafters import cli, eval_out
+from bench_drafters import bench_out, cli, eval_out
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOADS = ("humaneval", "mtbench")
@@ -75,7 +78,7 @@ def main() -> int:
             return
         nonlocal ran
         t0 = time.perf_counter()
-        cli(*argv, *(eval_out(out) if argv[0] == "eval" else ["--out", str(out)]))
+        cli(*argv, *(eval_out(out) if argv[0] == "eval" else bench_out(out)))
         stage_s[name] = round(time.perf_counter() - t0, 1)
         ran += 1
 

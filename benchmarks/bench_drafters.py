@@ -4,7 +4,8 @@
         [--budget 20] [--parallel] [--eval-prompts 12] [--eval-tokens 96] [--bench-requests 6]
 
 Every stage is a plain `draftsmith` CLI call and is skipped when its output exists, so a
-re-run resumes (delete a stage's output to redo it):
+re-run resumes (delete a stage's output to redo it; a bench stage killed midway goes on with
+`bench --resume`, keeping the tiers it finished):
 
 1. regen      train split, code:0.4,chat:0.6 mix, --samples conversations, 128 tokens per turn
 2. cache      target layers 1,14,27 + final hidden (fp16): one cache serves all three recipes
@@ -64,6 +65,14 @@ def eval_out(out: Path) -> list[str]:
     """`--out OUT` for a `draftsmith eval` stage, with --overwrite where OUT exists: a killed eval is run
     again (eval refuses a directory holding its leftover reports)."""
     return ["--out", str(out), *(["--overwrite"] if out.exists() else [])]
+
+
+def bench_out(out: Path) -> list[str]:
+    """`--out OUT` for a `draftsmith bench` stage, with --resume where OUT holds a killed bench's raw files
+    (setup.json / results.jsonl, bench/results.py; a stage is skipped once report.json is there): the rerun
+    keeps the tiers it finished and measures the rest (bench refuses such a directory without --resume)."""
+    killed = any((out / f).is_file() for f in ("setup.json", "results.jsonl"))
+    return ["--out", str(out), *(["--resume"] if killed else [])]
 
 
 def cli(*argv: str, threads: int | None = None, log: Path | None = None, wait: bool = True):
@@ -213,7 +222,7 @@ def main() -> int:
             stage(f"bench-{policy}-{wl}", out / "report.json", lambda out=out, wl=wl, policy=policy: cli(
                 "bench", *[x for s in specs for x in ("--drafter", s)], "--workload", wl, "--concurrency", "1",
                 "--requests", str(args.bench_requests), "--max-tokens", str(args.bench_tokens), "--warmup", "1",
-                "--num-speculative-tokens", str(GAMMA), "--policy", policy, "--out", str(out)))
+                "--num-speculative-tokens", str(GAMMA), "--policy", policy, *bench_out(out)))
 
     results = collect(w, regen, curve, clock)
     prev = w / "results.json"

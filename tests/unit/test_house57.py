@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 
@@ -11,6 +12,8 @@ import torch
 from draftsmith.data.features import parse_layer_ids, spelled_layer_ids
 from draftsmith.errors import DraftsmithError
 from draftsmith.kernels.build import cpu_flags
+
+ROOT = Path(__file__).resolve().parents[2]
 
 # /proc/cpuinfo as three machines print it (cut to what matters: two processors, the other lines kept)
 XEON_SPR = """processor\t: 0
@@ -175,3 +178,23 @@ def test_cache_resume_of_a_damaged_manifest_still_says_so_after_the_data_check(t
     with pytest.raises(DraftsmithError, match="the cache is damaged, rebuild it"):
         run_cache(CacheConfig(target=str(tiny), data=data, out=out, layers="1", resume=True))
     assert (out / MANIFEST).read_text() == "{not json"
+
+
+# ---- benchmarks: a bench stage killed before its report goes on with --resume ----
+
+
+def test_a_bench_stage_killed_before_its_report_is_continued_with_resume(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    bench_drafters = importlib.import_module("bench_drafters")
+
+    out = tmp_path / "bench-humaneval"
+    assert bench_drafters.bench_out(out) == ["--out", str(out)]  # not run yet
+    out.mkdir()
+    assert bench_drafters.bench_out(out) == ["--out", str(out)]  # nothing of a bench in it
+    (out / "setup.json").write_text("{}")  # killed in its first tier
+    assert bench_drafters.bench_out(out) == ["--out", str(out), "--resume"]
+    (out / "results.jsonl").write_text("")  # killed after a tier
+    assert bench_drafters.bench_out(out) == ["--out", str(out), "--resume"]
+    (out / "setup.json").unlink()
+    assert bench_drafters.bench_out(out) == ["--out", str(out), "--resume"]
+    assert bench_drafters.eval_out(out) == ["--out", str(out), "--overwrite"]  # eval stages: as before
