@@ -6,7 +6,7 @@
 
 Every stage is a plain `draftsmith` CLI call, skipped when its report exists (delete it to redo). A
 rerun of the script continues where it stopped: a bench stage killed before its report.json (its
-directory holds setup.json / results.jsonl) goes on with `draftsmith bench --resume`, which keeps the
+directory holds its setup.json) goes on with `draftsmith bench --resume`, which keeps the
 tiers it finished (its stage time is then this run's part only); an eval stage killed so runs again.
 
 1. eval   held-out HumanEval + MT-Bench, T = 0, γ = the drafter's block size: τ, conditional

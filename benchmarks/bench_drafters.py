@@ -68,10 +68,12 @@ def eval_out(out: Path) -> list[str]:
 
 
 def bench_out(out: Path) -> list[str]:
-    """`--out OUT` for a `draftsmith bench` stage, with --resume where OUT holds a killed bench's raw files
-    (setup.json / results.jsonl, bench/results.py; a stage is skipped once report.json is there): the rerun
-    keeps the tiers it finished and measures the rest (bench refuses such a directory without --resume)."""
-    killed = any((out / f).is_file() for f in ("setup.json", "results.jsonl"))
+    """`--out OUT` for a `draftsmith bench` stage, with --resume where OUT holds a killed bench's setup.json
+    (bench/results.py; a stage is skipped once report.json is there): the rerun keeps the tiers it finished
+    and measures the rest; bench refuses it if the setup differs (its fingerprint), and refuses a directory
+    without --resume. Only results.jsonl, no setup.json: no --resume (with it, bench would keep tiers whose
+    setup nothing vouches for), so bench refuses the directory and says what to do."""
+    killed = (out / "setup.json").is_file()
     return ["--out", str(out), *(["--resume"] if killed else [])]
 
 

@@ -59,7 +59,13 @@ column are not paid.
 Whether to draft at all is decided in choose(), from what is known before the round: each
 request's running acceptance and the cost model of policy/cost.py, which corrects the
 profiled SPS(B) online from measured rounds and learns the drafter's time per round (a
-trained drafter costs a real share of a CPU round). A round drafts only if the best plan
+trained drafter costs a real share of a CPU round). The prediction is the best prefix of
+Algorithm 1's order, which for a drafter with confidences can count on cheap columns behind a
+column that does not pay alone, which trim()'s column search never opens (BENCHMARKS.md, stop
+57, 16 rows on a 2-core Zen 3: plans of 1.04-1.14x on three columns, rounds that verified one
+column and realized 0.72-0.79x plain); `choose_plan="columns"` predicts the column search's own
+plan instead (`plan_columns`), not the default until a measured loss on chat at batch 1 is
+understood (the field's comment). A round drafts only if the best plan
 beats plain decoding by `min_gain`; otherwise every row decodes plainly, except that a
 drafter cheaper than `cheap_draft` of a plain step still drafts (evidence for free) and a
 probe comes after `probe_every` rounds that verified no draft (whatever choose() planned: a
@@ -241,6 +247,25 @@ def plan_best_prefix(conf: list[list[float]], step_time: Callable[[float], float
     return ell, best / base
 
 
+def plan_columns(conf: list[list[float]], step_time: Callable[[float], float],
+                 draft_time: float = 0.0) -> tuple[list[int], float]:
+    """What the column search (admit_columns, padded forwards) would verify given these
+    confidences, and that plan's predicted tokens/s over plain decoding's when the round also
+    pays `draft_time` of drafting. choose()'s prediction for a drafter whose drafts trim()
+    schedules column by column: the best prefix of Algorithm 1's order (plan_best_prefix) can
+    count on columns the search will not open (a column that does not pay alone, with cheap ones
+    behind it), so a round drafted on it gains less than predicted (module doc)."""
+    R = len(conf)
+    if R == 0:
+        return [], 1.0
+    ell = admit_columns(conf, lambda b: 1.0 / step_time(b))
+    if not any(ell):
+        return ell, 1.0
+    tau = R + sum(sum(cumulative(c)[:e]) for c, e in zip(conf, ell))
+    theta = tau / (step_time(R * (1 + max(ell))) + draft_time)
+    return ell, theta * step_time(R) / R
+
+
 def can_gain(R: int, max_k: int, sps: Callable[[float], float], batch_tokens: BatchTokens = "padded") -> bool:
     """Could any verify length beat plain decoding for R rows, even if every draft were
     certain to be accepted (a = 1)? If not, drafting is pure waste this round."""
@@ -275,6 +300,14 @@ class PrefixScheduler:
     # drafting at the first column that will not open (draft_gate): the same verify lengths,
     # fewer sequential steps. False drafts every column (the before / after).
     stop_drafting: bool = True
+    # choose()'s predicted gain, for drafters with confidences under the column search: the
+    # best prefix of Algorithm 1's order ("best-prefix", the default), which can count on columns
+    # the search does not open, or the column search's own plan on the running estimates
+    # ("columns", plan_columns: what trim() will verify; used once the drafter's last proposal
+    # carried confidences). Not the default: side by side at batch 1 (BENCHMARKS.md, stop 57) it
+    # matched on HumanEval (1.345x vs 1.343x plain) and lost on MT-Bench (0.77x vs 0.94x), not
+    # yet explained
+    choose_plan: Literal["best-prefix", "columns"] = "best-prefix"
     prior: AcceptancePrior = field(default_factory=AcceptancePrior)  # running acceptance prior
     # Draft at all only when the predicted gain (running acceptance, measured drafting time)
     # beats plain decoding by this fraction: a margin for the model's error, so that a busy
@@ -311,6 +344,10 @@ class PrefixScheduler:
     _probing: bool = field(default=False, init=False, repr=False)  # this round is a probe
     _drafted: bool = field(default=False, init=False, repr=False)  # this round's drafter proposed any draft (trim)
     _predicted: float | None = field(default=None, init=False, repr=False)  # this round's planned gain
+    # the drafter's last proposal carried confidences (trim() then runs the column search): kept here,
+    # not per request, so that a request that has not drafted yet does not send a batch back to the
+    # best-prefix plan (a request joining while drafting is off never gets its own mark)
+    _confidences: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.max_k < 0:
@@ -321,6 +358,8 @@ class PrefixScheduler:
             raise DraftsmithError(f"running_at must be 'choose' or 'trim', got {self.running_at!r}")
         if self.padded_search not in ("columns", "early-stop"):
             raise DraftsmithError(f"padded_search must be 'columns' or 'early-stop', got {self.padded_search!r}")
+        if self.choose_plan not in ("columns", "best-prefix"):
+            raise DraftsmithError(f"choose_plan must be 'columns' or 'best-prefix', got {self.choose_plan!r}")
         if self.running_search not in ("best-prefix", "early-stop"):
             raise DraftsmithError(f"running_search must be 'best-prefix' or 'early-stop', got {self.running_search!r}")
         if not 0.0 <= self.min_gain < 1.0:
@@ -340,6 +379,10 @@ class PrefixScheduler:
     def _step_time(self) -> Callable[[float], float]:
         return self.cost.target_time if self.adapt else self.sps.step_time
 
+    def _by_columns(self) -> bool:
+        """Whether trim() schedules a drafter's confidences column by column (admit_columns)."""
+        return self.batch_tokens == "padded" and self.padded_search == "columns"
+
     def _conf(self, seq: Request, k: int) -> list[float]:
         return running_confidences(seq, k, self.prior, self.pool if self.pooled_prior else None)
 
@@ -355,7 +398,10 @@ class PrefixScheduler:
         # lossless whatever is decided.
         conf = [self._conf(s, self.max_k) for s in seqs]
         draft_time = self.cost.draft_time(R) if self.adapt else 0.0
-        ell, gain = plan_best_prefix(conf, self._step_time(), self.batch_tokens, draft_time)
+        if self.choose_plan == "columns" and self._by_columns() and self._confidences:  # as trim() will decide
+            ell, gain = plan_columns(conf, self._step_time(), draft_time)
+        else:
+            ell, gain = plan_best_prefix(conf, self._step_time(), self.batch_tokens, draft_time)
         full = [self.max_k] * R
         if self._probing:  # the last probe verified drafts and no timing came (no observe()): it counts as paid
             self._interval = self.probe_every
@@ -391,6 +437,7 @@ class PrefixScheduler:
         self._drafted = bool(proposal.max_len)
         if not proposal.max_len:
             return [0] * len(seqs)
+        self._confidences = proposal.confidences is not None
         remember_drafts(seqs, proposal)
         lengths = proposal.lengths.tolist()
         sps = self._sps()
@@ -410,7 +457,7 @@ class PrefixScheduler:
         raw = proposal.confidences.detach().float().cpu().tolist()
         conf = [raw[b][:n] for b, n in enumerate(lengths)]
         # Drafting is paid by now: Algorithm 1 weighs only the forward's cost.
-        if self.batch_tokens == "padded" and self.padded_search == "columns":
+        if self._by_columns():
             return admit_columns(conf, sps, floor)  # (draft_gate's search: the same columns)
         return at_least_floor(admit(conf, sps, self.batch_tokens))
 
@@ -424,7 +471,7 @@ class PrefixScheduler:
         the drafts after a column that did not open: those are rounds whose confidence fell, so
         later positions are scored mostly in rounds that went well (choose() sees them a little
         optimistically; verification and its losslessness do not depend on it)."""
-        if not (self.stop_drafting and self.batch_tokens == "padded" and self.padded_search == "columns"):
+        if not (self.stop_drafting and self._by_columns()):
             return None
         return ColumnSearch(len(seqs), self._sps(), self.probe_verifies if self._probing else 0)
 

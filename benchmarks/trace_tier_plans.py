@@ -1,0 +1,115 @@
+"""The prefix scheduler's plans against what its rounds realized, at one serving tier (issues 11, 12).
+
+    .venv/bin/python benchmarks/trace_tier_plans.py [--concurrency 16] [--requests 48] [--rounds 2]
+        [--policy prefix-scheduler] [--drafter dspark:smollm2-135m] [--out runs/trace-tier-plans.json]
+
+Closed loop at --concurrency rows on held-out HumanEval prompts (64 new tokens, T = 0), plain
+decoding and the drafter under --policy in one process, one KV cache, interleaved (order reversed
+every other round). For every full round of the speculative engine (all rows in flight, no
+admission in it) it records the plan choose() made (plan_best_prefix or plan_columns: its lengths
+and predicted gain, the running confidences at drafts 1 and 2, the drafting time it assumed), the
+forward width that ran, the drafts accepted, and the measured forward, drafting and round times.
+Prints, per width, the median times and the realized gain of its rounds against the median plain
+width round of the same run, i.e. what a drafting round gained where the plan promised a gain.
+A diagnostic, not a benchmark: its ratios are one run's, and the machine's noise is in them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import draftsmith  # noqa: F401  (OpenMP settings: must come before torch)
+import draftsmith.policy.prefix_scheduler as ps
+from draftsmith.bench.workload import load_workload
+from draftsmith.core.sampling import SamplingParams
+from draftsmith.engine.builder import build_engine
+from draftsmith.models.prompts import encode_chat
+from draftsmith.models.target import load_target
+from draftsmith.policy.fixed import FixedK
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--requests", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--policy", default="prefix-scheduler")
+    ap.add_argument("--drafter", default="dspark:smollm2-135m")
+    ap.add_argument("--out", type=Path, default=Path("runs/trace-tier-plans.json"))
+    args = ap.parse_args()
+    C = args.concurrency
+    target = load_target("smollm2-135m")
+    plain = build_engine(target, "none", FixedK(0), 0, C, 2048)
+    spec = build_engine(target, args.drafter, args.policy, 7, C, 2048, cache=plain.cache)
+    w = load_workload("humaneval", None, args.requests, max_prompt_tokens=1024,
+                      tokenize=lambda m: encode_chat(target.tokenizer, list(m), target.target_id))
+    prompts = [list(p.token_ids) for p in w.prompts]
+    plans: list[dict] = []
+    for name in ("plan_best_prefix", "plan_columns"):  # choose()'s two planners, watched
+        planner = getattr(ps, name)
+
+        def watched(conf, step_time, *a, _planner=planner, **k):
+            ell, gain = _planner(conf, step_time, *a, **k)
+            plans.append({"gain": gain, "ell": ell, "conf1": [c[0] for c in conf if c],
+                          "conf2": [c[1] for c in conf if len(c) > 1],
+                          "draft_time": k.get("draft_time", a[-1] if a and isinstance(a[-1], float) else 0.0)})
+            return ell, gain
+        setattr(ps, name, watched)
+
+    def run(engine, trace: bool) -> tuple[float, list[dict]]:
+        q, total, rounds = list(prompts), 0.0, []
+        while q or engine.has_unfinished():
+            admitted = False
+            while q and engine.num_running + engine.num_waiting < C:
+                engine.add_request(q.pop(0), SamplingParams(max_tokens=64, temperature=0))
+                admitted = True
+            plans.clear()
+            t0 = time.perf_counter()
+            engine.step()
+            dt = time.perf_counter() - t0
+            total += dt
+            s = engine.last_step
+            if trace and s is not None and s.rows == C and not admitted:
+                rounds.append({"round_s": dt, "width": s.block_len, "drafted": s.drafted, "accepted": s.accepted,
+                               "forward_s": s.forward_s, "draft_s": s.draft_s, "plan": plans[0] if plans else None})
+        return total, rounds
+
+    times: dict[str, list[float]] = {"plain": [], "spec": []}
+    traced: list[list[dict]] = []
+    for r in range(args.rounds):
+        for name in (["plain", "spec"] if r % 2 == 0 else ["spec", "plain"]):
+            t, rounds = run(plain if name == "plain" else spec, name == "spec")
+            times[name].append(t)
+            if name == "spec":
+                traced.append(rounds)
+            print(f"round {r} {name}: {t:.1f} s", flush=True)
+    summary = []
+    for r, rounds in enumerate(traced):
+        narrow = [x["round_s"] for x in rounds if x["width"] == 1]
+        base = statistics.median(narrow) if narrow else None
+        for width in sorted({x["width"] for x in rounds if x["width"] > 1}):
+            xs = [x for x in rounds if x["width"] == width]
+            acc = statistics.mean(x["accepted"] or 0 for x in xs)
+            rt = statistics.median(x["round_s"] for x in xs)
+            gains = [x["plan"]["gain"] for x in xs if x["plan"]]
+            row = {"round": r, "width": width, "n": len(xs), "accepted_per_round": acc,
+                   "round_ms": 1e3 * rt, "forward_ms": 1e3 * statistics.median(x["forward_s"] for x in xs),
+                   "draft_ms": 1e3 * statistics.median(x["draft_s"] for x in xs),
+                   "plain_round_ms": None if base is None else 1e3 * base,
+                   "planned_gain": statistics.median(gains) if gains else None,
+                   "realized_gain": None if base is None else (C + acc) / C * base / rt}
+            summary.append(row)
+            print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}))
+    print("spec x plain per round:", [f"{p / s:.3f}" for p, s in zip(times["plain"], times["spec"])])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"setup": {k: str(v) for k, v in vars(args).items()}, "times": times,
+                                    "summary": summary, "rounds": traced}) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
