@@ -227,8 +227,8 @@ def test_choose_predicts_what_the_column_search_will_verify_for_a_drafter_with_c
     alone), so such a round drafts and verifies nothing. With choose_plan="columns" choose()
     predicts the column search's plan and keeps drafting off, once the drafter has proposed with
     confidences (the scheduler's mark, not the requests': these rows never drafted); where column
-    1 pays (0.7) it drafts as before. The default stays the best prefix (a measured loss on chat at
-    batch 1 with "columns", not yet explained: the field's comment). (Measured on a 2-core Zen 3
+    1 pays (0.7) it drafts as before. The default stays the best prefix for now (the field's
+    comment). (Measured on a 2-core Zen 3
     at 16 rows, stop 57: plans of gain 1.04-1.14 on 3 columns, rounds that opened column 1
     only, realized 0.72-0.79 of plain.)"""
     times = sps_from_times((16, 32, 48, 64), (51.0, 84.0, 92.0, 100.0))

@@ -64,8 +64,8 @@ Algorithm 1's order, which for a drafter with confidences can count on cheap col
 column that does not pay alone, which trim()'s column search never opens (BENCHMARKS.md, stop
 57, 16 rows on a 2-core Zen 3: plans of 1.04-1.14x on three columns, rounds that verified one
 column and realized 0.72-0.79x plain); `choose_plan="columns"` predicts the column search's own
-plan instead (`plan_columns`), not the default until a measured loss on chat at batch 1 is
-understood (the field's comment). A round drafts only if the best plan
+plan instead (`plan_columns`), not the default until a quieter machine than stop 57's decides
+between the two at batch 1 (the field's comment). A round drafts only if the best plan
 beats plain decoding by `min_gain`; otherwise every row decodes plainly, except that a
 drafter cheaper than `cheap_draft` of a plain step still drafts (evidence for free) and a
 probe comes after `probe_every` rounds that verified no draft (whatever choose() planned: a
@@ -304,9 +304,10 @@ class PrefixScheduler:
     # best prefix of Algorithm 1's order ("best-prefix", the default), which can count on columns
     # the search does not open, or the column search's own plan on the running estimates
     # ("columns", plan_columns: what trim() will verify; used once the drafter's last proposal
-    # carried confidences). Not the default: side by side at batch 1 (BENCHMARKS.md, stop 57) it
-    # matched on HumanEval (1.345x vs 1.343x plain) and lost on MT-Bench (0.77x vs 0.94x), not
-    # yet explained
+    # carried confidences). Not the default yet: side by side at batch 1 (BENCHMARKS.md, stop 57)
+    # it matched on HumanEval (1.345x vs 1.343x plain); on MT-Bench a first run read 0.77x vs 0.94x,
+    # which a rerun with the steps split showed to be the VM's drift (there best-prefix drafted in
+    # ~700 steps and verified in ~300; columns drafted in ~45 and ran as plain)
     choose_plan: Literal["best-prefix", "columns"] = "best-prefix"
     prior: AcceptancePrior = field(default_factory=AcceptancePrior)  # running acceptance prior
     # Draft at all only when the predicted gain (running acceptance, measured drafting time)
