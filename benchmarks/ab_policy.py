@@ -47,8 +47,9 @@ from draftsmith.policy.profile import cpu_model
 
 
 def run(engine, prompts: list[list[int]], tokens: int, temperature: float) -> dict:
-    """One pass over the prompts: outputs, wall seconds of the decoding steps, drafting times."""
-    outs, wall, drafting, steps = [], 0.0, [], 0
+    """One pass over the prompts: outputs, wall seconds of the decoding steps, drafting times, and
+    per decoding step (wall seconds, its engine.last_step) for a closer look (ab_step_split.py)."""
+    outs, wall, drafting, steps, per_step = [], 0.0, [], 0, []
     for i, p in enumerate(prompts):
         engine.add_request(p, SamplingParams(max_tokens=tokens, temperature=temperature,
                                              seed=i if temperature > 0 else None))
@@ -62,9 +63,10 @@ def run(engine, prompts: list[list[int]], tokens: int, temperature: float) -> di
                 first = False
                 continue
             wall, steps = wall + dt, steps + 1
+            per_step.append((dt, engine.last_step))
             if engine.last_step.drafted:
                 drafting.append(engine.last_step.draft_s)
-    return {"outputs": outs, "wall_s": wall, "steps": steps, "drafting_s": drafting}
+    return {"outputs": outs, "wall_s": wall, "steps": steps, "drafting_s": drafting, "per_step": per_step}
 
 
 BURST = "import time\nwhile True:\n    t = time.time()\n    while time.time() - t < {on}:\n        pass\n    time.sleep({off})\n"

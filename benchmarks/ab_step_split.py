@@ -4,45 +4,54 @@ interleaved (order reversed every other round), 12 held-out prompts x 96 tokens,
 
     .venv/bin/python benchmarks/ab_step_split.py [WORKLOAD=mtbench] [ROUNDS=2]
 
-Per engine and round: wall time of the decoding steps (each request's prefill step excluded),
-split into steps that did not draft and steps that drafted (median step, forward and drafting
-time), how many drafting steps verified any draft, and the drafts accepted. A diagnostic: on a
-VM whose speed drifts from one minute to the next, the split says more than the wall ratios."""
-import sys, time, statistics
-import draftsmith  # noqa
+The passes are ab_policy.py's (`run`). Per engine and round: wall time of the decoding steps
+(each request's prefill step excluded), split into steps that did not draft and steps that
+drafted (median step, forward and drafting time), how many drafting steps verified any draft,
+and the drafts accepted. A diagnostic: on a VM whose speed drifts from one minute to the next,
+the split says more than the wall ratios."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+
+import draftsmith  # noqa: F401  (OpenMP settings: must come before torch)
+from ab_policy import run
 from draftsmith.bench.workload import load_workload
-from draftsmith.core.sampling import SamplingParams
 from draftsmith.engine.builder import build_engine
 from draftsmith.models.prompts import encode_chat
 from draftsmith.models.target import load_target
 from draftsmith.policy.fixed import FixedK
-wl = sys.argv[1] if len(sys.argv) > 1 else "mtbench"
-R = int(sys.argv[2]) if len(sys.argv) > 2 else 2
-target = load_target("smollm2-135m")
-plain = build_engine(target, "none", FixedK(0), 0, 1, 2048)
-engines = {"plain": plain,
-           "best-prefix": build_engine(target, "dspark:smollm2-135m", "prefix-scheduler:choose_plan=best-prefix", 7, 1, 2048, cache=plain.cache),
-           "columns": build_engine(target, "dspark:smollm2-135m", "prefix-scheduler:choose_plan=columns", 7, 1, 2048, cache=plain.cache)}
-w = load_workload(wl, None, 12, max_prompt_tokens=1024,
-                  tokenize=lambda m: encode_chat(target.tokenizer, list(m), target.target_id))
-prompts = [list(p.token_ids) for p in w.prompts]
-def run(engine):
-    nd, d, wall, acc = [], [], 0.0, 0
-    for p in prompts:
-        engine.add_request(p, SamplingParams(max_tokens=96, temperature=0))
-        first = True
-        while engine.has_unfinished():
-            t0 = time.perf_counter(); engine.step(); dt = time.perf_counter() - t0
-            if first: first = False; continue
-            wall += dt
-            s = engine.last_step
-            (d if s.drafted else nd).append((dt, s.forward_s, s.draft_s, s.block_len, s.accepted or 0))
-    return wall, nd, d
-for r in range(R):
-    for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
-        wall, nd, d = run(engines[name])
-        f = lambda xs, i: 1e3 * statistics.median(x[i] for x in xs) if xs else float("nan")
-        print(f"{r} {name:12s} {wall:6.2f} s; plain steps {len(nd)} median {f(nd,0):.1f} ms (fwd {f(nd,1):.1f}); "
-              f"drafted steps {len(d)} median {f(d,0):.1f} ms (fwd {f(d,1):.1f}, draft {f(d,2):.1f}), "
-              f"verified in {sum(1 for x in d if x[3] > 1)}, accepted {sum(x[4] for x in d)}; "
-              f"sum plain-step s {sum(x[0] for x in nd):.2f}, sum drafted-step s {sum(x[0] for x in d):.2f}", flush=True)
+
+SPECS = {"best-prefix": "prefix-scheduler:choose_plan=best-prefix", "columns": "prefix-scheduler:choose_plan=columns"}
+
+
+def ms(steps: list, what) -> float:
+    return 1e3 * statistics.median(what(x) for x in steps) if steps else float("nan")
+
+
+def main() -> None:
+    wl = sys.argv[1] if len(sys.argv) > 1 else "mtbench"
+    rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 2
+    target = load_target("smollm2-135m")
+    plain = build_engine(target, "none", FixedK(0), 0, 1, 2048)
+    engines = {"plain": plain, **{k: build_engine(target, "dspark:smollm2-135m", v, 7, 1, 2048, cache=plain.cache)
+                                  for k, v in SPECS.items()}}
+    w = load_workload(wl, None, 12, max_prompt_tokens=1024,
+                      tokenize=lambda m: encode_chat(target.tokenizer, list(m), target.target_id))
+    prompts = [list(p.token_ids) for p in w.prompts]
+    for r in range(rounds):
+        for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
+            x = run(engines[name], prompts, 96, 0.0)
+            nd = [(dt, s) for dt, s in x["per_step"] if not s.drafted]
+            d = [(dt, s) for dt, s in x["per_step"] if s.drafted]
+            print(f"{r} {name:12s} {x['wall_s']:6.2f} s; plain steps {len(nd)} median {ms(nd, lambda t: t[0]):.1f} ms "
+                  f"(fwd {ms(nd, lambda t: t[1].forward_s):.1f}); drafted steps {len(d)} median "
+                  f"{ms(d, lambda t: t[0]):.1f} ms (fwd {ms(d, lambda t: t[1].forward_s):.1f}, draft "
+                  f"{ms(d, lambda t: t[1].draft_s):.1f}), verified in {sum(1 for _, s in d if s.block_len > 1)}, "
+                  f"accepted {sum(s.accepted or 0 for _, s in d)}; sum plain-step s {sum(t for t, _ in nd):.2f}, "
+                  f"sum drafted-step s {sum(t for t, _ in d):.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

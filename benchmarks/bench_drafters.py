@@ -73,7 +73,9 @@ def bench_out(out: Path) -> list[str]:
     and measures the rest; bench refuses it if the setup differs (its fingerprint), and refuses a directory
     without --resume. Only results.jsonl, no setup.json: no --resume (with it, bench would keep tiers whose
     setup nothing vouches for), so bench refuses the directory and says what to do."""
-    killed = (out / "setup.json").is_file()
+    from draftsmith.bench.results import SETUP  # (bench's own name for it; no torch behind it)
+
+    killed = (out / SETUP).is_file()
     return ["--out", str(out), *(["--resume"] if killed else [])]
 
 

@@ -89,7 +89,7 @@ def main() -> None:
             print(f"round {r} {name}: {t:.1f} s", flush=True)
     summary = []
     for r, rounds in enumerate(traced):
-        narrow = [x["round_s"] for x in rounds if x["width"] == 1]
+        narrow = [x["round_s"] for x in rounds if x["width"] == 1 and not x["drafted"]]  # plain rounds
         base = statistics.median(narrow) if narrow else None
         for width in sorted({x["width"] for x in rounds if x["width"] > 1}):
             xs = [x for x in rounds if x["width"] == width]

@@ -199,11 +199,16 @@ def admit_columns(conf: list[list[float]], sps: Callable[[float], float], opened
     drafts of the rows still in play pay for its width together; then all of them are
     verified; the first column that does not pay stops the search. conf[r] = c_{r,1..n_r}.
     `opened`: columns opened whatever they pay (ColumnSearch)."""
+    return _column_search(conf, sps, opened).ell
+
+
+def _column_search(conf: list[list[float]], sps: Callable[[float], float], opened: int = 0) -> ColumnSearch:
+    """The column search run over every column of conf, as it ended (its ell, tau)."""
     search = ColumnSearch(len(conf), sps, opened)
     for j in range(max((len(c) for c in conf), default=0)):
         if not search.open_next([c[j] if len(c) > j else None for c in conf]):
             break
-    return search.ell
+    return search
 
 
 def admit_best_prefix(conf: list[list[float]], sps: Callable[[float], float],
@@ -258,12 +263,11 @@ def plan_columns(conf: list[list[float]], step_time: Callable[[float], float],
     R = len(conf)
     if R == 0:
         return [], 1.0
-    ell = admit_columns(conf, lambda b: 1.0 / step_time(b))
-    if not any(ell):
-        return ell, 1.0
-    tau = R + sum(sum(cumulative(c)[:e]) for c, e in zip(conf, ell))
-    theta = tau / (step_time(R * (1 + max(ell))) + draft_time)
-    return ell, theta * step_time(R) / R
+    search = _column_search(conf, lambda b: 1.0 / step_time(b))
+    if not any(search.ell):
+        return search.ell, 1.0
+    theta = search.tau / (step_time(_tokens(R, 1 + max(search.ell), 0, "padded")) + draft_time)
+    return search.ell, theta * step_time(R) / R
 
 
 def can_gain(R: int, max_k: int, sps: Callable[[float], float], batch_tokens: BatchTokens = "padded") -> bool:
