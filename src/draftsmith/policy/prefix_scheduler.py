@@ -309,9 +309,9 @@ class PrefixScheduler:
     # the search does not open, or the column search's own plan on the running estimates
     # ("columns", plan_columns: what trim() will verify; used once the drafter's last proposal
     # carried confidences). Not the default yet: side by side at batch 1 (BENCHMARKS.md, stop 57)
-    # it matched on HumanEval (1.345x vs 1.343x plain); on MT-Bench a first run read 0.77x vs 0.94x,
-    # which a rerun with the steps split showed to be the VM's drift (there best-prefix drafted in
-    # ~700 steps and verified in ~300; columns drafted in ~45 and ran as plain)
+    # a 2-round run matched on HumanEval (1.345x vs 1.343x plain) and lost on MT-Bench (0.77x vs
+    # 0.94x); over 4 rounds it lost on both (1.147x vs 1.301x, 0.863x vs 1.018x), its rare
+    # non-drafting-heavy rounds slower than plain: an idle drafter's cost at batch 1, unmeasured
     choose_plan: Literal["best-prefix", "columns"] = "best-prefix"
     prior: AcceptancePrior = field(default_factory=AcceptancePrior)  # running acceptance prior
     # Draft at all only when the predicted gain (running acceptance, measured drafting time)
