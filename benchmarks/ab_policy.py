@@ -3,15 +3,18 @@
     .venv/bin/python benchmarks/ab_policy.py [--drafter dspark:smollm2-135m] [--k 7]
         [--base prefix-scheduler:stop_drafting=false] [--policy prefix-scheduler]
         [--workloads humaneval,mtbench] [--prompts 8] [--tokens 128] [--temperature 0] [--rounds 3]
-        [--dtype float32] [--burst ON,OFF] [--section NAME]
+        [--interleave prompt|pass] [--dtype float32] [--burst ON,OFF] [--section NAME]
         [--out benchmarks/results/ab_policy.json] [--no-md]
 
 Three engines on the default target share one KV cache: plain decoding, the drafter under --base
 and under --policy. Every round of the measurement runs each engine over the same held-out prompts
-(batch 1, one request at a time; seeded per prompt when --temperature > 0), the order of the
-engines reversed every other round. Reported per workload: the median wall time of a round
-of the measurement (each request's first step, its prefill and first round, excluded) and its
-ratio to plain's, the median drafting time of a step that drafted, the steps that drafted, and
+(batch 1, one request at a time; seeded per prompt when --temperature > 0). By default
+(--interleave prompt) a round runs each prompt on the three engines before the next prompt, the
+engines' order rotating from prompt to prompt, so that the runs compared are seconds apart (this
+VM's speed drifts from one minute to the next); --interleave pass runs each engine over all the
+prompts in turn, the order of the engines reversed every other round. Reported per workload:
+the median wall time of a round of the measurement (each request's first step, its prefill and
+first round, excluded) and its ratio to plain's, the median drafting time of a step that drafted, the steps that drafted, and
 whether the outputs of the two policies are identical (a policy changes the work, never a greedy
 or seeded output) and equal to plain's. The JSON goes to --out, and the table to its own section of
 BENCHMARKS.md (one per kind of CPU and target dtype, as bench_runtime's) unless --no-md.
@@ -46,13 +49,14 @@ from draftsmith.policy.fixed import FixedK
 from draftsmith.policy.profile import cpu_model
 
 
-def run(engine, prompts: list[list[int]], tokens: int, temperature: float) -> dict:
+def run(engine, prompts: list[list[int]], tokens: int, temperature: float, first_seed: int = 0) -> dict:
     """One pass over the prompts: outputs, wall seconds of the decoding steps, drafting times, and
-    per decoding step (wall seconds, its engine.last_step) for a closer look (ab_step_split.py)."""
+    per decoding step (wall seconds, its engine.last_step) for a closer look (ab_step_split.py).
+    With temperature > 0, prompt i is seeded first_seed + i."""
     outs, wall, drafting, steps, per_step = [], 0.0, [], 0, []
     for i, p in enumerate(prompts):
         engine.add_request(p, SamplingParams(max_tokens=tokens, temperature=temperature,
-                                             seed=i if temperature > 0 else None))
+                                             seed=first_seed + i if temperature > 0 else None))
         first = True
         while engine.has_unfinished():
             t0 = time.perf_counter()
@@ -99,6 +103,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--interleave", choices=("prompt", "pass"), default="prompt",
+                    help="prompt: every engine runs a prompt before the next prompt (drift-robust); "
+                         "pass: every engine runs all prompts in turn")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the physical cores)")
     ap.add_argument("--dtype", default="float32", help="the target's (and the drafter's) dtype: float32 or bfloat16")
     ap.add_argument("--out", type=Path, default=None,
@@ -148,9 +155,8 @@ def measure(args, engines: dict, target, result: dict) -> None:
         prompts = [list(p.token_ids) for p in w.prompts]
         runs: dict[str, list[dict]] = {k: [] for k in engines}
         for r in range(args.rounds):
-            for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
-                runs[name].append(run(engines[name], prompts, args.tokens, args.temperature))
-                x = runs[name][-1]
+            for name, x in one_round(engines, prompts, args, r).items():
+                runs[name].append(x)
                 print(f"{wl} round {r} {name:6s} {x['wall_s']:6.2f} s, {x['steps']} steps, "
                       f"{len(x['drafting_s'])} drafted", flush=True)
         plain_s = statistics.median(x["wall_s"] for x in runs["plain"])
@@ -175,6 +181,32 @@ def measure(args, engines: dict, target, result: dict) -> None:
               f"equal to plain {row['equal_to_plain']}", flush=True)
 
 
+def one_round(engines: dict, prompts: list[list[int]], args, r: int) -> dict[str, dict]:
+    """Round r of every engine over the prompts. --interleave pass: each engine runs all prompts
+    in turn (the order of the engines reversed every other round). --interleave prompt: each
+    prompt runs on every engine before the next prompt (the order rotating from prompt to
+    prompt), so the runs compared are seconds apart, not a pass apart: on a VM whose speed drifts
+    from one minute to the next (stop 57/58: plain steps 25-35 ms within minutes) the pass-level
+    ratios move with the drift, the prompt-level ones much less."""
+    names = list(engines)
+    if args.interleave == "pass":
+        return {n: run(engines[n], prompts, args.tokens, args.temperature)
+                for n in (names if r % 2 == 0 else names[::-1])}
+    parts: dict[str, list[dict]] = {n: [] for n in names}
+    for i, p in enumerate(prompts):
+        k = (i + r) % len(names)
+        for n in names[k:] + names[:k]:
+            parts[n].append(run(engines[n], [p], args.tokens, args.temperature, first_seed=i))
+    return {n: merged(xs) for n, xs in parts.items()}
+
+
+def merged(xs: list[dict]) -> dict:
+    """run()'s results of consecutive single prompts as one pass's."""
+    return {"outputs": [o for x in xs for o in x["outputs"]], "wall_s": sum(x["wall_s"] for x in xs),
+            "steps": sum(x["steps"] for x in xs), "drafting_s": [d for x in xs for d in x["drafting_s"]],
+            "per_step": [s for x in xs for s in x["per_step"]]}
+
+
 def shown(path: Path) -> str:
     """A path as BENCHMARKS.md names it: relative to the repository when inside it."""
     root = Path(__file__).resolve().parents[1]
@@ -192,12 +224,15 @@ def markdown(res: dict, args, kind: str) -> str:
              f"{', beside a load' if s.get('burst') else ''}", "",
              f"`benchmarks/ab_policy.py --drafter {s['drafter']} --k {s['k']} --base {s['base']} --policy {s['policy']} "
              f"--workloads {s['workloads']} --prompts {s['prompts']} --tokens {s['tokens']} --temperature {s['temperature']} "
-             f"--rounds {s['rounds']}{'' if s['dtype'] == 'float32' else ' --dtype ' + s['dtype']}"
+             f"--rounds {s['rounds']} --interleave {s.get('interleave', 'pass')}{'' if s['dtype'] == 'float32' else ' --dtype ' + s['dtype']}"
              f"{' --burst ' + s['burst'] if s.get('burst') else ''}{' --section ' + s['section'] if s.get('section') else ''}` "
              f"on {s['date']} (JSON: `{shown(Path(args.out))}`). {s['machine']}, "
              f"{s['cpus']} CPUs, {s['threads']} torch threads, {s['dtype']} target smollm2-135m, batch 1, held-out prompts. "
              "Plain decoding and the drafter under both policies share one process and one KV cache; each round runs "
-             "the three over the same prompts, the order reversed every other round. Wall time: the decoding steps of "
+             + ("the three over the same prompts, each prompt on all three before the next (their order rotating "
+                "from prompt to prompt). " if s.get("interleave") == "prompt" else
+                "the three over the same prompts, one pass each, the order reversed every other round. ")
+             + "Wall time: the decoding steps of "
              "a round, each request's first step (prefill) excluded; the median over rounds, and the ratio plain / "
              "policy of each round (> 1: faster than plain). Drafting: the median time of a step that drafted. "
              + (f"A load ran beside it the whole time (--burst {s['burst']}: one process keeping a core busy "
