@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import sections
-from bench_drafters import cli
+from bench_drafters import bench_out, cli
 
 ROOT = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- bench_llamacpp:begin -->", "<!-- bench_llamacpp:end -->"
@@ -54,7 +54,7 @@ def main() -> int:
             cli("bench", "--dtype", dt, "--threads", str(args.threads), "--drafter", "ngram", "--drafter", args.drafter,
                 "--workload", "humaneval", "--concurrency", "1", "--requests", str(args.requests),
                 "--max-tokens", str(args.tokens), "--warmup", "1", "--temperature", "0", "--peers", "llamacpp",
-                "--out", str(out))
+                *bench_out(out))  # (a stage killed before its report resumes)
         res["runs"][dt] = collect(json.loads((out / "report.json").read_text()))
     res["setup"] = {"drafter": args.drafter, "requests": args.requests, "tokens": args.tokens, "threads": args.threads,
                     "machine": f"{platform.machine()} {os.cpu_count()} CPUs", "wall_s": round(time.perf_counter() - t_all),

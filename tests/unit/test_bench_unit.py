@@ -276,6 +276,35 @@ def test_bench_overwrite_keeps_the_earlier_results_when_the_workload_fails(tmp_p
     assert {f.name: f.read_text() for f in tmp_path.iterdir()} == files
 
 
+def test_bench_resume_refuses_another_machine_or_thread_count(tmp_path, monkeypatch):
+    """A --resume whose measured work matches but whose threads (or CPU) differ from the run it
+    continues is refused before anything is measured: its tiers would not be comparable."""
+    from types import SimpleNamespace
+
+    from draftsmith.bench import runner
+    from draftsmith.bench.results import SETUP
+    from draftsmith.bench.workload import load_workload
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"def f{i}(): pass"}) + "\n" for i in range(3)))
+    backend = SimpleNamespace(tokenize=lambda messages: [1] * 8, max_prompt_tokens=1000, weights_hash="h", max_k=4,
+                              model=SimpleNamespace(config=SimpleNamespace(max_position_embeddings=2048)))
+    monkeypatch.setattr(runner, "InProcessBackend", lambda cfg, log: backend)
+    out = tmp_path / "out"
+    out.mkdir()
+    cfg = BenchConfig(out=str(out), resume=True, workload=str(prompts), requests=3)
+    wl = load_workload(cfg.workload, cfg.split, cfg.requests, backend.tokenize, 1000, turns=cfg.turns,
+                       answer_tokens=cfg.max_tokens + 8)
+    machine = runner.machine_info()
+    setup = {"fingerprint": cfg.fingerprint([q.id for q in wl.prompts], "h"), "invocations": [],
+             "machine": {**machine, "torch_threads": machine["torch_threads"] + 3}}
+    (out / SETUP).write_text(json.dumps(setup))
+    with pytest.raises(DraftsmithError, match="torch_threads .* then, .* now"):
+        runner.run_bench(cfg, log=lambda s: None)
+    assert json.loads((out / SETUP).read_text()) == setup  # nothing appended to the run it refused
+    assert runner.check_same_machine(machine, dict(machine), out) is None  # the same machine resumes
+
+
 # ---- /metrics differences ------------------------------------------------------------------------
 
 

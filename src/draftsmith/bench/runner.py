@@ -57,6 +57,20 @@ def _config_json(cfg: BenchConfig) -> dict:
     return d
 
 
+# What a resumed run must share with the run it continues: the tiers of one report are compared with
+# each other, and a tier measured on other hardware or with other threads is not comparable.
+SAME_MACHINE = ("cpu_model", "cpu_count", "torch_threads", "cuda", "gpu")
+
+
+def check_same_machine(old: dict, new: dict, out: Path) -> None:
+    """Refuse a --resume on another machine or with another thread count than setup.json's."""
+    diff = [k for k in SAME_MACHINE if k in old and old.get(k) != new.get(k)]
+    if diff:
+        said = "; ".join(f"{k} {old.get(k)!r} then, {new.get(k)!r} now" for k in diff)
+        raise DraftsmithError(f"--resume: {out} was measured on another machine or with other threads ({said}); "
+                              "resume it where it ran (with the same --threads), or use another --out or --overwrite")
+
+
 def run_bench(config: BenchConfig, log: Callable[[str], None] | None = None) -> Path:
     """Run (or resume) the bench described by `config`; write the report; return report.json's path.
 
@@ -89,8 +103,10 @@ def run_bench(config: BenchConfig, log: Callable[[str], None] | None = None) -> 
         longest = max(p.longest_prompt for p in wl.prompts)
         max_len = min(backend.model.config.max_position_embeddings, longest + cfg.max_tokens + backend.max_k + 2)
 
+    machine = machine_info()
     invocation = {"started": t_start, "loadavg_start": load_start, "resumed": False, "phases_run": [],
-                  "argv": list(sys.argv), "pid": os.getpid()}
+                  "argv": list(sys.argv), "pid": os.getpid(), "versions": versions(),
+                  "torch_threads": machine["torch_threads"]}
     if setup_path.exists():
         setup = json.loads(setup_path.read_text())
         old = setup.get("fingerprint", {})
@@ -98,12 +114,14 @@ def run_bench(config: BenchConfig, log: Callable[[str], None] | None = None) -> 
             diff = sorted(k for k in set(old) | set(fp) if old.get(k) != fp.get(k))
             raise DraftsmithError(f"--resume: {out} was measured with a different setup (differs in: "
                                   f"{', '.join(diff)}); use another --out or --overwrite")
+        if not cfg.endpoint_mode:  # (against servers, this client's machine is not what was measured)
+            check_same_machine(setup.get("machine", {}), machine, out)
         invocation["resumed"] = True
         setup["config"] = _config_json(cfg)  # the tier list (and report-only inputs) may differ
     else:
         setup = {
             "format_version": FORMAT_VERSION, "created": t_start, "fingerprint": fp, "fingerprint_sha": fp_sha,
-            "config": _config_json(cfg), "versions": versions(), "machine": machine_info(),
+            "config": _config_json(cfg), "versions": versions(), "machine": machine,
             **backend.setup(),
             "workload": {"name": cfg.workload, "split": wl.split, "prompt_ids": [p.id for p in wl.prompts],
                          "unique_prompts": len(wl.prompts) - wl.reused, "reused_prompts": wl.reused,
