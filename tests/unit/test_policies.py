@@ -224,11 +224,11 @@ def test_choose_predicts_what_the_column_search_will_verify_for_a_drafter_with_c
     Running acceptance 0.5 at draft 1, 0.99 after (later positions are rarely verified, so their
     estimates stay where they were). The best prefix of Algorithm 1's order counts on 3 columns
     and predicts a 27% gain; trim()'s column search never opens column 1 (it does not pay
-    alone), so such a round drafts and verifies nothing. With choose_plan="columns" choose()
-    predicts the column search's plan and keeps drafting off, once the drafter has proposed with
-    confidences (the scheduler's mark, not the requests': these rows never drafted); where column
-    1 pays (0.7) it drafts as before. The default stays the best prefix for now (the field's
-    comment). (Measured on a 2-core Zen 3
+    alone), so such a round drafts and verifies nothing. With choose_plan="columns" (the default
+    since stop 58: the field's comment) choose() predicts the column search's plan and keeps
+    drafting off, once the drafter has proposed with confidences (the scheduler's mark, not the
+    requests': these rows never drafted); where column 1 pays (0.7) it drafts as before;
+    choose_plan="best-prefix" drafts on the best prefix. (Measured on a 2-core Zen 3
     at 16 rows, stop 57: plans of gain 1.04-1.14 on 3 columns, rounds that opened column 1
     only, realized 0.72-0.79 of plain.)"""
     times = sps_from_times((16, 32, 48, 64), (51.0, 84.0, 92.0, 100.0))
@@ -260,12 +260,15 @@ def test_choose_predicts_what_the_column_search_will_verify_for_a_drafter_with_c
     assert gain == pytest.approx(tau / step(64) * step(16) / rows)
     assert plan_columns(conf, step, draft_time=60.0)[1] == pytest.approx(tau / (step(64) + 60.0) * step(16) / rows)
     assert pol.choose(running(0.7)) == [3] * rows
-    # the paper's candidate-by-candidate search in trim(), or the default choose_plan: the best prefix
+    # the paper's candidate-by-candidate search in trim(), or choose_plan="best-prefix": the best prefix
     assert replace(pol, padded_search="early-stop").choose(running(0.5)) == [3] * rows
     default = PrefixScheduler(times, max_k=3, adapt=False, pooled_prior=False, running_at="choose", probe_every=0)
-    assert default.choose_plan == "best-prefix"
-    default.trim(seqs(rows), proposal([1] * rows, 1, [[0.9]] * rows))
-    assert default.choose(running(0.5)) == [3] * rows
+    assert default.choose_plan == "columns"
+    best = replace(default, choose_plan="best-prefix")
+    for p in (default, best):
+        p.trim(seqs(rows), proposal([1] * rows, 1, [[0.9]] * rows))
+    assert default.choose(running(0.5)) == [0] * rows
+    assert best.choose(running(0.5)) == [3] * rows
     assert plan_columns([], step) == ([], 1.0)
 
 

@@ -59,14 +59,15 @@ column are not paid.
 Whether to draft at all is decided in choose(), from what is known before the round: each
 request's running acceptance and the cost model of policy/cost.py, which corrects the
 profiled SPS(B) online from measured rounds and learns the drafter's time per round (a
-trained drafter costs a real share of a CPU round). The prediction is the best prefix of
-Algorithm 1's order, which for a drafter with confidences can count on cheap columns behind a
-column that does not pay alone, which trim()'s column search never opens (BENCHMARKS.md, stop
-57, 16 rows on a 2-core Zen 3: plans of 1.04-1.14x on three columns, rounds that verified one
-column and realized 0.72-0.79x plain); `choose_plan="columns"` predicts the column search's own
-plan instead (`plan_columns`), not the default until a quieter machine than stop 57's decides
-between the two at batch 1 (the field's comment). A round drafts only if the best plan
-beats plain decoding by `min_gain`; otherwise every row decodes plainly, except that a
+trained drafter costs a real share of a CPU round). For a drafter whose drafts trim() schedules
+column by column (DSpark), the prediction is the column search's own plan on the running
+estimates (`choose_plan="columns"`, `plan_columns`); for the others, and with
+`choose_plan="best-prefix"`, it is the best prefix of Algorithm 1's order, which for a drafter
+with confidences can count on cheap columns behind a column that does not pay alone, which
+trim()'s column search never opens (BENCHMARKS.md, stop 57, 16 rows on a 2-core Zen 3: plans of
+1.04-1.14x on three columns, rounds that verified one column and realized 0.72-0.79x plain; the
+field's comment has the side by side that made "columns" the default). A round drafts only if
+the best plan beats plain decoding by `min_gain`; otherwise every row decodes plainly, except that a
 drafter cheaper than `cheap_draft` of a plain step still drafts (evidence for free) and a
 probe comes after `probe_every` rounds that verified no draft (whatever choose() planned: a
 plan can draft while the column search opens nothing), so estimates made under other
@@ -304,15 +305,17 @@ class PrefixScheduler:
     # drafting at the first column that will not open (draft_gate): the same verify lengths,
     # fewer sequential steps. False drafts every column (the before / after).
     stop_drafting: bool = True
-    # choose()'s predicted gain, for drafters with confidences under the column search: the
-    # best prefix of Algorithm 1's order ("best-prefix", the default), which can count on columns
-    # the search does not open, or the column search's own plan on the running estimates
-    # ("columns", plan_columns: what trim() will verify; used once the drafter's last proposal
-    # carried confidences). Not the default yet: side by side at batch 1 (BENCHMARKS.md, stop 57)
-    # a 2-round run matched on HumanEval (1.345x vs 1.343x plain) and lost on MT-Bench (0.77x vs
-    # 0.94x); over 4 rounds it lost on both (1.147x vs 1.301x, 0.863x vs 1.018x), its rare
-    # non-drafting-heavy rounds slower than plain: an idle drafter's cost at batch 1, unmeasured
-    choose_plan: Literal["best-prefix", "columns"] = "best-prefix"
+    # choose()'s predicted gain, for drafters with confidences under the column search: the column
+    # search's own plan on the running estimates ("columns", plan_columns: what trim() will verify;
+    # used once the drafter's last proposal carried confidences), or the best prefix of Algorithm 1's
+    # order ("best-prefix", the default until stop 58), which can count on columns the search does
+    # not open. Side by side at batch 1 with each prompt run on both before the next (BENCHMARKS.md,
+    # stop 58; stop 57's pass-by-pass runs that favoured best-prefix moved with this VM's drift):
+    # HumanEval 1.296x vs 1.206x plain (96 tokens) and 1.259x vs 1.174x (128); MT-Bench mixed,
+    # 1.037x vs 0.879x (96: best-prefix had lost ground round after round as its engine aged) but
+    # 1.021x vs 1.102x (128) and 1.13x vs 1.16-1.19x (fresh engines). "columns" wins on code and
+    # its worst batch-1 reading (1.02x) stays above the issue's 0.97x floor, best-prefix's does not
+    choose_plan: Literal["best-prefix", "columns"] = "columns"
     prior: AcceptancePrior = field(default_factory=AcceptancePrior)  # running acceptance prior
     # Draft at all only when the predicted gain (running acceptance, measured drafting time)
     # beats plain decoding by this fraction: a margin for the model's error, so that a busy
