@@ -1,8 +1,9 @@
 """Draft-length policies side by side under concurrency, in lockstep: every engine takes one step in turn.
 
     .venv/bin/python benchmarks/ab_lockstep.py [--drafter dspark:smollm2-135m] [--k 7]
-        [--policies prefix-scheduler,prefix-scheduler:choose_plan=columns] [--workload humaneval]
-        [--concurrency 16] [--prompts 48] [--tokens 64] [--rounds 2] [--warm 1,4]
+        [--policies 'prefix-scheduler:choose_plan=best-prefix;prefix-scheduler:choose_plan=columns']
+        [--workload humaneval] [--concurrency 16] [--prompts 32] [--tokens 64] [--rounds 2]
+        [--warm 1,4] [--warm-workload mtbench]
         [--section NAME] [--out benchmarks/results/ab_lockstep.json] [--no-md]
 
 One process, the default target (float32), plain decoding and the drafter under each policy, each
@@ -10,13 +11,16 @@ engine with its own KV cache. A round runs every engine over the same held-out p
 loop: --concurrency requests in flight, a finished one replaced by the next prompt at once, greedy,
 --tokens new tokens each. The engines advance in lockstep, one step each in turn (the order
 rotating every step), so the steps compared are milliseconds apart: this VM's speed drifts from
-one minute to the next (plain steps 25 -> 34 ms within minutes, stop 58), which moves a ratio of
+one minute to the next (stop 57: the median step of a pass that decoded plainly 24.2-31.4 ms,
+benchmarks/results/ab_step_split-mtbench-avx2-zen3.txt), which moves a ratio of
 two passes run one after the other by more than the effects measured here (ab_policy.py's
 --interleave prompt does the same at batch 1 a prompt at a time). Each engine's time is the sum
 of its own steps, prefills included; its ratio to plain's is the tokens/s ratio (the same tokens:
-greedy outputs equal plain's, checked). --warm C1,C2,...: before the rounds, each engine serves 16
-other held-out prompts at those concurrencies (8 at the first), as a server that met lighter load
-first (bench_builtin's tiers run 1, 4, 16, 32 in one server).
+greedy outputs equal plain's, checked). The measured prompts are distinct (the held-out split has
+~34 HumanEval prompts: more is refused rather than cycled). --warm C1,C2,...: before the rounds,
+each engine serves --warm-workload's held-out prompts at those concurrencies (8 at the first, 16
+at the others), as a server that met lighter load first (bench_builtin's tiers run 1, 4, 16, 32
+in one server).
 
 Reported per policy: the ratio per round and its median, steps that drafted and steps that verified
 a draft (per round), drafts accepted, and whether every output equals plain's. The JSON goes to
@@ -92,15 +96,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--drafter", default="dspark:smollm2-135m")
     ap.add_argument("--k", type=int, default=7, help="drafts per round asked of the drafter")
-    ap.add_argument("--policies", default="prefix-scheduler,prefix-scheduler:choose_plan=columns",
+    ap.add_argument("--policies", default="prefix-scheduler:choose_plan=best-prefix;prefix-scheduler:choose_plan=columns",
                     help="comma-separated policy specs (a spec's own options are separated by ',' too: "
                          "separate specs with ';' when any has options after the first)")
     ap.add_argument("--workload", default="humaneval")
     ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--prompts", type=int, default=48)
+    ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--warm", default="1,4", help="concurrencies served before the rounds ('' for none)")
+    ap.add_argument("--warm-workload", default="mtbench", help="the prompts served at --warm (not measured)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--section", default="", help="results and BENCHMARKS.md section under this name")
     ap.add_argument("--no-md", action="store_true", help="leave BENCHMARKS.md alone")
@@ -113,10 +118,17 @@ def main() -> None:
     name = f"ab_lockstep-{args.section}" if args.section else "ab_lockstep"
     args.out = args.out or Path(__file__).parent / "results" / f"{name}{tag}.json"
     target = load_target("smollm2-135m")
-    w = load_workload(args.workload, None, args.prompts + WARM_PROMPTS, max_prompt_tokens=1024,
-                      tokenize=lambda m: encode_chat(target.tokenizer, list(m), target.target_id))
-    allp = [list(p.token_ids) for p in w.prompts]
-    prompts, warm_prompts = allp[:args.prompts], allp[args.prompts:]
+    def tokenize(m):
+        return encode_chat(target.tokenizer, list(m), target.target_id)
+
+    w = load_workload(args.workload, None, args.prompts, max_prompt_tokens=1024, tokenize=tokenize)
+    if w.reused:
+        raise SystemExit(f"--prompts {args.prompts}: {args.workload}'s held-out split has only "
+                         f"{len(w.prompts) - w.reused} prompts that fit; ask for at most that many")
+    prompts = [list(p.token_ids) for p in w.prompts]
+    warm_prompts = [list(p.token_ids) for p in load_workload(args.warm_workload, None, WARM_PROMPTS,
+                                                             max_prompt_tokens=1024, tokenize=tokenize).prompts]
+    allp = prompts + warm_prompts
     rows = max([args.concurrency] + warm)
     max_len = max(len(p) for p in allp) + args.tokens + args.k + 2
     engines = {"plain": build_engine(target, "none", FixedK(0), 0, rows, max_len)}
@@ -176,7 +188,9 @@ def markdown(res: dict, kind: str) -> str:
              f"each policy have their own KV cache and serve the same prompts closed loop ({s['concurrency']} in "
              "flight), one step each in turn, so that the steps compared are milliseconds apart. Time: the sum of an "
              "engine's steps, prefills included; × plain = plain's time / the policy's (> 1: faster). Before the "
-             f"rounds each engine served {WARM_PROMPTS} other prompts at concurrency {s['warm'] or '(none)'}. "
+             (f"rounds each engine served held-out {s.get('warm_workload', s['workload'])} prompts at concurrency "
+              f"{s['warm']} (8 at the first, {WARM_PROMPTS} at each other). " if s['warm'] else "rounds: no warm-up. ")
+             + 
              f"Load average {s['loadavg_start'][0]:.2f} at the start, {s['loadavg_end'][0]:.2f} at the end.", "",
              "| policy | × plain (median) | × plain per round | s per round | steps that drafted / verified a draft / "
              "all (per round) | drafts accepted | outputs = plain |", "|---|---|---|---|---|---|---|"]

@@ -302,7 +302,11 @@ def test_bench_resume_refuses_another_machine_or_thread_count(tmp_path, monkeypa
     with pytest.raises(DraftsmithError, match="torch_threads .* then, .* now"):
         runner.run_bench(cfg, log=lambda s: None)
     assert json.loads((out / SETUP).read_text()) == setup  # nothing appended to the run it refused
-    assert runner.check_same_machine(machine, dict(machine), out) is None  # the same machine resumes
+    # the same machine resumes, and so does a setup.json that recorded fewer of these keys (older runs)
+    for old in (dict(machine), {}, {"cpu_model": machine["cpu_model"]}):
+        assert runner.check_same_machine(old, machine, out) is None
+    with pytest.raises(DraftsmithError, match="cpu_model 'another' then"):
+        runner.check_same_machine({"cpu_model": "another"}, machine, out)
 
 
 # ---- /metrics differences ------------------------------------------------------------------------

@@ -312,9 +312,9 @@ class PrefixScheduler:
     # not open. Side by side at batch 1 with each prompt run on both before the next (BENCHMARKS.md,
     # stop 58; stop 57's pass-by-pass runs that favoured best-prefix moved with this VM's drift):
     # HumanEval 1.296x vs 1.206x plain (96 tokens) and 1.259x vs 1.174x (128); MT-Bench mixed,
-    # 1.037x vs 0.879x (96: best-prefix had lost ground round after round as its engine aged) but
-    # 1.021x vs 1.102x (128) and 1.13x vs 1.16-1.19x (fresh engines). "columns" wins on code and
-    # its worst batch-1 reading (1.02x) stays above the issue's 0.97x floor, best-prefix's does not
+    # 1.037x vs 0.879x (96; best-prefix had lost ground round after round on the code before it)
+    # but 1.021x vs 1.102x (128) and 1.13x vs 1.16-1.19x (fresh engines). "columns" leads on code and
+    # its lowest batch-1 median (1.02x) stays above the issue's 0.97x floor; best-prefix's does not
     choose_plan: Literal["best-prefix", "columns"] = "columns"
     prior: AcceptancePrior = field(default_factory=AcceptancePrior)  # running acceptance prior
     # Draft at all only when the predicted gain (running acceptance, measured drafting time)
