@@ -182,18 +182,18 @@ def markdown(res: dict, kind: str) -> str:
     lines = [f"## Policies under concurrency {s['concurrency']}, in lockstep (issue 12){kind}", "",
              f"`benchmarks/ab_lockstep.py --drafter {s['drafter']} --k {s['k']} --policies '{';'.join(s['specs'])}' "
              f"--workload {s['workload']} --concurrency {s['concurrency']} --prompts {s['prompts']} --tokens {s['tokens']} "
-             f"--rounds {s['rounds']} --warm '{s['warm']}'{' --section ' + s['section'] if s['section'] else ''}` on "
+             f"--rounds {s['rounds']} --warm '{s['warm']}' --warm-workload {s.get('warm_workload', s['workload'])}{' --section ' + s['section'] if s['section'] else ''}` on "
              f"{s['date']} (JSON: `{s['out']}`). {s['machine']}, {s['cpus']} CPUs, {s['threads']} torch threads, "
              f"float32 target smollm2-135m, held-out prompts, greedy. One process; plain decoding and the drafter under "
              f"each policy have their own KV cache and serve the same prompts closed loop ({s['concurrency']} in "
              "flight), one step each in turn, so that the steps compared are milliseconds apart. Time: the sum of an "
              "engine's steps, prefills included; × plain = plain's time / the policy's (> 1: faster). Before the "
-             (f"rounds each engine served held-out {s.get('warm_workload', s['workload'])} prompts at concurrency "
-              f"{s['warm']} (8 at the first, {WARM_PROMPTS} at each other). " if s['warm'] else "rounds: no warm-up. ")
-             + 
-             f"Load average {s['loadavg_start'][0]:.2f} at the start, {s['loadavg_end'][0]:.2f} at the end.", "",
+             + (f"rounds each engine served held-out {s.get('warm_workload', s['workload'])} prompts at concurrency "
+                f"{s['warm']} (8 at the first, {WARM_PROMPTS} at each other). " if s['warm'] else "rounds: no warm-up. ")
+             + f"Load average {s['loadavg_start'][0]:.2f} at the start, {s['loadavg_end'][0]:.2f} at the end.", "",
              "| policy | × plain (median) | × plain per round | s per round | steps that drafted / verified a draft / "
              "all (per round) | drafts accepted | outputs = plain |", "|---|---|---|---|---|---|---|"]
+
     def each(xs, fmt) -> str:
         return " / ".join(fmt(x) for x in xs)
 
