@@ -11,8 +11,8 @@ engine with its own KV cache. A round runs every engine over the same held-out p
 loop: --concurrency requests in flight, a finished one replaced by the next prompt at once, greedy,
 --tokens new tokens each. The engines advance in lockstep, one step each in turn (the order
 rotating every step), so the steps compared are milliseconds apart: this VM's speed drifts from
-one minute to the next (stop 57: the median step of a pass that decoded plainly 24.2-31.4 ms,
-benchmarks/results/ab_step_split-mtbench-avx2-zen3.txt), which moves a ratio of
+one minute to the next (stop 57: plain decoding's median step 27.4 and 31.1 ms in two passes
+minutes apart, benchmarks/results/ab_step_split-mtbench-avx2-zen3.txt), which moves a ratio of
 two passes run one after the other by more than the effects measured here (ab_policy.py's
 --interleave prompt does the same at batch 1 a prompt at a time). Each engine's time is the sum
 of its own steps, prefills included; its ratio to plain's is the tokens/s ratio (the same tokens:
@@ -118,6 +118,7 @@ def main() -> None:
     name = f"ab_lockstep-{args.section}" if args.section else "ab_lockstep"
     args.out = args.out or Path(__file__).parent / "results" / f"{name}{tag}.json"
     target = load_target("smollm2-135m")
+
     def tokenize(m):
         return encode_chat(target.tokenizer, list(m), target.target_id)
 
