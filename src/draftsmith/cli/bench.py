@@ -79,7 +79,8 @@ def add_parser(sub) -> None:
     b.add_argument("--max-prompt-tokens", type=positive_int, default=None,
                    help="skip longer prompts (default: what fits the context with --max-tokens)")
     b.add_argument("--out", type=Path, default=Path("runs/bench"), help="report.json, report.md, PNGs, results.jsonl")
-    b.add_argument("--resume", action="store_true", help="keep finished tiers in --out and run the rest")
+    b.add_argument("--resume", action="store_true",
+                   help="keep finished tiers in --out and run the rest (same measured work, machine and --threads)")
     b.add_argument("--overwrite", action="store_true", help="discard earlier results in --out")
     add_progress(b)
     b.add_argument("--no-table", action="store_true",
