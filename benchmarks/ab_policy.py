@@ -14,7 +14,8 @@ engines' order rotating from prompt to prompt, so that the runs compared are sec
 VM's speed drifts from one minute to the next); --interleave pass runs each engine over all the
 prompts in turn, the order of the engines reversed every other round. Reported per workload:
 the median wall time of a round of the measurement (each request's first step, its prefill and
-first round, excluded) and its ratio to plain's, the median drafting time of a step that drafted, the steps that drafted, and
+first round, excluded) and its ratio to plain's, the median drafting time of a step that drafted,
+the steps that drafted, and
 whether the outputs of the two policies are identical (a policy changes the work, never a greedy
 or seeded output) and equal to plain's. The JSON goes to --out, and the table to its own section of
 BENCHMARKS.md (one per kind of CPU and target dtype, as bench_runtime's) unless --no-md.
@@ -155,7 +156,7 @@ def measure(args, engines: dict, target, result: dict) -> None:
         prompts = [list(p.token_ids) for p in w.prompts]
         runs: dict[str, list[dict]] = {k: [] for k in engines}
         for r in range(args.rounds):
-            for name, x in one_round(engines, prompts, args, r).items():
+            for name, x in one_round(engines, prompts, args.tokens, args.temperature, r, args.interleave).items():
                 runs[name].append(x)
                 print(f"{wl} round {r} {name:6s} {x['wall_s']:6.2f} s, {x['steps']} steps, "
                       f"{len(x['drafting_s'])} drafted", flush=True)
@@ -181,22 +182,23 @@ def measure(args, engines: dict, target, result: dict) -> None:
               f"equal to plain {row['equal_to_plain']}", flush=True)
 
 
-def one_round(engines: dict, prompts: list[list[int]], args, r: int) -> dict[str, dict]:
-    """Round r of every engine over the prompts. --interleave pass: each engine runs all prompts
-    in turn (the order of the engines reversed every other round). --interleave prompt: each
-    prompt runs on every engine before the next prompt (the order rotating from prompt to
-    prompt), so the runs compared are seconds apart, not a pass apart: on a VM whose speed drifts
-    from one minute to the next (stop 57: plain decoding's median step 27.4 and 31.1 ms in two passes) the pass-level
-    ratios move with the drift, the prompt-level ones much less."""
+def one_round(engines: dict, prompts: list[list[int]], tokens: int, temperature: float, r: int,
+              interleave: str = "prompt") -> dict[str, dict]:
+    """Round r of every engine over the prompts. interleave "pass": each engine runs all prompts
+    in turn (the order of the engines reversed every other round). "prompt": each prompt runs on
+    every engine before the next prompt (the order rotating from prompt to prompt), so the runs
+    compared are seconds apart, not a pass apart: on a VM whose speed drifts from one minute to
+    the next (stop 57: plain decoding's median step 27.4 and 31.1 ms in two passes) the
+    pass-level ratios move with the drift, the prompt-level ones much less."""
     names = list(engines)
-    if args.interleave == "pass":
-        return {n: run(engines[n], prompts, args.tokens, args.temperature)
+    if interleave == "pass":
+        return {n: run(engines[n], prompts, tokens, temperature)
                 for n in (names if r % 2 == 0 else names[::-1])}
     parts: dict[str, list[dict]] = {n: [] for n in names}
     for i, p in enumerate(prompts):
         k = (i + r) % len(names)
         for n in names[k:] + names[:k]:
-            parts[n].append(run(engines[n], [p], args.tokens, args.temperature, first_seed=i))
+            parts[n].append(run(engines[n], [p], tokens, temperature, first_seed=i))
     return {n: merged(xs) for n, xs in parts.items()}
 
 

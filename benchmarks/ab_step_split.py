@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import statistics
 import sys
-from argparse import Namespace
 
 import draftsmith  # noqa: F401  (OpenMP settings: must come before torch)
 from ab_policy import one_round
@@ -45,9 +44,8 @@ def main() -> None:
     w = load_workload(wl, None, 12, max_prompt_tokens=1024,
                       tokenize=lambda m: encode_chat(target.tokenizer, list(m), target.target_id))
     prompts = [list(p.token_ids) for p in w.prompts]
-    args = Namespace(interleave="prompt", tokens=96, temperature=0.0)
     for r in range(rounds):
-        for name, x in one_round(engines, prompts, args, r).items():
+        for name, x in one_round(engines, prompts, 96, 0.0, r).items():
             nd = [(dt, s) for dt, s in x["per_step"] if not s.drafted]
             d = [(dt, s) for dt, s in x["per_step"] if s.drafted]
             print(f"{r} {name:12s} {x['wall_s']:6.2f} s; plain steps {len(nd)} median {ms(nd, lambda t: t[0]):.1f} ms "
