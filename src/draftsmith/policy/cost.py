@@ -38,6 +38,7 @@ like the profile itself (see prefix_scheduler.py).
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left
 from dataclasses import dataclass, field
 from draftsmith.core.request import StepInfo
@@ -68,11 +69,11 @@ class StepCost:
     # weight of a new measurement in the machine factor (every round's forward); 0 = no machine
     # factor, every size's correction on its own, learnt at `alpha` (the model before: module doc)
     machine_alpha: float = 0.5
-    # weight of a new measurement in a size's shape beside the machine factor: slow, so that a
-    # change of the machine's speed goes to the machine factor (fast) and only what persists to
-    # the shapes. tests/unit/test_step_cost.py's slow stretch (10 drafting rounds at twice the
-    # time, then 8 plain ones) leaves a 4-token forward predicted 7% dearer than before it at
-    # these rates (26% with 0.1 / 0.3; 65% with no machine factor)
+    # weight of a round's residual in its size's shape (a round after another size: _observe_factors)
+    # beside the machine factor's: slow, so that a change of the machine's speed goes to the machine
+    # factor (fast) and only what persists between sizes to the shapes. tests/unit/test_step_cost.py's
+    # slow stretch (10 drafting rounds at twice the time, then 8 plain ones) leaves a 4-token forward
+    # predicted 4% dearer than before it (7% with the model before stop 59; 65% with no machine factor)
     shape_alpha: float = 0.05
     _machine: _Ewma | None = None  # measured / (profiled x shape) time of every round: the machine now
     _ratio: dict[int, _Ewma] = field(default_factory=dict)  # B -> the size's shape (measured / profiled / machine)
@@ -80,11 +81,13 @@ class StepCost:
     _gain: dict[int, _Ewma] = field(default_factory=dict)  # rows -> realized gain of drafting rounds
     _calib: dict[int, _Ewma] = field(default_factory=dict)  # rows -> realized / predicted gain
     _known: list[tuple[int, float]] | None = field(default=None, repr=False)  # usable ratios, sorted by B
+    _last_b: int | None = field(default=None, repr=False)  # the forward size of the last round measured
 
     def __post_init__(self) -> None:
         if (not 0.0 < self.alpha <= 1.0 or not 0.0 < self.shape_alpha <= 1.0 or self.min_samples < 1
-                or not 0.0 <= self.machine_alpha <= 1.0):
-            raise DraftsmithError(f"StepCost needs 0 < alpha <= 1, 0 < shape_alpha <= 1, 0 <= machine_alpha <= 1 "
+                or not 0.0 <= self.machine_alpha <= 1.0 or self.machine_alpha + self.shape_alpha > 1.0):
+            raise DraftsmithError(f"StepCost needs 0 < alpha <= 1, 0 < shape_alpha <= 1, 0 <= machine_alpha <= 1, "
+                                  f"machine_alpha + shape_alpha <= 1 (both move by their share of one residual) "
                                   f"and min_samples >= 1, got alpha={self.alpha}, shape_alpha={self.shape_alpha}, "
                                   f"machine_alpha={self.machine_alpha}, min_samples={self.min_samples}")
 
@@ -97,20 +100,57 @@ class StepCost:
         b = t.rows * t.block_len
         if t.forward_s > 0:
             r = t.forward_s / self.profile.step_time(b)
-            if self.machine_alpha > 0 and self._informs_machine(b):  # this forward over its size's shape
-                m = r / self.shape(b)
-                if self._machine is None:
-                    self._machine = _Ewma(m)
-                else:
-                    self._machine.add(m, self.machine_alpha, self.min_samples)
             self._known = None  # re-derived on the next prediction
-            self._add(self._ratio, b, r / self.machine(), timing=True,
-                      alpha=self.shape_alpha if self.machine_alpha > 0 else self.alpha)
+            if self.machine_alpha > 0:
+                self._observe_factors(b, r)
+            else:
+                self._add(self._ratio, b, r, timing=True)
         if t.drafted and t.draft_s >= 0:
             self._add(self._draft, t.rows, t.draft_s / self.machine(), timing=True)
         g = self.round_gain(t)
         if g is not None:
             self._add(self._gain, t.rows, g)
+
+    def _observe_factors(self, b: int, r: float) -> None:
+        """One forward of b tokens at r x its profiled time, split between the machine factor and
+        the size's shape.
+
+        A known size (past its warm-up), the machine past its own: the residual of this round,
+        in logarithms, log r - log machine - log shape(b), what the model does not explain, moves
+        the machine by machine_alpha of it, and the shape by shape_alpha of it only when the round
+        before ran another size. A shape is relative, so only a contrast between sizes run close
+        in time says anything about it: a stretch in which one size runs alone is the machine's
+        speed to the model, however long, and moves no shape against the sizes that did not run.
+        (Updated one after the other, the machine first and the shape from what the moved machine
+        left, in plain ratios, every round, each slow spike left the running size's shape lower
+        than before it: measured at 4 rows on a 2-core Zen 3 (BENCHMARKS.md, stop 59), the width-2
+        verify's shape fell 15% in ~300 rounds of it alone while the plain step's stood still,
+        until the model believed 8 tokens cheaper than 4 and drafted every round at 0.89x plain.)
+        A size still in its warm-up learns its shape from the machine as it stands (the smallest of
+        its first `min_samples` samples); the machine learns from every size until one is known."""
+        e = self._ratio.get(b)
+        if e is not None and e.count >= self.min_samples and self._machine is not None \
+                and self._machine.count >= self.min_samples:
+            residual = math.log(r) - math.log(self._machine.value) - math.log(e.value)
+            self._machine.value *= math.exp(self.machine_alpha * residual)
+            self._machine.count += 1
+            if b != self._last_b:  # a contrast with the size before it (see above)
+                e.value *= math.exp(self.shape_alpha * residual)
+                e.count += 1
+            self._last_b = b
+            return
+        self._last_b = b
+        if self._informs_machine(b):  # this forward over its size's shape
+            m = r / self.shape(b)
+            if self._machine is None:
+                self._machine = _Ewma(m)
+            elif self._machine.count < self.min_samples:
+                self._machine.add(m, self.machine_alpha, self.min_samples)  # (the smallest so far)
+            else:
+                self._machine.value *= (m / self._machine.value) ** self.machine_alpha
+                self._machine.count += 1
+        if e is None or e.count < self.min_samples:
+            self._add(self._ratio, b, r / self.machine(), timing=True)
 
     def _add(self, table: dict[int, _Ewma], key: int, x: float, timing: bool = False,
              alpha: float | None = None) -> None:
