@@ -307,6 +307,16 @@ def test_bench_resume_refuses_another_machine_or_thread_count(tmp_path, monkeypa
         assert runner.check_same_machine(old, machine, out) is None
     with pytest.raises(DraftsmithError, match="cpu_model 'another' then"):
         runner.check_same_machine({"cpu_model": "another"}, machine, out)
+    # a CPU run on a CUDA machine resumes with the GPU hidden (CUDA_VISIBLE_DEVICES=""): the GPU's facts
+    # count only where a run measured on it, and then so does the device itself
+    gpu_box = {**machine, "cuda": True, "gpu": "some GPU"}
+    hidden = {**machine, "cuda": False}
+    hidden.pop("gpu", None)
+    assert runner.check_same_machine(gpu_box, hidden, out, ("cpu", "cpu")) is None
+    with pytest.raises(DraftsmithError, match="cuda True then, False now"):
+        runner.check_same_machine(gpu_box, hidden, out, ("cuda:0", "cpu"))
+    with pytest.raises(DraftsmithError, match="device 'cpu' then, 'cuda:0' now"):
+        runner.check_same_machine(gpu_box, gpu_box, out, ("cpu", "cuda:0"))
 
 
 # ---- /metrics differences ------------------------------------------------------------------------

@@ -59,12 +59,20 @@ def _config_json(cfg: BenchConfig) -> dict:
 
 # What a resumed run must share with the run it continues: the tiers of one report are compared with
 # each other, and a tier measured on other hardware or with other threads is not comparable.
-SAME_MACHINE = ("cpu_model", "cpu_count", "torch_threads", "cuda", "gpu")
+SAME_MACHINE = ("cpu_model", "cpu_count", "torch_threads", "device", "cuda", "gpu")
+GPU_KEYS = ("cuda", "gpu")  # what the machine has, not what ran: compared only where a run measured on CUDA
 
 
-def check_same_machine(old: dict, new: dict, out: Path) -> None:
-    """Refuse a --resume on another machine or with another thread count than setup.json's."""
-    diff = [k for k in SAME_MACHINE if k in old and old.get(k) != new.get(k)]
+def check_same_machine(old: dict, new: dict, out: Path, devices: tuple[str | None, str | None] = (None, None)) -> None:
+    """Refuse a --resume on another machine or with another thread count than setup.json's.
+    `devices`: the target's device then (setup.json's target) and now; where neither is CUDA the
+    GPU's facts do not count (a `--device cpu` run resumed with the GPU hidden measures the same)."""
+    then, now = devices
+    old = {**old, **({"device": then} if then is not None else {})}
+    new = {**new, **({"device": now} if now is not None else {})}
+    on_gpu = then is None or now is None or then.startswith("cuda") or now.startswith("cuda")
+    keys = [k for k in SAME_MACHINE if on_gpu or k not in GPU_KEYS]
+    diff = [k for k in keys if k in old and old.get(k) != new.get(k)]
     if diff:
         said = "; ".join(f"{k} {old.get(k)!r} then, {new.get(k)!r} now" for k in diff)
         raise DraftsmithError(f"--resume: {out} was measured on another machine or with other threads ({said}); "
@@ -115,7 +123,8 @@ def run_bench(config: BenchConfig, log: Callable[[str], None] | None = None) -> 
             raise DraftsmithError(f"--resume: {out} was measured with a different setup (differs in: "
                                   f"{', '.join(diff)}); use another --out or --overwrite")
         if not cfg.endpoint_mode:  # (against servers, this client's machine is not what was measured)
-            check_same_machine(setup.get("machine", {}), machine, out)
+            check_same_machine(setup.get("machine", {}), machine, out,
+                               (setup.get("target", {}).get("device"), getattr(backend, "target_info", {}).get("device")))
         invocation["resumed"] = True
         setup["config"] = _config_json(cfg)  # the tier list (and report-only inputs) may differ
     else:
