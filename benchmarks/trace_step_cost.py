@@ -33,6 +33,17 @@ from draftsmith.models.target import load_target
 from draftsmith.policy.fixed import FixedK
 
 
+def rounded(x):
+    """x with every float in it rounded to 3 places (for printing)."""
+    if isinstance(x, float):
+        return round(x, 3)
+    if isinstance(x, dict):
+        return {k: rounded(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [rounded(v) for v in x]
+    return x
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--concurrency", type=int, default=4)
@@ -46,7 +57,9 @@ def main() -> None:
     target = load_target("smollm2-135m")
     plain = build_engine(target, "none", FixedK(0), 0, C, 2048)
     spec = build_engine(target, args.drafter, args.policy, 7, C, 2048, cache=plain.cache)
-    cost = spec.policy.cost
+    cost = getattr(spec.policy, "cost", None)
+    if cost is None:
+        raise SystemExit(f"--policy {args.policy}: it has no online cost model to trace (try prefix-scheduler)")
     w = load_workload("humaneval", None, args.requests, max_prompt_tokens=1024,
                       tokenize=lambda m: encode_chat(target.tokenizer, list(m), target.target_id))
     if w.reused:
@@ -88,7 +101,7 @@ def main() -> None:
                "accepted_per_width2_round": statistics.mean(x["accepted"] or 0 for x in full if x["width"] == 2)
                if any(x["width"] == 2 for x in full) else None}
         passes.append({**row, "rounds": trace})
-        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, default=str), flush=True)
+        print(json.dumps(rounded(row)), flush=True)
     print("cost model at the end:", json.dumps(cost.summary()))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"setup": {k: str(v) for k, v in vars(args).items()}, "passes": passes}) + "\n")

@@ -10,10 +10,11 @@ the target forward only. A serving process sees two things the profile cannot:
   alone is a fifth of a 135M target's), paid every round it drafts, whatever is verified.
 
 StepCost splits measured / profiled forward time into two factors: the machine's speed now
-(`machine`: one moving average over every round, whatever its size) and, per B, the size's
-own shape (a moving average of what the machine factor does not explain; used once a size
-has `min_samples` measurements; between measured sizes it is interpolated, outside them the
-nearest one is used); and per row count the moving average of the drafting time (choose +
+(`machine`: a fast moving average over the rounds of sizes it knows, whatever the size) and,
+per B, the size's own shape (slow: what the machine factor does not explain, learnt only on a
+round that follows a round of another size, both moving by their share of one residual in
+logarithms (`_observe_factors`); used once a size has `min_samples` measurements; between
+measured sizes it is interpolated, outside them the nearest one is used); and per row count the moving average of the drafting time (choose +
 propose + trim), in the same machine units. The split is what lets a scheduler come back
 after a slow stretch: with one average per size (`machine_alpha = 0`, the model before), a
 stretch of load measured on the sizes and the drafter of speculative rounds stayed in their
@@ -66,8 +67,9 @@ class StepCost:
     profile: SPSTable
     alpha: float = 0.1  # weight of a new measurement in the per-size, drafting and gain averages
     min_samples: int = 4  # measurements of a forward size (or of the machine) before they are used
-    # weight of a new measurement in the machine factor (every round's forward); 0 = no machine
-    # factor, every size's correction on its own, learnt at `alpha` (the model before: module doc)
+    # weight of a round's residual in the machine factor (at most 1 - shape_alpha: 0.95 at the
+    # default); 0 = no machine factor, every size's correction on its own, learnt at `alpha` (the
+    # model before: module doc)
     machine_alpha: float = 0.5
     # weight of a round's residual in its size's shape (a round after another size: _observe_factors)
     # beside the machine factor's: slow, so that a change of the machine's speed goes to the machine
@@ -76,7 +78,7 @@ class StepCost:
     # predicted 4% dearer than before it (7% with the model before stop 59; 65% with no machine factor)
     shape_alpha: float = 0.05
     _machine: _Ewma | None = None  # measured / (profiled x shape) time of every round: the machine now
-    _ratio: dict[int, _Ewma] = field(default_factory=dict)  # B -> the size's shape (measured / profiled / machine)
+    _ratio: dict[int, _Ewma] = field(default_factory=dict)  # B -> the size's shape (measured / profiled / machine: _observe_factors)
     _draft: dict[int, _Ewma] = field(default_factory=dict)  # rows -> seconds of drafting
     _gain: dict[int, _Ewma] = field(default_factory=dict)  # rows -> realized gain of drafting rounds
     _calib: dict[int, _Ewma] = field(default_factory=dict)  # rows -> realized / predicted gain
@@ -86,9 +88,9 @@ class StepCost:
     def __post_init__(self) -> None:
         if (not 0.0 < self.alpha <= 1.0 or not 0.0 < self.shape_alpha <= 1.0 or self.min_samples < 1
                 or not 0.0 <= self.machine_alpha <= 1.0 or self.machine_alpha + self.shape_alpha > 1.0):
-            raise DraftsmithError(f"StepCost needs 0 < alpha <= 1, 0 < shape_alpha <= 1, 0 <= machine_alpha <= 1, "
-                                  f"machine_alpha + shape_alpha <= 1 (both move by their share of one residual) "
-                                  f"and min_samples >= 1, got alpha={self.alpha}, shape_alpha={self.shape_alpha}, "
+            raise DraftsmithError(f"StepCost needs 0 < alpha <= 1, 0 < shape_alpha <= 1, "
+                                  f"0 <= machine_alpha <= 1 - shape_alpha (both move by their share of one residual: "
+                                  f"machine_alpha <= {1.0 - self.shape_alpha:.2f} here) and min_samples >= 1, got alpha={self.alpha}, shape_alpha={self.shape_alpha}, "
                                   f"machine_alpha={self.machine_alpha}, min_samples={self.min_samples}")
 
     # ---- learning ---------------------------------------------------------------------
@@ -98,8 +100,8 @@ class StepCost:
         if t.rows < 1 or t.block_len < 1:
             return
         b = t.rows * t.block_len
-        if t.forward_s > 0:
-            r = t.forward_s / self.profile.step_time(b)
+        if t.forward_s > 0 and math.isfinite(t.forward_s):
+            r = max(t.forward_s / self.profile.step_time(b), 1e-9)
             self._known = None  # re-derived on the next prediction
             if self.machine_alpha > 0:
                 self._observe_factors(b, r)
@@ -152,11 +154,10 @@ class StepCost:
         if e is None or e.count < self.min_samples:
             self._add(self._ratio, b, r / self.machine(), timing=True)
 
-    def _add(self, table: dict[int, _Ewma], key: int, x: float, timing: bool = False,
-             alpha: float | None = None) -> None:
+    def _add(self, table: dict[int, _Ewma], key: int, x: float, timing: bool = False) -> None:
         """One measurement into a table of moving averages (a timing: see the module's note)."""
         if key in table:
-            table[key].add(x, self.alpha if alpha is None else alpha, self.min_samples if timing else 0)
+            table[key].add(x, self.alpha, self.min_samples if timing else 0)
         else:
             table[key] = _Ewma(x)
 

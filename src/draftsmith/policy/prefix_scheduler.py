@@ -341,8 +341,8 @@ class PrefixScheduler:
     # Zen 3 (BENCHMARKS.md, stop 56), drafting stopped after ~40 of 128 requests at batch 1 and
     # never resumed (0.94x plain from there, 1.13x before). 0: a probe is trimmed like any round.
     probe_verifies: int = 1
-    # the online cost model's machine factor (policy/cost.py StepCost.machine_alpha; 0 = one
-    # correction per forward size, the model before); used when `cost` is made here
+    # the online cost model's machine factor (policy/cost.py StepCost.machine_alpha, at most 0.95;
+    # 0 = one correction per forward size, the model before); used when `cost` is made here
     machine_alpha: float = StepCost.machine_alpha
     cost: StepCost | None = None  # the online cost model (made from `sps` when None)
     pool: AcceptancePool | None = None  # pooled acceptance (made when pooled_prior and None)
