@@ -21,16 +21,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import draftsmith  # noqa: F401  (OpenMP settings: must come before torch)
-from draftsmith.bench.workload import load_workload
-from draftsmith.core.sampling import SamplingParams
-from draftsmith.engine.builder import build_engine
-from draftsmith.models.prompts import encode_chat
-from draftsmith.models.target import load_target
-from draftsmith.policy.fixed import FixedK
+from trace_tier_plans import closed_loop, engine_pair
 
 
 def rounded(x):
@@ -54,33 +48,22 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("runs/trace-step-cost.json"))
     args = ap.parse_args()
     C = args.concurrency
-    target = load_target("smollm2-135m")
-    plain = build_engine(target, "none", FixedK(0), 0, C, 2048)
-    spec = build_engine(target, args.drafter, args.policy, 7, C, 2048, cache=plain.cache)
+    plain, spec, w = engine_pair(C, args.drafter, args.policy, args.requests)
     cost = getattr(spec.policy, "cost", None)
     if cost is None:
         raise SystemExit(f"--policy {args.policy}: it has no online cost model to trace (try prefix-scheduler)")
-    w = load_workload("humaneval", None, args.requests, max_prompt_tokens=1024,
-                      tokenize=lambda m: encode_chat(target.tokenizer, list(m), target.target_id))
     if w.reused:
         raise SystemExit(f"--requests {args.requests}: the held-out split has {len(w.prompts) - w.reused} prompts")
     prompts = [list(p.token_ids) for p in w.prompts]
 
     def run(engine, trace: list | None) -> float:
-        q, total = list(prompts), 0.0
-        while q or engine.has_unfinished():
-            while q and engine.num_running + engine.num_waiting < C:
-                engine.add_request(q.pop(0), SamplingParams(max_tokens=64, temperature=0))
-            t0 = time.perf_counter()
-            engine.step()
-            total += time.perf_counter() - t0
-            s = engine.last_step
+        def on_step(s, dt: float, admitted: bool) -> None:
             if trace is not None and s is not None and s.rows:
                 trace.append({"rows": s.rows, "width": s.block_len, "forward_s": s.forward_s, "draft_s": s.draft_s,
                               "drafted": s.drafted, "accepted": s.accepted, "machine": cost.machine(),
                               "t1": cost.target_time(C), "t2": cost.target_time(2 * C), "t3": cost.target_time(3 * C),
                               "draft_time": cost.draft_time(C)})
-        return total
+        return closed_loop(engine, prompts, C, on_step)
 
     passes = []
     for p in range(args.passes):

@@ -20,6 +20,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import draftsmith  # noqa: F401  (OpenMP settings: must come before torch)
@@ -32,6 +33,37 @@ from draftsmith.models.target import load_target
 from draftsmith.policy.fixed import FixedK
 
 
+def engine_pair(concurrency: int, drafter: str, policy: str, requests: int):
+    """The default target's plain decoding and `drafter` under `policy` (K = 7) on one KV cache for
+    `concurrency` rows, and the first `requests` held-out HumanEval prompts: (plain, spec, workload)."""
+    target = load_target("smollm2-135m")
+    plain = build_engine(target, "none", FixedK(0), 0, concurrency, 2048)
+    spec = build_engine(target, drafter, policy, 7, concurrency, 2048, cache=plain.cache)
+    w = load_workload("humaneval", None, requests, max_prompt_tokens=1024,
+                      tokenize=lambda m: encode_chat(target.tokenizer, list(m), target.target_id))
+    return plain, spec, w
+
+
+def closed_loop(engine, prompts: list[list[int]], concurrency: int,
+                on_step: Callable[[object, float, bool], None] | None = None) -> float:
+    """Serve `prompts` closed loop (64 new tokens each, T = 0): `concurrency` in flight, a finished
+    request replaced at once. After every step on_step(engine.last_step, its seconds, whether the
+    step admitted a request). Returns the sum of the step times."""
+    q, total = list(prompts), 0.0
+    while q or engine.has_unfinished():
+        admitted = False
+        while q and engine.num_running + engine.num_waiting < concurrency:
+            engine.add_request(q.pop(0), SamplingParams(max_tokens=64, temperature=0))
+            admitted = True
+        t0 = time.perf_counter()
+        engine.step()
+        dt = time.perf_counter() - t0
+        total += dt
+        if on_step is not None:
+            on_step(engine.last_step, dt, admitted)
+    return total
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--concurrency", type=int, default=16)
@@ -42,11 +74,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("runs/trace-tier-plans.json"))
     args = ap.parse_args()
     C = args.concurrency
-    target = load_target("smollm2-135m")
-    plain = build_engine(target, "none", FixedK(0), 0, C, 2048)
-    spec = build_engine(target, args.drafter, args.policy, 7, C, 2048, cache=plain.cache)
-    w = load_workload("humaneval", None, args.requests, max_prompt_tokens=1024,
-                      tokenize=lambda m: encode_chat(target.tokenizer, list(m), target.target_id))
+    plain, spec, w = engine_pair(C, args.drafter, args.policy, args.requests)
     prompts = [list(p.token_ids) for p in w.prompts]
     plans: list[dict] = []
     for name in ("plan_best_prefix", "plan_columns"):  # choose()'s two planners, watched
@@ -61,22 +89,16 @@ def main() -> None:
         setattr(ps, name, watched)
 
     def run(engine, trace: bool) -> tuple[float, list[dict]]:
-        q, total, rounds = list(prompts), 0.0, []
-        while q or engine.has_unfinished():
-            admitted = False
-            while q and engine.num_running + engine.num_waiting < C:
-                engine.add_request(q.pop(0), SamplingParams(max_tokens=64, temperature=0))
-                admitted = True
-            plans.clear()
-            t0 = time.perf_counter()
-            engine.step()
-            dt = time.perf_counter() - t0
-            total += dt
-            s = engine.last_step
+        rounds: list[dict] = []
+
+        def on_step(s, dt: float, admitted: bool) -> None:
             if trace and s is not None and s.rows == C and not admitted:
                 rounds.append({"round_s": dt, "width": s.block_len, "drafted": s.drafted, "accepted": s.accepted,
                                "forward_s": s.forward_s, "draft_s": s.draft_s, "plan": plans[0] if plans else None})
-        return total, rounds
+            plans.clear()  # (the planners run inside a step: what they logged belongs to this one)
+
+        plans.clear()
+        return closed_loop(engine, prompts, C, on_step), rounds
 
     times: dict[str, list[float]] = {"plain": [], "spec": []}
     traced: list[list[dict]] = []
