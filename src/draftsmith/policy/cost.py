@@ -14,10 +14,10 @@ StepCost splits measured / profiled forward time into two factors: the machine's
 per B, the size's own shape (slow: what the machine factor does not explain, learnt only on a
 round that follows a round of another size, both moving by their share of one residual in
 logarithms (`_observe_factors`); used once a size has `min_samples` measurements; between
-measured sizes it is interpolated, outside them the nearest one is used); and per row count the moving average of the drafting time (choose +
-propose + trim), in the same machine units. The split is what lets a scheduler come back
-after a slow stretch: with one average per size (`machine_alpha = 0`, the model before), a
-stretch of load measured on the sizes and the drafter of speculative rounds stayed in their
+measured sizes it is interpolated, outside them the nearest one is used); and per row count
+the moving average of the drafting time (choose + propose + trim), in the same machine units.
+The split is what lets a scheduler come back after a slow stretch: with one average per size
+(`machine_alpha = 0`, the model before), a stretch of load measured on the sizes and the drafter of speculative rounds stayed in their
 averages once plain rounds took over (only drafting rounds update them, and a scheduler that
 believes drafting is dear does not draft), so speculation stayed off long after the load had
 gone; with the split, the plain rounds that follow bring the machine factor back down, and
@@ -61,6 +61,11 @@ class _Ewma:
             self.value += alpha * (x - self.value)
         self.count += 1
 
+    def move_log(self, residual: float, alpha: float) -> None:
+        """One measurement as a step in logarithms: alpha of `residual` (log measured - log predicted)."""
+        self.value *= math.exp(alpha * residual)
+        self.count += 1
+
 
 @dataclass
 class StepCost:
@@ -78,7 +83,7 @@ class StepCost:
     # predicted 4% dearer than before it (7% with the model before stop 59; 65% with no machine factor)
     shape_alpha: float = 0.05
     _machine: _Ewma | None = None  # measured / (profiled x shape) time of every round: the machine now
-    _ratio: dict[int, _Ewma] = field(default_factory=dict)  # B -> the size's shape (measured / profiled / machine: _observe_factors)
+    _ratio: dict[int, _Ewma] = field(default_factory=dict)  # B -> the size's shape (_observe_factors)
     _draft: dict[int, _Ewma] = field(default_factory=dict)  # rows -> seconds of drafting
     _gain: dict[int, _Ewma] = field(default_factory=dict)  # rows -> realized gain of drafting rounds
     _calib: dict[int, _Ewma] = field(default_factory=dict)  # rows -> realized / predicted gain
@@ -90,7 +95,8 @@ class StepCost:
                 or not 0.0 <= self.machine_alpha <= 1.0 or self.machine_alpha + self.shape_alpha > 1.0):
             raise DraftsmithError(f"StepCost needs 0 < alpha <= 1, 0 < shape_alpha <= 1, "
                                   f"0 <= machine_alpha <= 1 - shape_alpha (both move by their share of one residual: "
-                                  f"machine_alpha <= {1.0 - self.shape_alpha:.2f} here) and min_samples >= 1, got alpha={self.alpha}, shape_alpha={self.shape_alpha}, "
+                                  f"machine_alpha <= {1.0 - self.shape_alpha:.2f} here) and min_samples >= 1, "
+                                  f"got alpha={self.alpha}, shape_alpha={self.shape_alpha}, "
                                   f"machine_alpha={self.machine_alpha}, min_samples={self.min_samples}")
 
     # ---- learning ---------------------------------------------------------------------
@@ -130,18 +136,15 @@ class StepCost:
         until the model believed 8 tokens cheaper than 4 and drafted every round at 0.89x plain.)
         A size still in its warm-up learns its shape from the machine as it stands (the smallest of
         its first `min_samples` samples); the machine learns from every size until one is known."""
+        contrast, self._last_b = b != self._last_b, b  # (a contrast with the size before it: see above)
         e = self._ratio.get(b)
         if e is not None and e.count >= self.min_samples and self._machine is not None \
                 and self._machine.count >= self.min_samples:
             residual = math.log(r) - math.log(self._machine.value) - math.log(e.value)
-            self._machine.value *= math.exp(self.machine_alpha * residual)
-            self._machine.count += 1
-            if b != self._last_b:  # a contrast with the size before it (see above)
-                e.value *= math.exp(self.shape_alpha * residual)
-                e.count += 1
-            self._last_b = b
+            self._machine.move_log(residual, self.machine_alpha)
+            if contrast:
+                e.move_log(residual, self.shape_alpha)
             return
-        self._last_b = b
         if self._informs_machine(b):  # this forward over its size's shape
             m = r / self.shape(b)
             if self._machine is None:
@@ -149,8 +152,7 @@ class StepCost:
             elif self._machine.count < self.min_samples:
                 self._machine.add(m, self.machine_alpha, self.min_samples)  # (the smallest so far)
             else:
-                self._machine.value *= (m / self._machine.value) ** self.machine_alpha
-                self._machine.count += 1
+                self._machine.move_log(math.log(m / self._machine.value), self.machine_alpha)
         if e is None or e.count < self.min_samples:
             self._add(self._ratio, b, r / self.machine(), timing=True)
 
