@@ -17,15 +17,16 @@ logarithms (`_observe_factors`); used once a size has `min_samples` measurements
 measured sizes it is interpolated, outside them the nearest one is used); and per row count
 the moving average of the drafting time (choose + propose + trim), in the same machine units.
 The split is what lets a scheduler come back after a slow stretch: with one average per size
-(`machine_alpha = 0`, the model before), a stretch of load measured on the sizes and the drafter of speculative rounds stayed in their
-averages once plain rounds took over (only drafting rounds update them, and a scheduler that
-believes drafting is dear does not draft), so speculation stayed off long after the load had
-gone; with the split, the plain rounds that follow bring the machine factor back down, and
-with it every size's predicted time and the drafter's. A timing is only ever inflated by what
-happens once (a first-use weight layout, page faults, a kernel compiled on first call), and one
-inflated first sample must not stop a drafter for good: a scheduler that believes drafting is
-dear stops drafting, and then learns nothing more. So a timing average starts from the smallest
-of its first `min_samples` measurements and moves as an average from there.
+(`machine_alpha = 0`, the model before), a stretch of load measured on the sizes and the
+drafter of speculative rounds stayed in their averages once plain rounds took over (only
+drafting rounds update them, and a scheduler that believes drafting is dear does not draft), so
+speculation stayed off long after the load had gone; with the split, the plain rounds that
+follow bring the machine factor back down, and with it every size's predicted time and the
+drafter's. A timing is only ever inflated by what happens once (a first-use weight layout, page
+faults, a kernel compiled on first call), and one inflated first sample must not stop a drafter
+for good: a scheduler that believes drafting is dear stops drafting, and then learns nothing
+more. So a timing average starts from the smallest of its first `min_samples` measurements and
+moves as an average from there.
 
 It also keeps, per row count, the moving average of the *realized* gain of rounds that
 drafted: tokens committed per second of that round (drafting included) over what plain
