@@ -6,9 +6,11 @@
 Closed loop at --concurrency rows on held-out HumanEval prompts (64 new tokens, T = 0), plain
 decoding and the drafter under --policy in one process, one KV cache, interleaved (order reversed
 every other round). For every full round of the speculative engine (all rows in flight, no
-admission in it) it records the plan choose() made (plan_best_prefix or plan_columns: its lengths
-and predicted gain, the running confidences at drafts 1 and 2, the drafting time it assumed), the
-forward width that ran, the drafts accepted, and the measured forward, drafting and round times.
+admission in it) it records the plan choose() made (plan_best_prefix, plan_columns or plan_replayed: its lengths
+and predicted gain, the running confidences at drafts 1 and 2, the drafting time it assumed, the
+cost model's step times at 1-4 columns), the drafts trim()'s column search expected to be accepted
+(the survivals of the columns it opened), the forward width that ran, the drafts accepted, and the
+measured forward, drafting, feature-consuming and round times.
 Prints, per width, the median times and the realized gain of its rounds against the median plain
 width round of the same run, i.e. what a drafting round gained where the plan promised a gain.
 A diagnostic, not a benchmark: its ratios are one run's, and the machine's noise is in them.
@@ -77,27 +79,45 @@ def main() -> None:
     plain, spec, w = engine_pair(C, args.drafter, args.policy, args.requests)
     prompts = [list(p.token_ids) for p in w.prompts]
     plans: list[dict] = []
-    for name in ("plan_best_prefix", "plan_columns"):  # choose()'s two planners, watched
+    for name in ("plan_best_prefix", "plan_columns", "plan_replayed"):  # choose()'s planners, watched
         planner = getattr(ps, name)
 
-        def watched(conf, step_time, *a, _planner=planner, **k):
-            ell, gain = _planner(conf, step_time, *a, **k)
-            plans.append({"gain": gain, "ell": ell, "conf1": [c[0] for c in conf if c],
+        def watched(*a, _planner=planner, _replay=name == "plan_replayed", **k):
+            ell, gain = _planner(*a, **k)
+            if _replay:  # (recent vectors first: the running estimates are its second argument)
+                a = a[1:]
+            conf, step_time, a = a[0], a[1], a[2:]
+            plans.insert(0, {"gain": gain, "ell": ell, "conf1": [c[0] for c in conf if c],
                           "conf2": [c[1] for c in conf if len(c) > 1],
+                          "step_s": [step_time(len(conf) * w) for w in range(1, 5)],
                           "draft_time": k.get("draft_time", a[-1] if a and isinstance(a[-1], float) else 0.0)})
             return ell, gain
         setattr(ps, name, watched)
+    trims: list[float] = []  # trim()'s expected accepted drafts (sum of the survivals it opened)
+    column_search = ps._column_search
+
+    def watched_trim(conf, sps, opened=0):
+        search = column_search(conf, sps, opened)
+        trims.append(search.tau - len(conf))
+        return search.ell
+    ps.admit_columns = watched_trim
 
     def run(engine, trace: bool) -> tuple[float, list[dict]]:
         rounds: list[dict] = []
+        consumed = [getattr(engine.drafter, "consumed_s", 0.0)]
 
         def on_step(s, dt: float, admitted: bool) -> None:
+            now = getattr(engine.drafter, "consumed_s", 0.0)
             if trace and s is not None and s.rows == C and not admitted:
                 rounds.append({"round_s": dt, "width": s.block_len, "drafted": s.drafted, "accepted": s.accepted,
-                               "forward_s": s.forward_s, "draft_s": s.draft_s, "plan": plans[0] if plans else None})
-            plans.clear()  # (the planners run inside a step: what they logged belongs to this one)
+                               "forward_s": s.forward_s, "draft_s": s.draft_s, "consumed_s": now - consumed[0],
+                               "trim_tau": trims[0] if trims else None, "plan": plans[0] if plans else None})
+            consumed[0] = now
+            plans.clear()
+            trims.clear()  # (the planners run inside a step: what they logged belongs to this one)
 
         plans.clear()
+        trims.clear()
         return closed_loop(engine, prompts, C, on_step), rounds
 
     times: dict[str, list[float]] = {"plain": [], "spec": []}

@@ -24,8 +24,10 @@ from draftsmith.policy.batch_schedule import BatchSizeSchedule, default_schedule
 from draftsmith.policy.registry import parse_policy_spec
 from draftsmith.policy.prefix_scheduler import (
     ColumnSearch, PrefixScheduler, admit, admit_best_prefix, admit_columns, can_gain, plan_best_prefix, plan_columns,
-    static_prefix_scheduler,
+    plan_replayed, static_prefix_scheduler,
 )
+from draftsmith.core.request import StepInfo
+from draftsmith.policy.recent_confidences import RECENT, recent_confidences, remember_confidences
 from draftsmith.kernels.build import KernelStatus
 from draftsmith.policy.profile import ProfileConfig, SPSTable, load_or_profile
 from draftsmith.policy.threshold import ConfidenceThreshold
@@ -272,6 +274,83 @@ def test_choose_predicts_what_the_column_search_will_verify_for_a_drafter_with_c
     assert plan_columns([], step) == ([], 1.0)
 
 
+def test_choose_replays_recent_confidences_through_the_column_search():
+    """4 rows on the step times measured at 4 rows on a 2-core Zen 3 (28 / 35 / 39.5 / 50 ms at 1-4
+    columns) with 8 ms of drafting. A row's rounds go two ways: A = (0.45, 0.3), where trim()'s
+    column search opens column 1 only (a round that realizes 0.94x plain), and B = (0.6, 0.8), two
+    columns (1.23x). The running estimates average them, (0.55, 0.67), and the plan on them opens
+    both columns and predicts 1.13x; replaying the rows' last 8 vectors (6 A, 2 B) gives what trim
+    does over those rounds, 1.02x: below min_gain, so choose_plan="replay" does not draft where
+    "columns" does (stop 60: trim opened the second column in about half the rounds "columns"
+    planned it for)."""
+    times = sps_from_times((4, 8, 12, 16), (28.0, 35.0, 39.5, 50.0))
+    step, rows, A, B = times.step_time, 4, [0.45, 0.3], [0.6, 0.8]
+    running = [[0.55, 0.67]] * rows
+    assert admit_columns([A] * rows, times) == [1] * rows and admit_columns([B] * rows, times) == [2] * rows
+    assert plan_columns(running, step, 8.0) == ([2] * rows, pytest.approx(4 * (1 + 0.55 + 0.55 * 0.67) / 47.5 * 7))
+    recent = [[A, A, B, A, A, B, A, A]] * rows
+    tokens, seconds = 6 * 4 * 1.45 + 2 * 4 * (1 + 0.6 + 0.48), 6 * 43.0 + 2 * 47.5
+    assert plan_replayed(recent, running, step, 8.0) == ([2] * rows, pytest.approx(tokens / seconds * 7))
+    assert tokens / seconds * 7 < 1.03 < plan_columns(running, step, 8.0)[1]
+    # a row with fewer vectors cycles through its own; a row without any uses its running estimates
+    mixed = plan_replayed([[B], [A, B], [], [A]], running, step, 8.0)
+    assert mixed == plan_replayed([[B, B], [A, B], [running[2]] * 2, [A, A]], running, step, 8.0)
+    assert mixed != plan_replayed([[B], [A], [], [A]], running, step, 8.0)
+    # no history at all: the plan on the running estimates; nothing opens: no gain
+    assert plan_replayed([[]] * rows, running, step, 8.0) == plan_columns(running, step, 8.0)
+    assert plan_replayed([[[0.1]]] * rows, running, step, 8.0) == ([0] * rows, 1.0)
+
+    def scheduler(plan: str) -> PrefixScheduler:
+        pol = PrefixScheduler(times, max_k=2, pooled_prior=False, running_at="choose", probe_every=0,
+                              cheap_draft=0.0, choose_plan=plan)
+        pol.cost.observe(StepInfo(rows=rows, block_len=2, useful_tokens=2 * rows, drafted=True, draft_s=8.0,
+                                  forward_s=35.0, accepted=2))  # drafting time 8 ms, the profile's forward
+        pol.trim(seqs(rows), proposal([1] * rows, 1, [[0.9]] * rows))  # the drafter has confidences
+        return pol
+
+    def requests() -> list[Request]:
+        ss = seqs(rows)
+        for s in ss:
+            s.drafter_state["policy.running_acceptance"] = _Counts([1000.0] * 2, [550.0, 670.0], [])
+            for v in reversed(recent[0]):
+                remember_confidences([s], [v])
+        return ss
+
+    assert recent_confidences(requests()[0]) == recent[0]
+    assert scheduler("columns").cost.draft_time(rows) == pytest.approx(8.0)
+    assert scheduler("columns").choose(requests()) == [2] * rows
+    assert scheduler("replay").choose(requests()) == [0] * rows
+    assert scheduler("best-prefix").choose(requests()) == [2] * rows
+
+
+def test_recent_confidences_keep_what_the_draft_gate_was_asked():
+    """The gate's search sees the column that did not open too, and a round in which no column
+    opened (the drafter proposes nothing then) still leaves its vectors; at most RECENT per
+    request, most recent first. Without a gate, trim() keeps the proposal's."""
+    times = sps_from_times((2, 4, 6), (1.0, 1.3, 1.4))
+    pol = PrefixScheduler(times, max_k=3, adapt=False, pooled_prior=False, probe_every=0, choose_plan="replay")
+    ss = seqs(2)
+    gate = pol.draft_gate(ss, [3, 3])
+    assert gate.open_next([0.9, 0.2]) and not gate.open_next([0.1, None])
+    assert gate.vectors() == [[0.9, 0.1], [0.2]]
+    pol.trim(ss, proposal([1, 1], 1, [[0.9], [0.2]]))
+    pol.update(ss, proposal([1, 1], 1, [[0.9], [0.2]]), VerifyResult(tokens=torch.zeros(2, 2, dtype=torch.long),
+                                                                     num_accepted=torch.tensor([1, 0])))
+    assert [recent_confidences(s) for s in ss] == [[[0.9, 0.1]], [[0.2]]]
+    gate = pol.draft_gate(ss, [3, 3])
+    assert not gate.open_next([0.01, 0.02])  # nothing opens: the drafter proposes nothing
+    pol.trim(ss, Proposal.empty(2))
+    pol.update(ss, Proposal.empty(2), VerifyResult(tokens=torch.zeros(2, 1, dtype=torch.long),
+                                                   num_accepted=torch.tensor([0, 0])))
+    assert [recent_confidences(s)[0] for s in ss] == [[0.01], [0.02]]
+    pol = replace(pol, stop_drafting=False)  # no gate: the proposal's confidences
+    assert pol.draft_gate(ss, [3, 3]) is None
+    for i in range(RECENT + 2):
+        pol.trim(ss, proposal([2, 1], 2, [[0.5, i / 10], [0.3, 0.0]]))
+    assert recent_confidences(ss[0])[0] == [0.5, pytest.approx((RECENT + 1) / 10)]
+    assert recent_confidences(ss[1])[0] == [pytest.approx(0.3)] and len(recent_confidences(ss[0])) == RECENT
+
+
 def test_running_acceptance_scores_deterministic_drafts_against_committed_output():
     prior = AcceptancePrior(mean=0.5, strength=2.0, decay=0.5)
     (s,) = seqs(1)
@@ -483,6 +562,9 @@ def test_auto_is_the_default_scheduler_with_a_drafter_and_fixed_without(tiny_mod
     ("prefix-scheduler:min_gain=1.5", "min_gain must be in [0, 1), got 1.5"),  # the scheduler's own check, early
     ("prefix-scheduler:probe_every=-1", "probe_every, probe_verifies and cheap_draft must be >= 0"),
     ("prefix-scheduler:probe_verifies=-1", "probe_every, probe_verifies and cheap_draft must be >= 0"),
+    ("prefix-scheduler:probe_ceiling=0", "probe_ceiling must be in (0, 1]"),
+    ("prefix-scheduler:probe_ceiling=1.5", "probe_ceiling must be in (0, 1]"),
+    ("prefix-scheduler:choose_plan=mean", "'choose_plan' must be one of best-prefix, columns, replay, got 'mean'"),
 ])
 def test_policy_spec_errors_say_what_is_wrong(spec, message):
     with pytest.raises(DraftsmithError, match=re.escape(message)):

@@ -3,6 +3,8 @@ measured drift per forward size, the drafter's time per round, the minimum predi
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 import torch
@@ -199,8 +201,9 @@ def test_cheap_drafts_are_drafted_for_evidence_but_trim_keeps_only_what_pays():
 
 def test_dear_drafters_probe_with_backoff_while_probes_verify_nothing():
     dear = SPSTable.from_step_times((1, 2, 4), (1.0, 3.0, 3.2))
-    # (probes trimmed like any round, as before stop 56: the backoff of a probe that verified nothing)
-    pol = PrefixScheduler(dear, max_k=3, probe_every=4, probe_backoff_max=8, probe_verifies=0)
+    # (probes trimmed like any round, as before stop 56: the backoff of a probe that verified nothing;
+    # probe_ceiling 1: at acceptance 0.9 no round here could pay, so by default no probe is due at all)
+    pol = PrefixScheduler(dear, max_k=3, probe_every=4, probe_backoff_max=8, probe_verifies=0, probe_ceiling=1.0)
     for _ in range(4):
         pol.observe(info(1, 4, forward_s=3.2, draft_s=0.5, drafted=True))  # drafting = half a step
     ss = seqs(1)
@@ -216,6 +219,12 @@ def test_dear_drafters_probe_with_backoff_while_probes_verify_nothing():
         return [i for i, k in enumerate(picks, 1) if k]
 
     # Probes after 4 rounds that verified nothing, then 8 (backed off: the probe verified nothing), capped at 8.
+    assert run(24) == [5, 13, 21]
+    # By default (probe_ceiling 0.9): all four tokens at 0.9, 0.81, 0.73 commit 3.44 in 3.2 + 0.5
+    # steps (0.93x plain), so no probe is due; at 0.96 (3.77 tokens, 1.02x) probes are
+    pol = PrefixScheduler(dear, max_k=3, probe_every=4, probe_backoff_max=8, probe_verifies=0, cost=pol.cost)
+    assert run(24) == []
+    pol = replace(pol, probe_ceiling=0.96, cost=pol.cost)
     assert run(24) == [5, 13, 21]
     never = PrefixScheduler(dear, max_k=3, probe_every=0, cost=pol.cost)
     assert all(never.choose(seqs(1)) == [0] for _ in range(8))
@@ -272,7 +281,8 @@ def test_a_probe_that_could_not_draft_stays_due_and_one_without_evidence_keeps_i
     round, without backing off; a probe whose round reports no acceptance (a grammar-forced row in
     the batch: StepInfo.accepted None) is no evidence either way: the interval stays."""
     dear = SPSTable.from_step_times((1, 2, 4), (1.0, 3.0, 3.2))
-    pol = PrefixScheduler(dear, max_k=3, probe_every=2, probe_backoff_max=64)
+    # (probe_ceiling 1: only all-accepted drafts could pay here, so by default no probe would be due)
+    pol = PrefixScheduler(dear, max_k=3, probe_every=2, probe_backoff_max=64, probe_ceiling=1.0)
     for _ in range(4):
         pol.observe(info(1, 4, forward_s=3.2, draft_s=0.5, drafted=True))  # drafting dear: no plan drafts
     ss, nothing = seqs(1), VerifyResult(torch.zeros(1, 1, dtype=torch.long), torch.tensor([0]))
@@ -364,7 +374,8 @@ def test_predictions_are_scaled_by_what_drafting_rounds_realized():
 
 def test_a_probe_that_verifies_but_does_not_pay_backs_off_too():
     dear = SPSTable.from_step_times((1, 2, 4), (1.0, 3.0, 3.2))
-    pol = PrefixScheduler(dear, max_k=3, probe_every=4, probe_backoff_max=16)
+    # (probe_ceiling 1: only all-accepted drafts could pay here, so by default no probe would be due)
+    pol = PrefixScheduler(dear, max_k=3, probe_every=4, probe_backoff_max=16, probe_ceiling=1.0)
     for _ in range(4):
         pol.observe(info(1, 4, forward_s=3.2, draft_s=0.5, drafted=True))  # drafting = half a step
     ss = seqs(1)

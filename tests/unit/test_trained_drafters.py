@@ -463,6 +463,36 @@ def _greedy_rounds_every_third(model, target_dir, target, k: int):
     return [p + o for p, o in zip(prompts, outs)], made
 
 
+def test_a_backlog_is_kept_out_of_the_drafting_time_a_drafting_rows_upkeep_is_not(target_dir, target, trained):
+    """The engine subtracts `consumed_s` from a round's drafting time. A prompt (or the positions of
+    rounds that did not draft) is a backlog and counts there; a row that drafts every round
+    consumes its last round's commits (<= STEADY_TOKENS) when it next drafts: a cost of drafting
+    that round, so not in `consumed_s` (the cost model then sees it)."""
+    from draftsmith.drafters.feature_queue import STEADY_TOKENS
+
+    drafter = trained("dspark")[0].make_drafter(target.model, 1, 128)
+    flushed: list[list[int]] = []
+    consume = drafter._consume
+
+    def counting(rows, hidden, counts):
+        flushed.append(list(counts))
+        return consume(rows, hidden, counts)
+
+    drafter._consume = counting
+    llm = LLM(str(target_dir), drafter=drafter, policy="fixed", num_speculative_tokens=2, max_batch=1, max_len=128)
+    prompt = list(range(97, 97 + 2 * STEADY_TOKENS))
+    llm.engine.add_request(prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    llm.engine.step()  # the prefill round drafts: the prompt's positions are a backlog
+    backlog = drafter.consumed_s
+    assert flushed[0][0] >= STEADY_TOKENS and backlog > 0
+    steady = len(flushed)
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+        assert llm.engine.last_step.draft_s > 0
+    assert len(flushed) > steady + 1 and all(0 < c[0] <= STEADY_TOKENS for c in flushed[steady:])
+    assert drafter.consumed_s == backlog
+
+
 @pytest.mark.parametrize("name", ["dflash-small-vocab", "dflash-mask-first", "dspark", "eagle3",
                                   "eagle3-small-vocab"])
 def test_lazy_context_upkeep_drafts_what_training_scores(name, target_dir, target, trained):

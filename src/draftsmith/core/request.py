@@ -160,6 +160,6 @@ class StepInfo:
     block_len: int = 0  # 1 + max draft length in the batch (padded verify width)
     useful_tokens: int = 0  # sum over rows of 1 + that row's draft length
     drafted: bool = False  # did the drafter run with a draft length > 0
-    draft_s: float = 0.0  # wall seconds of choose + propose + trim (context features consumed excluded)
+    draft_s: float = 0.0  # wall seconds of choose + propose + trim (a backlog of context features consumed excluded)
     forward_s: float = 0.0  # wall seconds of the target forward + warp + verify
     accepted: int | None = None  # drafts accepted over all rows (None: not reported)

@@ -47,11 +47,16 @@ from draftsmith.models.kv_cache import KVCache
 # does), it only holds memory (~7 KB per position for three 576-wide float32 layers), so the
 # queues are bounded twice: all rows together by QUEUE_BYTES (past it, the longest queues are
 # consumed until the rows hold half of it) and one row by FLUSH_TOKENS positions. Consuming is a
-# per-token cost, not a per-round one: `consumed_s` lets the engine keep it out of the drafting
-# time the prefix scheduler's cost model learns (a prompt's worth of context inside one round's
-# draft time made drafting look dear and switched it off at batch 1).
+# per-token cost, not a per-round one: `consumed_s` lets the engine keep a backlog (a prompt, the
+# positions of rounds that did not draft) out of the drafting time the prefix scheduler's cost
+# model learns (a prompt's worth of context inside one round's draft time made drafting look dear
+# and switched it off at batch 1). A flush whose rows hold at most STEADY_TOKENS positions each is
+# the last round's commits of a row that drafts every round: a cost of drafting this round, not
+# counted in `consumed_s` (at 4 rows on a 2-core Zen 3, ~1.5 ms of a ~50 ms drafting round, which
+# the cost model did not see before; BENCHMARKS.md, stop 60).
 FLUSH_TOKENS = 2048
 QUEUE_BYTES = 128 << 20
+STEADY_TOKENS = 16
 
 
 def owned(h: torch.Tensor) -> torch.Tensor:
@@ -183,7 +188,8 @@ class FeatureQueueDrafter:
     flush_tokens: int
     queue_bytes: int = QUEUE_BYTES
     states: RequestStates[FeatureRequestState]
-    consumed_s: float = 0.0  # wall seconds spent consuming queued features, cumulative (the engine reads it)
+    # wall seconds spent consuming backlogs (a flush with a row past STEADY_TOKENS), cumulative (the engine reads it)
+    consumed_s: float = 0.0
     follows_prefix_cache: bool = False
     _kept: dict[int, _Kept]  # free row → what it holds (follows_prefix_cache; made on first use)
 
@@ -278,12 +284,15 @@ class FeatureQueueDrafter:
         return total
 
     def _flush(self, seqs: Sequence[Request]) -> None:
-        """Consume every given row's queued positions (prompt, then committed rounds), in one batch."""
+        """Consume every given row's queued positions (prompt, then committed rounds), in one batch;
+        its time counts in `consumed_s` when a row held more than STEADY_TOKENS of them."""
+        backlog = any(self.pending_count(s) > STEADY_TOKENS for s in seqs)
         t0 = time.perf_counter()
         try:
             self._flush_rows(seqs)
         finally:
-            self.consumed_s += time.perf_counter() - t0
+            if backlog:
+                self.consumed_s += time.perf_counter() - t0
 
     def _flush_rows(self, seqs: Sequence[Request]) -> None:
         rows, chunks = [], []

@@ -75,7 +75,9 @@ conditions are revisited. A probe verifies at least `probe_verifies` drafts per 
 the estimates say (a probe trimmed by them measured nothing: drafting could stop for good);
 one whose measured gain falls below plain decoding's doubles the interval, up to
 `probe_backoff_max`, so a drafter that never pays on this machine costs one short verify per
-interval. All of this uses past rounds and timings only: lossless whatever it decides.
+interval; and no probe is due at a load where a round whose every draft had conditional acceptance
+`probe_ceiling` would still lose to plain decoding (drafting time included). All of this uses
+past rounds and timings only: lossless whatever it decides.
 
 An optional check on the prediction (`realized_check`, off by default: measured, it did not
 pay; see the field): after every round drafted on a predicted
@@ -106,6 +108,7 @@ from draftsmith.policy.acceptance import (
 )
 from draftsmith.policy.base import keep_all
 from draftsmith.policy.cost import StepCost
+from draftsmith.policy.recent_confidences import recent_confidences, remember_confidences
 from draftsmith.policy.profile import SPSTable
 
 BatchTokens = Literal["padded", "packed"]
@@ -151,7 +154,8 @@ class ColumnSearch:
     exactly what it returns on the full one (tests/unit/test_policies.py, test_draft_gate_*).
     `opened`: the first columns that open whatever they are predicted to pay, for every row whose
     draft there has a confidence above 0 (a probe's: PrefixScheduler.probe_verifies); a later
-    column opens where the verify it makes pays against plain decoding."""
+    column opens where the verify it makes pays against plain decoding. `asked` keeps every column
+    it was asked about, the one that did not open included (`vectors`: what the drafter said)."""
 
     def __init__(self, rows: int, sps: Callable[[float], float], opened: int = 0) -> None:
         self.R, self.sps, self.opened = rows, sps, opened
@@ -162,6 +166,7 @@ class ColumnSearch:
         self.best = rows * sps(rows) if rows else 0.0
         self.j = 0
         self.closed = rows == 0
+        self.asked: list[list[float | None]] = []
 
     def open_next(self, column: Sequence[float | None]) -> bool:
         """column[r] = c_{r,j} of the next column j (None: row r has no draft j). True when
@@ -169,6 +174,7 @@ class ColumnSearch:
         is False too)."""
         if self.closed:
             return False
+        self.asked.append([None if c is None else float(c) for c in column])
         self.j += 1
         j = self.j
         col = []
@@ -193,6 +199,18 @@ class ColumnSearch:
         # only where the verify it makes pays against plain decoding)
         self.tau, self.best, self.alive = self.tau + gain, max(theta, self.best), col
         return True
+
+    def vectors(self) -> list[list[float]]:
+        """Per row, the confidences of the columns asked about, up to its first column without one."""
+        out: list[list[float]] = []
+        for r in range(self.R):
+            v: list[float] = []
+            for column in self.asked:
+                if column[r] is None:
+                    break
+                v.append(column[r])
+            out.append(v)
+        return out
 
 
 def admit_columns(conf: list[list[float]], sps: Callable[[float], float], opened: int = 0) -> list[int]:
@@ -271,6 +289,40 @@ def plan_columns(conf: list[list[float]], step_time: Callable[[float], float],
     return search.ell, theta * step_time(R) / R
 
 
+def plan_replayed(recent: list[list[list[float]]], running: list[list[float]], step_time: Callable[[float], float],
+                  draft_time: float = 0.0) -> tuple[list[int], float]:
+    """choose()'s prediction for a drafter whose drafts trim() schedules column by column, from
+    each row's recent confidence vectors (policy/recent_confidences.py): replay i runs the column
+    search on the i-th most recent vector of every row (a row with fewer cycles through its own; a
+    row with none uses its running estimates `running[r]`), for i up to the longest history. What
+    the replays verify together: (per row, the most drafts any replay verified; their expected
+    tokens over their time, each paying `draft_time`, as tokens/s over plain decoding's). A replay
+    that opens nothing counts too: a drafted round that verifies nothing is pure cost. Without any
+    history: plan_columns on the running estimates."""
+    R = len(running)
+    n = max((len(h) for h in recent), default=0)
+    if R == 0 or n == 0:
+        return plan_columns(running, step_time, draft_time)
+    times: dict[int, float] = {}
+
+    def step(tokens: int) -> float:
+        t = times.get(tokens)
+        if t is None:
+            t = times[tokens] = step_time(tokens)
+        return t
+
+    ell, tokens, seconds = [0] * R, 0.0, 0.0
+    for i in range(n):
+        search = _column_search([h[i % len(h)] if h else c for h, c in zip(recent, running)],
+                                lambda b: 1.0 / step(b))
+        ell = [max(a, b) for a, b in zip(ell, search.ell)]
+        tokens += search.tau
+        seconds += step(_tokens(R, 1 + max(search.ell), 0, "padded")) + draft_time
+    if not any(ell):
+        return ell, 1.0
+    return ell, tokens / seconds * step(R) / R
+
+
 def can_gain(R: int, max_k: int, sps: Callable[[float], float], batch_tokens: BatchTokens = "padded") -> bool:
     """Could any verify length beat plain decoding for R rows, even if every draft were
     certain to be accepted (a = 1)? If not, drafting is pure waste this round."""
@@ -315,7 +367,11 @@ class PrefixScheduler:
     # 1.037x vs 0.879x (96; best-prefix had lost ground round after round on the code before it)
     # but 1.021x vs 1.102x (128) and 1.13x vs 1.16-1.19x (fresh engines). "columns" leads on code and
     # its lowest batch-1 median (1.02x) stays above the issue's 0.97x floor; best-prefix's does not
-    choose_plan: Literal["best-prefix", "columns"] = "columns"
+    # "replay" (plan_replayed): the column search run on each request's recent confidence vectors,
+    # i.e. the mixture of widths trim() opens, not the plan on one running estimate per position
+    # (4 rows, 2-core Zen 3, stop 60: "columns" planned two columns where trim opened the second in
+    # about half the rounds, and the rounds of one column realized 0.91-0.94x plain)
+    choose_plan: Literal["best-prefix", "columns", "replay"] = "columns"
     prior: AcceptancePrior = field(default_factory=AcceptancePrior)  # running acceptance prior
     # Draft at all only when the predicted gain (running acceptance, measured drafting time)
     # beats plain decoding by this fraction: a margin for the model's error, so that a busy
@@ -341,6 +397,13 @@ class PrefixScheduler:
     # Zen 3 (BENCHMARKS.md, stop 56), drafting stopped after ~40 of 128 requests at batch 1 and
     # never resumed (0.94x plain from there, 1.13x before). 0: a probe is trimmed like any round.
     probe_verifies: int = 1
+    # A probe is due only where a round whose every draft had this conditional acceptance would beat
+    # plain decoding (the cost model, drafting time included): where even that loses, a probe can
+    # only measure what does not pay. At 32 rows on a 2-core Zen 3 (stop 60) a verify column costs
+    # ~0.95 plain steps and drafting ~0.6; a probe took ~4.5 plain steps (its rows' prompts consumed
+    # too) for 0.45 accepted drafts per row, ~3 per pass even with the backoff: about 2-3% of the
+    # tier. 1.0: probe wherever all-accepted drafts could pay (before stop 60).
+    probe_ceiling: float = 0.9
     # the online cost model's machine factor (policy/cost.py StepCost.machine_alpha, at most 0.95;
     # 0 = one correction per forward size, the model before); used when `cost` is made here
     machine_alpha: float = StepCost.machine_alpha
@@ -356,6 +419,7 @@ class PrefixScheduler:
     # not per request, so that a request that has not drafted yet does not send a batch back to the
     # best-prefix plan (a request joining while drafting is off never gets its own mark)
     _confidences: bool = field(default=False, init=False, repr=False)
+    _gate: ColumnSearch | None = field(default=None, init=False, repr=False)  # this round's draft gate
 
     def __post_init__(self) -> None:
         if self.max_k < 0:
@@ -366,12 +430,14 @@ class PrefixScheduler:
             raise DraftsmithError(f"running_at must be 'choose' or 'trim', got {self.running_at!r}")
         if self.padded_search not in ("columns", "early-stop"):
             raise DraftsmithError(f"padded_search must be 'columns' or 'early-stop', got {self.padded_search!r}")
-        if self.choose_plan not in ("columns", "best-prefix"):
-            raise DraftsmithError(f"choose_plan must be 'columns' or 'best-prefix', got {self.choose_plan!r}")
+        if self.choose_plan not in ("columns", "best-prefix", "replay"):
+            raise DraftsmithError(f"choose_plan must be 'replay', 'columns' or 'best-prefix', got {self.choose_plan!r}")
         if self.running_search not in ("best-prefix", "early-stop"):
             raise DraftsmithError(f"running_search must be 'best-prefix' or 'early-stop', got {self.running_search!r}")
         if not 0.0 <= self.min_gain < 1.0:
             raise DraftsmithError(f"min_gain must be in [0, 1), got {self.min_gain}")
+        if not 0.0 < self.probe_ceiling <= 1.0:
+            raise DraftsmithError(f"probe_ceiling must be in (0, 1], got {self.probe_ceiling}")
         if self.probe_every < 0 or self.cheap_draft < 0 or self.probe_verifies < 0:
             raise DraftsmithError(f"probe_every, probe_verifies and cheap_draft must be >= 0, got {self.probe_every}, "
                                   f"{self.probe_verifies}, {self.cheap_draft}")
@@ -406,7 +472,10 @@ class PrefixScheduler:
         # lossless whatever is decided.
         conf = [self._conf(s, self.max_k) for s in seqs]
         draft_time = self.cost.draft_time(R) if self.adapt else 0.0
-        if self.choose_plan == "columns" and self._by_columns() and self._confidences:  # as trim() will decide
+        if self.choose_plan == "replay" and self._by_columns() and self._confidences:  # as trim() will decide
+            recent = [[v[: self.max_k] for v in recent_confidences(s)] for s in seqs]
+            ell, gain = plan_replayed(recent, conf, self._step_time(), draft_time)
+        elif self.choose_plan == "columns" and self._by_columns() and self._confidences:
             ell, gain = plan_columns(conf, self._step_time(), draft_time)
         else:
             ell, gain = plan_best_prefix(conf, self._step_time(), self.batch_tokens, draft_time)
@@ -416,7 +485,7 @@ class PrefixScheduler:
         # A probe is due after `_interval` rounds that verified no draft, whatever this round decides:
         # a plan that drafts can still verify nothing (trim's confidences and costs say no), round
         # after round, and would otherwise never be checked (stop 56: drafting stayed off for good).
-        due = bool(self.probe_every) and self._idle >= self._interval
+        due = bool(self.probe_every) and self._idle >= self._interval and self._probe_can_pay(R, draft_time)
         if due:
             self._idle = 0  # (the interval counts from this probe)
         self._probing = False
@@ -441,6 +510,16 @@ class PrefixScheduler:
             return full  # a probe: trim() verifies what pays, and at least probe_verifies drafts per row
         return [0] * R
 
+    def _probe_can_pay(self, R: int, draft_time: float) -> bool:
+        """Would a round whose every draft had conditional acceptance probe_ceiling beat plain
+        decoding at R rows, drafting time included? On the profiled SPS(B) at the machine's
+        current speed: the learned shapes of verify sizes are what a probe revisits (a slow
+        stretch can leave them dear: stop 56), so they do not get to rule the probe out."""
+        machine = self.cost.machine() if self.adapt else 1.0
+        conf = [[self.probe_ceiling] * self.max_k] * R
+        return plan_best_prefix(conf, lambda b: self.sps.step_time(b) * machine, self.batch_tokens,
+                                draft_time)[1] > 1.0
+
     def trim(self, seqs: list[Request], proposal: Proposal) -> list[int]:
         self._drafted = bool(proposal.max_len)
         if not proposal.max_len:
@@ -464,6 +543,8 @@ class PrefixScheduler:
             return at_least_floor(ell if any(ell) and gain >= 1.0 + self.min_gain else [0] * len(seqs))
         raw = proposal.confidences.detach().float().cpu().tolist()
         conf = [raw[b][:n] for b, n in enumerate(lengths)]
+        if self._gate is None:  # (with a gate, update() keeps what the gate was asked: more than this)
+            remember_confidences(seqs, conf)
         # Drafting is paid by now: Algorithm 1 weighs only the forward's cost.
         if self._by_columns():
             return admit_columns(conf, sps, floor)  # (draft_gate's search: the same columns)
@@ -481,7 +562,8 @@ class PrefixScheduler:
         optimistically; verification and its losslessness do not depend on it)."""
         if not (self.stop_drafting and self._by_columns()):
             return None
-        return ColumnSearch(len(seqs), self._sps(), self.probe_verifies if self._probing else 0)
+        self._gate = ColumnSearch(len(seqs), self._sps(), self.probe_verifies if self._probing else 0)
+        return self._gate
 
     def forced_lengths(self, seqs: list[Request], kept: list[int], forced: list[int]) -> list[int]:
         """Engine hook, after trim: how many of each row's grammar-forced drafts to verify beside
@@ -495,6 +577,9 @@ class PrefixScheduler:
 
     def update(self, seqs, proposal, result) -> None:
         record_round(seqs, proposal, result, self.prior, self.pool)
+        if self._gate is not None:  # every column it was asked about (a round it opened nothing in too)
+            remember_confidences(seqs, self._gate.vectors())
+            self._gate = None
         verified = bool(proposal.max_len) and int(proposal.lengths.sum()) > 0
         self._idle = 0 if verified else self._idle + 1
         if self._probing and not verified:

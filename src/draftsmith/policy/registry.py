@@ -45,7 +45,8 @@ class PolicyKind:
 # The prefix scheduler's settings a user may tune from a spec (docs: policy/prefix_scheduler.py).
 PREFIX_SCHEDULER_OPTIONS = ("min_gain", "padded_search", "batch_tokens", "running_search", "running_at",
                             "adapt", "realized_check", "pooled_prior", "cheap_draft", "probe_every",
-                            "probe_backoff_max", "probe_verifies", "stop_drafting", "machine_alpha", "choose_plan")
+                            "probe_backoff_max", "probe_verifies", "probe_ceiling", "stop_drafting", "machine_alpha",
+                            "choose_plan")
 
 
 def _check_prefix_scheduler(options: dict) -> None:
