@@ -6,11 +6,11 @@
 Closed loop at --concurrency rows on held-out HumanEval prompts (64 new tokens, T = 0), plain
 decoding and the drafter under --policy in one process, one KV cache, interleaved (order reversed
 every other round). For every full round of the speculative engine (all rows in flight, no
-admission in it) it records the plan choose() made (plan_best_prefix, plan_columns or plan_replayed: its lengths
-and predicted gain, the running confidences at drafts 1 and 2, the drafting time it assumed, the
-cost model's step times at 1-4 columns), the drafts trim()'s column search expected to be accepted
-(the survivals of the columns it opened), the forward width that ran, the drafts accepted, and the
-measured forward, drafting, feature-consuming and round times.
+admission in it) it records the plan choose() made (plan_best_prefix, plan_columns or
+plan_replayed: its lengths and predicted gain, the running confidences at drafts 1 and 2, the
+drafting time it assumed, the cost model's step times at 1-4 columns), the drafts trim()'s column
+search expected to be accepted (the survivals of the columns it opened), the forward width that
+ran, the drafts accepted, and the measured forward, drafting, backlog-consuming and round times.
 Prints, per width, the median times and the realized gain of its rounds against the median plain
 width round of the same run, i.e. what a drafting round gained where the plan promised a gain.
 A diagnostic, not a benchmark: its ratios are one run's, and the machine's noise is in them.
@@ -78,16 +78,23 @@ def main() -> None:
     C = args.concurrency
     plain, spec, w = engine_pair(C, args.drafter, args.policy, args.requests)
     prompts = [list(p.token_ids) for p in w.prompts]
-    plans: list[dict] = []
+    plans: list[dict] = []  # this step's plans: the first is choose()'s (a probe's ceiling check, trim's come after)
+    depth = [0]  # (plan_replayed calls plan_columns without history: only the outer call is recorded)
     for name in ("plan_best_prefix", "plan_columns", "plan_replayed"):  # choose()'s planners, watched
         planner = getattr(ps, name)
 
         def watched(*a, _planner=planner, _replay=name == "plan_replayed", **k):
-            ell, gain = _planner(*a, **k)
+            depth[0] += 1
+            try:
+                ell, gain = _planner(*a, **k)
+            finally:
+                depth[0] -= 1
+            if depth[0]:
+                return ell, gain
             if _replay:  # (recent vectors first: the running estimates are its second argument)
                 a = a[1:]
             conf, step_time, a = a[0], a[1], a[2:]
-            plans.insert(0, {"gain": gain, "ell": ell, "conf1": [c[0] for c in conf if c],
+            plans.append({"gain": gain, "ell": ell, "conf1": [c[0] for c in conf if c],
                           "conf2": [c[1] for c in conf if len(c) > 1],
                           "step_s": [step_time(len(conf) * w) for w in range(1, 5)],
                           "draft_time": k.get("draft_time", a[-1] if a and isinstance(a[-1], float) else 0.0)})

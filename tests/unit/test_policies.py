@@ -14,7 +14,7 @@ from draftsmith import LLM, DraftsmithError, SamplingParams
 from draftsmith.api import make_policy
 from draftsmith.core.types import Proposal, VerifyResult
 from draftsmith.drafters.ngram import NgramDrafter
-from draftsmith.core.request import Request
+from draftsmith.core.request import Request, StepInfo
 from draftsmith.models.loading import load_decoder
 from draftsmith.policy import profile as profile_mod
 from draftsmith.policy.acceptance import (
@@ -26,7 +26,6 @@ from draftsmith.policy.prefix_scheduler import (
     ColumnSearch, PrefixScheduler, admit, admit_best_prefix, admit_columns, can_gain, plan_best_prefix, plan_columns,
     plan_replayed, static_prefix_scheduler,
 )
-from draftsmith.core.request import StepInfo
 from draftsmith.policy.recent_confidences import RECENT, recent_confidences, remember_confidences
 from draftsmith.kernels.build import KernelStatus
 from draftsmith.policy.profile import ProfileConfig, SPSTable, load_or_profile

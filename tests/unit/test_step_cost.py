@@ -221,10 +221,14 @@ def test_dear_drafters_probe_with_backoff_while_probes_verify_nothing():
     # Probes after 4 rounds that verified nothing, then 8 (backed off: the probe verified nothing), capped at 8.
     assert run(24) == [5, 13, 21]
     # By default (probe_ceiling 0.9): all four tokens at 0.9, 0.81, 0.73 commit 3.44 in 3.2 + 0.5
-    # steps (0.93x plain), so no probe is due; at 0.96 (3.77 tokens, 1.02x) probes are
+    # steps (0.93x plain), so a probe due is skipped as if it had not paid (the interval backs off);
+    # only at probe_backoff_max does one run whatever the ceiling says. At 0.96 (3.77 tokens, 1.02x)
+    # probes are due as before.
     pol = PrefixScheduler(dear, max_k=3, probe_every=4, probe_backoff_max=8, probe_verifies=0, cost=pol.cost)
-    assert run(24) == []
-    pol = replace(pol, probe_ceiling=0.96, cost=pol.cost)
+    assert run(24) == [13, 21]  # skipped at 5 (interval 4 -> 8 = the cap), then every 8
+    pol = replace(pol, probe_backoff_max=64)
+    assert run(60) == []  # skipped at 5, 13, 29 (intervals 8, 16, 32)
+    pol = replace(pol, probe_ceiling=0.96, probe_backoff_max=8)
     assert run(24) == [5, 13, 21]
     never = PrefixScheduler(dear, max_k=3, probe_every=0, cost=pol.cost)
     assert all(never.choose(seqs(1)) == [0] for _ in range(8))

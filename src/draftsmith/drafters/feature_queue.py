@@ -50,10 +50,10 @@ from draftsmith.models.kv_cache import KVCache
 # per-token cost, not a per-round one: `consumed_s` lets the engine keep a backlog (a prompt, the
 # positions of rounds that did not draft) out of the drafting time the prefix scheduler's cost
 # model learns (a prompt's worth of context inside one round's draft time made drafting look dear
-# and switched it off at batch 1). A flush whose rows hold at most STEADY_TOKENS positions each is
-# the last round's commits of a row that drafts every round: a cost of drafting this round, not
-# counted in `consumed_s` (at 4 rows on a 2-core Zen 3, ~1.5 ms of a ~50 ms drafting round, which
-# the cost model did not see before; BENCHMARKS.md, stop 60).
+# and switched it off at batch 1). A flush whose rows hold at most STEADY_TOKENS positions each (the
+# last round's commits of a row that drafts every round, or a few rounds that did not draft) is a
+# cost of drafting this round, not counted in `consumed_s` (at 4 rows on a 2-core Zen 3, ~1.5 ms of
+# a ~50 ms drafting round, which the cost model did not see before; BENCHMARKS.md, stop 60).
 FLUSH_TOKENS = 2048
 QUEUE_BYTES = 128 << 20
 STEADY_TOKENS = 16

@@ -75,9 +75,10 @@ conditions are revisited. A probe verifies at least `probe_verifies` drafts per 
 the estimates say (a probe trimmed by them measured nothing: drafting could stop for good);
 one whose measured gain falls below plain decoding's doubles the interval, up to
 `probe_backoff_max`, so a drafter that never pays on this machine costs one short verify per
-interval; and no probe is due at a load where a round whose every draft had conditional acceptance
-`probe_ceiling` would still lose to plain decoding (drafting time included). All of this uses
-past rounds and timings only: lossless whatever it decides.
+interval; and a probe due at a load where a round whose every draft had conditional acceptance
+`probe_ceiling` would still lose to plain decoding (drafting time included) is skipped and backs
+off the same way, until the interval reaches `probe_backoff_max`. All of this uses past rounds and
+timings only: lossless whatever it decides.
 
 An optional check on the prediction (`realized_check`, off by default: measured, it did not
 pay; see the field): after every round drafted on a predicted
@@ -108,8 +109,8 @@ from draftsmith.policy.acceptance import (
 )
 from draftsmith.policy.base import keep_all
 from draftsmith.policy.cost import StepCost
-from draftsmith.policy.recent_confidences import recent_confidences, remember_confidences
 from draftsmith.policy.profile import SPSTable
+from draftsmith.policy.recent_confidences import recent_confidences, remember_confidences
 
 BatchTokens = Literal["padded", "packed"]
 
@@ -240,6 +241,18 @@ def admit_best_prefix(conf: list[list[float]], sps: Callable[[float], float],
     return plan_best_prefix(conf, lambda b: 1.0 / sps(b), batch_tokens)[0]
 
 
+def _once_per_size(step_time: Callable[[float], float]) -> Callable[[int], float]:
+    """step_time, asked once per forward size (a padded plan has at most max_k + 1 of them)."""
+    times: dict[int, float] = {}
+
+    def of(tokens: int) -> float:
+        t = times.get(tokens)
+        if t is None:
+            t = times[tokens] = step_time(tokens)
+        return t
+    return of
+
+
 def plan_best_prefix(conf: list[list[float]], step_time: Callable[[float], float],
                      batch_tokens: BatchTokens = "padded", draft_time: float = 0.0) -> tuple[list[int], float]:
     """Best prefix of Algorithm 1's order when a round that verifies any draft also pays
@@ -249,14 +262,7 @@ def plan_best_prefix(conf: list[list[float]], step_time: Callable[[float], float
     if R == 0:
         return [], 1.0
     ranked = _ranked(conf)
-    times: dict[int, float] = {}  # a padded plan has at most max_k + 1 forward sizes: one call each
-
-    def step_time_of(tokens: int) -> float:
-        t = times.get(tokens)
-        if t is None:
-            t = times[tokens] = step_time(tokens)
-        return t
-
+    step_time_of = _once_per_size(step_time)
     base = R / step_time_of(_tokens(R, 1, 0, batch_tokens))
     tau, width = float(R), 1
     best, best_n = base, 0
@@ -303,14 +309,7 @@ def plan_replayed(recent: list[list[list[float]]], running: list[list[float]], s
     n = max((len(h) for h in recent), default=0)
     if R == 0 or n == 0:
         return plan_columns(running, step_time, draft_time)
-    times: dict[int, float] = {}
-
-    def step(tokens: int) -> float:
-        t = times.get(tokens)
-        if t is None:
-            t = times[tokens] = step_time(tokens)
-        return t
-
+    step = _once_per_size(step_time)
     ell, tokens, seconds = [0] * R, 0.0, 0.0
     for i in range(n):
         search = _column_search([h[i % len(h)] if h else c for h, c in zip(recent, running)],
@@ -402,7 +401,9 @@ class PrefixScheduler:
     # only measure what does not pay. At 32 rows on a 2-core Zen 3 (stop 60) a verify column costs
     # ~0.95 plain steps and drafting ~0.6; a probe took ~4.5 plain steps (its rows' prompts consumed
     # too) for 0.45 accepted drafts per row, ~3 per pass even with the backoff: about 2-3% of the
-    # tier. 1.0: probe wherever all-accepted drafts could pay (before stop 60).
+    # tier. A probe skipped so backs off as one that did not pay, and at probe_backoff_max runs
+    # whatever the ceiling says (a drafting time once measured dear must not stop probes for good).
+    # 1.0: probe wherever all-accepted drafts could pay (before stop 60).
     probe_ceiling: float = 0.9
     # the online cost model's machine factor (policy/cost.py StepCost.machine_alpha, at most 0.95;
     # 0 = one correction per forward size, the model before); used when `cost` is made here
@@ -431,7 +432,7 @@ class PrefixScheduler:
         if self.padded_search not in ("columns", "early-stop"):
             raise DraftsmithError(f"padded_search must be 'columns' or 'early-stop', got {self.padded_search!r}")
         if self.choose_plan not in ("columns", "best-prefix", "replay"):
-            raise DraftsmithError(f"choose_plan must be 'replay', 'columns' or 'best-prefix', got {self.choose_plan!r}")
+            raise DraftsmithError(f"choose_plan must be 'best-prefix', 'columns' or 'replay', got {self.choose_plan!r}")
         if self.running_search not in ("best-prefix", "early-stop"):
             raise DraftsmithError(f"running_search must be 'best-prefix' or 'early-stop', got {self.running_search!r}")
         if not 0.0 <= self.min_gain < 1.0:
@@ -463,6 +464,7 @@ class PrefixScheduler:
     def choose(self, seqs: list[Request]) -> list[int]:
         R = len(seqs)
         self._predicted = None
+        self._gate = None  # (a round that raised before update() leaves its gate behind)
         sps = self._sps()
         # Batch size only: skip drafting when no verify length could pay off at this load.
         if not can_gain(R, self.max_k, sps, self.batch_tokens):
@@ -475,7 +477,7 @@ class PrefixScheduler:
         if self.choose_plan == "replay" and self._by_columns() and self._confidences:  # as trim() will decide
             recent = [[v[: self.max_k] for v in recent_confidences(s)] for s in seqs]
             ell, gain = plan_replayed(recent, conf, self._step_time(), draft_time)
-        elif self.choose_plan == "columns" and self._by_columns() and self._confidences:
+        elif self.choose_plan == "columns" and self._by_columns() and self._confidences:  # trim's plan, on the mean
             ell, gain = plan_columns(conf, self._step_time(), draft_time)
         else:
             ell, gain = plan_best_prefix(conf, self._step_time(), self.batch_tokens, draft_time)
@@ -485,7 +487,11 @@ class PrefixScheduler:
         # A probe is due after `_interval` rounds that verified no draft, whatever this round decides:
         # a plan that drafts can still verify nothing (trim's confidences and costs say no), round
         # after round, and would otherwise never be checked (stop 56: drafting stayed off for good).
-        due = bool(self.probe_every) and self._idle >= self._interval and self._probe_can_pay(R, draft_time)
+        due = bool(self.probe_every) and self._idle >= self._interval
+        if due and self._interval < self.probe_backoff_max and not self._probe_can_pay(R, draft_time):
+            # (skipped as if it had not paid: the interval backs off, and at probe_backoff_max a probe
+            # runs whatever the ceiling says, so a drafting time measured dear cannot stop probes for good)
+            due, self._idle, self._interval = False, 0, min(2 * self._interval, self.probe_backoff_max)
         if due:
             self._idle = 0  # (the interval counts from this probe)
         self._probing = False
@@ -543,7 +549,7 @@ class PrefixScheduler:
             return at_least_floor(ell if any(ell) and gain >= 1.0 + self.min_gain else [0] * len(seqs))
         raw = proposal.confidences.detach().float().cpu().tolist()
         conf = [raw[b][:n] for b, n in enumerate(lengths)]
-        if self._gate is None:  # (with a gate, update() keeps what the gate was asked: more than this)
+        if self.choose_plan == "replay" and self._gate is None:  # (with a gate, update() keeps what it was asked)
             remember_confidences(seqs, conf)
         # Drafting is paid by now: Algorithm 1 weighs only the forward's cost.
         if self._by_columns():
@@ -577,9 +583,9 @@ class PrefixScheduler:
 
     def update(self, seqs, proposal, result) -> None:
         record_round(seqs, proposal, result, self.prior, self.pool)
-        if self._gate is not None:  # every column it was asked about (a round it opened nothing in too)
-            remember_confidences(seqs, self._gate.vectors())
-            self._gate = None
+        if self._gate is not None and self.choose_plan == "replay":  # every column it was asked about
+            remember_confidences(seqs, self._gate.vectors())  # (a round in which it opened nothing too)
+        self._gate = None
         verified = bool(proposal.max_len) and int(proposal.lengths.sum()) > 0
         self._idle = 0 if verified else self._idle + 1
         if self._probing and not verified:
