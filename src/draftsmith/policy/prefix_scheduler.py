@@ -400,8 +400,8 @@ class PrefixScheduler:
     # plain decoding (the cost model, drafting time included): where even that loses, a probe can
     # only measure what does not pay. At 32 rows on a 2-core Zen 3 (stop 60) a verify column costs
     # ~0.95 plain steps and drafting ~0.6; a probe took ~4.5 plain steps (its rows' prompts consumed
-    # too) for 0.45 accepted drafts per row, ~3 per pass even with the backoff: about 2-3% of the
-    # tier. A probe skipped so backs off as one that did not pay, and at probe_backoff_max runs
+    # too) for 0.45 accepted drafts per row: ~3 plain steps lost per probe, two in a 64-request pass
+    # even with the backoff. A probe skipped so backs off as one that did not pay, and at probe_backoff_max runs
     # whatever the ceiling says (a drafting time once measured dear must not stop probes for good).
     # 1.0: probe wherever all-accepted drafts could pay (before stop 60).
     probe_ceiling: float = 0.9
