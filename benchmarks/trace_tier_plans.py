@@ -96,7 +96,7 @@ def main() -> None:
             conf, step_time, a = a[0], a[1], a[2:]
             plans.append({"gain": gain, "ell": ell, "conf1": [c[0] for c in conf if c],
                           "conf2": [c[1] for c in conf if len(c) > 1],
-                          "step_s": [step_time(len(conf) * w) for w in range(1, 5)],
+                          "step_s": [step_time(len(conf) * width) for width in range(1, 5)],
                           "draft_time": k.get("draft_time", a[-1] if a and isinstance(a[-1], float) else 0.0)})
             return ell, gain
         setattr(ps, name, watched)

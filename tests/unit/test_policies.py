@@ -342,6 +342,12 @@ def test_recent_confidences_keep_what_the_draft_gate_was_asked():
     pol.update(ss, Proposal.empty(2), VerifyResult(tokens=torch.zeros(2, 1, dtype=torch.long),
                                                    num_accepted=torch.tensor([0, 0])))
     assert [recent_confidences(s)[0] for s in ss] == [[0.01], [0.02]]
+    columns = PrefixScheduler(times, max_k=3, adapt=False, pooled_prior=False, probe_every=0)  # the default plan
+    fresh = seqs(2)
+    gate = columns.draft_gate(fresh, [3, 3])
+    assert gate.open_next([0.9, 0.2]) and gate.asked == []  # nothing kept for a plan that does not replay
+    columns.trim(fresh, proposal([1, 1], 1, [[0.9], [0.2]]))
+    assert [recent_confidences(s) for s in fresh] == [[], []]
     pol = replace(pol, stop_drafting=False)  # no gate: the proposal's confidences
     assert pol.draft_gate(ss, [3, 3]) is None
     for i in range(RECENT + 2):

@@ -155,11 +155,12 @@ class ColumnSearch:
     exactly what it returns on the full one (tests/unit/test_policies.py, test_draft_gate_*).
     `opened`: the first columns that open whatever they are predicted to pay, for every row whose
     draft there has a confidence above 0 (a probe's: PrefixScheduler.probe_verifies); a later
-    column opens where the verify it makes pays against plain decoding. `asked` keeps every column
-    it was asked about, the one that did not open included (`vectors`: what the drafter said)."""
+    column opens where the verify it makes pays against plain decoding. With `keep_asked`, `asked`
+    keeps every column it was asked about, the one that did not open included (`vectors`: what the
+    drafter said; PrefixScheduler keeps them for choose_plan="replay")."""
 
-    def __init__(self, rows: int, sps: Callable[[float], float], opened: int = 0) -> None:
-        self.R, self.sps, self.opened = rows, sps, opened
+    def __init__(self, rows: int, sps: Callable[[float], float], opened: int = 0, keep_asked: bool = False) -> None:
+        self.R, self.sps, self.opened, self.keep_asked = rows, sps, opened, keep_asked
         self.ell = [0] * rows
         self.surv = [1.0] * rows  # a_{r,j} of the last column seen
         self.alive = list(range(rows))  # rows whose every column so far opened
@@ -175,7 +176,8 @@ class ColumnSearch:
         is False too)."""
         if self.closed:
             return False
-        self.asked.append([None if c is None else float(c) for c in column])
+        if self.keep_asked:
+            self.asked.append([None if c is None else float(c) for c in column])
         self.j += 1
         j = self.j
         col = []
@@ -310,10 +312,13 @@ def plan_replayed(recent: list[list[list[float]]], running: list[list[float]], s
     if R == 0 or n == 0:
         return plan_columns(running, step_time, draft_time)
     step = _once_per_size(step_time)
+
+    def sps(b: float) -> float:
+        return 1.0 / step(b)
+
     ell, tokens, seconds = [0] * R, 0.0, 0.0
     for i in range(n):
-        search = _column_search([h[i % len(h)] if h else c for h, c in zip(recent, running)],
-                                lambda b: 1.0 / step(b))
+        search = _column_search([h[i % len(h)] if h else c for h, c in zip(recent, running)], sps)
         ell = [max(a, b) for a, b in zip(ell, search.ell)]
         tokens += search.tau
         seconds += step(_tokens(R, 1 + max(search.ell), 0, "padded")) + draft_time
@@ -403,7 +408,7 @@ class PrefixScheduler:
     # too) for 0.45 accepted drafts per row: ~3 plain steps lost per probe, two in a 64-request pass
     # even with the backoff. A probe skipped so backs off as one that did not pay, and at probe_backoff_max runs
     # whatever the ceiling says (a drafting time once measured dear must not stop probes for good).
-    # 1.0: probe wherever all-accepted drafts could pay (before stop 60).
+    # 1.0: probe wherever all-accepted drafts could pay, drafting time included.
     probe_ceiling: float = 0.9
     # the online cost model's machine factor (policy/cost.py StepCost.machine_alpha, at most 0.95;
     # 0 = one correction per forward size, the model before); used when `cost` is made here
@@ -420,7 +425,8 @@ class PrefixScheduler:
     # not per request, so that a request that has not drafted yet does not send a batch back to the
     # best-prefix plan (a request joining while drafting is off never gets its own mark)
     _confidences: bool = field(default=False, init=False, repr=False)
-    _gate: ColumnSearch | None = field(default=None, init=False, repr=False)  # this round's draft gate
+    # this round's draft gate, kept for choose_plan="replay" (trim() remembers what it was asked)
+    _gate: ColumnSearch | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.max_k < 0:
@@ -464,7 +470,7 @@ class PrefixScheduler:
     def choose(self, seqs: list[Request]) -> list[int]:
         R = len(seqs)
         self._predicted = None
-        self._gate = None  # (a round that raised before update() leaves its gate behind)
+        self._gate = None  # (a round that raised before trim() leaves its gate behind)
         sps = self._sps()
         # Batch size only: skip drafting when no verify length could pay off at this load.
         if not can_gain(R, self.max_k, sps, self.batch_tokens):
@@ -475,8 +481,7 @@ class PrefixScheduler:
         conf = [self._conf(s, self.max_k) for s in seqs]
         draft_time = self.cost.draft_time(R) if self.adapt else 0.0
         if self.choose_plan == "replay" and self._by_columns() and self._confidences:  # as trim() will decide
-            recent = [[v[: self.max_k] for v in recent_confidences(s)] for s in seqs]
-            ell, gain = plan_replayed(recent, conf, self._step_time(), draft_time)
+            ell, gain = plan_replayed([recent_confidences(s) for s in seqs], conf, self._step_time(), draft_time)
         elif self.choose_plan == "columns" and self._by_columns() and self._confidences:  # trim's plan, on the mean
             ell, gain = plan_columns(conf, self._step_time(), draft_time)
         else:
@@ -491,7 +496,8 @@ class PrefixScheduler:
         if due and self._interval < self.probe_backoff_max and not self._probe_can_pay(R, draft_time):
             # (skipped as if it had not paid: the interval backs off, and at probe_backoff_max a probe
             # runs whatever the ceiling says, so a drafting time measured dear cannot stop probes for good)
-            due, self._idle, self._interval = False, 0, min(2 * self._interval, self.probe_backoff_max)
+            due, self._idle = False, 0
+            self._back_off()
         if due:
             self._idle = 0  # (the interval counts from this probe)
         self._probing = False
@@ -516,6 +522,10 @@ class PrefixScheduler:
             return full  # a probe: trim() verifies what pays, and at least probe_verifies drafts per row
         return [0] * R
 
+    def _back_off(self) -> None:
+        """A probe that did not pay (or was skipped): probe half as often, down to probe_backoff_max."""
+        self._interval = min(2 * self._interval, self.probe_backoff_max)
+
     def _probe_can_pay(self, R: int, draft_time: float) -> bool:
         """Would a round whose every draft had conditional acceptance probe_ceiling beat plain
         decoding at R rows, drafting time included? On the profiled SPS(B) at the machine's
@@ -528,6 +538,10 @@ class PrefixScheduler:
 
     def trim(self, seqs: list[Request], proposal: Proposal) -> list[int]:
         self._drafted = bool(proposal.max_len)
+        gated = self._gate is not None
+        if gated:  # what the drafter said to the gate, the refused column included
+            remember_confidences(seqs, self._gate.vectors())  # (a round in which it opened nothing too)
+            self._gate = None
         if not proposal.max_len:
             return [0] * len(seqs)
         self._confidences = proposal.confidences is not None
@@ -549,7 +563,7 @@ class PrefixScheduler:
             return at_least_floor(ell if any(ell) and gain >= 1.0 + self.min_gain else [0] * len(seqs))
         raw = proposal.confidences.detach().float().cpu().tolist()
         conf = [raw[b][:n] for b, n in enumerate(lengths)]
-        if self.choose_plan == "replay" and self._gate is None:  # (with a gate, update() keeps what it was asked)
+        if self.choose_plan == "replay" and not gated:
             remember_confidences(seqs, conf)
         # Drafting is paid by now: Algorithm 1 weighs only the forward's cost.
         if self._by_columns():
@@ -568,8 +582,10 @@ class PrefixScheduler:
         optimistically; verification and its losslessness do not depend on it)."""
         if not (self.stop_drafting and self._by_columns()):
             return None
-        self._gate = ColumnSearch(len(seqs), self._sps(), self.probe_verifies if self._probing else 0)
-        return self._gate
+        search = ColumnSearch(len(seqs), self._sps(), self.probe_verifies if self._probing else 0,
+                              keep_asked=self.choose_plan == "replay")
+        self._gate = search if self.choose_plan == "replay" else None  # (trim() keeps what it was asked)
+        return search
 
     def forced_lengths(self, seqs: list[Request], kept: list[int], forced: list[int]) -> list[int]:
         """Engine hook, after trim: how many of each row's grammar-forced drafts to verify beside
@@ -583,16 +599,13 @@ class PrefixScheduler:
 
     def update(self, seqs, proposal, result) -> None:
         record_round(seqs, proposal, result, self.prior, self.pool)
-        if self._gate is not None and self.choose_plan == "replay":  # every column it was asked about
-            remember_confidences(seqs, self._gate.vectors())  # (a round in which it opened nothing too)
-        self._gate = None
         verified = bool(proposal.max_len) and int(proposal.lengths.sum()) > 0
         self._idle = 0 if verified else self._idle + 1
         if self._probing and not verified:
             if self.probe_verifies and not self._drafted:  # it could not draft (no room, forced rows): still due
                 self._idle = self._interval
             else:  # drafted, and nothing verified (trimmed, or confidences 0): wasted, probe half as often
-                self._interval = min(2 * self._interval, self.probe_backoff_max)
+                self._back_off()
         self._drafted = False
         self._probing = self._probing and verified  # verified something: observe() judges it by its measured gain
 
@@ -610,7 +623,10 @@ class PrefixScheduler:
             self._predicted = None
         if self._probing:
             if gain is not None:  # (None: no acceptance reported, a grammar-forced row: no evidence either way)
-                self._interval = self.probe_every if gain >= 1.0 else min(2 * self._interval, self.probe_backoff_max)
+                if gain >= 1.0:
+                    self._interval = self.probe_every
+                else:
+                    self._back_off()
             self._probing = False
 
 

@@ -30,7 +30,7 @@ def remember_confidences(seqs: Sequence[Request], vectors: Sequence[Sequence[flo
     for s, v in zip(seqs, vectors):
         if len(v):
             kept = s.drafter_state.setdefault(_KEY, [])
-            kept.insert(0, [float(c) for c in v])
+            kept.insert(0, list(v))
             del kept[RECENT:]
 
 
