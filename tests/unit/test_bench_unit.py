@@ -623,6 +623,27 @@ def test_run_engine_closed_loop_records(tiny_engine_factory):
     assert all(r.proposed == 0 and r.rounds == r.output_tokens for r in base.records)
     s = summarize([spec])
     assert s["tau"] == pytest.approx(s["committed"] / s["rounds"]) and s["draft_proposed"] > 0
+    for res in (base, spec):  # the decode phase: steps that admitted no request
+        total = sum(r.output_tokens for r in res.records)
+        # every request's first token comes from the step that admitted it (its prefill)
+        assert 0 < res.decode_tokens <= total - len(reqs)
+        assert res.decode_s > 0 and res.admit_s > 0 and res.decode_s + res.admit_s <= res.wall_s + 1e-9
+        d = summarize([res])
+        assert d["decode_tokens_per_s"] == pytest.approx(res.decode_tokens / res.decode_s)
+        assert d["admission_time_share"] == pytest.approx(res.admit_s / res.wall_s)
+
+
+def test_summarize_pools_the_decode_phase_and_omits_it_where_unmeasured():
+    a = RunResult([_rec(0, 10, 1.0, 0.1)], wall_s=1.0, decode_s=0.5, decode_tokens=8, admit_s=0.4)
+    b = RunResult([_rec(1, 10, 1.0, 0.1)], wall_s=2.0, decode_s=1.5, decode_tokens=6, admit_s=0.5)
+    s = summarize([a, b])
+    assert s["decode_tokens_per_s"] == pytest.approx(14 / 2.0)  # pooled: tokens over time, not a mean of rates
+    assert s["decode_tokens_per_s_per_unit"] == [pytest.approx(16.0), pytest.approx(4.0)]
+    assert s["admission_time_share"] == pytest.approx(0.9 / 3.0)
+    # an endpoint run (or a peer) has no engine steps to split: nothing is made up
+    s = summarize([a, RunResult([_rec(1, 10, 1.0, 0.1)], wall_s=2.0)])
+    assert s["decode_tokens_per_s"] is None and s["decode_tokens_per_s_per_unit"] is None
+    assert s["admission_time_share"] is None
 
 
 def test_run_engine_conversations_send_the_answer_in_the_next_turn(tiny_engine_factory):

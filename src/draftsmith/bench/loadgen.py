@@ -89,6 +89,8 @@ def run_engine(engine, requests: Sequence[BenchRequest], concurrency: int, offse
     live: dict[int, tuple] = {}  # id(seq) -> (seq, request, t_arrival, state)
     records: list[list[RequestRecord]] = [[] for _ in requests]  # per request: one record per turn
     steps = forwards = 0
+    decode_s, decode_tokens = 0.0, 0  # steps that admitted no request: no prefill in them
+    admit_s = 0.0  # steps that admitted one or more (their prefill and the other rows' decoding)
     t0 = time.perf_counter()
     t_last = t0
 
@@ -115,13 +117,21 @@ def run_engine(engine, requests: Sequence[BenchRequest], concurrency: int, offse
                 time.sleep(max(0.0, t0 + offsets[pending[0]] - time.perf_counter()))
                 continue
         waiting = [v[0] for v in live.values() if v[0].status is Status.WAITING]
+        t_step = time.perf_counter()
         engine.step()
         t = time.perf_counter()
         steps += 1
+        admitted = any(s.status is not Status.WAITING for s in waiting)
         forwards += 1 + any(s.status is not Status.WAITING and len(s.prompt_ids) > 1 for s in waiting)
+        if admitted:
+            admit_s += t - t_step
+        else:
+            decode_s += t - t_step
         for key, (seq, req, i, t_arr, st) in list(live.items()):
             n = len(seq.output_ids) - st["seen"]
             if n > 0:
+                if not admitted:
+                    decode_tokens += n
                 if st["first"] is None:
                     st["first"] = t  # tokens delivered with the first one have no gap to split
                 else:
@@ -147,7 +157,8 @@ def run_engine(engine, requests: Sequence[BenchRequest], concurrency: int, offse
                         records[i].append(rec)
                         on_done(rec)
     return RunResult([r for rs in records for r in rs], wall_s=t_last - t0, engine_steps=steps,
-                     batched_forwards=forwards)
+                     batched_forwards=forwards, decode_s=decode_s, decode_tokens=decode_tokens,
+                     admit_s=admit_s)
 
 
 def _engine_record(req: BenchRequest, seq, t0: float, t_arr: float, st: dict, t_end: float) -> RequestRecord:

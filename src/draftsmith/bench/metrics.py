@@ -15,6 +15,11 @@ Definitions (also written into report.json):
                        summed, / output tokens: 1 + 1/len for plain decoding
   engine steps/tok     batched target forwards (one per engine step, plus one per prefill) /
                        output tokens: what bounds a memory-bandwidth-bound decoder
+  decode tokens/s      (in-process) output tokens delivered by engine steps that admitted no
+                       request / those steps' time: the decode phase apart from prefills, which
+                       dominate a closed loop's wall time at high concurrency; diagnostic, the
+                       system tokens/s stays the headline
+  admission share      fraction of the wall time spent in steps that admitted a request
 Percentiles use linear interpolation between order statistics (numpy's default).
 """
 
@@ -77,6 +82,11 @@ class RunResult:
     engine_steps: int | None = None
     batched_forwards: int | None = None
     counters: dict | None = None  # endpoint: /metrics differences, or {"unavailable": reason}
+    # in-process: the engine steps that admitted no request (so ran no prefill), their time and
+    # the output tokens they delivered: decode-phase throughput, apart from prompt processing
+    decode_s: float | None = None
+    decode_tokens: int | None = None
+    admit_s: float | None = None  # in-process: the time of the steps that admitted requests
 
 
 def sha_of_ids(ids: Sequence[int]) -> str:
@@ -149,6 +159,9 @@ def summarize(runs: Sequence[RunResult], *, counts_from_endpoint: dict | None = 
     tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.ttft is not None and r.output_tokens > 1]
     per_user = [r.output_tokens / r.e2e for r in ok if r.e2e and r.e2e > 0]
     steps = _sum(run.engine_steps for run in runs)
+    decode = [(run.decode_tokens, run.decode_s) for run in runs]
+    measured = bool(decode) and all(n is not None and d is not None for n, d in decode)
+    decode_s = sum(d for _, d in decode) if measured else None
     fwd_batched = _sum(run.batched_forwards for run in runs)
     s: dict = {
         "requests": len(records), "errors": len(records) - len(ok),
@@ -163,6 +176,10 @@ def summarize(runs: Sequence[RunResult], *, counts_from_endpoint: dict | None = 
         "e2e_s": distribution(e2e),
         "engine_steps": steps, "batched_forwards": fwd_batched,
         "engine_steps_per_token": (fwd_batched / tokens) if fwd_batched is not None and tokens else None,
+        "decode_tokens_per_s": (sum(n for n, _ in decode) / decode_s) if measured and decode_s else None,
+        "decode_tokens_per_s_per_unit": [(n / d if d else None) for n, d in decode] if measured else None,
+        "admission_time_share": (sum(run.admit_s for run in runs) / wall
+                                 if measured and wall > 0 and all(run.admit_s is not None for run in runs) else None),
     }
     if counts_from_endpoint is None:
         proposed = _sum(r.proposed for r in ok)

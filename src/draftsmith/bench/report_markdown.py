@@ -12,6 +12,18 @@ def _x(v: float | None) -> str:
     return "–" if v is None else f"{v:.2f}×"
 
 
+def decode_cell(r: dict) -> str:
+    """Decode-phase tokens/s (steps that admitted no request) and its ratio to the baseline's."""
+    tps, sp = r.get("decode_tokens_per_s"), r.get("decode_speedup")
+    if tps is None:
+        return "–"
+    spread = r.get("decode_speedup_spread") or {}
+    if sp is None or r.get("kind") == "baseline":
+        return _f(tps)
+    rng = f", {_f(spread.get('min'), 2)}–{_f(spread.get('max'), 2)}" if spread.get("n", 0) > 1 else ""
+    return f"{_f(tps)} ({_x(sp)}{rng})"
+
+
 def speedup_cell(r: dict) -> str:
     """A row's speedup as every report prints it: the ratio of system tokens/s to the baseline's
     at that tier, then its spread over the n interleaved units it was measured in (a unit is
@@ -120,12 +132,13 @@ def _mb(v) -> str:
 
 def headline_table(report: dict) -> str:
     """A compact markdown table: tokens/s, speedup and verdict per tier and configuration."""
-    lines = ["| concurrency | config | tokens/s | speedup (min–max, n) | acceptance | τ | verdict |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| concurrency | config | tokens/s | speedup (min–max, n) | decode tok/s (× baseline) "
+             "| acceptance | τ | verdict |",
+             "|---|---|---|---|---|---|---|---|"]
     for t in report["tiers"]:
         for r in t["results"]:
             lines.append(f"| {t['concurrency']} | {r['label']} | {_f(r['system_tokens_per_s'])} | "
-                         f"{speedup_cell(r)} | {_f(r['acceptance_rate'], 2)} | {_f(r['tau'], 2)} | "
+                         f"{speedup_cell(r)} | {decode_cell(r)} | {_f(r['acceptance_rate'], 2)} | {_f(r['tau'], 2)} | "
                          f"**{r['verdict']['decision']}**: {r['verdict']['reason']} |")
     return "\n".join(lines)
 
@@ -185,13 +198,15 @@ def render_markdown(rep: dict) -> str:
                 f"{_f(r['cost_per_1m_output_tokens'], 2)} | {_f(r['bandwidth_bound_tokens_per_s'])} "
                 f"({_f(r['fraction_of_bound'], 2)}) | {mism} | **{r['verdict']['decision']}**: {r['verdict']['reason']} |")
         md += ["", "| config | TTFT ms P50/P95/P99 | ITL ms P50/P95/P99 | TPOT ms P50 | E2E ms P50/P95/P99 | "
+               "decode tok/s (× baseline, min–max) | prefill share | "
                "acceptance | τ | target fwd/tok | steps/tok | RSS MB | KV MB | peak CUDA MB |",
-               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in t["results"]:
             m = r["memory"]
             md.append(
                 f"| {r['label']} | {_pct(r['ttft_s'])} | {_pct(r['itl_s'])} | {_f((r['tpot_s'] or {}).get('p50'), 1, 1000)} | "
-                f"{_pct(r['e2e_s'])} | {_f(r['acceptance_rate'], 3)} | {_f(r['tau'], 3)} | "
+                f"{_pct(r['e2e_s'])} | {decode_cell(r)} | {_f(r.get('admission_time_share'), 2)} | "
+                f"{_f(r['acceptance_rate'], 3)} | {_f(r['tau'], 3)} | "
                 f"{_f(r['target_forwards_per_token'], 3)} | {_f(r['engine_steps_per_token'], 3)} | "
                 f"{_mb(m.get('rss_bytes'))} | {_mb(m.get('kv_cache_bytes'))} | {_mb(m.get('cuda_peak_allocated_bytes'))} |")
         turned = [r for r in t["results"] if r.get("by_turn")]

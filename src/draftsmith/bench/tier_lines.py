@@ -97,10 +97,17 @@ def phase_lines(cfg, phase, runners, runs, mem, started, load0, fp_sha, per_requ
                        for u, run in enumerate(runs[r.label]) for rec in run.records
                        if rec.ok and (u, rec.index, rec.turn) in be and rec.e2e]
             line["per_request_speedup"] = spread(per_req)
+            bd, xd = b.get("decode_tokens_per_s"), s.get("decode_tokens_per_s")
+            line["decode_speedup"] = xd / bd if bd and xd else None
+            line["decode_speedup_spread"] = spread(
+                [(x / y) if x and y else None for x, y in
+                 zip(s.get("decode_tokens_per_s_per_unit") or [], b.get("decode_tokens_per_s_per_unit") or [])])
         else:
             line["speedup"] = 1.0 if r.label == base_label else None
             line["speedup_spread"] = None
             line["per_request_speedup"] = None
+            line["decode_speedup"] = 1.0 if r.label == base_label and s.get("decode_tokens_per_s") else None
+            line["decode_speedup_spread"] = None
         void_reasons = []
         if r.kind != "peer" and eq.get("mismatches"):
             void_reasons.append(f"{eq['mismatches']} of {eq['compared']} greedy outputs differ from the baseline's")
@@ -126,7 +133,9 @@ def phase_lines(cfg, phase, runners, runs, mem, started, load0, fp_sha, per_requ
     for ln in lines:
         tps = ln["summary"]["system_tokens_per_s"]
         sp = ln["speedup"]
-        parts.append(f"{ln['label']} {tps:.1f} tok/s" + (f" ({sp:.2f}×, {ln['verdict']['decision']})"
+        dsp = ln.get("decode_speedup")
+        decode = f", decode {dsp:.2f}×" if dsp is not None else ""
+        parts.append(f"{ln['label']} {tps:.1f} tok/s" + (f" ({sp:.2f}×{decode}, {ln['verdict']['decision']})"
                                                           if sp is not None and ln['label'] != base_label else "")
                      if tps else f"{ln['label']} (no tokens)")
     log(f"bench: {phase.key} ({phase.arrival.label}) done: " + "; ".join(parts))
