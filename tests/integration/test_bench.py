@@ -121,7 +121,7 @@ def test_bench_tiny_end_to_end(tiny_model_dir, tmp_path):
         assert ng["void"] is False
         assert ng["speedup"] == pytest.approx(ng["system_tokens_per_s"] / base["system_tokens_per_s"])
         assert ng["decode_speedup"] == pytest.approx(ng["decode_tokens_per_s"] / base["decode_tokens_per_s"])
-        assert base["decode_speedup"] == 1.0 and 0 < base["admission_time_share"] < 1
+        assert base["decode_speedup"] == 1.0 and 0 < base["prefill_time_share"] < 1
         assert ng["speedup_spread"]["n"] == (3 if t["concurrency"] == 1 else 1)  # per request at c1, else per run
         assert ng["per_request_speedup"]["n"] == 3
         expected = "no-go" if ng["speedup"] < 1 else "go"

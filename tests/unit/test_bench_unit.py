@@ -177,7 +177,10 @@ def test_report_markdown_tables_are_whole_and_the_speedup_cells_agree(tmp_path):
         for r in t["results"]:
             r.update(per_user_tokens_per_s={"mean": 1.0, "min": 0.5}, cost_per_1m_output_tokens=None, memory={},
                      bandwidth_bound_tokens_per_s=None, fraction_of_bound=None, equality={}, ttft_s=None, itl_s=None,
-                     tpot_s=None, e2e_s=None, target_forwards_per_token=None, engine_steps_per_token=None)
+                     tpot_s=None, e2e_s=None, target_forwards_per_token=None, engine_steps_per_token=None,
+                     decode_tokens_per_s=30.0, prefill_time_share=0.25,
+                     decode_speedup=1.0 if r["kind"] == "baseline" else 1.1,
+                     decode_speedup_spread={"n": 4, "median": 1.1, "min": 1.0, "max": 1.2})
     rep = {"setup": {"sampling": {"temperature": 0, "top_p": 1, "max_tokens": 8, "seed": 0}}, "tiers": tiers,
            "headline": ["h"], "machine_load": {"loadavg_start": None, "loadavg_end": None}, "definitions": {},
            "acceptance_per_position": {"ngram": [0.5, None]}, "plots": {"throughput": "t", "latency": "l",
@@ -188,6 +191,7 @@ def test_report_markdown_tables_are_whole_and_the_speedup_cells_agree(tmp_path):
         width = (ln.count("|") - 1 if width is None else width) if ln.startswith("|") else None
         assert width is None or ln.count("|") - 1 == width, ln
     assert md.count("| 1.50× (1.35–1.80, n=4) |") == 2  # headline table and the tier's table: the same cell
+    assert md.count("| 30.0 (1.10×, 1.00–1.20, n=4) |") == 2 and "| 0.25 |" in md  # decode phase, prefill share
 
 
 # ---- parsing and config ------------------------------------------------------------------------
@@ -623,27 +627,53 @@ def test_run_engine_closed_loop_records(tiny_engine_factory):
     assert all(r.proposed == 0 and r.rounds == r.output_tokens for r in base.records)
     s = summarize([spec])
     assert s["tau"] == pytest.approx(s["committed"] / s["rounds"]) and s["draft_proposed"] > 0
-    for res in (base, spec):  # the decode phase: steps that admitted no request
-        total = sum(r.output_tokens for r in res.records)
-        # every request's first token comes from the step that admitted it (its prefill)
-        assert 0 < res.decode_tokens <= total - len(reqs)
-        assert res.decode_s > 0 and res.admit_s > 0 and res.decode_s + res.admit_s <= res.wall_s + 1e-9
+    for res in (base, spec):  # the decode phase: the steps' time less the engine's prefill time
+        # prefill stops before a prompt's last token, so rounds deliver every output token
+        assert res.decode_tokens == sum(r.output_tokens for r in res.records)
+        assert res.decode_s > 0 and res.prefill_s > 0 and res.decode_s + res.prefill_s <= res.wall_s + 1e-9
         d = summarize([res])
         assert d["decode_tokens_per_s"] == pytest.approx(res.decode_tokens / res.decode_s)
-        assert d["admission_time_share"] == pytest.approx(res.admit_s / res.wall_s)
+        assert d["prefill_time_share"] == pytest.approx(res.prefill_s / res.wall_s)
+
+
+def test_the_engine_times_its_prefill_apart_from_its_rounds(tiny_engine_factory):
+    """engine.prefill_s grows only in steps that admit a request: a step of running rows alone
+    adds nothing, however long it takes."""
+    target, make = tiny_engine_factory
+    engine = make("ngram", 2)
+    (req,) = _requests(target, 1, max_tokens=6)
+    assert engine.prefill_s == 0.0
+    engine.add_request(list(req.token_ids), req.params)
+    engine.step()  # admits (prefill) and runs the first round
+    after_admit = engine.prefill_s
+    assert after_admit > 0
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.prefill_s == after_admit
 
 
 def test_summarize_pools_the_decode_phase_and_omits_it_where_unmeasured():
-    a = RunResult([_rec(0, 10, 1.0, 0.1)], wall_s=1.0, decode_s=0.5, decode_tokens=8, admit_s=0.4)
-    b = RunResult([_rec(1, 10, 1.0, 0.1)], wall_s=2.0, decode_s=1.5, decode_tokens=6, admit_s=0.5)
+    a = RunResult([_rec(0, 10, 1.0, 0.1)], wall_s=1.0, decode_s=0.5, decode_tokens=8, prefill_s=0.4)
+    b = RunResult([_rec(1, 10, 1.0, 0.1)], wall_s=2.0, decode_s=1.5, decode_tokens=6, prefill_s=0.5)
     s = summarize([a, b])
     assert s["decode_tokens_per_s"] == pytest.approx(14 / 2.0)  # pooled: tokens over time, not a mean of rates
     assert s["decode_tokens_per_s_per_unit"] == [pytest.approx(16.0), pytest.approx(4.0)]
-    assert s["admission_time_share"] == pytest.approx(0.9 / 3.0)
+    assert s["prefill_time_share"] == pytest.approx(0.9 / 3.0)
     # an endpoint run (or a peer) has no engine steps to split: nothing is made up
     s = summarize([a, RunResult([_rec(1, 10, 1.0, 0.1)], wall_s=2.0)])
     assert s["decode_tokens_per_s"] is None and s["decode_tokens_per_s_per_unit"] is None
-    assert s["admission_time_share"] is None
+    assert s["prefill_time_share"] is None
+
+
+def test_decode_cells_print_the_ratio_and_its_spread_like_the_speedup_cells():
+    from draftsmith.bench.report_markdown import decode_cell
+
+    assert decode_cell({"kind": "baseline", "decode_tokens_per_s": 40.0, "decode_speedup": 1.0}) == "40.0"
+    row = {"kind": "drafter", "decode_tokens_per_s": 50.0, "decode_speedup": 1.25,
+           "decode_speedup_spread": {"n": 3, "median": 1.2, "min": 1.1, "max": 1.4}}
+    assert decode_cell(row) == "50.0 (1.25×, 1.10–1.40, n=3)"
+    assert decode_cell({**row, "decode_speedup_spread": {"n": 1, "min": 1.25, "max": 1.25}}) == "50.0 (1.25×, n=1)"
+    assert decode_cell({"kind": "peer", "decode_tokens_per_s": None}) == "–"  # peers and servers: not measured
 
 
 def test_run_engine_conversations_send_the_answer_in_the_next_turn(tiny_engine_factory):

@@ -89,8 +89,10 @@ def run_engine(engine, requests: Sequence[BenchRequest], concurrency: int, offse
     live: dict[int, tuple] = {}  # id(seq) -> (seq, request, t_arrival, state)
     records: list[list[RequestRecord]] = [[] for _ in requests]  # per request: one record per turn
     steps = forwards = 0
-    decode_s, decode_tokens = 0.0, 0  # steps that admitted no request: no prefill in them
-    admit_s = 0.0  # steps that admitted one or more (their prefill and the other rows' decoding)
+    # the decode phase: every step's time but the engine's own admission (prefill) time, and the
+    # tokens its rounds delivered (all of them: prefill stops before a prompt's last token)
+    decode_s, decode_tokens = 0.0, 0
+    prefill0 = engine.prefill_s
     t0 = time.perf_counter()
     t_last = t0
 
@@ -117,21 +119,16 @@ def run_engine(engine, requests: Sequence[BenchRequest], concurrency: int, offse
                 time.sleep(max(0.0, t0 + offsets[pending[0]] - time.perf_counter()))
                 continue
         waiting = [v[0] for v in live.values() if v[0].status is Status.WAITING]
-        t_step = time.perf_counter()
+        t_step, p_step = time.perf_counter(), engine.prefill_s
         engine.step()
         t = time.perf_counter()
         steps += 1
-        admitted = any(s.status is not Status.WAITING for s in waiting)
+        decode_s += (t - t_step) - (engine.prefill_s - p_step)
         forwards += 1 + any(s.status is not Status.WAITING and len(s.prompt_ids) > 1 for s in waiting)
-        if admitted:
-            admit_s += t - t_step
-        else:
-            decode_s += t - t_step
         for key, (seq, req, i, t_arr, st) in list(live.items()):
             n = len(seq.output_ids) - st["seen"]
             if n > 0:
-                if not admitted:
-                    decode_tokens += n
+                decode_tokens += n
                 if st["first"] is None:
                     st["first"] = t  # tokens delivered with the first one have no gap to split
                 else:
@@ -158,7 +155,7 @@ def run_engine(engine, requests: Sequence[BenchRequest], concurrency: int, offse
                         on_done(rec)
     return RunResult([r for rs in records for r in rs], wall_s=t_last - t0, engine_steps=steps,
                      batched_forwards=forwards, decode_s=decode_s, decode_tokens=decode_tokens,
-                     admit_s=admit_s)
+                     prefill_s=engine.prefill_s - prefill0)
 
 
 def _engine_record(req: BenchRequest, seq, t0: float, t_arr: float, st: dict, t_end: float) -> RequestRecord:

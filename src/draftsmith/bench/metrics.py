@@ -15,11 +15,13 @@ Definitions (also written into report.json):
                        summed, / output tokens: 1 + 1/len for plain decoding
   engine steps/tok     batched target forwards (one per engine step, plus one per prefill) /
                        output tokens: what bounds a memory-bandwidth-bound decoder
-  decode tokens/s      (in-process) output tokens delivered by engine steps that admitted no
-                       request / those steps' time: the decode phase apart from prefills, which
-                       dominate a closed loop's wall time at high concurrency; diagnostic, the
-                       system tokens/s stays the headline
-  admission share      fraction of the wall time spent in steps that admitted a request
+  decode tokens/s      (in-process) output tokens / the engine steps' time less the time the
+                       engine spent admitting requests (prefill, the drafter's start): the
+                       decode phase apart from prompt processing, which can be most of a closed
+                       loop's wall time at high concurrency; a diagnostic, system tokens/s stays
+                       the headline
+  prefill share        the engine's admitting time / wall time (the rest of the wall time is the
+                       decode phase plus the load generator's own work)
 Percentiles use linear interpolation between order statistics (numpy's default).
 """
 
@@ -82,11 +84,11 @@ class RunResult:
     engine_steps: int | None = None
     batched_forwards: int | None = None
     counters: dict | None = None  # endpoint: /metrics differences, or {"unavailable": reason}
-    # in-process: the engine steps that admitted no request (so ran no prefill), their time and
-    # the output tokens they delivered: decode-phase throughput, apart from prompt processing
+    # in-process: the engine's time admitting requests (prefill), the rest of its steps' time
+    # (the decode phase) and the tokens those steps delivered
     decode_s: float | None = None
     decode_tokens: int | None = None
-    admit_s: float | None = None  # in-process: the time of the steps that admitted requests
+    prefill_s: float | None = None
 
 
 def sha_of_ids(ids: Sequence[int]) -> str:
@@ -178,8 +180,8 @@ def summarize(runs: Sequence[RunResult], *, counts_from_endpoint: dict | None = 
         "engine_steps_per_token": (fwd_batched / tokens) if fwd_batched is not None and tokens else None,
         "decode_tokens_per_s": (sum(n for n, _ in decode) / decode_s) if measured and decode_s else None,
         "decode_tokens_per_s_per_unit": [(n / d if d else None) for n, d in decode] if measured else None,
-        "admission_time_share": (sum(run.admit_s for run in runs) / wall
-                                 if measured and wall > 0 and all(run.admit_s is not None for run in runs) else None),
+        "prefill_time_share": (sum(run.prefill_s for run in runs) / wall
+                               if measured and wall > 0 and all(run.prefill_s is not None for run in runs) else None),
     }
     if counts_from_endpoint is None:
         proposed = _sum(r.proposed for r in ok)

@@ -41,12 +41,14 @@ DEFINITIONS = {
     "speedup_spread": "median/min/max of that ratio over interleaving units (a unit is one request at "
                       "concurrency 1 closed loop, else the whole request list)",
     "per_request_speedup": "per request: baseline seconds per token / this configuration's, same prompt and unit",
-    "decode_tokens_per_s": "in-process: output tokens delivered by the engine steps that admitted no request / "
-                           "those steps' time; the decode phase apart from prefills (which can be most of a closed "
-                           "loop's wall time at high concurrency); a diagnostic beside system tokens/s, not a headline",
-    "admission_time_share": "in-process: time of the engine steps that admitted a request (prefill) / wall time",
-    "decode_speedup": "decode tokens/s / the baseline's at the same tier; decode_speedup_spread: its "
-                      "median/min/max over interleaving units",
+    "decode_tokens_per_s": "in-process: output tokens / (the engine steps' time less the engine's time admitting "
+                           "requests: the target's prefill and the drafter's start); the decode phase apart from "
+                           "prompt processing, which can be most of a closed loop's wall time at high concurrency. "
+                           "A drafter's deferred prompt work (features consumed when its row first drafts) stays in "
+                           "it. A diagnostic beside system tokens/s, not a headline",
+    "prefill_time_share": "in-process: the engine's time admitting requests / wall time",
+    "decode_speedup": "decode tokens/s / the baseline's at the same tier (the A/A control's is its noise); "
+                      "decode_speedup_spread: its median/min/max over interleaving units",
     "cost_per_1m_output_tokens": "dollars_per_hour / 3600 / system tokens/s x 1e6",
     "goodput": "--goodput: measured requests that met every SLO (ttft, tpot = (e2e - ttft) / (tokens - 1), e2el; "
                "ms) / wall time of the measured runs; a failed request meets none; vs_baseline = its ratio to the "
@@ -104,7 +106,7 @@ def build_row(line: dict, *, weights_bytes: int | None, bandwidth_gbs: float | N
         "cost_per_1m_output_tokens": (dollars_per_hour / 3600.0 / tps * 1e6) if dollars_per_hour is not None and tps else None,
         "speedup": line.get("speedup"), "speedup_spread": line.get("speedup_spread"),
         "per_request_speedup": line.get("per_request_speedup"),
-        "decode_tokens_per_s": s.get("decode_tokens_per_s"), "admission_time_share": s.get("admission_time_share"),
+        "decode_tokens_per_s": s.get("decode_tokens_per_s"), "prefill_time_share": s.get("prefill_time_share"),
         "decode_speedup": line.get("decode_speedup"), "decode_speedup_spread": line.get("decode_speedup_spread"),
         "equality": line.get("equality"), "void": line.get("void"), "void_reason": line.get("void_reason"),
         "verdict": line.get("verdict"), "interleaving": line.get("interleaving"),

@@ -13,15 +13,17 @@ def _x(v: float | None) -> str:
 
 
 def decode_cell(r: dict) -> str:
-    """Decode-phase tokens/s (steps that admitted no request) and its ratio to the baseline's."""
+    """Decode-phase tokens/s (prefill time excluded) and its ratio to the baseline's, with the
+    ratio's spread over interleaving units as speedup_cell prints it."""
     tps, sp = r.get("decode_tokens_per_s"), r.get("decode_speedup")
     if tps is None:
         return "–"
     spread = r.get("decode_speedup_spread") or {}
     if sp is None or r.get("kind") == "baseline":
         return _f(tps)
-    rng = f", {_f(spread.get('min'), 2)}–{_f(spread.get('max'), 2)}" if spread.get("n", 0) > 1 else ""
-    return f"{_f(tps)} ({_x(sp)}{rng})"
+    n = spread.get("n") or 0
+    rng = f"{_f(spread.get('min'), 2)}–{_f(spread.get('max'), 2)}, n={n}" if n > 1 else f"n={n}" if n else ""
+    return f"{_f(tps)} ({_x(sp)}" + (f", {rng}" if rng else "") + ")"
 
 
 def speedup_cell(r: dict) -> str:
@@ -132,7 +134,7 @@ def _mb(v) -> str:
 
 def headline_table(report: dict) -> str:
     """A compact markdown table: tokens/s, speedup and verdict per tier and configuration."""
-    lines = ["| concurrency | config | tokens/s | speedup (min–max, n) | decode tok/s (× baseline) "
+    lines = ["| concurrency | config | tokens/s | speedup (min–max, n) | decode tok/s (× baseline, min–max, n) "
              "| acceptance | τ | verdict |",
              "|---|---|---|---|---|---|---|---|"]
     for t in report["tiers"]:
@@ -198,14 +200,14 @@ def render_markdown(rep: dict) -> str:
                 f"{_f(r['cost_per_1m_output_tokens'], 2)} | {_f(r['bandwidth_bound_tokens_per_s'])} "
                 f"({_f(r['fraction_of_bound'], 2)}) | {mism} | **{r['verdict']['decision']}**: {r['verdict']['reason']} |")
         md += ["", "| config | TTFT ms P50/P95/P99 | ITL ms P50/P95/P99 | TPOT ms P50 | E2E ms P50/P95/P99 | "
-               "decode tok/s (× baseline, min–max) | prefill share | "
+               "decode tok/s (× baseline, min–max, n) | prefill share | "
                "acceptance | τ | target fwd/tok | steps/tok | RSS MB | KV MB | peak CUDA MB |",
                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in t["results"]:
             m = r["memory"]
             md.append(
                 f"| {r['label']} | {_pct(r['ttft_s'])} | {_pct(r['itl_s'])} | {_f((r['tpot_s'] or {}).get('p50'), 1, 1000)} | "
-                f"{_pct(r['e2e_s'])} | {decode_cell(r)} | {_f(r.get('admission_time_share'), 2)} | "
+                f"{_pct(r['e2e_s'])} | {decode_cell(r)} | {_f(r.get('prefill_time_share'), 2)} | "
                 f"{_f(r['acceptance_rate'], 3)} | {_f(r['tau'], 3)} | "
                 f"{_f(r['target_forwards_per_token'], 3)} | {_f(r['engine_steps_per_token'], 3)} | "
                 f"{_mb(m.get('rss_bytes'))} | {_mb(m.get('kv_cache_bytes'))} | {_mb(m.get('cuda_peak_allocated_bytes'))} |")

@@ -62,6 +62,7 @@ def phase_lines(cfg, phase, runners, runs, mem, started, load0, fp_sha, per_requ
             "interleaving": {"unit": "request" if per_request_units else "request list", "units": len(runs[r.label]),
                              "order": "alternating (A B C, C B A, ...)", "position_in_order": labels.index(r.label)},
             "units": [{"wall_s": x.wall_s, "engine_steps": x.engine_steps, "batched_forwards": x.batched_forwards,
+                       "decode_s": x.decode_s, "decode_tokens": x.decode_tokens, "prefill_s": x.prefill_s,
                        "counters": x.counters, "records": [rec.to_json() for rec in x.records]}
                       for x in runs[r.label]],
             "summary": s, "memory": mem.get(r.label, {}),

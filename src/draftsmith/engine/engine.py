@@ -95,6 +95,9 @@ class Engine:
         self.grammars = Grammars(tokenizer, model.config.vocab_size, self.eos_token_ids)  # compiled on first use
         self._ids = itertools.count()
         self.last_step = StepInfo()
+        # wall seconds spent admitting requests (the target's prefill, the drafter's start), summed
+        # since the engine was built: what a benchmark subtracts to see the decode phase alone
+        self.prefill_s = 0.0
         needs = self.drafter.needs
         self._layer_ids = tuple(needs.layer_ids)
         for i in self._layer_ids:
@@ -231,7 +234,12 @@ class Engine:
         """One round for every running request. Returns the sequences that finished."""
         if self.governor is not None:
             self.governor.step()
-        self._admit()
+        if self.waiting and self.free_rows:
+            t0 = time.perf_counter()
+            self._admit()
+            if self.model.device.type == "cuda":  # (the prefill's kernels, not only their launch)
+                torch.cuda.synchronize(self.model.device)
+            self.prefill_s += time.perf_counter() - t0
         if not self.running:
             return []
         seqs = list(self.running)
