@@ -60,6 +60,9 @@ def main() -> int:
     ap.add_argument("--data", type=Path, nargs="+", required=True, help="the regen JSONL(s) it trained on")
     ap.add_argument("--heldout-data", type=Path, nargs="*", default=[], help="held-out JSONL(s) it was judged on")
     ap.add_argument("--notes", type=Path, help="markdown appended to TRAINING.md (measurements)")
+    ap.add_argument("--earlier-manifest", type=Path,
+                    help="data_manifest.json of the drafter this run started from (train.init_from): its data "
+                         "files are kept in the new manifest as `earlier_files`")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     args = ap.parse_args()
 
@@ -87,6 +90,11 @@ def main() -> int:
     held = [describe_jsonl(p) for p in args.heldout_data]
     manifest = {"conversations": sum(f["records"] for f in files), "tokens": sum(f["tokens"] for f in files),
                 "answer_tokens": sum(f["answer_tokens"] for f in files), "files": files, "heldout_files": held}
+    earlier: list[dict] = []
+    if args.earlier_manifest:  # read before the old built-in (which may hold this file) is replaced
+        old = json.loads(args.earlier_manifest.read_text())
+        earlier = [*old.get("earlier_files", []), *old.get("files", [])]
+        manifest["earlier_files"] = earlier
     (tmp / "data_manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
 
     info = json.loads((run / "train_info.json").read_text())
@@ -97,7 +105,10 @@ def main() -> int:
     n_params = sum(v.numel() for v in state.values() if v.is_floating_point())
     lines = [f"# Built-in {args.kind} drafter for {args.name}", "",
              f"Trained by Draftsmith's own recipe (`recipe.yaml`) on {manifest['conversations']} regenerated "
-             f"conversations ({manifest['answer_tokens']} answer tokens; `data_manifest.json`).", "",
+             f"conversations ({manifest['answer_tokens']} answer tokens; `data_manifest.json`)"
+             + (f", starting from a drafter trained on {sum(f['records'] for f in earlier)} earlier ones "
+                f"({sum(f['answer_tokens'] for f in earlier)} answer tokens; `earlier_files`)" if earlier else "")
+             + ".", "",
              "| what | value |", "|---|---|",
              f"| steps | {info['step']} |",
              f"| wall clock | {info.get('elapsed_s', 0) / 60:.1f} min |",
