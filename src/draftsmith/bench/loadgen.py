@@ -91,7 +91,7 @@ def run_engine(engine, requests: Sequence[BenchRequest], concurrency: int, offse
     steps = forwards = 0
     # the decode phase: every step's time but the engine's own admission (prefill) time, and the
     # tokens its rounds delivered (all of them: prefill stops before a prompt's last token)
-    decode_s, decode_tokens = 0.0, 0
+    step_s, decode_tokens = 0.0, 0
     prefill0 = engine.prefill_s
     t0 = time.perf_counter()
     t_last = t0
@@ -119,11 +119,11 @@ def run_engine(engine, requests: Sequence[BenchRequest], concurrency: int, offse
                 time.sleep(max(0.0, t0 + offsets[pending[0]] - time.perf_counter()))
                 continue
         waiting = [v[0] for v in live.values() if v[0].status is Status.WAITING]
-        t_step, p_step = time.perf_counter(), engine.prefill_s
+        t_step = time.perf_counter()
         engine.step()
         t = time.perf_counter()
         steps += 1
-        decode_s += (t - t_step) - (engine.prefill_s - p_step)
+        step_s += t - t_step
         forwards += 1 + any(s.status is not Status.WAITING and len(s.prompt_ids) > 1 for s in waiting)
         for key, (seq, req, i, t_arr, st) in list(live.items()):
             n = len(seq.output_ids) - st["seen"]
@@ -153,9 +153,10 @@ def run_engine(engine, requests: Sequence[BenchRequest], concurrency: int, offse
                                             prompt_tokens=None if nxt is None else len(nxt.token_ids))
                         records[i].append(rec)
                         on_done(rec)
+    prefill_s = engine.prefill_s - prefill0
     return RunResult([r for rs in records for r in rs], wall_s=t_last - t0, engine_steps=steps,
-                     batched_forwards=forwards, decode_s=decode_s, decode_tokens=decode_tokens,
-                     prefill_s=engine.prefill_s - prefill0)
+                     batched_forwards=forwards, decode_s=step_s - prefill_s, decode_tokens=decode_tokens,
+                     prefill_s=prefill_s)
 
 
 def _engine_record(req: BenchRequest, seq, t0: float, t_arr: float, st: dict, t_end: float) -> RequestRecord:

@@ -21,7 +21,7 @@ Definitions (also written into report.json):
                        loop's wall time at high concurrency; a diagnostic, system tokens/s stays
                        the headline
   prefill share        the engine's admitting time / wall time (the rest of the wall time is the
-                       decode phase plus the load generator's own work)
+                       decode phase, the load generator's own work and idle waits for arrivals)
 Percentiles use linear interpolation between order statistics (numpy's default).
 """
 
@@ -161,8 +161,9 @@ def summarize(runs: Sequence[RunResult], *, counts_from_endpoint: dict | None = 
     tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.ttft is not None and r.output_tokens > 1]
     per_user = [r.output_tokens / r.e2e for r in ok if r.e2e and r.e2e > 0]
     steps = _sum(run.engine_steps for run in runs)
+    # (run_engine sets the decode-phase fields together; endpoint and peer runs set none)
+    measured = bool(runs) and all(run.decode_s is not None for run in runs)
     decode = [(run.decode_tokens, run.decode_s) for run in runs]
-    measured = bool(decode) and all(n is not None and d is not None for n, d in decode)
     decode_s = sum(d for _, d in decode) if measured else None
     fwd_batched = _sum(run.batched_forwards for run in runs)
     s: dict = {
@@ -180,8 +181,7 @@ def summarize(runs: Sequence[RunResult], *, counts_from_endpoint: dict | None = 
         "engine_steps_per_token": (fwd_batched / tokens) if fwd_batched is not None and tokens else None,
         "decode_tokens_per_s": (sum(n for n, _ in decode) / decode_s) if measured and decode_s else None,
         "decode_tokens_per_s_per_unit": [(n / d if d else None) for n, d in decode] if measured else None,
-        "prefill_time_share": (sum(run.prefill_s for run in runs) / wall
-                               if measured and wall > 0 and all(run.prefill_s is not None for run in runs) else None),
+        "prefill_time_share": sum(run.prefill_s for run in runs) / wall if measured and wall > 0 else None,
     }
     if counts_from_endpoint is None:
         proposed = _sum(r.proposed for r in ok)

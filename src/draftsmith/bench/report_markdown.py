@@ -12,30 +12,32 @@ def _x(v: float | None) -> str:
     return "–" if v is None else f"{v:.2f}×"
 
 
+def _spread_text(sp: dict | None) -> str:
+    """A ratio's spread over interleaved units: "min–max, n=N", "n=1", or "" (none measured)."""
+    n = (sp or {}).get("n") or 0
+    if n > 1:
+        return f"{_f(sp.get('min'), 2)}–{_f(sp.get('max'), 2)}, n={n}"
+    return "n=1" if n == 1 else ""
+
+
 def decode_cell(r: dict) -> str:
     """Decode-phase tokens/s (prefill time excluded) and its ratio to the baseline's, with the
     ratio's spread over interleaving units as speedup_cell prints it."""
     tps, sp = r.get("decode_tokens_per_s"), r.get("decode_speedup")
     if tps is None:
         return "–"
-    spread = r.get("decode_speedup_spread") or {}
     if sp is None or r.get("kind") == "baseline":
         return _f(tps)
-    n = spread.get("n") or 0
-    rng = f"{_f(spread.get('min'), 2)}–{_f(spread.get('max'), 2)}, n={n}" if n > 1 else f"n={n}" if n else ""
-    return f"{_f(tps)} ({_x(sp)}" + (f", {rng}" if rng else "") + ")"
+    t = _spread_text(r.get("decode_speedup_spread"))
+    return f"{_f(tps)} ({_x(sp)}" + (f", {t}" if t else "") + ")"
 
 
 def speedup_cell(r: dict) -> str:
     """A row's speedup as every report prints it: the ratio of system tokens/s to the baseline's
     at that tier, then its spread over the n interleaved units it was measured in (a unit is
     one request at concurrency 1, else one run of the whole request list)."""
-    sp = r.get("speedup_spread") or {}
-    if r.get("speedup") is None or not sp.get("n"):
-        return _x(r.get("speedup"))
-    if sp["n"] == 1:
-        return f"{_x(r['speedup'])} (n=1)"
-    return f"{_x(r['speedup'])} ({_f(sp.get('min'), 2)}–{_f(sp.get('max'), 2)}, n={sp['n']})"
+    t = _spread_text(r.get("speedup_spread")) if r.get("speedup") is not None else ""
+    return _x(r.get("speedup")) + (f" ({t})" if t else "")
 
 
 def slo_text(slo_ms: dict[str, float]) -> str:

@@ -234,12 +234,7 @@ class Engine:
         """One round for every running request. Returns the sequences that finished."""
         if self.governor is not None:
             self.governor.step()
-        if self.waiting and self.free_rows:
-            t0 = time.perf_counter()
-            self._admit()
-            if self.model.device.type == "cuda":  # (the prefill's kernels, not only their launch)
-                torch.cuda.synchronize(self.model.device)
-            self.prefill_s += time.perf_counter() - t0
+        self._admit()
         if not self.running:
             return []
         seqs = list(self.running)
@@ -255,6 +250,7 @@ class Engine:
             new.append(self.waiting.popleft())
         if not new:
             return
+        t_admit = time.perf_counter()
         # Prefill everything but the last prompt token (it is the first round's input), in
         # groups of similar length: one padded forward per group, so no row computes much
         # padding (one batch padded to its longest prompt spent most of regen's time on it).
@@ -301,6 +297,9 @@ class Engine:
                 self.drafter.start(s, _slice_features(features, b, todo[i]))
         self.running.extend(new)
         self.running.sort(key=lambda s: s.row)  # consecutive rows: attention reads cache views
+        if self.model.device.type == "cuda":  # (the prefill's kernels, not only their launch)
+            torch.cuda.synchronize(self.model.device)
+        self.prefill_s += time.perf_counter() - t_admit
 
     def _score(self, final_hidden: torch.Tensor, tokens: list[int], k: int, chunk: int = 256) -> list:
         """Logprobs of `tokens` from the normed final states [n, H] that predicted them, the
