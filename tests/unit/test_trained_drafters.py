@@ -485,6 +485,25 @@ def _greedy_rounds_every_third(model, target_dir, target, k: int):
     return [p + o for p, o in zip(prompts, outs)], made
 
 
+class _Hearing:
+    """A policy as `inner` decides, that records the backlogs the engine tells it (queued())."""
+
+    def __init__(self, inner, heard: list[int]) -> None:
+        self.inner, self.name, self.heard = inner, inner.name, heard
+
+    def choose(self, seqs):
+        return self.inner.choose(seqs)
+
+    def trim(self, seqs, proposal):
+        return self.inner.trim(seqs, proposal)
+
+    def update(self, seqs, proposal, result) -> None:
+        self.inner.update(seqs, proposal, result)
+
+    def queued(self, positions: int) -> None:
+        self.heard.append(positions)
+
+
 def test_a_backlog_is_kept_out_of_the_drafting_time_a_drafting_rows_upkeep_is_not(target_dir, target, trained):
     """The engine subtracts `consumed_s` from a round's drafting time. A prompt (or the positions of
     rounds that did not draft) is a backlog and counts there; a row that drafts every round
@@ -502,17 +521,23 @@ def test_a_backlog_is_kept_out_of_the_drafting_time_a_drafting_rows_upkeep_is_no
 
     drafter._consume = counting
     llm = LLM(str(target_dir), drafter=drafter, policy="fixed", num_speculative_tokens=2, max_batch=1, max_len=128)
+    heard: list[int] = []  # what the engine tells a policy that prices backlogs, before each choose()
+    llm.engine.policy = _Hearing(llm.engine.policy, heard)
     prompt = list(range(97, 97 + 2 * STEADY_TOKENS))
     llm.engine.add_request(prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     llm.engine.step()  # the prefill round drafts: the prompt's positions are a backlog
     backlog = drafter.consumed_s
     assert flushed[0][0] > STEADY_TOKENS and backlog > 0
+    # the backlog the policy heard is what the round then consumed, and the round reports it
+    assert heard == [flushed[0][0]] == [drafter.consumed_positions]
+    assert llm.engine.last_step.consumed_positions == flushed[0][0] and llm.engine.last_step.consumed_s == backlog
     steady = len(flushed)
     while llm.engine.has_unfinished():
         llm.engine.step()
-        assert llm.engine.last_step.draft_s > 0
+        assert llm.engine.last_step.draft_s > 0 and llm.engine.last_step.consumed_positions == 0
     assert len(flushed) > steady + 1 and all(0 < c[0] <= STEADY_TOKENS for c in flushed[steady:])
-    assert drafter.consumed_s == backlog
+    assert drafter.consumed_s == backlog and drafter.consumed_positions == flushed[0][0]
+    assert len(heard) > 1 and heard[1:] == [0] * (len(heard) - 1)  # a drafting row's upkeep is no backlog
 
 
 @pytest.mark.parametrize("name", ["dflash-small-vocab", "dflash-mask-first", "dspark", "eagle3",

@@ -163,3 +163,5 @@ class StepInfo:
     draft_s: float = 0.0  # wall seconds of choose + propose + trim (a backlog of context features consumed excluded)
     forward_s: float = 0.0  # wall seconds of the target forward + warp + verify
     accepted: int | None = None  # drafts accepted over all rows (None: not reported)
+    consumed_s: float = 0.0  # wall seconds, within choose + propose + trim, of that backlog (drafter.consumed_s)
+    consumed_positions: int = 0  # the backlog's positions (drafter.consumed_positions): the cost model's rate

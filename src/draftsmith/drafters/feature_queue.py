@@ -59,6 +59,12 @@ QUEUE_BYTES = 128 << 20
 STEADY_TOKENS = 16
 
 
+def backlog(counts: Sequence[int]) -> int:
+    """Of the queued positions of the rows one flush consumes (`counts`), those that are a backlog:
+    all of them when a row holds more than STEADY_TOKENS, else none (a drafting row's upkeep)."""
+    return sum(counts) if any(c > STEADY_TOKENS for c in counts) else 0
+
+
 def owned(h: torch.Tensor) -> torch.Tensor:
     """h itself when it is the whole of its storage, else a copy. A queued slice of a round's
     features ([B, S, H], or a batched prefill's padded rows) would keep the whole tensor alive
@@ -190,6 +196,7 @@ class FeatureQueueDrafter:
     states: RequestStates[FeatureRequestState]
     # wall seconds spent consuming backlogs (a flush with a row past STEADY_TOKENS), cumulative (the engine reads it)
     consumed_s: float = 0.0
+    consumed_positions: int = 0  # the positions those flushes consumed, cumulative (the cost model's rate)
     follows_prefix_cache: bool = False
     _kept: dict[int, _Kept]  # free row → what it holds (follows_prefix_cache; made on first use)
 
@@ -242,6 +249,11 @@ class FeatureQueueDrafter:
         """Context positions whose target features are queued but not yet in the cache."""
         return self.states[seq].queue.count()
 
+    def backlog_positions(self, seqs: Sequence[Request]) -> int:
+        """The backlog a round that drafts all these rows consumes first (positions counted in
+        `consumed_positions` then): what the prefix scheduler prices a probe with."""
+        return backlog([self.pending_count(s) for s in seqs])
+
     def on_verified(self, seqs, proposal, result, features) -> None:
         """Queue the committed positions' features; they are consumed when the row next drafts
         (or when the queues outgrow their bounds), so rounds a policy does not draft cost nothing."""
@@ -285,14 +297,16 @@ class FeatureQueueDrafter:
 
     def _flush(self, seqs: Sequence[Request]) -> None:
         """Consume every given row's queued positions (prompt, then committed rounds), in one batch;
-        its time counts in `consumed_s` when a row held more than STEADY_TOKENS of them."""
-        backlog = any(self.pending_count(s) > STEADY_TOKENS for s in seqs)
+        its time (and their count) goes to `consumed_s` (`consumed_positions`) when a row held more
+        than STEADY_TOKENS of them."""
+        positions = self.backlog_positions(seqs)
         t0 = time.perf_counter()
         try:
             self._flush_rows(seqs)
         finally:
-            if backlog:
+            if positions:
                 self.consumed_s += time.perf_counter() - t0
+                self.consumed_positions += positions
 
     def _flush_rows(self, seqs: Sequence[Request]) -> None:
         rows, chunks = [], []

@@ -61,6 +61,16 @@ class LookupFirstDrafter:
         """The wrapped drafter's context-upkeep seconds (the engine keeps them out of drafting time)."""
         return getattr(self.model, "consumed_s", 0.0)
 
+    @property
+    def consumed_positions(self) -> int:
+        """The positions of that upkeep (the cost model's rate per position)."""
+        return getattr(self.model, "consumed_positions", 0)
+
+    def backlog_positions(self, seqs) -> int:
+        """The wrapped drafter's backlog for these rows (0 for one without a feature queue)."""
+        of = getattr(self.model, "backlog_positions", None)
+        return 0 if of is None else of(seqs)
+
     # -- request lifecycle: the wrapped drafter's
 
     def start(self, seq: Request, features) -> None:

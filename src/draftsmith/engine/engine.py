@@ -324,6 +324,12 @@ class Engine:
         # bounds the drafts of the whole batch for its last rounds.
         t0 = time.perf_counter()
         consumed0 = getattr(self.drafter, "consumed_s", 0.0)  # context features consumed: not drafting time
+        positions0 = getattr(self.drafter, "consumed_positions", 0)
+        # A policy that prices the drafter's queued context features (a probe consumes its rows' backlog
+        # first: policy/prefix_scheduler.py) hears how many these rows hold.
+        queued, backlog = getattr(self.policy, "queued", None), getattr(self.drafter, "backlog_positions", None)
+        if queued is not None and backlog is not None:
+            queued(backlog(seqs))
         wanted = self.policy.choose(seqs)
         room = min(self.max_len - s.num_tokens for s in seqs)
         caps = [0 if s.grammar_renewals else max(0, min(k, s.remaining - 1, room)) for k, s in zip(wanted, seqs)]
@@ -406,7 +412,9 @@ class Engine:
         t1 = time.perf_counter()
         mask_s = t1 - tm
         grammar_s += tm - tg
-        draft_s = max(0.0, t1 - t0 - grammar_s - mask_s - (getattr(self.drafter, "consumed_s", 0.0) - consumed0))
+        consumed_s = getattr(self.drafter, "consumed_s", 0.0) - consumed0
+        draft_s = max(0.0, t1 - t0 - grammar_s - mask_s - consumed_s)
+        consumed_positions = getattr(self.drafter, "consumed_positions", 0) - positions0
         ids = torch.zeros(len(seqs), 1 + K, dtype=torch.long)
         for b, s in enumerate(seqs):
             ids[b, 0] = s.all_ids[-1]
@@ -433,7 +441,7 @@ class Engine:
         committed_tokens = result.tokens.tolist()  # waits for the device: timings end here
         self.last_step = StepInfo(rows=len(seqs), block_len=1 + K, useful_tokens=len(seqs) + sum(lengths),
                                   drafted=drafted, forward_s=time.perf_counter() - t1 + mask_s,
-                                  draft_s=draft_s,
+                                  draft_s=draft_s, consumed_s=consumed_s, consumed_positions=consumed_positions,
                                   # a round with forced drafts says nothing about the drafter's gain
                                   accepted=None if any(forced) else int(result.num_accepted.sum()) if K else 0)
         for b, s in enumerate(seqs):

@@ -15,7 +15,9 @@ per B, the size's own shape (slow: what the machine factor does not explain, lea
 round that follows a round of another size, both moving by their share of one residual in
 logarithms (`_observe_factors`); used once a size has `min_samples` measurements; between
 measured sizes it is interpolated, outside them the nearest one is used); and per row count
-the moving average of the drafting time (choose + propose + trim), in the same machine units.
+the moving average of the drafting time (choose + propose + trim), in the same machine units,
+and the drafter's time per queued context position it consumes as a backlog (kept out of the
+drafting time: a prompt's worth of it would make every round look dear), which prices a probe.
 The split is what lets a scheduler come back after a slow stretch: with one average per size
 (`machine_alpha = 0`, the model before), a stretch of load measured on the sizes and the
 drafter of speculative rounds stayed in their averages once plain rounds took over (only
@@ -86,6 +88,7 @@ class StepCost:
     _machine: _Ewma | None = None  # measured / (profiled x shape) time of every round: the machine now
     _ratio: dict[int, _Ewma] = field(default_factory=dict)  # B -> the size's shape (_observe_factors)
     _draft: dict[int, _Ewma] = field(default_factory=dict)  # rows -> seconds of drafting
+    _consume: _Ewma | None = None  # seconds per backlog position a drafter consumed (machine units)
     _gain: dict[int, _Ewma] = field(default_factory=dict)  # rows -> realized gain of drafting rounds
     _calib: dict[int, _Ewma] = field(default_factory=dict)  # rows -> realized / predicted gain
     _known: list[tuple[int, float]] | None = field(default=None, repr=False)  # usable ratios, sorted by B
@@ -116,6 +119,12 @@ class StepCost:
                 self._add(self._ratio, b, r, timing=True)
         if t.drafted and t.draft_s >= 0:
             self._add(self._draft, t.rows, t.draft_s / self.machine(), timing=True)
+        if t.consumed_positions > 0 and t.consumed_s >= 0:
+            x = t.consumed_s / t.consumed_positions / self.machine()
+            if self._consume is None:
+                self._consume = _Ewma(x)
+            else:
+                self._consume.add(x, self.alpha, self.min_samples)
         g = self.round_gain(t)
         if g is not None:
             self._add(self._gain, t.rows, g)
@@ -218,6 +227,14 @@ class StepCost:
         t = self._nearest(self._draft, rows, min_count=1)
         return 0.0 if t is None else t * self.machine()
 
+    def backlog_time(self, positions: int) -> float:
+        """Seconds a drafter takes to consume a backlog of this many queued context positions
+        (a prompt, the commits of rounds it did not draft), at its measured rate per position
+        (0 until one backlog was measured)."""
+        if self._consume is None or positions <= 0:
+            return 0.0
+        return positions * self._consume.value * self.machine()
+
     def round_gain(self, t: "StepInfo") -> float | None:
         """What one drafting round gained over plain decoding of its rows: (rows + accepted)
         tokens in draft_s + forward_s seconds, against rows tokens per plain forward (None for
@@ -253,5 +270,6 @@ class StepCost:
         return {"machine": round(self.machine(), 4),
                 "correction": {b: round(self.correction(b), 4) for b in sorted(self._ratio)},
                 "draft_s": {r: round(self.draft_time(r), 6) for r in sorted(self._draft)},
+                "backlog_s_per_position": None if self._consume is None else round(self.backlog_time(1), 9),
                 "realized_gain": {r: round(e.value, 4) for r, e in sorted(self._gain.items())},
                 "calibration": {r: round(e.value, 4) for r, e in sorted(self._calib.items())}}

@@ -76,8 +76,10 @@ the estimates say (a probe trimmed by them measured nothing: drafting could stop
 one whose measured gain falls below plain decoding's doubles the interval, up to
 `probe_backoff_max`, so a drafter that never pays on this machine costs one short verify per
 interval; and a probe due at a load where a round whose every draft had conditional acceptance
-`probe_ceiling` would still lose to plain decoding (drafting time included) is skipped and backs
-off the same way, until the interval reaches `probe_backoff_max`. All of this uses past rounds and
+`probe_ceiling` would still lose to plain decoding (drafting time included, and the backlog of
+context features its rows hold queued, which a feature-fed drafter consumes before it drafts:
+prompts and the commits of rounds it did not draft; the engine says how many, `queued`) is skipped
+and backs off the same way, until the interval reaches `probe_backoff_max`. All of this uses past rounds and
 timings only: lossless whatever it decides.
 
 An optional check on the prediction (`realized_check`, off by default: measured, it did not
@@ -408,7 +410,10 @@ class PrefixScheduler:
     # too) for 0.45 accepted drafts per row: ~3 plain steps lost per probe, two in a 64-request pass
     # even with the backoff. A probe skipped so backs off as one that did not pay, and at probe_backoff_max runs
     # whatever the ceiling says (a drafting time once measured dear must not stop probes for good).
-    # 1.0: probe wherever all-accepted drafts could pay, drafting time included.
+    # 1.0: probe wherever all-accepted drafts could pay, drafting time included. The rows' backlog of
+    # queued context features counts too (at its measured rate: StepCost.backlog_time): at 16 rows on a
+    # 2-core Zen 3 (stop 61) the ~3 probes of a 48-request pass cost ~10% of the decode rate (decode
+    # 0.89x plain with probes, 0.96x = the A/A control without), their rows' prompts consumed first.
     probe_ceiling: float = 0.9
     # the online cost model's machine factor (policy/cost.py StepCost.machine_alpha, at most 0.95;
     # 0 = one correction per forward size, the model before); used when `cost` is made here
@@ -427,6 +432,7 @@ class PrefixScheduler:
     _confidences: bool = field(default=False, init=False, repr=False)
     # this round's draft gate, kept for choose_plan="replay" (trim() remembers what it was asked)
     _gate: ColumnSearch | None = field(default=None, init=False, repr=False)
+    _queued: int = field(default=0, init=False, repr=False)  # this round's backlog positions (queued(); 0 unless told)
 
     def __post_init__(self) -> None:
         if self.max_k < 0:
@@ -467,9 +473,16 @@ class PrefixScheduler:
     def _conf(self, seq: Request, k: int) -> list[float]:
         return running_confidences(seq, k, self.prior, self.pool if self.pooled_prior else None)
 
+    def queued(self, positions: int) -> None:
+        """Engine hook, before choose(): the context positions a feature-fed drafter holds queued for
+        these rows as a backlog (drafter.backlog_positions), consumed before it drafts them. choose()
+        prices a probe and a cheap draft with it, then forgets it (a round not told has none)."""
+        self._queued = max(0, int(positions))
+
     def choose(self, seqs: list[Request]) -> list[int]:
         R = len(seqs)
         self._predicted = None
+        queued, self._queued = self._queued, 0
         self._gate = None  # (a round that raised before trim() leaves its gate behind)
         sps = self._sps()
         # Batch size only: skip drafting when no verify length could pay off at this load.
@@ -480,6 +493,10 @@ class PrefixScheduler:
         # lossless whatever is decided.
         conf = [self._conf(s, self.max_k) for s in seqs]
         draft_time = self.cost.draft_time(R) if self.adapt else 0.0
+        # what a round that drafts these rows pays first: once, so a plan (which counts on rounds to
+        # come) does not weigh it; a probe (one round, likely followed by plain ones) and a cheap
+        # draft (evidence for free) do
+        backlog_time = self.cost.backlog_time(queued) if self.adapt else 0.0
         if self.choose_plan == "replay" and self._by_columns() and self._confidences:  # as trim() will decide
             ell, gain = plan_replayed([recent_confidences(s) for s in seqs], conf, self._step_time(), draft_time)
         elif self.choose_plan == "columns" and self._by_columns() and self._confidences:  # trim's plan, on the mean
@@ -493,7 +510,7 @@ class PrefixScheduler:
         # a plan that drafts can still verify nothing (trim's confidences and costs say no), round
         # after round, and would otherwise never be checked (stop 56: drafting stayed off for good).
         due = bool(self.probe_every) and self._idle >= self._interval
-        if due and self._interval < self.probe_backoff_max and not self._probe_can_pay(R, draft_time):
+        if due and self._interval < self.probe_backoff_max and not self._probe_can_pay(R, draft_time + backlog_time):
             # (skipped as if it had not paid: the interval backs off, and at probe_backoff_max a probe
             # runs whatever the ceiling says, so a drafting time measured dear cannot stop probes for good)
             due, self._idle = False, 0
@@ -516,7 +533,7 @@ class PrefixScheduler:
             return [self.max_k if drafter_has_confidences(s) else c for s, c in zip(seqs, ell)]
         plain_step = self._step_time()(_tokens(R, 1, 0, self.batch_tokens))
         self._probing = due
-        if self.running_at == "trim" and draft_time <= self.cheap_draft * plain_step:
+        if self.running_at == "trim" and draft_time + backlog_time <= self.cheap_draft * plain_step:
             return full  # evidence for free: trim() verifies only what pays (a probe: at least probe_verifies)
         if due:
             return full  # a probe: trim() verifies what pays, and at least probe_verifies drafts per row
@@ -528,7 +545,8 @@ class PrefixScheduler:
 
     def _probe_can_pay(self, R: int, draft_time: float) -> bool:
         """Would a round whose every draft had conditional acceptance probe_ceiling beat plain
-        decoding at R rows, drafting time included? On the profiled SPS(B) at the machine's
+        decoding at R rows, drafting time included (`draft_time`: with the rows' backlog)? On the
+        profiled SPS(B) at the machine's
         current speed: the learned shapes of verify sizes are what a probe revisits (a slow
         stretch can leave them dear: stop 56), so they do not get to rule the probe out."""
         machine = self.cost.machine() if self.adapt else 1.0
