@@ -148,3 +148,32 @@ def test_tasks_that_name_a_prompt_twice_are_refused(tasks):
     with pytest.raises(DraftsmithError, match=f"--tasks: {tasks[1]} repeats the prompt .* name each source once"):
         heldout_conversations(tasks, 2)
     assert len(heldout_conversations(("humaneval", "mtbench"), 2)) == 4
+
+
+def test_eval_uses_a_calibration_only_in_the_regime_it_was_fitted_in(monkeypatch):
+    """eval's "after STS" applies calibration.json's temperatures where the drafter applied them:
+    rounds of the fit's regime. At a temperature of the other regime the drafter served raw
+    confidences, so the report cross-fits on the eval rounds and says why (and how to fit them)."""
+    from draftsmith.drafters.calibration import STSFit
+    from draftsmith.eval.metrics import RoundRecord
+    from draftsmith.eval.runner import LoadedDrafter, RunOutput
+
+    recs = [RoundRecord("t", f"r{i}", 2, 2, i % 3 and 1, 1 + (i % 3 and 1), (0.2 + 0.03 * i, 0.5)) for i in range(20)]
+    seen = []
+
+    def rounds(target, loaded, convs, gamma, temperature=1.0, **k):
+        seen.append(loaded.applied_at(temperature))
+        return RunOutput(recs, 20, 40, 1.0)
+
+    monkeypatch.setattr(jobs, "run_rounds", rounds)
+    loaded = LoadedDrafter(None, "dspark:x", "dspark", Path("x"), STSFit((2.0, 2.0), greedy=False))
+    opt = jobs.EvalOptions(target="t", drafters=("dspark:x",), block_size=2)
+    res, _ = jobs.evaluate_drafter(None, loaded, [], opt)
+    assert res["calibration"]["source"] == "calibration.json" and res["calibration"]["temperatures"] == [2.0, 2.0]
+    res, _ = jobs.evaluate_drafter(None, loaded, [], replace(opt, temperature=0.0))
+    src = res["calibration"]["source"]
+    assert src.startswith("cross-fitted") and "fit for sampled rounds" in src and "--temperature 0 " in src
+    assert seen == [(2.0, 2.0), None]  # what the recording policy unscales with
+    unknown = replace(loaded, sts=STSFit((2.0, 2.0)))  # a file without a regime: every row, as before
+    res, _ = jobs.evaluate_drafter(None, unknown, [], replace(opt, temperature=0.0))
+    assert res["calibration"]["source"] == "calibration.json"

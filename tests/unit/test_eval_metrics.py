@@ -144,6 +144,11 @@ def test_scale_unscale_and_calibration_file(tmp_path):
     path = sts.write_calibration(tmp_path, t, [0.1, 0.2, 0.3], [0.01, 0.02, 0.03], {"rounds": 5}, 10)
     data = json.loads(path.read_text())
     assert data["method"] == "sts" and data["temperatures"] == t and data["fitted_on"]["rounds"] == 5
+    assert "regime" not in data  # (no temperature given: applies to every row)
+    for temperature, regime in ((0.0, "greedy"), (0.7, "sampled")):  # the rows the drafter applies it to
+        sts.write_calibration(tmp_path, t, [], [], {"rounds": 5, "temperature": temperature}, 10)
+        assert json.loads(path.read_text())["regime"] == regime
+    sts.write_calibration(tmp_path, t, [0.1, 0.2, 0.3], [0.01, 0.02, 0.03], {"rounds": 5}, 10)
     assert sts.read_calibration(tmp_path)["temperatures"] == t
     from draftsmith.drafters.checkpoint import read_calibration  # what the inference drafter loads
 

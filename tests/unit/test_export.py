@@ -344,14 +344,17 @@ def test_export_carries_the_calibration_and_overwrite_drops_a_stale_one(tmp_path
     `--drafter KIND:OUT` reads them); --overwrite with a drafter that has none removes the
     calibration.json an earlier export left there (it was read as this drafter's), and touches
     nothing else in the directory."""
-    from draftsmith.drafters.checkpoint import read_calibration
+    from draftsmith.drafters.calibration import STSFit
+    from draftsmith.drafters.checkpoint import read_calibration, read_sts
 
     calibrated = _ckpt(tmp_path / "a", llama, eagle3.build(llama.model, eagle3.Eagle3Config(ttt_steps=2)))
-    (calibrated / "calibration.json").write_text(json.dumps({"temperatures": [1.5, 2.0], "n_bins": 10}))
+    (calibrated / "calibration.json").write_text(json.dumps({"temperatures": [1.5, 2.0], "n_bins": 10,
+                                                             "fitted_on": {"temperature": 0.0}}))
     plain = _ckpt(tmp_path / "b", llama, eagle3.build(llama.model, eagle3.Eagle3Config(ttt_steps=2)))
     out = tmp_path / "spec"
     export_drafter(calibrated, llama, "speculators", out)
     assert read_calibration(out) == (1.5, 2.0)
+    assert read_sts(out) == STSFit((1.5, 2.0), greedy=True)  # the regime it was fitted in comes along
     (out / "notes.txt").write_text("the user's")
     export_drafter(plain, llama, "speculators", out, overwrite=True)
     assert read_calibration(out) is None and sorted(p.name for p in out.iterdir()) == \
@@ -368,7 +371,7 @@ def test_import_carries_the_calibration_as_export_does(tmp_path, llama, capsys):
     import dropped it: export -> import lost the STS temperatures. import carries it; with
     --overwrite, one in --out that the source has none of is removed; a damaged one stops the
     import (one line) before anything is written."""
-    from draftsmith.drafters.checkpoint import read_calibration
+    from draftsmith.drafters.checkpoint import read_calibration, read_sts
 
     calibrated = _ckpt(tmp_path / "a", llama, eagle3.build(llama.model, eagle3.Eagle3Config(ttt_steps=2)))
     (calibrated / "calibration.json").write_text(json.dumps({"temperatures": [1.5, 2.0], "n_bins": 10}))
@@ -378,6 +381,7 @@ def test_import_carries_the_calibration_as_export_does(tmp_path, llama, capsys):
     imp = ["import", "--target", str(llama.path), "--out", str(tmp_path / "imp")]
     out = tmp_path / "imp"
     assert main([*imp, str(spec)]) == 0 and read_calibration(out) == (1.5, 2.0)
+    assert read_sts(out).greedy is None  # (a file without a regime applies to every row, and stays so)
     assert main([*imp, str(plain_spec), "--overwrite"]) == 0 and read_calibration(out) is None
     assert main([*imp, str(spec), "--overwrite"]) == 0 and read_calibration(out) == (1.5, 2.0)
     capsys.readouterr()

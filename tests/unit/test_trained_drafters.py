@@ -820,6 +820,47 @@ def test_calibration_temperatures_rescale_confidences(tmp_path, target_dir, targ
     (tmp_path / "calibration.json").write_text(json.dumps({"temperatures": [1.0, -2.0]}))
     with pytest.raises(DraftsmithError, match="positive"):
         load_trained_drafter(tmp_path, target, 4, 64)
+    (tmp_path / "calibration.json").write_text(json.dumps({"temperatures": temps, "regime": "fast"}))
+    with pytest.raises(DraftsmithError, match="not a calibration file"):
+        load_trained_drafter(tmp_path, target, 4, 64)
+
+
+def test_a_calibration_applies_to_the_rows_of_the_regime_it_was_fitted_in(tmp_path, target_dir, target, trained):
+    """A confidence means "the draft is the target's argmax" at T = 0 and "the draft is accepted"
+    at T > 0, and STS fitted on one does not calibrate the other (stop 61: the built-in's T = 1 fit
+    took its T = 0 ECE from 0.011 to 0.047). A fit applies to the rows of its own regime, named in
+    calibration.json ("regime") or read from the temperature it was fitted at; the other rows keep
+    their raw confidences, in one batch too. A file with neither applies to every row (as before)."""
+    from draftsmith.drafters.calibration import STSFit
+
+    model, _ = trained("dspark")
+    save_trained_drafter(model, tmp_path, target.target_id, target.weights_hash)
+    temps = [2.0, 0.5, 1.5, 3.0]
+
+    def greedy_confidences(drafter):
+        rec = Recorder(drafter)
+        LLM(str(target_dir), drafter=rec, policy="fixed", num_speculative_tokens=4, max_batch=4, max_len=64).generate(
+            TEXT_PROMPTS, SamplingParams(max_tokens=12, temperature=0.0))
+        return [(p.tokens, p.confidences) for _, p in rec.proposals if p.max_len]
+
+    raw = greedy_confidences(model.make_drafter(target.model, 4, 64))
+    for cal, scaled in (({"regime": "sampled"}, False), ({"fitted_on": {"temperature": 1.0}}, False),
+                        ({"regime": "greedy"}, True), ({"fitted_on": {"temperature": 0.0}}, True), ({}, True)):
+        (tmp_path / "calibration.json").write_text(json.dumps({"temperatures": temps, **cal}))
+        d = load_trained_drafter(tmp_path, target, 4, 64)
+        assert d.temperatures == tuple(temps) and d.sts.greedy is (None if not cal else scaled)
+        got = greedy_confidences(d)
+        assert len(got) == len(raw) and all(torch.equal(a[0], b[0]) for a, b in zip(raw, got))
+        same = all(torch.equal(a[1], b[1]) for a, b in zip(raw, got))
+        assert same is not scaled, cal
+    # one batch, both regimes: a sampled fit scales the sampled row's logits only
+    d = model.make_drafter(target.model, 4, 64, temperatures=STSFit(tuple(temps), greedy=False))
+    rows = d._row_temperatures([SamplingParams(temperature=0.0), SamplingParams(temperature=0.8)])
+    assert rows.tolist() == [[1.0] * 4, temps]
+    assert d._row_temperatures([SamplingParams(temperature=0.0)]) is None
+    z = torch.tensor([0.7, 0.7])
+    assert d._confidences(z, 1, rows).tolist() == pytest.approx([torch.sigmoid(z[0]).item(),
+                                                                 torch.sigmoid(z[1] / 0.5).item()])
 
 
 @pytest.mark.parametrize("name", ["eagle3-small-vocab", "dspark-small-vocab"])

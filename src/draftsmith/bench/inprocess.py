@@ -51,6 +51,7 @@ class InProcessBackend:
                 "checkpoint": str(Path(loaded.checkpoint).resolve()) if loaded.checkpoint else None,
                 "checkpoint_config": loaded.config or None,
                 "calibration_temperatures": list(loaded.temperatures) if loaded.temperatures else None,
+                "calibration_regime": loaded.sts.regime if loaded.sts else None,  # rows it applies to (None: all)
                 "dtype": loaded.dtype,
             }
             del loaded

@@ -22,6 +22,7 @@ from draftsmith.core.types import Proposal
 from draftsmith.drafters.base import FeatureSpec, RequestStates, row_uniforms
 from draftsmith.drafters.block import BlockBackbone
 from draftsmith.drafters.block_step import BlockStep, one_call_reason
+from draftsmith.drafters.calibration import STSFit
 from draftsmith.drafters.feature_queue import FLUSH_TOKENS, FeatureQueueDrafter, FeatureRequestState
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.decoder import rms_norm_kernel
@@ -63,7 +64,8 @@ class BlockDrafter(FeatureQueueDrafter):
     State per engine row: `cache` holds projected context K/V of every draft layer at
     positions 0 .. num_tokens − 2; per request, `states` keeps a `FeatureRequestState` (the
     request's `drafter_gen` and its queued target features). `temperatures` (STS, from
-    calibration.json) rescale confidence logits.
+    calibration.json: an STSFit, or bare temperatures for every row) rescale the confidence logits
+    of the rows of the fit's sampling regime (greedy or sampled); other rows keep them raw.
     """
 
     # A context position is that position's features projected (no other token, no other
@@ -82,7 +84,7 @@ class BlockDrafter(FeatureQueueDrafter):
         anchor_is_first_prediction: bool,
         max_rows: int,
         max_len: int,
-        temperatures: Sequence[float] | None = None,
+        temperatures: STSFit | Sequence[float] | None = None,
     ) -> None:
         self.name = name
         self.backbone = backbone
@@ -100,7 +102,9 @@ class BlockDrafter(FeatureQueueDrafter):
         warm_packed_linears_(backbone)  # laid out now, not in the first round (see the policy's draft cost)
         with torch.inference_mode():
             backbone.draft_logits(backbone.fc.weight.new_zeros(1, backbone.cfg.hidden_size))  # its draft-vocabulary rows
-        self.temperatures = tuple(float(t) for t in temperatures) if temperatures else None
+        if temperatures is not None and not isinstance(temperatures, STSFit):
+            temperatures = STSFit(tuple(float(t) for t in temperatures)) if len(temperatures) else None
+        self.sts: STSFit | None = temperatures
         self.flush_tokens = FLUSH_TOKENS
         self.states: RequestStates[FeatureRequestState] = RequestStates(name)
         self.mask_pool = MaskPool()
@@ -184,12 +188,13 @@ class BlockDrafter(FeatureQueueDrafter):
         h = h[:, self.offset : self.offset + n]  # [B', n, H]
         u = row_uniforms(act, [self.states[s].drafter_gen for s in act], caps, n, dev)
         params = [s.params for s in act]
+        temps = self._row_temperatures(params)
         masks = DraftMasks.of(act, self.backbone.head.vocab_size, self.backbone.draft_ids, self.mask_pool, caps) \
             if self.grammar_masks else None
         stop = None
         if gate is not None:
             def stop(k: int, z: torch.Tensor) -> bool:
-                c = self._confidences(z, k).tolist()
+                c = self._confidences(z, k, temps).tolist()
                 column: list[float | None] = [None] * len(seqs)
                 for b, i in enumerate(active):
                     if caps[b] > k and not (masks is not None and masks.ended[b]):
@@ -207,17 +212,34 @@ class BlockDrafter(FeatureQueueDrafter):
         caps = [min(c, tokens.shape[1]) for c in caps]  # a stopped sampler drafted fewer columns
         if masks is not None:  # a row ended under its grammar keeps only its drafts before that
             caps = [masks.limit(b, c) for b, c in enumerate(caps)]
-        return self._assemble(len(seqs), active, caps, tokens, q, conf_logits, params)
+        return self._assemble(len(seqs), active, caps, tokens, q, conf_logits, params, temps)
 
-    def _confidences(self, z: torch.Tensor, k: int) -> torch.Tensor:
-        """Confidence logits of draft k + 1 (any shape) → calibrated confidences (STS
-        temperature t_{k+1}), float32 on the CPU: what the proposal carries."""
-        z = z.float()
-        if self.temperatures and k < len(self.temperatures):
-            z = z / torch.tensor(self.temperatures[k], dtype=z.dtype, device=z.device)
-        return torch.sigmoid(z).cpu()
+    @property
+    def temperatures(self) -> tuple[float, ...] | None:
+        """The STS temperatures (of the fit's regime: `sts`), or None."""
+        return None if self.sts is None else self.sts.temperatures
 
-    def _assemble(self, B, active, caps, tokens, q, conf_logits, params) -> Proposal:
+    def _row_temperatures(self, params) -> torch.Tensor | None:
+        """[B', γ] STS temperatures per drafting row (1 for a row outside the fit's regime, and past
+        the fitted positions), or None when no row gets any."""
+        fit = self.sts
+        if fit is None or not any(fit.applies_to(p.greedy) for p in params):
+            return None
+        ts = list(fit.temperatures[: self.gamma]) + [1.0] * max(0, self.gamma - len(fit.temperatures))
+        return torch.tensor([ts if fit.applies_to(p.greedy) else [1.0] * self.gamma for p in params],
+                            dtype=torch.float32)
+
+    @staticmethod
+    def _confidences(z: torch.Tensor, k: int, temps: torch.Tensor | None) -> torch.Tensor:
+        """Confidence logits of draft k + 1 of each drafting row [B'] → calibrated confidences
+        (the row's STS temperature t_{k+1}: `_row_temperatures`), float32 on the CPU: what the
+        proposal carries."""
+        z = z.float().cpu()
+        if temps is not None:
+            z = z / temps[:, k]
+        return torch.sigmoid(z)
+
+    def _assemble(self, B, active, caps, tokens, q, conf_logits, params, temps) -> Proposal:
         K = max(caps)
         if K == 0:  # the gate opened no column
             return Proposal.empty(B)
@@ -239,6 +261,6 @@ class BlockDrafter(FeatureQueueDrafter):
         if conf_logits is not None and K:
             conf = torch.zeros(B, K, dtype=torch.float32)
             for k in range(K):
-                conf[idx, k] = self._confidences(conf_logits[:, k], k)
+                conf[idx, k] = self._confidences(conf_logits[:, k], k, temps)
             conf = conf.masked_fill(~keep, 0.0)
         return Proposal(tokens=out_tokens, lengths=lengths, q=q_full, confidences=conf)

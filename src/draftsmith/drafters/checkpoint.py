@@ -3,7 +3,9 @@
     config.json         {"kind", "target_id", "target_weights_hash", "format_version", ...config}
     model.safetensors   the drafter's state dict (trainable parameters + persistent buffers;
                         the target's embedding / lm_head are shared, not saved)
-    calibration.json    optional: {"temperatures": [T_1, ..., T_γ]} (STS, `draftsmith calibrate`)
+    calibration.json    optional: {"temperatures": [T_1, ..., T_γ], "regime": "greedy" | "sampled"}
+                        (STS, `draftsmith calibrate`; the regime: the rounds it was fitted on, T = 0 or
+                        T > 0, and the rows it applies to; a file without one applies to every row)
     train_state/        the trainer's, for an exact resume (train/checkpoint.py)
 
 Which target a checkpoint fits (`check_target`), for every command alike (generate, serve,
@@ -29,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from draftsmith.drafters.calibration import STSFit, sts_regime
 from draftsmith.drafters.kind_config import config_from_dict, config_to_dict
 from draftsmith.errors import DraftsmithError
 from draftsmith.export.detect import foreign_format, foreign_summary
@@ -125,31 +128,43 @@ def _wrong_kind(raw: Mapping[str, Any], kind: str, where: str) -> str | None:
     return None if have == kind else f"it is a {have!r} drafter, not {kind!r} (use --drafter {have}:{where})"
 
 
-def read_calibration(ckpt_dir: str | Path) -> tuple[float, ...] | None:
-    """STS temperatures from calibration.json, or None when the checkpoint has none."""
+def read_sts(ckpt_dir: str | Path) -> STSFit | None:
+    """STS from calibration.json (temperatures and regime), or None when the checkpoint has none."""
     f = Path(ckpt_dir) / CALIBRATION_FILE
     if not f.is_file():
         return None
     try:
         raw = json.loads(f.read_text())
         temps = tuple(float(t) for t in raw["temperatures"])
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+        greedy = sts_regime(raw)
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
         raise DraftsmithError(
-            f"{f} is not a calibration file: expected {{\"temperatures\": [T_1, ...]}}; re-run draftsmith calibrate"
+            f"{f} is not a calibration file: expected {{\"temperatures\": [T_1, ...], \"regime\": \"greedy\" or "
+            f"\"sampled\"}}; re-run draftsmith calibrate"
         ) from None
     if not temps or any(not (t > 0 and math.isfinite(t)) for t in temps):
         raise DraftsmithError(f"{f}: temperatures must be positive numbers, got {list(temps)}")
-    return temps
+    return STSFit(temps, greedy)
 
 
-def write_calibration(ckpt_dir: str | Path, temps: tuple[float, ...] | None) -> None:
-    """calibration.json with `temps` (export / import: the same weights, so they hold), or none:
+def read_calibration(ckpt_dir: str | Path) -> tuple[float, ...] | None:
+    """STS temperatures from calibration.json, or None when the checkpoint has none (read_sts: with
+    the regime they apply to)."""
+    fit = read_sts(ckpt_dir)
+    return None if fit is None else fit.temperatures
+
+
+def write_calibration(ckpt_dir: str | Path, fit: STSFit | None) -> None:
+    """calibration.json with `fit` (export / import: the same weights, so it holds), or none:
     one left there by other weights would be read as these weights' temperatures."""
     f = Path(ckpt_dir) / CALIBRATION_FILE
-    if temps is None:
+    if fit is None:
         f.unlink(missing_ok=True)
     else:
-        atomic_write(f, lambda p: p.write_text(json.dumps({"temperatures": list(temps)}) + "\n"))
+        data: dict[str, Any] = {"temperatures": list(fit.temperatures)}
+        if fit.regime is not None:
+            data["regime"] = fit.regime
+        atomic_write(f, lambda p: p.write_text(json.dumps(data) + "\n"))
 
 
 def save_trained_drafter(model: nn.Module, ckpt_dir: str | Path, target_id: str, target_weights_hash: str) -> Path:
@@ -220,6 +235,6 @@ def _import_foreign(d: Path, target, kind, fmt: str) -> nn.Module:
 def load_trained_drafter(ckpt_dir: str | Path, target, max_rows: int, max_len: int, kind,
                          dtype: torch.dtype | None = None):
     """A ready Drafter from a checkpoint directory for a LoadedTarget (with calibration.json's
-    STS temperatures when present), computing in `dtype` (default: the target's)."""
+    STS when present), computing in `dtype` (default: the target's)."""
     model = load_trained_model(ckpt_dir, target, kind, dtype)
-    return model.make_drafter(target.model, max_rows, max_len, temperatures=read_calibration(ckpt_dir))
+    return model.make_drafter(target.model, max_rows, max_len, temperatures=read_sts(ckpt_dir))

@@ -51,6 +51,7 @@ class LookupFirstDrafter:
         self.name = f"lookup+{model.name}"
         self.needs = model.needs
         self.temperatures = getattr(model, "temperatures", None)
+        self.sts = getattr(model, "sts", None)  # (and the regime they apply to)
         self._pool = AcceptancePool(decay=self.config.decay)  # lookup chains: reached / accepted per position
         self._rows: list[int] = []  # this round: drafts proposed by lookup per row (0 = the model's row)
         self.lookup_rounds = 0  # row-rounds drafted by lookup / by the model (reported by bench / eval)

@@ -116,11 +116,15 @@ def evaluate_drafter(target, loaded: LoadedDrafter, convs, opt: EvalOptions) -> 
         "calibration": None, "threshold_sweep": None,
     }
     if any(r.confidences is not None for r in recs):
-        if loaded.temperatures:
-            after, source, temps = sts.calibrated(recs, loaded.temperatures), "calibration.json", list(loaded.temperatures)
+        applied = loaded.applied_at(opt.temperature)
+        if applied:
+            after, source, temps = sts.calibrated(recs, applied), "calibration.json", list(applied)
         else:
             after, folds = sts.cross_fitted(recs, gamma, opt.n_bins)
             source, temps = "cross-fitted on the eval rounds (2 folds by request)", folds
+            if loaded.sts is not None:  # a fit of the other regime: the drafter served these rounds raw
+                source += (f"; calibration.json holds a fit for {loaded.sts.regime} rounds, not these "
+                           f"(draftsmith calibrate --temperature {opt.temperature:g} fits them)")
         res["calibration"] = {"source": source, "temperatures": temps,
                               "before": M.calibration_report(recs, gamma, n_bins=opt.n_bins),
                               "after": M.calibration_report(after, gamma, n_bins=opt.n_bins)}

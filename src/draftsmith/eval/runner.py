@@ -14,7 +14,7 @@ exactly as it serves; nothing is patched. The target is loaded once and shared w
 drafter, so the engine is built directly rather than through `LLM` (which loads its own).
 
 Confidences are recorded raw (before STS): when the drafter applies calibration.json
-temperatures, the runner inverts them (c = σ(T_k · logit(c'_k))) so that "before" and
+temperatures (to rows of the fit's regime: greedy or sampled), the runner inverts them (c = σ(T_k · logit(c'_k))) so that "before" and
 "after" calibration are both computed from the same rounds.
 """
 
@@ -35,6 +35,7 @@ from draftsmith.core.types import Proposal, VerifyResult
 from draftsmith.data.cache import iter_records
 from draftsmith.data.sources.registry import ALIASES, iter_conversations
 from draftsmith.drafters import registry
+from draftsmith.drafters.calibration import STSFit
 from draftsmith.drafters.checkpoint import read_checkpoint_config
 from draftsmith.engine.builder import build_engine
 from draftsmith.errors import DraftsmithError
@@ -114,9 +115,17 @@ class LoadedDrafter:
     spec: str
     kind: str
     checkpoint: Path | None
-    temperatures: tuple[float, ...] | None  # STS the drafter applies to its confidences
+    sts: STSFit | None  # the STS the drafter applies to its confidences (in the fit's regime)
     config: dict = field(default_factory=dict)
     dtype: str | None = None  # what a trained drafter computes in (drafters/precision.py)
+
+    @property
+    def temperatures(self) -> tuple[float, ...] | None:
+        return None if self.sts is None else self.sts.temperatures
+
+    def applied_at(self, temperature: float) -> tuple[float, ...] | None:
+        """The STS temperatures the drafter applies to rows sampled at `temperature` (None: raw)."""
+        return self.sts.temperatures if self.sts is not None and self.sts.applies_to(temperature == 0) else None
 
     @property
     def label(self) -> str:
@@ -129,15 +138,14 @@ def load_drafter(spec: str, target, max_rows: int, max_len: int, dtype: str = "a
     kind, arg = registry.parse_spec(spec)
     if kind.wrap is not None:  # e.g. lookup:dspark:CKPT: the inner drafter's checkpoint, config and STS
         inner = load_drafter(arg, target, max_rows, max_len, dtype)
-        return LoadedDrafter(kind.wrap(inner.drafter), spec, kind.name, inner.checkpoint, inner.temperatures,
+        return LoadedDrafter(kind.wrap(inner.drafter), spec, kind.name, inner.checkpoint, inner.sts,
                              inner.config, inner.dtype)
     resolved = registry.resolve_dtype(dtype, target, kind)
     drafter = kind.load(arg, target, max_rows, max_len, resolved)
     if not kind.trainable:
         return LoadedDrafter(drafter, spec, kind.name, None, None)
     ckpt = Path(arg)
-    temps = getattr(drafter, "temperatures", None)
-    return LoadedDrafter(drafter, spec, kind.name, ckpt, tuple(temps) if temps else None,
+    return LoadedDrafter(drafter, spec, kind.name, ckpt, getattr(drafter, "sts", None),
                          read_checkpoint_config(ckpt), str(resolved).removeprefix("torch."))
 
 
@@ -219,7 +227,7 @@ def run_rounds(target, loaded: LoadedDrafter, conversations: Sequence[EvalConver
     """Generate answers for every conversation turn with the drafter; record each round."""
 
     tags: dict[str, tuple[str, str]] = {}
-    policy = RecordingPolicy(gamma, threshold, loaded.temperatures, tags)
+    policy = RecordingPolicy(gamma, threshold, loaded.applied_at(temperature), tags)
     engine = build_engine(target, loaded.drafter, policy, gamma, max_batch, max_len)
     history = {c.id: ([{"role": "system", "content": c.system}] if c.system else []) for c in conversations}
     answers: dict[str, list[str]] = {c.id: [] for c in conversations}

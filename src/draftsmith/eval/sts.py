@@ -12,9 +12,11 @@ confidences at the same position is larger (order-preserving; AUROC per position
 unchanged). Raw heads are over-confident, so fitted temperatures are usually > 1.
 
 calibration.json (next to the checkpoint's config.json; drafters/checkpoint.py reads
-"temperatures" and the drafter applies them at inference):
+"temperatures" and "regime", and the drafter applies them at inference to the rows of that
+regime only: "greedy" when fitted at T = 0, where a confidence is the chance the draft is the
+target's argmax, else "sampled", the chance it is accepted; drafters/calibration.py):
 
-    {"method": "sts", "format_version": 1, "temperatures": [T_1, ..., T_γ], "n_bins": 10,
+    {"method": "sts", "format_version": 1, "temperatures": [T_1, ..., T_γ], "regime": "sampled", "n_bins": 10,
      "ece_before": [...], "ece_after": [...],      cumulative ECE per position, on the fit data
      "fitted_on": {"source", "rounds", "requests", "temperature", "split": "heldout"},
      "checkpoint": {"step": ..., "model_sha256": ...}}
@@ -32,6 +34,7 @@ from typing import Any
 
 import torch
 
+from draftsmith.drafters.calibration import sts_regime
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.metrics import DEFAULT_BINS, RoundRecord, cumulative_pairs, ece
 from draftsmith.fileio import write_json_atomic
@@ -174,6 +177,9 @@ def write_calibration(ckpt: Path, temperatures: Sequence[float], ece_before: Seq
             "temperatures": [float(t) for t in temperatures], "n_bins": int(n_bins),
             "ece_before": list(ece_before), "ece_after": list(ece_after), "fitted_on": dict(fitted_on),
             "checkpoint": {**_train_step(ckpt), "model_sha256": _model_sha256(ckpt)}}
+    greedy = sts_regime(data)  # the rows it applies to (from the temperature it was fitted at)
+    if greedy is not None:
+        data["regime"] = "greedy" if greedy else "sampled"
     path = ckpt / CALIBRATION_FILE
     write_json_atomic(path, data)
     return path

@@ -27,7 +27,7 @@ import torch
 
 from draftsmith.drafters import registry
 from draftsmith.drafters.builtin import is_builtin
-from draftsmith.drafters.checkpoint import read_calibration, write_calibration
+from draftsmith.drafters.checkpoint import read_sts, write_calibration
 from draftsmith.data.outdir import check_replace
 from draftsmith.errors import DraftsmithError
 from draftsmith.export.deepspec import draft_layer_hf, ours_block, to_deepspec
@@ -82,7 +82,7 @@ def export_drafter(ckpt: str | Path, target, fmt: str, out: str | Path, overwrit
         raise DraftsmithError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
     check_drafter_out(out, overwrite, source=ckpt, source_what="checkpoint")
     model = registry.load_checkpoint_model(ckpt, target)
-    temps = read_calibration(ckpt)  # a damaged file stops the export before anything is written
+    sts = read_sts(ckpt)  # a damaged file stops the export before anything is written
     kind = model.config.kind
     hf = read_json(Path(target.path) / "config.json", "target config")
     if fmt == "sglang" and kind != "eagle3":
@@ -105,7 +105,7 @@ def export_drafter(ckpt: str | Path, target, fmt: str, out: str | Path, overwrit
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     atomic_write(out / "model.safetensors", lambda p: save_tensors(p, tensors, metadata={"format": "pt"}))
     atomic_write(out / "config.json", lambda p: p.write_text(json.dumps(config, indent=2) + "\n"))
-    write_calibration(out, temps)  # none: one left by an earlier export would be read as this drafter's
+    write_calibration(out, sts)  # none: one left by an earlier export would be read as this drafter's
     return out
 
 

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from draftsmith.drafters import registry
-from draftsmith.drafters.checkpoint import (CALIBRATION_FILE, read_calibration, restore_state, save_trained_drafter,
+from draftsmith.drafters.checkpoint import (CALIBRATION_FILE, read_sts, restore_state, save_trained_drafter,
                                             write_calibration)
 from draftsmith.drafters.kind_config import config_from_dict
 from draftsmith.errors import DraftsmithError
@@ -75,10 +75,10 @@ def import_drafter(src: str | Path, target, out: str | Path, fmt: str | None = N
     `src`, is refused unless `overwrite` (then its config.json and model.safetensors are replaced,
     and a calibration.json there is src's, or removed: it was fitted to other weights)."""
     out = check_drafter_out(out, overwrite, source=src, source_what="drafter directory")
-    temps = read_calibration(src)  # a damaged file stops the import before anything is written
+    sts = read_sts(src)  # a damaged file stops the import before anything is written
     model = import_model(src, target, fmt)
     save_trained_drafter(model, out, target.target_id, target.weights_hash)
-    write_calibration(out, temps)  # src's, or none: one there was fitted to other weights
+    write_calibration(out, sts)  # src's, or none: one there was fitted to other weights
     return out
 
 
