@@ -121,6 +121,13 @@ def test_shipped_builtin_is_what_the_package_promises(kind, d):
         assert (d / name).is_file() and (d / name).stat().st_size > 0, name
     manifest = json.loads((d / "data_manifest.json").read_text())
     assert manifest["conversations"] >= 1 and manifest["files"], manifest
+    if (d / "calibration.json").is_file():  # its STS says which rows it calibrates (greedy or sampled)
+        from draftsmith.drafters.checkpoint import read_sts
+
+        fit = read_sts(d)
+        assert fit.regime in ("greedy", "sampled") and len(fit.temperatures) == cfg["block_size"]
+        if d.name == "smollm2-135m" and kind == "dspark":
+            assert fit.regime == "sampled"  # fitted at T = 1: greedy rows keep raw confidences
 
 
 def test_calibrate_never_writes_into_the_package(fake_root, tmp_path):

@@ -52,6 +52,7 @@ class InProcessBackend:
                 "checkpoint_config": loaded.config or None,
                 "calibration_temperatures": list(loaded.temperatures) if loaded.temperatures else None,
                 "calibration_regime": loaded.sts.regime if loaded.sts else None,  # rows it applies to (None: all)
+                "calibration_applied": loaded.applied_at(cfg.temperature) is not None,  # at this bench's temperature
                 "dtype": loaded.dtype,
             }
             del loaded

@@ -83,7 +83,11 @@ def cmd_calibrate(args) -> int:
         fmt = lambda xs: " ".join("–" if x is None else f"{x:.3f}" for x in xs)  # noqa: E731
         print(f"calibrate: {res['rounds']} held-out rounds ({res['requests']} requests); temperatures "
               f"{fmt(res['temperatures'])}; cumulative ECE per position {fmt(res['ece_before'])} -> "
-              f"{fmt(res['ece_after'])} (in-sample) -> {res['calibration']}", file=sys.stderr)
+              f"{fmt(res['ece_after'])} (in-sample) -> {res['calibration']}, applied to {res['regime']} requests",
+              file=sys.stderr)
+        if res["replaced_regime"] not in (None, res["regime"]):
+            print(f"calibrate: this replaced the fit for {res['replaced_regime']} requests, which now use raw "
+                  f"confidences (one fit per checkpoint: calibrate a copy to keep both)", file=sys.stderr)
     return 0
 
 

@@ -7,7 +7,7 @@ name wins, as with HF model ids). A built-in directory is an ordinary checkpoint
 
     config.json          kind, target id and weights hash, the kind's config
     model.safetensors    16-bit weights with their content hash (tensorfile.py; at most 20 MB)
-    calibration.json     optional STS temperatures
+    calibration.json     optional STS temperatures, for the rows of the regime they were fitted in
     recipe.yaml          the recipe that trained it
     data_manifest.json   the regenerated data it saw (counts, sizes, checksums)
     TRAINING.md          how long it trained and what it measured

@@ -300,11 +300,16 @@ class FeatureQueueDrafter:
         its time (and their count) goes to `consumed_s` (`consumed_positions`) when a row held more
         than STEADY_TOKENS of them."""
         positions = self.backlog_positions(seqs)
+        timed = positions and self.device.type == "cuda"  # (a backlog's kernels, not their launch)
+        if timed:
+            torch.cuda.synchronize(self.device)
         t0 = time.perf_counter()
         try:
             self._flush_rows(seqs)
         finally:
             if positions:
+                if timed:
+                    torch.cuda.synchronize(self.device)
                 self.consumed_s += time.perf_counter() - t0
                 self.consumed_positions += positions
 

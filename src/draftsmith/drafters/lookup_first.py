@@ -50,12 +50,20 @@ class LookupFirstDrafter:
         self.config = config or LookupFirstConfig()
         self.name = f"lookup+{model.name}"
         self.needs = model.needs
-        self.temperatures = getattr(model, "temperatures", None)
-        self.sts = getattr(model, "sts", None)  # (and the regime they apply to)
         self._pool = AcceptancePool(decay=self.config.decay)  # lookup chains: reached / accepted per position
         self._rows: list[int] = []  # this round: drafts proposed by lookup per row (0 = the model's row)
         self.lookup_rounds = 0  # row-rounds drafted by lookup / by the model (reported by bench / eval)
         self.model_rounds = 0
+
+    @property
+    def temperatures(self):
+        """The wrapped drafter's STS temperatures (None without)."""
+        return getattr(self.model, "temperatures", None)
+
+    @property
+    def sts(self):
+        """The wrapped drafter's STS fit, with the regime it applies to (None without)."""
+        return getattr(self.model, "sts", None)
 
     @property
     def consumed_s(self) -> float:

@@ -18,7 +18,7 @@ A trainable drafter kind provides, in its own file:
 Checkpoint directory (written atomically by train/checkpoint.py):
     config.json          {"kind", "target_id", "target_weights_hash", "format_version", ...config}
     model.safetensors    trainable parameters only (not the frozen target embedding / lm_head)
-    calibration.json     optional: STS temperatures per position (draftsmith calibrate)
+    calibration.json     optional: STS temperatures per position and their regime (draftsmith calibrate)
     train_state/         optimizer, scheduler, RNG states, step (exact resume)
 """
 

@@ -252,7 +252,10 @@ def run_calibrate(opt: CalibrateOptions) -> dict:
     after = sts.cumulative_ece(sts.calibrated(recs, temps), gamma, opt.n_bins)
     fitted_on = {"source": str(opt.data) if opt.data is not None else ",".join(opt.tasks), "split": "heldout",
                  "rounds": len(recs), "requests": run.requests, "temperature": opt.temperature, "block_size": gamma,
-                 "previous_temperatures": list(loaded.temperatures) if loaded.temperatures else None}
+                 "previous_temperatures": list(loaded.temperatures) if loaded.temperatures else None,
+                 "previous_regime": loaded.sts.regime if loaded.sts else None}
     path = sts.write_calibration(loaded.checkpoint, temps, before, after, fitted_on, opt.n_bins)
-    return {"calibration": str(path), "temperatures": temps, "ece_before": before, "ece_after": after,
+    return {"calibration": str(path), "temperatures": temps, "regime": sts.read_calibration(loaded.checkpoint).get("regime"),
+            "replaced_regime": loaded.sts.regime if loaded.sts else None,
+            "ece_before": before, "ece_after": after,
             "rounds": len(recs), "requests": run.requests}

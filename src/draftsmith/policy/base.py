@@ -41,6 +41,9 @@ class DraftLengthPolicy(Protocol):
     # Optional: `draft_gate(seqs, caps) -> gate | None`, called before drafting: an object whose
     # open_next(column confidences) tells a gated drafter whether that column will be verified
     # (the prefix scheduler's column search; the drafter may stop at the first False).
+    # Optional: `queued(positions: int) -> None`, called before choose() where the drafter keeps a
+    # queue of context features (drafter.backlog_positions): the backlog its next drafting round
+    # consumes first (the prefix scheduler prices a probe with it).
     # Optional: `observe(info: engine.StepInfo) -> None`, called after update() with the
     # round's forward shape and timings (the prefix scheduler's online cost model uses it).
     # Optional: `forced_lengths(seqs, kept, forced) -> list[int]`, called after trim() where rows'

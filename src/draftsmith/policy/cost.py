@@ -119,7 +119,7 @@ class StepCost:
                 self._add(self._ratio, b, r, timing=True)
         if t.drafted and t.draft_s >= 0:
             self._add(self._draft, t.rows, t.draft_s / self.machine(), timing=True)
-        if t.consumed_positions > 0 and t.consumed_s >= 0:
+        if t.consumed_positions > 0 and t.consumed_s > 0:  # (a 0 s reading is the timer's, not a rate)
             x = t.consumed_s / t.consumed_positions / self.machine()
             if self._consume is None:
                 self._consume = _Ewma(x)

@@ -476,7 +476,9 @@ class PrefixScheduler:
     def queued(self, positions: int) -> None:
         """Engine hook, before choose(): the context positions a feature-fed drafter holds queued for
         these rows as a backlog (drafter.backlog_positions), consumed before it drafts them. choose()
-        prices a probe and a cheap draft with it, then forgets it (a round not told has none)."""
+        prices a probe with it, then forgets it (a round not told has none). It counts every row,
+        also one that could draft nothing this round (its last token, a grammar renewal): at most an
+        overestimate, which skips a probe a little early."""
         self._queued = max(0, int(positions))
 
     def choose(self, seqs: list[Request]) -> list[int]:
@@ -494,8 +496,11 @@ class PrefixScheduler:
         conf = [self._conf(s, self.max_k) for s in seqs]
         draft_time = self.cost.draft_time(R) if self.adapt else 0.0
         # what a round that drafts these rows pays first: once, so a plan (which counts on rounds to
-        # come) does not weigh it; a probe (one round, likely followed by plain ones) and a cheap
-        # draft (evidence for free) do
+        # come) does not weigh it, nor does a cheap draft (paid once, then cheap every round); a
+        # probe, one round likely followed by plain ones, does. At batch 1 the ceiling's gain leaves
+        # room for ~3 plain steps of backlog (on a 2-core Zen 3 ~0.03-0.05 ms a position: ~2,000
+        # positions, about FLUSH_TOKENS, where the queue is consumed anyway), so there probes still
+        # come (stop 56's lock-out); at 16 rows a round of prompts costs more than a probe can gain
         backlog_time = self.cost.backlog_time(queued) if self.adapt else 0.0
         if self.choose_plan == "replay" and self._by_columns() and self._confidences:  # as trim() will decide
             ell, gain = plan_replayed([recent_confidences(s) for s in seqs], conf, self._step_time(), draft_time)
@@ -533,7 +538,7 @@ class PrefixScheduler:
             return [self.max_k if drafter_has_confidences(s) else c for s, c in zip(seqs, ell)]
         plain_step = self._step_time()(_tokens(R, 1, 0, self.batch_tokens))
         self._probing = due
-        if self.running_at == "trim" and draft_time + backlog_time <= self.cheap_draft * plain_step:
+        if self.running_at == "trim" and draft_time <= self.cheap_draft * plain_step:
             return full  # evidence for free: trim() verifies only what pays (a probe: at least probe_verifies)
         if due:
             return full  # a probe: trim() verifies what pays, and at least probe_verifies drafts per row
