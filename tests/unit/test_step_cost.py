@@ -244,14 +244,17 @@ def test_a_probe_is_priced_with_the_rows_backlog_a_cheap_draft_is_not():
     grows while it does not draft would refuse it for good)."""
     dear = SPSTable.from_step_times((1, 2, 4), (1.0, 3.0, 3.2))
     pol = PrefixScheduler(dear, max_k=3, probe_every=4, probe_backoff_max=8, probe_verifies=0, probe_ceiling=0.96)
-    assert pol.cost.backlog_time(100) == 0.0  # nothing measured: nothing priced
+    assert pol.cost.backlog_time(100, 1) == 0.0  # nothing measured: nothing priced
     for _ in range(4):
         pol.observe(info(1, 4, forward_s=3.2, draft_s=0.5, drafted=True))  # drafting = half a step
     pol.observe(replace(info(1, 4, forward_s=3.2), consumed_s=0.0, consumed_positions=100))  # (the timer's 0: no rate)
-    assert pol.cost.backlog_time(100) == 0.0
+    assert pol.cost.backlog_time(100, 1) == 0.0
     pol.observe(replace(info(1, 4, forward_s=3.2, draft_s=0.5, drafted=True), consumed_s=0.2, consumed_positions=100))
-    assert pol.cost.backlog_time(100) == pytest.approx(0.2) and pol.cost.backlog_time(0) == 0.0
-    assert pol.cost.summary()["backlog_s_per_position"] == pytest.approx(0.002)
+    assert pol.cost.backlog_time(100, 1) == pytest.approx(0.2) and pol.cost.backlog_time(0, 1) == 0.0
+    assert pol.cost.backlog_time(100, 16) == pytest.approx(0.2)  # the nearest measured row count stands in
+    pol.cost.observe(replace(info(16, 1, forward_s=3.2), consumed_s=0.8, consumed_positions=100))  # padded: dearer
+    assert pol.cost.backlog_time(100, 16) == pytest.approx(0.8) and pol.cost.backlog_time(100, 2) == pytest.approx(0.2)
+    assert pol.cost.summary()["backlog_s_per_position"] == {1: pytest.approx(0.002), 16: pytest.approx(0.008)}
     ss = seqs(1)
     nothing = VerifyResult(torch.zeros(1, 1, dtype=torch.long), torch.tensor([0]))
 

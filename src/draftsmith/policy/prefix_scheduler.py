@@ -498,10 +498,11 @@ class PrefixScheduler:
         # what a round that drafts these rows pays first: once, so a plan (which counts on rounds to
         # come) does not weigh it, nor does a cheap draft (paid once, then cheap every round); a
         # probe, one round likely followed by plain ones, does. At batch 1 the ceiling's gain leaves
-        # room for ~3 plain steps of backlog (on a 2-core Zen 3 ~0.03-0.05 ms a position: ~2,000
-        # positions, about FLUSH_TOKENS, where the queue is consumed anyway), so there probes still
-        # come (stop 56's lock-out); at 16 rows a round of prompts costs more than a probe can gain
-        backlog_time = self.cost.backlog_time(queued) if self.adapt else 0.0
+        # room for ~3 plain steps of backlog (on a 2-core Zen 3 0.03 ms a position, a plain step 24 ms:
+        # ~2,000 positions, about FLUSH_TOKENS, where the queue is consumed anyway), so there probes
+        # still come (stop 56's lock-out); at 16 rows (0.13 ms a position, padded: stop 62) a round of
+        # prompts costs ~7 plain steps, more than a probe can gain
+        backlog_time = self.cost.backlog_time(queued, R) if self.adapt else 0.0
         if self.choose_plan == "replay" and self._by_columns() and self._confidences:  # as trim() will decide
             ell, gain = plan_replayed([recent_confidences(s) for s in seqs], conf, self._step_time(), draft_time)
         elif self.choose_plan == "columns" and self._by_columns() and self._confidences:  # trim's plan, on the mean
