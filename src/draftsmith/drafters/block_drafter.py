@@ -64,8 +64,8 @@ class BlockDrafter(FeatureQueueDrafter):
     State per engine row: `cache` holds projected context K/V of every draft layer at
     positions 0 .. num_tokens − 2; per request, `states` keeps a `FeatureRequestState` (the
     request's `drafter_gen` and its queued target features). `temperatures` (STS, from
-    calibration.json: an STSFit, or bare temperatures for every row) rescale the confidence logits
-    of the rows of the fit's sampling regime (greedy or sampled); other rows keep them raw.
+    calibration.json) rescale the confidence logits of the rows of the fit's sampling regime
+    (greedy or sampled); other rows keep them raw.
     """
 
     # A context position is that position's features projected (no other token, no other
@@ -84,7 +84,7 @@ class BlockDrafter(FeatureQueueDrafter):
         anchor_is_first_prediction: bool,
         max_rows: int,
         max_len: int,
-        temperatures: STSFit | Sequence[float] | None = None,
+        temperatures: STSFit | None = None,
     ) -> None:
         self.name = name
         self.backbone = backbone
@@ -102,9 +102,7 @@ class BlockDrafter(FeatureQueueDrafter):
         warm_packed_linears_(backbone)  # laid out now, not in the first round (see the policy's draft cost)
         with torch.inference_mode():
             backbone.draft_logits(backbone.fc.weight.new_zeros(1, backbone.cfg.hidden_size))  # its draft-vocabulary rows
-        if temperatures is not None and not isinstance(temperatures, STSFit):
-            temperatures = STSFit(tuple(float(t) for t in temperatures)) if len(temperatures) else None
-        self.sts: STSFit | None = temperatures
+        self.sts = temperatures
         self.flush_tokens = FLUSH_TOKENS
         self.states: RequestStates[FeatureRequestState] = RequestStates(name)
         self.mask_pool = MaskPool()
@@ -223,11 +221,11 @@ class BlockDrafter(FeatureQueueDrafter):
         """[B', γ] STS temperatures per drafting row (1 for a row outside the fit's regime, and past
         the fitted positions), or None when no row gets any."""
         fit = self.sts
-        if fit is None or not any(fit.applies_to(p.greedy) for p in params):
+        use = [fit is not None and fit.applies_to(p.greedy) for p in params]
+        if not any(use):
             return None
         ts = list(fit.temperatures[: self.gamma]) + [1.0] * max(0, self.gamma - len(fit.temperatures))
-        return torch.tensor([ts if fit.applies_to(p.greedy) else [1.0] * self.gamma for p in params],
-                            dtype=torch.float32)
+        return torch.tensor([ts if u else [1.0] * self.gamma for u in use], dtype=torch.float32)
 
     @staticmethod
     def _confidences(z: torch.Tensor, k: int, temps: torch.Tensor | None) -> torch.Tensor:
@@ -260,7 +258,7 @@ class BlockDrafter(FeatureQueueDrafter):
         conf = None
         if conf_logits is not None and K:
             conf = torch.zeros(B, K, dtype=torch.float32)
-            for k in range(K):
-                conf[idx, k] = self._confidences(conf_logits[:, k], k, temps)
+            z = conf_logits.float().cpu()  # (one copy; the arithmetic of _confidences, all columns at once)
+            conf[idx] = torch.sigmoid(z if temps is None else z / temps[:, :K])
             conf = conf.masked_fill(~keep, 0.0)
         return Proposal(tokens=out_tokens, lengths=lengths, q=q_full, confidences=conf)

@@ -24,11 +24,16 @@ class STSFit:
 
     @property
     def regime(self) -> str | None:
-        return None if self.greedy is None else "greedy" if self.greedy else "sampled"
+        return regime_name(self.greedy)
 
     def applies_to(self, greedy: bool) -> bool:
         """Whether rows sampled greedily (or not) use these temperatures."""
         return self.greedy is None or self.greedy == greedy
+
+
+def regime_name(greedy: bool | None) -> str | None:
+    """"greedy", "sampled", or None (unknown: every row)."""
+    return None if greedy is None else "greedy" if greedy else "sampled"
 
 
 def sts_regime(raw: Mapping[str, Any]) -> bool | None:

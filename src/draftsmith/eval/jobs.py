@@ -23,6 +23,7 @@ from typing import Any
 from draftsmith.data.outdir import check_no_other_job, check_out_dir
 from draftsmith.drafters import registry
 from draftsmith.drafters.builtin import is_builtin
+from draftsmith.drafters.calibration import regime_name
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval import metrics as M, plots, sts
 from draftsmith.eval.report import print_summary, render_markdown, summary_lines
@@ -250,12 +251,13 @@ def run_calibrate(opt: CalibrateOptions) -> dict:
     temps = sts.fit_sts(recs, gamma, opt.n_bins)
     before = sts.cumulative_ece(recs, gamma, opt.n_bins)
     after = sts.cumulative_ece(sts.calibrated(recs, temps), gamma, opt.n_bins)
+    previous = loaded.sts.regime if loaded.sts else None  # the fit this one replaces
     fitted_on = {"source": str(opt.data) if opt.data is not None else ",".join(opt.tasks), "split": "heldout",
                  "rounds": len(recs), "requests": run.requests, "temperature": opt.temperature, "block_size": gamma,
                  "previous_temperatures": list(loaded.temperatures) if loaded.temperatures else None,
-                 "previous_regime": loaded.sts.regime if loaded.sts else None}
+                 "previous_regime": previous}
     path = sts.write_calibration(loaded.checkpoint, temps, before, after, fitted_on, opt.n_bins)
-    return {"calibration": str(path), "temperatures": temps, "regime": sts.read_calibration(loaded.checkpoint).get("regime"),
-            "replaced_regime": loaded.sts.regime if loaded.sts else None,
+    return {"calibration": str(path), "temperatures": temps, "regime": regime_name(opt.temperature == 0),
+            "replaced_regime": previous,
             "ece_before": before, "ece_after": after,
             "rounds": len(recs), "requests": run.requests}

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from draftsmith.drafters.calibration import sts_regime
+from draftsmith.drafters.calibration import regime_name, sts_regime
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.metrics import DEFAULT_BINS, RoundRecord, cumulative_pairs, ece
 from draftsmith.fileio import write_json_atomic
@@ -177,9 +177,9 @@ def write_calibration(ckpt: Path, temperatures: Sequence[float], ece_before: Seq
             "temperatures": [float(t) for t in temperatures], "n_bins": int(n_bins),
             "ece_before": list(ece_before), "ece_after": list(ece_after), "fitted_on": dict(fitted_on),
             "checkpoint": {**_train_step(ckpt), "model_sha256": _model_sha256(ckpt)}}
-    greedy = sts_regime(data)  # the rows it applies to (from the temperature it was fitted at)
-    if greedy is not None:
-        data["regime"] = "greedy" if greedy else "sampled"
+    regime = regime_name(sts_regime(data))  # the rows it applies to (from the temperature it was fitted at)
+    if regime is not None:
+        data["regime"] = regime
     path = ckpt / CALIBRATION_FILE
     write_json_atomic(path, data)
     return path

@@ -495,14 +495,13 @@ class PrefixScheduler:
         # lossless whatever is decided.
         conf = [self._conf(s, self.max_k) for s in seqs]
         draft_time = self.cost.draft_time(R) if self.adapt else 0.0
-        # what a round that drafts these rows pays first: once, so a plan (which counts on rounds to
-        # come) does not weigh it, nor does a cheap draft (paid once, then cheap every round); a
-        # probe, one round likely followed by plain ones, does. At batch 1 the ceiling's gain leaves
+        # The rows' backlog (queued): what a round that drafts them pays first, once, so a plan (which
+        # counts on rounds to come) does not weigh it, nor does a cheap draft (paid once, then cheap
+        # every round); a probe, one round likely followed by plain ones, does (below). At batch 1 the ceiling's gain leaves
         # room for ~3 plain steps of backlog (on a 2-core Zen 3 0.03 ms a position, a plain step 24 ms:
         # ~2,000 positions, about FLUSH_TOKENS, where the queue is consumed anyway), so there probes
         # still come (stop 56's lock-out); at 16 rows (0.13 ms a position, padded: stop 62) a round of
         # prompts costs ~7 plain steps, more than a probe can gain
-        backlog_time = self.cost.backlog_time(queued, R) if self.adapt else 0.0
         if self.choose_plan == "replay" and self._by_columns() and self._confidences:  # as trim() will decide
             ell, gain = plan_replayed([recent_confidences(s) for s in seqs], conf, self._step_time(), draft_time)
         elif self.choose_plan == "columns" and self._by_columns() and self._confidences:  # trim's plan, on the mean
@@ -516,7 +515,8 @@ class PrefixScheduler:
         # a plan that drafts can still verify nothing (trim's confidences and costs say no), round
         # after round, and would otherwise never be checked (stop 56: drafting stayed off for good).
         due = bool(self.probe_every) and self._idle >= self._interval
-        if due and self._interval < self.probe_backoff_max and not self._probe_can_pay(R, draft_time + backlog_time):
+        if due and self._interval < self.probe_backoff_max and not self._probe_can_pay(
+                R, draft_time + (self.cost.backlog_time(queued, R) if self.adapt else 0.0)):
             # (skipped as if it had not paid: the interval backs off, and at probe_backoff_max a probe
             # runs whatever the ceiling says, so a drafting time measured dear cannot stop probes for good)
             due, self._idle = False, 0
