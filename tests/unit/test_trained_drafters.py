@@ -861,6 +861,28 @@ def test_a_calibration_applies_to_the_rows_of_the_regime_it_was_fitted_in(tmp_pa
     z = torch.tensor([0.7, 0.7])
     assert d._confidences(z, 1, rows).tolist() == pytest.approx([torch.sigmoid(z[0]).item(),
                                                                  torch.sigmoid(z[1] / 0.5).item()])
+    # Through the engine, greedy and seeded sampled rows in one batch (one row ending early, so some
+    # rounds draft for a subset of the rows): every proposal's sampled rows are scaled, greedy rows raw.
+    params = [SamplingParams(max_tokens=12, temperature=0.0), SamplingParams(max_tokens=12, temperature=0.9, seed=3),
+              SamplingParams(max_tokens=4, temperature=0.0), SamplingParams(max_tokens=12, temperature=0.9, seed=5)]
+    runs = []
+    for drafter in (model.make_drafter(target.model, 4, 64), d):
+        rec = Recorder(drafter)
+        LLM(str(target_dir), drafter=rec, policy="fixed", num_speculative_tokens=4, max_batch=4, max_len=64).generate(
+            TEXT_PROMPTS[:4], params)
+        runs.append([(ps, p) for ps, p in rec.proposals if p.max_len])
+    assert runs[0] and len(runs[0]) == len(runs[1])
+    mixed = subset = 0
+    for (ps, raw), (_, cal) in zip(*runs):
+        assert torch.equal(raw.tokens, cal.tokens) and torch.equal(raw.lengths, cal.lengths)
+        mixed += len({p.greedy for p, n in zip(ps, raw.lengths.tolist()) if n}) == 2
+        subset += bool((raw.lengths == 0).any())
+        for b, (p, n) in enumerate(zip(ps, raw.lengths.tolist())):
+            want = raw.confidences[b, :n].double()
+            if not p.greedy:
+                want = torch.sigmoid(torch.logit(want) / torch.tensor(temps[:n], dtype=torch.float64))
+            torch.testing.assert_close(cal.confidences[b, :n].double(), want, atol=1e-5, rtol=1e-4)
+    assert mixed and subset  # (the batches this test is about did occur)
 
 
 @pytest.mark.parametrize("name", ["eagle3-small-vocab", "dspark-small-vocab"])
