@@ -127,8 +127,10 @@ def test_built_in_dspark_follows_prefix_caching_on_a_chats_next_turn(plain):
 
     convs = [c for c in itertools.islice(MTBenchSource().conversations(), 2)]
     greedy = SamplingParams(max_tokens=24, temperature=0)
+    # the drafter in float32 on every CPU (auto picks bfloat16 on AVX-512): the context comparison below is
+    # at float32 tolerances, and a bfloat16 context rounds a feature's last-bit difference to a whole ulp
     spec = LLM(plain.target, drafter="dspark:smollm2-135m", policy="fixed", num_speculative_tokens=4,
-               max_batch=2, enable_prefix_caching=True)
+               max_batch=2, enable_prefix_caching=True, drafter_dtype="float32")
     cached_plain = LLM(spec.target, max_batch=2, enable_prefix_caching=True)
     assert spec.engine.prefix_caching
     turns: dict[str, list] = {}
@@ -145,7 +147,8 @@ def test_built_in_dspark_follows_prefix_caching_on_a_chats_next_turn(plain):
     if cpu_kernels().ok:
         assert turns["spec-out"] == turns["plain-out"]
     # the drafter's context of the reused rows = a fresh engine's for the same prompts
-    fresh = LLM(spec.target, drafter="dspark:smollm2-135m", policy="fixed", num_speculative_tokens=4, max_batch=2)
+    fresh = LLM(spec.target, drafter="dspark:smollm2-135m", policy="fixed", num_speculative_tokens=4, max_batch=2,
+                drafter_dtype="float32")
     for llm in (spec, fresh):
         for ids in turns["spec"]:
             llm.engine.add_request(ids, greedy)
