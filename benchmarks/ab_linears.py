@@ -6,7 +6,8 @@
 kernels/gemv.cpp at git revision REV ("base") and in the working tree ("tree") are compiled with
 the flags kernels/build.py uses, each under its own op namespace, and loaded into one process. On
 weights of smollm2-135m's linear shapes (30 layers of q/k/v, o, gate/up and down, distinct weights,
-plus the 49,152 x 576 lm_head: the bytes one decode step streams), packed once, both builds run
+plus the 49,152 x 576 lm_head: the bytes one decode step streams), each build packing its own copy once
+(its layout and its memory are part of the build), both builds run
 every rows count, alternating which goes first round by round; each number is the median over
 rounds (the first dropped) of one pass over all the linears, and "x one row" is that build's time
 over its own one-row time. Both builds' outputs are compared bit for bit on the lm_head.
@@ -86,7 +87,9 @@ def main() -> None:
             if bf16 and not build.cpu_kernels().bf16:
                 print(f"(bfloat16 skipped: this build has no bfloat16 linear kernel)", file=sys.stderr)
                 continue
-            packed = [ops["base"].pack_bf16(w.bfloat16()) if bf16 else ops["base"].pack_f32(w) for w in weights]
+            # each build packs its own weights (the packing is part of a build: its layout, its memory)
+            packed = {name: [op.pack_bf16(w.bfloat16()) if bf16 else op.pack_f32(w) for w in weights]
+                      for name, op in ops.items()}
             for threads in (int(t) for t in a.threads.split(",")):
                 torch.set_num_threads(threads)
                 times: dict[tuple[str, int], list[float]] = {}
@@ -95,15 +98,16 @@ def main() -> None:
                         xs = {k: torch.randn(m, k, generator=g).to(torch.bfloat16 if bf16 else torch.float32)
                               for k in (576, 1536)}
                         for name in (("base", "tree") if rnd % 2 else ("tree", "base")):
-                            times.setdefault((name, m), []).append(one_pass(ops[name], packed, xs, bf16))
+                            times.setdefault((name, m), []).append(one_pass(ops[name], packed[name], xs, bf16))
                 med = {key: statistics.median(v[1:] if len(v) > 1 else v) for key, v in times.items()}
                 for m in rows:
                     b, t = med[("base", m)], med[("tree", m)]
                     print(f"| {threads} | {dtype} | {m} | {b:.1f} | {t:.1f} | {t / b:.2f} | "
                           f"{b / med[('base', rows[0])]:.2f} | {t / med[('tree', rows[0])]:.2f} |", flush=True)
             x = torch.randn(8, 576, generator=g).to(torch.bfloat16 if bf16 else torch.float32)
-            outs = [ops[n].gemv_bf16(x, packed[-1], 49152, 576, None) if bf16 else ops[n].gemv_f32(x, packed[-1], 49152, None)
-                    for n in ("base", "tree")]
+            outs = [ops[n].gemv_bf16(x, packed[n][-1], 49152, 576, None) if bf16
+                    else ops[n].gemv_f32(x, packed[n][-1], 49152, None) for n in ("base", "tree")]
+            del packed
             print(f"({dtype}: the two builds' lm_head outputs for 8 rows are "
                   f"{'bit-identical' if torch.equal(*outs) else 'DIFFERENT'})", file=sys.stderr)
 

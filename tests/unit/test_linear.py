@@ -3,6 +3,9 @@ backends against each other."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -163,6 +166,37 @@ def test_kernels_kernel_shapes_bias_and_batch_invariance(dtype, n, k):
             assert torch.equal(lin(x[: m + 1]), full[: m + 1]), m
             assert torch.equal(lin(x[m : m + 1]), full[m : m + 1]), m
         assert lin(x[:0]).shape == (0, n)
+
+
+@pytest.mark.skipif(not cpu_kernels().ok, reason="Draftsmith's CPU kernels do not run here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernels_weights_of_2mb_and_more_pack_into_their_own_mapping_and_free_it(dtype):
+    """A packed weight of >= 2 MB lives in its own huge-page-advised mapping (kernels/gemv.cpp
+    packed_zeros): the same outputs (a partial block, an odd K in bfloat16) and batch invariance as
+    the smaller ones above, and its memory is returned when the weight is dropped."""
+    if dtype == torch.bfloat16 and not cpu_kernels().bf16:
+        pytest.skip("no bfloat16 kernel in this build")
+    g = torch.Generator().manual_seed(7)
+    n, k = (1000, 601) if dtype == torch.float32 else (2000, 601)  # packed: 2.4 MB either way
+    w = torch.randn(n, k, generator=g).to(dtype)
+    lin = FastLinear.build(w, None, "kernels")
+    assert lin.backend == "kernels"
+    x = torch.randn(9, k, generator=g).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    full = lin(x)
+    torch.testing.assert_close(full.float(), F.linear(x.float(), w.float()), atol=tol * 10, rtol=tol)
+    for m in range(9):
+        assert torch.equal(lin(x[m : m + 1]), full[m : m + 1]), m
+    statm = Path("/proc/self/statm")
+    if not statm.exists():
+        return
+    rss = lambda: int(statm.read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")  # noqa: E731
+    big = torch.randn(4096, 1024).to(dtype)  # 16 MB (float32) / 8 MB packed
+    before = rss()
+    for _ in range(40):  # 320-640 MB if the mappings leaked
+        packed = FastLinear.build(big, None, "kernels")
+        del packed
+    assert rss() - before < 100 * 2**20
 
 
 @pytest.mark.skipif(not cpu_kernels().ok, reason="Draftsmith's CPU kernels do not run here")
