@@ -4,6 +4,7 @@ backends against each other."""
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -181,6 +182,8 @@ def test_kernels_weights_of_2mb_and_more_pack_into_their_own_mapping_and_free_it
     w = torch.randn(n, k, generator=g).to(dtype)
     lin = FastLinear.build(w, None, "kernels")
     assert lin.backend == "kernels"
+    if sys.platform.startswith("linux"):  # the path taken: its own mapping, starting on a 2 MB boundary
+        assert lin.weight.data_ptr() % (2 << 20) == 0
     x = torch.randn(9, k, generator=g).to(dtype)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     full = lin(x)
@@ -191,7 +194,7 @@ def test_kernels_weights_of_2mb_and_more_pack_into_their_own_mapping_and_free_it
     if not statm.exists():
         return
     rss = lambda: int(statm.read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")  # noqa: E731
-    big = torch.randn(4096, 1024).to(dtype)  # 16 MB (float32) / 8 MB packed
+    big = torch.randn(4096, 1024).to(dtype)  # packed: 16 MB (float32) / 8 MB (bfloat16)
     before = rss()
     for _ in range(40):  # 320-640 MB if the mappings leaked
         packed = FastLinear.build(big, None, "kernels")

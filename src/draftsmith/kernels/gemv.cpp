@@ -41,7 +41,9 @@
 
 #include "simd.h"
 
+#if defined(__linux__)
 #include <sys/mman.h>
+#endif
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <sys/syscall.h>
@@ -62,7 +64,8 @@ int64_t pad_to(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 // aligned and marked for transparent huge pages (MADV_HUGEPAGE: where the kernel's THP setting is
 // "madvise", the common default, malloc'd memory gets 4 KB pages). A decode step streams every weight
 // once, so with 4 KB pages each 4 KB of weights costs a TLB miss; on 2 Zen 4 cores smollm2-135m's
-// float32 linears took ~8% less time on huge pages at 1-16 rows (same bits). Elsewhere: at::zeros.
+// linears took 1-7% less time in float32 and 3-8% in bfloat16 at 1-16 rows, 3-16% at one thread
+// (benchmarks/ab_linears.py; same bits). Elsewhere, or where mmap fails: at::zeros.
 at::Tensor packed_zeros(at::IntArrayRef sizes, const at::TensorOptions& opt) {
 #if defined(MADV_HUGEPAGE)
   constexpr size_t HUGE = size_t(2) << 20;
@@ -74,10 +77,10 @@ at::Tensor packed_zeros(at::IntArrayRef sizes, const at::TensorOptions& opt) {
     if (raw != MAP_FAILED) {  // trimmed to [p, p + len), p 2 MB aligned
       const uintptr_t r = reinterpret_cast<uintptr_t>(raw), p = (r + HUGE - 1) & ~(HUGE - 1);
       if (p > r) munmap(raw, p - r);
-      if (r + len + HUGE > p + len) munmap(reinterpret_cast<void*>(p + len), r + len + HUGE - (p + len));
+      munmap(reinterpret_cast<void*>(p + len), r + len + HUGE - (p + len));  // >= 4 KB: p - r < HUGE
       void* ptr = reinterpret_cast<void*>(p);
-      // advice only (without THP the pages stay 4 KB, as before); the whole huge pages only, so the
-      // tail past the last one takes no more memory than it uses
+      // advice only (without THP, or if it fails, the pages stay 4 KB, as before); the tail short of
+      // a whole huge page stays on 4 KB pages either way (the mapping ends there)
       madvise(ptr, len / HUGE * HUGE, MADV_HUGEPAGE);
       return at::from_blob(ptr, sizes, [len](void* q) { munmap(q, len); }, opt);  // anonymous pages are zero
     }
