@@ -3,7 +3,9 @@
 
 Side by side in one process, interleaved per prompt (docs/MEASURING.md), one loaded copy of each
 model shared by our configurations:
-  ours:  plain, n-gram (fixed K, and fixed K = 10 like HF's lookup), draft-model 0.5B (fixed K)
+  ours:  plain, n-gram (fixed K, and fixed K = 10 like HF's lookup), draft-model 0.5B (fixed K),
+         and the draft model under the default policy (auto: the prefix scheduler), "draft-model-auto"
+         (--policy sets the others' policy: fixed, as HF's lookup and assisted generation draft)
   HF transformers: `generate` plain, prompt lookup (`prompt_lookup_num_tokens`), assisted
   generation (`assistant_model` = the 0.5B)
 Both sides in the same dtype (default bfloat16: the 1.5B in float32 with oneDNN's blocked copy
@@ -42,16 +44,19 @@ def main() -> None:
     ap.add_argument("--ngram-k-extra", type=int, default=10,
                     help="one more n-gram configuration with this many drafts per round (HF's lookup uses 10); 0: none")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--policy", default="fixed", help="policy of our n-gram and draft-model configurations")
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
 
     plain = LLM("qwen2.5-coder-1.5b", dtype=args.dtype, max_batch=1)
-    ngram = LLM(plain.target, drafter="ngram", num_speculative_tokens=args.k, max_batch=1)
-    draft = LLM(plain.target, drafter="draft-model:qwen2.5-coder-0.5b", num_speculative_tokens=args.k, max_batch=1)
-    ours_cfg = [("plain", plain), ("ngram", ngram), ("draft-model", draft)]
+    pol = {"policy": args.policy, "max_batch": 1}
+    ngram = LLM(plain.target, drafter="ngram", num_speculative_tokens=args.k, **pol)
+    draft = LLM(plain.target, drafter="draft-model:qwen2.5-coder-0.5b", num_speculative_tokens=args.k, **pol)
+    auto = LLM(plain.target, drafter="draft-model:qwen2.5-coder-0.5b", num_speculative_tokens=args.k, max_batch=1)
+    ours_cfg = [("plain", plain), ("ngram", ngram), ("draft-model", draft), ("draft-model-auto", auto)]
     if args.ngram_k_extra:
         ours_cfg.insert(2, (f"ngram-k{args.ngram_k_extra}",
-                            LLM(plain.target, drafter="ngram", num_speculative_tokens=args.ngram_k_extra, max_batch=1)))
+                            LLM(plain.target, drafter="ngram", num_speculative_tokens=args.ngram_k_extra, **pol)))
     ours_names = [n for n, _ in ours_cfg]
     dt = getattr(torch, args.dtype)
     hf = AutoModelForCausalLM.from_pretrained(str(plain.target.path), dtype=dt).eval()
@@ -101,7 +106,7 @@ def main() -> None:
     summary = {
         "setup": {"target": "qwen2.5-coder-1.5b", "draft": "qwen2.5-coder-0.5b", "dtype": args.dtype, "batch": 1,
                   "temperature": 0, "prompts": f"HumanEval held-out ×{len(rows)}", "max_new_tokens": args.max_new_tokens,
-                  "k": args.k, "ngram_k_extra": args.ngram_k_extra, "threads": torch.get_num_threads(), "loadavg_end": os.getloadavg()},
+                  "k": args.k, "policy": args.policy, "ngram_k_extra": args.ngram_k_extra, "threads": torch.get_num_threads(), "loadavg_end": os.getloadavg()},
         "median_ms_per_token": {n: statistics.median(r[n]["ms_per_token"] for r in rows) for n in names},
         "speedup_vs_our_plain": {n: spread([r["plain"]["ms_per_token"] / r[n]["ms_per_token"] for r in rows]) for n in names},
         "ours_best_vs_hf_best": spread([b / min(r[n]["ms_per_token"] for n in ours_names)

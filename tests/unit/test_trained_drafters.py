@@ -540,6 +540,33 @@ def test_a_backlog_is_kept_out_of_the_drafting_time_a_drafting_rows_upkeep_is_no
     assert len(heard) > 1 and heard[1:] == [0] * (len(heard) - 1)  # a drafting row's upkeep is no backlog
 
 
+def test_a_draft_models_catch_up_on_a_prompt_is_a_backlog_its_rounds_upkeep_is_not(target_dir):
+    """The draft model feeds each round what was committed since its last one (drafters/draft_model.py):
+    a prompt is a backlog, counted in `consumed_s` (so the engine keeps it out of the drafting time the
+    prefix scheduler learns) and told to the policy before the round; the last round's commits are
+    drafting work. (Counted as drafting time, a 0.5B draft model's prompt prefill made it look too dear
+    to draft or probe, for good: stop 63.)"""
+    from draftsmith.drafters.feature_queue import STEADY_TOKENS
+
+    llm = LLM(str(target_dir), drafter=f"draft-model:{target_dir}", policy="fixed", num_speculative_tokens=2,
+              max_batch=1, max_len=128)
+    drafter = llm.engine.drafter
+    heard: list[int] = []
+    llm.engine.policy = _Hearing(llm.engine.policy, heard)
+    prompt = list(range(97, 97 + 2 * STEADY_TOKENS))
+    llm.engine.add_request(prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    llm.engine.step()  # the prefill round drafts: the draft model runs the prompt first
+    backlog, positions = drafter.consumed_s, drafter.consumed_positions
+    assert positions >= len(prompt) and backlog > 0
+    assert heard == [positions]
+    assert llm.engine.last_step.consumed_positions == positions and llm.engine.last_step.consumed_s == backlog
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+        assert llm.engine.last_step.draft_s > 0 and llm.engine.last_step.consumed_positions == 0
+    assert (drafter.consumed_s, drafter.consumed_positions) == (backlog, positions)
+    assert len(heard) > 1 and heard[1:] == [0] * (len(heard) - 1)  # a drafting row's upkeep is no backlog
+
+
 @pytest.mark.parametrize("name", ["dflash-small-vocab", "dflash-mask-first", "dspark", "eagle3",
                                   "eagle3-small-vocab"])
 def test_lazy_context_upkeep_drafts_what_training_scores(name, target_dir, target, trained):
