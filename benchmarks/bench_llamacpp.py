@@ -5,7 +5,7 @@ Draftsmith's best configuration >= 1.0x llama.cpp plain on held-out code at batc
         [--requests 12] [--tokens 128] [--drafter dspark:smollm2-135m]
 
 Per dtype, one `draftsmith bench` run (concurrency 1, closed loop, T = 0, held-out HumanEval,
-the default fixed-K policy) with `--peers llamacpp`: our plain decoding, n-gram and the
+the default policy, auto: the prefix scheduler) with `--peers llamacpp`: our plain decoding, n-gram and the
 built-in drafter, llama.cpp plain and llama.cpp prompt lookup, interleaved on the same
 prompts (token ids) in one process, each with the same number of threads. llama.cpp runs the
 packaged GGUF rewritten at that dtype (models/gguf_precision.py): the weights our target runs.
