@@ -5,6 +5,7 @@ Side by side in one process, interleaved per prompt (docs/MEASURING.md), one loa
 model shared by our configurations:
   ours:  plain, n-gram (fixed K, and fixed K = 10 like HF's lookup), draft-model 0.5B (fixed K),
          and the draft model under the default policy (auto: the prefix scheduler), "draft-model-auto"
+         (which loads a second copy of the 0.5B)
          (--policy sets the others' policy: fixed, as HF's lookup and assisted generation draft)
   HF transformers: `generate` plain, prompt lookup (`prompt_lookup_num_tokens`), assisted
   generation (`assistant_model` = the 0.5B)

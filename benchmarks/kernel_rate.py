@@ -4,9 +4,10 @@
 
 A verify step of K tokens multiplies every weight by K rows: where the weights stream from DRAM at
 one row, the arithmetic of K rows may take longer than the stream. This measures what the kernels
-(kernels/gemv.cpp, Draftsmith's build for this CPU) compute per second when the weight sits in L2
-(default [512, 576]: 1.2 MB float32, 0.6 MB bfloat16, split over the threads): the ceiling a verify
-step's linears reach when memory is not the limit. Best of 5 timings of 500 calls each, per rows
+(kernels/gemv.cpp, Draftsmith's build for this CPU) compute per second when the weight sits in the
+caches (default [512, 576]: 1.2 MB float32, 0.6 MB bfloat16, split over the threads; at one thread the
+float32 weight outgrows a 1 MB L2, a Zen 4's, and is read from L3): the ceiling a verify step's linears
+reach when DRAM is not the limit. Best of 5 timings of 500 calls each, per rows
 count, thread count and dtype. Prints a markdown table; nothing is written.
 """
 

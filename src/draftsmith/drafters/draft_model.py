@@ -22,7 +22,6 @@ too dear to draft or probe, and the default policy never verified a draft: tau 1
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +32,7 @@ from draftsmith.core.warp import argmax_rows, inverse_cdf, position_uniforms, sa
 from draftsmith.drafters.base import (
     DrafterRequestState, FeatureSpec, RequestStates, TargetFeatures, drafter_generator, pad_proposal,
 )
-from draftsmith.drafters.feature_queue import backlog
+from draftsmith.drafters.feature_queue import backlog, consuming
 from draftsmith.core.request import Request
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.decoder import Decoder
@@ -106,17 +105,8 @@ class DraftModelDrafter:
                     f"draft model: row {seqs[i].row} caches {int(self.cache.lengths[seqs[i].row])} tokens but "
                     f"request {seqs[i].request_id!r} has committed only {seqs[i].num_tokens} (the drafter's "
                     "rollback invariant is broken)")
-        positions = backlog([len(f) for f in feeds])
-        timed = positions and self.model.device.type == "cuda"  # (a backlog's kernels, not their launch)
-        if timed:
-            torch.cuda.synchronize(self.model.device)
-        t0 = time.perf_counter()
-        logits = self._forward_last([seqs[i] for i in idx], feeds)  # [B', V]
-        if positions:
-            if timed:
-                torch.cuda.synchronize(self.model.device)
-            self.consumed_s += time.perf_counter() - t0
-            self.consumed_positions += positions
+        with consuming(self, backlog([len(f) for f in feeds]), self.model.device):
+            logits = self._forward_last([seqs[i] for i in idx], feeds)  # [B', V]
         masks = DraftMasks.of([seqs[i] for i in active], logits.shape[-1], pool=self.mask_pool,
                               caps=[max_lengths[i] for i in active]) if self.grammar_masks else None
         try:

@@ -29,7 +29,8 @@ never drafted stay queued, as they did while it ran.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -63,6 +64,25 @@ def backlog(counts: Sequence[int]) -> int:
     """Of the queued positions of the rows one flush consumes (`counts`), those that are a backlog:
     all of them when a row holds more than STEADY_TOKENS, else none (a drafting row's upkeep)."""
     return sum(counts) if any(c > STEADY_TOKENS for c in counts) else 0
+
+
+@contextmanager
+def consuming(drafter, positions: int, device: torch.device) -> Iterator[None]:
+    """Time the block as the consumption of a backlog of `positions` (from `backlog`): its wall time
+    and count go to the drafter's `consumed_s` / `consumed_positions` when positions > 0 (on CUDA
+    synchronised around it: a backlog's kernels, not their launch)."""
+    timed = positions and device.type == "cuda"
+    if timed:
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        if positions:
+            if timed:
+                torch.cuda.synchronize(device)
+            drafter.consumed_s += time.perf_counter() - t0
+            drafter.consumed_positions += positions
 
 
 def owned(h: torch.Tensor) -> torch.Tensor:
@@ -299,19 +319,8 @@ class FeatureQueueDrafter:
         """Consume every given row's queued positions (prompt, then committed rounds), in one batch;
         its time (and their count) goes to `consumed_s` (`consumed_positions`) when a row held more
         than STEADY_TOKENS of them."""
-        positions = self.backlog_positions(seqs)
-        timed = positions and self.device.type == "cuda"  # (a backlog's kernels, not their launch)
-        if timed:
-            torch.cuda.synchronize(self.device)
-        t0 = time.perf_counter()
-        try:
+        with consuming(self, self.backlog_positions(seqs), self.device):
             self._flush_rows(seqs)
-        finally:
-            if positions:
-                if timed:
-                    torch.cuda.synchronize(self.device)
-                self.consumed_s += time.perf_counter() - t0
-                self.consumed_positions += positions
 
     def _flush_rows(self, seqs: Sequence[Request]) -> None:
         rows, chunks = [], []

@@ -68,20 +68,20 @@ int64_t pad_to(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 // (benchmarks/ab_linears.py; same bits). Elsewhere, or where mmap fails: at::zeros.
 at::Tensor packed_zeros(at::IntArrayRef sizes, const at::TensorOptions& opt) {
 #if defined(MADV_HUGEPAGE)
-  constexpr size_t HUGE = size_t(2) << 20;
+  constexpr size_t kHugePage = size_t(2) << 20;
   size_t bytes = at::elementSize(at::typeMetaToScalarType(opt.dtype()));
   for (const int64_t s : sizes) bytes *= static_cast<size_t>(s);
-  if (bytes >= HUGE) {
+  if (bytes >= kHugePage) {
     const size_t len = pad_to(static_cast<int64_t>(bytes), 4096);
-    void* raw = mmap(nullptr, len + HUGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    void* raw = mmap(nullptr, len + kHugePage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (raw != MAP_FAILED) {  // trimmed to [p, p + len), p 2 MB aligned
-      const uintptr_t r = reinterpret_cast<uintptr_t>(raw), p = (r + HUGE - 1) & ~(HUGE - 1);
+      const uintptr_t r = reinterpret_cast<uintptr_t>(raw), p = (r + kHugePage - 1) & ~(kHugePage - 1);
       if (p > r) munmap(raw, p - r);
-      munmap(reinterpret_cast<void*>(p + len), r + len + HUGE - (p + len));  // >= 4 KB: p - r < HUGE
+      munmap(reinterpret_cast<void*>(p + len), r + len + kHugePage - (p + len));  // >= 4 KB: p - r < kHugePage
       void* ptr = reinterpret_cast<void*>(p);
       // advice only (without THP, or if it fails, the pages stay 4 KB, as before); the tail short of
       // a whole huge page stays on 4 KB pages either way (the mapping ends there)
-      madvise(ptr, len / HUGE * HUGE, MADV_HUGEPAGE);
+      madvise(ptr, len / kHugePage * kHugePage, MADV_HUGEPAGE);
       return at::from_blob(ptr, sizes, [len](void* q) { munmap(q, len); }, opt);  // anonymous pages are zero
     }
   }
