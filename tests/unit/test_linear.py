@@ -141,6 +141,26 @@ def test_cpu_kernels_build_where_the_cpu_can_run_them():
         assert (status.isa, status.bf16) == ("avx2", True)
 
 
+def test_kernel_build_tunes_its_prefetches_by_cpu_vendor(tmp_path):
+    """AMD builds get DS_PREFETCH_L2 (few-row linears prefetch into L2), other vendors none; the
+    define is part of the build key, so a home shared by both kinds of CPU keeps two builds."""
+    from draftsmith.kernels import build
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nflags\t\t: fpu avx2 fma\n")
+    assert build.cpu_vendor(info) == "AuthenticAMD"
+    assert build.cpu_vendor(tmp_path / "missing") == ""
+    info.write_text("flags\t\t: fpu avx2 fma\n")  # no vendor line (an Arm kernel's layout)
+    assert build.cpu_vendor(info) == ""
+    assert build.tuning_defines("AuthenticAMD") == ["-DDS_PREFETCH_L2"]
+    assert build.tuning_defines("GenuineIntel") == [] and build.tuning_defines("") == []
+    amd = build._command("c++", tmp_path / "a.so", vendor="AuthenticAMD")
+    intel = build._command("c++", tmp_path / "a.so", vendor="GenuineIntel")
+    assert "-DDS_PREFETCH_L2" in amd and "-DDS_PREFETCH_L2" not in intel
+    flags = frozenset({"avx2", "fma"})
+    assert build._key("c++", amd, flags) != build._key("c++", intel, flags)
+
+
 @pytest.mark.skipif(not cpu_kernels().ok, reason="Draftsmith's CPU kernels do not run here")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,k", [(1, 1), (31, 7), (33, 65), (100, 576), (64, 3)])

@@ -2,8 +2,8 @@
 
 The few-row linear kernel is compiled on first use with the machine's C++ compiler
 (`$CXX`, else `c++`) and `-march=native` against the installed torch, then cached under
-`$DRAFTSMITH_HOME/kernels/<key>/` where the key hashes the source, the compile command, the
-torch version and the CPU's instruction-set flags (a home shared by different machines gets
+`$DRAFTSMITH_HOME/kernels/<key>/` where the key hashes the source, the compile command (with its
+per-vendor tuning defines), the torch version and the CPU's instruction-set flags (a home shared by different machines gets
 one build per kind of CPU). The build is ~10 s on 2 cores, written to a temporary file and
 renamed, so processes that build at once cannot load half a library.
 
@@ -58,15 +58,37 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
     return frozenset()
 
 
-def _command(compiler: str, out: Path) -> list[str]:
+def cpu_vendor(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU's vendor as /proc/cpuinfo names it ("AuthenticAMD", "GenuineIntel"), or "" where it
+    does not."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return ""
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() == "vendor_id":
+            return value.strip()
+    return ""
+
+
+def tuning_defines(vendor: str) -> list[str]:
+    """Compile-time choices measured per CPU vendor. AMD: the linears' software prefetches of a call
+    with 4 or more rows fill L2, not L1 (`DS_PREFETCH_L2`, gemv.cpp's `prefetch_for`); elsewhere they
+    fill L1, as tuned on Intel."""
+    return ["-DDS_PREFETCH_L2"] if vendor == "AuthenticAMD" else []
+
+
+def _command(compiler: str, out: Path, vendor: str | None = None) -> list[str]:
     import torch
     from torch.utils.cpp_extension import include_paths
 
     lib = Path(torch.__file__).parent / "lib"
     abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", 1))
     incs = [f"-isystem{p}" for p in include_paths()]
+    defines = tuning_defines(cpu_vendor() if vendor is None else vendor)
     return [compiler, "-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++17",
-            f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *incs, str(SOURCE), "-o", str(out),
+            f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *defines, *incs, str(SOURCE), "-o", str(out),
             f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu"]
 
 

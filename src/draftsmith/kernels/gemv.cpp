@@ -186,17 +186,52 @@ inline void store_row(O* y, const float* bias, int64_t n0, int64_t n, const floa
 
 // Sums run over chunks of KC steps of k in registers, each chunk then added to a running total
 // (blocked summation: the rounding error of a 1,536-term dot product stays near the other
-// backends' instead of growing with K). Every ISA's tile sums an output in this same order.
+// backends' instead of growing with K). Every tile of a build sums an output in this same order.
 constexpr int64_t KC = 32;
+// bfloat16 k pairs per chunk. AVX512-BF16: 64 (8 KB of a block), so a tile's chunk of 16
+// vdpbf16ps a pair amortises its 2 x R loads, adds and stores of the running totals over 4x the
+// dot products of KC / 2; on one Zen 4 core an L2-resident 256 x 576 weight ran at 81 vs 74
+// GMAC/s at 8 rows and 93 vs 81 at 16 (the float32 tile, 32 k a chunk, has the same share).
+// Elsewhere KC / 2 pairs (their tiles widen the pairs to float32 FMAs; unmeasured with more).
+#ifdef __AVX512BF16__
+constexpr int64_t KP_CHUNK = 64;
+#else
+constexpr int64_t KP_CHUNK = KC / 2;
+#endif
 
 constexpr int64_t ROW_GROUP = 48;  // rows whose running totals live on the stack at once
 constexpr int64_t PREFETCH_K = 128;  // k ahead in a block's stream (AVX-512: 8 or 16 KB; AVX2: 8 KB a half)
+// The cache those prefetches fill. One or two rows: L1 (prefetcht0). From PREFETCH_L2_ROWS rows
+// on AMD (DS_PREFETCH_L2, set by kernels/build.py from the CPU's vendor): L2 (prefetcht1). Into L1
+// each line held an L1 miss buffer for its whole trip from DRAM, and 16 KB ahead of a block shared
+// the 32 KB L1 with the chunk being summed and x, so a few-row pass did not stream and compute at
+// once: on 2 Zen 4 cores smollm2-135m's linears at 8 / 16 / 32 rows took 0.80 / 0.75 / 0.90x of
+// their L1-prefetch time in bfloat16 and 0.98 / 0.70 / 0.80x in float32 (one thread: 0.63 / 0.73
+// / 0.89x, 0.80 / 0.73 / 0.78x; benchmarks/ab_linears.py, same bits; the AVX2 tiles built for Zen 3
+// on the same cores: float32 0.91 / 0.73x at 8 / 16). At one or two rows on one thread L2 was
+// 1.07-1.30x slower (a core alone waits on its loads), at 4 rows the same. Elsewhere always L1, as
+// tuned on Intel (L2 unmeasured there).
+enum Prefetch : int { kNoPrefetch = 0, kPrefetchL1, kPrefetchL2 };
+constexpr int64_t PREFETCH_L2_ROWS = 4;
+
+inline Prefetch prefetch_for(int64_t rows) {
+#ifdef DS_PREFETCH_L2
+  if (rows >= PREFETCH_L2_ROWS) return kPrefetchL2;
+#endif
+  (void)rows;
+  return kPrefetchL1;
+}
+
+inline void prefetch_line(const void* p, Prefetch pf) {
+  if (pf == kPrefetchL2) _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1);
+  else _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
+}
 
 #if defined(__AVX512F__)
 
 // AVX-512: a tile is R <= 8 rows x the block's 32 columns, 2 x R zmm sums. A block's rows take
-// ceil(M / 8) tiles; the loop runs chunk by chunk (rows_by_chunk: every tile of the rows over KC k
-// while those 4 KB of the block are in L1), and the first tile over a chunk asks for the lines
+// ceil(M / 8) tiles; the loop runs chunk by chunk (rows_by_chunk: every tile of the rows over KC k,
+// or KP_CHUNK bfloat16 pairs, while those 4 or 8 KB of the block are in L1), and the first tile over a chunk asks for the lines
 // PREFETCH_K k ahead, one row included (without, one row relied on the hardware prefetcher: on an
 // Intel Xeon (AVX-512 without BF16, 2 cores) smollm2-135m's linears at one row then took 13.2 vs
 // 11.1 ms in bfloat16 and 19.7 vs 19.0 in float32; benchmarks/ab_linears.py, same bits). Tile after
@@ -218,14 +253,14 @@ inline void add_sums(float* tot, const __m512* lo, const __m512* hi) {
 
 // Chunk [k0, k1) of R rows (x rows K apart) over one block, added to tot (rows BLOCK apart).
 template <int R>
-inline void chunk_f32(const float* wb, const float* x, int64_t K, int64_t k0, int64_t k1, float* tot, bool prefetch) {
+inline void chunk_f32(const float* wb, const float* x, int64_t K, int64_t k0, int64_t k1, float* tot, Prefetch prefetch) {
   __m512 lo[R], hi[R];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
   for (int64_t k = k0; k < k1; ++k) {
     if (prefetch) {
-      _mm_prefetch(reinterpret_cast<const char*>(wb + (k + PREFETCH_K) * BLOCK), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(wb + (k + PREFETCH_K) * BLOCK + 16), _MM_HINT_T0);
+      prefetch_line(wb + (k + PREFETCH_K) * BLOCK, prefetch);
+      prefetch_line(wb + (k + PREFETCH_K) * BLOCK + 16, prefetch);
     }
     const __m512 w0 = _mm512_load_ps(wb + k * BLOCK), w1 = _mm512_load_ps(wb + k * BLOCK + 16);
 #pragma GCC unroll 8
@@ -241,14 +276,14 @@ inline void chunk_f32(const float* wb, const float* x, int64_t K, int64_t k0, in
 #ifdef __AVX512BF16__
 // Pairs [p0, p1) of R bfloat16 rows (KP pairs each) over one block, added to tot.
 template <int R>
-inline void chunk_bf16(const uint16_t* wb, const uint16_t* x, int64_t KP, int64_t p0, int64_t p1, float* tot, bool prefetch) {
+inline void chunk_bf16(const uint16_t* wb, const uint16_t* x, int64_t KP, int64_t p0, int64_t p1, float* tot, Prefetch prefetch) {
   __m512 lo[R], hi[R];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
   for (int64_t p = p0; p < p1; ++p) {
     if (prefetch) {
-      _mm_prefetch(reinterpret_cast<const char*>(wb + (p + PREFETCH_K) * BLOCK * 2), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(wb + (p + PREFETCH_K) * BLOCK * 2 + 32), _MM_HINT_T0);
+      prefetch_line(wb + (p + PREFETCH_K) * BLOCK * 2, prefetch);
+      prefetch_line(wb + (p + PREFETCH_K) * BLOCK * 2 + 32, prefetch);
     }
     const __m512bh w0 = (__m512bh)_mm512_load_si512(wb + p * BLOCK * 2);
     const __m512bh w1 = (__m512bh)_mm512_load_si512(wb + p * BLOCK * 2 + 32);
@@ -272,15 +307,15 @@ inline void chunk_bf16(const uint16_t* wb, const uint16_t* x, int64_t KP, int64_
 // what a memory-bound decode or few-row verify step pays for; the arithmetic is float32 (an
 // output's sum order is the same whatever the number of rows, as everywhere here).
 template <int R>
-inline void chunk_bf16(const uint16_t* wb, const float* x, int64_t KP, int64_t p0, int64_t p1, float* tot, bool prefetch) {
+inline void chunk_bf16(const uint16_t* wb, const float* x, int64_t KP, int64_t p0, int64_t p1, float* tot, Prefetch prefetch) {
   __m512 lo[R], hi[R];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t p = p0; p < p1; ++p) {
     if (prefetch) {
-      _mm_prefetch(reinterpret_cast<const char*>(wb + (p + PREFETCH_K) * BLOCK * 2), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(wb + (p + PREFETCH_K) * BLOCK * 2 + 32), _MM_HINT_T0);
+      prefetch_line(wb + (p + PREFETCH_K) * BLOCK * 2, prefetch);
+      prefetch_line(wb + (p + PREFETCH_K) * BLOCK * 2 + 32, prefetch);
     }
     const __m512i w0 = _mm512_load_si512(wb + p * BLOCK * 2), w1 = _mm512_load_si512(wb + p * BLOCK * 2 + 32);
     const __m512 e0 = _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16)), o0 = _mm512_castsi512_ps(_mm512_and_si512(w0, high));
@@ -321,7 +356,7 @@ constexpr int MT_F32 = 8, MT_BF16 = 2;
 // Chunk [k0, k1) of R rows x H halves (from the half at wh; the next half K * HALF floats on), added
 // to tot (rows BLOCK apart; the half's columns at tot + HALF * h of the first half's).
 template <int R, int H>
-inline void chunk_f32(const float* wh, const float* x, int64_t K, int64_t k0, int64_t k1, float* tot, bool prefetch) {
+inline void chunk_f32(const float* wh, const float* x, int64_t K, int64_t k0, int64_t k1, float* tot, Prefetch prefetch) {
   constexpr int C = 2 * H;
   __m256 acc[R][C];
 #pragma GCC unroll 8
@@ -331,7 +366,7 @@ inline void chunk_f32(const float* wh, const float* x, int64_t K, int64_t k0, in
   for (int64_t k = k0; k < k1; ++k) {
     if (prefetch)
 #pragma GCC unroll 2
-      for (int h = 0; h < H; ++h) _mm_prefetch(reinterpret_cast<const char*>(wh + h * K * HALF + (k + PREFETCH_K) * HALF), _MM_HINT_T0);
+      for (int h = 0; h < H; ++h) prefetch_line(wh + h * K * HALF + (k + PREFETCH_K) * HALF, prefetch);
     __m256 w[C];
 #pragma GCC unroll 4
     for (int c = 0; c < C; ++c) w[c] = _mm256_load_ps(wh + (c / 2) * K * HALF + k * HALF + 8 * (c % 2));
@@ -355,7 +390,7 @@ inline void chunk_f32(const float* wh, const float* x, int64_t K, int64_t k0, in
 // lane, the odd the high. x: float32 rows of 2 x KP values (widened once per call); p = k pairs, a
 // half's pair p one 64-byte line at wh + p * HALF * 2, the next half KP * HALF * 2 values on.
 template <int R, int H>
-inline void chunk_bf16(const uint16_t* wh, const float* x, int64_t KP, int64_t p0, int64_t p1, float* tot, bool prefetch) {
+inline void chunk_bf16(const uint16_t* wh, const float* x, int64_t KP, int64_t p0, int64_t p1, float* tot, Prefetch prefetch) {
   constexpr int C = 2 * H;
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   __m256 acc[R][C];
@@ -367,7 +402,7 @@ inline void chunk_bf16(const uint16_t* wh, const float* x, int64_t KP, int64_t p
     if (prefetch)
 #pragma GCC unroll 2
       for (int h = 0; h < H; ++h)
-        _mm_prefetch(reinterpret_cast<const char*>(wh + h * KP * HALF * 2 + (p + PREFETCH_K) * HALF * 2), _MM_HINT_T0);
+        prefetch_line(wh + h * KP * HALF * 2 + (p + PREFETCH_K) * HALF * 2, prefetch);
     __m256 xe[R], xo[R];
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
@@ -432,9 +467,9 @@ inline void by_even_rows(int64_t M, F&& f) {
 #endif
 
 // All M rows of x through one block, ROW_GROUP rows at a time: per chunk of k, every row tile.
-// S = k steps per chunk (KC k of float32, KC / 2 pairs of bfloat16); tile(R, H, m, half, s0, s1,
+// S = k steps per chunk (KC k of float32, KP_CHUNK pairs of bfloat16); tile(R, H, m, half, s0, s1,
 // tot, prefetch) sums rows m.. over steps [s0, s1) into tot (AVX2: of H halves from `half`; AVX-512:
-// H = 2, the whole block, half 0). The first tile over a chunk prefetches.
+// H = 2, the whole block, half 0). The first tile over a chunk prefetches, into the cache prefetch_for(M) picks.
 template <int MT, typename O, typename Tile>
 inline void rows_by_chunk(int64_t steps, int64_t S, int64_t M, O* y, int64_t ldy, const float* bias, int64_t n0,
                           int64_t n, Tile&& tile) {
@@ -445,25 +480,25 @@ inline void rows_by_chunk(int64_t steps, int64_t S, int64_t M, O* y, int64_t ldy
     for (int64_t s0 = 0; s0 < steps; s0 += S) {
       const int64_t s1 = std::min(steps, s0 + S);
 #if defined(__AVX512F__)
-      bool first = true;
+      Prefetch first = prefetch_for(M);
       by_rows<MT>(mg, [&](int64_t m, auto R) {
         tile(R, std::integral_constant<int, 2>{}, g0 + m, 0, s0, s1, tot[m], first);
-        first = false;
+        first = kNoPrefetch;
       });
 #else
       if (MT == 2 || mg <= 2) {  // both halves in one tile, 2 rows at a time
-        bool first = true;
+        Prefetch first = prefetch_for(M);
         by_rows<2>(mg, [&](int64_t m, auto R) {
           tile(R, std::integral_constant<int, 2>{}, g0 + m, 0, s0, s1, tot[m], first);
-          first = false;
+          first = kNoPrefetch;
         });
         continue;
       }
       for (int h = 0; h < 2; ++h) {
-        bool first = true;
+        Prefetch first = prefetch_for(M);
         by_even_rows<MT>(mg, [&](int64_t m, auto R) {
           tile(R, std::integral_constant<int, 1>{}, g0 + m, h, s0, s1, tot[m] + HALF * h, first);
-          first = false;
+          first = kNoPrefetch;
         });
       }
 #endif
@@ -477,7 +512,7 @@ inline void rows_by_chunk(int64_t steps, int64_t S, int64_t M, O* y, int64_t ldy
 template <typename O>
 inline void rows_f32(const float* wb, const float* x, int64_t K, int64_t M, O* y, int64_t ldy, const float* bias,
                      int64_t n0, int64_t n) {
-  rows_by_chunk<MT_F32>(K, KC, M, y, ldy, bias, n0, n, [&](auto R, auto, int64_t m, int, int64_t k0, int64_t k1, float* t, bool pf) {
+  rows_by_chunk<MT_F32>(K, KC, M, y, ldy, bias, n0, n, [&](auto R, auto, int64_t m, int, int64_t k0, int64_t k1, float* t, Prefetch pf) {
     chunk_f32<decltype(R)::value>(wb, x + m * K, K, k0, k1, t, pf);
   });
 }
@@ -485,8 +520,8 @@ inline void rows_f32(const float* wb, const float* x, int64_t K, int64_t M, O* y
 template <typename O, typename X>  // X: uint16_t (bfloat16 x, AVX512-BF16) or float (x widened, without it)
 inline void rows_bf16(const uint16_t* wb, const X* x, int64_t KP, int64_t M, O* y, int64_t ldy,
                       const float* bias, int64_t n0, int64_t n) {
-  rows_by_chunk<MT_BF16>(KP, KC / 2, M, y, ldy, bias, n0, n,
-                         [&](auto R, auto, int64_t m, int, int64_t p0, int64_t p1, float* t, bool pf) {
+  rows_by_chunk<MT_BF16>(KP, KP_CHUNK, M, y, ldy, bias, n0, n,
+                         [&](auto R, auto, int64_t m, int, int64_t p0, int64_t p1, float* t, Prefetch pf) {
                            chunk_bf16<decltype(R)::value>(wb, x + m * KP * 2, KP, p0, p1, t, pf);
                          });
 }
@@ -539,7 +574,7 @@ template <typename O>
 inline void rows_f32(const float* wb, const float* x, int64_t K, int64_t M, O* y, int64_t ldy, const float* bias,
                      int64_t n0, int64_t n) {
   rows_by_chunk<MT_F32>(K, KC, M, y, ldy, bias, n0, n,
-                        [&](auto R, auto H, int64_t m, int h, int64_t k0, int64_t k1, float* t, bool pf) {
+                        [&](auto R, auto H, int64_t m, int h, int64_t k0, int64_t k1, float* t, Prefetch pf) {
                           chunk_f32<decltype(R)::value, decltype(H)::value>(wb + h * K * HALF, x + m * K, K, k0, k1, t, pf);
                         });
 }
@@ -547,8 +582,8 @@ inline void rows_f32(const float* wb, const float* x, int64_t K, int64_t M, O* y
 template <typename O>
 inline void rows_bf16(const uint16_t* wb, const float* x, int64_t KP, int64_t M, O* y, int64_t ldy, const float* bias,
                       int64_t n0, int64_t n) {
-  rows_by_chunk<MT_BF16>(KP, KC / 2, M, y, ldy, bias, n0, n,
-                         [&](auto R, auto H, int64_t m, int h, int64_t p0, int64_t p1, float* t, bool pf) {
+  rows_by_chunk<MT_BF16>(KP, KP_CHUNK, M, y, ldy, bias, n0, n,
+                         [&](auto R, auto H, int64_t m, int h, int64_t p0, int64_t p1, float* t, Prefetch pf) {
                            chunk_bf16<decltype(R)::value, decltype(H)::value>(wb + h * KP * HALF * 2, x + m * KP * 2, KP,
                                                                               p0, p1, t, pf);
                          });
