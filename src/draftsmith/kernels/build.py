@@ -3,7 +3,7 @@
 The few-row linear kernel is compiled on first use with the machine's C++ compiler
 (`$CXX`, else `c++`) and `-march=native` against the installed torch, then cached under
 `$DRAFTSMITH_HOME/kernels/<key>/` where the key hashes the source, the compile command (with its
-per-vendor tuning defines), the torch version and the CPU's instruction-set flags (a home shared by different machines gets
+per-CPU tuning defines), the torch version and the CPU's instruction-set flags (a home shared by different machines gets
 one build per kind of CPU). The build is ~10 s on 2 cores, written to a temporary file and
 renamed, so processes that build at once cannot load half a library.
 
@@ -58,35 +58,45 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
     return frozenset()
 
 
-def cpu_vendor(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
-    """The CPU's vendor as /proc/cpuinfo names it ("AuthenticAMD", "GenuineIntel"), or "" where it
-    does not."""
+def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> tuple[str, int | None]:
+    """The CPU's vendor and family as /proc/cpuinfo names them (("AuthenticAMD", 25) for a Zen 3 or
+    Zen 4, ("GenuineIntel", 6)); ("", None) for what it does not say. (Read with cpu_flags by
+    tuning_defines, which picks per-CPU compile choices.)"""
     try:
         text = cpuinfo.read_text()
     except OSError:
-        return ""
+        return "", None
+    vendor, family = "", None
     for line in text.splitlines():
         key, sep, value = line.partition(":")
-        if sep and key.strip() == "vendor_id":
-            return value.strip()
-    return ""
+        if not sep:
+            continue
+        if key.strip() == "vendor_id" and not vendor:
+            vendor = value.strip()
+        elif key.strip() == "cpu family" and family is None:
+            family = int(value) if value.strip().isdigit() else None
+        if vendor and family is not None:
+            break
+    return vendor, family
 
 
-def tuning_defines(vendor: str) -> list[str]:
-    """Compile-time choices measured per CPU vendor. AMD: the linears' software prefetches of a call
-    with 4 or more rows fill L2, not L1 (`DS_PREFETCH_L2`, gemv.cpp's `prefetch_for`); elsewhere they
-    fill L1, as tuned on Intel."""
-    return ["-DDS_PREFETCH_L2"] if vendor == "AuthenticAMD" else []
+def tuning_defines(vendor: str, family: int | None, flags: frozenset[str]) -> list[str]:
+    """Compile-time choices measured per kind of CPU. A Zen 4 (AMD family 25 with AVX-512): the
+    linears' software prefetches of a call with 4 or more rows fill L2, not L1 (`DS_PREFETCH_L2`,
+    gemv.cpp's `prefetch_for`). Elsewhere they fill L1: as tuned on Intel and on a Zen 5, and on a
+    Zen 3 (family 25, AVX2) L1 beat L2 (BENCHMARKS.md, stop 26)."""
+    return ["-DDS_PREFETCH_L2"] if vendor == "AuthenticAMD" and family == 25 and "avx512f" in flags else []
 
 
-def _command(compiler: str, out: Path, vendor: str | None = None) -> list[str]:
+def _command(compiler: str, out: Path, model: tuple[str, int | None] | None = None,
+             flags: frozenset[str] | None = None) -> list[str]:
     import torch
     from torch.utils.cpp_extension import include_paths
 
     lib = Path(torch.__file__).parent / "lib"
     abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", 1))
     incs = [f"-isystem{p}" for p in include_paths()]
-    defines = tuning_defines(cpu_vendor() if vendor is None else vendor)
+    defines = tuning_defines(*(cpu_model() if model is None else model), cpu_flags() if flags is None else flags)
     return [compiler, "-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++17",
             f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *defines, *incs, str(SOURCE), "-o", str(out),
             f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu"]

@@ -188,11 +188,12 @@ inline void store_row(O* y, const float* bias, int64_t n0, int64_t n, const floa
 // (blocked summation: the rounding error of a 1,536-term dot product stays near the other
 // backends' instead of growing with K). Every tile of a build sums an output in this same order.
 constexpr int64_t KC = 32;
-// bfloat16 k pairs per chunk. AVX512-BF16: 64 (8 KB of a block), so a tile's chunk of 16
-// vdpbf16ps a pair amortises its 2 x R loads, adds and stores of the running totals over 4x the
-// dot products of KC / 2; on one Zen 4 core an L2-resident 256 x 576 weight ran at 81 vs 74
-// GMAC/s at 8 rows and 93 vs 81 at 16 (the float32 tile, 32 k a chunk, has the same share).
-// Elsewhere KC / 2 pairs (their tiles widen the pairs to float32 FMAs; unmeasured with more).
+// bfloat16 k pairs per chunk. AVX512-BF16: 64 (8 KB of a block), so a tile's 2 x R loads, adds and
+// stores of the running totals come once per 64 x 2 x R vdpbf16ps instead of per 16 x 2 x R. On one
+// Zen 4 core (an ad-hoc probe: a 256 x 576 weight in L2) 81 vs 74 GMAC/s at 8 rows, 93 vs 81 at 16;
+// smollm2-135m's linears at 2 threads (both with L2 prefetches) 0.94-1.05x at 8 rows, 0.93-0.94x at
+// 16. Measured only there: it applies to every AVX512-BF16 build without AMX (Zen 5, Intel Cooper
+// Lake) too. Without AVX512-BF16, KC / 2 pairs (their tiles widen the pairs to float32 FMAs).
 #ifdef __AVX512BF16__
 constexpr int64_t KP_CHUNK = 64;
 #else
@@ -201,16 +202,18 @@ constexpr int64_t KP_CHUNK = KC / 2;
 
 constexpr int64_t ROW_GROUP = 48;  // rows whose running totals live on the stack at once
 constexpr int64_t PREFETCH_K = 128;  // k ahead in a block's stream (AVX-512: 8 or 16 KB; AVX2: 8 KB a half)
-// The cache those prefetches fill. One or two rows: L1 (prefetcht0). From PREFETCH_L2_ROWS rows
-// on AMD (DS_PREFETCH_L2, set by kernels/build.py from the CPU's vendor): L2 (prefetcht1). Into L1
-// each line held an L1 miss buffer for its whole trip from DRAM, and 16 KB ahead of a block shared
-// the 32 KB L1 with the chunk being summed and x, so a few-row pass did not stream and compute at
-// once: on 2 Zen 4 cores smollm2-135m's linears at 8 / 16 / 32 rows took 0.80 / 0.75 / 0.90x of
-// their L1-prefetch time in bfloat16 and 0.98 / 0.70 / 0.80x in float32 (one thread: 0.63 / 0.73
-// / 0.89x, 0.80 / 0.73 / 0.78x; benchmarks/ab_linears.py, same bits; the AVX2 tiles built for Zen 3
-// on the same cores: float32 0.91 / 0.73x at 8 / 16). At one or two rows on one thread L2 was
-// 1.07-1.30x slower (a core alone waits on its loads), at 4 rows the same. Elsewhere always L1, as
-// tuned on Intel (L2 unmeasured there).
+// The cache those prefetches fill. One to 3 rows: L1 (prefetcht0). From PREFETCH_L2_ROWS rows on a
+// Zen 4 (DS_PREFETCH_L2: kernels/build.py sets it for AMD family 25 with AVX-512): L2 (prefetcht1).
+// Into L1 each line held an L1 miss buffer for its whole trip from DRAM, and 16 KB ahead of a block
+// shared the 32 KB L1 with the chunk being summed and x, so a few-row pass did not stream and
+// compute at once. On 2 Zen 4 cores, smollm2-135m's linears against the L1 version
+// (benchmarks/ab_linears.py, two runs, 2 threads; bfloat16 with KP_CHUNK's change too): float32
+// 0.86-0.88 / 0.74-0.76 / 0.82-0.84x at 8 / 16 / 32 rows and 0.87 / 0.91 / 0.96x at 48 / 64 / 128
+// (same bits), bfloat16 0.75-0.84 / 0.73-0.78 / 0.85-0.90x and 0.88 / 0.91 / 0.91x; an ad-hoc A/B
+// of the prefetch alone: float32 1.04 / 0.73x at 8 / 16 rows, bfloat16 0.86 / 0.84x. Into L2 at one
+// or two rows was 1.14-1.30x slower in float32 on one thread (a core alone waits on its loads); at 4
+// rows the same as L1. Elsewhere always L1: as tuned on Intel and a Zen 5; on a Zen 3 L1 beat L2
+// (BENCHMARKS.md, stop 26).
 enum Prefetch : int { kNoPrefetch = 0, kPrefetchL1, kPrefetchL2 };
 constexpr int64_t PREFETCH_L2_ROWS = 4;
 
@@ -231,8 +234,8 @@ inline void prefetch_line(const void* p, Prefetch pf) {
 
 // AVX-512: a tile is R <= 8 rows x the block's 32 columns, 2 x R zmm sums. A block's rows take
 // ceil(M / 8) tiles; the loop runs chunk by chunk (rows_by_chunk: every tile of the rows over KC k,
-// or KP_CHUNK bfloat16 pairs, while those 4 or 8 KB of the block are in L1), and the first tile over a chunk asks for the lines
-// PREFETCH_K k ahead, one row included (without, one row relied on the hardware prefetcher: on an
+// or KP_CHUNK bfloat16 pairs, while those 2 to 8 KB of the block are in L1), and the first tile
+// over a chunk asks for the lines PREFETCH_K k ahead, one row included (without, one row relied on the hardware prefetcher: on an
 // Intel Xeon (AVX-512 without BF16, 2 cores) smollm2-135m's linears at one row then took 13.2 vs
 // 11.1 ms in bfloat16 and 19.7 vs 19.0 in float32; benchmarks/ab_linears.py, same bits). Tile after
 // tile over the whole block (the first version) left DRAM idle while the later tiles re-read the
@@ -727,10 +730,13 @@ inline void norm_row(const float* xr, const at::Tensor& wc, bool bf16, int64_t H
   float ss = v16::reduce_add(acc);
   for (; h < H; ++h) ss += xr[h] * xr[h];
   const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
-  if (bf16) {
+  if (bf16) {  // vector and scalar roundings are the same (to nearest even, NaN -> 0x7FC0)
     const uint16_t* wr = reinterpret_cast<const uint16_t*>(wc.data_ptr());
     uint16_t* yr = static_cast<uint16_t*>(out);
-    for (h = 0; h < H; ++h) yr[h] = f32_to_bf16(bf16_to_f32(wr[h]) * bf16_to_f32(f32_to_bf16(xr[h] * inv)));
+    const V16 iv = v16::set1(inv);
+    for (h = 0; h + 16 <= H; h += 16)
+      store16(yr + h, v16::mul(v16::load(wr + h), v16::round_bf16(v16::mul(v16::load(xr + h), iv))));
+    for (; h < H; ++h) yr[h] = f32_to_bf16(bf16_to_f32(wr[h]) * bf16_to_f32(f32_to_bf16(xr[h] * inv)));
   } else {
     const float* wr = wc.data_ptr<float>();
     float* yr = static_cast<float*>(out);
@@ -765,7 +771,13 @@ std::vector<at::Tensor> norm_impl(const at::Tensor& x, const at::Tensor* a, cons
         const uint16_t* x0 = reinterpret_cast<const uint16_t*>(xp) + r * H;
         const uint16_t* a0 = reinterpret_cast<const uint16_t*>(ac.data_ptr()) + r * H;
         uint16_t* s0 = reinterpret_cast<uint16_t*>(s.data_ptr()) + r * H;
-        for (int64_t h = 0; h < H; ++h) {
+        int64_t h = 0;
+        for (; h + 16 <= H; h += 16) {
+          const V16 sv = v16::add(v16::load(x0 + h), v16::load(a0 + h));
+          store16(s0 + h, sv);
+          v16::store(buf.data() + h, v16::round_bf16(sv));
+        }
+        for (; h < H; ++h) {
           s0[h] = f32_to_bf16(bf16_to_f32(x0[h]) + bf16_to_f32(a0[h]));
           buf[h] = bf16_to_f32(s0[h]);
         }
@@ -778,7 +790,9 @@ std::vector<at::Tensor> norm_impl(const at::Tensor& x, const at::Tensor* a, cons
         xr = s0;
       } else if (bf16) {
         const uint16_t* src = reinterpret_cast<const uint16_t*>(xp) + r * H;
-        for (int64_t h = 0; h < H; ++h) buf[h] = bf16_to_f32(src[h]);
+        int64_t h = 0;
+        for (; h + 16 <= H; h += 16) v16::store(buf.data() + h, v16::load(src + h));
+        for (; h < H; ++h) buf[h] = bf16_to_f32(src[h]);
         xr = buf.data();
       } else {
         xr = reinterpret_cast<const float*>(xp) + r * H;
@@ -1031,7 +1045,8 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
 #else
   constexpr int QT = DV <= 2 ? 4 : DV <= 4 ? 2 : 1;
 #endif
-  const E* qp = reinterpret_cast<const E*>(q.data_ptr());
+  const E* qp = reinterpret_cast<const E*>(q.data_ptr());  // q: unit stride in D, any other strides
+  const int64_t qsb = q.stride(0), qsh = q.stride(1), qss = q.stride(2);
   const E* kp = reinterpret_cast<const E*>(k.data_ptr());
   const E* vp = reinterpret_cast<const E*>(v.data_ptr());
   const int64_t ksb = k.stride(0), ksh = k.stride(1), kst = k.stride(2);
@@ -1064,7 +1079,7 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
         hmax = std::max(hmax, hi[r]);
         sc[r] = scores.data() + r * (T + 16);
         orow[r] = op + ((b * S + s) * H + h) * D;
-        const E* qr = qp + ((b * H + h) * S + s) * D;
+        const E* qr = qp + b * qsb + h * qsh + s * qss;
         for (int d = 0; d < DV; ++d) qs[r * DV + d] = v16::mul(v16::load(qr + d * 16), v16::set1(scale));
       }
       const int64_t kr = rows ? rows[b] : b;
@@ -1145,7 +1160,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   const int64_t B = q.size(0), H = q.size(1), S = q.size(2), D = q.size(3), T = k.size(2);
   TORCH_CHECK(k.size(0) == B, "attention: k / v need q's batch size");
   TORCH_CHECK(!causal || T >= S, "attention: causal needs at least S keys");
-  auto qc = q.contiguous();
+  auto qc = q.stride(3) == 1 ? q : q.contiguous();  // a view of the fused q/k/v output: no copy
   auto out = at::empty({B, S, H, D}, q.options());
   at::Tensor mc;
   const bool* mp = nullptr;
@@ -1184,7 +1199,7 @@ at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& k, const at::Te
       TORCH_CHECK(pp[b * S + s] >= 0 && pp[b * S + s] < T, "attention_rows: a position outside the cache's ", T,
                   " positions");
   }
-  auto qc = q.contiguous();
+  auto qc = q.stride(3) == 1 ? q : q.contiguous();  // a view of the fused q/k/v output: no copy
   auto out = at::empty({B, S, H, D}, q.options());
   attention_dispatch(qc, k, v, nullptr, 1, false, scale, out, rp, pp);
   return out.transpose(1, 2);
@@ -1336,6 +1351,22 @@ at::Tensor lin(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t k, c
   return w.scalar_type() == at::kFloat ? gemv_f32(x, w, n, b) : gemv_bf16(x, w, n, k, b);
 }
 
+// src [B, S, kv heads, D] (unit stride in D) into cache [R, kv heads, T, D] rows row0.., positions
+// start..: what cache.narrow(...).copy_(src.transpose(1, 2)) does, one memcpy a head and token
+// (torch's copy_ cost ~3 us a call, two a layer, more than the bytes of a decode step's k and v).
+void write_kv(const at::Tensor& src, const at::Tensor& cache, int64_t row0, int64_t start) {
+  TORCH_CHECK(src.scalar_type() == cache.scalar_type() && src.stride(3) == 1 && cache.stride(3) == 1,
+              "layer: k / v and the cache must share a dtype, with unit stride in D");
+  const int64_t B = src.size(0), S = src.size(1), KV = src.size(2), D = src.size(3), es = src.element_size();
+  const char* sp = static_cast<const char*>(src.data_ptr());
+  char* cp = static_cast<char*>(cache.data_ptr());
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < KV; ++h)
+      for (int64_t s = 0; s < S; ++s)
+        std::memcpy(cp + ((row0 + b) * cache.stride(0) + h * cache.stride(1) + (start + s) * cache.stride(2)) * es,
+                    sp + (b * src.stride(0) + s * src.stride(1) + h * src.stride(2)) * es, D * es);
+}
+
 at::Tensor layer(const at::Tensor& x, const at::Tensor& ln1, const at::Tensor& ln2, double eps,
                  const at::Tensor& qkv_w, const std::optional<at::Tensor>& qkv_b, const at::Tensor& o_w,
                  const std::optional<at::Tensor>& o_b, const at::Tensor& gu_w, const at::Tensor& down_w,
@@ -1361,8 +1392,8 @@ at::Tensor layer(const at::Tensor& x, const at::Tensor& ln1, const at::Tensor& l
                            cos, sin_signed, nh + nkv)
                     : rope(qkv, cos, sin_signed, nh + nkv);
   auto rows_k = kc.narrow(0, row0, B), rows_v = vc.narrow(0, row0, B);
-  rows_k.narrow(2, start, S).copy_(qk.narrow(2, nh, nkv).transpose(1, 2));
-  rows_v.narrow(2, start, S).copy_(qkv.narrow(2, nh + nkv, nkv).transpose(1, 2));
+  write_kv(qk.narrow(2, nh, nkv), kc, row0, start);
+  write_kv(qkv.narrow(2, nh + nkv, nkv), vc, row0, start);
   auto att = attention(qk.narrow(2, 0, nh).transpose(1, 2), rows_k.narrow(2, 0, T), rows_v.narrow(2, 0, T), mask, causal,
                        scale);
   auto a = lin(att.transpose(1, 2).reshape({B, S, nh * D}), o_w, Hd, nh * D, o_b);
