@@ -255,7 +255,9 @@ def test_a_probe_is_priced_with_the_rows_backlog_a_cheap_draft_is_not():
     pol.cost.observe(replace(info(16, 1, forward_s=3.2), consumed_s=0.8, consumed_positions=100))  # padded: dearer
     assert pol.cost.backlog_time(100, 16) == pytest.approx(0.8) and pol.cost.backlog_time(100, 2) == pytest.approx(0.2)
     assert pol.cost.summary()["backlog_s_per_position"] == {1: pytest.approx(0.002), 16: pytest.approx(0.008)}
-    ss = seqs(1)
+    # a request with 4 tokens left: about one round at the ceiling, which pays its whole backlog
+    # (a longer one shares it: test_a_probe_shares_its_backlog_over_the_rounds_its_requests_have_left)
+    ss = [Request("r0", [1, 2, 3], SamplingParams(max_tokens=4), None)]
     nothing = VerifyResult(torch.zeros(1, 1, dtype=torch.long), torch.tensor([0]))
 
     def run(sched, n, queued):
@@ -289,6 +291,43 @@ def test_a_probe_is_priced_with_the_rows_backlog_a_cheap_draft_is_not():
     cheap.observe(replace(info(1, 1, forward_s=1.0), consumed_s=0.1, consumed_positions=100))
     cheap.queued(1000)  # 1 s: a plain step's worth
     assert cheap.choose(ss) == [3]
+
+
+def test_a_probe_shares_its_backlog_over_the_rounds_its_requests_have_left():
+    """Stop 64 (BENCHMARKS.md, the Qwen2.5-Coder pair): a draft model that costs 1.4 plain steps a
+    round of 5 drafts, whose request's prompt it never consumed (150 positions at 0.03 steps: 4.5
+    steps), was never probed at batch 1 under the 0.5 prior: priced whole, the prompt made even the
+    ceiling's round a loss, and every probe was skipped until the interval reached its maximum (tau
+    1.00 on 5 of 6 prompts). A probe that pays leads to drafting for the rest of the request, which
+    consumes the backlog once: it is spread over the rounds the shortest request has left at the
+    ceiling's tokens a round, so a long request probes and a request about to end does not."""
+    flat = SPSTable.from_step_times((1, 2, 4, 8), (1.0, 1.0, 1.0, 1.0))
+    pol = PrefixScheduler(flat, max_k=5, probe_every=4, probe_backoff_max=64, probe_verifies=0, probe_ceiling=0.9)
+    for _ in range(4):
+        pol.observe(info(1, 6, forward_s=1.0, draft_s=1.4, drafted=True))  # a dear round of 5 drafts
+    pol.observe(replace(info(1, 6, forward_s=1.0, draft_s=1.4, drafted=True), consumed_s=3.0, consumed_positions=100))
+    assert pol.cost.backlog_time(150, 1) == pytest.approx(4.5)
+    nothing = VerifyResult(torch.zeros(1, 1, dtype=torch.long), torch.tensor([0]))
+
+    def probes(max_tokens: int, rounds: int = 12) -> list[int]:
+        sched = replace(pol)
+        ss = [Request("r0", [1, 2, 3], SamplingParams(max_tokens=max_tokens), None)]
+        picks = []
+        for _ in range(rounds):
+            sched.queued(150)
+            k = sched.choose(ss)[0]
+            picks.append(k)
+            sched.update(ss, proposal([0], 0), nothing)
+        return [i for i, k in enumerate(picks, 1) if k]
+
+    # With the 0.5 prior no round pays (tau 1.97 in 2.4 steps), so only probes draft. 512 tokens left:
+    # ~109 rounds at 4.69 tokens share 4.5 steps (0.04 a round): the ceiling's round pays, the probe
+    # due at round 5 runs (its drafts verified nothing here: the interval backs off to 8, round 13).
+    assert probes(512) == [5]
+    # 8 tokens left: one or two rounds share it, the ceiling's round loses (4.69 tokens in ~5 steps):
+    # skipped as if it had not paid (4 -> 8), as the whole backlog was priced before at any length.
+    assert probes(8) == []
+    assert probes(8, rounds=40) == []
 
 
 def test_a_probe_verifies_a_draft_whatever_a_stale_cost_model_says():

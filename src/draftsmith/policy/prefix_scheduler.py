@@ -497,11 +497,10 @@ class PrefixScheduler:
         draft_time = self.cost.draft_time(R) if self.adapt else 0.0
         # The rows' backlog (queued): what a round that drafts them pays first, once, so a plan (which
         # counts on rounds to come) does not weigh it, nor does a cheap draft (paid once, then cheap
-        # every round); a probe, one round likely followed by plain ones, does (below). At batch 1 the ceiling's gain leaves
-        # room for ~3 plain steps of backlog (on a 2-core Zen 3 0.03 ms a position, a plain step 24 ms:
-        # ~2,000 positions, about FLUSH_TOKENS, where the queue is consumed anyway), so there probes
-        # still come (stop 56's lock-out); at 16 rows (0.13 ms a position, padded: stop 62) a round of
-        # prompts costs ~7 plain steps, more than a probe can gain
+        # every round); a probe does, its share (_probe_backlog: spread over the rounds its rows have
+        # left). At batch 1 a feature-fed drafter's prompt is cheap (a 2-core Zen 3: 0.03 ms a
+        # position, a plain step 24 ms), so probes come; at 16 rows (0.13 ms a position, padded: stop
+        # 62) a round of prompts costs ~7 plain steps, and rows near their end leave it unshared.
         if self.choose_plan == "replay" and self._by_columns() and self._confidences:  # as trim() will decide
             ell, gain = plan_replayed([recent_confidences(s) for s in seqs], conf, self._step_time(), draft_time)
         elif self.choose_plan == "columns" and self._by_columns() and self._confidences:  # trim's plan, on the mean
@@ -516,7 +515,7 @@ class PrefixScheduler:
         # after round, and would otherwise never be checked (stop 56: drafting stayed off for good).
         due = bool(self.probe_every) and self._idle >= self._interval
         if due and self._interval < self.probe_backoff_max and not self._probe_can_pay(
-                R, draft_time + (self.cost.backlog_time(queued, R) if self.adapt else 0.0)):
+                R, draft_time + self._probe_backlog(seqs, queued)):
             # (skipped as if it had not paid: the interval backs off, and at probe_backoff_max a probe
             # runs whatever the ceiling says, so a drafting time measured dear cannot stop probes for good)
             due, self._idle = False, 0
@@ -548,6 +547,21 @@ class PrefixScheduler:
     def _back_off(self) -> None:
         """A probe that did not pay (or was skipped): probe half as often, down to probe_backoff_max."""
         self._interval = min(2 * self._interval, self.probe_backoff_max)
+
+    def _probe_backlog(self, seqs: list[Request], queued: int) -> float:
+        """A probe's share of its rows' backlog (queued positions, at the cost model's measured rate).
+        The drafter consumes a backlog once, and a probe that pays leads to drafting for the rest of
+        these requests, so it is spread over the rounds the shortest of them has left at
+        probe_ceiling's tokens a round (at least one: a request about to end pays it all). Priced
+        whole, a prompt the drafter never consumed kept a dear draft model from ever probing at
+        batch 1: the Qwen2.5-Coder 0.5B drafting for the 1.5B, ~150 prompt positions at ~4 ms, ~5
+        plain steps against a probe's ~2-step gain (stop 64: tau 1.00 on 5 of 6 prompts)."""
+        if not self.adapt or queued <= 0:
+            return 0.0
+        c, k = self.probe_ceiling, self.max_k
+        per_round = (1.0 - c ** (k + 1)) / (1.0 - c) if c < 1.0 else k + 1.0
+        rounds = max(1.0, min(s.remaining for s in seqs) / per_round)
+        return self.cost.backlog_time(queued, len(seqs)) / rounds
 
     def _probe_can_pay(self, R: int, draft_time: float) -> bool:
         """Would a round whose every draft had conditional acceptance probe_ceiling beat plain
