@@ -255,8 +255,9 @@ def test_a_probe_is_priced_with_the_rows_backlog_a_cheap_draft_is_not():
     pol.cost.observe(replace(info(16, 1, forward_s=3.2), consumed_s=0.8, consumed_positions=100))  # padded: dearer
     assert pol.cost.backlog_time(100, 16) == pytest.approx(0.8) and pol.cost.backlog_time(100, 2) == pytest.approx(0.2)
     assert pol.cost.summary()["backlog_s_per_position"] == {1: pytest.approx(0.002), 16: pytest.approx(0.008)}
-    # a request with 4 tokens left: about one round at the ceiling, which pays its whole backlog
-    # (a longer one shares it: test_a_probe_shares_its_backlog_over_the_rounds_its_requests_have_left)
+    # one row whose request has 4 tokens left: about one round at the ceiling, which pays the whole
+    # backlog, as any round of the stop-61 case (16 rows) does (a longer single request shares it:
+    # test_a_probe_shares_its_backlog_over_the_rounds_its_requests_have_left)
     ss = [Request("r0", [1, 2, 3], SamplingParams(max_tokens=4), None)]
     nothing = VerifyResult(torch.zeros(1, 1, dtype=torch.long), torch.tensor([0]))
 
@@ -300,7 +301,8 @@ def test_a_probe_shares_its_backlog_over_the_rounds_its_requests_have_left():
     ceiling's round a loss, and every probe was skipped until the interval reached its maximum (tau
     1.00 on 5 of 6 prompts). A probe that pays leads to drafting for the rest of the request, which
     consumes the backlog once: it is spread over the rounds the shortest request has left at the
-    ceiling's tokens a round, so a long request probes and a request about to end does not."""
+    ceiling's tokens a round, so a long request probes and a request about to end does not; several
+    rows keep it whole."""
     flat = SPSTable.from_step_times((1, 2, 4, 8), (1.0, 1.0, 1.0, 1.0))
     pol = PrefixScheduler(flat, max_k=5, probe_every=4, probe_backoff_max=64, probe_verifies=0, probe_ceiling=0.9)
     for _ in range(4):
@@ -328,6 +330,15 @@ def test_a_probe_shares_its_backlog_over_the_rounds_its_requests_have_left():
     # skipped as if it had not paid (4 -> 8), as the whole backlog was priced before at any length.
     assert probes(8) == []
     assert probes(8, rounds=40) == []
+    assert probes(128) == [5]  # the default request length (27 rounds: 0.17 steps a round)
+    # Two rows keep their backlog whole (padded, ending at different rounds: stop 61's 16-row case).
+    two = replace(pol)
+    rows = [Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=512), None) for i in range(2)]
+    none = VerifyResult(torch.zeros(2, 1, dtype=torch.long), torch.tensor([0, 0]))
+    for _ in range(12):
+        two.queued(300)
+        assert two.choose(rows) == [0, 0]
+        two.update(rows, proposal([0, 0], 0), none)
 
 
 def test_a_probe_verifies_a_draft_whatever_a_stale_cost_model_says():

@@ -78,7 +78,8 @@ one whose measured gain falls below plain decoding's doubles the interval, up to
 interval; and a probe due at a load where a round whose every draft had conditional acceptance
 `probe_ceiling` would still lose to plain decoding (drafting time included, and the backlog of
 context features its rows hold queued, which a feature-fed drafter consumes before it drafts:
-prompts and the commits of rounds it did not draft; the engine says how many, `queued`) is skipped
+prompts and the commits of rounds it did not draft; the engine says how many, `queued`; a single
+row's spread over the rounds its request has left) is skipped
 and backs off the same way, until the interval reaches `probe_backoff_max`. All of this uses past rounds and
 timings only: lossless whatever it decides.
 
@@ -414,6 +415,7 @@ class PrefixScheduler:
     # queued context features counts too (at its measured rate: StepCost.backlog_time): at 16 rows on a
     # 2-core Zen 3 (stop 61) the ~3 probes of a 48-request pass cost ~10% of the decode rate (decode
     # 0.89x plain with probes, 0.96x = the A/A control without), their rows' prompts consumed first.
+    # (One row's backlog is spread over its request's remaining rounds: _probe_backlog.)
     probe_ceiling: float = 0.9
     # the online cost model's machine factor (policy/cost.py StepCost.machine_alpha, at most 0.95;
     # 0 = one correction per forward size, the model before); used when `cost` is made here
@@ -497,10 +499,10 @@ class PrefixScheduler:
         draft_time = self.cost.draft_time(R) if self.adapt else 0.0
         # The rows' backlog (queued): what a round that drafts them pays first, once, so a plan (which
         # counts on rounds to come) does not weigh it, nor does a cheap draft (paid once, then cheap
-        # every round); a probe does, its share (_probe_backlog: spread over the rounds its rows have
-        # left). At batch 1 a feature-fed drafter's prompt is cheap (a 2-core Zen 3: 0.03 ms a
-        # position, a plain step 24 ms), so probes come; at 16 rows (0.13 ms a position, padded: stop
-        # 62) a round of prompts costs ~7 plain steps, and rows near their end leave it unshared.
+        # every round); a probe does (_probe_backlog: one row's spread over the rounds its request has
+        # left, so a draft model's unconsumed prompt does not rule out every probe at batch 1; several
+        # rows' whole: at 16 rows, 0.13 ms a position padded on a 2-core Zen 3 (stop 62), a round of
+        # prompts costs ~7 plain steps, more than a probe can gain).
         if self.choose_plan == "replay" and self._by_columns() and self._confidences:  # as trim() will decide
             ell, gain = plan_replayed([recent_confidences(s) for s in seqs], conf, self._step_time(), draft_time)
         elif self.choose_plan == "columns" and self._by_columns() and self._confidences:  # trim's plan, on the mean
@@ -549,23 +551,28 @@ class PrefixScheduler:
         self._interval = min(2 * self._interval, self.probe_backoff_max)
 
     def _probe_backlog(self, seqs: list[Request], queued: int) -> float:
-        """A probe's share of its rows' backlog (queued positions, at the cost model's measured rate).
-        The drafter consumes a backlog once, and a probe that pays leads to drafting for the rest of
-        these requests, so it is spread over the rounds the shortest of them has left at
-        probe_ceiling's tokens a round (at least one: a request about to end pays it all). Priced
-        whole, a prompt the drafter never consumed kept a dear draft model from ever probing at
-        batch 1: the Qwen2.5-Coder 0.5B drafting for the 1.5B, ~150 prompt positions at ~4 ms, ~5
-        plain steps against a probe's ~2-step gain (stop 64: tau 1.00 on 5 of 6 prompts)."""
+        """A probe's price for its rows' backlog (queued positions, at the cost model's measured rate).
+        A single row's probe that pays leads to drafting for the rest of its request, which consumes the
+        backlog once, so there it is spread over the rounds the request has left at probe_ceiling's tokens
+        a round (at least one: a request about to end pays it all). Priced whole, a prompt the drafter
+        never consumed kept a dear draft model from ever probing at batch 1: the Qwen2.5-Coder 0.5B
+        drafting for the 1.5B, ~150 prompt positions at ~4 ms, ~5 plain steps against a probe's ~2-step
+        gain (stop 64: tau 1.00 on 5 of 6 prompts). Several rows keep it whole: their padded backlog is
+        dearer, their requests end at different rounds, and at 16 rows probes priced without it cost
+        ~10% of the decode rate (stop 61, probe_ceiling's note)."""
         if not self.adapt or queued <= 0:
             return 0.0
-        c, k = self.probe_ceiling, self.max_k
-        per_round = (1.0 - c ** (k + 1)) / (1.0 - c) if c < 1.0 else k + 1.0
-        rounds = max(1.0, min(s.remaining for s in seqs) / per_round)
+        rounds = 1.0
+        if len(seqs) == 1:
+            c, k = self.probe_ceiling, self.max_k
+            per_round = (1.0 - c ** (k + 1)) / (1.0 - c) if c < 1.0 else k + 1.0
+            rounds = max(1.0, seqs[0].remaining / per_round)
         return self.cost.backlog_time(queued, len(seqs)) / rounds
 
     def _probe_can_pay(self, R: int, draft_time: float) -> bool:
         """Would a round whose every draft had conditional acceptance probe_ceiling beat plain
-        decoding at R rows, drafting time included (`draft_time`: with the rows' backlog)? On the
+        decoding at R rows, drafting time included (`draft_time`: with the probe's price for the rows'
+        backlog, _probe_backlog)? On the
         profiled SPS(B) at the machine's
         current speed: the learned shapes of verify sizes are what a probe revisits (a slow
         stretch can leave them dear: stop 56), so they do not get to rule the probe out."""
