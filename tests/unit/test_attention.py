@@ -155,3 +155,24 @@ def test_attention_rows_equals_masked_attention_over_gathered_rows(dtype):
         attend_rows(q1, kc, vc, torch.tensor([R]), torch.tensor([[0]]))
     with pytest.raises(RuntimeError, match="a position outside the cache"):
         attend_rows(q1, kc, vc, torch.tensor([0]), torch.tensor([[T]]))
+
+
+@pytest.mark.skipif(not cpu_kernels().ok, reason="Draftsmith's CPU kernels do not run here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_step_kernels_read_a_strided_query_as_its_contiguous_copy(dtype):
+    """The step kernels read q through its strides (a layer's q is a view of the fused q/k/v output,
+    [B, S, heads, D] transposed): the same bits as a contiguous copy, for attention and attention_rows;
+    a q without unit stride in D is copied first."""
+    g = torch.Generator().manual_seed(3)
+    B, H, KV, S, D, T = 2, 6, 2, 5, 64, 40
+    fused = torch.randn(B, S, H + 2 * KV, D, generator=g).to(dtype)
+    q = fused.narrow(2, 0, H).transpose(1, 2)  # [B, H, S, D], not contiguous
+    assert not q.is_contiguous()
+    k, v = (torch.randn(B, KV, T, D, generator=g).to(dtype) for _ in range(2))
+    ops = torch.ops.draftsmith
+    assert torch.equal(ops.attention(q, k, v, None, True, D ** -0.5), ops.attention(q.contiguous(), k, v, None, True, D ** -0.5))
+    rows, pos = torch.tensor([1, 0]), torch.tensor([[30], [7]]) + torch.arange(S)
+    assert torch.equal(ops.attention_rows(q, k, v, rows, pos, D ** -0.5),
+                       ops.attention_rows(q.contiguous(), k, v, rows, pos, D ** -0.5))
+    odd = torch.randn(B, H, D, S, generator=g).to(dtype).transpose(2, 3)  # stride 1 not in D
+    assert torch.equal(ops.attention(odd, k, v, None, True, D ** -0.5), ops.attention(odd.contiguous(), k, v, None, True, D ** -0.5))

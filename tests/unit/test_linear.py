@@ -141,7 +141,7 @@ def test_cpu_kernels_build_where_the_cpu_can_run_them():
         assert (status.isa, status.bf16) == ("avx2", True)
 
 
-def test_kernel_build_tunes_its_prefetches_by_cpu_model(tmp_path):
+def test_kernel_build_tunes_its_prefetches_by_cpu_family(tmp_path):
     """Zen 4 builds (AMD family 25 with AVX-512) get DS_PREFETCH_L2 (linears of 4+ rows prefetch into
     L2), other CPUs none; the define is part of the build key, so a home shared by both kinds of CPU
     keeps two builds."""
@@ -150,18 +150,18 @@ def test_kernel_build_tunes_its_prefetches_by_cpu_model(tmp_path):
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\n"
                     "flags\t\t: fpu avx2 fma avx512f\n\nprocessor\t: 1\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n")
-    assert build.cpu_model(info) == ("AuthenticAMD", 25)
-    assert build.cpu_model(tmp_path / "missing") == ("", None)
+    assert build.cpu_family(info) == ("AuthenticAMD", 25)
+    assert build.cpu_family(tmp_path / "missing") == ("", None)
     info.write_text("flags\t\t: fpu avx2 fma\n")  # no vendor or family line (an Arm kernel's layout)
-    assert build.cpu_model(info) == ("", None)
+    assert build.cpu_family(info) == ("", None)
     avx512, avx2 = frozenset({"avx2", "fma", "avx512f"}), frozenset({"avx2", "fma"})
     assert build.tuning_defines("AuthenticAMD", 25, avx512) == ["-DDS_PREFETCH_L2"]
     for other in (("AuthenticAMD", 25, avx2), ("AuthenticAMD", 26, avx512), ("AuthenticAMD", 23, avx2),
                   ("GenuineIntel", 6, avx512), ("", None, frozenset())):
         assert build.tuning_defines(*other) == [], other
     pytest.importorskip("setuptools")  # torch.utils.cpp_extension's import, in _command
-    zen4 = build._command("c++", tmp_path / "a.so", model=("AuthenticAMD", 25), flags=avx512)
-    zen3 = build._command("c++", tmp_path / "a.so", model=("AuthenticAMD", 25), flags=avx2)
+    zen4 = build._command("c++", tmp_path / "a.so", family=("AuthenticAMD", 25), flags=avx512)
+    zen3 = build._command("c++", tmp_path / "a.so", family=("AuthenticAMD", 25), flags=avx2)
     assert "-DDS_PREFETCH_L2" in zen4 and "-DDS_PREFETCH_L2" not in zen3
     assert build._key("c++", zen4, avx512) != build._key("c++", zen3, avx512)
 

@@ -45,8 +45,8 @@ class KernelStatus:
 
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
     """The CPU's instruction-set flags: the first "flags" line of /proc/cpuinfo on x86, its "Features"
-    line on Arm; empty where neither is there. The one reader of them: the kernels' build key here, the
-    bf16 / fp16 hardware checks in models/target.py."""
+    line on Arm; empty where neither is there. The one reader of them: the kernels' build key and
+    tuning defines here, the bf16 / fp16 hardware checks in models/target.py."""
     try:
         text = cpuinfo.read_text()
     except OSError:
@@ -58,10 +58,10 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
     return frozenset()
 
 
-def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> tuple[str, int | None]:
+def cpu_family(cpuinfo: Path = Path("/proc/cpuinfo")) -> tuple[str, int | None]:
     """The CPU's vendor and family as /proc/cpuinfo names them (("AuthenticAMD", 25) for a Zen 3 or
-    Zen 4, ("GenuineIntel", 6)); ("", None) for what it does not say. (Read with cpu_flags by
-    tuning_defines, which picks per-CPU compile choices.)"""
+    Zen 4, ("GenuineIntel", 6)); ("", None) for what it does not say. With cpu_flags, what
+    tuning_defines picks per-CPU compile choices from (_command)."""
     try:
         text = cpuinfo.read_text()
     except OSError:
@@ -88,7 +88,7 @@ def tuning_defines(vendor: str, family: int | None, flags: frozenset[str]) -> li
     return ["-DDS_PREFETCH_L2"] if vendor == "AuthenticAMD" and family == 25 and "avx512f" in flags else []
 
 
-def _command(compiler: str, out: Path, model: tuple[str, int | None] | None = None,
+def _command(compiler: str, out: Path, family: tuple[str, int | None] | None = None,
              flags: frozenset[str] | None = None) -> list[str]:
     import torch
     from torch.utils.cpp_extension import include_paths
@@ -96,7 +96,7 @@ def _command(compiler: str, out: Path, model: tuple[str, int | None] | None = No
     lib = Path(torch.__file__).parent / "lib"
     abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", 1))
     incs = [f"-isystem{p}" for p in include_paths()]
-    defines = tuning_defines(*(cpu_model() if model is None else model), cpu_flags() if flags is None else flags)
+    defines = tuning_defines(*(cpu_family() if family is None else family), cpu_flags() if flags is None else flags)
     return [compiler, "-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++17",
             f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *defines, *incs, str(SOURCE), "-o", str(out),
             f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu"]
@@ -142,7 +142,8 @@ def _build_and_load() -> KernelStatus:
         return KernelStatus(False, False, "no C++ compiler (set CXX or install g++)")
     from draftsmith.models.registry import draftsmith_home
 
-    key = _key(compiler, _command(compiler, Path("lib.so")), flags)
+    family = cpu_family()
+    key = _key(compiler, _command(compiler, Path("lib.so"), family, flags), flags)
     out_dir = draftsmith_home() / "kernels" / key
     lib = out_dir / "draftsmith_kernels.so"
     if not lib.is_file():
@@ -150,7 +151,8 @@ def _build_and_load() -> KernelStatus:
         tmp = out_dir / f".draftsmith_kernels.{os.getpid()}.{uuid.uuid4().hex[:8]}.so"
         print("draftsmith: compiling the CPU decode kernels for this machine (once, ~10 s)...", file=sys.stderr)
         try:
-            done = subprocess.run(_command(compiler, tmp), capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+            done = subprocess.run(_command(compiler, tmp, family, flags), capture_output=True, text=True,
+                                  timeout=BUILD_TIMEOUT_S)
             if done.returncode != 0:
                 tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-8:])
                 return KernelStatus(False, False, f"compiling {SOURCE.name} failed:\n{tail}")

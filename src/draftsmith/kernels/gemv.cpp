@@ -201,7 +201,7 @@ constexpr int64_t KP_CHUNK = KC / 2;
 #endif
 
 constexpr int64_t ROW_GROUP = 48;  // rows whose running totals live on the stack at once
-constexpr int64_t PREFETCH_K = 128;  // k ahead in a block's stream (AVX-512: 8 or 16 KB; AVX2: 8 KB a half)
+constexpr int64_t PREFETCH_K = 128;  // k ahead in a block's stream (AVX-512: 16 KB; AVX2: 8 KB a half)
 // The cache those prefetches fill. One to 3 rows: L1 (prefetcht0). From PREFETCH_L2_ROWS rows on a
 // Zen 4 (DS_PREFETCH_L2: kernels/build.py sets it for AMD family 25 with AVX-512): L2 (prefetcht1).
 // Into L1 each line held an L1 miss buffer for its whole trip from DRAM, and 16 KB ahead of a block
@@ -226,8 +226,14 @@ inline Prefetch prefetch_for(int64_t rows) {
 }
 
 inline void prefetch_line(const void* p, Prefetch pf) {
-  if (pf == kPrefetchL2) _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1);
-  else _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
+#ifdef DS_PREFETCH_L2
+  if (pf == kPrefetchL2) {
+    _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1);
+    return;
+  }
+#endif
+  (void)pf;  // (elsewhere the loops compile to L1 prefetches alone, as before)
+  _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
 }
 
 #if defined(__AVX512F__)
@@ -1351,10 +1357,10 @@ at::Tensor lin(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t k, c
   return w.scalar_type() == at::kFloat ? gemv_f32(x, w, n, b) : gemv_bf16(x, w, n, k, b);
 }
 
-// src [B, S, kv heads, D] (unit stride in D) into cache [R, kv heads, T, D] rows row0.., positions
-// start..: what cache.narrow(...).copy_(src.transpose(1, 2)) does, one memcpy a head and token
+// src [B, S, kv heads, D] (unit stride in D) into cache rows [B, kv heads, T, D] (a view of the cache), positions
+// start..: what cache.narrow(2, start, S).copy_(src.transpose(1, 2)) does, one memcpy a head and token
 // (torch's copy_ cost ~3 us a call, two a layer, more than the bytes of a decode step's k and v).
-void write_kv(const at::Tensor& src, const at::Tensor& cache, int64_t row0, int64_t start) {
+void write_kv(const at::Tensor& src, const at::Tensor& cache, int64_t start) {
   TORCH_CHECK(src.scalar_type() == cache.scalar_type() && src.stride(3) == 1 && cache.stride(3) == 1,
               "layer: k / v and the cache must share a dtype, with unit stride in D");
   const int64_t B = src.size(0), S = src.size(1), KV = src.size(2), D = src.size(3), es = src.element_size();
@@ -1363,7 +1369,7 @@ void write_kv(const at::Tensor& src, const at::Tensor& cache, int64_t row0, int6
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < KV; ++h)
       for (int64_t s = 0; s < S; ++s)
-        std::memcpy(cp + ((row0 + b) * cache.stride(0) + h * cache.stride(1) + (start + s) * cache.stride(2)) * es,
+        std::memcpy(cp + (b * cache.stride(0) + h * cache.stride(1) + (start + s) * cache.stride(2)) * es,
                     sp + (b * src.stride(0) + s * src.stride(1) + h * src.stride(2)) * es, D * es);
 }
 
@@ -1392,8 +1398,8 @@ at::Tensor layer(const at::Tensor& x, const at::Tensor& ln1, const at::Tensor& l
                            cos, sin_signed, nh + nkv)
                     : rope(qkv, cos, sin_signed, nh + nkv);
   auto rows_k = kc.narrow(0, row0, B), rows_v = vc.narrow(0, row0, B);
-  write_kv(qk.narrow(2, nh, nkv), kc, row0, start);
-  write_kv(qkv.narrow(2, nh + nkv, nkv), vc, row0, start);
+  write_kv(qk.narrow(2, nh, nkv), rows_k, start);
+  write_kv(qkv.narrow(2, nh + nkv, nkv), rows_v, start);
   auto att = attention(qk.narrow(2, 0, nh).transpose(1, 2), rows_k.narrow(2, 0, T), rows_v.narrow(2, 0, T), mask, causal,
                        scale);
   auto a = lin(att.transpose(1, 2).reshape({B, S, nh * D}), o_w, Hd, nh * D, o_b);
