@@ -43,41 +43,40 @@ class KernelStatus:
     build: str = ""  # the build's key (source, flags, compiler, torch, CPU flags) when ok: a new key, new speeds
 
 
+def cpu_fields(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, str]:
+    """The first processor's "key: value" lines of /proc/cpuinfo (keys and values stripped); empty
+    where it cannot be read. The one parser of it for cpu_flags and cpu_family."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return {}
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            if fields:
+                break  # the end of the first processor's block
+            continue
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
     """The CPU's instruction-set flags: the first "flags" line of /proc/cpuinfo on x86, its "Features"
     line on Arm; empty where neither is there. The one reader of them: the kernels' build key and
     tuning defines here, the bf16 / fp16 hardware checks in models/target.py."""
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        key, sep, value = line.partition(":")
-        if sep and key.strip() in ("flags", "Features"):
-            return frozenset(value.split())
-    return frozenset()
+    fields = cpu_fields(cpuinfo)
+    return frozenset(fields.get("flags", fields.get("Features", "")).split())
 
 
 def cpu_family(cpuinfo: Path = Path("/proc/cpuinfo")) -> tuple[str, int | None]:
     """The CPU's vendor and family as /proc/cpuinfo names them (("AuthenticAMD", 25) for a Zen 3 or
     Zen 4, ("GenuineIntel", 6)); ("", None) for what it does not say. With cpu_flags, what
     tuning_defines picks per-CPU compile choices from (_command)."""
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
-        return "", None
-    vendor, family = "", None
-    for line in text.splitlines():
-        key, sep, value = line.partition(":")
-        if not sep:
-            continue
-        if key.strip() == "vendor_id" and not vendor:
-            vendor = value.strip()
-        elif key.strip() == "cpu family" and family is None:
-            family = int(value) if value.strip().isdigit() else None
-        if vendor and family is not None:
-            break
-    return vendor, family
+    fields = cpu_fields(cpuinfo)
+    family = fields.get("cpu family", "")
+    return fields.get("vendor_id", ""), int(family) if family.isdigit() else None
 
 
 def tuning_defines(vendor: str, family: int | None, flags: frozenset[str]) -> list[str]:
