@@ -874,6 +874,36 @@ inline void score_tile(const V16* qv, const E* kb, int64_t kst, int64_t j0, int6
   v16::store_first(sc + j0, v16::hsum16(a), nj);
 }
 
+#if defined(__AVX512BF16__)
+// bfloat16 q and keys on a CPU with AVX512-BF16 (even head_dim / 16): a key's products by vdpbf16ps,
+// dimensions in pairs, straight from the bfloat16 rows (half the instructions of widening and FMAs),
+// the tile's 16 sums by hsum16, then scaled: scale * (q . k) where score_tile has (scale * q) . k.
+// Against score_tile with widened tiles, on 2 Zen 4 cores at smollm2's shapes over ~200 keys
+// (runs/kprobe/att_ab.py, stop 65): 1 / 8 / 16 queries 0.79-0.85 / 0.83-0.86 / 0.77-0.86x.
+struct BH {  // 32 bfloat16 (16 pairs) for vdpbf16ps; a struct, so a std::vector of it keeps its alignment
+  __m512bh v;
+};
+
+template <int DV>
+inline void score_tile_dp(const BH* qv, const uint16_t* kb, int64_t kst, int64_t j0, int64_t nj, float scale,
+                          float* sc) {
+  V16 a[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) {
+    if (i < nj) {
+      const uint16_t* kr = kb + (j0 + i) * kst;
+      __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0].v, (__m512bh)_mm512_loadu_si512(kr));
+#pragma GCC unroll 8
+      for (int d = 1; d < DV / 2; ++d) s = _mm512_dpbf16_ps(s, qv[d].v, (__m512bh)_mm512_loadu_si512(kr + d * 32));
+      a[i] = {s};
+    } else {
+      a[i] = v16::zero();
+    }
+  }
+  v16::store_first(sc + j0, v16::mul(v16::hsum16(a), v16::set1(scale)), nj);
+}
+#endif
+
 #else
 // AVX2: the same sums (per key: both 8-lane halves over d, the halves added, then hsum8's tree over
 // 8 keys), two keys at a time into the tree, so that a tile's 16 keys never hold 32 ymm at once (the
@@ -976,6 +1006,67 @@ inline void weighted_values(const E* vb, int64_t vst, float* const* sc, const in
   }
 }
 
+#if defined(__AVX512F__)
+// bfloat16 values (AVX-512, even head_dim / 16): the same sums as weighted_values, so the same bits,
+// but each 32 values of a row are loaded as 16 pairs and widened by a shift (the even dimensions) and
+// a mask (the odd ones), 2 instructions where a zero-extension and a shift per 16 values took 4; the
+// even / odd sums are interleaved back once a row, at the end. Against weighted_values, on 2 Zen 4
+// cores (att_ab.py, stop 65): 0.90-0.95x at 1 / 8 / 16 queries.
+template <int DV, int R, typename O>
+inline void weighted_values_pairs(const uint16_t* vb, int64_t vst, float* const* sc, const int64_t* hi, const float* l,
+                                  O* const* orow) {
+  constexpr int P = DV / 2;     // 32-value chunks of a row
+  V16 acc[R][DV], acc2[R][DV];  // [2c]: the even dimensions of chunk c, [2c + 1]: its odd ones
+  int64_t hmax = 0;
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    hmax = std::max(hmax, hi[r]);
+#pragma GCC unroll 16
+    for (int d = 0; d < DV; ++d) acc[r][d] = acc2[r][d] = v16::zero();
+  }
+  const __m512i odd = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t j = 0; j < hmax; ++j) {
+    const uint16_t* vr = vb + j * vst;
+    V16 vv[DV];
+#pragma GCC unroll 8
+    for (int c = 0; c < P; ++c) {
+      const __m512i x = _mm512_loadu_si512(vr + c * 32);
+      vv[2 * c] = {_mm512_castsi512_ps(_mm512_slli_epi32(x, 16))};
+      vv[2 * c + 1] = {_mm512_castsi512_ps(_mm512_and_si512(x, odd))};
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      if (j >= hi[r] || sc[r][j] == 0.0f) continue;
+      const V16 pv = v16::set1(sc[r][j]);
+      if (j & 1) {
+#pragma GCC unroll 16
+        for (int d = 0; d < DV; ++d) acc2[r][d] = v16::fmadd(pv, vv[d], acc2[r][d]);
+      } else {
+#pragma GCC unroll 16
+        for (int d = 0; d < DV; ++d) acc[r][d] = v16::fmadd(pv, vv[d], acc[r][d]);
+      }
+    }
+  }
+  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i hi16 = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    if (l[r] == 0.0f) {  // no key visible: zeros, not NaN
+      std::memset(orow[r], 0, DV * 16 * sizeof(O));
+      continue;
+    }
+    const V16 inv = v16::set1(1.0f / l[r]);
+#pragma GCC unroll 8
+    for (int c = 0; c < P; ++c) {
+      const __m512 e = v16::mul(v16::add(acc[r][2 * c], acc2[r][2 * c]), inv).v;
+      const __m512 o = v16::mul(v16::add(acc[r][2 * c + 1], acc2[r][2 * c + 1]), inv).v;
+      store16(orow[r] + c * 32, V16{_mm512_permutex2var_ps(e, lo, o)});
+      store16(orow[r] + c * 32 + 16, V16{_mm512_permutex2var_ps(e, hi16, o)});
+    }
+  }
+}
+#endif
+
 #if !defined(__AVX512F__)
 // AVX2: the same sums as weighted_values (per row: even keys into one chain, odd keys into another,
 // keys in order, zero weights skipped; then (even + odd) / l), with at most 4 V16 (8 ymm) of sums in
@@ -1045,6 +1136,12 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
                     const int64_t* pos = nullptr) {
   const int64_t B = q.size(0), H = q.size(1), S = q.size(2), D = q.size(3), KV = k.size(1), T = k.size(2);
   const int64_t G = H / KV, NQ = G * S;  // query rows of one (b, kv head), s-major: row i = (s, head i % G)
+  [[maybe_unused]] constexpr bool pairs = std::is_same<E, uint16_t>::value && DV % 2 == 0;  // bfloat16 rows as 32-bit pairs
+#if defined(__AVX512BF16__)
+  constexpr bool dot_bf16 = pairs;  // scores by vdpbf16ps (score_tile_dp)
+#else
+  constexpr bool dot_bf16 = false;
+#endif
   // rows per weighted_values pass (their sums in registers; a row's sums are the same whatever QT is)
 #if defined(__AVX512F__)
   constexpr int QT = DV <= 2 ? 4 : DV <= 4 ? 3 : 1;
@@ -1066,12 +1163,15 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   const int64_t grain = std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(1, QC * T * D));
   at::parallel_for(0, B * KV * per_group, grain, [&](int64_t t0, int64_t t1) {
     std::vector<float> scores(QC * (T + 16));
-    std::vector<V16> qs(QC * DV);
+    std::vector<V16> qs(dot_bf16 ? 0 : QC * DV);
+#if defined(__AVX512BF16__)
+    std::vector<BH> qb(dot_bf16 ? QC * DV / 2 : 0);  // q rows as bfloat16 pairs (score_tile_dp)
+#endif
     std::vector<int64_t> hi(QC);
     std::vector<float> l(QC);
     std::vector<float*> sc(QC);
     std::vector<E*> orow(QC);
-    std::vector<float> ktile(std::is_same<E, float>::value ? 0 : 16 * DV * 16);
+    std::vector<float> ktile(std::is_same<E, float>::value || dot_bf16 ? 0 : 16 * DV * 16);
 #if !defined(__AVX512F__)
     std::vector<float> vacc(QC * 2 * DV * 16);  // value sums (weighted_values_rows)
 #endif
@@ -1086,6 +1186,12 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
         sc[r] = scores.data() + r * (T + 16);
         orow[r] = op + ((b * S + s) * H + h) * D;
         const E* qr = qp + b * qsb + h * qsh + s * qss;
+#if defined(__AVX512BF16__)
+        if constexpr (dot_bf16) {
+          for (int d = 0; d < DV / 2; ++d) qb[r * (DV / 2) + d].v = (__m512bh)_mm512_loadu_si512(qr + d * 32);
+          continue;
+        }
+#endif
         for (int d = 0; d < DV; ++d) qs[r * DV + d] = v16::mul(v16::load(qr + d * 16), v16::set1(scale));
       }
       const int64_t kr = rows ? rows[b] : b;
@@ -1093,8 +1199,16 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
       const E* vb = vp + kr * vsb + g * vsh;
       // bfloat16 keys, many rows: each tile's keys widened once into ktile (exact, so the same scores) rather
       // than once per row; 62 -> ~50 us a layer for 8 queries x 3 heads over 208 keys, one core
+#if defined(__AVX512BF16__)
+      if constexpr (dot_bf16) {
+        for (int64_t j0 = 0; j0 < hmax; j0 += 16)  // key tile outer: its 16 keys stay in L1 for every row
+          for (int64_t r = 0; r < nr; ++r)
+            if (j0 < hi[r])
+              score_tile_dp<DV>(qb.data() + r * (DV / 2), kb, kst, j0, std::min<int64_t>(16, hi[r] - j0), scale, sc[r]);
+      }
+#endif
       const bool widen_tile = !std::is_same<E, float>::value && nr >= kWidenTileRows;
-      for (int64_t j0 = 0; j0 < hmax; j0 += 16) {  // key tile outer: its 16 keys stay in L1 for every row
+      for (int64_t j0 = 0; !dot_bf16 && j0 < hmax; j0 += 16) {  // key tile outer: its 16 keys stay in L1 for every row
         if (widen_tile) {
           const int64_t nj = std::min<int64_t>(16, hmax - j0);
           for (int64_t i = 0; i < nj; ++i)
@@ -1113,8 +1227,13 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
       }
 #if defined(__AVX512F__)
       int64_t r = 0;
-      for (; r + QT <= nr; r += QT) weighted_values<DV, QT>(vb, vst, &sc[r], &hi[r], &l[r], &orow[r]);
-      for (; r < nr; ++r) weighted_values<DV, 1>(vb, vst, &sc[r], &hi[r], &l[r], &orow[r]);
+      if constexpr (pairs) {
+        for (; r + QT <= nr; r += QT) weighted_values_pairs<DV, QT>(vb, vst, &sc[r], &hi[r], &l[r], &orow[r]);
+        for (; r < nr; ++r) weighted_values_pairs<DV, 1>(vb, vst, &sc[r], &hi[r], &l[r], &orow[r]);
+      } else {
+        for (; r + QT <= nr; r += QT) weighted_values<DV, QT>(vb, vst, &sc[r], &hi[r], &l[r], &orow[r]);
+        for (; r < nr; ++r) weighted_values<DV, 1>(vb, vst, &sc[r], &hi[r], &l[r], &orow[r]);
+      }
 #else
       weighted_values_rows<DV>(vb, vst, sc.data(), hi.data(), l.data(), orow.data(), nr, vacc.data());
 #endif
