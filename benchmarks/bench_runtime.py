@@ -7,7 +7,7 @@ own few-row kernel, kernels/gemv.cpp, for the CPU's AVX-512 or AVX2; the default
 loaded together and measured
 interleaved, round by round; each number is the median over rounds of a
 per-round median. Per configuration:
-  - decode ms/token at batch 1 (one forward of one token after 200 cached, greedy warp included)
+  - decode ms/token at batch 1 (one forward of one token after 200 cached, its argmax included: the engine's greedy round)
     and its ratio to the floor = weight bytes / read bandwidth (a torch `sum` over 256 MB, measured
     in the same run at the same thread count);
   - verify(K) = one forward of K tokens on one row, in decode steps, K = 2, 4, 8, 16;

@@ -13,8 +13,8 @@ machines with the same hardware share a key; a different model, dtype or torch d
 Measuring B tokens: the engine's forward is [rows, width] (every running row pads to the
 longest verify block), so B is timed as the shape it occurs in: `rows = the most rows
 (<= max_batch) with rows * width = B and width <= max_k + 1`. Rows hold `context_len`
-cached tokens; a step is the target forward plus the greedy warp (what the engine runs per
-round). Every grid point gets `warmup` untimed steps, then the points are timed in turn,
+cached tokens; a step is the target forward plus the argmax of every position (what the engine
+reads of an all-greedy round; a sampled round's warp the cost model learns online, policy/cost.py). Every grid point gets `warmup` untimed steps, then the points are timed in turn,
 `repeats` passes over the whole grid, and each keeps its median: a burst of load on a shared
 machine then slows one step of many points, not every step of one or two (timed point by
 point, a burst over the first points once made 1 token cost what 8 did, and the cached table
@@ -43,7 +43,8 @@ from draftsmith.kernels.build import cpu_kernels
 from draftsmith.models.registry import draftsmith_home
 from draftsmith.policy.roofline import step_runner
 
-FORMAT_VERSION = 3  # 2: the key names the linear backend (models/linear.py); 3: grid points timed in turn
+FORMAT_VERSION = 4  # 2: the key names the linear backend (models/linear.py); 3: grid points timed in turn;
+# 4: a step reads the argmax of its logits, as the engine's greedy round (it built one-hot probabilities)
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from draftsmith.core.sampling import SamplingParams
-from draftsmith.core.warp import target_probs
+from draftsmith.core.warp import argmax_rows
 
 
 def weight_bytes(model) -> int:
@@ -56,7 +55,8 @@ def measure_bandwidth(device: torch.device | str = "cpu", nbytes: int = 512 << 2
 
 def step_runner(model, rows: int, width: int, context_len: int = 200, cache=None) -> Callable[[Callable[[], float]], float]:
     """A function that runs one target forward of [rows, width] new tokens after `context_len`
-    cached ones, the greedy warp included (what the engine runs per round), and returns its
+    cached ones, with what the engine reads of a greedy round's logits (the argmax of every
+    position: engine.py verifies an all-greedy batch by `verify_greedy`), and returns its
     seconds by `clock`. KV contents do not change the cost: the rows simply claim
     `context_len` cached tokens. `cache` (>= rows rows, >= context_len + width + 1 positions)
     may be shared between runners: its first `rows` rows are used."""
@@ -64,14 +64,13 @@ def step_runner(model, rows: int, width: int, context_len: int = 200, cache=None
         cache = model.new_cache(rows, context_len + width + 1)
     cache.lengths[:rows] = context_len
     ids = torch.randint(0, model.config.vocab_size, (rows, width), generator=torch.Generator().manual_seed(0))
-    params = [SamplingParams(temperature=0.0)] * rows
     row_ids = torch.arange(rows)
 
     def run(clock: Callable[[], float] = time.perf_counter) -> float:
         _sync(model.device)
         t0 = clock()
         out = model(ids, cache, rows=row_ids)
-        target_probs(out.logits, params)
+        argmax_rows(out.logits.reshape(rows * width, -1)).tolist()  # (the engine reads the tokens)
         _sync(model.device)
         return clock() - t0
 
