@@ -49,7 +49,8 @@ def _step_kernel_or_skip():
         pytest.skip(f"Draftsmith's CPU kernels do not run here: {cpu_kernels().reason}")
 
 
-@pytest.mark.parametrize("H,KV,D", [(4, 4, 16), (9, 3, 64), (6, 2, 128)])
+# head_dim / 16 odd and even (the bfloat16 pair paths take even ones), one spilling its sums (192)
+@pytest.mark.parametrize("H,KV,D", [(4, 4, 16), (4, 2, 48), (9, 3, 64), (6, 2, 128), (2, 1, 192)])
 def test_step_kernel_matches_sdpa_under_every_mask_kind(H, KV, D):
     """torch.ops.draftsmith.attention (kernels/gemv.cpp) against SDPA: ragged per-row masks, a
     shared mask, none, causal, GQA, k / v as strided views of a larger cache, bfloat16."""
@@ -75,13 +76,14 @@ def test_step_kernel_matches_sdpa_under_every_mask_kind(H, KV, D):
         assert attend(qd, kd, vd, None, False, kernel="auto").equal(attend(qd, kd, vd, None, False, kernel="step"))
 
 
-def test_step_kernel_is_query_count_invariant():
+@pytest.mark.parametrize("D", [16, 32, 48, 64, 128])  # rows per value pass and the pair paths differ by D
+def test_step_kernel_is_query_count_invariant(D):
     """A verify block's attention equals that of its queries one at a time, bit for bit (what lets
     a bfloat16 target's greedy speculative output equal its plain decoding), and a query that
     sees no key gets zeros, not NaN."""
     _step_kernel_or_skip()
     g = torch.Generator().manual_seed(3)
-    T, S, H, KV, D = 57, 8, 9, 3, 64
+    T, S, H, KV = 57, 8, 9, 3
     for dtype in (torch.float32, torch.bfloat16):
         q = torch.randn(1, H, S, D, generator=g).to(dtype)
         k, v = (torch.randn(1, KV, T, D, generator=g).to(dtype) for _ in range(2))
@@ -101,6 +103,28 @@ def test_step_kernel_is_query_count_invariant():
                 one = attend(qb[b : b + 1, :, i : i + 1], kb[b : b + 1, :, : T - 1 + i], vb[b : b + 1, :, : T - 1 + i],
                              None, False, kernel="step")
                 assert torch.equal(one, batch[b : b + 1, :, i : i + 1]), (dtype, b, i)
+
+
+@pytest.mark.parametrize("D", [48, 64])
+def test_step_kernel_ignores_what_masked_cache_slots_hold(D):
+    """Keys a query does not see may be unwritten or stale cache slots: NaN there (keys and values,
+    past a row's length and under a mask) changes no bit of the output."""
+    _step_kernel_or_skip()
+    g = torch.Generator().manual_seed(11)
+    B, H, KV, S, T = 2, 6, 2, 4, 40
+    for dtype in (torch.float32, torch.bfloat16):
+        q = torch.randn(B, H, S, D, generator=g).to(dtype)
+        k, v = (torch.randn(B, KV, T, D, generator=g).to(dtype) for _ in range(2))
+        keep = torch.rand(B, 1, S, T, generator=g) < 0.7
+        keep[..., 0] = True
+        keep[1, :, :, 25:] = False  # row 1 holds 25 positions; the rest is whatever the cache has
+        kn, vn = k.clone(), v.clone()
+        hidden = ~keep.any(dim=2)  # [B, 1, T]: slots no query of the row sees
+        kn.masked_fill_(hidden[:, :, :, None].expand(B, KV, T, D), float("nan"))
+        vn.masked_fill_(hidden[:, :, :, None].expand(B, KV, T, D), float("nan"))
+        want = attend(q, k, v, keep, False, kernel="step")
+        assert bool(hidden.any()) and not want.isnan().any()
+        assert torch.equal(attend(q, kn, vn, keep, False, kernel="step"), want), dtype
 
 
 def test_step_kernel_suffix_causal_equals_its_mask_and_any_thread_count():

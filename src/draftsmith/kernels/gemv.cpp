@@ -19,8 +19,10 @@
 // 8-16 rows costs about what one row does (the AVX512-BF16 dot products made 16 rows ~1.9x one row on
 // 2 such cores; see amx_ready, rows_bf16_amx).
 //
-// The rest (RMSNorm, attention of decode / verify steps, RoPE, SwiGLU) is written once over V16
-// (simd.h: one zmm, or two ymm on AVX2); only the linears' register tiles are per ISA.
+// The rest (RMSNorm, attention of decode / verify steps, RoPE, SwiGLU) is written over V16 (simd.h:
+// one zmm, or two ymm on AVX2), except the attention's inner loops: AVX2 keeps its sums within 16 ymm
+// (key_pair, value_chain), AVX-512 widens bfloat16 values as 32-bit pairs (weighted_values_pairs) and
+// AVX512-BF16 takes the bfloat16 scores by vdpbf16ps (score_tile_dp).
 //
 // Registered as torch.ops.draftsmith.{pack_f32, pack_bf16, gemv_f32, gemv_bf16, rms_norm, add_rms_norm,
 // attention, attention_rows, rope, silu_mul, layer (a plain decoder layer's step in one call), argmax, lse_argmax, has_bf16, isa}; built on
@@ -852,8 +854,10 @@ inline V16 exp_nonpositive(V16 x) {
 // a time (each value row loaded once for QT rows). A query row's arithmetic is the same whatever
 // the rows beside it (the order of every sum is fixed), so a verify block equals decoding its tokens
 // one by one. bfloat16 keys and values are widened as they are read (converting a group's once per
-// task cost more). Against one query head and query a task (the first version), on 2 Zen 5 cores
-// and 216 keys: a 16-token verify's attention 47 vs 80 us a layer in float32, 51 vs 114 in bfloat16.
+// task cost more), values as 32-bit pairs on AVX-512; on AVX512-BF16 the scores are vdpbf16ps dot
+// products of the bfloat16 rows themselves (score_tile_dp: subnormal bfloat16 inputs count as zero
+// there). Against one query head and query a task (the first version), on 2 Zen 5 cores and 216
+// keys: a 16-token verify's attention 47 vs 80 us a layer in float32, 51 vs 114 in bfloat16.
 
 // Scores of keys [j0, j0 + nj) (nj <= 16) for one query row qv, fixed tree, into sc + j0.
 #if defined(__AVX512F__)
@@ -878,9 +882,11 @@ inline void score_tile(const V16* qv, const E* kb, int64_t kst, int64_t j0, int6
 // bfloat16 q and keys on a CPU with AVX512-BF16 (even head_dim / 16): a key's products by vdpbf16ps,
 // dimensions in pairs, straight from the bfloat16 rows (half the instructions of widening and FMAs),
 // the tile's 16 sums by hsum16, then scaled: scale * (q . k) where score_tile has (scale * q) . k.
-// Against score_tile with widened tiles, on 2 Zen 4 cores at smollm2's shapes over ~200 keys
-// (runs/kprobe/att_ab.py, stop 65): 1 / 8 / 16 queries 0.79-0.85 / 0.83-0.86 / 0.77-0.86x.
-struct BH {  // 32 bfloat16 (16 pairs) for vdpbf16ps; a struct, so a std::vector of it keeps its alignment
+// The step attention with it against score_tile (keys widened per row below kWidenTileRows rows, per
+// tile from there), on 2 Zen 4 cores at smollm2's shapes over ~200 keys (runs/kprobe/att_ab.py,
+// stop 65, one run): 1 / 8 / 16 queries 0.79-0.85 / 0.83-0.86 / 0.77-0.86x; with
+// weighted_values_pairs too 0.74-0.90 / 0.68-0.83 / 0.71-0.86x (four runs).
+struct BH {  // 32 bfloat16 (16 pairs) for vdpbf16ps; a struct, as V16 is, to be a std::vector element
   __m512bh v;
 };
 
@@ -1047,8 +1053,9 @@ inline void weighted_values_pairs(const uint16_t* vb, int64_t vst, float* const*
       }
     }
   }
-  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-  const __m512i hi16 = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  // dimensions 0-15 of a chunk: even[0], odd[0], even[1], ...; 16-31: even[8], odd[8], ...
+  const __m512i perm_lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i perm_hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) {
     if (l[r] == 0.0f) {  // no key visible: zeros, not NaN
@@ -1060,8 +1067,8 @@ inline void weighted_values_pairs(const uint16_t* vb, int64_t vst, float* const*
     for (int c = 0; c < P; ++c) {
       const __m512 e = v16::mul(v16::add(acc[r][2 * c], acc2[r][2 * c]), inv).v;
       const __m512 o = v16::mul(v16::add(acc[r][2 * c + 1], acc2[r][2 * c + 1]), inv).v;
-      store16(orow[r] + c * 32, V16{_mm512_permutex2var_ps(e, lo, o)});
-      store16(orow[r] + c * 32 + 16, V16{_mm512_permutex2var_ps(e, hi16, o)});
+      store16(orow[r] + c * 32, V16{_mm512_permutex2var_ps(e, perm_lo, o)});
+      store16(orow[r] + c * 32 + 16, V16{_mm512_permutex2var_ps(e, perm_hi, o)});
     }
   }
 }
@@ -1125,7 +1132,8 @@ inline void weighted_values_rows(const E* vb, int64_t vst, float* const* sc, con
 }
 #endif
 
-// Query rows of a task from which a bfloat16 key tile is widened once for all of them (fewer: per row).
+// Query rows of a task from which a bfloat16 key tile is widened once for all of them (fewer: per row),
+// where the scores do not come from score_tile_dp (no AVX512-BF16, or an odd head_dim / 16).
 constexpr int64_t kWidenTileRows = 6;
 
 // rows / pos (attention_rows): query (b, s) reads cache row rows[b] of k / v and sees its keys
@@ -1197,28 +1205,30 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
       const int64_t kr = rows ? rows[b] : b;
       const E* kb = kp + kr * ksb + g * ksh;
       const E* vb = vp + kr * vsb + g * vsh;
-      // bfloat16 keys, many rows: each tile's keys widened once into ktile (exact, so the same scores) rather
-      // than once per row; 62 -> ~50 us a layer for 8 queries x 3 heads over 208 keys, one core
 #if defined(__AVX512BF16__)
       if constexpr (dot_bf16) {
         for (int64_t j0 = 0; j0 < hmax; j0 += 16)  // key tile outer: its 16 keys stay in L1 for every row
           for (int64_t r = 0; r < nr; ++r)
             if (j0 < hi[r])
               score_tile_dp<DV>(qb.data() + r * (DV / 2), kb, kst, j0, std::min<int64_t>(16, hi[r] - j0), scale, sc[r]);
-      }
+      } else
 #endif
-      const bool widen_tile = !std::is_same<E, float>::value && nr >= kWidenTileRows;
-      for (int64_t j0 = 0; !dot_bf16 && j0 < hmax; j0 += 16) {  // key tile outer: its 16 keys stay in L1 for every row
-        if (widen_tile) {
-          const int64_t nj = std::min<int64_t>(16, hmax - j0);
-          for (int64_t i = 0; i < nj; ++i)
-            for (int d = 0; d < DV; ++d) v16::store(ktile.data() + i * DV * 16 + d * 16, v16::load(kb + (j0 + i) * kst + d * 16));
-          for (int64_t r = 0; r < nr; ++r)
-            if (j0 < hi[r])
-              score_tile<DV>(qs.data() + r * DV, ktile.data(), DV * 16, 0, std::min<int64_t>(16, hi[r] - j0), sc[r] + j0);
-        } else {
-          for (int64_t r = 0; r < nr; ++r)
-            if (j0 < hi[r]) score_tile<DV>(qs.data() + r * DV, kb, kst, j0, std::min<int64_t>(16, hi[r] - j0), sc[r]);
+      if constexpr (!dot_bf16) {
+        // bfloat16 keys, many rows: each tile's keys widened once into ktile (exact, so the same scores) rather
+        // than once per row; 62 -> ~50 us a layer for 8 queries x 3 heads over 208 keys, one core
+        const bool widen_tile = !std::is_same<E, float>::value && nr >= kWidenTileRows;
+        for (int64_t j0 = 0; j0 < hmax; j0 += 16) {  // key tile outer: its 16 keys stay in L1 for every row
+          if (widen_tile) {
+            const int64_t nj = std::min<int64_t>(16, hmax - j0);
+            for (int64_t i = 0; i < nj; ++i)
+              for (int d = 0; d < DV; ++d) v16::store(ktile.data() + i * DV * 16 + d * 16, v16::load(kb + (j0 + i) * kst + d * 16));
+            for (int64_t r = 0; r < nr; ++r)
+              if (j0 < hi[r])
+                score_tile<DV>(qs.data() + r * DV, ktile.data(), DV * 16, 0, std::min<int64_t>(16, hi[r] - j0), sc[r] + j0);
+          } else {
+            for (int64_t r = 0; r < nr; ++r)
+              if (j0 < hi[r]) score_tile<DV>(qs.data() + r * DV, kb, kst, j0, std::min<int64_t>(16, hi[r] - j0), sc[r]);
+          }
         }
       }
       for (int64_t r = 0; r < nr; ++r) {

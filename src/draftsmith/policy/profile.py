@@ -10,17 +10,17 @@ The key is hostname-independent: CPU model / count and torch threads (or the GPU
 torch version, target weights hash, dtype, device type and the grid that was timed. Two
 machines with the same hardware share a key; a different model, dtype or torch does not.
 
-Measuring B tokens: the engine's forward is [rows, width] (every running row pads to the
-longest verify block), so B is timed as the shape it occurs in: `rows = the most rows
-(<= max_batch) with rows * width = B and width <= max_k + 1`. Rows hold `context_len`
-cached tokens; a step is the target forward plus the argmax of every position (what the engine
-reads of an all-greedy round; a sampled round's warp the cost model learns online, policy/cost.py). Every grid point gets `warmup` untimed steps, then the points are timed in turn,
-`repeats` passes over the whole grid, and each keeps its median: a burst of load on a shared
-machine then slows one step of many points, not every step of one or two (timed point by
-point, a burst over the first points once made 1 token cost what 8 did, and the cached table
-told the scheduler that verification was free). A point can still come out faster than a
-smaller one; step times are therefore made non-decreasing in B (a bigger forward never costs
-less) before they are stored.
+Measuring B tokens: the engine's forward is [rows, width] (every running row pads to the longest
+verify block), so B is timed as the shape it occurs in: `rows = the most rows (<= max_batch)
+with rows * width = B and width <= max_k + 1`. Rows hold `context_len` cached tokens; a step is
+the target forward plus the argmax of every position (what the engine reads of an all-greedy
+round; a sampled round's warp the cost model learns online, policy/cost.py). Every grid point
+gets `warmup` untimed steps, then the points are timed in turn, `repeats` passes over the whole
+grid, and each keeps its median: a burst of load on a shared machine then slows one step of many
+points, not every step of one or two (timed point by point, a burst over the first points once
+made 1 token cost what 8 did, and the cached table told the scheduler that verification was
+free). A point can still come out faster than a smaller one; step times are therefore made
+non-decreasing in B (a bigger forward never costs less) before they are stored.
 """
 
 from __future__ import annotations
