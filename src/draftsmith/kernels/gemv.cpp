@@ -21,7 +21,7 @@
 //
 // The rest (RMSNorm, attention of decode / verify steps, RoPE, SwiGLU) is written over V16 (simd.h:
 // one zmm, or two ymm on AVX2), except the attention's inner loops: AVX2 keeps its sums within 16 ymm
-// (key_pair, value_chain), AVX-512 widens bfloat16 values as 32-bit pairs (weighted_values_pairs) and
+// (key_pair, value_chain), AVX-512 widens bfloat16 values as 32-bit pairs (weighted_values' Pairs) and
 // AVX512-BF16 takes the bfloat16 scores by vdpbf16ps (score_tile_dp).
 //
 // Registered as torch.ops.draftsmith.{pack_f32, pack_bf16, gemv_f32, gemv_bf16, rms_norm, add_rms_norm,
@@ -885,7 +885,7 @@ inline void score_tile(const V16* qv, const E* kb, int64_t kst, int64_t j0, int6
 // The step attention with it against score_tile (keys widened per row below kWidenTileRows rows, per
 // tile from there), on 2 Zen 4 cores at smollm2's shapes over ~200 keys (runs/kprobe/att_ab.py,
 // stop 65, one run): 1 / 8 / 16 queries 0.79-0.85 / 0.83-0.86 / 0.77-0.86x; with
-// weighted_values_pairs too 0.74-0.90 / 0.68-0.83 / 0.71-0.86x (four runs).
+// the values as pairs too 0.74-0.90 / 0.68-0.83 / 0.71-0.86x (four runs).
 struct BH {  // 32 bfloat16 (16 pairs) for vdpbf16ps; a struct, as V16 is, to be a std::vector element
   __m512bh v;
 };
@@ -971,9 +971,15 @@ inline float softmax_row(float* sc, int64_t hi, const bool* mr) {
 // The weighted sums of values for R query rows (numerators sc[r], denominators l[r], keys
 // [0, hi[r])): per row, even keys into acc, odd keys into acc2 (two chains), keys in order; a key
 // whose weight is 0 is skipped (masked: its value may be an unwritten cache slot).
-template <int DV, int R, typename E, typename O>
+// Pairs (AVX-512, bfloat16 values, even head_dim / 16): each 32 values of a row are loaded as 16
+// pairs and widened by a shift (the even dimensions) and a mask (the odd ones), 2 instructions where
+// a zero-extension and a shift per 16 values took 4; acc[r][2c] then holds chunk c's even dimensions,
+// acc[r][2c + 1] its odd ones, interleaved back once a row at the end: the same sums, so the same
+// bits. On 2 Zen 4 cores (an ad-hoc A/B, stop 65): 0.90-0.95x of the widening loads at 1 / 8 / 16 queries.
+template <int DV, int R, bool Pairs, typename E, typename O>
 inline void weighted_values(const E* vb, int64_t vst, float* const* sc, const int64_t* hi, const float* l,
                             O* const* orow) {
+  static_assert(!Pairs || (std::is_same<E, uint16_t>::value && DV % 2 == 0), "pairs: bfloat16, even head_dim / 16");
   V16 acc[R][DV], acc2[R][DV];
   int64_t hmax = 0;
 #pragma GCC unroll 4
@@ -985,60 +991,19 @@ inline void weighted_values(const E* vb, int64_t vst, float* const* sc, const in
   for (int64_t j = 0; j < hmax; ++j) {
     const E* vr = vb + j * vst;
     V16 vv[DV];
-#pragma GCC unroll 16
-    for (int d = 0; d < DV; ++d) vv[d] = v16::load(vr + d * 16);
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      if (j >= hi[r] || sc[r][j] == 0.0f) continue;
-      const V16 pv = v16::set1(sc[r][j]);
-      if (j & 1) {
-#pragma GCC unroll 16
-        for (int d = 0; d < DV; ++d) acc2[r][d] = v16::fmadd(pv, vv[d], acc2[r][d]);
-      } else {
-#pragma GCC unroll 16
-        for (int d = 0; d < DV; ++d) acc[r][d] = v16::fmadd(pv, vv[d], acc[r][d]);
-      }
-    }
-  }
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) {
-    if (l[r] == 0.0f) {  // no key visible: zeros, not NaN
-      std::memset(orow[r], 0, DV * 16 * sizeof(O));
-      continue;
-    }
-    const V16 inv = v16::set1(1.0f / l[r]);
-#pragma GCC unroll 16
-    for (int d = 0; d < DV; ++d) store16(orow[r] + d * 16, v16::mul(v16::add(acc[r][d], acc2[r][d]), inv));
-  }
-}
-
+    if constexpr (Pairs) {
 #if defined(__AVX512F__)
-// bfloat16 values (AVX-512, even head_dim / 16): the same sums as weighted_values, so the same bits,
-// but each 32 values of a row are loaded as 16 pairs and widened by a shift (the even dimensions) and
-// a mask (the odd ones), 2 instructions where a zero-extension and a shift per 16 values took 4; the
-// even / odd sums are interleaved back once a row, at the end. Against weighted_values, on 2 Zen 4
-// cores (att_ab.py, stop 65): 0.90-0.95x at 1 / 8 / 16 queries.
-template <int DV, int R, typename O>
-inline void weighted_values_pairs(const uint16_t* vb, int64_t vst, float* const* sc, const int64_t* hi, const float* l,
-                                  O* const* orow) {
-  constexpr int P = DV / 2;     // 32-value chunks of a row
-  V16 acc[R][DV], acc2[R][DV];  // [2c]: the even dimensions of chunk c, [2c + 1]: its odd ones
-  int64_t hmax = 0;
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) {
-    hmax = std::max(hmax, hi[r]);
-#pragma GCC unroll 16
-    for (int d = 0; d < DV; ++d) acc[r][d] = acc2[r][d] = v16::zero();
-  }
-  const __m512i odd = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  for (int64_t j = 0; j < hmax; ++j) {
-    const uint16_t* vr = vb + j * vst;
-    V16 vv[DV];
+      const __m512i odd = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
 #pragma GCC unroll 8
-    for (int c = 0; c < P; ++c) {
-      const __m512i x = _mm512_loadu_si512(vr + c * 32);
-      vv[2 * c] = {_mm512_castsi512_ps(_mm512_slli_epi32(x, 16))};
-      vv[2 * c + 1] = {_mm512_castsi512_ps(_mm512_and_si512(x, odd))};
+      for (int c = 0; c < DV / 2; ++c) {
+        const __m512i x = _mm512_loadu_si512(vr + c * 32);
+        vv[2 * c] = {_mm512_castsi512_ps(_mm512_slli_epi32(x, 16))};
+        vv[2 * c + 1] = {_mm512_castsi512_ps(_mm512_and_si512(x, odd))};
+      }
+#endif
+    } else {
+#pragma GCC unroll 16
+      for (int d = 0; d < DV; ++d) vv[d] = v16::load(vr + d * 16);
     }
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
@@ -1053,9 +1018,6 @@ inline void weighted_values_pairs(const uint16_t* vb, int64_t vst, float* const*
       }
     }
   }
-  // dimensions 0-15 of a chunk: even[0], odd[0], even[1], ...; 16-31: even[8], odd[8], ...
-  const __m512i perm_lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-  const __m512i perm_hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) {
     if (l[r] == 0.0f) {  // no key visible: zeros, not NaN
@@ -1063,16 +1025,25 @@ inline void weighted_values_pairs(const uint16_t* vb, int64_t vst, float* const*
       continue;
     }
     const V16 inv = v16::set1(1.0f / l[r]);
+    if constexpr (Pairs) {
+#if defined(__AVX512F__)
+      // dimensions 0-15 of a chunk: even[0], odd[0], even[1], ...; 16-31: even[8], odd[8], ...
+      const __m512i perm_lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+      const __m512i perm_hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
 #pragma GCC unroll 8
-    for (int c = 0; c < P; ++c) {
-      const __m512 e = v16::mul(v16::add(acc[r][2 * c], acc2[r][2 * c]), inv).v;
-      const __m512 o = v16::mul(v16::add(acc[r][2 * c + 1], acc2[r][2 * c + 1]), inv).v;
-      store16(orow[r] + c * 32, V16{_mm512_permutex2var_ps(e, perm_lo, o)});
-      store16(orow[r] + c * 32 + 16, V16{_mm512_permutex2var_ps(e, perm_hi, o)});
+      for (int c = 0; c < DV / 2; ++c) {
+        const __m512 e = v16::mul(v16::add(acc[r][2 * c], acc2[r][2 * c]), inv).v;
+        const __m512 o = v16::mul(v16::add(acc[r][2 * c + 1], acc2[r][2 * c + 1]), inv).v;
+        store16(orow[r] + c * 32, V16{_mm512_permutex2var_ps(e, perm_lo, o)});
+        store16(orow[r] + c * 32 + 16, V16{_mm512_permutex2var_ps(e, perm_hi, o)});
+      }
+#endif
+    } else {
+#pragma GCC unroll 16
+      for (int d = 0; d < DV; ++d) store16(orow[r] + d * 16, v16::mul(v16::add(acc[r][d], acc2[r][d]), inv));
     }
   }
 }
-#endif
 
 #if !defined(__AVX512F__)
 // AVX2: the same sums as weighted_values (per row: even keys into one chain, odd keys into another,
@@ -1237,13 +1208,8 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
       }
 #if defined(__AVX512F__)
       int64_t r = 0;
-      if constexpr (pairs) {
-        for (; r + QT <= nr; r += QT) weighted_values_pairs<DV, QT>(vb, vst, &sc[r], &hi[r], &l[r], &orow[r]);
-        for (; r < nr; ++r) weighted_values_pairs<DV, 1>(vb, vst, &sc[r], &hi[r], &l[r], &orow[r]);
-      } else {
-        for (; r + QT <= nr; r += QT) weighted_values<DV, QT>(vb, vst, &sc[r], &hi[r], &l[r], &orow[r]);
-        for (; r < nr; ++r) weighted_values<DV, 1>(vb, vst, &sc[r], &hi[r], &l[r], &orow[r]);
-      }
+      for (; r + QT <= nr; r += QT) weighted_values<DV, QT, pairs>(vb, vst, &sc[r], &hi[r], &l[r], &orow[r]);
+      for (; r < nr; ++r) weighted_values<DV, 1, pairs>(vb, vst, &sc[r], &hi[r], &l[r], &orow[r]);
 #else
       weighted_values_rows<DV>(vb, vst, sc.data(), hi.data(), l.data(), orow.data(), nr, vacc.data());
 #endif
