@@ -7,8 +7,10 @@ ignored, all prompts admitted together: a serving tier's closed loop at its star
 the built-in DSpark drafter under the default policy, alternating, `--repeats` times each. Each
 engine's admission (the target's prefill and the drafter's start), its rounds, and the drafter's
 and policy's calls (`start`, `propose`, `on_verified`, `choose`, `update`, ...) are wrapped in
-accumulating wall-clock timers; totals in seconds over the repeats. At 16-32 rows the default policy
-on a 2-core CPU drafts nothing, so the drafter's share is its upkeep alone. Prints only.
+accumulating wall-clock timers; totals in seconds over the repeats (nested: the rounds include the
+drafter's propose / on_verified and the policy's calls, the admission the drafter's start). At 16-32
+rows the default policy on a 2-core CPU drafts nothing, so the drafter's share is its upkeep alone.
+Prints only.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import draftsmith  # noqa: F401  (OpenMP settings: must come before torch)
 from draftsmith import LLM, SamplingParams
 from draftsmith.data.sources import HumanEvalSource
 
-DRAFTER_CALLS = ("start", "propose", "on_verified", "backlog_positions")
+DRAFTER_CALLS = ("start", "propose", "on_verified", "release", "backlog_positions")
 POLICY_CALLS = ("choose", "update", "observe", "queued", "trim", "draft_gate")
 
 
@@ -49,8 +51,8 @@ def main() -> None:
 
         object.__setattr__(obj, name, wrapper)  # (policies are frozen dataclasses)
 
-    plain = LLM("smollm2-135m", max_batch=a.rows)
-    spec = LLM(plain.target, drafter="dspark:smollm2-135m", max_batch=a.rows)
+    plain = LLM("smollm2-135m", max_batch=a.rows, max_len=1024)  # (prompts + tokens fit: half the default cache)
+    spec = LLM(plain.target, drafter="dspark:smollm2-135m", max_batch=a.rows, max_len=1024)
     convs = list(itertools.islice(HumanEvalSource().conversations(split="heldout"), a.rows))
     prompts = [plain.apply_chat_template([{"role": "user", "content": c.messages[0]["content"]}]) for c in convs]
     params = SamplingParams(max_tokens=a.tokens, temperature=0.0, ignore_eos=True)

@@ -883,9 +883,9 @@ inline void score_tile(const V16* qv, const E* kb, int64_t kst, int64_t j0, int6
 // dimensions in pairs, straight from the bfloat16 rows (half the instructions of widening and FMAs),
 // the tile's 16 sums by hsum16, then scaled: scale * (q . k) where score_tile has (scale * q) . k.
 // The step attention with it against score_tile (keys widened per row below kWidenTileRows rows, per
-// tile from there), on 2 Zen 4 cores at smollm2's shapes over ~200 keys (runs/kprobe/att_ab.py,
-// stop 65, one run): 1 / 8 / 16 queries 0.79-0.85 / 0.83-0.86 / 0.77-0.86x; with
-// the values as pairs too 0.74-0.90 / 0.68-0.83 / 0.71-0.86x (four runs).
+// tile from there), on 2 Zen 4 cores at smollm2's shapes over ~200 keys (an ad-hoc A/B of the two
+// builds, stop 65, one run): 1 / 8 / 16 queries 0.79-0.85 / 0.83-0.86 / 0.77-0.86x; with the values as
+// pairs too, benchmarks/ab_attention.py (30 layers, two runs): 0.84-0.93 / 0.70-0.75 / 0.73-0.77x.
 struct BH {  // 32 bfloat16 (16 pairs) for vdpbf16ps; a struct, as V16 is, to be a std::vector element
   __m512bh v;
 };
@@ -1000,6 +1000,8 @@ inline void weighted_values(const E* vb, int64_t vst, float* const* sc, const in
         vv[2 * c] = {_mm512_castsi512_ps(_mm512_slli_epi32(x, 16))};
         vv[2 * c + 1] = {_mm512_castsi512_ps(_mm512_and_si512(x, odd))};
       }
+#else
+      static_assert(!Pairs, "weighted_values: Pairs needs AVX-512");
 #endif
     } else {
 #pragma GCC unroll 16
@@ -1037,6 +1039,8 @@ inline void weighted_values(const E* vb, int64_t vst, float* const* sc, const in
         store16(orow[r] + c * 32, V16{_mm512_permutex2var_ps(e, perm_lo, o)});
         store16(orow[r] + c * 32 + 16, V16{_mm512_permutex2var_ps(e, perm_hi, o)});
       }
+#else
+      static_assert(!Pairs, "weighted_values: Pairs needs AVX-512");
 #endif
     } else {
 #pragma GCC unroll 16
