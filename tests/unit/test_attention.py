@@ -105,7 +105,7 @@ def test_step_kernel_is_query_count_invariant(D):
                 assert torch.equal(one, batch[b : b + 1, :, i : i + 1]), (dtype, b, i)
 
 
-@pytest.mark.parametrize("D", [48, 64])
+@pytest.mark.parametrize("D", [48, 64, 128])
 def test_step_kernel_ignores_what_masked_cache_slots_hold(D):
     """Keys a query does not see may be unwritten or stale cache slots: NaN there (keys and values,
     past a row's length and under a mask) changes no bit of the output."""

@@ -22,7 +22,8 @@
 // The rest (RMSNorm, attention of decode / verify steps, RoPE, SwiGLU) is written over V16 (simd.h:
 // one zmm, or two ymm on AVX2), except the attention's inner loops: AVX2 keeps its sums within 16 ymm
 // (key_pair, value_chain), AVX-512 widens bfloat16 values as 32-bit pairs (weighted_values' Pairs) and
-// AVX512-BF16 takes the bfloat16 scores by vdpbf16ps (score_tile_dp).
+// AVX512-BF16 takes the bfloat16 scores and weighted values by vdpbf16ps (score_tile_dp,
+// weighted_values_dp).
 //
 // Registered as torch.ops.draftsmith.{pack_f32, pack_bf16, gemv_f32, gemv_bf16, rms_norm, add_rms_norm,
 // attention, attention_rows, rope, silu_mul, layer (a plain decoder layer's step in one call), argmax, lse_argmax, has_bf16, isa}; built on
@@ -856,7 +857,8 @@ inline V16 exp_nonpositive(V16 x) {
 // one by one. bfloat16 keys and values are widened as they are read (converting a group's once per
 // task cost more), values as 32-bit pairs on AVX-512; on AVX512-BF16 the scores are vdpbf16ps dot
 // products of the bfloat16 rows themselves (score_tile_dp: subnormal bfloat16 inputs count as zero
-// there). Against one query head and query a task (the first version), on 2 Zen 5 cores and 216
+// there), and so are the weighted sums of values up to head_dim 128 (weighted_values_dp: key pairs
+// against the softmax numerators rounded to bfloat16). Against one query head and query a task (the first version), on 2 Zen 5 cores and 216
 // keys: a 16-token verify's attention 47 vs 80 us a layer in float32, 51 vs 114 in bfloat16.
 
 // Scores of keys [j0, j0 + nj) (nj <= 16) for one query row qv, fixed tree, into sc + j0.
@@ -907,6 +909,81 @@ inline void score_tile_dp(const BH* qv, const uint16_t* kb, int64_t kst, int64_t
     }
   }
   v16::store_first(sc + j0, v16::mul(v16::hsum16(a), v16::set1(scale)), nj);
+}
+
+// The weighted sums of bfloat16 values by vdpbf16ps (AVX512-BF16, even head_dim / 16, head_dim <= 128),
+// keys in pairs: the numerators as bfloat16 (pb[r], zero past hi[r] and under a mask; the softmax
+// itself and its denominator l[r] stay float32, as in torch's bfloat16 attention), the values of keys
+// j and j + 1 interleaved (unpacklo / unpackhi: 16 (v_j, v_j+1) pairs of dimensions a vector), one
+// vdpbf16ps per 16 dimensions, row and key pair where the Pairs FMAs take two per key. A row's sums go
+// over its key pairs in order whatever the rows beside it; a pair no row of the pass weights is skipped
+// and a key none weights is read as zeros (an unwritten cache slot may hold NaN), which leaves every
+// row's sums as they are (each adds +0 for a zero weight). acc[r][2c] holds chunk c's dimensions
+// 8L + 0..3 of each 128-bit lane L, acc[r][2c + 1] 8L + 4..7; put back in order at the end.
+template <int DV, int R, typename O>
+inline void weighted_values_dp(const uint16_t* vb, int64_t vst, const uint16_t* const* pb, const int64_t* hi,
+                               const float* l, O* const* orow) {
+  static_assert(DV % 2 == 0 && DV <= 8, "weighted_values_dp: even head_dim / 16, at most 128");
+  alignas(64) static const uint16_t zeros[DV * 16] = {};
+  __m512 acc[R][DV];
+  int64_t hmax = 0;
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    hmax = std::max(hmax, hi[r]);
+#pragma GCC unroll 8
+    for (int d = 0; d < DV; ++d) acc[r][d] = _mm512_setzero_ps();
+  }
+  for (int64_t j = 0; j < hmax; j += 2) {
+    uint32_t w[R], any = 0;
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      std::memcpy(&w[r], pb[r] + j, 4);
+      any |= w[r];
+    }
+    if (any == 0) continue;
+    const uint16_t* v0 = (any & 0xFFFFu) ? vb + j * vst : zeros;
+    const uint16_t* v1 = (any >> 16) ? vb + (j + 1) * vst : zeros;
+    __m512i vv[DV];
+#pragma GCC unroll 4
+    for (int c = 0; c < DV / 2; ++c) {
+      const __m512i a = _mm512_loadu_si512(v0 + c * 32), b = _mm512_loadu_si512(v1 + c * 32);
+      vv[2 * c] = _mm512_unpacklo_epi16(a, b);
+      vv[2 * c + 1] = _mm512_unpackhi_epi16(a, b);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      if (w[r] == 0) continue;
+      const __m512bh pv = (__m512bh)_mm512_set1_epi32(static_cast<int>(w[r]));
+#pragma GCC unroll 8
+      for (int d = 0; d < DV; ++d) acc[r][d] = _mm512_dpbf16_ps(acc[r][d], (__m512bh)vv[d], pv);
+    }
+  }
+  const __m512i perm_lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i perm_hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    if (l[r] == 0.0f) {  // no key visible: zeros, not NaN
+      std::memset(orow[r], 0, DV * 16 * sizeof(O));
+      continue;
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
+#pragma GCC unroll 4
+    for (int c = 0; c < DV / 2; ++c) {
+      const __m512 a = _mm512_mul_ps(acc[r][2 * c], inv), b = _mm512_mul_ps(acc[r][2 * c + 1], inv);
+      store16(orow[r] + c * 32, V16{_mm512_permutex2var_ps(a, perm_lo, b)});
+      store16(orow[r] + c * 32 + 16, V16{_mm512_permutex2var_ps(a, perm_hi, b)});
+    }
+  }
+}
+
+// Rows [0, n) of a pass (n <= R), as weighted_values_dp<DV, n>.
+template <int DV, int R, typename O>
+inline void weighted_values_dp_n(int64_t n, const uint16_t* vb, int64_t vst, const uint16_t* const* pb,
+                                 const int64_t* hi, const float* l, O* const* orow) {
+  if constexpr (R > 0) {
+    if (n == R) weighted_values_dp<DV, R>(vb, vst, pb, hi, l, orow);
+    else weighted_values_dp_n<DV, R - 1>(n, vb, vst, pb, hi, l, orow);
+  }
 }
 #endif
 
@@ -1125,9 +1202,10 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
 #else
   constexpr bool dot_bf16 = false;
 #endif
+  constexpr bool dp_values = dot_bf16 && DV <= 8;  // values by vdpbf16ps too (weighted_values_dp)
   // rows per weighted_values pass (their sums in registers; a row's sums are the same whatever QT is)
 #if defined(__AVX512F__)
-  constexpr int QT = DV <= 2 ? 4 : DV <= 4 ? 3 : 1;
+  constexpr int QT = dp_values ? std::min(8, 24 / DV) : DV <= 2 ? 4 : DV <= 4 ? 3 : 1;
 #else
   constexpr int QT = DV <= 2 ? 4 : DV <= 4 ? 2 : 1;
 #endif
@@ -1149,6 +1227,8 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
     std::vector<V16> qs(dot_bf16 ? 0 : QC * DV);
 #if defined(__AVX512BF16__)
     std::vector<BH> qb(dot_bf16 ? QC * DV / 2 : 0);  // q rows as bfloat16 pairs (score_tile_dp)
+    std::vector<uint16_t> pbuf(dp_values ? QC * (T + 32) : 0);  // numerators as bfloat16 (weighted_values_dp)
+    std::vector<const uint16_t*> pb(dp_values ? QC : 0);
 #endif
     std::vector<int64_t> hi(QC);
     std::vector<float> l(QC);
@@ -1210,6 +1290,20 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
         const bool* mr = mask && !pos ? mask + ((mask_b == 1 ? 0 : b) * S + (i0 + r) / G) * T : nullptr;
         l[r] = softmax_row(sc[r], hi[r], mr);
       }
+#if defined(__AVX512BF16__)
+      if constexpr (dp_values) {
+        for (int64_t r = 0; r < nr; ++r) {  // zeros past hi[r], up to hmax rounded up to 16
+          uint16_t* pr = pbuf.data() + r * (T + 32);
+          pb[r] = pr;
+          for (int64_t j = 0; j < hmax; j += 16)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j),
+                                (__m256i)_mm512_cvtneps_pbh(v16::load_first(sc[r] + j, std::clamp<int64_t>(hi[r] - j, 0, 16)).v));
+        }
+        for (int64_t r = 0; r < nr; r += QT)
+          weighted_values_dp_n<DV, QT>(std::min<int64_t>(QT, nr - r), vb, vst, &pb[r], &hi[r], &l[r], &orow[r]);
+        continue;
+      }
+#endif
 #if defined(__AVX512F__)
       int64_t r = 0;
       for (; r + QT <= nr; r += QT) weighted_values<DV, QT, pairs>(vb, vst, &sc[r], &hi[r], &l[r], &orow[r]);
