@@ -118,12 +118,13 @@ def test_step_kernel_ignores_what_masked_cache_slots_hold(D):
         keep = torch.rand(B, 1, S, T, generator=g) < 0.7
         keep[..., 0] = True
         keep[1, :, :, 25:] = False  # row 1 holds 25 positions; the rest is whatever the cache has
+        keep[1, :, 2] = False  # and a query of it sees nothing (padding): zeros, beside queries that see keys
         kn, vn = k.clone(), v.clone()
         hidden = ~keep.any(dim=2)  # [B, 1, T]: slots no query of the row sees
         kn.masked_fill_(hidden[:, :, :, None].expand(B, KV, T, D), float("nan"))
         vn.masked_fill_(hidden[:, :, :, None].expand(B, KV, T, D), float("nan"))
         want = attend(q, k, v, keep, False, kernel="step")
-        assert bool(hidden.any()) and not want.isnan().any()
+        assert bool(hidden.any()) and not want.isnan().any() and not want[1, :, 2].any()
         assert torch.equal(attend(q, kn, vn, keep, False, kernel="step"), want), dtype
 
 

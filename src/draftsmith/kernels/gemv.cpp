@@ -1295,9 +1295,12 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
         for (int64_t r = 0; r < nr; ++r) {  // zeros past hi[r], up to hmax rounded up to 16
           uint16_t* pr = pbuf.data() + r * (T + 32);
           pb[r] = pr;
+          // a row that sees no key (l = 0) left its scores at -inf: all zeros, or its nonzero bf16
+          // "weights" would have other rows' passes read cache slots no row sees
+          const int64_t seen = l[r] == 0.0f ? 0 : hi[r];
           for (int64_t j = 0; j < hmax; j += 16)
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j),
-                                (__m256i)_mm512_cvtneps_pbh(v16::load_first(sc[r] + j, std::clamp<int64_t>(hi[r] - j, 0, 16)).v));
+                                (__m256i)_mm512_cvtneps_pbh(v16::load_first(sc[r] + j, std::clamp<int64_t>(seen - j, 0, 16)).v));
         }
         for (int64_t r = 0; r < nr; r += QT)
           weighted_values_dp_n<DV, QT>(std::min<int64_t>(QT, nr - r), vb, vst, &pb[r], &hi[r], &l[r], &orow[r]);
