@@ -1,11 +1,11 @@
 """Two builds of the CPU attention kernel side by side in one process (issue 11).
 
     .venv/bin/python benchmarks/ab_attention.py --base REV [--threads 2] [--dtypes float32,bfloat16]
-        [--tokens 1,8,16] [--context 300,800] [--rounds 9]
+        [--tokens 1,8,16] [--context 300,800] [--rounds 9] [--heads 9,3] [--head-dim 64]
 
 kernels/gemv.cpp at git revision REV ("base") and in the working tree ("tree") are compiled under
 their own op namespaces (as benchmarks/ab_linears.py does) and loaded into one process. Shapes are
-smollm2-135m's: 9 query heads, 3 kv heads of 64, a step of S tokens attending causally over a cache
+smollm2-135m's by default: 9 query heads, 3 kv heads of 64 (--heads 12,2 --head-dim 128: Qwen2.5-Coder-1.5B's), a step of S tokens attending causally over a cache
 of C earlier tokens, 30 layers with their own caches (what one target forward reads). Each number
 is the median over rounds (the first dropped) of one pass over the 30 layers, in microseconds a
 layer; the builds alternate which goes first. Every output of the two builds is compared bit for bit.
@@ -29,13 +29,13 @@ from draftsmith.kernels import build
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ab_linears import compile_as  # noqa: E402
 
-LAYERS, HEADS, KV_HEADS, HEAD_DIM = 30, 9, 3, 64
+LAYERS = 30
 
 
 def one_pass(op, q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> tuple[float, torch.Tensor]:
     t0 = time.perf_counter()
     for k, v in zip(ks, vs):
-        out = op.attention(q, k, v, None, True, HEAD_DIM ** -0.5)
+        out = op.attention(q, k, v, None, True, q.shape[-1] ** -0.5)
     return 1e6 * (time.perf_counter() - t0) / len(ks), out
 
 
@@ -47,11 +47,21 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,8,16", help="tokens of the step (S)")
     ap.add_argument("--context", default="300,800", help="cached tokens before the step (C)")
     ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--heads", default="9,3", help="query heads, kv heads")
+    ap.add_argument("--head-dim", type=int, default=64)
     a = ap.parse_args()
     if not build.cpu_kernels().ok:
         sys.exit(f"the CPU kernels do not run here: {build.cpu_kernels().reason}")
     if a.rounds < 2:
         sys.exit("--rounds must be at least 2 (the first is dropped)")
+    try:
+        HEADS, KV_HEADS = (int(h) for h in a.heads.split(","))
+    except ValueError:
+        sys.exit(f"--heads wants two numbers, query heads and kv heads (e.g. 9,3), got {a.heads!r}")
+    HEAD_DIM = a.head_dim
+    if HEADS < 1 or KV_HEADS < 1 or HEADS % KV_HEADS or HEAD_DIM < 16 or HEAD_DIM % 16:
+        sys.exit(f"--heads {a.heads} --head-dim {a.head_dim}: the query heads must be a multiple of the kv heads "
+                 "and the head_dim a multiple of 16")
     rel = build.SOURCE.relative_to(Path(subprocess.check_output(["git", "rev-parse", "--show-toplevel"], text=True).strip()))
     try:
         base_text = subprocess.check_output(["git", "show", f"{a.base}:{rel}"], text=True, stderr=subprocess.PIPE)

@@ -105,13 +105,13 @@ def test_step_kernel_is_query_count_invariant(D):
                 assert torch.equal(one, batch[b : b + 1, :, i : i + 1]), (dtype, b, i)
 
 
-@pytest.mark.parametrize("D", [48, 64, 128])
-def test_step_kernel_ignores_what_masked_cache_slots_hold(D):
+@pytest.mark.parametrize("D,H", [(48, 6), (64, 6), (128, 6), (128, 4)])  # H / 2 query heads a kv head
+def test_step_kernel_ignores_what_masked_cache_slots_hold(D, H):
     """Keys a query does not see may be unwritten or stale cache slots: NaN there (keys and values,
     past a row's length and under a mask) changes no bit of the output."""
     _step_kernel_or_skip()
     g = torch.Generator().manual_seed(11)
-    B, H, KV, S, T = 2, 6, 2, 4, 40
+    B, KV, S, T = 2, 2, 4, 40
     for dtype in (torch.float32, torch.bfloat16):
         q = torch.randn(B, H, S, D, generator=g).to(dtype)
         k, v = (torch.randn(B, KV, T, D, generator=g).to(dtype) for _ in range(2))
@@ -126,6 +126,24 @@ def test_step_kernel_ignores_what_masked_cache_slots_hold(D):
         want = attend(q, k, v, keep, False, kernel="step")
         assert bool(hidden.any()) and not want.isnan().any() and not want[1, :, 2].any()
         assert torch.equal(attend(q, kn, vn, keep, False, kernel="step"), want), dtype
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_step_kernel_rows_ignore_nonfinite_values_only_later_rows_see(D):
+    """An infinite value in the newest cache slot (one only the block's last query sees, next to a key
+    the others see) leaves every other query of the block finite and equal to that query alone."""
+    _step_kernel_or_skip()
+    g = torch.Generator().manual_seed(5)
+    T, S, H, KV = 58, 8, 9, 3  # T even: keys T - 2 and T - 1 form a pair
+    for dtype in (torch.float32, torch.bfloat16):
+        q = torch.randn(1, H, S, D, generator=g).to(dtype)
+        k, v = (torch.randn(1, KV, T, D, generator=g).to(dtype) for _ in range(2))
+        v[:, :, T - 1] = float("inf")
+        block = attend(q, k, v, None, True, kernel="step")
+        assert block[:, :, : S - 1].isfinite().all() and not block[:, :, S - 1].isfinite().all()
+        for i in range(S - 1):
+            one = attend(q[:, :, i : i + 1], k[:, :, : T - S + i + 1], v[:, :, : T - S + i + 1], None, False, kernel="step")
+            assert torch.equal(one, block[:, :, i : i + 1]), (dtype, i)
 
 
 def test_step_kernel_suffix_causal_equals_its_mask_and_any_thread_count():

@@ -22,8 +22,8 @@
 // The rest (RMSNorm, attention of decode / verify steps, RoPE, SwiGLU) is written over V16 (simd.h:
 // one zmm, or two ymm on AVX2), except the attention's inner loops: AVX2 keeps its sums within 16 ymm
 // (key_pair, value_chain), AVX-512 widens bfloat16 values as 32-bit pairs (weighted_values' Pairs) and
-// AVX512-BF16 takes the bfloat16 scores and weighted values by vdpbf16ps (score_tile_dp,
-// weighted_values_dp).
+// AVX512-BF16 takes the bfloat16 scores by vdpbf16ps (score_tile_dp) and, up to head_dim 128, the
+// weighted values too (weighted_values_dp).
 //
 // Registered as torch.ops.draftsmith.{pack_f32, pack_bf16, gemv_f32, gemv_bf16, rms_norm, add_rms_norm,
 // attention, attention_rows, rope, silu_mul, layer (a plain decoder layer's step in one call), argmax, lse_argmax, has_bf16, isa}; built on
@@ -828,7 +828,8 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 // query sees (causal: j <= T - S + s; a bool mask [B or 1, 1, S, T]: where it is true). Each query
 // is computed on its own with the same order of operations whatever S is, so a verify block's
 // attention equals that of decoding its tokens one by one (torch's SDPA blocks by query length).
-// Scores, softmax and the weighted sum in float32; the output rounded once to the input dtype.
+// Scores, softmax and the weighted sum in float32; the output rounded once to the input dtype (on
+// AVX512-BF16 the bfloat16 weighted sums take the softmax numerators rounded to bfloat16: weighted_values_dp).
 
 // exp for x <= 0 (softmax after subtracting the max): 2^n * p(r), |r| <= ln2 / 2, degree-7 Taylor
 // polynomial (relative error < 3e-8 before rounding); x < -87 gives 0.
@@ -915,11 +916,14 @@ inline void score_tile_dp(const BH* qv, const uint16_t* kb, int64_t kst, int64_t
 // keys in pairs: the numerators as bfloat16 (pb[r], zero past hi[r] and under a mask; the softmax
 // itself and its denominator l[r] stay float32, as in torch's bfloat16 attention), the values of keys
 // j and j + 1 interleaved (unpacklo / unpackhi: 16 (v_j, v_j+1) pairs of dimensions a vector), one
-// vdpbf16ps per 16 dimensions, row and key pair where the Pairs FMAs take two per key. A row's sums go
-// over its key pairs in order whatever the rows beside it; a pair no row of the pass weights is skipped
-// and a key none weights is read as zeros (an unwritten cache slot may hold NaN), which leaves every
-// row's sums as they are (each adds +0 for a zero weight). acc[r][2c] holds chunk c's dimensions
-// 8L + 0..3 of each 128-bit lane L, acc[r][2c + 1] 8L + 4..7; put back in order at the end.
+// vdpbf16ps per 16 dimensions, row and key pair where the Pairs path takes two FMAs (one per key). A
+// row's sums go over its key pairs in order whatever the rows beside it; a pair no row of the pass
+// weights is skipped, a key none weights is read as zeros (an unwritten cache slot may hold NaN), and
+// a row that weights one key of a pair only takes the other's values as zeros (another row may see a
+// non-finite value there): each leaves every row's sums as they are (+0 for a zero weight), so a row
+// reads nothing it does not see, as the Pairs path, which skips zero weights row by row. acc[r][2c]
+// holds chunk c's dimensions 8L + 0..3 of each 128-bit lane L, acc[r][2c + 1] 8L + 4..7; put back in
+// order at the end.
 template <int DV, int R, typename O>
 inline void weighted_values_dp(const uint16_t* vb, int64_t vst, const uint16_t* const* pb, const int64_t* hi,
                                const float* l, O* const* orow) {
@@ -954,8 +958,15 @@ inline void weighted_values_dp(const uint16_t* vb, int64_t vst, const uint16_t* 
     for (int r = 0; r < R; ++r) {
       if (w[r] == 0) continue;
       const __m512bh pv = (__m512bh)_mm512_set1_epi32(static_cast<int>(w[r]));
+      if ((w[r] & 0xFFFFu) && (w[r] >> 16)) {
 #pragma GCC unroll 8
-      for (int d = 0; d < DV; ++d) acc[r][d] = _mm512_dpbf16_ps(acc[r][d], (__m512bh)vv[d], pv);
+        for (int d = 0; d < DV; ++d) acc[r][d] = _mm512_dpbf16_ps(acc[r][d], (__m512bh)vv[d], pv);
+      } else {  // one key of the pair: the other's values as zeros (even 16-bit lanes hold key j)
+        const __mmask32 keep = (w[r] & 0xFFFFu) ? 0x55555555u : 0xAAAAAAAAu;
+#pragma GCC unroll 8
+        for (int d = 0; d < DV; ++d)
+          acc[r][d] = _mm512_dpbf16_ps(acc[r][d], (__m512bh)_mm512_maskz_mov_epi16(keep, vv[d]), pv);
+      }
     }
   }
   const __m512i perm_lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
@@ -1203,9 +1214,11 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   constexpr bool dot_bf16 = false;
 #endif
   constexpr bool dp_values = dot_bf16 && DV <= 8;  // values by vdpbf16ps too (weighted_values_dp)
-  // rows per weighted_values pass (their sums in registers; a row's sums are the same whatever QT is)
+  // rows per weighted_values pass (their sums in registers; a row's sums are the same whatever QT is);
+  // weighted_values_dp: QT x DV sums + DV value pairs + the weight within 32 zmm (8 / 6 / 3 / 2 rows at
+  // head_dim 32 / 64 / 96 / 128; 3 rows of 128 spilled 4 sums)
 #if defined(__AVX512F__)
-  constexpr int QT = dp_values ? std::min(8, 24 / DV) : DV <= 2 ? 4 : DV <= 4 ? 3 : 1;
+  constexpr int QT = dp_values ? std::min(8, (28 - DV) / DV) : DV <= 2 ? 4 : DV <= 4 ? 3 : 1;
 #else
   constexpr int QT = DV <= 2 ? 4 : DV <= 4 ? 2 : 1;
 #endif
@@ -1304,16 +1317,17 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
         }
         for (int64_t r = 0; r < nr; r += QT)
           weighted_values_dp_n<DV, QT>(std::min<int64_t>(QT, nr - r), vb, vst, &pb[r], &hi[r], &l[r], &orow[r]);
-        continue;
-      }
+      } else
 #endif
+      if constexpr (!dp_values) {
 #if defined(__AVX512F__)
-      int64_t r = 0;
-      for (; r + QT <= nr; r += QT) weighted_values<DV, QT, pairs>(vb, vst, &sc[r], &hi[r], &l[r], &orow[r]);
-      for (; r < nr; ++r) weighted_values<DV, 1, pairs>(vb, vst, &sc[r], &hi[r], &l[r], &orow[r]);
+        int64_t r = 0;
+        for (; r + QT <= nr; r += QT) weighted_values<DV, QT, pairs>(vb, vst, &sc[r], &hi[r], &l[r], &orow[r]);
+        for (; r < nr; ++r) weighted_values<DV, 1, pairs>(vb, vst, &sc[r], &hi[r], &l[r], &orow[r]);
 #else
-      weighted_values_rows<DV>(vb, vst, sc.data(), hi.data(), l.data(), orow.data(), nr, vacc.data());
+        weighted_values_rows<DV>(vb, vst, sc.data(), hi.data(), l.data(), orow.data(), nr, vacc.data());
 #endif
+      }
     }
   });
 }
