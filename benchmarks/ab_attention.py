@@ -5,7 +5,8 @@
 
 kernels/gemv.cpp at git revision REV ("base") and in the working tree ("tree") are compiled under
 their own op namespaces (as benchmarks/ab_linears.py does) and loaded into one process. Shapes are
-smollm2-135m's by default: 9 query heads, 3 kv heads of 64 (--heads 12,2 --head-dim 128: Qwen2.5-Coder-1.5B's), a step of S tokens attending causally over a cache
+smollm2-135m's by default: 9 query heads, 3 kv heads of 64 (--heads 12,2 --head-dim 128:
+Qwen2.5-Coder-1.5B's), a step of S tokens attending causally over a cache
 of C earlier tokens, 30 layers with their own caches (what one target forward reads). Each number
 is the median over rounds (the first dropped) of one pass over the 30 layers, in microseconds a
 layer; the builds alternate which goes first. Every output of the two builds is compared bit for bit.
@@ -55,13 +56,14 @@ def main() -> None:
     if a.rounds < 2:
         sys.exit("--rounds must be at least 2 (the first is dropped)")
     try:
-        HEADS, KV_HEADS = (int(h) for h in a.heads.split(","))
+        heads, kv_heads = (int(h) for h in a.heads.split(","))
     except ValueError:
         sys.exit(f"--heads wants two numbers, query heads and kv heads (e.g. 9,3), got {a.heads!r}")
-    HEAD_DIM = a.head_dim
-    if HEADS < 1 or KV_HEADS < 1 or HEADS % KV_HEADS or HEAD_DIM < 16 or HEAD_DIM % 16:
-        sys.exit(f"--heads {a.heads} --head-dim {a.head_dim}: the query heads must be a multiple of the kv heads "
-                 "and the head_dim a multiple of 16")
+    head_dim = a.head_dim
+    if heads < 1 or kv_heads < 1 or heads % kv_heads:
+        sys.exit(f"--heads {a.heads}: the query heads must be a positive multiple of the kv heads")
+    if head_dim < 16 or head_dim % 16 or not (head_dim <= 128 or head_dim in (192, 256)):
+        sys.exit(f"--head-dim {head_dim}: the step attention kernel takes 16, 32, ..., 128, 192 or 256")
     rel = build.SOURCE.relative_to(Path(subprocess.check_output(["git", "rev-parse", "--show-toplevel"], text=True).strip()))
     try:
         base_text = subprocess.check_output(["git", "show", f"{a.base}:{rel}"], text=True, stderr=subprocess.PIPE)
@@ -80,15 +82,15 @@ def main() -> None:
         for dtype_name in a.dtypes.split(","):
             dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
             cap = max(contexts) + max(tokens)
-            kc = [torch.randn(1, KV_HEADS, cap, HEAD_DIM, generator=g).to(dtype) for _ in range(LAYERS)]
-            vc = [torch.randn(1, KV_HEADS, cap, HEAD_DIM, generator=g).to(dtype) for _ in range(LAYERS)]
+            kc = [torch.randn(1, kv_heads, cap, head_dim, generator=g).to(dtype) for _ in range(LAYERS)]
+            vc = [torch.randn(1, kv_heads, cap, head_dim, generator=g).to(dtype) for _ in range(LAYERS)]
             for threads in (int(t) for t in a.threads.split(",")):
                 torch.set_num_threads(threads)
                 for C in contexts:
                     for S in tokens:
                         ks = [k.narrow(2, 0, C + S) for k in kc]  # the cache rows a step reads: a view, as in the model
                         vs = [v.narrow(2, 0, C + S) for v in vc]
-                        q = torch.randn(1, S, HEADS, HEAD_DIM, generator=g).to(dtype).transpose(1, 2)
+                        q = torch.randn(1, S, heads, head_dim, generator=g).to(dtype).transpose(1, 2)
                         times: dict[str, list[float]] = {"base": [], "tree": []}
                         outs: dict[str, torch.Tensor] = {}
                         for rnd in range(a.rounds):

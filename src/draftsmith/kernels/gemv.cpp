@@ -913,19 +913,20 @@ inline void score_tile_dp(const BH* qv, const uint16_t* kb, int64_t kst, int64_t
 }
 
 // The weighted sums of bfloat16 values by vdpbf16ps (AVX512-BF16, even head_dim / 16, head_dim <= 128),
-// keys in pairs: the numerators as bfloat16 (pb[r], zero past hi[r] and under a mask; the softmax
+// keys in pairs: the numerators as bfloat16 (row r at pb + r * pst, zero past hi[r] and under a mask; the softmax
 // itself and its denominator l[r] stay float32, as in torch's bfloat16 attention), the values of keys
 // j and j + 1 interleaved (unpacklo / unpackhi: 16 (v_j, v_j+1) pairs of dimensions a vector), one
 // vdpbf16ps per 16 dimensions, row and key pair where the Pairs path takes two FMAs (one per key). A
 // row's sums go over its key pairs in order whatever the rows beside it; a pair no row of the pass
-// weights is skipped, a key none weights is read as zeros (an unwritten cache slot may hold NaN), and
-// a row that weights one key of a pair only takes the other's values as zeros (another row may see a
-// non-finite value there): each leaves every row's sums as they are (+0 for a zero weight), so a row
-// reads nothing it does not see, as the Pairs path, which skips zero weights row by row. acc[r][2c]
+// weights is skipped, a key none weights is read as zeros (no load; and key j + 1 may be past the
+// cache's end when j is its last), and a row that weights one key of a pair takes the other's values
+// as zeros (an unwritten slot may hold NaN, one another row sees may be non-finite): each leaves every
+// row's sums as they are (+0 for a zero weight), so a row reads nothing it does not see, as the Pairs
+// path, which skips zero weights row by row. acc[r][2c]
 // holds chunk c's dimensions 8L + 0..3 of each 128-bit lane L, acc[r][2c + 1] 8L + 4..7; put back in
 // order at the end.
 template <int DV, int R, typename O>
-inline void weighted_values_dp(const uint16_t* vb, int64_t vst, const uint16_t* const* pb, const int64_t* hi,
+inline void weighted_values_dp(const uint16_t* vb, int64_t vst, const uint16_t* pb, int64_t pst, const int64_t* hi,
                                const float* l, O* const* orow) {
   static_assert(DV % 2 == 0 && DV <= 8, "weighted_values_dp: even head_dim / 16, at most 128");
   alignas(64) static const uint16_t zeros[DV * 16] = {};
@@ -941,7 +942,7 @@ inline void weighted_values_dp(const uint16_t* vb, int64_t vst, const uint16_t* 
     uint32_t w[R], any = 0;
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      std::memcpy(&w[r], pb[r] + j, 4);
+      std::memcpy(&w[r], pb + r * pst + j, 4);
       any |= w[r];
     }
     if (any == 0) continue;
@@ -986,16 +987,6 @@ inline void weighted_values_dp(const uint16_t* vb, int64_t vst, const uint16_t* 
     }
   }
 }
-
-// Rows [0, n) of a pass (n <= R), as weighted_values_dp<DV, n>.
-template <int DV, int R, typename O>
-inline void weighted_values_dp_n(int64_t n, const uint16_t* vb, int64_t vst, const uint16_t* const* pb,
-                                 const int64_t* hi, const float* l, O* const* orow) {
-  if constexpr (R > 0) {
-    if (n == R) weighted_values_dp<DV, R>(vb, vst, pb, hi, l, orow);
-    else weighted_values_dp_n<DV, R - 1>(n, vb, vst, pb, hi, l, orow);
-  }
-}
 #endif
 
 #else
@@ -1037,7 +1028,7 @@ inline void score_tile(const V16* qv, const E* kb, int64_t kst, int64_t j0, int6
 #endif
 
 // Softmax numerators of sc[0, hi) in place (masked keys -inf first); returns the denominator, or 0
-// when no key is visible (a padding query).
+// and all-zero numerators when no key is visible (a padding query).
 inline float softmax_row(float* sc, int64_t hi, const bool* mr) {
   if (mr)
     for (int64_t j = 0; j < hi; ++j) sc[j] = mr[j] ? sc[j] : -INFINITY;
@@ -1046,7 +1037,10 @@ inline float softmax_row(float* sc, int64_t hi, const bool* mr) {
   for (; j + 16 <= hi; j += 16) mxv = v16::max(v16::load(sc + j), mxv);  // a NaN score ignored, as std::max
   float mx = v16::reduce_max(mxv);
   for (; j < hi; ++j) mx = std::max(mx, sc[j]);
-  if (mx == -INFINITY) return 0.0f;
+  if (mx == -INFINITY) {
+    std::fill(sc, sc + hi, 0.0f);
+    return 0.0f;
+  }
   j = 0;
   const V16 mv = v16::set1(mx);
   for (; j + 16 <= hi; j += 16) v16::store(sc + j, exp_nonpositive(v16::sub(v16::load(sc + j), mv)));
@@ -1215,8 +1209,8 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
 #endif
   constexpr bool dp_values = dot_bf16 && DV <= 8;  // values by vdpbf16ps too (weighted_values_dp)
   // rows per weighted_values pass (their sums in registers; a row's sums are the same whatever QT is);
-  // weighted_values_dp: QT x DV sums + DV value pairs + the weight within 32 zmm (8 / 6 / 3 / 2 rows at
-  // head_dim 32 / 64 / 96 / 128; 3 rows of 128 spilled 4 sums)
+  // weighted_values_dp: QT x DV sums + DV value pairs within 28 zmm, 4 left for the loads, a masked
+  // temporary and the weight (8 / 6 / 3 / 2 rows at head_dim 32 / 64 / 96 / 128; 3 rows of 128 spilled 4 sums)
 #if defined(__AVX512F__)
   constexpr int QT = dp_values ? std::min(8, (28 - DV) / DV) : DV <= 2 ? 4 : DV <= 4 ? 3 : 1;
 #else
@@ -1240,8 +1234,8 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
     std::vector<V16> qs(dot_bf16 ? 0 : QC * DV);
 #if defined(__AVX512BF16__)
     std::vector<BH> qb(dot_bf16 ? QC * DV / 2 : 0);  // q rows as bfloat16 pairs (score_tile_dp)
-    std::vector<uint16_t> pbuf(dp_values ? QC * (T + 32) : 0);  // numerators as bfloat16 (weighted_values_dp)
-    std::vector<const uint16_t*> pb(dp_values ? QC : 0);
+    const int64_t pst = T + 16;  // numerators as bfloat16 (weighted_values_dp), a row's up to hmax rounded up to 16
+    std::vector<uint16_t> pbuf(dp_values ? QC * pst : 0);
 #endif
     std::vector<int64_t> hi(QC);
     std::vector<float> l(QC);
@@ -1305,18 +1299,13 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
       }
 #if defined(__AVX512BF16__)
       if constexpr (dp_values) {
-        for (int64_t r = 0; r < nr; ++r) {  // zeros past hi[r], up to hmax rounded up to 16
-          uint16_t* pr = pbuf.data() + r * (T + 32);
-          pb[r] = pr;
-          // a row that sees no key (l = 0) left its scores at -inf: all zeros, or its nonzero bf16
-          // "weights" would have other rows' passes read cache slots no row sees
-          const int64_t seen = l[r] == 0.0f ? 0 : hi[r];
+        for (int64_t r = 0; r < nr; ++r)  // zeros past hi[r] (a padding row's are all zero: softmax_row)
           for (int64_t j = 0; j < hmax; j += 16)
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j),
-                                (__m256i)_mm512_cvtneps_pbh(v16::load_first(sc[r] + j, std::clamp<int64_t>(seen - j, 0, 16)).v));
-        }
-        for (int64_t r = 0; r < nr; r += QT)
-          weighted_values_dp_n<DV, QT>(std::min<int64_t>(QT, nr - r), vb, vst, &pb[r], &hi[r], &l[r], &orow[r]);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(pbuf.data() + r * pst + j),
+                                (__m256i)_mm512_cvtneps_pbh(v16::load_first(sc[r] + j, std::clamp<int64_t>(hi[r] - j, 0, 16)).v));
+        by_rows<QT>(nr, [&](int64_t r, auto R) {
+          weighted_values_dp<DV, decltype(R)::value>(vb, vst, pbuf.data() + r * pst, pst, &hi[r], &l[r], &orow[r]);
+        });
       } else
 #endif
       if constexpr (!dp_values) {
