@@ -76,7 +76,7 @@ def test_step_kernel_matches_sdpa_under_every_mask_kind(H, KV, D):
         assert attend(qd, kd, vd, None, False, kernel="auto").equal(attend(qd, kd, vd, None, False, kernel="step"))
 
 
-@pytest.mark.parametrize("D", [16, 32, 48, 64, 128])  # rows per value pass and the pair paths differ by D
+@pytest.mark.parametrize("D", [16, 32, 48, 64, 96, 128])  # rows per value pass and the pair paths differ by D
 def test_step_kernel_is_query_count_invariant(D):
     """A verify block's attention equals that of its queries one at a time, bit for bit (what lets
     a bfloat16 target's greedy speculative output equal its plain decoding), and a query that
@@ -125,13 +125,21 @@ def test_step_kernel_ignores_what_masked_cache_slots_hold(D, H):
         vn.masked_fill_(hidden[:, :, :, None].expand(B, KV, T, D), float("nan"))
         want = attend(q, k, v, keep, False, kernel="step")
         assert bool(hidden.any()) and not want.isnan().any() and not want[1, :, 2].any()
+        # and right: SDPA in float32 under the same mask (its keys with holes: rows that weight one key
+        # of a pair only), the query that sees nothing left out (SDPA gives NaN there)
+        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=keep, enable_gqa=True)
+        seen = keep.any(-1).expand(B, H, S)
+        tol = 2e-6 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(want.float()[seen], ref[seen], atol=tol, rtol=tol)
         assert torch.equal(attend(q, kn, vn, keep, False, kernel="step"), want), dtype
 
 
 @pytest.mark.parametrize("D", [64, 128])
 def test_step_kernel_rows_ignore_nonfinite_values_only_later_rows_see(D):
     """An infinite value in the newest cache slot (one only the block's last query sees, next to a key
-    the others see) leaves every other query of the block finite and equal to that query alone."""
+    T - 2 that only the query before it also sees) leaves every other query of the block finite and
+    equal to that query alone; and an infinite value under one query's mask, next to a key that query
+    sees, leaves it finite and equal to SDPA's (the other key of a pair read alone)."""
     _step_kernel_or_skip()
     g = torch.Generator().manual_seed(5)
     T, S, H, KV = 58, 8, 9, 3  # T even: keys T - 2 and T - 1 form a pair
@@ -144,6 +152,19 @@ def test_step_kernel_rows_ignore_nonfinite_values_only_later_rows_see(D):
         for i in range(S - 1):
             one = attend(q[:, :, i : i + 1], k[:, :, : T - S + i + 1], v[:, :, : T - S + i + 1], None, False, kernel="step")
             assert torch.equal(one, block[:, :, i : i + 1]), (dtype, i)
+        # query 0 sees keys 0..9 but 8, query 1 all ten; key 8's values are infinite
+        q2 = torch.randn(1, H, 2, D, generator=g).to(dtype)
+        k2, v2 = (torch.randn(1, KV, 10, D, generator=g).to(dtype) for _ in range(2))
+        v2[:, :, 8] = float("inf")
+        sees = torch.ones(1, 1, 2, 10, dtype=torch.bool)
+        sees[0, 0, 0, 8] = False
+        got = attend(q2, k2, v2, sees, False, kernel="step")
+        assert not got[:, :, 1].isfinite().all()
+        finite = v2.float().nan_to_num(posinf=0.0)  # SDPA's masked weights multiply the values too: 0 x inf
+        want = F.scaled_dot_product_attention(q2[:, :, :1].float(), k2.float(), finite, attn_mask=sees[:, :, :1],
+                                              enable_gqa=True)
+        tol = 2e-6 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(got[:, :, :1].float(), want, atol=tol, rtol=tol)
 
 
 def test_step_kernel_suffix_causal_equals_its_mask_and_any_thread_count():
