@@ -465,3 +465,33 @@ def test_a_bad_prompt_record_says_what_a_cli_user_can_do(tmp_path):
         load_mix(str(f))
     assert str(e.value).endswith("p.jsonl:2: needs exactly one of 'messages' (chat list) or 'prompt' (string); "
                                  "fix or remove that line and run again"), str(e.value)
+
+
+def test_exclude_leaves_out_ids_from_a_regen_file_or_an_id_list(tiny, tmp_path):
+    """--exclude extends a data set made elsewhere: the ids in a regen JSONL (a killed run's
+    incomplete last record is no id) or a plain id list are not regenerated; the records written
+    equal a run over the remaining conversations alone."""
+    from draftsmith.data.regen_records import read_ids
+
+    convs = [_conv(i, turns=1) for i in range(5)]
+    first = _cfg(tiny, tmp_path / "first.jsonl")
+    run_regen(first, conversations=convs[:2])
+    with open(first.out, "ab") as f:
+        f.write(b'{"id": "t/4", "messa')  # cut mid-record: t/4 was not done there
+    ids_txt = tmp_path / "ids.txt"
+    ids_txt.write_text("t/3\n\n")
+    assert read_ids(first.out) == {"t/0", "t/1"} and read_ids(ids_txt) == {"t/3"}
+    cfg = _cfg(tiny, tmp_path / "more.jsonl", exclude=(first.out, ids_txt))
+    s = run_regen(cfg, conversations=convs)
+    assert s.written == 2 and [r["id"] for r in load_records(cfg.out)] == ["t/2", "t/4"]
+    alone = _cfg(tiny, tmp_path / "alone.jsonl")
+    run_regen(alone, conversations=[convs[2], convs[4]])
+    assert load_records(alone.out) == load_records(cfg.out)
+    with pytest.raises(DraftsmithError, match="leaves none of the 2"):
+        run_regen(_cfg(tiny, tmp_path / "none.jsonl", exclude=(first.out,)), conversations=convs[:2])
+    with pytest.raises(DraftsmithError, match="--exclude .*no such file"):
+        run_regen(_cfg(tiny, tmp_path / "x.jsonl", exclude=(tmp_path / "missing.jsonl",)), conversations=convs)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"no_id": 1}\n')
+    with pytest.raises(DraftsmithError, match="bad.jsonl:1: expected a regen record"):
+        read_ids(bad)

@@ -32,6 +32,9 @@ def add_parser(sub) -> None:
                         "no local check unless given)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (per answer: derived from seed, id, turn)")
     p.add_argument("--mix-seed", type=int, default=None, help="sample-selection seed (default: --seed)")
+    p.add_argument("--exclude", type=Path, action="append", default=[], metavar="FILE",
+                   help="leave out the conversation ids in FILE (a regen JSONL, or one id a line); repeatable. "
+                        "Extends a data set made elsewhere: --max-samples picks the list first, then these go")
     p.add_argument("--batch-size", type=positive_int, default=8, help="built-in engine: conversations in flight")
     add_prefix_caching(p, "built-in engine: a turn's prompt starts with the conversation so far", on=True)
     p.add_argument("--features-out", type=Path, default=None, metavar="DIR",
@@ -59,7 +62,7 @@ def cmd_regen(args) -> int:
         raise DraftsmithError("--resume and --overwrite exclude each other")
     cfg = RegenConfig(
         target=args.target, mix=args.mix, out=args.out, split=args.split, max_samples=args.max_samples,
-        mix_seed=args.mix_seed, seed=args.seed, temperature=args.temperature, top_p=args.top_p,
+        exclude=tuple(args.exclude), mix_seed=args.mix_seed, seed=args.seed, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, max_new_tokens=args.max_new_tokens, max_len=args.max_len, batch_size=args.batch_size,
         endpoint=args.endpoint, endpoint_model=args.endpoint_model, concurrency=args.concurrency,
         retries=max(0, args.retries), request_timeout=args.request_timeout, retry_backoff=args.retry_backoff,

@@ -71,6 +71,7 @@ from draftsmith.data.regen_records import (
     errors_path,
     load_records,
     make_record,
+    read_ids,
     record_split,
     scan_output,
 )
@@ -235,6 +236,15 @@ def run_regen(cfg: RegenConfig, conversations: Sequence | None = None, backend=N
     if conversations is None:
         conversations = load_mix(cfg.mix, split=cfg.split, max_samples=cfg.max_samples,
                                  seed=cfg.seed if cfg.mix_seed is None else cfg.mix_seed)
+    if cfg.exclude:
+        excluded = set().union(*(read_ids(p) for p in cfg.exclude))
+        kept = [c for c in conversations if c.id not in excluded]
+        print(f"[draftsmith] --exclude: left out {len(conversations) - len(kept)} of {len(conversations)} "
+              "conversations", file=sys.stderr)
+        if not kept:
+            raise DraftsmithError(f"--exclude leaves none of the {len(conversations)} selected conversations; "
+                                  "raise --max-samples (the list is chosen first, then the excluded ids dropped)")
+        conversations = kept
     records = not cfg.endpoint and getattr(backend or EngineBackend, "records_features", False)
     if cfg.features_out is not None and not records:
         raise DraftsmithError("--features-out needs the built-in engine: an endpoint returns text, not the target's "

@@ -26,6 +26,9 @@ class RegenConfig:
     split: str = "train"
     max_samples: int | None = None
     mix_seed: int | None = None  # sample selection seed (default: the sampling seed)
+    # Ids to leave out of the selected list (regen JSONLs or id lists): extend a data set made
+    # elsewhere (--max-samples picks the list first, then these are dropped).
+    exclude: tuple[Path, ...] = ()
     seed: int = 0
     temperature: float | None = None
     top_p: float | None = None

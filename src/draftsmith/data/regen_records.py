@@ -163,6 +163,35 @@ def _parse_record(path: Path, n: int, line: bytes) -> dict:
     return rec
 
 
+def read_ids(path: Path) -> set[str]:
+    """Conversation ids to leave out of a run (`regen --exclude`): a regen JSONL (each record's
+    "id") or a text file with one id a line. Blank lines are skipped."""
+    path = Path(path)
+    if not path.is_file():
+        raise DraftsmithError(f"--exclude {path}: no such file; give a regen JSONL or a text file with one "
+                              "conversation id a line")
+    ids: set[str] = set()
+    with open(path, "rb") as f:
+        for n, line in enumerate(f, 1):
+            text = line.strip()
+            if not text:
+                continue
+            if text.startswith(b"{"):
+                if not line.endswith(b"\n"):  # a killed regen's incomplete last record: not an id
+                    try:
+                        _loads(text)
+                    except (ValueError, RecursionError):
+                        continue
+                ids.add(str(_parse_record(path, n, text)["id"]))
+            else:
+                try:
+                    ids.add(text.decode("utf-8"))
+                except UnicodeDecodeError:
+                    raise DraftsmithError(f"--exclude {path}:{n}: not UTF-8 text; give a regen JSONL or a text "
+                                          "file with one conversation id a line") from None
+    return ids
+
+
 def record_split(rec: Mapping[str, Any]) -> str:
     """A record's split ("train" when it has none)."""
     return str(rec.get("split") or "train")
