@@ -35,7 +35,8 @@ time (every stage still resumes):
 every Nth-step checkpoint and --curve M,.. evaluates (T=0) the checkpoints nearest M minutes of
 training; each recipe's CPU time is measured (with --parallel, 3 processes share the cores).
 --section NAME writes benchmarks/results/bench_drafters-NAME.json and its own BENCHMARKS.md
-section, leaving issue 4's in place.
+section, leaving issue 4's in place. --kinds dspark,dflash compares a subset (two recipes at once
+on two cores reach a long CPU budget in its wall time; three take 1.5x that).
 """
 
 from __future__ import annotations
@@ -107,7 +108,9 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=320)
     ap.add_argument("--budget", type=float, default=None,
                     help="training minutes per drafter (default 20; with --steps: the CPU minutes they are sized to)")
-    ap.add_argument("--parallel", action="store_true", help="train the three at once, one thread each")
+    ap.add_argument("--kinds", default=",".join(KINDS),
+                    help="the recipes to compare, a subset of eagle3,dflash,dspark (default: all three)")
+    ap.add_argument("--parallel", action="store_true", help="train them at once, one thread each")
     ap.add_argument("--steps", default="",
                     help="fixed step counts instead of a probed budget, e.g. eagle3=10400,dflash=22100,dspark=20500 "
                          "(sized to --budget CPU minutes from each recipe's measured CPU seconds per step: a probe of "
@@ -134,20 +137,24 @@ def main() -> int:
     args = ap.parse_args()
     if (args.regen is None) != (args.cache is None):
         raise SystemExit("--regen and --cache go together: the cache must hold that regen's features")
-    overrides: dict[str, list[str]] = {k: [] for k in KINDS}
+    kinds = tuple(k for k in KINDS if k in {x.strip() for x in args.kinds.split(",")})
+    unknown = {x.strip() for x in args.kinds.split(",")} - set(KINDS)
+    if unknown or not kinds:
+        raise SystemExit(f"--kinds {args.kinds!r}: expected a comma-separated subset of {', '.join(KINDS)}")
+    overrides: dict[str, list[str]] = {k: [] for k in kinds}
     for item in args.set:
         kind, sep, kv = item.partition(":")
-        if not sep or kind not in KINDS or "=" not in kv:
-            raise SystemExit(f"--set {item!r}: expected KIND:KEY=VALUE with KIND one of {', '.join(KINDS)}")
+        if not sep or kind not in kinds or "=" not in kv:
+            raise SystemExit(f"--set {item!r}: expected KIND:KEY=VALUE with KIND one of {', '.join(kinds)}")
         overrides[kind].append(kv)
     steps: dict[str, int] = {}
     for item in filter(None, (x.strip() for x in args.steps.split(","))):
         kind, sep, n = item.partition("=")
-        if not sep or kind not in KINDS or not n.isdigit() or int(n) < 1:
-            raise SystemExit(f"--steps {item!r}: expected KIND=N with KIND one of {', '.join(KINDS)}, N >= 1")
+        if not sep or kind not in kinds or not n.isdigit() or int(n) < 1:
+            raise SystemExit(f"--steps {item!r}: expected KIND=N with KIND one of {', '.join(kinds)}, N >= 1")
         steps[kind] = int(n)
-    if steps and set(steps) != set(KINDS):
-        raise SystemExit(f"--steps needs a count for each of {', '.join(KINDS)}")
+    if steps and set(steps) != set(kinds):
+        raise SystemExit(f"--steps needs a count for each of {', '.join(kinds)}")
     if steps and args.budget is None:
         raise SystemExit("--steps needs --budget M: the CPU minutes the step counts were sized to (the report's title)")
     if args.budget is None:
@@ -184,7 +191,7 @@ def main() -> int:
         *(["--resume"] if cache.exists() else [])), (w / ".cache.done").touch()))
 
     def train_all() -> None:
-        todo = [k for k in KINDS if not (w / f".train-{k}.done").exists()]
+        todo = [k for k in kinds if not (w / f".train-{k}.done").exists()]
         extra = ([f"data.eval_cache={args.heldout_cache.resolve()}", "data.eval_samples=24"]
                  if args.heldout_cache else [])
         if args.save_every:
@@ -204,14 +211,15 @@ def main() -> int:
         (w / ".train.done").touch()
 
     stage("train", w / ".train.done", train_all)
-    stage("calibrate", w / ".calibrate.done", lambda: (cli(
-        "calibrate", "--drafter", f"dspark:{w / 'dspark'}", "--tasks", "sharegpt", "--max-prompts", "16",
-        "--max-tokens", "64", "--temperature", "1", "--block-size", str(GAMMA)), (w / ".calibrate.done").touch()))
-    specs = [f"{k}:{w / k}" for k in KINDS]
+    if "dspark" in kinds:  # the one with a confidence head
+        stage("calibrate", w / ".calibrate.done", lambda: (cli(
+            "calibrate", "--drafter", f"dspark:{w / 'dspark'}", "--tasks", "sharegpt", "--max-prompts", "16",
+            "--max-tokens", "64", "--temperature", "1", "--block-size", str(GAMMA)), (w / ".calibrate.done").touch()))
+    specs = [f"{k}:{w / k}" for k in kinds]
     for minutes in curve:
         out = w / f"curve-{minutes:g}min"
         stage(f"curve-{minutes:g}min", out / "report.json", lambda out=out, minutes=minutes: cli(
-            "eval", *[x for k in KINDS for x in ("--drafter", f"{k}:{nearest_checkpoint(w / k, minutes, clock)[0]}")],
+            "eval", *[x for k in kinds for x in ("--drafter", f"{k}:{nearest_checkpoint(w / k, minutes, clock)[0]}")],
             "--tasks", ",".join(WORKLOADS), "--max-prompts", str(args.eval_prompts), "--max-tokens",
             str(args.eval_tokens), "--temperature", "0", "--block-size", str(GAMMA), *eval_out(out)))
     for temp in ("0", "1"):
@@ -228,11 +236,11 @@ def main() -> int:
                 "--requests", str(args.bench_requests), "--max-tokens", str(args.bench_tokens), "--warmup", "1",
                 "--num-speculative-tokens", str(GAMMA), "--policy", policy, *bench_out(out)))
 
-    results = collect(w, regen, curve, clock)
+    results = collect(w, regen, kinds, curve, clock)
     prev = w / "results.json"
     if prev.is_file():  # keep the times of stages an earlier run did (this one reused them)
         stage_s = {**json.loads(prev.read_text()).get("setup", {}).get("stage_s", {}), **stage_s}
-    results["setup"] = {"samples": args.samples, "budget_minutes": args.budget, "parallel": args.parallel,
+    results["setup"] = {"kinds": list(kinds), "samples": args.samples, "budget_minutes": args.budget, "parallel": args.parallel,
                         "budget_clock": clock, "steps": steps or None,
                         "regen": _rel(regen), "cache": _rel(cache), "overrides": overrides,
                         "heldout_cache": _rel(args.heldout_cache.resolve()) if args.heldout_cache else None,
@@ -296,11 +304,12 @@ def nearest_checkpoint(run: Path, minutes: float, clock: str = "wall") -> tuple[
     return best[1], {k: best[2][k] for k in ("step", "elapsed_s", "cpu_s", "train_cpu_s") if k in best[2]}
 
 
-def collect(w: Path, regen_path: Path, curve: list[float] = (), clock: str = "wall") -> dict:
+def collect(w: Path, regen_path: Path, kinds: tuple[str, ...] = KINDS, curve: list[float] = (),
+            clock: str = "wall") -> dict:
     regen = list(scan_output(regen_path, repair=False)[0].values())  # a torn last line (a killed run) is skipped
     res: dict = {"data": {"conversations": len(regen), "tokens": sum(int(r.get("num_tokens", 0)) for r in regen),
                           "trained_tokens": sum(sum(r.get("loss_mask") or []) for r in regen)},
-                 "train": {k: train_info(w / k) for k in KINDS if (w / k / "metrics.jsonl").is_file()},
+                 "train": {k: train_info(w / k) for k in kinds if (w / k / "metrics.jsonl").is_file()},
                  "eval": {}, "bench": {}, "curve": {}}
     for k in res["train"]:
         f = w / f"train-{k}.cpu.jsonl"
@@ -362,28 +371,32 @@ def write_markdown(r: dict, section: str = "") -> None:
     names = {"eagle3": "EAGLE-3", "dflash": "DFlash", "dspark": "DSpark", "ngram": "n-gram (reference)"}
     begin, end = (f"<!-- bench_drafters-{section}:begin -->", f"<!-- bench_drafters-{section}:end -->") if section \
         else (BEGIN, END)
+    kinds = tuple(s.get("kinds") or KINDS)
+    compared = " vs ".join(names[k] for k in kinds)
+    n = {2: "two", 3: "three"}.get(len(kinds), str(len(kinds)))
     cpu_clock = s.get("budget_clock") == "cpu"
     unit = "CPU minutes" if cpu_clock else "minutes"
-    title = (f"## Drafters at equal long budgets: EAGLE-3 vs DFlash vs DSpark, {s['budget_minutes']:g} {unit} each "
-             "(issue 12)" if section else "## Drafters: EAGLE-3 vs DFlash vs DSpark, same data and budget (issue 4)")
+    title = (f"## Drafters at equal long budgets: {compared}, {s['budget_minutes']:g} {unit} each "
+             "(issue 12)" if section else f"## Drafters: {compared}, same data and budget (issue 4)")
     flags = "".join(f" --{k.replace('_', '-')} {s[k]}" for k in ("regen", "cache", "heldout_cache") if s.get(k)
                     and section)
     sets = "".join(f" --set {k}:{kv}" for k, kvs in (s.get("overrides") or {}).items() for kv in kvs)
     lines = [begin, title, "",
              "`benchmarks/bench_drafters.py" + ("" if s.get("regen") and section else f" --samples {s['samples']}")
              + f" --budget {s['budget_minutes']:g}"
+             + ("" if kinds == KINDS else " --kinds " + ",".join(kinds))
              + (" --parallel" if s["parallel"] else "")
              + (" --steps " + ",".join(f"{k}={n}" for k, n in s["steps"].items()) if s.get("steps")
                 else " --budget-clock cpu" if cpu_clock else "") + flags + sets + "` (JSON: `benchmarks/results/"
              + (f"bench_drafters-{section}" if section else "bench_drafters") + ".json`). "
              f"Machine: {s['machine']}, no GPU. Data: {d['conversations']} regenerated train-split conversations "
              f"(code:0.4, chat:0.6; {d['tokens']} tokens, {d['trained_tokens']} of them target answers), one feature "
-             f"cache (layers 1, 14, 27 + final) for all three. Training: each recipe for {s['budget_minutes']:g} "
+             f"cache (layers 1, 14, 27 + final) for all {n}. Training: each recipe for {s['budget_minutes']:g} "
              + ("CPU minutes: a fixed step count sized from the recipe's CPU seconds per step measured under the "
                 "same load (each completes its learning-rate schedule; the CPU minutes it took are in the table)"
                 if s.get("steps") else
                 "CPU minutes (its process's CPU time sets the step count and the stop)" if cpu_clock
-                else "minutes of wall clock") + (", the three at once with one torch thread each (identical conditions)"
+                else "minutes of wall clock") + (f", the {n} at once with one torch thread each (identical conditions)"
                                          if s["parallel"] else ", one after the other") + ".", "",
              "| drafter | steps | CPU minutes (training / process) | final loss | train acc@1 / expected acceptance "
              "| held-out at the end (teacher-forced) |", "|---|---|---|---|---|---|"]
@@ -418,21 +431,22 @@ def write_markdown(r: dict, section: str = "") -> None:
         lines.append("| " + " | ".join(row) + " |")
     for temp in ("0", "1"):
         e = (ev.get(temp) or {"drafters": {}})["drafters"]
-        if all(k in e for k in KINDS):
-            t = {k: e[k]["overall"]["tau"] for k in KINDS}
-            lines += ["", f"Ordering at T={temp}: DSpark τ {t['dspark']:.2f} vs DFlash {t['dflash']:.2f} "
-                      f"({(t['dspark'] / t['dflash'] - 1) * 100:+.0f}%) vs EAGLE-3 {t['eagle3']:.2f} "
-                      f"({(t['dspark'] / t['eagle3'] - 1) * 100:+.0f}%); paper: +16–18% over DFlash, +27–31% over "
-                      "EAGLE-3."]
+        if "dspark" in e and len(kinds) > 1 and all(k in e for k in kinds):
+            t = {k: e[k]["overall"]["tau"] for k in kinds}
+            paper = {"dflash": "+16–18% over DFlash", "eagle3": "+27–31% over EAGLE-3"}
+            lines += ["", f"Ordering at T={temp}: DSpark τ {t['dspark']:.2f} vs "
+                      + " vs ".join(f"{names[k]} {t[k]:.2f} ({(t['dspark'] / t[k] - 1) * 100:+.0f}%)"
+                                    for k in paper if k in kinds)
+                      + "; paper: " + ", ".join(paper[k] for k in paper if k in kinds) + "."]
     if r.get("curve"):
         lines += ["", "τ at T = 0 against training time (the checkpoint nearest each point; held-out HumanEval / "
                   "MT-Bench / all, same eval arguments as above):", "",
-                  f"| {'CPU minutes' if cpu_clock else 'minutes (wall)'} | " + " | ".join(names[k] for k in KINDS) + " |", "|---|" + "---|" * len(KINDS)]
+                  f"| {'CPU minutes' if cpu_clock else 'minutes (wall)'} | " + " | ".join(names[k] for k in kinds) + " |", "|---|" + "---|" * len(kinds)]
         final = (ev.get("0") or {"drafters": {}})["drafters"]
         points = [(m, c) for m, c in r["curve"].items()] + ([(f"{s['budget_minutes']:g} (final)", final)] if final else [])
         for m, c in points:
             cells = []
-            for k in KINDS:
+            for k in kinds:
                 e = c.get(k)
                 cells.append("–" if not e else " / ".join(_f(e["tasks"].get(t, {}).get("tau")) for t in WORKLOADS)
                              + f" / {_f(e['overall']['tau'])}" + (f" (step {e['step']})" if "step" in e else ""))
@@ -456,12 +470,12 @@ def write_markdown(r: dict, section: str = "") -> None:
         lines += ["", f"Wall clock at batch 1 (draftsmith bench, concurrency 1, {s['bench_requests']} held-out requests "
                   f"× {s['bench_tokens']} tokens, greedy, each drafter interleaved with plain decoding in one run; "
                   "speedup = tokens/s ÷ plain's):", "",
-                  "| policy | workload | " + " | ".join(names[k] for k in KINDS) + " |",
-                  "|---|---|" + "---|" * len(KINDS)]
+                  "| policy | workload | " + " | ".join(names[k] for k in kinds) + " |",
+                  "|---|---|" + "---|" * len(kinds)]
         for key, rows in r["bench"].items():
             policy, wl = key.split(":")
             cells = []
-            for k in KINDS:
+            for k in kinds:
                 v = rows.get(k)
                 cells.append(f"{v['speedup']:.2f}× (τ {_f(v['tau'])})" if v and v["speedup"] is not None else "–")
             lines.append(f"| {policy} | {wl} | " + " | ".join(cells) + " |")
