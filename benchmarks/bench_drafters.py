@@ -1,7 +1,8 @@
 """Issue 4's comparison: EAGLE-3 vs DFlash vs DSpark on smollm2-135m, same data and budget.
 
     .venv/bin/python benchmarks/bench_drafters.py [--work runs/drafters] [--samples 320]
-        [--budget 20] [--parallel] [--eval-prompts 12] [--eval-tokens 96] [--bench-requests 6]
+        [--budget 20] [--kinds eagle3,dflash,dspark] [--parallel] [--eval-prompts 12]
+        [--eval-tokens 96] [--bench-requests 6]
 
 Every stage is a plain `draftsmith` CLI call and is skipped when its output exists, so a
 re-run resumes (delete a stage's output to redo it; a bench stage killed midway goes on with
@@ -11,8 +12,8 @@ re-run resumes (delete a stage's output to redo it; a bench stage killed midway 
 2. cache      target layers 1,14,27 + final hidden (fp16): one cache serves all three recipes
 3. train      recipes/smollm2-135m-{eagle3,dflash,dspark}.yaml, --budget minutes of wall clock
               each (the trainer sizes the step count from a timing probe and stops at the
-              deadline). --parallel trains the three at once with one torch thread each, so
-              all three see identical conditions; otherwise one after the other.
+              deadline). --parallel trains them at once with one torch thread each, so all
+              see identical conditions; otherwise one after the other.
 4. calibrate  STS for drafters with a confidence head (DSpark) on held-out ShareGPT prompts:
               disjoint from the eval tasks, so calibration is not fitted on what it is judged on
 5. eval       held-out HumanEval + MT-Bench at T=0 and T=1, γ = 7 for every drafter, n-gram
@@ -33,10 +34,11 @@ time (every stage still resumes):
 --regen/--cache skip stages 1-2; --set KIND:KEY=VALUE overrides one recipe's field (repeatable);
 --heldout-cache scores every checkpoint teacher-forced during training; --save-every N keeps
 every Nth-step checkpoint and --curve M,.. evaluates (T=0) the checkpoints nearest M minutes of
-training; each recipe's CPU time is measured (with --parallel, 3 processes share the cores).
+training; each recipe's CPU time is measured (with --parallel, its processes share the cores).
 --section NAME writes benchmarks/results/bench_drafters-NAME.json and its own BENCHMARKS.md
 section, leaving issue 4's in place. --kinds dspark,dflash compares a subset (two recipes at once
-on two cores reach a long CPU budget in its wall time; three take 1.5x that).
+on two cores reach a long CPU budget in its wall time; three take 1.5x that). A work directory
+keeps the kinds it was started with (kinds.json): resuming it with others is refused.
 """
 
 from __future__ import annotations
@@ -139,13 +141,15 @@ def main() -> int:
         raise SystemExit("--regen and --cache go together: the cache must hold that regen's features")
     kinds = tuple(k for k in KINDS if k in {x.strip() for x in args.kinds.split(",")})
     unknown = {x.strip() for x in args.kinds.split(",")} - set(KINDS)
-    if unknown or not kinds:
-        raise SystemExit(f"--kinds {args.kinds!r}: expected a comma-separated subset of {', '.join(KINDS)}")
+    if unknown or len(kinds) < 2:
+        raise SystemExit(f"--kinds {args.kinds!r}: expected two or three of {', '.join(KINDS)}, comma-separated "
+                         "(a comparison; `draftsmith train` trains one)")
     overrides: dict[str, list[str]] = {k: [] for k in kinds}
     for item in args.set:
         kind, sep, kv = item.partition(":")
         if not sep or kind not in kinds or "=" not in kv:
-            raise SystemExit(f"--set {item!r}: expected KIND:KEY=VALUE with KIND one of {', '.join(kinds)}")
+            raise SystemExit(f"--set {item!r}: expected KIND:KEY=VALUE with KIND one of {', '.join(kinds)}"
+                             + (f" ({kind} is not in --kinds)" if kind in KINDS else ""))
         overrides[kind].append(kv)
     steps: dict[str, int] = {}
     for item in filter(None, (x.strip() for x in args.steps.split(","))):
@@ -165,6 +169,7 @@ def main() -> int:
         raise SystemExit("--curve needs --save-every N (checkpoints to choose from)")
     w = args.work.resolve()
     w.mkdir(parents=True, exist_ok=True)
+    check_kinds(w, kinds)
     t_all = time.perf_counter()
     stage_s: dict[str, float] = {}
 
@@ -263,6 +268,23 @@ def main() -> int:
     if not args.no_md:
         write_markdown(results, args.section)
     return 0
+
+
+def check_kinds(w: Path, kinds: tuple[str, ...]) -> None:
+    """Record the kinds a work directory compares (kinds.json) and refuse to resume it with
+    others: its stage markers and reports (train, curve, eval, bench) hold those drafters only.
+    A directory from before kinds.json holds the kinds it has training runs of."""
+    f = w / "kinds.json"
+    if f.is_file():
+        before = json.loads(f.read_text())
+        ok = tuple(before) == kinds
+    else:
+        before = [k for k in KINDS if (w / k).is_dir()]
+        ok = set(before) == set(kinds) if (w / ".train.done").exists() else set(before) <= set(kinds)
+    if not ok:
+        raise SystemExit(f"{w} holds a comparison of {','.join(before)}; resume it with --kinds {','.join(before)} "
+                         "or give a new --work")
+    f.write_text(json.dumps(list(kinds)))
 
 
 def _rel(p: Path) -> str:

@@ -198,3 +198,47 @@ def test_a_bench_stage_killed_before_its_report_is_continued_with_resume(tmp_pat
     (out / "setup.json").unlink()  # results without their setup: not resumed (bench refuses the directory)
     assert bench_drafters.bench_out(out) == ["--out", str(out)]
     assert bench_drafters.eval_out(out) == ["--out", str(out), "--overwrite"]  # eval stages: as before
+
+
+def test_bench_drafters_kinds_subset_report_and_resume_guard(tmp_path, monkeypatch):
+    """--kinds dflash,dspark: the report names the two it ran (title, ordering against DFlash only,
+    table columns), and a work directory refuses to resume with other kinds (its stage markers hold
+    those drafters only)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    bench_drafters = importlib.import_module("bench_drafters")
+    sections = importlib.import_module("sections")
+
+    r = json.loads((ROOT / "benchmarks" / "results" / "bench_drafters-long.json").read_text())
+    r["setup"]["kinds"] = ["dflash", "dspark"]
+    r["setup"]["overrides"].pop("eagle3")
+    r["train"].pop("eagle3")
+    for e in r["eval"].values():
+        e["drafters"].pop("eagle3")
+    for c in r["curve"].values():
+        c.pop("eagle3")
+    written: list[str] = []
+    monkeypatch.setattr(sections, "write_section", lambda begin, end, text: written.append(text))
+    bench_drafters.write_markdown(r, "sub")
+    text = written[0]
+    assert text.startswith("## Drafters at equal long budgets: DFlash vs DSpark, 30 CPU minutes each")
+    assert " --kinds dflash,dspark " in text and "for all two" in text and "the two at once" in text
+    assert "EAGLE" not in text
+    assert "Ordering at T=0: DSpark τ 1.50 vs DFlash 1.42 (+6%); paper: +16–18% over DFlash." in text
+    assert "| CPU minutes | DFlash | DSpark |" in text
+
+    w = tmp_path / "work"
+    w.mkdir()
+    bench_drafters.check_kinds(w, ("dflash", "dspark"))
+    bench_drafters.check_kinds(w, ("dflash", "dspark"))  # the same kinds resume
+    with pytest.raises(SystemExit, match="holds a comparison of dflash,dspark; resume it with --kinds dflash,dspark"):
+        bench_drafters.check_kinds(w, bench_drafters.KINDS)
+    old = tmp_path / "old"  # a work dir from before kinds.json: the kinds it has runs of
+    for k in bench_drafters.KINDS:
+        (old / k).mkdir(parents=True)
+    (old / ".train.done").touch()
+    with pytest.raises(SystemExit, match="eagle3,dflash,dspark"):
+        bench_drafters.check_kinds(old, ("dflash", "dspark"))
+    bench_drafters.check_kinds(old, bench_drafters.KINDS)
+    cut = tmp_path / "cut"  # killed in its first training run (one after the other): the rest may follow
+    (cut / "eagle3").mkdir(parents=True)
+    bench_drafters.check_kinds(cut, bench_drafters.KINDS)

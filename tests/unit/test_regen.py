@@ -467,7 +467,7 @@ def test_a_bad_prompt_record_says_what_a_cli_user_can_do(tmp_path):
                                  "fix or remove that line and run again"), str(e.value)
 
 
-def test_exclude_leaves_out_ids_from_a_regen_file_or_an_id_list(tiny, tmp_path):
+def test_exclude_leaves_out_ids_from_a_regen_file_or_an_id_list(tiny, tmp_path, capsys):
     """--exclude extends a data set made elsewhere: the ids in a regen JSONL (a killed run's
     incomplete last record is no id) or a plain id list are not regenerated; the records written
     equal a run over the remaining conversations alone."""
@@ -490,8 +490,22 @@ def test_exclude_leaves_out_ids_from_a_regen_file_or_an_id_list(tiny, tmp_path):
     with pytest.raises(DraftsmithError, match="leaves none of the 2"):
         run_regen(_cfg(tiny, tmp_path / "none.jsonl", exclude=(first.out,)), conversations=convs[:2])
     with pytest.raises(DraftsmithError, match="--exclude .*no such file"):
-        run_regen(_cfg(tiny, tmp_path / "x.jsonl", exclude=(tmp_path / "missing.jsonl",)), conversations=convs)
+        _cfg(tiny, tmp_path / "x.jsonl", exclude=(tmp_path / "missing.jsonl",))
     bad = tmp_path / "bad.jsonl"
-    bad.write_bytes(b'{"no_id": 1}\n')
-    with pytest.raises(DraftsmithError, match="bad.jsonl:1: expected a regen record"):
+    bad.write_bytes(b'{"id": "t/0"}\n{"no_id": 1}\n{"id": "t/1"}\n')
+    with pytest.raises(DraftsmithError, match="--exclude .*bad.jsonl is not a readable regen JSONL"):
         read_ids(bad)
+    bom = tmp_path / "bom.txt"  # an id list saved with a byte-order mark and CRLF line ends
+    bom.write_bytes(b"\xef\xbb\xbft/3\r\nt/1\r\n")
+    assert read_ids(bom) == {"t/3", "t/1"}
+    bom.write_bytes(b'\xef\xbb\xbf{"id": "t/2"}\n')
+    assert read_ids(bom) == {"t/2"}
+    nl_less = tmp_path / "nl.jsonl"  # a complete record without its newline: --resume redoes it, so not done
+    nl_less.write_bytes(b'{"id": "t/0"}\n{"id": "t/1"}')
+    assert read_ids(nl_less) == {"t/0"}
+    with pytest.raises(DraftsmithError, match="--exclude .*is --out"):
+        _cfg(tiny, first.out, overwrite=False, resume=True, exclude=(first.out,))
+    other = tmp_path / "other.txt"
+    other.write_text("elsewhere/1\n")
+    run_regen(_cfg(tiny, tmp_path / "w.jsonl", exclude=(other,)), conversations=convs[:1])
+    assert "none of its 1 ids is in this selection" in capsys.readouterr().err

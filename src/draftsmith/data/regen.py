@@ -22,6 +22,9 @@ received is a prefix of `input_ids`, and the masked tokens are precisely what it
 
 Writes are append-only (flush + fsync per record); `--resume` skips ids already written and
 drops a truncated last line left by a killed run. Failures go to `<out>.errors.jsonl`.
+`--exclude FILE` leaves out the ids of another run's output (or an id list): the mix's list is
+chosen first (--max-samples), then those ids dropped, so a data set made elsewhere grows by the
+next prompts of the same list.
 
 `--features-out DIR` (built-in engine) also writes the feature cache `draftsmith cache` would
 build from the output, recorded while the target answers (data/feature_recorder.py); a record's
@@ -237,7 +240,14 @@ def run_regen(cfg: RegenConfig, conversations: Sequence | None = None, backend=N
         conversations = load_mix(cfg.mix, split=cfg.split, max_samples=cfg.max_samples,
                                  seed=cfg.seed if cfg.mix_seed is None else cfg.mix_seed)
     if cfg.exclude:
-        excluded = set().union(*(read_ids(p) for p in cfg.exclude))
+        selected = {c.id for c in conversations}
+        excluded: set[str] = set()
+        for path in cfg.exclude:
+            ids = read_ids(path)
+            if ids and not ids & selected:
+                print(f"[draftsmith] warning: --exclude {path}: none of its {len(ids)} ids is in this selection "
+                      "(the run that wrote it used another --mix, --split or --mix-seed?)", file=sys.stderr)
+            excluded |= ids
         kept = [c for c in conversations if c.id not in excluded]
         print(f"[draftsmith] --exclude: left out {len(conversations) - len(kept)} of {len(conversations)} "
               "conversations", file=sys.stderr)

@@ -5,6 +5,7 @@ per-answer seed from `turn_seed`)."""
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,14 @@ class RegenConfig:
         if self.endpoint is not None and not self.endpoint.strip():  # ('' ran the built-in engine instead)
             raise DraftsmithError("--endpoint is empty; give an OpenAI-compatible server's URL, e.g. "
                                   "http://host:8000/v1, or leave --endpoint out to regenerate with the built-in engine")
+        for path in self.exclude:  # before the mix is read: a wrong path fails at once
+            path = Path(path)
+            if not path.is_file():
+                raise DraftsmithError(f"--exclude {path}: no such file; give a regen JSONL or a text file with one "
+                                      "conversation id a line")
+            if Path(self.out).is_file() and os.path.samefile(path, self.out):
+                raise DraftsmithError(f"--exclude {path} is --out: --resume alone skips what --out holds (and "
+                                      "--overwrite would delete what --exclude reads)")
         if isinstance(self.feature_layers, str):  # the spelling; the depth is checked once the target loads
             spelled_layer_ids(self.feature_layers, "--feature-layers")
 

@@ -1,7 +1,7 @@
 """Regen records on disk (JSONL, one conversation per line; fields in `draftsmith.data.regen`):
 building a record (`make_record`), appending it durably (`JsonlAppender`), reading the output
-back (`scan_output` / `load_records` for resume, `iter_records` streamed for cache and training)
-and the errors file beside it (`errors_path`)."""
+back (`scan_output` / `load_records` for resume, `iter_records` streamed for cache and training,
+`read_ids` for --exclude) and the errors file beside it (`errors_path`)."""
 
 from __future__ import annotations
 
@@ -164,32 +164,26 @@ def _parse_record(path: Path, n: int, line: bytes) -> dict:
 
 
 def read_ids(path: Path) -> set[str]:
-    """Conversation ids to leave out of a run (`regen --exclude`): a regen JSONL (each record's
-    "id") or a text file with one id a line. Blank lines are skipped."""
+    """Conversation ids to leave out of a run (`regen --exclude`): a regen JSONL's record ids, read
+    as --resume reads them (a killed run's cut last record is not one), or a text file with one id
+    a line (blank lines skipped). A file whose first non-blank line starts with '{' is a JSONL."""
     path = Path(path)
     if not path.is_file():
         raise DraftsmithError(f"--exclude {path}: no such file; give a regen JSONL or a text file with one "
                               "conversation id a line")
-    ids: set[str] = set()
-    with open(path, "rb") as f:
-        for n, line in enumerate(f, 1):
-            text = line.strip()
-            if not text:
-                continue
-            if text.startswith(b"{"):
-                if not line.endswith(b"\n"):  # a killed regen's incomplete last record: not an id
-                    try:
-                        _loads(text)
-                    except (ValueError, RecursionError):
-                        continue
-                ids.add(str(_parse_record(path, n, text)["id"]))
-            else:
-                try:
-                    ids.add(text.decode("utf-8"))
-                except UnicodeDecodeError:
-                    raise DraftsmithError(f"--exclude {path}:{n}: not UTF-8 text; give a regen JSONL or a text "
-                                          "file with one conversation id a line") from None
-    return ids
+    data = path.read_bytes()
+    if data.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"{"):
+        try:
+            return set(scan_output(path, repair=False)[0])
+        except DraftsmithError as e:
+            raise DraftsmithError(f"--exclude {path} is not a readable regen JSONL ({e}); give the JSONL "
+                                  "`draftsmith regen` wrote or a text file with one conversation id a line") from None
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        raise DraftsmithError(f"--exclude {path}: not UTF-8 text; give a regen JSONL or a text file with one "
+                              "conversation id a line") from None
+    return {line.strip() for line in text.splitlines() if line.strip()}
 
 
 def record_split(rec: Mapping[str, Any]) -> str:
