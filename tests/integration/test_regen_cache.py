@@ -199,3 +199,42 @@ def test_regen_then_cache_on_default_target(default_target_dir, tmp_path, capsys
         a, b = fc1.features(r["id"]), fc.features(r["id"])
         assert a.input_ids.tolist() == r["input_ids"] and a.loss_mask.tolist() == b.loss_mask.tolist()
         assert close(a.final_hidden, b.final_hidden) and all(close(a.hidden[i], b.hidden[i]) for i in (1, 14, 27))
+
+
+def test_regen_sigterm_closes_its_feature_cache_then_resume(tiny_model_dir, tmp_path):
+    """SIGTERM (`kill`, a scheduler's preemption) is an interrupt: regen exits 143 with a line that
+    says how to continue, and its --features-out cache holds every record the JSONL has (Python's
+    default SIGTERM ended the process with the last shard unwritten: the cache lagged the JSONL
+    and needed a cache pass). `--resume` then completes both."""
+    from draftsmith.data.cache import read_manifest
+    from draftsmith.data.sources import load_mix
+
+    tiny = tiny_model_dir("llama", seed=11)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i:03d}", "prompt": f"Tell me about item {i}."}) + "\n"
+                               for i in range(60)))
+    out, feats = tmp_path / "regen.jsonl", tmp_path / "features"
+    args = ["regen", "--target", str(tiny), "--mix", str(prompts), "--max-new-tokens", "24", "--max-len", "200",
+            "--batch-size", "2", "--seed", "7", "--out", str(out), "--features-out", str(feats),
+            "--feature-layers", "0,1", "--no-progress"]
+    expected = {c.id for c in load_mix(str(prompts), split="train", seed=7)}  # (a prompt file's train split)
+    proc = subprocess.Popen(_cli(*args), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        wait_until(lambda: len(_lines(out)) >= 4 or proc.poll() is not None, timeout=120, interval=0.01,
+                   message=lambda: f"regen wrote {len(_lines(out))} line(s) of the 4 wanted before SIGTERM")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    err = err.decode()
+    assert proc.returncode == 143, f"regen ended before SIGTERM or died of it: {proc.returncode} {err[-2000:]}"
+    assert "draftsmith: terminated (SIGTERM)" in err and "--resume" in err
+    written = [json.loads(ln)["id"] for ln in _lines(out) if ln.endswith(b"\n")]
+    assert 4 <= len(written) < len(expected) - 1
+    manifest = read_manifest(feats)
+    assert not manifest["complete"] and manifest["num_samples"] == len(written)
+
+    done = subprocess.run(_cli(*args, "--resume"), env=ENV, capture_output=True, timeout=300)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    assert {r["id"] for r in load_records(out)} == expected
+    cache = FeatureCache(feats)
+    assert read_manifest(feats)["complete"] and sorted(cache.sample_ids) == sorted(r["id"] for r in load_records(out))

@@ -1,6 +1,8 @@
 """One entry point: `draftsmith <job> ...`.
 
-User errors (DraftsmithError, bad flags) print one line and exit 2; no tracebacks.
+User errors (DraftsmithError, bad flags) print one line and exit 2; no tracebacks. Ctrl-C exits
+130; SIGTERM (`kill`, a scheduler's preemption) is raised as an interrupt too (`Terminated`), so a
+job closes what it wrote for --resume as on Ctrl-C, and exits 143 (`serve`: uvicorn's own shutdown).
 
 One module per job (or closely related pair); the option groups they share live in
 `draftsmith.cli.options`. `build_parser()` adds the jobs in pipeline order.
@@ -13,8 +15,12 @@ bench's plotting, transformers) would cost seconds before `--help` or a one-line
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import partial
 
 import draftsmith
@@ -23,7 +29,31 @@ from draftsmith.cli import eval as eval_
 from draftsmith.cli.options import HelpFormatter, add_threads
 from draftsmith.errors import DraftsmithError, DraftsmithWarning
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "Terminated"]
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread as an interrupt: the jobs' interrupt paths run (a
+    feature cache keeps what it recorded, a regen output its complete records)."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated
+
+
+@contextmanager
+def _sigterm_as_interrupt(job: str) -> Iterator[None]:
+    """Raise `Terminated` on SIGTERM while a job runs (Python's default ends the process without
+    unwinding). Not for `serve` (uvicorn shuts down gracefully on its own) nor off the main thread
+    (where a handler cannot be set: main() called from a thread)."""
+    if job == "serve" or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 # (title, [(job, add_parser, example)]) in the order a drafter is made and used.
 _SECTIONS = (
@@ -86,13 +116,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from draftsmith.models.threads import configure_threads
 
-        with warnings.catch_warnings():  # (restores Python's showwarning on the way out)
+        with warnings.catch_warnings(), _sigterm_as_interrupt(args.job):  # (restore what they set on the way out)
             warnings.showwarning = partial(_show_warning, python=warnings.showwarning)
             configure_threads(args.threads)
             return int(args.func(args) or 0)
     except DraftsmithError as e:
         print(f"draftsmith: error: {e}", file=sys.stderr)
         return 2
+    except Terminated:
+        print("draftsmith: terminated (SIGTERM)", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         print("draftsmith: interrupted", file=sys.stderr)
         return 130

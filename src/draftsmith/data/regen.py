@@ -273,6 +273,11 @@ def run_regen(cfg: RegenConfig, conversations: Sequence | None = None, backend=N
     t0 = time.perf_counter()
     try:
         backend.run(todo, sink)
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM through the CLI
+        print(f"[draftsmith] regen: the {summary.written} conversations this run finished are kept in {cfg.out}"
+              + (f" (their features in {cfg.features_out})" if cfg.features_out is not None else "")
+              + "; continue with the same command and --resume", file=sys.stderr)
+        raise
     finally:
         summary.wall_s = time.perf_counter() - t0
         sink.close()
