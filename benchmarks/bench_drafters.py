@@ -111,7 +111,7 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=None,
                     help="training minutes per drafter (default 20; with --steps: the CPU minutes they are sized to)")
     ap.add_argument("--kinds", default=",".join(KINDS),
-                    help="the recipes to compare, a subset of eagle3,dflash,dspark (default: all three)")
+                    help="the recipes to compare: two or three of eagle3,dflash,dspark (default: all three)")
     ap.add_argument("--parallel", action="store_true", help="train them at once, one thread each")
     ap.add_argument("--steps", default="",
                     help="fixed step counts instead of a probed budget, e.g. eagle3=10400,dflash=22100,dspark=20500 "
@@ -273,14 +273,15 @@ def main() -> int:
 def check_kinds(w: Path, kinds: tuple[str, ...]) -> None:
     """Record the kinds a work directory compares (kinds.json) and refuse to resume it with
     others: its stage markers and reports (train, curve, eval, bench) hold those drafters only.
-    A directory from before kinds.json holds the kinds it has training runs of."""
+    A directory from before kinds.json holds the kinds it has training runs of: all of them once
+    training is done, else the first ones (a run killed while training one after the other)."""
     f = w / "kinds.json"
     if f.is_file():
         before = json.loads(f.read_text())
         ok = tuple(before) == kinds
     else:
         before = [k for k in KINDS if (w / k).is_dir()]
-        ok = set(before) == set(kinds) if (w / ".train.done").exists() else set(before) <= set(kinds)
+        ok = tuple(before) == (kinds if (w / ".train.done").exists() else kinds[:len(before)])
     if not ok:
         raise SystemExit(f"{w} holds a comparison of {','.join(before)}; resume it with --kinds {','.join(before)} "
                          "or give a new --work")

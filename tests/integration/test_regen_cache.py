@@ -231,7 +231,8 @@ def test_regen_sigterm_closes_its_feature_cache_then_resume(tiny_model_dir, tmp_
     written = [json.loads(ln)["id"] for ln in _lines(out) if ln.endswith(b"\n")]
     assert 4 <= len(written) < len(expected) - 1
     manifest = read_manifest(feats)
-    assert not manifest["complete"] and manifest["num_samples"] == len(written)
+    # (a SIGTERM between a record's write and its features' leaves the cache one behind)
+    assert not manifest["complete"] and len(written) - 1 <= manifest["num_samples"] <= len(written)
 
     done = subprocess.run(_cli(*args, "--resume"), env=ENV, capture_output=True, timeout=300)
     assert done.returncode == 0, done.stderr.decode()[-3000:]

@@ -469,3 +469,41 @@ def test_resume_of_a_directory_that_holds_no_cache_says_so(tiny, target, tmp_pat
     with pytest.raises(DraftsmithError, match=r"cannot resume \S+run: it holds no feature cache \(manifest\.json"):
         run_cache(CacheConfig(target=str(tiny), data=data, out=run, resume=True))
     assert [p.name for p in run.iterdir()] == ["config.json"]
+
+
+def test_an_interrupt_in_a_shard_flush_never_lists_its_samples_twice(tiny, target, tmp_path, monkeypatch):
+    """An interrupt (Ctrl-C, SIGTERM) while a shard's manifest entry is written, then close() as
+    regen's --features-out does it: the samples were listed a second time in the next shard (the
+    buffer was cleared only after the manifest write). Now the shard is left unlisted, the manifest
+    holds each id once, and --resume completes the same cache."""
+    import draftsmith.data.cache_writer as writer_mod
+    from draftsmith.data.cache import open_writer
+
+    recs = _records(target, 6, seed=12)
+    data = _write(tmp_path / "d.jsonl", recs)
+    cfg = dict(target=str(tiny), data=data, dtype="fp32", layers="1", shard_tokens=10_000)
+    out = tmp_path / "c"
+    run_cache(CacheConfig(**{**cfg, "data": _write(tmp_path / "first.jsonl", recs[:2])}, out=out))
+    writer, done = open_writer(CacheConfig(**cfg, out=out, resume=True), target)
+    assert done == {r["id"] for r in recs[:2]}
+    for r in recs[2:]:
+        hidden, final = _direct(target, r["input_ids"], (1,))
+        writer.add(r["id"], r["split"], torch.tensor(r["input_ids"]), torch.tensor(r["loss_mask"]), hidden, final)
+    real = writer_mod.write_json_atomic
+
+    def interrupted(path, obj):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(writer_mod, "write_json_atomic", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        writer.flush()
+    monkeypatch.setattr(writer_mod, "write_json_atomic", real)
+    writer.close(complete=False)
+    manifest = json.loads((out / MANIFEST).read_text())
+    listed = [i for s in manifest["shards"] for i in s["sample_ids"]]
+    assert sorted(listed) == sorted(r["id"] for r in recs[:2]) and manifest["num_samples"] == 2
+    run_cache(CacheConfig(**cfg, out=out, resume=True))
+    run_cache(CacheConfig(**cfg, out=tmp_path / "fresh"))
+    a, b = FeatureCache(out), FeatureCache(tmp_path / "fresh")
+    assert sorted(a.sample_ids) == sorted(b.sample_ids) == sorted(r["id"] for r in recs)
+    assert all(torch.equal(a.features(i).hidden[1], b.features(i).hidden[1]) for i in a.sample_ids)

@@ -306,3 +306,20 @@ def test_an_out_of_the_wrong_kind_is_one_line_before_any_work(tiny, tmp_path, ca
         assert len(lines) == 1 and lines[0].startswith("draftsmith: error:") and needle in lines[0], (argv, lines)
     assert a_file.read_text() == "kept" and [p.name for p in a_dir.iterdir()] == ["x"]
     assert not (tmp_path / "r.jsonl").exists() and not any(ckpt.iterdir())
+
+
+def test_sigterm_is_an_interrupt_while_a_job_runs_and_restored_after():
+    """SIGTERM raises Terminated (a KeyboardInterrupt: the jobs' Ctrl-C paths run) while any job
+    but serve runs (uvicorn shuts down on its own); the process's handler is put back after."""
+    import signal
+
+    from draftsmith.cli import Terminated, _sigterm_as_interrupt
+
+    before = signal.getsignal(signal.SIGTERM)
+    with _sigterm_as_interrupt("regen"):
+        with pytest.raises(Terminated):
+            signal.raise_signal(signal.SIGTERM)
+    assert signal.getsignal(signal.SIGTERM) is before
+    with _sigterm_as_interrupt("serve"):
+        assert signal.getsignal(signal.SIGTERM) is before
+    assert issubclass(Terminated, KeyboardInterrupt)

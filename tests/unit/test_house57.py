@@ -242,3 +242,9 @@ def test_bench_drafters_kinds_subset_report_and_resume_guard(tmp_path, monkeypat
     cut = tmp_path / "cut"  # killed in its first training run (one after the other): the rest may follow
     (cut / "eagle3").mkdir(parents=True)
     bench_drafters.check_kinds(cut, bench_drafters.KINDS)
+    two = tmp_path / "two"  # killed while training --kinds dflash,dspark at once: not all three
+    for k in ("dflash", "dspark"):
+        (two / k).mkdir(parents=True)
+    with pytest.raises(SystemExit, match="holds a comparison of dflash,dspark"):
+        bench_drafters.check_kinds(two, bench_drafters.KINDS)
+    bench_drafters.check_kinds(two, ("dflash", "dspark"))

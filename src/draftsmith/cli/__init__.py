@@ -52,8 +52,8 @@ def _sigterm_as_interrupt(job: str) -> Iterator[None]:
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    finally:  # (None: a handler set outside Python, which cannot be put back from here)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 # (title, [(job, add_parser, example)]) in the order a drafter is made and used.
 _SECTIONS = (

@@ -81,27 +81,32 @@ class CacheWriter:
         # of the umask default. Same steps: write + fsync (write_safetensors_stream), rename,
         # fsync the directory.
         tmp = self.out / f".{name}.tmp"
-        specs = shard_specs(self.layer_ids, self.hidden_size, self.dtype, self.buffer)
-        sha, nbytes = write_safetensors_stream(tmp, specs, shard_metadata(self.buffer))
+        buffer, tokens = self.buffer, self.buffered_tokens
+        specs = shard_specs(self.layer_ids, self.hidden_size, self.dtype, buffer)
+        sha, nbytes = write_safetensors_stream(tmp, specs, shard_metadata(buffer))
         os.replace(tmp, self.out / name)
         fsync_dir(self.out)
+        # From here the samples are in a shard file: an interrupt (Ctrl-C, SIGTERM) must not have
+        # close() flush them again into a second shard. So the buffer goes first and the manifest
+        # changes in one step after its write; an interrupt in between leaves the shard unlisted
+        # (its samples are redone by --resume, which reuses the name), never listed twice.
+        self.buffer, self.buffered_tokens = [], 0
         entry = {
-            "file": name, "sha256": sha, "bytes": nbytes, "num_samples": len(self.buffer),
-            "num_tokens": self.buffered_tokens, "sample_ids": [s["id"] for s in self.buffer],
-            "token_counts": [s["num_tokens"] for s in self.buffer],
-            "splits": [s["split"] for s in self.buffer],
+            "file": name, "sha256": sha, "bytes": nbytes, "num_samples": len(buffer),
+            "num_tokens": tokens, "sample_ids": [s["id"] for s in buffer],
+            "token_counts": [s["num_tokens"] for s in buffer],
+            "splits": [s["split"] for s in buffer],
         }
-        m["shards"].append(entry)
-        m["num_samples"] += entry["num_samples"]
-        m["num_tokens"] += entry["num_tokens"]
-        m["num_loss_tokens"] += int(sum(int(s["loss_mask"].sum()) for s in self.buffer))
-        for s in self.buffer:
-            m["splits"][s["split"]] = m["splits"].get(s["split"], 0) + 1
-        m["split"] = split_label(m["splits"])
-        write_json_atomic(self.out / MANIFEST, m)
+        splits = dict(m["splits"])
+        for s in buffer:
+            splits[s["split"]] = splits.get(s["split"], 0) + 1
+        new = {**m, "shards": [*m["shards"], entry], "num_samples": m["num_samples"] + len(buffer),
+               "num_tokens": m["num_tokens"] + tokens,
+               "num_loss_tokens": m["num_loss_tokens"] + int(sum(int(s["loss_mask"].sum()) for s in buffer)),
+               "splits": splits, "split": split_label(splits)}
+        write_json_atomic(self.out / MANIFEST, new)
+        m.update(new)  # (in place: the caller holds this dict)
         self.bytes_written += nbytes
-        self.buffer = []
-        self.buffered_tokens = 0
 
     def close(self, complete: bool = True) -> None:
         self.flush()

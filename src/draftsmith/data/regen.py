@@ -275,7 +275,8 @@ def run_regen(cfg: RegenConfig, conversations: Sequence | None = None, backend=N
         backend.run(todo, sink)
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM through the CLI
         print(f"[draftsmith] regen: the {summary.written} conversations this run finished are kept in {cfg.out}"
-              + (f" (their features in {cfg.features_out})" if cfg.features_out is not None else "")
+              + (f" (features of {summary.recorded_features} in {cfg.features_out}; the cache pass of --resume "
+                 "adds the rest)" if cfg.features_out is not None else "")
               + "; continue with the same command and --resume", file=sys.stderr)
         raise
     finally:

@@ -65,8 +65,9 @@ class RegenConfig:
         for path in self.exclude:  # before the mix is read: a wrong path fails at once
             path = Path(path)
             if not path.is_file():
-                raise DraftsmithError(f"--exclude {path}: no such file; give a regen JSONL or a text file with one "
-                                      "conversation id a line")
+                from draftsmith.data.regen_records import missing_exclude  # (it imports this module)
+
+                raise missing_exclude(path)
             if Path(self.out).is_file() and os.path.samefile(path, self.out):
                 raise DraftsmithError(f"--exclude {path} is --out: --resume alone skips what --out holds (and "
                                       "--overwrite would delete what --exclude reads)")

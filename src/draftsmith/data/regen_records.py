@@ -163,27 +163,41 @@ def _parse_record(path: Path, n: int, line: bytes) -> dict:
     return rec
 
 
+def missing_exclude(path: Path) -> DraftsmithError:
+    return DraftsmithError(f"--exclude {path}: no such file; give a regen JSONL or a text file with one "
+                           "conversation id a line")
+
+
 def read_ids(path: Path) -> set[str]:
-    """Conversation ids to leave out of a run (`regen --exclude`): a regen JSONL's record ids, read
-    as --resume reads them (a killed run's cut last record is not one), or a text file with one id
-    a line (blank lines skipped). A file whose first non-blank line starts with '{' is a JSONL."""
+    """Conversation ids to leave out of a run (`regen --exclude`), streamed: a regen JSONL's record
+    ids, its last line read as --resume reads it (without its newline it is redone, so not an id
+    here), or a text file with one id a line (blank lines skipped). A file whose first non-blank
+    bytes are '{' is a JSONL."""
     path = Path(path)
     if not path.is_file():
-        raise DraftsmithError(f"--exclude {path}: no such file; give a regen JSONL or a text file with one "
-                              "conversation id a line")
-    data = path.read_bytes()
-    if data.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"{"):
-        try:
-            return set(scan_output(path, repair=False)[0])
-        except DraftsmithError as e:
-            raise DraftsmithError(f"--exclude {path} is not a readable regen JSONL ({e}); give the JSONL "
-                                  "`draftsmith regen` wrote or a text file with one conversation id a line") from None
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError:
-        raise DraftsmithError(f"--exclude {path}: not UTF-8 text; give a regen JSONL or a text file with one "
-                              "conversation id a line") from None
-    return {line.strip() for line in text.splitlines() if line.strip()}
+        raise missing_exclude(path)
+    with open(path, "rb") as f:
+        head = f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+    ids: set[str] = set()
+    with open(path, "rb") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            if head.startswith(b"{"):
+                if not line.endswith(b"\n"):  # the last line: a killed run's, or one --resume redoes
+                    break
+                try:
+                    ids.add(str(_parse_record(path, n, line)["id"]))
+                except DraftsmithError as e:
+                    raise DraftsmithError(f"--exclude {path} is not a readable regen JSONL ({e}); give the JSONL "
+                                          "`draftsmith regen` wrote or a text file with one id a line") from None
+                continue
+            try:
+                ids.add(line.decode("utf-8-sig" if n == 1 else "utf-8").strip())
+            except UnicodeDecodeError:
+                raise DraftsmithError(f"--exclude {path}:{n}: not UTF-8 text; give a regen JSONL or a text file "
+                                      "with one conversation id a line") from None
+    return ids
 
 
 def record_split(rec: Mapping[str, Any]) -> str:
