@@ -245,7 +245,8 @@ def main() -> int:
     prev = w / "results.json"
     if prev.is_file():  # keep the times of stages an earlier run did (this one reused them)
         stage_s = {**json.loads(prev.read_text()).get("setup", {}).get("stage_s", {}), **stage_s}
-    results["setup"] = {"kinds": list(kinds), "samples": args.samples, "budget_minutes": args.budget, "parallel": args.parallel,
+    results["setup"] = {"kinds": list(kinds), "samples": args.samples, "budget_minutes": args.budget,
+                        "parallel": args.parallel,
                         "budget_clock": clock, "steps": steps or None,
                         "regen": _rel(regen), "cache": _rel(cache), "overrides": overrides,
                         "heldout_cache": _rel(args.heldout_cache.resolve()) if args.heldout_cache else None,

@@ -62,7 +62,8 @@ def cmd_regen(args) -> int:
         raise DraftsmithError("--resume and --overwrite exclude each other")
     cfg = RegenConfig(
         target=args.target, mix=args.mix, out=args.out, split=args.split, max_samples=args.max_samples,
-        exclude=tuple(args.exclude), mix_seed=args.mix_seed, seed=args.seed, temperature=args.temperature, top_p=args.top_p,
+        exclude=tuple(args.exclude), mix_seed=args.mix_seed, seed=args.seed, temperature=args.temperature,
+        top_p=args.top_p,
         top_k=args.top_k, max_new_tokens=args.max_new_tokens, max_len=args.max_len, batch_size=args.batch_size,
         endpoint=args.endpoint, endpoint_model=args.endpoint_model, concurrency=args.concurrency,
         retries=max(0, args.retries), request_timeout=args.request_timeout, retry_backoff=args.retry_backoff,

@@ -240,21 +240,7 @@ def run_regen(cfg: RegenConfig, conversations: Sequence | None = None, backend=N
         conversations = load_mix(cfg.mix, split=cfg.split, max_samples=cfg.max_samples,
                                  seed=cfg.seed if cfg.mix_seed is None else cfg.mix_seed)
     if cfg.exclude:
-        selected = {c.id for c in conversations}
-        excluded: set[str] = set()
-        for path in cfg.exclude:
-            ids = read_ids(path)
-            if ids and not ids & selected:
-                print(f"[draftsmith] warning: --exclude {path}: none of its {len(ids)} ids is in this selection "
-                      "(the run that wrote it used another --mix, --split or --mix-seed?)", file=sys.stderr)
-            excluded |= ids
-        kept = [c for c in conversations if c.id not in excluded]
-        print(f"[draftsmith] --exclude: left out {len(conversations) - len(kept)} of {len(conversations)} "
-              "conversations", file=sys.stderr)
-        if not kept:
-            raise DraftsmithError(f"--exclude leaves none of the {len(conversations)} selected conversations; "
-                                  "raise --max-samples (the list is chosen first, then the excluded ids dropped)")
-        conversations = kept
+        conversations = _drop_excluded(conversations, cfg.exclude)
     records = not cfg.endpoint and getattr(backend or EngineBackend, "records_features", False)
     if cfg.features_out is not None and not records:
         raise DraftsmithError("--features-out needs the built-in engine: an endpoint returns text, not the target's "
@@ -291,6 +277,26 @@ def run_regen(cfg: RegenConfig, conversations: Sequence | None = None, backend=N
         done_cache = run_cache(_cache_config(cfg, resume=True), target=backend.target)
         summary.computed_features = done_cache["num_samples"] + done_cache["skipped"] - before
     return summary
+
+
+def _drop_excluded(conversations: Sequence, paths: Sequence[Path]) -> list:
+    """--exclude: the selected conversations less the ids in `paths` (a warning for a file that
+    names none of them: another --mix / --split / --mix-seed); none left is an error."""
+    selected = {c.id for c in conversations}
+    excluded: set[str] = set()
+    for path in paths:
+        ids = read_ids(path)
+        if ids and not ids & selected:
+            print(f"[draftsmith] warning: --exclude {path}: none of its {len(ids)} ids is in this selection "
+                  "(the run that wrote it used another --mix, --split or --mix-seed?)", file=sys.stderr)
+        excluded |= ids
+    kept = [c for c in conversations if c.id not in excluded]
+    print(f"[draftsmith] --exclude: left out {len(conversations) - len(kept)} of {len(conversations)} "
+          "conversations", file=sys.stderr)
+    if not kept:
+        raise DraftsmithError(f"--exclude leaves none of the {len(conversations)} selected conversations; "
+                              "raise --max-samples (the list is chosen first, then the excluded ids dropped)")
+    return kept
 
 
 def _check_out_is_no_prompt_file(cfg: RegenConfig) -> None:
