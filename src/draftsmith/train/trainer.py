@@ -116,6 +116,8 @@ class Trainer:
         self.cpu_before = 0.0  # CPU seconds of the attempts this run resumes (from its checkpoint)
         self.eval_cpu = 0.0  # CPU seconds of held-out evaluation, resumed attempts included
         self.eval_wall = 0.0  # wall seconds of this attempt's held-out evaluation
+        self.prep_cpu = 0.0  # CPU seconds of the target statistics (data preparation), resumed attempts included
+        self.prep_wall = 0.0  # wall seconds of this attempt's target statistics
         self.history: list[dict] = []
 
     # ---- setup ---------------------------------------------------------------------------
@@ -288,6 +290,14 @@ class Trainer:
         fn = getattr(self.model, "target_stats", None)
         if fn is None or fn(torch.zeros(0, self.target.model.config.hidden_size, device=self.info.device)) is None:
             return
+        t0, c0 = time.perf_counter(), time.process_time()
+        try:
+            self._prepare_target_stats(fn)
+        finally:  # data preparation, not training: off the budget (_budget_spent), like held-out evaluation
+            self.prep_wall += time.perf_counter() - t0
+            self.prep_cpu += time.process_time() - c0
+
+    def _prepare_target_stats(self, fn) -> None:
         dev, bf16 = self.info.device.type, self.bf16
 
         def train_stats(h: torch.Tensor):
@@ -340,16 +350,19 @@ class Trainer:
         return self.cpu_before + time.process_time() - self.cpu_start
 
     def train_cpu_s(self) -> float:
-        """cpu_s without held-out evaluation: what a `budget_clock: cpu` budget counts."""
-        return self.cpu_s() - self.eval_cpu
+        """cpu_s without held-out evaluation and the target statistics: what a `budget_clock: cpu`
+        budget counts."""
+        return self.cpu_s() - self.eval_cpu - self.prep_cpu
 
     def _budget_spent(self) -> float:
         """Seconds of the budget used so far, on the budget's clock; held-out evaluation is
         measurement, not training, and does not count (checkpoints every N steps would
-        otherwise cost a recipe with cheap steps more of its budget)."""
+        otherwise cost a recipe with cheap steps more of its budget); nor does computing the
+        target statistics, data preparation whose cost is the same for every recipe on a cache
+        and nearly nothing when a resumed run reads them from its directory."""
         if self.cfg.train.budget_clock == "cpu":
             return self.train_cpu_s()
-        return time.perf_counter() - self.t_start - self.eval_wall
+        return time.perf_counter() - self.t_start - self.eval_wall - self.prep_wall
 
     def _probe_seconds_per_step(self) -> float:
         """Time a few real steps (on the budget's clock), then undo them (weights, RNG); the
@@ -394,7 +407,8 @@ class Trainer:
             pos = self.data.position(self.step)
             state = {"step": self.step, "total_steps": self.total_steps, "optimizer": self.optimizer.state_dict(),
                      "scheduler": self.scheduler.state_dict(), "rng": rngs, "world_size": self.info.world_size,
-                     "data_position": pos, "cpu_s": round(self.cpu_s(), 3), "eval_cpu_s": round(self.eval_cpu, 3)}
+                     "data_position": pos, "cpu_s": round(self.cpu_s(), 3), "eval_cpu_s": round(self.eval_cpu, 3),
+                     "prep_cpu_s": round(self.prep_cpu, 3)}
             meta = {"step": self.step, "total_steps": self.total_steps, "epoch": pos["epoch"],
                     "data_position": pos, "loss": last_loss, "world_size": self.info.world_size,
                     "rank_weight_digests": digests,
@@ -426,6 +440,7 @@ class Trainer:
         self.step = int(state["step"])
         self.cpu_before = float(state.get("cpu_s", 0.0))
         self.eval_cpu = float(state.get("eval_cpu_s", 0.0))
+        self.prep_cpu += float(state.get("prep_cpu_s", 0.0))  # the attempts before, with this one's to come
         if self.cfg.train.budget_minutes is not None:
             self.total_steps = int(state["total_steps"])
         self._make_optimizer()
