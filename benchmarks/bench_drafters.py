@@ -207,12 +207,12 @@ def main() -> int:
                     f"out={w / k}", f"data.cache={cache}", *extra, *overrides[k],
                     *(["--resume"] if (w / k).is_dir() else [])) for k in todo}
         if args.parallel:
-            procs = {k: cli(*argv[k], threads=1, log=w / f"train-{k}.log", wait=False) for k in todo}
-            for k, p in procs.items():
-                wait_measured(p, w, k)
+            t0 = time.perf_counter()
+            wait_measured({k: cli(*argv[k], threads=1, log=w / f"train-{k}.log", wait=False) for k in todo}, w, t0)
         else:
             for k in todo:
-                wait_measured(cli(*argv[k], log=w / f"train-{k}.log", wait=False), w, k)
+                t0 = time.perf_counter()
+                wait_measured({k: cli(*argv[k], log=w / f"train-{k}.log", wait=False)}, w, t0)
         (w / ".train.done").touch()
 
     stage("train", w / ".train.done", train_all)
@@ -297,18 +297,30 @@ def _rel(p: Path) -> str:
         return p.name
 
 
-def wait_measured(p, w: Path, kind: str) -> None:
-    """Wait for a training process; append its CPU and wall seconds to <w>/train-KIND.cpu.jsonl
-    (one row per attempt: a resumed run adds a row) and mark the kind done."""
-    t0 = time.perf_counter()
-    _, status, ru = os.wait4(p.pid, 0)
-    p.returncode = os.waitstatus_to_exitcode(status)
-    with open(w / f"train-{kind}.cpu.jsonl", "a") as f:
-        f.write(json.dumps({"cpu_s": round(ru.ru_utime + ru.ru_stime, 1), "max_rss_mb": round(ru.ru_maxrss / 1024),
-                            "wall_s": round(time.perf_counter() - t0, 1), "rc": p.returncode}) + "\n")
-    if p.returncode != 0:
-        raise SystemExit(f"training {kind} failed: see {w / f'train-{kind}.log'}")
-    (w / f".train-{kind}.done").touch()
+def wait_measured(procs: dict[str, subprocess.Popen], w: Path, started: float) -> None:
+    """Wait for training processes launched together at `started` (time.perf_counter()); as each
+    ends, append its CPU and wall seconds to <w>/train-NAME.cpu.jsonl (one row per attempt: a
+    resumed run adds a row) and mark it done (<w>/.train-NAME.done). They are reaped in the order
+    they end, so each one's wall seconds are its own (waiting for them one by one timed the second
+    from the first one's end: 0.0 when it had ended first). A failed one is reported once all
+    have ended."""
+    pending = {p.pid: (name, p) for name, p in procs.items()}
+    failed = []
+    while pending:
+        pid, status, ru = os.wait4(-1, 0)
+        if pid not in pending:  # (no other children run beside a training stage)
+            continue
+        name, p = pending.pop(pid)
+        p.returncode = os.waitstatus_to_exitcode(status)
+        with open(w / f"train-{name}.cpu.jsonl", "a") as f:
+            f.write(json.dumps({"cpu_s": round(ru.ru_utime + ru.ru_stime, 1), "max_rss_mb": round(ru.ru_maxrss / 1024),
+                                "wall_s": round(time.perf_counter() - started, 1), "rc": p.returncode}) + "\n")
+        if p.returncode != 0:
+            failed.append(name)
+        else:
+            (w / f".train-{name}.done").touch()
+    if failed:
+        raise SystemExit("training failed: " + ", ".join(f"{n} (see {w / f'train-{n}.log'})" for n in failed))
 
 
 def nearest_checkpoint(run: Path, minutes: float, clock: str = "wall") -> tuple[Path, dict]:

@@ -248,3 +248,29 @@ def test_bench_drafters_kinds_subset_report_and_resume_guard(tmp_path, monkeypat
     with pytest.raises(SystemExit, match="holds a comparison of dflash,dspark"):
         bench_drafters.check_kinds(two, bench_drafters.KINDS)
     bench_drafters.check_kinds(two, ("dflash", "dspark"))
+
+
+def test_bench_training_stage_times_each_process_from_its_launch_to_its_end(tmp_path, monkeypatch):
+    """Training processes launched together are reaped in the order they end: each one's row has
+    its own wall seconds (the one waited for second read 0.0 when it had ended first), a done marker
+    for each that succeeded, and a failed one is reported once all have ended, its row kept."""
+    import subprocess
+    import sys
+    import time
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    bench_drafters = importlib.import_module("bench_drafters")
+
+    def child(code: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", code])
+
+    t0 = time.perf_counter()
+    procs = {"long": child("import time; time.sleep(2.5)"), "short": child("pass"), "bad": child("raise SystemExit(3)")}
+    with pytest.raises(SystemExit, match=r"training failed: bad \(see .*train-bad.log\)"):
+        bench_drafters.wait_measured(procs, tmp_path, t0)
+    row = {n: json.loads((tmp_path / f"train-{n}.cpu.jsonl").read_text()) for n in procs}
+    assert row["short"]["rc"] == 0 and row["long"]["rc"] == 0 and row["bad"]["rc"] == 3
+    assert row["long"]["wall_s"] >= 2.5
+    assert row["long"]["wall_s"] - row["short"]["wall_s"] >= 1.5  # the short one's own time, not the long one's
+    assert (tmp_path / ".train-long.done").exists() and (tmp_path / ".train-short.done").exists()
+    assert not (tmp_path / ".train-bad.done").exists()

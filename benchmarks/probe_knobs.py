@@ -1,0 +1,173 @@
+"""Issue 12, item 3: the DSpark recipe's knobs one at a time, as τ per training minute.
+
+    .venv/bin/python benchmarks/probe_knobs.py --cache CACHE --heldout-cache HELDOUT_CACHE
+        [--minutes 15] [--variants base,anchors64,...] [--work runs/knob-probes] [--no-md]
+
+Every variant is the recipe the built-in drafter was made with (recipes/smollm2-135m-dspark.yaml
+with rank 96, the KL term, position decay 4, draft layers started from the target's last two,
+q/k norm; lr 1e-2 from scratch) with one knob changed. Each trains for --minutes CPU minutes
+(`--budget-clock cpu`: the trainer fits its learning-rate schedule to the budget, so a slower
+step buys fewer steps), two at a time with one torch thread each (the same conditions for the
+pair; `base` is in the first pair), on the same feature cache. One `draftsmith eval` at T = 0
+then scores every variant side by side (held-out HumanEval and MT-Bench, γ = 7, the same
+prompts), and the teacher-forced held-out numbers at the end of training (train/evaluate.py)
+say which draft positions moved.
+
+Computing the target statistics is not charged to a run's budget (the trainer's rule); --stats-from
+copies a finished dspark run's statistics on the same cache into each new variant's directory,
+and the trainer takes them where they match (else computes its own), which saves ~3-5 minutes
+of wall clock per variant. Every stage resumes: a variant whose run finished (its .done marker) is not trained again, an
+unfinished one goes on with `train --resume`, an eval whose report exists is reused. Writes
+<work>/results.json, benchmarks/results/probe_knobs.json and its BENCHMARKS.md section.
+Idle machine: nothing else may run beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import sections
+from bench_drafters import _acc, _rel, cli, eval_out, train_info, wait_measured
+from draftsmith.train.trainer import STATS_FILE
+
+ROOT = Path(__file__).resolve().parents[1]
+BEGIN, END = "<!-- probe_knobs:begin -->", "<!-- probe_knobs:end -->"
+GAMMA = 7
+RECIPE = "recipes/smollm2-135m-dspark.yaml"
+BUILTIN = ["drafter.rank=96", "drafter.kl_weight=1.0", "drafter.position_decay=4.0",
+           "drafter.init_from_target=true", "drafter.qk_norm=true", "train.epochs=100"]
+# name: (what changes against the built-in's recipe, its overrides)
+VARIANTS: dict[str, tuple[str, list[str]]] = {
+    "base": ("none (the built-in's recipe: 16 anchors, batch 2, 8192-token draft vocabulary, 2 layers, decay 4)", []),
+    "anchors64": ("64 anchors per sequence (16)", ["drafter.max_anchors=64"]),
+    "batch8": ("8 sequences per step (2): as many blocks per step as anchors64", ["train.batch_size=8"]),
+    "vocab16k": ("draft vocabulary 16384 (8192)", ["drafter.draft_vocab_size=16384"]),
+    "layers3": ("3 draft layers (2), from the target's last three", ["drafter.num_layers=3"]),
+    "decay2": ("position decay 2 (4): the first positions weigh more", ["drafter.position_decay=2.0"]),
+}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cache", type=Path, required=True, help="feature cache of the train conversations")
+    ap.add_argument("--heldout-cache", type=Path, required=True, help="feature cache of held-out conversations")
+    ap.add_argument("--minutes", type=float, default=15.0, help="training CPU minutes per variant")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
+    ap.add_argument("--work", type=Path, default=ROOT / "runs" / "knob-probes")
+    ap.add_argument("--eval-prompts", type=int, default=12, help="held-out prompts per task")
+    ap.add_argument("--eval-tokens", type=int, default=96, help="new tokens per turn in eval")
+    ap.add_argument("--stats-from", type=Path,
+                    help="a dspark run on the same cache whose target statistics (target_stats.safetensors) "
+                         "the variants start from; the trainer uses them only where they match (same draft "
+                         "vocabulary, windows, precision) and computes them otherwise")
+    ap.add_argument("--no-md", action="store_true")
+    args = ap.parse_args()
+    names = [x.strip() for x in args.variants.split(",") if x.strip()]
+    bad = [n for n in names if n not in VARIANTS]
+    if bad or "base" not in names or len(set(names)) != len(names):
+        raise SystemExit(f"--variants {args.variants!r}: expected distinct names of {', '.join(VARIANTS)}, "
+                         "base among them (every variant is read against it)")
+    names.remove("base")
+    names.insert(0, "base")
+    for f in (args.cache, args.heldout_cache):
+        if not (f / "manifest.json").is_file():
+            raise SystemExit(f"{f} is not a feature cache (no manifest.json): make one with `draftsmith cache`")
+    w = args.work.resolve()
+    w.mkdir(parents=True, exist_ok=True)
+    t_all = time.perf_counter()
+    common = [f"data.cache={args.cache.resolve()}", f"data.eval_cache={args.heldout_cache.resolve()}",
+              "data.eval_samples=24", "train.save_every=1000", "train.keep_checkpoints=2", *BUILTIN]
+
+    def argv(name: str) -> list[str]:
+        run = w / name
+        if args.stats_from and not run.exists() and (args.stats_from / STATS_FILE).is_file():
+            run.mkdir()
+            shutil.copyfile(args.stats_from / STATS_FILE, run / STATS_FILE)
+        started = any(run.glob("checkpoint-*"))
+        return ["train", "--config", RECIPE, "--budget", f"{args.minutes:g}", "--budget-clock", "cpu",
+                f"out={run}", *common, *VARIANTS[name][1], *(["--resume"] if started else [])]
+
+    todo = [n for n in names if not (w / f".train-{n}.done").exists()]
+    for i in range(0, len(todo), 2):  # two at a time, one thread each
+        pair = todo[i: i + 2]
+        t0 = time.perf_counter()
+        wait_measured({n: cli(*argv(n), threads=1, log=w / f"train-{n}.log", wait=False) for n in pair}, w, t0)
+    out = w / "eval-T0"
+    if not (out / "report.json").is_file():
+        cli("eval", *[x for n in names for x in ("--drafter", f"dspark:{w / n}")], "--tasks", "humaneval,mtbench",
+            "--max-prompts", str(args.eval_prompts), "--max-tokens", str(args.eval_tokens), "--temperature", "0",
+            "--block-size", str(GAMMA), *eval_out(out))
+    res = collect(w, names)
+    res["setup"] = {"minutes": args.minutes, "recipe": RECIPE, "builtin_overrides": BUILTIN,
+                    "cache": _rel(args.cache), "heldout_cache": _rel(args.heldout_cache),
+                    "eval_prompts": args.eval_prompts, "eval_tokens": args.eval_tokens, "gamma": GAMMA,
+                    "machine": f"{platform.machine()} {os.cpu_count()} CPUs" + (f" (AMD {zen})" if (zen := sections.amd_zen()) else ""),
+                    "wall_s": round(time.perf_counter() - t_all, 1), "loadavg_end": os.getloadavg()}
+    (w / "results.json").write_text(json.dumps(res, indent=1))
+    dest = ROOT / "benchmarks" / "results" / "probe_knobs.json"
+    dest.write_text(json.dumps(res, indent=1))
+    print(f"wrote {dest}")
+    if not args.no_md:
+        sections.write_section(BEGIN, END, markdown(res))
+    return 0
+
+
+def collect(w: Path, names: list[str]) -> dict:
+    rep = json.loads((w / "eval-T0" / "report.json").read_text())
+    by_label = {d["label"].partition(":")[2]: d for d in rep["drafters"]}
+    res: dict = {"prompts": rep["prompts"], "variants": {}}
+    for n in names:
+        t = train_info(w / n)
+        rows = [json.loads(x) for x in (w / f"train-{n}.cpu.jsonl").read_text().splitlines() if x.strip()]
+        held = [json.loads(x) for x in (w / n / "heldout.jsonl").read_text().splitlines() if x.strip()]
+        d = by_label[n]
+        res["variants"][n] = {
+            "change": VARIANTS[n][0], "overrides": VARIANTS[n][1], "steps": t["steps"],
+            "train_cpu_s": t["info"].get("train_cpu_s"), "process_cpu_s": round(sum(r["cpu_s"] for r in rows), 1),
+            "heldout": held, "overall": _acc(d["overall"]), "tasks": {k: _acc(v) for k, v in d["tasks"].items()}}
+    return res
+
+
+def markdown(res: dict) -> str:
+    s, v = res["setup"], res["variants"]
+    base = v["base"]["overall"]["tau"]
+    lines = ["## Recipe knobs one at a time: τ per training minute (issue 12)", "",
+             f"`benchmarks/probe_knobs.py --cache {s['cache']} --heldout-cache {s['heldout_cache']} "
+             f"--minutes {s['minutes']:g}` (JSON: `benchmarks/results/probe_knobs.json`). Machine: {s['machine']}, "
+             "no GPU. Each variant is the built-in drafter's recipe (`" + s["recipe"] + "` with "
+             + ", ".join(f"`{o}`" for o in s["builtin_overrides"]) + ") with one knob changed, trained from scratch "
+             f"for {s['minutes']:g} CPU minutes (the schedule fitted to the budget), two at a time with one torch "
+             "thread each, on the same cache. τ: one `draftsmith eval` at T = 0 over every variant, "
+             f"γ = {s['gamma']}, {res['prompts'].get('humaneval')} held-out HumanEval and "
+             f"{res['prompts'].get('mtbench')} MT-Bench prompts, {s['eval_tokens']} new tokens per turn. "
+             "Held-out columns: teacher-forced on 24 held-out conversations at the end of training (`greedy@1` / "
+             "`greedy`: the draft's argmax is the target's at the first / every block position; `accept`: "
+             "mean 1 − TV, the T = 1 acceptance of a position).", "",
+             "| variant | change | steps | CPU min | held-out greedy@1 / greedy / accept | τ HumanEval | "
+             "τ MT-Bench | τ all | τ vs base |", "|---|---|---|---|---|---|---|---|---|"]
+    for n, r in v.items():
+        h = r["heldout"][-1] if r["heldout"] else {}
+        cpu = r["train_cpu_s"]
+        lines.append(
+            f"| {n} | {r['change']} | {r['steps']} | {'–' if cpu is None else f'{cpu / 60:.1f}'} | "
+            f"{h.get('greedy@1', float('nan')):.3f} / {h.get('greedy', float('nan')):.3f} / "
+            f"{h.get('accept', float('nan')):.3f} | {r['tasks']['humaneval']['tau']:.2f} | "
+            f"{r['tasks']['mtbench']['tau']:.2f} | {r['overall']['tau']:.2f} | {r['overall']['tau'] / base:.3f}× |")
+    lines += ["", "Conditional acceptance per draft position k = 1..γ at T = 0 (all prompts):", ""]
+    for n, r in v.items():
+        ca = ", ".join("–" if x is None else f"{x:.2f}" for x in r["overall"]["conditional_acceptance"])
+        lines.append(f"- {n}: {ca}")
+    lines += ["", f"Wall clock of the whole probe: {s['wall_s'] / 60:.0f} min (stages resumed from an earlier run "
+              "are not in it); load average at the end " + ", ".join(f"{x:.1f}" for x in s["loadavg_end"]) + "."]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
