@@ -300,44 +300,51 @@ def _rel(p: Path) -> str:
 def wait_measured(procs: dict[str, subprocess.Popen], w: Path, started: float) -> None:
     """Wait for training processes launched together at `started` (time.perf_counter()); as each
     ends, append its CPU and wall seconds to <w>/train-NAME.cpu.jsonl (one row per attempt: a
-    resumed run adds a row) and mark it done (<w>/.train-NAME.done). They are reaped in the order
-    they end, so each one's wall seconds are its own (waiting for them one by one timed the second
-    from the first one's end: 0.0 when it had ended first). A failed one is reported once all
-    have ended."""
-    pending = {p.pid: (name, p) for name, p in procs.items()}
+    resumed run adds a row) and mark it done (<w>/.train-NAME.done). Each is timed to its own end
+    (waiting for them one by one timed the second from the first one's end: 0.0 when it had ended
+    first); each is polled by its pid (a wait for any child would reap other code's children too).
+    A failed one is reported once all have ended."""
+    pending = dict(procs)
     failed = []
     while pending:
-        pid, status, ru = os.wait4(-1, 0)
-        if pid not in pending:  # (no other children run beside a training stage)
-            continue
-        name, p = pending.pop(pid)
-        p.returncode = os.waitstatus_to_exitcode(status)
-        with open(w / f"train-{name}.cpu.jsonl", "a") as f:
-            f.write(json.dumps({"cpu_s": round(ru.ru_utime + ru.ru_stime, 1), "max_rss_mb": round(ru.ru_maxrss / 1024),
-                                "wall_s": round(time.perf_counter() - started, 1), "rc": p.returncode}) + "\n")
-        if p.returncode != 0:
-            failed.append(name)
-        else:
-            (w / f".train-{name}.done").touch()
+        for name, p in list(pending.items()):
+            pid, status, ru = os.wait4(p.pid, os.WNOHANG)
+            if not pid:
+                continue
+            del pending[name]
+            p.returncode = os.waitstatus_to_exitcode(status)
+            with open(w / f"train-{name}.cpu.jsonl", "a") as f:
+                f.write(json.dumps({"cpu_s": round(ru.ru_utime + ru.ru_stime, 1),
+                                    "max_rss_mb": round(ru.ru_maxrss / 1024),
+                                    "wall_s": round(time.perf_counter() - started, 1), "rc": p.returncode}) + "\n")
+            if p.returncode != 0:
+                failed.append(name)
+            else:
+                (w / f".train-{name}.done").touch()
+        if pending:
+            time.sleep(0.05)
     if failed:
         raise SystemExit("training failed: " + ", ".join(f"{n} (see {w / f'train-{n}.log'})" for n in failed))
 
 
 def nearest_checkpoint(run: Path, minutes: float, clock: str = "wall") -> tuple[Path, dict]:
-    """The checkpoint of `run` whose training time (its meta's elapsed_s, or train_cpu_s, the
-    CPU seconds without held-out evaluation, for a CPU budget) is nearest `minutes`."""
+    """The checkpoint of `run` whose training time is nearest `minutes`: its meta's train_cpu_s for a
+    CPU budget, else budget_s (the wall seconds its budget counted; elapsed_s in checkpoints from
+    before it) -- neither counts held-out evaluation or computing the target statistics."""
     best: tuple[float, Path, dict] | None = None
     for d in sorted(run.glob("checkpoint-*")):
         meta_f = d / "train_state" / "meta.json"
         if not meta_f.is_file():
             continue
         meta = json.loads(meta_f.read_text())
-        gap = abs(float(meta["train_cpu_s" if clock == "cpu" else "elapsed_s"]) - minutes * 60)
+        key = "train_cpu_s" if clock == "cpu" else "budget_s" if "budget_s" in meta else "elapsed_s"
+        gap = abs(float(meta[key]) - minutes * 60)
         if best is None or gap < best[0]:
             best = (gap, d, meta)
     if best is None:
         raise SystemExit(f"{run} has no checkpoints to take the {minutes:g}-minute point from")
-    return best[1], {k: best[2][k] for k in ("step", "elapsed_s", "cpu_s", "train_cpu_s") if k in best[2]}
+    keep = ("step", "elapsed_s", "cpu_s", "train_cpu_s", "budget_s")
+    return best[1], {k: best[2][k] for k in keep if k in best[2]}
 
 
 def collect(w: Path, regen_path: Path, kinds: tuple[str, ...] = KINDS, curve: list[float] = (),

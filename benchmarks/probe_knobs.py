@@ -35,10 +35,11 @@ from pathlib import Path
 
 import sections
 from bench_drafters import _acc, _rel, cli, eval_out, train_info, wait_measured
-from draftsmith.train.trainer import STATS_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- probe_knobs:begin -->", "<!-- probe_knobs:end -->"
+STATS_FILE = "target_stats.safetensors"  # train/trainer.py's STATS_FILE (a test holds them equal; no torch here)
+EVAL_SAMPLES = 24  # held-out conversations scored teacher-forced at each checkpoint
 GAMMA = 7
 RECIPE = "recipes/smollm2-135m-dspark.yaml"
 BUILTIN = ["drafter.rank=96", "drafter.kl_weight=1.0", "drafter.position_decay=4.0",
@@ -79,20 +80,23 @@ def main() -> int:
     for f in (args.cache, args.heldout_cache):
         if not (f / "manifest.json").is_file():
             raise SystemExit(f"{f} is not a feature cache (no manifest.json): make one with `draftsmith cache`")
+    if args.stats_from and not (args.stats_from / STATS_FILE).is_file():
+        raise SystemExit(f"--stats-from {args.stats_from}: no {STATS_FILE} there (give a dspark run directory "
+                         "on this cache)")
     w = args.work.resolve()
     w.mkdir(parents=True, exist_ok=True)
     t_all = time.perf_counter()
     common = [f"data.cache={args.cache.resolve()}", f"data.eval_cache={args.heldout_cache.resolve()}",
-              "data.eval_samples=24", "train.save_every=1000", "train.keep_checkpoints=2", *BUILTIN]
+              f"data.eval_samples={EVAL_SAMPLES}", "train.save_every=1000", "train.keep_checkpoints=2", *BUILTIN]
 
     def argv(name: str) -> list[str]:
         run = w / name
-        if args.stats_from and not run.exists() and (args.stats_from / STATS_FILE).is_file():
+        if args.stats_from and not run.exists():
             run.mkdir()
             shutil.copyfile(args.stats_from / STATS_FILE, run / STATS_FILE)
-        started = any(run.glob("checkpoint-*"))
+        # --resume: a run with no checkpoint yet starts again (the trainer's rule), one with some goes on
         return ["train", "--config", RECIPE, "--budget", f"{args.minutes:g}", "--budget-clock", "cpu",
-                f"out={run}", *common, *VARIANTS[name][1], *(["--resume"] if started else [])]
+                f"out={run}", *common, *VARIANTS[name][1], "--resume"]
 
     todo = [n for n in names if not (w / f".train-{n}.done").exists()]
     for i in range(0, len(todo), 2):  # two at a time, one thread each
@@ -100,7 +104,7 @@ def main() -> int:
         t0 = time.perf_counter()
         wait_measured({n: cli(*argv(n), threads=1, log=w / f"train-{n}.log", wait=False) for n in pair}, w, t0)
     out = w / "eval-T0"
-    if not (out / "report.json").is_file():
+    if evaluated(out) != names:  # none yet, or of another set of variants
         cli("eval", *[x for n in names for x in ("--drafter", f"dspark:{w / n}")], "--tasks", "humaneval,mtbench",
             "--max-prompts", str(args.eval_prompts), "--max-tokens", str(args.eval_tokens), "--temperature", "0",
             "--block-size", str(GAMMA), *eval_out(out))
@@ -108,7 +112,7 @@ def main() -> int:
     res["setup"] = {"minutes": args.minutes, "recipe": RECIPE, "builtin_overrides": BUILTIN,
                     "cache": _rel(args.cache), "heldout_cache": _rel(args.heldout_cache),
                     "eval_prompts": args.eval_prompts, "eval_tokens": args.eval_tokens, "gamma": GAMMA,
-                    "machine": f"{platform.machine()} {os.cpu_count()} CPUs" + (f" (AMD {zen})" if (zen := sections.amd_zen()) else ""),
+                    "eval_samples": EVAL_SAMPLES, "machine": machine(),
                     "wall_s": round(time.perf_counter() - t_all, 1), "loadavg_end": os.getloadavg()}
     (w / "results.json").write_text(json.dumps(res, indent=1))
     dest = ROOT / "benchmarks" / "results" / "probe_knobs.json"
@@ -117,6 +121,19 @@ def main() -> int:
     if not args.no_md:
         sections.write_section(BEGIN, END, markdown(res))
     return 0
+
+
+def machine() -> str:
+    zen = sections.amd_zen()
+    return f"{platform.machine()} {os.cpu_count()} CPUs" + (f" (AMD {zen})" if zen else "")
+
+
+def evaluated(out: Path) -> list[str] | None:
+    """The variants an eval report in `out` scored, in order (None: no report)."""
+    f = out / "report.json"
+    if not f.is_file():
+        return None
+    return [d["label"].partition(":")[2] for d in json.loads(f.read_text())["drafters"]]
 
 
 def collect(w: Path, names: list[str]) -> dict:
@@ -147,9 +164,9 @@ def markdown(res: dict) -> str:
              "thread each, on the same cache. τ: one `draftsmith eval` at T = 0 over every variant, "
              f"γ = {s['gamma']}, {res['prompts'].get('humaneval')} held-out HumanEval and "
              f"{res['prompts'].get('mtbench')} MT-Bench prompts, {s['eval_tokens']} new tokens per turn. "
-             "Held-out columns: teacher-forced on 24 held-out conversations at the end of training (`greedy@1` / "
-             "`greedy`: the draft's argmax is the target's at the first / every block position; `accept`: "
-             "mean 1 − TV, the T = 1 acceptance of a position).", "",
+             f"Held-out columns: teacher-forced on {s['eval_samples']} held-out conversations at the end of "
+             "training (`greedy@1` / `greedy`: the draft's argmax is the target's at the first / every block "
+             "position; `accept`: mean 1 − TV, the T = 1 acceptance of a position).", "",
              "| variant | change | steps | CPU min | held-out greedy@1 / greedy / accept | τ HumanEval | "
              "τ MT-Bench | τ all | τ vs base |", "|---|---|---|---|---|---|---|---|---|"]
     for n, r in v.items():

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import importlib
 import json
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -254,10 +257,6 @@ def test_bench_training_stage_times_each_process_from_its_launch_to_its_end(tmp_
     """Training processes launched together are reaped in the order they end: each one's row has
     its own wall seconds (the one waited for second read 0.0 when it had ended first), a done marker
     for each that succeeded, and a failed one is reported once all have ended, its row kept."""
-    import subprocess
-    import sys
-    import time
-
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     bench_drafters = importlib.import_module("bench_drafters")
 
@@ -274,3 +273,19 @@ def test_bench_training_stage_times_each_process_from_its_launch_to_its_end(tmp_
     assert row["long"]["wall_s"] - row["short"]["wall_s"] >= 1.5  # the short one's own time, not the long one's
     assert (tmp_path / ".train-long.done").exists() and (tmp_path / ".train-short.done").exists()
     assert not (tmp_path / ".train-bad.done").exists()
+
+
+def test_probe_knobs_names_the_trainers_stats_file_and_redoes_an_eval_of_other_variants(tmp_path, monkeypatch):
+    """probe_knobs keeps torch out of its parent process, so it spells the trainer's statistics file
+    itself: the two names must agree (--stats-from copies it where the trainer looks). Its eval
+    stage is reused only for the same variants in the same order."""
+    from draftsmith.train.trainer import STATS_FILE
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    probe_knobs = importlib.import_module("probe_knobs")
+    assert probe_knobs.STATS_FILE == STATS_FILE
+    assert probe_knobs.evaluated(tmp_path) is None
+    (tmp_path / "report.json").write_text(json.dumps({"drafters": [{"label": "dspark:base"},
+                                                                   {"label": "dspark:anchors64"}]}))
+    assert probe_knobs.evaluated(tmp_path) == ["base", "anchors64"]
+    assert set(probe_knobs.VARIANTS) >= {"base", "anchors64"} and probe_knobs.VARIANTS["base"][1] == []

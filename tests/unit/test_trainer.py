@@ -364,31 +364,33 @@ def test_cpu_budget_leaves_out_heldout_evaluation(target_dir, cache_dir, tmp_pat
         P + planned + 3.0 * evals_before)
 
 
-def test_cpu_budget_leaves_out_the_target_statistics(target_dir, cache_dir, tmp_path, monkeypatch):
-    """Computing the target statistics before the first step is data preparation: reported in
-    cpu_s, not charged to the budget (train_cpu_s), in a fresh run and in a resumed one that
-    computes them again, so the steps a budget buys do not depend on whether a run directory
-    already held them (a recipe that computes them used to lose minutes of its budget)."""
+@pytest.mark.parametrize("clock", ["cpu", "wall"])
+def test_budget_leaves_out_the_target_statistics(target_dir, cache_dir, tmp_path, monkeypatch, clock):
+    """Computing the target statistics before the first step is data preparation: reported (cpu_s,
+    elapsed_s), not charged to the budget on either clock (train_cpu_s, budget_s), in a fresh run
+    and in a resumed one that prepares them again, so the steps a budget buys do not depend on
+    whether a run directory already held them (a recipe that computed them lost minutes of its
+    budget). A fake clock (the budget's) spends 1 s per step and 20 s per preparation."""
     from draftsmith.train import trainer as trainer_mod
     from draftsmith.train.data import TrainData
 
-    cpu = [0.0]
-    monkeypatch.setattr(trainer_mod.time, "process_time", lambda: cpu[0])
+    now = [0.0]
+    monkeypatch.setattr(trainer_mod.time, "process_time" if clock == "cpu" else "perf_counter", lambda: now[0])
     real_fb, real_prep = Trainer._forward_backward, TrainData.prepare_stats
 
     def costly(self, step):
-        cpu[0] += 1.0
+        now[0] += 1.0
         return real_fb(self, step)
 
     def costly_prep(self, *a, **k):
-        cpu[0] += 20.0
+        now[0] += 20.0
         return real_prep(self, *a, **k)
 
     monkeypatch.setattr(Trainer, "_forward_backward", costly)
     monkeypatch.setattr(TrainData, "prepare_stats", costly_prep)
     out = tmp_path / "run"
     cfg = make_cfg(target_dir, cache_dir, out, max_steps=None, epochs=100, budget_minutes=0.5,
-                   budget_clock="cpu", save_every=5)
+                   budget_clock=clock, save_every=5)
     cfg = dataclasses.replace(cfg, drafter=dataclasses.replace(cfg.drafter, stats=True))
     P = trainer_mod.PROBE_STEPS
     planned = int(0.95 * (30 - P) / 1.0)  # the 20 s of statistics are not taken from the 30 s
@@ -400,13 +402,18 @@ def test_cpu_budget_leaves_out_the_target_statistics(target_dir, cache_dir, tmp_
     with pytest.raises(KeyboardInterrupt):
         Trainer(cfg, CATALOGUE, hooks=[crash_at_10]).fit()
     meta = json.loads((out / "checkpoint-00000010" / "train_state" / "meta.json").read_text())
-    assert meta["total_steps"] == planned
-    assert meta["train_cpu_s"] == pytest.approx(P + 10) and meta["cpu_s"] == pytest.approx(P + 10 + 20)
-    (out / trainer_mod.STATS_FILE).unlink()  # the resumed attempt computes them again: 20 s more, still off the budget
-    res = Trainer(cfg, CATALOGUE, resume=True).fit()
+    assert meta["total_steps"] == planned and meta["budget_s"] == pytest.approx(P + 10)
+    if clock == "cpu":
+        assert meta["train_cpu_s"] == pytest.approx(P + 10) and meta["cpu_s"] == pytest.approx(P + 10 + 20)
+    else:
+        assert meta["elapsed_s"] == pytest.approx(P + 10 + 20)
+    res = Trainer(cfg, CATALOGUE, resume=True).fit()  # prepares them again (20 s): off the budget too
     assert not res.stopped_at_deadline and res.step == res.total_steps == planned
     meta = json.loads((out / f"checkpoint-{planned:08d}" / "train_state" / "meta.json").read_text())
-    assert meta["train_cpu_s"] == pytest.approx(P + planned) and meta["cpu_s"] == pytest.approx(P + planned + 40)
+    if clock == "cpu":  # summed over the two attempts
+        assert meta["train_cpu_s"] == pytest.approx(P + planned) and meta["cpu_s"] == pytest.approx(P + planned + 40)
+    else:  # the wall clock counts this attempt (as before): its steps after 10, and its own 20 s left out
+        assert meta["budget_s"] == pytest.approx(planned - 10) and meta["elapsed_s"] == pytest.approx(planned - 10 + 20)
 
 
 def test_checkpoint_files_load_without_pickle(target_dir, cache_dir, tmp_path):

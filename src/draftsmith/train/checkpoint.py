@@ -150,7 +150,8 @@ def _export(run_dir: Path, ckpt: Path, step: int, meta: Mapping[str, Any]) -> No
     os.replace(link_tmp, run_dir / "model.safetensors")
     write_json_atomic(run_dir / "train_info.json", {
         "checkpoint": ckpt.name, "step": step, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        **{k: meta[k] for k in ("total_steps", "epoch", "loss", "elapsed_s", "cpu_s", "train_cpu_s") if k in meta}})
+        **{k: meta[k] for k in ("total_steps", "epoch", "loss", "elapsed_s", "cpu_s", "train_cpu_s", "budget_s")
+           if k in meta}})
     cfg = json.loads((ckpt / "config.json").read_text())
     calib = run_dir / "calibration.json"
     if calib.exists():  # fitted for older weights: no longer valid

@@ -413,7 +413,8 @@ class Trainer:
                     "data_position": pos, "loss": last_loss, "world_size": self.info.world_size,
                     "rank_weight_digests": digests,
                     "elapsed_s": round(time.perf_counter() - self.t_start, 3), "cpu_s": round(self.cpu_s(), 3),
-                    "train_cpu_s": round(self.train_cpu_s(), 3), "run_config": self.cfg.to_dict()}
+                    "train_cpu_s": round(self.train_cpu_s(), 3), "budget_s": round(self._budget_spent(), 3),
+                    "run_config": self.cfg.to_dict()}
             # the model's whole state dict: trainable parameters and persistent buffers (e.g. EAGLE-3's
             # vocabulary maps); the target's embedding / lm_head are shared by reference, not in it
             model_state = {n: v.detach().to("cpu").contiguous() for n, v in self.model.state_dict().items()}
