@@ -68,6 +68,9 @@ def main() -> int:
                     help="a dspark run on the same cache whose target statistics (target_stats.safetensors) "
                          "the variants start from; the trainer uses them only where they match (same draft "
                          "vocabulary, windows, precision) and computes them otherwise")
+    ap.add_argument("--seed", type=int, default=0, help="train.seed of every variant (a replicate: another seed)")
+    ap.add_argument("--section", default="", help="results under this name (probe_knobs-NAME.json) in their own "
+                                                   "BENCHMARKS.md section, leaving the others in place")
     ap.add_argument("--no-md", action="store_true")
     args = ap.parse_args()
     names = [x.strip() for x in args.variants.split(",") if x.strip()]
@@ -87,7 +90,8 @@ def main() -> int:
     w.mkdir(parents=True, exist_ok=True)
     t_all = time.perf_counter()
     common = [f"data.cache={args.cache.resolve()}", f"data.eval_cache={args.heldout_cache.resolve()}",
-              f"data.eval_samples={EVAL_SAMPLES}", "train.save_every=1000", "train.keep_checkpoints=2", *BUILTIN]
+              f"data.eval_samples={EVAL_SAMPLES}", "train.save_every=1000", "train.keep_checkpoints=2",
+              f"train.seed={args.seed}", *BUILTIN]
 
     def argv(name: str) -> list[str]:
         run = w / name
@@ -109,17 +113,22 @@ def main() -> int:
             "--max-prompts", str(args.eval_prompts), "--max-tokens", str(args.eval_tokens), "--temperature", "0",
             "--block-size", str(GAMMA), *eval_out(out))
     res = collect(w, names)
-    res["setup"] = {"minutes": args.minutes, "recipe": RECIPE, "builtin_overrides": BUILTIN,
+    prev = w / "results.json"  # a run that resumed earlier stages adds its time to theirs
+    before = json.loads(prev.read_text()).get("setup", {}).get("wall_s", 0.0) if prev.is_file() else 0.0
+    res["setup"] = {"minutes": args.minutes, "seed": args.seed, "section": args.section, "recipe": RECIPE,
+                    "builtin_overrides": BUILTIN,
                     "cache": _rel(args.cache), "heldout_cache": _rel(args.heldout_cache),
                     "eval_prompts": args.eval_prompts, "eval_tokens": args.eval_tokens, "gamma": GAMMA,
                     "eval_samples": EVAL_SAMPLES, "machine": machine(),
-                    "wall_s": round(time.perf_counter() - t_all, 1), "loadavg_end": os.getloadavg()}
+                    "wall_s": round(before + time.perf_counter() - t_all, 1), "loadavg_end": os.getloadavg()}
     (w / "results.json").write_text(json.dumps(res, indent=1))
-    dest = ROOT / "benchmarks" / "results" / "probe_knobs.json"
+    name = f"probe_knobs-{args.section}" if args.section else "probe_knobs"
+    dest = ROOT / "benchmarks" / "results" / f"{name}.json"
     dest.write_text(json.dumps(res, indent=1))
     print(f"wrote {dest}")
     if not args.no_md:
-        sections.write_section(BEGIN, END, markdown(res))
+        begin, end = (f"<!-- {name}:begin -->", f"<!-- {name}:end -->") if args.section else (BEGIN, END)
+        sections.write_section(begin, end, markdown(res))
     return 0
 
 
@@ -155,9 +164,14 @@ def collect(w: Path, names: list[str]) -> dict:
 def markdown(res: dict) -> str:
     s, v = res["setup"], res["variants"]
     base = v["base"]["overall"]["tau"]
-    lines = ["## Recipe knobs one at a time: τ per training minute (issue 12)", "",
+    seed, section = s.get("seed", 0), s.get("section", "")
+    flags = (f" --variants {','.join(v)}" if list(v) != list(VARIANTS) else "") + (f" --seed {seed}" if seed else "") \
+        + (f" --section {section}" if section else "")
+    name = f"probe_knobs-{section}" if section else "probe_knobs"
+    title = "## Recipe knobs one at a time: τ per training minute (issue 12)" + (f", seed {seed}" if seed else "")
+    lines = [title, "",
              f"`benchmarks/probe_knobs.py --cache {s['cache']} --heldout-cache {s['heldout_cache']} "
-             f"--minutes {s['minutes']:g}` (JSON: `benchmarks/results/probe_knobs.json`). Machine: {s['machine']}, "
+             f"--minutes {s['minutes']:g}{flags}` (JSON: `benchmarks/results/{name}.json`). Machine: {s['machine']}, "
              "no GPU. Each variant is the built-in drafter's recipe (`" + s["recipe"] + "` with "
              + ", ".join(f"`{o}`" for o in s["builtin_overrides"]) + ") with one knob changed, trained from scratch "
              f"for {s['minutes']:g} CPU minutes (the schedule fitted to the budget), two at a time with one torch "
@@ -181,8 +195,8 @@ def markdown(res: dict) -> str:
     for n, r in v.items():
         ca = ", ".join("–" if x is None else f"{x:.2f}" for x in r["overall"]["conditional_acceptance"])
         lines.append(f"- {n}: {ca}")
-    lines += ["", f"Wall clock of the whole probe: {s['wall_s'] / 60:.0f} min (stages resumed from an earlier run "
-              "are not in it); load average at the end " + ", ".join(f"{x:.1f}" for x in s["loadavg_end"]) + "."]
+    lines += ["", f"Wall clock of the probe: {s['wall_s'] / 60:.0f} min, summed over its runs; load average at the "
+              "end " + ", ".join(f"{x:.1f}" for x in s["loadavg_end"]) + "."]
     return "\n".join(lines)
 
 
