@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import shutil
 import sys
 import time
@@ -145,10 +146,39 @@ def evaluated(out: Path) -> list[str] | None:
     return [d["label"].partition(":")[2] for d in json.loads(f.read_text())["drafters"]]
 
 
+def per_request(rounds: Path) -> dict[str, tuple[int, int]]:
+    """(tokens committed, verification rounds) per request of an eval's rounds file."""
+    acc: dict[str, list[int]] = {}
+    for line in rounds.read_text().splitlines():
+        if line.strip():
+            r = json.loads(line)
+            a = acc.setdefault(r["request"], [0, 0])
+            a[0] += int(r["committed"])
+            a[1] += 1
+    return {k: (c, n) for k, (c, n) in acc.items()}
+
+
+def ratio_ci(base: dict[str, tuple[int, int]], other: dict[str, tuple[int, int]], draws: int = 2000,
+             seed: int = 0) -> tuple[float, float, float]:
+    """τ(other) / τ(base) over the requests both served, and its 95% interval from a paired
+    bootstrap over requests (the same prompts for both: greedy outputs are the target's). It
+    covers the choice of prompts, not training noise (a replicate with another --seed does)."""
+    keys = sorted(set(base) & set(other))
+
+    def ratio(ks) -> float:
+        tb = sum(base[k][0] for k in ks) / sum(base[k][1] for k in ks)
+        return sum(other[k][0] for k in ks) / sum(other[k][1] for k in ks) / tb
+
+    rng = random.Random(seed)
+    boot = sorted(ratio([rng.choice(keys) for _ in keys]) for _ in range(draws))
+    return ratio(keys), boot[int(0.025 * draws)], boot[int(0.975 * draws) - 1]
+
+
 def collect(w: Path, names: list[str]) -> dict:
     rep = json.loads((w / "eval-T0" / "report.json").read_text())
     by_label = {d["label"].partition(":")[2]: d for d in rep["drafters"]}
     res: dict = {"prompts": rep["prompts"], "variants": {}}
+    rounds = {n: per_request(w / "eval-T0" / f"rounds-dspark_{n}.jsonl") for n in names}
     for n in names:
         t = train_info(w / n)
         rows = [json.loads(x) for x in (w / f"train-{n}.cpu.jsonl").read_text().splitlines() if x.strip()]
@@ -157,13 +187,17 @@ def collect(w: Path, names: list[str]) -> dict:
         res["variants"][n] = {
             "change": VARIANTS[n][0], "overrides": VARIANTS[n][1], "steps": t["steps"],
             "train_cpu_s": t["info"].get("train_cpu_s"), "process_cpu_s": round(sum(r["cpu_s"] for r in rows), 1),
-            "heldout": held, "overall": _acc(d["overall"]), "tasks": {k: _acc(v) for k, v in d["tasks"].items()}}
+            "heldout": held, "overall": _acc(d["overall"]), "tasks": {k: _acc(v) for k, v in d["tasks"].items()},
+            "tau_vs_base_ci95": ratio_ci(rounds["base"], rounds[n])}
     return res
+
+
+def ci(r: list[float] | tuple[float, float, float]) -> str:
+    return f"{r[0]:.3f}× ({r[1]:.3f}–{r[2]:.3f})"
 
 
 def markdown(res: dict) -> str:
     s, v = res["setup"], res["variants"]
-    base = v["base"]["overall"]["tau"]
     seed, section = s.get("seed", 0), s.get("section", "")
     flags = (f" --variants {','.join(v)}" if list(v) != list(VARIANTS) else "") + (f" --seed {seed}" if seed else "") \
         + (f" --section {section}" if section else "")
@@ -182,7 +216,7 @@ def markdown(res: dict) -> str:
              "training (`greedy@1` / `greedy`: the draft's argmax is the target's at the first / every block "
              "position; `accept`: mean 1 − TV, the T = 1 acceptance of a position).", "",
              "| variant | change | steps | CPU min | held-out greedy@1 / greedy / accept | τ HumanEval | "
-             "τ MT-Bench | τ all | τ vs base |", "|---|---|---|---|---|---|---|---|---|"]
+             "τ MT-Bench | τ all | τ vs base (95% interval over prompts) |", "|---|---|---|---|---|---|---|---|---|"]
     for n, r in v.items():
         h = r["heldout"][-1] if r["heldout"] else {}
         cpu = r["train_cpu_s"]
@@ -190,8 +224,11 @@ def markdown(res: dict) -> str:
             f"| {n} | {r['change']} | {r['steps']} | {'–' if cpu is None else f'{cpu / 60:.1f}'} | "
             f"{h.get('greedy@1', float('nan')):.3f} / {h.get('greedy', float('nan')):.3f} / "
             f"{h.get('accept', float('nan')):.3f} | {r['tasks']['humaneval']['tau']:.2f} | "
-            f"{r['tasks']['mtbench']['tau']:.2f} | {r['overall']['tau']:.2f} | {r['overall']['tau'] / base:.3f}× |")
-    lines += ["", "Conditional acceptance per draft position k = 1..γ at T = 0 (all prompts):", ""]
+            f"{r['tasks']['mtbench']['tau']:.2f} | {r['overall']['tau']:.2f} | {ci(r['tau_vs_base_ci95'])} |")
+    lines += ["", "The interval: a paired bootstrap over the requests (each variant against base on the same "
+              "prompts); it covers the choice of prompts, not training noise, which a replicate with another "
+              "`--seed` measures.",
+              "", "Conditional acceptance per draft position k = 1..γ at T = 0 (all prompts):", ""]
     for n, r in v.items():
         ca = ", ".join("–" if x is None else f"{x:.2f}" for x in r["overall"]["conditional_acceptance"])
         lines.append(f"- {n}: {ca}")
