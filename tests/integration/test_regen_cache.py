@@ -42,6 +42,20 @@ def _lines(path: Path) -> list[bytes]:
     return path.read_bytes().splitlines(keepends=True) if path.exists() else []
 
 
+def _signal_after_lines(args: list[str], out: Path, n: int, sig: int, what: str, timeout: float) -> tuple[int, str]:
+    """Run `draftsmith ARGS`, send it `sig` once `out` holds `n` lines and return (its returncode, its
+    stderr). Polled every 10 ms: the signal must land mid-run (an early exit shows in the returncode
+    the caller checks, with the stderr)."""
+    proc = subprocess.Popen(_cli(*args), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        wait_until(lambda: len(_lines(out)) >= n or proc.poll() is not None, timeout=120, interval=0.01,
+                   message=lambda: f"regen wrote {len(_lines(out))} line(s) of the {n} wanted before {what}")
+    finally:
+        proc.send_signal(sig)
+    _, err = proc.communicate(timeout=timeout)
+    return proc.returncode, err.decode()
+
+
 def test_regen_sigkill_then_resume(tiny_model_dir, tmp_path):
     from draftsmith.data.sources import load_mix
 
@@ -59,16 +73,8 @@ def test_regen_sigkill_then_resume(tiny_model_dir, tmp_path):
     expected = {c.id for c in load_mix(str(prompts), split="train", max_samples=31, seed=7)}
     huge_id = next(i for i in expected if i.endswith("/huge"))
 
-    proc = subprocess.Popen(_cli(*args), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        # polled every 10 ms: the kill must land mid-run (an early exit is reported by the
-        # returncode check below, with regen's stderr)
-        wait_until(lambda: len(_lines(out)) >= 4 or proc.poll() is not None, timeout=120, interval=0.01,
-                   message=lambda: f"regen wrote {len(_lines(out))} line(s) of the 4 wanted before the kill")
-    finally:
-        proc.send_signal(signal.SIGKILL)
-    _, err = proc.communicate(timeout=30)
-    assert proc.returncode == -signal.SIGKILL, f"regen ended before it could be killed: {err.decode()[-2000:]}"
+    rc, err = _signal_after_lines(args, out, 4, signal.SIGKILL, "the kill", timeout=30)
+    assert rc == -signal.SIGKILL, f"regen ended before it could be killed: {err[-2000:]}"
     before = [ln for ln in _lines(out) if ln.endswith(b"\n")]
     assert 4 <= len(before) < len(expected) - 1
     with open(out, "ab") as f:  # a kill in the middle of a write leaves half a record
@@ -218,15 +224,8 @@ def test_regen_sigterm_closes_its_feature_cache_then_resume(tiny_model_dir, tmp_
             "--batch-size", "2", "--seed", "7", "--out", str(out), "--features-out", str(feats),
             "--feature-layers", "0,1", "--no-progress"]
     expected = {c.id for c in load_mix(str(prompts), split="train", seed=7)}  # (a prompt file's train split)
-    proc = subprocess.Popen(_cli(*args), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        wait_until(lambda: len(_lines(out)) >= 4 or proc.poll() is not None, timeout=120, interval=0.01,
-                   message=lambda: f"regen wrote {len(_lines(out))} line(s) of the 4 wanted before SIGTERM")
-    finally:
-        proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
-    err = err.decode()
-    assert proc.returncode == 143, f"regen ended before SIGTERM or died of it: {proc.returncode} {err[-2000:]}"
+    rc, err = _signal_after_lines(args, out, 4, signal.SIGTERM, "SIGTERM", timeout=60)
+    assert rc == 143, f"regen ended before SIGTERM or died of it: {rc} {err[-2000:]}"
     assert "draftsmith: terminated (SIGTERM)" in err and "--resume" in err
     written = [json.loads(ln)["id"] for ln in _lines(out) if ln.endswith(b"\n")]
     assert 4 <= len(written) < len(expected) - 1
