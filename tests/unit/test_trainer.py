@@ -416,6 +416,62 @@ def test_budget_leaves_out_the_target_statistics(target_dir, cache_dir, tmp_path
         assert meta["budget_s"] == pytest.approx(planned - 10) and meta["elapsed_s"] == pytest.approx(planned - 10 + 20)
 
 
+@pytest.mark.parametrize("probe_cost, fitted", [(2.0, "longer"), (0.5, "shorter")])
+def test_budget_fits_the_step_count_again_to_the_measured_step_cost(target_dir, cache_dir, tmp_path, monkeypatch,
+                                                                     probe_cost, fitted):
+    """The probe's few steps can misjudge a step: here they cost `probe_cost` s on the budget's clock
+    and every real step 1 s. At REFIT_FRACTION of the plan the run fits its step count again to the
+    cost it measured, so it ends its learning-rate schedule at the budget (0.95 of what is left)
+    instead of far short of it (a probe too dear) or cut off mid-schedule (a probe too cheap); the
+    schedule's last step reaches the floor; a resume keeps the fitted count and does not fit again."""
+    from draftsmith.train import trainer as trainer_mod
+
+    cpu = [0.0]
+    probing = [False]
+    monkeypatch.setattr(trainer_mod.time, "process_time", lambda: cpu[0])
+    real_fb, real_probe = Trainer._forward_backward, Trainer._probe_seconds_per_step
+
+    def costly(self, step):
+        cpu[0] += probe_cost if probing[0] else 1.0
+        return real_fb(self, step)
+
+    def probe(self):
+        probing[0] = True
+        try:
+            return real_probe(self)
+        finally:
+            probing[0] = False
+
+    monkeypatch.setattr(Trainer, "_forward_backward", costly)
+    monkeypatch.setattr(Trainer, "_probe_seconds_per_step", probe)
+    out = tmp_path / "run"
+    budget = 400.0
+    P = trainer_mod.PROBE_STEPS
+    planned = int(0.95 * (budget - P * probe_cost) / probe_cost)
+    refit_at = max(P, math.ceil(trainer_mod.REFIT_FRACTION * planned))
+    fitted_total = refit_at + int(0.95 * (budget - P * probe_cost - refit_at) / 1.0)
+    cfg = make_cfg(target_dir, cache_dir, out, max_steps=None, epochs=1000, budget_minutes=budget / 60,
+                   budget_clock="cpu", save_every=refit_at + 3, min_lr_ratio=0.0)
+
+    def crash_after_refit(step, _trainer):  # (hooks run after the step's checkpoint)
+        if step == refit_at + 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(cfg, CATALOGUE, hooks=[crash_after_refit]).fit()
+    res = Trainer(cfg, CATALOGUE, resume=True).fit()
+    assert (fitted_total > planned) == (fitted == "longer")
+    assert not res.stopped_at_deadline and res.step == res.total_steps == fitted_total
+    meta = json.loads((out / f"checkpoint-{fitted_total:08d}" / "train_state" / "meta.json").read_text())
+    assert meta["total_steps"] == fitted_total and meta["train_cpu_s"] <= budget
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, fitted_total + 1))
+    assert rows[-1]["lr"] == pytest.approx(cfg.train.lr * lr_factor(fitted_total - 1, fitted_total,
+                                                                       cfg.train.warmup_ratio, 0.0))
+    state = ckpt_io.load_train_state(out / f"checkpoint-{fitted_total:08d}")
+    assert state["refit_step"] == refit_at
+
+
 def test_checkpoint_files_load_without_pickle(target_dir, cache_dir, tmp_path):
     out = tmp_path / "run"
     Trainer(make_cfg(target_dir, cache_dir, out, max_steps=3), CATALOGUE).fit()

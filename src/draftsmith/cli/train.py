@@ -20,8 +20,8 @@ def add_parser(sub) -> None:
     t.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="dotted overrides parsed as YAML, e.g. train.lr=3e-4 data.cache=cache/ drafter.num_layers=2")
     t.add_argument("--budget", type=float, default=None, metavar="MINUTES",
-                   help="wall-clock budget: size the run from a timing probe and stop at the deadline "
-                        "(default: the recipe's train.budget_minutes, if any)")
+                   help="wall-clock budget: size the run from a timing probe (fitted again at a tenth of the "
+                        "run) and stop at the deadline (default: the recipe's train.budget_minutes, if any)")
     t.add_argument("--budget-clock", choices=("wall", "cpu"), default=None,
                    help="what --budget counts: wall clock (default) or this process's CPU time, so runs that "
                         "share a machine get equal work (the recipe's train.budget_clock)")

@@ -50,6 +50,9 @@ STATS_FILE = "target_stats.safetensors"  # the training windows' target statisti
 _RUN_FILES = ("checkpoint-*", "train_info.json", "model.safetensors", STATS_FILE, "metrics.jsonl", HELDOUT_FILE)
 PROBE_STEPS = 12  # timing probe for --budget: the first two warm up, the mean of the rest counts (a
 # budget needs the mean step; EAGLE-3's variable-length windows made a median of 3 read 0.39 s for 0.52-0.6)
+REFIT_FRACTION = 0.1  # --budget: at this share of the planned steps the step count is fitted again to the
+# cost the steps measured (the probe's ten steps read 1.18 CPU-s for a batch-8 step that averaged 1.01, and the
+# run stopped at 16 of its 20 CPU minutes); once per run, kept across resumes
 # Train-section fields that may change on resume without breaking exactness.
 _RESUME_FREE = {"log_every", "save_every", "keep_checkpoints", "budget_minutes", "budget_clock", "max_steps", "epochs",
                 "tensorboard", "progress", "threads", "device"}
@@ -118,6 +121,7 @@ class Trainer:
         self.eval_wall = 0.0  # wall seconds of this attempt's held-out evaluation
         self.prep_cpu = 0.0  # CPU seconds of the target statistics (data preparation), resumed attempts included
         self.prep_wall = 0.0  # wall seconds of this attempt's target statistics
+        self.refit_step: int | None = None  # the step a --budget run fitted its step count again (_refit_budget)
         self.history: list[dict] = []
 
     # ---- setup ---------------------------------------------------------------------------
@@ -271,9 +275,10 @@ class Trainer:
         # fused: one kernel for every tensor's update (CPU and CUDA; ~10% of a CPU step otherwise)
         self.optimizer = torch.optim.AdamW(param_groups(self.model, self.params, t.weight_decay), lr=t.lr,
                                            betas=tuple(t.betas), eps=1e-8, fused=self.info.device.type in ("cpu", "cuda"))
-        total, warm, floor = self.total_steps, t.warmup_ratio, t.min_lr_ratio
+        warm, floor = t.warmup_ratio, t.min_lr_ratio
+        # reads total_steps when it runs: a budget's refit (_refit_budget) stretches or shrinks the rest of the schedule
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_factor(s, total, warm, floor))
+            self.optimizer, lambda s: lr_factor(s, self.total_steps, warm, floor))
 
     def _planned_steps(self) -> int:
         t = self.cfg.train
@@ -364,6 +369,25 @@ class Trainer:
             return self.train_cpu_s()
         return time.perf_counter() - self.t_start - self.eval_wall - self.prep_wall
 
+    def _refit_budget(self, deadline: float, start_step: int, start_spent: float) -> None:
+        """Fit the step count to the budget again from the cost the steps of this attempt measured
+        (start_step .. now, on the budget's clock, checkpoints included): the probe's few steps
+        misjudge a recipe whose step cost varies with its batch, and the run then ends its schedule
+        well short of the budget, or is cut off by it mid-schedule. The same 0.95 margin as the
+        probe's plan; rank 0 decides."""
+        done = self.step - start_step
+        spent = self._budget_spent()
+        per_step = (spent - start_spent) / max(done, 1)
+        total = self.step + max(1, int(0.95 * max(deadline - spent, 0.0) / max(per_step, 1e-9)))
+        total = int(dist_util.broadcast_object(total, self.info))
+        if self.info.is_main and total != self.total_steps:
+            print(f"[draftsmith] budget: {per_step:.2f} s/step over {done} steps -> {total} steps "
+                  f"(was {self.total_steps})", file=sys.stderr)
+        self.total_steps, self.refit_step = total, self.step
+        if self.bar is not None:
+            self.bar.total = total
+            self.bar.refresh()
+
     def _probe_seconds_per_step(self) -> float:
         """Time a few real steps (on the budget's clock), then undo them (weights, RNG); the
         optimizer is rebuilt after."""
@@ -408,7 +432,7 @@ class Trainer:
             state = {"step": self.step, "total_steps": self.total_steps, "optimizer": self.optimizer.state_dict(),
                      "scheduler": self.scheduler.state_dict(), "rng": rngs, "world_size": self.info.world_size,
                      "data_position": pos, "cpu_s": round(self.cpu_s(), 3), "eval_cpu_s": round(self.eval_cpu, 3),
-                     "prep_cpu_s": round(self.prep_cpu, 3)}
+                     "prep_cpu_s": round(self.prep_cpu, 3), "refit_step": self.refit_step}
             meta = {"step": self.step, "total_steps": self.total_steps, "epoch": pos["epoch"],
                     "data_position": pos, "loss": last_loss, "world_size": self.info.world_size,
                     "rank_weight_digests": digests,
@@ -444,6 +468,7 @@ class Trainer:
         self.prep_cpu += float(state.get("prep_cpu_s", 0.0))  # the attempts before, with this one's to come
         if self.cfg.train.budget_minutes is not None:
             self.total_steps = int(state["total_steps"])
+        self.refit_step = state.get("refit_step")
         self._make_optimizer()
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -617,6 +642,9 @@ class Trainer:
         saved_at = self.step if self.resume else -1  # a resumed run's start is saved already
         path: Path | None = None
         t_log = time.perf_counter()
+        start_step, start_spent = self.step, self._budget_spent()
+        refit_at = (None if deadline is None or self.refit_step is not None
+                    else max(self.step + PROBE_STEPS, math.ceil(REFIT_FRACTION * self.total_steps)))
         try:
             while self.step < self.total_steps:
                 loss, parts, tokens = self._forward_backward(self.step)
@@ -643,6 +671,9 @@ class Trainer:
                     self.bar.update(1)
                     if last_loss is not None:
                         self.bar.set_postfix(loss=f"{last_loss:.4f}", refresh=False)
+                if refit_at is not None and self.step == refit_at and not last:
+                    self._refit_budget(deadline, start_step, start_spent)
+                    last = self.step >= self.total_steps
                 if deadline is not None and not last:  # rank 0 decides, so every rank stops together
                     stopped = bool(dist_util.broadcast_object(self._budget_spent() > deadline, info))
                 if self.step % t.save_every == 0 or last or stopped:
