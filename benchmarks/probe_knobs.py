@@ -38,7 +38,6 @@ import sections
 from bench_drafters import _acc, _rel, cli, eval_out, train_info, wait_measured
 
 ROOT = Path(__file__).resolve().parents[1]
-BEGIN, END = "<!-- probe_knobs:begin -->", "<!-- probe_knobs:end -->"
 STATS_FILE = "target_stats.safetensors"  # train/trainer.py's STATS_FILE (a test holds them equal; no torch here)
 EVAL_SAMPLES = 24  # held-out conversations scored teacher-forced at each checkpoint
 GAMMA = 7
@@ -117,19 +116,19 @@ def main() -> int:
     prev = w / "results.json"  # a run that resumed earlier stages adds its time to theirs
     before = json.loads(prev.read_text()).get("setup", {}).get("wall_s", 0.0) if prev.is_file() else 0.0
     res["setup"] = {"minutes": args.minutes, "seed": args.seed, "section": args.section, "recipe": RECIPE,
+                    "stats_from": _rel(args.stats_from) if args.stats_from else None,
                     "builtin_overrides": BUILTIN,
                     "cache": _rel(args.cache), "heldout_cache": _rel(args.heldout_cache),
                     "eval_prompts": args.eval_prompts, "eval_tokens": args.eval_tokens, "gamma": GAMMA,
                     "eval_samples": EVAL_SAMPLES, "machine": machine(),
                     "wall_s": round(before + time.perf_counter() - t_all, 1), "loadavg_end": os.getloadavg()}
     (w / "results.json").write_text(json.dumps(res, indent=1))
-    name = f"probe_knobs-{args.section}" if args.section else "probe_knobs"
+    name = section_name(args.section)
     dest = ROOT / "benchmarks" / "results" / f"{name}.json"
     dest.write_text(json.dumps(res, indent=1))
     print(f"wrote {dest}")
     if not args.no_md:
-        begin, end = (f"<!-- {name}:begin -->", f"<!-- {name}:end -->") if args.section else (BEGIN, END)
-        sections.write_section(begin, end, markdown(res))
+        sections.write_section(f"<!-- {name}:begin -->", f"<!-- {name}:end -->", markdown(res))
     return 0
 
 
@@ -146,13 +145,20 @@ def evaluated(out: Path) -> list[str] | None:
     return [d["label"].partition(":")[2] for d in json.loads(f.read_text())["drafters"]]
 
 
+def section_name(section: str) -> str:
+    """The results' name: probe_knobs.json and its BENCHMARKS.md markers, or probe_knobs-SECTION."""
+    return f"probe_knobs-{section}" if section else "probe_knobs"
+
+
 def per_request(rounds: Path) -> dict[str, tuple[int, int]]:
-    """(tokens committed, verification rounds) per request of an eval's rounds file."""
+    """(tokens committed, verification rounds) per prompt of an eval's rounds file: the turns of
+    one conversation (requests ID#0, ID#1, ...: a second turn continues the first) are one
+    prompt, the unit a bootstrap resamples."""
     acc: dict[str, list[int]] = {}
     for line in rounds.read_text().splitlines():
         if line.strip():
             r = json.loads(line)
-            a = acc.setdefault(r["request"], [0, 0])
+            a = acc.setdefault(r["request"].rpartition("#")[0] or r["request"], [0, 0])
             a[0] += int(r["committed"])
             a[1] += 1
     return {k: (c, n) for k, (c, n) in acc.items()}
@@ -185,7 +191,7 @@ def collect(w: Path, names: list[str]) -> dict:
         held = [json.loads(x) for x in (w / n / "heldout.jsonl").read_text().splitlines() if x.strip()]
         d = by_label[n]
         res["variants"][n] = {
-            "change": VARIANTS[n][0], "overrides": VARIANTS[n][1], "steps": t["steps"],
+            "change": VARIANTS[n][0], "overrides": VARIANTS[n][1], "steps": t["info"].get("step", t["steps"]),
             "train_cpu_s": t["info"].get("train_cpu_s"), "process_cpu_s": round(sum(r["cpu_s"] for r in rows), 1),
             "heldout": held, "overall": _acc(d["overall"]), "tasks": {k: _acc(v) for k, v in d["tasks"].items()},
             "tau_vs_base_ci95": ratio_ci(rounds["base"], rounds[n])}
@@ -200,8 +206,9 @@ def markdown(res: dict) -> str:
     s, v = res["setup"], res["variants"]
     seed, section = s.get("seed", 0), s.get("section", "")
     flags = (f" --variants {','.join(v)}" if list(v) != list(VARIANTS) else "") + (f" --seed {seed}" if seed else "") \
-        + (f" --section {section}" if section else "")
-    name = f"probe_knobs-{section}" if section else "probe_knobs"
+        + (f" --section {section}" if section else "") \
+        + (f" --stats-from {s['stats_from']}" if s.get("stats_from") else "")
+    name = section_name(section)
     title = "## Recipe knobs one at a time: τ per training minute (issue 12)" + (f", seed {seed}" if seed else "")
     lines = [title, "",
              f"`benchmarks/probe_knobs.py --cache {s['cache']} --heldout-cache {s['heldout_cache']} "
@@ -232,8 +239,9 @@ def markdown(res: dict) -> str:
     for n, r in v.items():
         ca = ", ".join("–" if x is None else f"{x:.2f}" for x in r["overall"]["conditional_acceptance"])
         lines.append(f"- {n}: {ca}")
-    lines += ["", f"Wall clock of the probe: {s['wall_s'] / 60:.0f} min, summed over its runs; load average at the "
-              "end " + ", ".join(f"{x:.1f}" for x in s["loadavg_end"]) + "."]
+    lines += ["", f"Wall clock of the probe: {s['wall_s'] / 60:.0f} min, summed over its runs that reached the end "
+              "(a killed run's time is not in it); load average at the end of the last "
+              + ", ".join(f"{x:.1f}" for x in s["loadavg_end"]) + "."]
     return "\n".join(lines)
 
 

@@ -289,9 +289,9 @@ def test_probe_knobs_names_the_trainers_stats_file_and_redoes_an_eval_of_other_v
                                                                    {"label": "dspark:anchors64"}]}))
     assert probe_knobs.evaluated(tmp_path) == ["base", "anchors64"]
     assert set(probe_knobs.VARIANTS) >= {"base", "anchors64"} and probe_knobs.VARIANTS["base"][1] == []
-    rounds = tmp_path / "rounds.jsonl"  # two requests: 3 rounds committing 6 tokens, 1 round committing 4
+    rounds = tmp_path / "rounds.jsonl"  # prompt a (two turns): 3 rounds committing 6 tokens; b: 1 round, 4
     rounds.write_text("".join(json.dumps({"request": q, "committed": c}) + "\n"
-                              for q, c in (("a", 1), ("a", 2), ("b", 4), ("a", 3))))
+                              for q, c in (("a#0", 1), ("a#1", 2), ("b#0", 4), ("a#1", 3))))
     base = probe_knobs.per_request(rounds)
     assert base == {"a": (6, 3), "b": (4, 1)}
     assert probe_knobs.ratio_ci(base, base) == (1.0, 1.0, 1.0)

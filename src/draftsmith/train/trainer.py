@@ -672,8 +672,7 @@ class Trainer:
                     if last_loss is not None:
                         self.bar.set_postfix(loss=f"{last_loss:.4f}", refresh=False)
                 if refit_at is not None and self.step == refit_at and not last:
-                    self._refit_budget(deadline, start_step, start_spent)
-                    last = self.step >= self.total_steps
+                    self._refit_budget(deadline, start_step, start_spent)  # (at least one step more)
                 if deadline is not None and not last:  # rank 0 decides, so every rank stops together
                     stopped = bool(dist_util.broadcast_object(self._budget_spent() > deadline, info))
                 if self.step % t.save_every == 0 or last or stopped:
