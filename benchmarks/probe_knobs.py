@@ -240,7 +240,7 @@ def markdown(res: dict) -> str:
         ca = ", ".join("–" if x is None else f"{x:.2f}" for x in r["overall"]["conditional_acceptance"])
         lines.append(f"- {n}: {ca}")
     lines += ["", f"Wall clock of the probe: {s['wall_s'] / 60:.0f} min, summed over its runs that reached the end "
-              "(a killed run's time is not in it); load average at the end of the last "
+              "(a killed run's time is not in it); load average at the end of the last run "
               + ", ".join(f"{x:.1f}" for x in s["loadavg_end"]) + "."]
     return "\n".join(lines)
 
