@@ -296,29 +296,30 @@ class Trainer:
         if fn is None or fn(torch.zeros(0, self.target.model.config.hidden_size, device=self.info.device)) is None:
             return
         t0, c0 = time.perf_counter(), time.process_time()
+        say = (lambda m: print(f"[draftsmith] {m}", file=sys.stderr)) if self.info.is_main else None
         try:
-            self._prepare_target_stats(fn)
+            n = self._prepare_target_stats(fn, say)
         finally:  # data preparation, not training: off the budget (_budget_spent), like held-out evaluation
             self.prep_wall += time.perf_counter() - t0
             self.prep_cpu += time.process_time() - c0
+        if say and n:
+            say(f"target statistics of {n} windows in {time.perf_counter() - t0:.0f} s (the full-vocabulary "
+                "lm_head once per window, not at every step)")
 
-    def _prepare_target_stats(self, fn) -> None:
+    def _prepare_target_stats(self, fn, say) -> int:
+        """The statistics of every training (and held-out) window; the number computed, not read."""
         dev, bf16 = self.info.device.type, self.bf16
 
         def train_stats(h: torch.Tensor):
             with torch.autocast(device_type=dev, dtype=torch.bfloat16, enabled=bf16):
                 return fn(h)
 
-        t0 = time.perf_counter()
-        say = (lambda m: print(f"[draftsmith] {m}", file=sys.stderr)) if self.info.is_main else None
         # kept beside the run for a resume (rank 0 writes it; every rank reads it)
         n = self.data.prepare_stats(train_stats, every=500, log_fn=say, store=self.out / STATS_FILE,
                                     key=self._stats_key(), save=self.info.is_main)
         if self.heldout is not None:
             n += self.heldout.data.prepare_stats(fn, self.heldout.windows)
-        if say and n:
-            say(f"target statistics of {n} windows in {time.perf_counter() - t0:.0f} s (the full-vocabulary "
-                "lm_head once per window, not at every step)")
+        return n
 
     def _stats_key(self) -> str:
         """What the target statistics depend on besides the windows: the target's weights, the
